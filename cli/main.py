@@ -1,0 +1,150 @@
+"""``mlx-tier``: the command line. Parses, builds a config, calls the library, prints."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+app = typer.Typer(
+    help="Run Mixture-of-Experts models larger than memory: experts stream from disk into a bounded cache.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+EXIT_FAILED_DOCS = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def fail(message: str) -> None:
+    """One clear error line and exit code 2."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
+
+
+class RichReporter:
+    """Progress bar: documents done/total, tok/s, cache hit rate, ETA."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[tps]:5.1f} tok/s"),
+            TextColumn("hit rate {task.fields[hit]:5.1%}"),
+            TextColumn("{task.fields[doc]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=err,
+            transient=False,
+        )
+        self.task = None
+
+    def message(self, text: str) -> None:
+        err.print(f"[dim]{text}[/]", highlight=False)
+
+    def start(self, total: int, skipped: int) -> None:
+        if skipped:
+            err.print(f"skipping {skipped} document(s) already done (journal)")
+        self.progress.start()
+        self.task = self.progress.add_task("summarising", total=total, completed=skipped, tps=0.0, hit=0.0, doc="")
+
+    def tokens(self, doc, generated: int, tok_per_s: float) -> None:
+        self.progress.update(self.task, tps=tok_per_s, doc=f"{doc.id} ({generated} tok)")
+
+    def finished(self, result, cache: dict) -> None:
+        self.progress.update(self.task, advance=1, hit=cache["hit_rate"], doc="")
+        if result.status == "failed":
+            self.progress.console.print(f"[red]failed[/] {result.id}: {result.error}", highlight=False)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+
+
+def print_summary(report, out_dir: Path) -> None:
+    table = Table(title="mlx-tier run")
+    for col in ("document", "status", "in tok", "out tok", "seconds"):
+        table.add_column(col, justify="right" if "tok" in col or col == "seconds" else "left")
+    for r in report.results:
+        style = {"failed": "red", "pending": "yellow", "skipped": "dim"}.get(r.status, "")
+        table.add_row(r.id, r.status, str(r.input_tokens), str(r.output_tokens), f"{r.seconds:.1f}", style=style)
+    out.print(table)
+    c = report.cache
+    tps = report.output_tokens / report.generation_seconds if report.generation_seconds else 0.0
+    out.print(
+        f"done {report.count('done')}, skipped {report.count('skipped')}, failed {report.count('failed')}, "
+        f"pending {report.count('pending')} | {tps:.2f} output tok/s | hit rate {c['hit_rate']:.1%} | "
+        f"read {c['bytes_read'] / 2**20:.0f} MiB | report: {out_dir / 'report.json'}",
+        highlight=False,
+    )
+
+
+@app.callback()
+def _root() -> None:
+    """mlx-tier: Mixture-of-Experts models larger than memory, on MLX."""
+
+
+@app.command()
+def run(
+    input: Path = typer.Argument(..., help="Folder of .txt/.md documents (searched recursively) or a JSONL file with id and text per line."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
+    model: Optional[Path] = typer.Option(None, help="mlx-lm MoE checkpoint folder. Default: the built-in SmolLM2 8-expert demo MoE (built on first use)."),
+    cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
+    max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Most tokens generated per summary."),
+    prompt: Optional[str] = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
+) -> None:
+    """Summarise every document in INPUT into OUT_DIR, resumably.
+
+    Rerunning the same command skips finished documents. Ctrl-C stops after the
+    current document; everything finished is kept. Exit codes: 0 all done,
+    1 some documents failed, 2 bad input, 130 interrupted.
+    """
+    from mlx_tier import BudgetError, CheckpointError
+    from mlx_tier.demo_model import DemoModelError
+    from mlx_tier.documents import InputError
+    from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
+
+    if cache_gb is not None and cache_gb <= 0:
+        fail(f"--cache-gb must be positive, got {cache_gb}")
+    reporter = RichReporter()
+    try:
+        config = JobConfig(
+            input=input,
+            out_dir=out_dir,
+            model=model,
+            cache_gb=cache_gb,
+            max_tokens=max_tokens,
+            prompt=read_prompt(prompt) if prompt else DEFAULT_PROMPT,
+        )
+        report = run_job(config, reporter)
+    except (InputError, CheckpointError, BudgetError, DemoModelError) as e:
+        reporter.close()
+        fail(str(e))
+    except KeyboardInterrupt:
+        reporter.close()
+        err.print("interrupted; finished summaries are kept. Run the same command again to resume.")
+        raise typer.Exit(EXIT_INTERRUPTED)
+    print_summary(report, out_dir)
+    if report.interrupted:
+        err.print("stopped after the current document; run the same command again to resume.")
+        raise typer.Exit(EXIT_INTERRUPTED)
+    if report.count("failed"):
+        raise typer.Exit(EXIT_FAILED_DOCS)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

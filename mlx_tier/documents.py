@@ -1,0 +1,133 @@
+"""Job input: documents from a folder (recursive ``.txt``/``.md``) or a JSONL file.
+
+A *document* has an ``id`` (safe as a file name: the summary goes to
+``OUT_DIR/<id>.md``) and either its text or the reason it cannot be read.
+Input-level problems (missing path, nothing to read, malformed JSONL) raise
+:class:`InputError`; a single unreadable document (binary, non-UTF-8, empty)
+is returned with ``error`` set so the rest of the job continues.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+SUFFIXES = (".txt", ".md")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class InputError(ValueError):
+    """The job's input as a whole cannot be used (one clear line; CLI exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a job.
+
+    Attributes:
+        id: unique, file-name safe identifier.
+        source: where it came from (path, or ``FILE:LINE`` for JSONL).
+        text: the document's text, ``None`` when unreadable.
+        error: why it cannot be summarised, ``None`` when readable.
+    """
+
+    id: str
+    source: str
+    text: str | None = None
+    error: str | None = None
+
+
+def safe_id(raw: str) -> str:
+    """A file-name-safe form of ``raw`` (``a/b c.txt`` -> ``a__b_c.txt``)."""
+    s = raw.replace("/", "__").replace("\\", "__")
+    s = _UNSAFE.sub("_", s).strip("._")
+    return s or "doc"
+
+
+def decode_text(data: bytes) -> tuple[str | None, str | None]:
+    """``(text, None)`` for usable UTF-8 text, else ``(None, reason)``."""
+    if b"\x00" in data:
+        return None, "binary file (contains NUL bytes), not text"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text (invalid byte at offset {e.start})"
+    if not text.strip():
+        return None, "empty document"
+    return text, None
+
+
+def _from_folder(root: Path) -> list[Document]:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
+    if not files:
+        raise InputError(f"{root}: no .txt or .md files found")
+    stems = [safe_id(str(p.relative_to(root).with_suffix(""))) for p in files]
+    docs = []
+    for p, stem in zip(files, stems):
+        # Keep the suffix only where two files would share an id (a.txt, a.md).
+        doc_id = stem if stems.count(stem) == 1 else safe_id(str(p.relative_to(root)))
+        try:
+            text, error = decode_text(p.read_bytes())
+        except OSError as e:
+            text, error = None, f"cannot read: {e.strerror}"
+        docs.append(Document(doc_id, str(p), text, error))
+    return docs
+
+
+def _from_jsonl(path: Path) -> list[Document]:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+    docs, seen = [], {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or "text" not in obj or "id" not in obj:
+            raise InputError(f'{path}:{n}: each line needs an object with "id" and "text"')
+        if not isinstance(obj["text"], str):
+            raise InputError(f'{path}:{n}: "text" must be a string')
+        doc_id = safe_id(str(obj["id"]))
+        if doc_id in seen:
+            raise InputError(f"{path}:{n}: duplicate id {obj['id']!r} (first on line {seen[doc_id]})")
+        seen[doc_id] = n
+        text = obj["text"] if obj["text"].strip() else None
+        docs.append(Document(doc_id, f"{path}:{n}", text, None if text else "empty document"))
+    if not docs:
+        raise InputError(f"{path}: no documents (empty JSONL file)")
+    return docs
+
+
+def discover(path: Path) -> list[Document]:
+    """All documents of a job input.
+
+    Args:
+        path: a folder (recursive ``.txt``/``.md``) or a ``.jsonl`` file with
+            one ``{"id": ..., "text": ...}`` object per line.
+
+    Raises:
+        InputError: path missing, nothing to read, malformed/duplicate JSONL line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder")
+    if path.is_dir():
+        return _from_folder(path)
+    if path.suffix.lower() == ".jsonl":
+        return _from_jsonl(path)
+    if path.suffix.lower() in SUFFIXES:
+        text, error = decode_text(path.read_bytes())
+        if error:
+            raise InputError(f"{path}: {error}")
+        return [Document(safe_id(path.stem), str(path), text)]
+    raise InputError(f"{path}: expected a folder of .txt/.md files or a .jsonl file")

@@ -1,0 +1,334 @@
+"""The main job: summarise every document of an input with a tiered model.
+
+Resumable (journal), atomic (outputs appear only complete), interruptible
+(SIGINT/SIGTERM stop after the current document). The CLI is a thin layer
+over :func:`run_job`; progress goes to a :class:`Reporter`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import psutil
+
+from .documents import Document, InputError, discover
+from .journal import Journal, write_atomic
+
+DEFAULT_PROMPT = (
+    "Summarise the following document in three to five sentences. "
+    "Say what it is, its main points, and any conclusion."
+)
+DEFAULT_MAX_TOKENS = 160
+REPORT = "report.json"
+# When the checkpoint states no context length.
+FALLBACK_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What to summarise, where, and with which model.
+
+    Attributes:
+        input: folder (recursive .txt/.md) or JSONL file (``id``, ``text``).
+        out_dir: summaries go to ``out_dir/<id>.md``; journal and report beside them.
+        model: mlx-lm MoE checkpoint directory; ``None``: the built-in demo model.
+        cache_gb: expert cache budget in GiB; ``None``: from free memory.
+        max_tokens: most tokens generated per summary.
+        prompt: the instruction placed before each document.
+    """
+
+    input: Path
+    out_dir: Path
+    model: Path | None = None
+    cache_gb: float | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    prompt: str = DEFAULT_PROMPT
+
+
+@dataclass
+class DocResult:
+    """Outcome of one document (one entry of report.json)."""
+
+    id: str
+    status: str  # done | skipped (done by an earlier run) | failed | pending (not reached)
+    source: str = ""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    output: str | None = None
+
+
+@dataclass
+class JobReport:
+    """Everything report.json holds."""
+
+    results: list[DocResult] = field(default_factory=list)
+    interrupted: bool = False
+    seconds: float = 0.0
+    cache: dict = field(default_factory=dict)
+    setup: dict = field(default_factory=dict)
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.results if r.status == "done")
+
+    @property
+    def generation_seconds(self) -> float:
+        return sum(r.seconds for r in self.results if r.status == "done")
+
+    def as_dict(self) -> dict:
+        totals = {s: self.count(s) for s in ("done", "skipped", "failed", "pending")}
+        totals |= {
+            "documents": len(self.results),
+            "input_tokens": sum(r.input_tokens for r in self.results if r.status == "done"),
+            "output_tokens": self.output_tokens,
+            "seconds": round(self.seconds, 3),
+            "output_tok_per_s": round(self.output_tokens / self.generation_seconds, 3)
+            if self.generation_seconds
+            else 0.0,
+            "interrupted": self.interrupted,
+        }
+        return {
+            "documents": [asdict(r) for r in self.results],
+            "totals": totals,
+            "cache": self.cache,
+            **self.setup,
+        }
+
+
+class Reporter:
+    """Receives progress events; the CLI shows them with Rich. Default: silent."""
+
+    def message(self, text: str) -> None: ...
+    def start(self, total: int, skipped: int) -> None: ...
+    def tokens(self, doc: Document, generated: int, tok_per_s: float) -> None: ...
+    def finished(self, result: DocResult, cache: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM: finish the current document, then stop.
+
+    A second signal restores the default handler, so a third one kills.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handlers, no clean stop
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def prepare_out_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` and check it is writable.
+
+    Raises:
+        InputError: it cannot be created or written.
+    """
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".mlx-tier-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise InputError(f"{out_dir}: output folder not writable ({e.strerror or e})") from None
+
+
+def read_prompt(value: str) -> str:
+    """``--prompt`` value: literal text, or ``@FILE`` to read it from a file.
+
+    Raises:
+        InputError: the file is missing, unreadable or empty.
+    """
+    if not value.startswith("@"):
+        return value
+    path = Path(value[1:])
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read prompt file ({e})") from None
+    if not text:
+        raise InputError(f"{path}: prompt file is empty")
+    return text
+
+
+def context_length(model_dir: Path) -> int:
+    """The checkpoint's context length in tokens, from its config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return FALLBACK_CONTEXT
+
+
+def build_prompt(tokenizer, instruction: str, text: str) -> list[int]:
+    """Token ids of the chat prompt for one document (plain text without a chat template)."""
+    content = f"{instruction}\n\n{text.strip()}"
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        return list(ids)
+    return tokenizer.encode(content + "\n\nSummary:")
+
+
+def summarise(model, tokenizer, prompt: list[int], max_tokens: int, on_token=None) -> tuple[str, int]:
+    """Greedy summary of one prompt with mlx-lm's ``stream_generate``.
+
+    Returns:
+        ``(text, generated_tokens)``.
+    """
+    from mlx_lm import stream_generate
+
+    text, n = [], 0
+    for resp in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        text.append(resp.text)
+        n = resp.generation_tokens
+        if on_token is not None:
+            on_token(n, resp.generation_tps)
+    return "".join(text).strip(), n
+
+
+def machine_info() -> dict:
+    """Machine, backend and library versions for the report."""
+    import mlx_lm
+
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.machine(),
+            "cpu_count": psutil.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 2),
+        },
+        "backend": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+    }
+
+
+def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
+    """Summarise every document of ``config.input`` not already done.
+
+    Raises:
+        InputError: bad input or output folder (nothing is generated).
+        mlx_tier.CheckpointError, mlx_tier.BudgetError: unusable model or budget.
+        KeyboardInterrupt: a second interrupt; finished outputs are kept.
+    """
+    from .demo_model import ensure_demo_model
+    from .tiered import load
+
+    reporter = reporter or Reporter()
+    t_start = time.perf_counter()
+    docs = discover(config.input)
+    prepare_out_dir(config.out_dir)
+    journal = Journal(config.out_dir)
+    records = journal.records()
+
+    model_dir = Path(config.model) if config.model is not None else ensure_demo_model(reporter.message)
+    if not model_dir.exists():
+        raise InputError(f"{model_dir}: model folder not found")
+    reporter.message(f"loading {model_dir}")
+    model, tokenizer = load(model_dir, cache_gb=config.cache_gb)
+    cache = model.expert_cache
+    max_context = context_length(model_dir)
+
+    report = JobReport(
+        setup={
+            **machine_info(),
+            "model": str(model_dir),
+            "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
+            "slots_per_layer": cache.slots_per_layer,
+            "experts_per_layer": cache.num_experts,
+            "max_tokens": config.max_tokens,
+            "prompt": config.prompt,
+        }
+    )
+    results = {d.id: DocResult(d.id, "pending", d.source) for d in docs}
+    report.results = list(results.values())
+
+    todo = []
+    for d in docs:
+        out_path = config.out_dir / f"{d.id}.md"
+        rec = records.get(d.id)
+        if rec and rec.get("status") == "done" and out_path.exists():
+            keep = {k: rec[k] for k in ("input_tokens", "output_tokens", "seconds") if k in rec}
+            results[d.id].__dict__.update(status="skipped", output=out_path.name, **keep)
+        elif out_path.exists():
+            # Complete (written atomically) but unrecorded: a crash after the
+            # rename. Record it; never regenerate a finished output.
+            journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True})
+            results[d.id].__dict__.update(status="skipped", output=out_path.name)
+        else:
+            todo.append(d)
+    reporter.start(total=len(docs), skipped=len(docs) - len(todo))
+
+    with StopFlag() as stop:
+        for d in todo:
+            if stop.signal is not None:
+                report.interrupted = True
+                break
+            res = results[d.id]
+            t0 = time.perf_counter()
+            if d.error is not None:
+                res.status, res.error = "failed", d.error
+            else:
+                prompt = build_prompt(tokenizer, config.prompt, d.text)
+                res.input_tokens = len(prompt)
+                if len(prompt) + config.max_tokens > max_context:
+                    res.status = "failed"
+                    res.error = (
+                        f"document too long: {len(prompt)} prompt tokens + {config.max_tokens} to generate "
+                        f"> the model's context of {max_context} (not truncated; split it)"
+                    )
+                else:
+                    try:
+                        text, n = summarise(
+                            model,
+                            tokenizer,
+                            prompt,
+                            config.max_tokens,
+                            lambda n, tps, d=d: reporter.tokens(d, n, tps),
+                        )
+                        write_atomic(config.out_dir / f"{d.id}.md", text + "\n")
+                        res.status, res.output_tokens, res.output = "done", n, f"{d.id}.md"
+                    except (RuntimeError, ValueError, OSError) as e:  # MLX errors surface as these
+                        res.status, res.error = "failed", f"{type(e).__name__}: {e}"
+            res.seconds = round(time.perf_counter() - t0, 3)
+            journal.append({k: v for k, v in asdict(res).items() if v is not None and k != "source"})
+            reporter.finished(res, cache.stats.as_dict())
+        else:
+            report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
+
+    report.seconds = time.perf_counter() - t_start
+    report.cache = {
+        **cache.stats.as_dict(),
+        "resident_bytes_max": cache.resident_bytes,
+        "budget_bytes": cache.budget_bytes,
+    }
+    write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
+    reporter.close()
+    return report

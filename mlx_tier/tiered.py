@@ -1,0 +1,254 @@
+"""Tiered loading: mlx-lm's own model with every expert block served from the cache.
+
+``load`` builds the model with mlx-lm (lazily, so no expert weight is read),
+replaces each ``SwitchGLU``/``SwitchMLP`` (``mlx_lm.models.switch_layers``) by a
+:class:`TieredExperts` wrapping it, and evaluates only the dense part
+(attention, norms, embeddings, routers, shared experts). Generation, batching
+and prompt caches stay mlx-lm's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import psutil
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import load_model, load_tokenizer
+
+from .cache import CacheStats, ExpertCache, LayerCache, SlabTensor
+from .policy import make_policy
+from .store import CheckpointError, ExpertStore
+
+GIB = 1024**3
+
+# Fraction of available memory (after the dense part is loaded) that the
+# default budget takes: leaves room for the KV cache, activations and the OS.
+DEFAULT_BUDGET_FRACTION = 0.5
+
+EXPERT_BLOCKS = (SwitchGLU, SwitchMLP)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """How a model is tiered.
+
+    Attributes:
+        cache_gb: expert cache budget in GiB (``None``: a default from free memory).
+        slots_per_layer: exact slot count per layer; overrides ``cache_gb``.
+        policy: eviction policy name (:mod:`mlx_tier.policy`).
+        dtype: compute dtype for floating weights. ``None``: float32 on the CPU
+            backend (bf16/fp16 matmuls are 9-40x slower there, DESIGN.md),
+            the checkpoint's own dtype on a GPU.
+        read_threads: size of the cold-tier read pool.
+    """
+
+    cache_gb: float | None = None
+    slots_per_layer: int | None = None
+    policy: str = "lru"
+    dtype: mx.Dtype | None = None
+    read_threads: int = 4
+
+
+class BudgetError(ValueError):
+    """The cache budget cannot hold one expert slot per MoE layer."""
+
+
+class TieredExperts(nn.Module):
+    """Drop-in for an mlx-lm expert block whose experts live in a LayerCache.
+
+    Called like ``SwitchGLU``: ``x`` ``[..., D]`` and router top-k ``indices``
+    ``[..., k]`` (uint32) give ``[..., k, D]``. The router output is evaluated
+    (the host must know which experts to read), expert ids are remapped to
+    slot ids, and the wrapped mlx-lm block runs on the slabs.
+    """
+
+    def __init__(self, inner: nn.Module, cache: LayerCache):
+        super().__init__()
+        self._inner = inner  # leading underscore: hidden from parameters()
+        self._cache = cache
+
+    @property
+    def cache(self) -> LayerCache:
+        return self._cache
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        mx.eval(indices)
+        idx = np.array(indices)  # [..., k] expert ids
+        out = None
+        for slots, mask in self._cache.assign(idx):
+            if mask is None:  # every needed expert resident at once: one pass
+                out = self._inner(x, mx.array(slots))  # [..., k, D]
+                break
+            # More experts needed than slots: this round computes only the
+            # (token, k) pairs whose expert is resident now, one pair per row.
+            k, D = idx.shape[-1], x.shape[-1]
+            if out is None:
+                out = mx.zeros((idx.size, D), dtype=x.dtype)  # [T*k, D]
+            pairs = np.flatnonzero(mask.reshape(-1))  # rows of [T*k]
+            rows = x.reshape(-1, D)[mx.array(pairs // k)]  # [n, D]
+            y = self._inner(rows, mx.array(slots.reshape(-1)[pairs])[:, None])  # [n, 1, D]
+            out[mx.array(pairs)] = y.squeeze(1)
+            mx.eval(out)  # the next round may overwrite the slots y read
+        else:
+            out = out.reshape(*idx.shape, x.shape[-1])
+        self._cache.pending = out
+        return out
+
+
+def find_expert_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(parameter path, block)`` of every mlx-lm expert block, in model order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, EXPERT_BLOCKS)][::-1]
+
+
+def _set_child(model: nn.Module, path: str, new: nn.Module) -> None:
+    *parents, last = path.split(".")
+    node = model
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    node[last] = new
+
+
+def _stacked_tensors(path: str, block: nn.Module, store: ExpertStore, dtype) -> tuple[int, dict]:
+    """The stacked expert tensors of one block, checked against the shard headers."""
+    tensors = {}
+    num_experts = None
+    for sub, leaf in block.named_modules():
+        if leaf is block or leaf.children():
+            continue
+        for attr, arr in leaf.items():
+            if not isinstance(arr, mx.array) or arr.ndim < 2:
+                continue
+            name = f"{path}.{sub}.{attr}"
+            info = store.index.get(name)
+            if info is None:
+                raise CheckpointError(
+                    f"{store.model_dir}: expert tensor {name!r} is not stored stacked [E, ...] "
+                    "(mlx-lm format expected; convert the checkpoint with mlx_lm.convert)"
+                )
+            if tuple(info.shape) != tuple(arr.shape):
+                raise CheckpointError(f"{name}: shape on disk {info.shape} != model {tuple(arr.shape)}")
+            num_experts = num_experts or info.shape[0]
+            slab_dtype = dtype if (dtype is not None and mx.issubdtype(arr.dtype, mx.floating)) else arr.dtype
+            tensors[name] = SlabTensor(leaf, attr, info, slab_dtype)
+    if not tensors:
+        raise CheckpointError(f"{path}: expert block holds no weights")
+    return num_experts, tensors
+
+
+def default_compute_dtype() -> mx.Dtype | None:
+    """float32 on the CPU backend, ``None`` (keep the checkpoint's) elsewhere."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def default_budget_bytes() -> int:
+    """Half of the memory available now (psutil), in bytes."""
+    return int(psutil.virtual_memory().available * DEFAULT_BUDGET_FRACTION)
+
+
+def plan_slots(budget_bytes: int, num_layers: int, slot_nbytes: int, num_experts: int) -> int:
+    """Slots per layer that fit ``budget_bytes``, at most E.
+
+    Raises:
+        BudgetError: the budget holds less than one slot per layer.
+    """
+    per_slot_row = num_layers * slot_nbytes  # one slot in every layer
+    slots = min(num_experts, budget_bytes // per_slot_row)
+    if slots < 1:
+        need = per_slot_row / GIB
+        raise BudgetError(
+            f"cache budget {budget_bytes / GIB:.3f} GiB is too small: one expert slot per "
+            f"MoE layer needs {need:.3f} GiB ({num_layers} layers x {slot_nbytes / 2**20:.2f} MiB)"
+        )
+    return int(slots)
+
+
+def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertCache:
+    """Replace every expert block of an mlx-lm model (built lazily) with a tiered one.
+
+    Evaluates the dense part. Returns the model's ExpertCache, also set as
+    ``model.expert_cache``.
+
+    Raises:
+        CheckpointError: no expert block, or experts not stored stacked.
+        BudgetError: budget below one slot per layer.
+    """
+    blocks = find_expert_blocks(model)
+    if not blocks:
+        raise CheckpointError(
+            f"{model_dir}: not a Mixture-of-Experts checkpoint "
+            f"(model type {getattr(model, 'model_type', '?')!r} has no mlx-lm expert blocks)"
+        )
+    store = ExpertStore(model_dir, threads=config.read_threads)
+    dtype = config.dtype if config.dtype is not None else default_compute_dtype()
+    found = [(path, *_stacked_tensors(path, block, store, dtype)) for path, block in blocks]
+    # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
+    # before touching the parameters, so that only the dense part is read.
+    wrappers = []
+    for path, block in blocks:
+        wrappers.append(TieredExperts(block, None))
+        _set_child(model, path, wrappers[-1])
+    if dtype is not None:
+        model.set_dtype(dtype)  # the dense part; experts are converted as they are read
+    mx.eval(model.parameters())
+
+    slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
+    num_experts = max(n for _, n, _ in found)
+    if config.slots_per_layer is not None:
+        slots = config.slots_per_layer
+        if not 1 <= slots <= num_experts:
+            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
+        budget = slots * slot_nbytes * len(found)
+    else:
+        budget = int(config.cache_gb * GIB) if config.cache_gb is not None else default_budget_bytes()
+        slots = plan_slots(budget, len(found), slot_nbytes, num_experts)
+    stats = CacheStats()
+    layers = []
+    for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
+        layers.append(LayerCache(i, tensors, n, min(slots, n), store, make_policy(config.policy), stats))
+        wrapper._cache = layers[-1]
+    expert_cache = ExpertCache(layers, stats, budget, store)
+    model.expert_cache = expert_cache
+    return expert_cache
+
+
+def load(path, cache_gb: float | None = None, *, config: TierConfig | None = None):
+    """Load an mlx-lm MoE checkpoint with its experts tiered.
+
+    Args:
+        path: checkpoint directory in mlx-lm format (``config.json``, safetensors
+            shards with stacked experts, tokenizer files).
+        cache_gb: expert cache budget in GiB; ``None``: half of the memory
+            available after the dense part is loaded. Overrides ``config.cache_gb``.
+        config: further settings (:class:`TierConfig`).
+
+    Returns:
+        ``(model, tokenizer)`` exactly as ``mlx_lm.load`` returns them, with each
+        expert block replaced by :class:`TieredExperts`; ``model.expert_cache``
+        is the :class:`~mlx_tier.cache.ExpertCache` (counters in ``.stats``).
+
+    Raises:
+        CheckpointError: missing directory/config/shards, or not an MoE checkpoint.
+        BudgetError: budget too small for one expert slot per MoE layer.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint directory)")
+    config = config or TierConfig()
+    if cache_gb is not None:
+        config = TierConfig(**{**config.__dict__, "cache_gb": cache_gb})
+    try:
+        model, model_config = load_model(path, lazy=True)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: cannot build the model with mlx-lm: {e}") from None
+    tier_model(model, path, config)
+    tokenizer = load_tokenizer(path, eos_token_ids=model_config.get("eos_token_id"))
+    return model, tokenizer
+
+
+def cache_stats(model: nn.Module) -> CacheStats:
+    """The live counters of a model returned by :func:`load`."""
+    return model.expert_cache.stats
