@@ -1,0 +1,145 @@
+"""``mlx-tier run`` end to end on tiny checkpoints: outputs, resume, report, and
+bad input -> one clear error line and exit code 2, losing nothing already done.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+from typer.testing import CliRunner
+
+from mlx_tier.cli.main import app
+from mlx_tier.jobs import JobConfig, Reporter, run_job
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def docs(tmp_path):
+    d = tmp_path / "docs"
+    (d / "more").mkdir(parents=True)
+    (d / "one.txt").write_text("The river floods every spring and the farmers plant after it recedes.")
+    (d / "two.md").write_text("# Notes\nThe library opens at nine and closes at five on weekdays.")
+    (d / "more" / "three.txt").write_text("Bees carry pollen between flowers, which helps fruit to form.")
+    return d
+
+
+def run(*args):
+    result = runner.invoke(app, ["run", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def error_lines(output):
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+def test_run_resume_and_report(docs, tmp_path, tiny_moe):
+    out = tmp_path / "out"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--cache-gb", "0.0001", "--max-tokens", "6")
+    assert code == 0, output
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["journal.jsonl", "more__three.md", "one.md", "report.json", "two.md"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["done"] == 3 and report["totals"]["failed"] == 0
+    assert report["slots_per_layer"] < report["experts_per_layer"]  # cache smaller than the experts
+    assert report["cache"]["misses"] > 0 and 0 <= report["cache"]["hit_rate"] <= 1
+    assert report["cache"]["resident_bytes_max"] <= report["cache"]["budget_bytes"]
+    assert {"machine", "backend", "model", "cache_budget_gib"} <= set(report)
+    doc = report["documents"][0]
+    assert doc["input_tokens"] > 10 and 1 <= doc["output_tokens"] <= 6 and doc["seconds"] > 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")}
+
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--cache-gb", "0.0001", "--max-tokens", "6")
+    assert code == 0, output
+    assert "skipping 3 document(s) already done" in output
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")} == before  # never rewritten
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["skipped"] == 3
+
+
+def test_bad_documents_fail_alone(docs, tmp_path, tiny_moe):
+    (docs / "bin.txt").write_bytes(b"\x00\x00\xff")
+    (docs / "long.txt").write_text("word " * 400)
+    out = tmp_path / "out"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4")
+    assert code == 1, output
+    assert not (out / "bin.md").exists() and not (out / "long.md").exists()
+    assert (out / "one.md").exists() and (out / "two.md").exists()
+    report = {d["id"]: d for d in json.loads((out / "report.json").read_text())["documents"]}
+    assert "binary" in report["bin"]["error"]
+    assert "document too long" in report["long"]["error"] and "not truncated" in report["long"]["error"]
+
+
+@pytest.fixture(autouse=True)
+def _short_context(request, monkeypatch):
+    # The tiny checkpoints state no context length; give them a small one so
+    # that "document too long" is reachable with a short file.
+    monkeypatch.setattr("mlx_tier.jobs.FALLBACK_CONTEXT", 256)
+
+
+def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
+    cases = [
+        ((tmp_path / "nope", "--out", tmp_path / "o"), "no such file or folder"),
+        ((tmp_path / "emptydir", "--out", tmp_path / "o"), "no .txt or .md files"),
+        ((docs, "--out", docs / "one.txt" / "sub"), "output folder not writable"),
+        ((docs, "--out", tmp_path / "o", "--model", tmp_path / "no-model"), "model folder not found"),
+        ((docs, "--out", tmp_path / "o", "--model", tmp_path / "emptydir"), "no config.json"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_dense), "not a Mixture-of-Experts checkpoint"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "1e-7"), "too small"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "-1"), "must be positive"),
+        ((docs, "--out", tmp_path / "o", "--prompt", "@" + str(tmp_path / "none.txt")), "cannot read prompt file"),
+    ]
+    (tmp_path / "emptydir").mkdir()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "text": "fine"}\n{oops}\n')
+    cases.append(((bad, "--out", tmp_path / "o", "--model", tiny_moe), "bad.jsonl:2: malformed JSON"))
+    for args, message in cases:
+        code, output = run(*args)
+        assert code == 2, (args, output)
+        lines = error_lines(output)
+        assert len(lines) == 1 and message in lines[0], (args, output)
+
+
+def test_prompt_from_file_and_jsonl(tmp_path, tiny_moe):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "q1", "text": "Cats sleep a lot."}) + "\n")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("List the nouns.")
+    out = tmp_path / "out"
+    code, output = run(inp, "--out", out, "--model", tiny_moe, "--prompt", f"@{prompt}", "--max-tokens", "3")
+    assert code == 0, output
+    assert json.loads((out / "report.json").read_text())["prompt"] == "List the nouns."
+    assert (out / "q1.md").exists()
+
+
+class InterruptAfterFirst(Reporter):
+    """Sends this process SIGINT when the first document finishes, as Ctrl-C would."""
+
+    def finished(self, result, cache):
+        if not getattr(self, "sent", False):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_stops_after_current_document_and_resume_finishes(docs, tmp_path, tiny_moe):
+    out = tmp_path / "out"
+    config = JobConfig(input=docs, out_dir=out, model=tiny_moe, max_tokens=4)
+    report = run_job(config, InterruptAfterFirst())
+    assert report.interrupted
+    assert [r.status for r in report.results].count("done") == 1
+    assert [r.status for r in report.results].count("pending") == 2
+    assert len(list(out.glob("*.md"))) == 1
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    report = run_job(config)
+    assert not report.interrupted
+    assert sorted(r.status for r in report.results) == ["done", "done", "skipped"]
+
+
+def test_crash_after_output_before_journal_is_recovered(docs, tmp_path, tiny_moe):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "one.md").write_text("finished before the crash\n")
+    report = run_job(JobConfig(input=docs, out_dir=out, model=tiny_moe, max_tokens=3))
+    assert (out / "one.md").read_text() == "finished before the crash\n"
+    assert {r.id: r.status for r in report.results}["one"] == "skipped"

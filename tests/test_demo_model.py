@@ -1,0 +1,84 @@
+"""The built-in demo: SmolLM2-135M's real weights as an 8-expert top-2 MoE.
+
+Guards: plain mlx-lm loads it and answers coherently; its experts differ (a
+wrong expert changes the logits); the tiered model at 2 slots/layer produces
+the same greedy tokens as plain mlx-lm; `mlx-tier run` summarises with it
+under a cache smaller than its experts. Slow: builds the model once (~20 s).
+"""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import generate, load as mlx_load
+from typer.testing import CliRunner
+
+import mlx_tier
+from mlx_tier import TierConfig
+from mlx_tier.cli.main import app
+from mlx_tier.demo_model import NUM_EXPERTS, TOP_K
+
+pytestmark = pytest.mark.slow
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def plain(demo_model):
+    model, tokenizer = mlx_load(str(demo_model))
+    model.set_dtype(mx.float32)  # the tiered model's compute dtype on CPU
+    return model, tokenizer
+
+
+def test_checkpoint_layout(demo_model):
+    config = json.loads((demo_model / "config.json").read_text())
+    assert config["model_type"] == "mixtral"
+    assert config["num_local_experts"] == NUM_EXPERTS >= 8 and config["num_experts_per_tok"] == TOP_K == 2
+    assert (demo_model / "tokenizer.json").exists() and (demo_model / "chat_template.jinja").exists()
+    assert not [p for p in demo_model.parent.iterdir() if p.name.startswith(".")]  # no half-built dirs
+
+
+def test_plain_mlx_lm_answers_coherently(plain):
+    model, tokenizer = plain
+    answer = generate(model, tokenizer, chat(tokenizer, QUESTION), max_tokens=20, verbose=False)
+    assert "Paris" in answer
+
+
+def test_experts_differ(plain):
+    model, tokenizer = plain
+    x = mx.array(chat(tokenizer, QUESTION))[None]
+    before = model(x)
+    proj = model.layers[3].block_sparse_moe.switch_mlp.up_proj
+    w = proj.weight
+    proj.weight = mx.concatenate([w[1:2], w[0:1], w[2:]])  # swap experts 0 and 1 in one layer
+    after = model(x)
+    proj.weight = w
+    assert mx.abs(before - after).max().item() > 1e-2
+
+
+def test_tiered_two_slots_equals_plain(plain, demo_model):
+    model, tokenizer = plain
+    prompt = chat(tokenizer, "Name three colours of the rainbow.")
+    ref = generate(model, tokenizer, prompt, max_tokens=16, verbose=False)
+    tiered, tok = mlx_tier.load(demo_model, config=TierConfig(slots_per_layer=2))
+    assert generate(tiered, tok, prompt, max_tokens=16, verbose=False) == ref
+    assert tiered.expert_cache.stats.evictions > 0
+
+
+def test_run_with_demo_model_and_small_cache(tmp_path, demo_model):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "bees.txt").write_text(
+        "Honey bees live in colonies with one queen, thousands of female workers and a few male drones. "
+        "Workers collect nectar and pollen, and in doing so they pollinate many crops."
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["run", str(docs), "--out", str(out), "--cache-gb", "0.1", "--max-tokens", "24"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["slots_per_layer"] < report["experts_per_layer"]
+    summary = (out / "bees.md").read_text()
+    assert len(summary.split()) >= 5
