@@ -122,9 +122,10 @@ class StopFlag:
     A second signal restores the default handler, so a third one kills.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_first=lambda: None) -> None:
         self.signal: int | None = None
         self._old: dict = {}
+        self._on_first = on_first
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -139,6 +140,7 @@ class StopFlag:
             signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
             raise KeyboardInterrupt
         self.signal = signum
+        self._on_first()
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -286,7 +288,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             todo.append(d)
     reporter.start(total=len(docs), skipped=len(docs) - len(todo))
 
-    with StopFlag() as stop:
+    notice = "stopping after the current document (interrupt again to abort it now)"
+    with StopFlag(lambda: reporter.message(notice)) as stop:
         for d in todo:
             if stop.signal is not None:
                 report.interrupted = True
