@@ -31,6 +31,7 @@ PROMPT = "The history of the city of Paris begins"
 
 
 def measure(model, tokenizer, prompt, max_tokens, stats=None):
+    # `stats`: the model's ExpertCache, or None for plain mlx-lm.
     """One greedy generation: TTFT (s), TPOT (s), tokens, and cache deltas in decode."""
     t0 = time.perf_counter()
     first = None
@@ -40,11 +41,11 @@ def measure(model, tokenizer, prompt, max_tokens, stats=None):
         n = resp.generation_tokens
         if first is None:
             first = time.perf_counter()
-            s_first = stats.as_dict() if stats is not None else None
+            s_first = stats.stats.as_dict() if stats is not None else None
     end = time.perf_counter()
     out = {"ttft": first - t0, "tpot": (end - first) / max(n - 1, 1), "tokens": n, "total": end - t0}
     if stats is not None:
-        s_end = stats.as_dict()
+        s_end = stats.stats.as_dict()
         d = {k: s_end[k] - s_first[k] for k in ("hits", "misses", "bytes_read", "read_seconds")}
         out["hit_rate"] = d["hits"] / max(d["hits"] + d["misses"], 1)
         out["bytes_per_token"] = d["bytes_read"] / max(n - 1, 1)
@@ -68,7 +69,7 @@ def main() -> None:
     E = cfg["num_local_experts"]
     for slots in (E, args.slots):
         m, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots))
-        engines[f"mlx-tier {slots}/{E} slots"] = (m, m.expert_cache.stats)
+        engines[f"mlx-tier {slots}/{E} slots"] = (m, m.expert_cache)
     prompt = tokenizer.encode(PROMPT)
 
     for name, (m, stats) in engines.items():  # warm-up: compile, fill caches

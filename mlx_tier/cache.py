@@ -119,6 +119,11 @@ class LayerCache:
         self.slot_of = np.full(num_experts, -1, dtype=np.int64)  # expert -> slot
         self.free = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self.pending: mx.array | None = None  # last output that read the slabs
+        # Once every expert is resident nothing can miss: the expert -> slot
+        # remap then runs lazily on the device (no host sync per layer), and
+        # the router outputs are kept to count hits later, off the hot path.
+        self.lut: mx.array | None = None  # [E] uint32 slot of each expert
+        self._uncounted: list[mx.array] = []
         for t in tensors.values():
             # Lazy zeros: memory is taken at the first write, not at load.
             setattr(t.module, t.attr, mx.zeros((num_slots, *t.info.shape[1:]), dtype=t.dtype))
@@ -134,6 +139,21 @@ class LayerCache:
 
     def resident_experts(self) -> list[int]:
         return [int(e) for e in np.flatnonzero(self.slot_of >= 0)]
+
+    def all_resident(self) -> bool:
+        return self.lut is not None
+
+    def defer_count(self, indices: mx.array) -> None:
+        """Remember a fully-resident call's router output; counted in :meth:`count_deferred`."""
+        self._uncounted.append(indices)
+        if len(self._uncounted) >= 256:
+            self.count_deferred()
+
+    def count_deferred(self) -> None:
+        """Count the hits of remembered fully-resident calls (may evaluate them)."""
+        for a in self._uncounted:
+            self.stats.hits += len(np.unique(np.array(a)))
+        self._uncounted.clear()
 
     def settle(self) -> None:
         """Evaluate the last computation that read the slabs (see module doc)."""
@@ -166,6 +186,8 @@ class LayerCache:
             self.policy.insert(e)
             slots.append(s)
         self.stats.misses += len(missing)
+        if not self.free and self.num_slots == self.num_experts:
+            self.lut = mx.array(self.slot_of.astype(np.uint32))
         before_b, before_t = self.store.stats.bytes_read, self.store.stats.read_seconds
         raw = self.store.read_experts(list(self.tensors), missing)
         self.stats.bytes_read += self.store.stats.bytes_read - before_b
@@ -218,10 +240,17 @@ class ExpertCache:
 
     def __init__(self, layers: list[LayerCache], stats: CacheStats, budget_bytes: int, store: ExpertStore):
         self.layers = layers
-        self.stats = stats
+        self._stats = stats
         self.budget_bytes = budget_bytes
         self.store = store
         assert self.resident_bytes <= budget_bytes, "slab sizing exceeded the budget"
+
+    @property
+    def stats(self) -> CacheStats:
+        """The shared counters, with every deferred hit counted."""
+        for layer in self.layers:
+            layer.count_deferred()
+        return self._stats
 
     @property
     def slots_per_layer(self) -> int:
@@ -237,5 +266,6 @@ class ExpertCache:
         return sum(layer.resident_bytes for layer in self.layers)
 
     def reset_stats(self) -> None:
+        stats = self.stats
         for k, v in asdict(CacheStats()).items():
-            setattr(self.stats, k, v)
+            setattr(stats, k, v)

@@ -76,6 +76,9 @@ class TieredExperts(nn.Module):
         return self._cache
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self._cache.all_resident():  # no miss possible: stay lazy, no host sync
+            self._cache.defer_count(indices)
+            return self._inner(x, self._cache.lut[indices])
         mx.eval(indices)
         idx = np.array(indices)  # [..., k] expert ids
         out = None

@@ -47,6 +47,11 @@ def test_greedy_tokens_equal_mlx_lm(checkpoint, slots):
     assert stats.misses > 0 and stats.bytes_read > 0
     if slots < 8:
         assert stats.evictions > 0  # the small caches really were exercised
+    else:  # every expert resident: the remap ran lazily and hits were still counted
+        assert any(layer.all_resident() for layer in model.expert_cache.layers)
+        hits, misses = stats.hits, stats.misses
+        greedy(model, tokenizer, LONG, n=3)
+        assert model.expert_cache.stats.hits > hits and model.expert_cache.stats.misses >= misses
     for layer in model.expert_cache.layers:
         assert len(layer.resident_experts()) <= slots
 
