@@ -26,6 +26,7 @@ from mlx_lm import load as mlx_load, stream_generate
 import mlx_tier
 from mlx_tier import TierConfig
 from mlx_tier.demo_model import ensure_demo_model
+from mlx_tier.jobs import backend_name
 
 PROMPT = "The history of the city of Paris begins"
 
@@ -83,7 +84,7 @@ def main() -> None:
     tiny = next(iter(engines.values()))
     print("caliber:")
     print(f"  machine: {platform.machine()} {platform.system()}, {psutil.cpu_count()} cores, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; backend {mx.default_device()}; mlx {mx.__version__}")
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; backend {backend_name()}; mlx {mx.__version__}")
     print(f"  model: {path.name}, checkpoint {ckpt_bytes / 2**20:.0f} MiB on disk (fits in memory: "
           f"this measures tiering overhead, not a model larger than memory)")
     for name, (m, stats) in engines.items():

@@ -215,6 +215,15 @@ def summarise(model, tokenizer, prompt: list[int], max_tokens: int, on_token=Non
     return "".join(text).strip(), n
 
 
+def backend_name() -> str:
+    """``"metal"``, ``"cuda"`` or ``"cpu"``: where MLX runs by default."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "gpu"
+
+
 def machine_info() -> dict:
     """Machine, backend and library versions for the report."""
     import mlx_lm
@@ -226,7 +235,7 @@ def machine_info() -> dict:
             "cpu_count": psutil.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 2),
         },
-        "backend": str(mx.default_device()),
+        "backend": backend_name(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
     }
