@@ -1,0 +1,117 @@
+"""Every mlx-lm MoE architecture runs tiered and exact.
+
+For each model type: a tiny random checkpoint made with mlx-lm's own
+``ModelArgs``/``Model``, saved in mlx-lm format; greedy tokens of the tiered
+model equal plain mlx-lm's for cache sizes 1, top-k and E slots per layer,
+with the experts quantised (4-bit affine) and not.
+"""
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.generate import batch_generate, generate_step
+from mlx_lm.models.switch_layers import SwitchLinear
+from mlx_lm.utils import load_model
+
+import mlx_tier
+from arch_configs import BASE, CONFIGS, E, K
+from conftest import write_checkpoint
+from mlx_tier import TierConfig
+
+PROMPTS = [[1, 5, 9, 17, 33, 2, 7], list(range(3, 120, 3))]  # short; long enough for the sorted path
+
+
+def greedy_ids(model, prompt, n=8):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def arch(request, tmp_path_factory, tokenizer_dir):
+    name = request.param
+    config = {**BASE, "model_type": name, **CONFIGS[name]}
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    paths = {}
+    root = tmp_path_factory.mktemp(name)
+    paths["fp32"] = write_checkpoint(root / "fp32", model, config, tokenizer_dir)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    paths["q4"] = write_checkpoint(root / "q4", model, {**config, "quantization": {"group_size": 32, "bits": 4}}, tokenizer_dir)
+    refs = {}
+    for kind, path in paths.items():
+        ref, _ = load_model(path)
+        refs[kind] = [greedy_ids(ref, p) for p in PROMPTS]
+    return name, paths, refs
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q4"])
+@pytest.mark.parametrize("slots", [1, K, E])
+def test_tiered_equals_mlx_lm(arch, kind, slots):
+    name, paths, refs = arch
+    model, _ = mlx_tier.load(paths[kind], config=TierConfig(slots_per_layer=slots))
+    assert [greedy_ids(model, p) for p in PROMPTS] == refs[kind], f"{name} {kind} slots={slots}"
+    assert model.expert_cache.stats.misses > 0
+
+
+def test_wrong_expert_changes_logits(arch):
+    """The matrix can fail: serving another expert's weights changes the output."""
+    name, paths, _ = arch
+    model, _ = mlx_tier.load(paths["fp32"], config=TierConfig(slots_per_layer=E))
+    x = mx.array(PROMPTS[1])[None]
+    good = model(x)
+    for layer in model.expert_cache.layers:  # each slot now holds another expert's weights
+        for t in layer.tensors.values():
+            setattr(t.module, t.attr, mx.roll(t.module[t.attr], 1, axis=0))
+    assert not mx.allclose(good, model(x), atol=1e-5).item(), name
+
+
+def until_eos(ids, eos):
+    out = []
+    for t in ids:
+        if t in eos:
+            break
+        out.append(t)
+    return out
+
+
+def test_batch_of_two_equals_each_alone(arch):
+    name, paths, _ = arch
+    model, tokenizer = mlx_tier.load(paths["q4"], config=TierConfig(slots_per_layer=K))
+    alone = [until_eos(greedy_ids(model, p), set(tokenizer.eos_token_ids)) for p in PROMPTS]
+    batch = batch_generate(model, tokenizer, PROMPTS, max_tokens=8, return_token_ids=True)
+    assert batch.token_ids == alone, name
+
+
+QUANT_MODES = [
+    *[dict(mode="affine", bits=b, group_size=32) for b in (2, 3, 4, 5, 6, 8)],
+    dict(mode="mxfp4", bits=4, group_size=32),
+    dict(dtype="float16"),
+    dict(dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("quant", QUANT_MODES, ids=lambda q: q.get("dtype") or f"{q['mode']}{q['bits']}")
+def test_expert_formats(name, quant, tmp_path, tokenizer_dir):
+    """Every expert format mlx-lm writes: affine 2-8 bits, mxfp4, unquantised fp16/bf16.
+
+    The reference runs in the tiered model's compute dtype (float32 on CPU).
+    """
+    config = {**BASE, "model_type": name, **CONFIGS[name]}
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(4)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if "dtype" in quant:
+        model.set_dtype(getattr(mx, quant["dtype"]))
+    else:
+        nn.quantize(model, **quant, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+        config["quantization"] = dict(quant)
+    path = write_checkpoint(tmp_path / "ckpt", model, config, tokenizer_dir)
+    ref, _ = load_model(path)
+    ref.set_dtype(mx.float32)
+    want = [greedy_ids(ref, p) for p in PROMPTS]
+    for slots in (1, E):
+        tiered, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots))
+        assert [greedy_ids(tiered, p) for p in PROMPTS] == want, (name, quant, slots)
