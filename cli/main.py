@@ -142,6 +142,54 @@ def run(
         raise typer.Exit(EXIT_FAILED_DOCS)
 
 
+@app.command()
+def plan(
+    model: Path = typer.Argument(..., help="mlx-lm MoE checkpoint folder."),
+    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="Plan for this much memory (GiB) instead of this machine's."),
+    context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
+    disk_gbps: Optional[float] = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
+    compute_gbps: Optional[float] = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
+) -> None:
+    """Capacity worksheet for MODEL from its config and shard headers (no weights loaded)."""
+    import json
+
+    from mlx_tier import CheckpointError
+    from mlx_tier.plan import make_plan
+
+    if memory_gb is not None and memory_gb <= 0:
+        fail(f"--memory-gb must be positive, got {memory_gb}")
+    try:
+        p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps, compute_gbps=compute_gbps)
+    except CheckpointError as e:
+        fail(str(e))
+    if as_json:
+        out.print_json(json.dumps(p.as_dict()))
+        return
+    mib, gib = 2**20, 2**30
+    t = Table(title=f"mlx-tier plan: {p.model}", show_header=False)
+    rows = [
+        ("model type", p.model_type),
+        ("MoE layers x experts, top-k", f"{p.moe_layers} x {p.experts_per_layer}, top-{p.top_k}"),
+        ("total parameters", f"{p.total_params / 1e9:.3f} B"),
+        ("active parameters per token", f"{p.active_params / 1e9:.3f} B"),
+        ("dense part (always resident)", f"{p.dense_bytes / gib:.3f} GiB"),
+        (f"KV cache at {p.context_tokens} tokens (estimate)", f"{p.kv_bytes / gib:.3f} GiB"),
+        ("one expert: disk / resident", f"{p.expert_bytes_disk / mib:.2f} / {p.expert_bytes_resident / mib:.2f} MiB"),
+        ("one layer's experts (disk)", f"{p.layer_bytes_disk / gib:.3f} GiB"),
+        ("experts per GiB of cache", f"{p.experts_per_gb:.0f}"),
+        ("memory: total / available", f"{p.memory_total / gib:.1f} / {p.memory_available / gib:.1f} GiB"),
+        ("cache budget mlx-tier would choose", f"{p.cache_budget / gib:.2f} GiB = {p.slots_per_layer} of {p.experts_per_layer} slots per layer"),
+        ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({'measured, random 4 MiB reads' if p.disk_measured else 'given'})"),
+        ("expert compute", f"{p.compute_gbps:.2f} GB/s of weights"),
+        ("predicted decode", f"{p.tok_s_low:.2f}-{p.tok_s_high:.2f} tok/s (hit rate {p.hit_rate_low:.0%}-{p.hit_rate_high:.0%})"
+         if p.slots_per_layer else "does not fit: the budget holds less than one expert slot per layer"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,258 @@
+"""Capacity worksheet for a checkpoint, from its config and safetensors headers.
+
+No weight is read: the model is built lazily with mlx-lm only to locate its
+expert blocks, and sizes come from the shard headers. The decode-speed range
+uses the bandwidth model of DESIGN.md:
+
+    tok/s = 1 / (bytes_missed_per_token / disk_bw + bytes_active_per_token / compute_bw)
+
+with bytes_missed_per_token = (1 - hit_rate) x top_k x MoE layers x bytes per
+expert, over a range of hit rates: uniform random routing (hit = S / E, the
+floor for an LRU cache of S slots) up to strong locality (hit = 0.98, the
+published 97.8-99.7%; or S / E when higher).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import psutil
+
+from .store import CheckpointError, index_checkpoint
+from .tiered import DEFAULT_BUDGET_FRACTION, GIB, default_compute_dtype, find_expert_blocks
+
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_activated_experts", "n_activated_experts")
+LOCALITY_HIT_RATE = 0.98
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The worksheet (all sizes in bytes, parameters as counts)."""
+
+    model: str
+    model_type: str
+    moe_layers: int
+    experts_per_layer: int
+    top_k: int
+    total_params: int
+    active_params: int  # per token: dense + top_k experts per MoE layer
+    dense_params: int
+    expert_params: int  # one expert of one layer
+    dense_bytes: int  # on disk
+    expert_bytes_disk: int  # one expert of one layer
+    expert_bytes_resident: int  # in the compute dtype (float32 scales on CPU)
+    layer_bytes_disk: int  # all experts of one layer
+    experts_per_gb: float  # resident experts per GiB of cache
+    context_tokens: int
+    kv_bytes: int  # estimate for context_tokens, standard attention (upper bound)
+    memory_total: int
+    memory_available: int
+    cache_budget: int  # what mlx-tier would choose now
+    slots_per_layer: int
+    disk_gbps: float
+    disk_measured: bool
+    compute_gbps: float
+    tok_s_low: float  # hit rate = S / E
+    tok_s_high: float  # hit rate = max(0.98, S / E)
+    hit_rate_low: float
+    hit_rate_high: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _params(index: dict, name: str, group_size: int | None) -> int:
+    """Logical parameter count of a tensor; quantised weights are unpacked via their scales."""
+    info = index[name]
+    base = name.rsplit(".", 1)[0]
+    scales = index.get(f"{base}.scales")
+    if name.endswith(".weight") and scales is not None and info.dtype == "U32":
+        in_features = scales.shape[-1] * (group_size or 64)
+        return int(np.prod(info.shape[:-1])) * in_features
+    return int(np.prod(info.shape))
+
+
+def _group_size(config: dict, tensor: str, default: int | None) -> int | None:
+    q = config.get("quantization") or {}
+    layer = q.get(tensor.rsplit(".", 1)[0])
+    if isinstance(layer, dict) and "group_size" in layer:
+        return layer["group_size"]
+    if q.get("mode") in ("mxfp4", "mxfp8"):
+        return 32
+    if q.get("mode") == "nvfp4":
+        return 16
+    return default
+
+
+def measure_disk_gbps(files: list[Path], total_mb: int = 64, chunk_mb: int = 4) -> float:
+    """Random positioned reads of ``chunk_mb`` MiB from the shards, in GB/s.
+
+    On Linux the pages are dropped from the page cache first
+    (``posix_fadvise(DONTNEED)``) so the figure is the disk's, not memory's.
+    """
+    chunk = chunk_mb * 2**20
+    files = [f for f in files if f.stat().st_size >= chunk]
+    if not files:
+        return 0.0
+    rng = random.Random(0)
+    buf = bytearray(chunk)
+    done, t = 0, 0.0
+    while done < total_mb * 2**20:
+        f = rng.choice(files)
+        size = f.stat().st_size
+        off = rng.randrange(0, size - chunk + 1) // 4096 * 4096
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, off, chunk, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            n = os.preadv(fd, [buf], off)
+            t += time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        done += n
+    return done / t / 1e9 if t else 0.0
+
+
+def measure_compute_gbps(out_dim: int = 1536, in_dim: int = 1024, bits: int = 4, reps: int = 20) -> float:
+    """Weights streamed per second by a 4-bit matvec on the default device, in GB/s."""
+    w = mx.random.normal((out_dim, in_dim))
+    qw, s, b = mx.quantize(w, group_size=32, bits=bits)
+    x = mx.random.normal((1, in_dim))
+    mx.eval(qw, s, b, x)
+    mx.eval(mx.quantized_matmul(x, qw, s, b, group_size=32, bits=bits))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(mx.quantized_matmul(x, qw, s, b, group_size=32, bits=bits))
+    dt = (time.perf_counter() - t0) / reps
+    return (qw.nbytes + s.nbytes + b.nbytes) / dt / 1e9
+
+
+def predicted_tok_s(hit_rate: float, missed_bytes_at_zero: float, active_bytes: float, disk_gbps: float, compute_gbps: float) -> float:
+    """The DESIGN.md roofline for one hit rate (bytes per token, GB/s)."""
+    t = (1 - hit_rate) * missed_bytes_at_zero / (disk_gbps * 1e9) + active_bytes / (compute_gbps * 1e9)
+    return 1 / t if t > 0 else float("inf")
+
+
+def make_plan(
+    model_dir: Path,
+    memory_gb: float | None = None,
+    context_tokens: int = 8192,
+    disk_gbps: float | None = None,
+    compute_gbps: float | None = None,
+) -> Plan:
+    """Capacity worksheet for ``model_dir`` (no weights loaded).
+
+    Args:
+        memory_gb: memory to plan for (default: this machine's total).
+        context_tokens: context length for the KV cache estimate.
+        disk_gbps / compute_gbps: bandwidths; measured briefly when ``None``.
+
+    Raises:
+        CheckpointError: not an mlx-lm MoE checkpoint.
+    """
+    from mlx_lm.utils import load_model
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(f"{model_dir}: no config.json (not an mlx-lm checkpoint directory)")
+    config = json.loads((model_dir / "config.json").read_text())
+    index = index_checkpoint(model_dir)
+    try:
+        model, config = load_model(model_dir, lazy=True)  # builds the graph; reads no weight
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{model_dir}: cannot build the model with mlx-lm: {e}") from None
+    blocks = find_expert_blocks(model)
+    if not blocks:
+        raise CheckpointError(f"{model_dir}: not a Mixture-of-Experts checkpoint")
+    prefixes = tuple(path + "." for path, _ in blocks)
+    default_gs = (config.get("quantization") or {}).get("group_size")
+    expert_names = [n for n in index if n.startswith(prefixes)]
+    num_experts = index[expert_names[0]].shape[0]
+    top_k = next((config[k] for k in TOP_K_KEYS if isinstance(config.get(k), int)), None)
+    if top_k is None:
+        raise CheckpointError(f"{model_dir}: config states no experts-per-token ({', '.join(TOP_K_KEYS)})")
+
+    params = {n: _params(index, n, _group_size(config, n, default_gs)) for n in index}
+    is_param = {n: not n.endswith((".scales", ".biases")) for n in index}
+    expert_params_all = sum(p for n, p in params.items() if n.startswith(prefixes) and is_param[n])
+    total = sum(p for n, p in params.items() if is_param[n])
+    dense_params = total - expert_params_all
+    L = len(blocks)
+    expert_params = expert_params_all // (L * num_experts)
+    active = dense_params + L * top_k * expert_params
+
+    expert_disk_all = sum(index[n].nbytes for n in expert_names)
+    dense_bytes = sum(i.nbytes for n, i in index.items() if n not in set(expert_names))
+    expert_bytes_disk = expert_disk_all // (L * num_experts)
+    dtype = default_compute_dtype()
+    resident_all = 0
+    for n in expert_names:
+        info = index[n]
+        floating = info.dtype in ("F16", "BF16", "F32", "F64")
+        itemsize = dtype.size if (dtype is not None and floating) else info.np_dtype.itemsize
+        resident_all += int(np.prod(info.shape)) * itemsize
+    expert_bytes_resident = resident_all // (L * num_experts)
+
+    n_layers = config.get("num_hidden_layers") or L
+    heads = config.get("num_attention_heads") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
+    kv_itemsize = 4 if dtype == mx.float32 else 2
+    kv_bytes = 2 * n_layers * kv_heads * head_dim * kv_itemsize * context_tokens
+
+    vm = psutil.virtual_memory()
+    memory_total = int(memory_gb * GIB) if memory_gb is not None else vm.total
+    memory_available = int(memory_gb * GIB) if memory_gb is not None else vm.available
+    budget = max(0, int((memory_available - dense_bytes - kv_bytes) * DEFAULT_BUDGET_FRACTION))
+    slots = min(num_experts, budget // (L * expert_bytes_resident)) if expert_bytes_resident else 0
+
+    disk_measured = disk_gbps is None
+    if disk_gbps is None:
+        disk_gbps = measure_disk_gbps(sorted(model_dir.glob("*.safetensors")))
+    if compute_gbps is None:
+        compute_gbps = measure_compute_gbps()
+    miss_bytes_at_zero = L * top_k * expert_bytes_disk
+    active_bytes = dense_bytes + L * top_k * expert_bytes_disk
+    hit_low = slots / num_experts
+    hit_high = max(LOCALITY_HIT_RATE, hit_low) if slots else 0.0
+    runnable = slots >= 1 and disk_gbps > 0 and compute_gbps > 0  # else below one slot per layer
+    low = predicted_tok_s(hit_low, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
+    high = predicted_tok_s(hit_high, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
+
+    return Plan(
+        model=str(model_dir),
+        model_type=config.get("model_type", "?"),
+        moe_layers=L,
+        experts_per_layer=num_experts,
+        top_k=top_k,
+        total_params=total,
+        active_params=active,
+        dense_params=dense_params,
+        expert_params=expert_params,
+        dense_bytes=dense_bytes,
+        expert_bytes_disk=expert_bytes_disk,
+        expert_bytes_resident=expert_bytes_resident,
+        layer_bytes_disk=expert_bytes_disk * num_experts,
+        experts_per_gb=GIB / expert_bytes_resident if expert_bytes_resident else 0.0,
+        context_tokens=context_tokens,
+        kv_bytes=kv_bytes,
+        memory_total=memory_total,
+        memory_available=memory_available,
+        cache_budget=budget,
+        slots_per_layer=int(slots),
+        disk_gbps=round(disk_gbps, 3),
+        disk_measured=disk_measured,
+        compute_gbps=round(compute_gbps, 3),
+        tok_s_low=round(low, 3),
+        tok_s_high=round(high, 3),
+        hit_rate_low=round(hit_low, 4),
+        hit_rate_high=round(hit_high, 4),
+    )
