@@ -190,6 +190,42 @@ def plan(
     out.print(t)
 
 
+@app.command()
+def convert(
+    hf_dir: Path = typer.Argument(..., help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer)."),
+    out_dir: Path = typer.Argument(..., help="New folder for the mlx-lm checkpoint (must not exist)."),
+    bits: int = typer.Option(4, "--bits", help="Bits of the routed experts: 2, 3, 4, 5, 6 or 8."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantisation group size (default: 64 affine, 32 mxfp4)."),
+    mode: str = typer.Option("affine", "--mode", help="affine or mxfp4."),
+    router_bits: int = typer.Option(8, "--router-bits", help="Routers/gates: 8, or 16 to keep them unquantised."),
+    shared_expert_bits: Optional[int] = typer.Option(None, "--shared-expert-bits", help="Shared experts (default: max(8, --bits); 16 = unquantised)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for the router-agreement check (default: a shipped text)."),
+) -> None:
+    """Convert a Hugging Face MoE checkpoint to mlx-lm format, router-safe.
+
+    Routed experts at --bits; routers and shared experts at 8 bits or more (a
+    quantised router flips the top-k choice). Checks every MoE layer holds all
+    experts and reports router agreement with the unquantised model.
+    """
+    from mlx_tier import CheckpointError
+    from mlx_tier.convert import ConvertConfig, convert as do_convert
+
+    if router_bits not in (8, 16):
+        fail(f"--router-bits must be 8 or 16, got {router_bits}")
+    cfg = ConvertConfig(bits=bits, group_size=group_size, mode=mode, router_bits=router_bits, shared_expert_bits=shared_expert_bits)
+    try:
+        report = do_convert(hf_dir, out_dir, cfg, calib)
+    except (CheckpointError, FileExistsError) as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{out_dir}: cannot write ({e.strerror or e}); nothing was left behind")
+    out.print(
+        f"converted {hf_dir} -> {report.out_dir}: {report.moe_layers} MoE layers x {report.experts_per_layer} experts; "
+        f"router agreement {report.router_agreement:.1%} of (token, layer) top-k sets on {report.calibration_tokens} calibration tokens",
+        highlight=False,
+    )
+
+
 def main() -> None:
     app()
 
