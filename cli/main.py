@@ -38,7 +38,7 @@ class RichReporter:
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[tps]:5.1f} tok/s"),
+            TextColumn("decode {task.fields[tps]:5.1f} tok/s"),
             TextColumn("hit rate {task.fields[hit]:5.1%}"),
             TextColumn("{task.fields[doc]}"),
             TimeElapsedColumn(),
@@ -53,8 +53,11 @@ class RichReporter:
         err.print(f"[dim]{text}[/]", highlight=False)
 
     def start(self, total: int, skipped: int) -> None:
+        self.total, self.done = total, skipped
         if skipped:
             err.print(f"skipping {skipped} document(s) already done (journal)")
+        if skipped == total:
+            return
         self.progress.start()
         self.task = self.progress.add_task("summarising", total=total, completed=skipped, tps=0.0, hit=0.0, doc="")
 
@@ -62,9 +65,16 @@ class RichReporter:
         self.progress.update(self.task, tps=tok_per_s, doc=f"{doc.id} ({generated} tok)")
 
     def finished(self, result, cache: dict) -> None:
+        self.done += 1
         self.progress.update(self.task, advance=1, hit=cache["hit_rate"], doc="")
         if result.status == "failed":
             self.progress.console.print(f"[red]failed[/] {result.id}: {result.error}", highlight=False)
+        elif not err.is_terminal:  # a log file gets one line per document instead of a live bar
+            err.print(
+                f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens in {result.seconds:.1f} s, "
+                f"hit rate so far {cache['hit_rate']:.1%}",
+                highlight=False,
+            )
 
     def close(self) -> None:
         if self.task is not None:
@@ -79,29 +89,41 @@ def print_summary(report, out_dir: Path) -> None:
         style = {"failed": "red", "pending": "yellow", "skipped": "dim"}.get(r.status, "")
         table.add_row(r.id, r.status, str(r.input_tokens), str(r.output_tokens), f"{r.seconds:.1f}", style=style)
     out.print(table)
-    c = report.cache
+    c = report.runs[-1]["cache"]  # this run's counters
     tps = report.output_tokens / report.generation_seconds if report.generation_seconds else 0.0
     out.print(
         f"done {report.count('done')}, skipped {report.count('skipped')}, failed {report.count('failed')}, "
-        f"pending {report.count('pending')} | {tps:.2f} output tok/s | hit rate {c['hit_rate']:.1%} | "
-        f"read {c['bytes_read'] / 2**20:.0f} MiB | report: {out_dir / 'report.json'}",
+        f"pending {report.count('pending')} | this run: {tps:.2f} output tok/s overall (prompt processing "
+        f"included), hit rate {c['hit_rate']:.1%}, read {c['bytes_read'] / 2**20:.0f} MiB | "
+        f"report: {out_dir / 'report.json'}",
         highlight=False,
     )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from mlx_tier import __version__
+
+        out.print(f"mlx-tier {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Print the version and exit."),
+) -> None:
     """mlx-tier: Mixture-of-Experts models larger than memory, on MLX."""
 
 
 @app.command()
 def run(
-    input: Path = typer.Argument(..., help="Folder of .txt/.md documents (searched recursively) or a JSONL file with id and text per line."),
+    input: Path = typer.Argument(..., metavar="INPUT", help="Folder of .txt/.md documents (searched recursively) or a JSONL file with id and text per line."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
     model: Optional[Path] = typer.Option(None, help="mlx-lm MoE checkpoint folder. Default: the built-in SmolLM2 8-expert demo MoE (built on first use)."),
     cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
     max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Most tokens generated per summary."),
     prompt: Optional[str] = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
+    repetition_penalty: float = typer.Option(1.1, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
 ) -> None:
     """Summarise every document in INPUT into OUT_DIR, resumably.
 
@@ -125,6 +147,7 @@ def run(
             cache_gb=cache_gb,
             max_tokens=max_tokens,
             prompt=read_prompt(prompt) if prompt else DEFAULT_PROMPT,
+            repetition_penalty=repetition_penalty,
         )
         report = run_job(config, reporter)
     except (InputError, CheckpointError, BudgetError, DemoModelError) as e:
@@ -144,7 +167,7 @@ def run(
 
 @app.command()
 def plan(
-    model: Path = typer.Argument(..., help="mlx-lm MoE checkpoint folder."),
+    model: Path = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder."),
     memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="Plan for this much memory (GiB) instead of this machine's."),
     context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
     disk_gbps: Optional[float] = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
@@ -192,8 +215,8 @@ def plan(
 
 @app.command()
 def convert(
-    hf_dir: Path = typer.Argument(..., help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer)."),
-    out_dir: Path = typer.Argument(..., help="New folder for the mlx-lm checkpoint (must not exist)."),
+    hf_dir: Path = typer.Argument(..., metavar="HF_DIR", help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer)."),
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="New folder for the mlx-lm checkpoint (must not exist)."),
     bits: int = typer.Option(4, "--bits", help="Bits of the routed experts: 2, 3, 4, 5, 6 or 8."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantisation group size (default: 64 affine, 32 mxfp4)."),
     mode: str = typer.Option("affine", "--mode", help="affine or mxfp4."),

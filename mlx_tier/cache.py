@@ -172,6 +172,10 @@ class LayerCache:
                 missing.append(e)
         if not missing:
             return
+        if self.num_slots == self.num_experts:
+            # Room for every expert: read the whole layer now, in one batch, so
+            # the layer turns fully resident (lazy remap, no host sync) at once.
+            missing = [e for e in range(self.num_experts) if self.slot_of[e] < 0]
         self.settle()
         slots = []
         for e in missing:

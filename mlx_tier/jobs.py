@@ -25,6 +25,9 @@ DEFAULT_PROMPT = (
     "Say what it is, its main points, and any conclusion."
 )
 DEFAULT_MAX_TOKENS = 160
+# Small models fall into loops under pure greedy decoding; mlx-lm's repetition
+# penalty (over the last 20 tokens) breaks them. 1.0 turns it off.
+DEFAULT_REPETITION_PENALTY = 1.1
 REPORT = "report.json"
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
@@ -41,6 +44,7 @@ class JobConfig:
         cache_gb: expert cache budget in GiB; ``None``: from free memory.
         max_tokens: most tokens generated per summary.
         prompt: the instruction placed before each document.
+        repetition_penalty: mlx-lm's repetition penalty (1.0: plain greedy).
     """
 
     input: Path
@@ -49,6 +53,7 @@ class JobConfig:
     cache_gb: float | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     prompt: str = DEFAULT_PROMPT
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
 
 
 @dataclass
@@ -63,47 +68,79 @@ class DocResult:
     seconds: float = 0.0
     error: str | None = None
     output: str | None = None
+    finish_reason: str | None = None  # "stop" (end of text) or "length" (hit --max-tokens)
 
 
 @dataclass
 class JobReport:
-    """Everything report.json holds."""
+    """Everything report.json holds.
+
+    ``results`` covers every document of the job (earlier runs' finished ones
+    as ``skipped``, with their figures from the journal); ``runs`` keeps one
+    record per run (this one last) so a rerun never loses a run's measurements;
+    ``cache`` sums the cache counters over all runs.
+    """
 
     results: list[DocResult] = field(default_factory=list)
     interrupted: bool = False
     seconds: float = 0.0
     cache: dict = field(default_factory=dict)
     setup: dict = field(default_factory=dict)
+    runs: list[dict] = field(default_factory=list)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
 
     @property
     def output_tokens(self) -> int:
+        """Tokens generated in this run."""
         return sum(r.output_tokens for r in self.results if r.status == "done")
 
     @property
     def generation_seconds(self) -> float:
+        """Seconds spent on this run's documents (prompt processing included)."""
         return sum(r.seconds for r in self.results if r.status == "done")
 
     def as_dict(self) -> dict:
+        finished = [r for r in self.results if r.status in ("done", "skipped")]
+        out_tokens = sum(r.output_tokens for r in finished)
+        seconds = sum(r.seconds for r in finished)
         totals = {s: self.count(s) for s in ("done", "skipped", "failed", "pending")}
         totals |= {
             "documents": len(self.results),
-            "input_tokens": sum(r.input_tokens for r in self.results if r.status == "done"),
-            "output_tokens": self.output_tokens,
-            "seconds": round(self.seconds, 3),
-            "output_tok_per_s": round(self.output_tokens / self.generation_seconds, 3)
-            if self.generation_seconds
-            else 0.0,
+            "input_tokens": sum(r.input_tokens for r in finished),
+            "output_tokens": out_tokens,
+            "document_seconds": round(seconds, 3),
+            "output_tok_per_s": round(out_tokens / seconds, 3) if seconds else 0.0,
             "interrupted": self.interrupted,
         }
         return {
             "documents": [asdict(r) for r in self.results],
             "totals": totals,
             "cache": self.cache,
+            "runs": self.runs,
             **self.setup,
         }
+
+
+COUNTERS = ("hits", "misses", "evictions", "bytes_read", "read_seconds", "rounds")
+
+
+def previous_runs(path: Path) -> list[dict]:
+    """The ``runs`` of an earlier report.json, if readable."""
+    try:
+        runs = json.loads(path.read_text()).get("runs", [])
+        return [r for r in runs if isinstance(r, dict)]
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def sum_cache(runs: list[dict]) -> dict:
+    """Cache counters summed over runs, hit rate recomputed."""
+    total = {k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in COUNTERS}
+    seen = total["hits"] + total["misses"]
+    total["hit_rate"] = total["hits"] / seen if seen else 0.0
+    return total
 
 
 class Reporter:
@@ -147,12 +184,15 @@ class StopFlag:
             signal.signal(sig, old)
 
 
-def prepare_out_dir(out_dir: Path) -> None:
+def prepare_out_dir(out_dir: Path) -> bool:
     """Create ``out_dir`` and check it is writable.
 
+    Returns:
+        whether it was created now.
     Raises:
         InputError: it cannot be created or written.
     """
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / ".mlx-tier-write-test"
@@ -160,6 +200,7 @@ def prepare_out_dir(out_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise InputError(f"{out_dir}: output folder not writable ({e.strerror or e})") from None
+    return created
 
 
 def read_prompt(value: str) -> str:
@@ -198,21 +239,36 @@ def build_prompt(tokenizer, instruction: str, text: str) -> list[int]:
     return tokenizer.encode(content + "\n\nSummary:")
 
 
-def summarise(model, tokenizer, prompt: list[int], max_tokens: int, on_token=None) -> tuple[str, int]:
-    """Greedy summary of one prompt with mlx-lm's ``stream_generate``.
+def trim_to_sentence(text: str) -> str:
+    """Drop a trailing unfinished sentence (output cut by the token limit), if any sentence ended."""
+    cut = max(text.rfind(c) for c in ".!?")
+    return text[: cut + 1] if cut > 0 else text
+
+
+def summarise(
+    model, tokenizer, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0, on_token=None
+) -> tuple[str, int, str]:
+    """Summary of one prompt with mlx-lm's ``stream_generate`` (argmax sampling).
 
     Returns:
-        ``(text, generated_tokens)``.
+        ``(text, generated_tokens, finish_reason)``; when the token limit cut
+        the text, its unfinished last sentence is dropped.
     """
     from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_logits_processors
 
-    text, n = [], 0
-    for resp in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+    processors = make_logits_processors(repetition_penalty=repetition_penalty) if repetition_penalty != 1.0 else None
+    text, n, reason = [], 0, None
+    for resp in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, logits_processors=processors):
         text.append(resp.text)
         n = resp.generation_tokens
+        reason = resp.finish_reason or reason
         if on_token is not None:
             on_token(n, resp.generation_tps)
-    return "".join(text).strip(), n
+    out = "".join(text).strip()
+    if reason == "length":
+        out = trim_to_sentence(out)
+    return out, n, reason or "length"
 
 
 def backend_name() -> str:
@@ -253,17 +309,22 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     from .tiered import load
 
     reporter = reporter or Reporter()
-    t_start = time.perf_counter()
+    t_start, t_wall = time.perf_counter(), time.time()
     docs = discover(config.input)
-    prepare_out_dir(config.out_dir)
+    created = prepare_out_dir(config.out_dir)
     journal = Journal(config.out_dir)
     records = journal.records()
 
-    model_dir = Path(config.model) if config.model is not None else ensure_demo_model(reporter.message)
-    if not model_dir.exists():
-        raise InputError(f"{model_dir}: model folder not found")
-    reporter.message(f"loading {model_dir}")
-    model, tokenizer = load(model_dir, cache_gb=config.cache_gb)
+    try:
+        model_dir = Path(config.model) if config.model is not None else ensure_demo_model(reporter.message)
+        if not model_dir.exists():
+            raise InputError(f"{model_dir}: model folder not found")
+        reporter.message(f"loading {model_dir}")
+        model, tokenizer = load(model_dir, cache_gb=config.cache_gb)
+    except BaseException:
+        if created and not any(config.out_dir.iterdir()):
+            config.out_dir.rmdir()  # leave no trace of a run that never started
+        raise
     cache = model.expert_cache
     max_context = context_length(model_dir)
 
@@ -275,6 +336,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             "slots_per_layer": cache.slots_per_layer,
             "experts_per_layer": cache.num_experts,
             "max_tokens": config.max_tokens,
+            "repetition_penalty": config.repetition_penalty,
             "prompt": config.prompt,
         }
     )
@@ -286,7 +348,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         out_path = config.out_dir / f"{d.id}.md"
         rec = records.get(d.id)
         if rec and rec.get("status") == "done" and out_path.exists():
-            keep = {k: rec[k] for k in ("input_tokens", "output_tokens", "seconds") if k in rec}
+            keep = {k: rec[k] for k in ("input_tokens", "output_tokens", "seconds", "finish_reason") if k in rec}
             results[d.id].__dict__.update(status="skipped", output=out_path.name, **keep)
         elif out_path.exists():
             # Complete (written atomically) but unrecorded: a crash after the
@@ -318,15 +380,17 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
                     )
                 else:
                     try:
-                        text, n = summarise(
+                        text, n, reason = summarise(
                             model,
                             tokenizer,
                             prompt,
                             config.max_tokens,
+                            config.repetition_penalty,
                             lambda n, tps, d=d: reporter.tokens(d, n, tps),
                         )
                         write_atomic(config.out_dir / f"{d.id}.md", text + "\n")
                         res.status, res.output_tokens, res.output = "done", n, f"{d.id}.md"
+                        res.finish_reason = reason
                     except (RuntimeError, ValueError, OSError) as e:  # MLX errors surface as these
                         res.status, res.error = "failed", f"{type(e).__name__}: {e}"
             res.seconds = round(time.perf_counter() - t0, 3)
@@ -336,11 +400,19 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
 
     report.seconds = time.perf_counter() - t_start
-    report.cache = {
-        **cache.stats.as_dict(),
-        "resident_bytes_max": cache.resident_bytes,
-        "budget_bytes": cache.budget_bytes,
+    this_run = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_wall)),
+        "seconds": round(report.seconds, 3),
+        "done": report.count("done"),
+        "failed": report.count("failed"),
+        "output_tokens": report.output_tokens,
+        "output_tok_per_s": round(report.output_tokens / report.generation_seconds, 3) if report.generation_seconds else 0.0,
+        "slots_per_layer": cache.slots_per_layer,
+        "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
+        "cache": {**cache.stats.as_dict(), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes},
     }
+    report.runs = previous_runs(config.out_dir / REPORT) + [this_run]
+    report.cache = {**sum_cache(report.runs), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
     reporter.close()
     return report

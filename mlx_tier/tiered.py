@@ -31,6 +31,13 @@ DEFAULT_BUDGET_FRACTION = 0.5
 
 EXPERT_BLOCKS = (SwitchGLU, SwitchMLP)
 
+# MoE architectures in mlx-lm whose experts do not run through switch_layers,
+# and why they cannot be tiered (yet).
+REFUSED = {
+    "dbrx": "its experts are a model-specific module in mlx_lm/models/dbrx.py (not switch_layers), "
+    "computed with per-expert matmuls that a slot cache cannot serve",
+}
+
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -180,10 +187,13 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
         BudgetError: budget below one slot per layer.
     """
     blocks = find_expert_blocks(model)
+    model_type = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", "?")
+    if not blocks and model_type in REFUSED:
+        raise CheckpointError(f"{model_dir}: model type {model_type!r} cannot be tiered: {REFUSED[model_type]}")
     if not blocks:
         raise CheckpointError(
             f"{model_dir}: not a Mixture-of-Experts checkpoint "
-            f"(model type {getattr(model, 'model_type', '?')!r} has no mlx-lm expert blocks)"
+            f"(model type {model_type!r} has no mlx-lm expert blocks)"
         )
     store = ExpertStore(model_dir, threads=config.read_threads)
     dtype = config.dtype if config.dtype is not None else default_compute_dtype()

@@ -115,3 +115,17 @@ def test_expert_formats(name, quant, tmp_path, tokenizer_dir):
     for slots in (1, E):
         tiered, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots))
         assert [greedy_ids(tiered, p) for p in PROMPTS] == want, (name, quant, slots)
+
+
+def test_dbrx_is_refused_with_its_reason(tmp_path, tokenizer_dir):
+    from mlx_lm.models import dbrx
+
+    config = dict(
+        model_type="dbrx", vocab_size=128, d_model=64, n_layers=1, n_heads=4,
+        attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    )
+    model = dbrx.Model(dbrx.ModelArgs.from_dict(config))
+    path = write_checkpoint(tmp_path / "dbrx", model, config, tokenizer_dir)
+    with pytest.raises(mlx_tier.CheckpointError, match="'dbrx' cannot be tiered: its experts are a model-specific module"):
+        mlx_tier.load(path)

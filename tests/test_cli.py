@@ -25,6 +25,12 @@ def docs(tmp_path):
     return d
 
 
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def run(*args):
     result = runner.invoke(app, ["run", *map(str, args)])
     return result.exit_code, result.output
@@ -50,12 +56,18 @@ def test_run_resume_and_report(docs, tmp_path, tiny_moe):
     assert doc["input_tokens"] > 10 and 1 <= doc["output_tokens"] <= 6 and doc["seconds"] > 0
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")}
 
+    assert "1/3 " in output and "3/3 " in output  # not a terminal: one line per document
+    assert oct((out / "one.md").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
+    first_run = report["runs"][0]
+
     code, output = run(docs, "--out", out, "--model", tiny_moe, "--cache-gb", "0.0001", "--max-tokens", "6")
     assert code == 0, output
     assert "skipping 3 document(s) already done" in output
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")} == before  # never rewritten
     report = json.loads((out / "report.json").read_text())
-    assert report["totals"]["skipped"] == 3
+    assert report["totals"]["skipped"] == 3 and report["totals"]["output_tokens"] > 0
+    assert len(report["runs"]) == 2 and report["runs"][0] == first_run  # the first run's figures survive
+    assert report["cache"]["misses"] == first_run["cache"]["misses"]  # summed over runs
 
 
 def test_bad_documents_fail_alone(docs, tmp_path, tiny_moe):
@@ -99,6 +111,7 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
         assert code == 2, (args, output)
         lines = error_lines(output)
         assert len(lines) == 1 and message in lines[0], (args, output)
+        assert not (tmp_path / "o").exists(), args  # a run that never started leaves no folder
 
 
 def test_prompt_from_file_and_jsonl(tmp_path, tiny_moe):
@@ -143,3 +156,15 @@ def test_crash_after_output_before_journal_is_recovered(docs, tmp_path, tiny_moe
     report = run_job(JobConfig(input=docs, out_dir=out, model=tiny_moe, max_tokens=3))
     assert (out / "one.md").read_text() == "finished before the crash\n"
     assert {r.id: r.status for r in report.results}["one"] == "skipped"
+
+
+def test_trim_to_sentence():
+    from mlx_tier.jobs import trim_to_sentence
+
+    assert trim_to_sentence("One. Two! Three is cut") == "One. Two!"
+    assert trim_to_sentence("no sentence end") == "no sentence end"
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("mlx-tier ")
