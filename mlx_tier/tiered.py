@@ -130,8 +130,13 @@ def _stacked_tensors(path: str, block: nn.Module, store: ExpertStore, dtype) -> 
         if leaf is block or leaf.children():
             continue
         for attr, arr in leaf.items():
-            if not isinstance(arr, mx.array) or arr.ndim < 2:
-                continue
+            if not isinstance(arr, mx.array):
+                continue  # every array of a switch layer is per expert: [E, ...]
+            if attr == "global_scale" and mx.default_device() == mx.cpu:
+                raise CheckpointError(
+                    f"{path}: nvfp4 experts with a per-expert global scale need a GPU "
+                    "(MLX's CPU backend cannot run them)"
+                )
             name = f"{path}.{sub}.{attr}"
             info = store.index.get(name)
             if info is None:
@@ -139,7 +144,7 @@ def _stacked_tensors(path: str, block: nn.Module, store: ExpertStore, dtype) -> 
                     f"{store.model_dir}: expert tensor {name!r} is not stored stacked [E, ...] "
                     "(mlx-lm format expected; convert the checkpoint with mlx_lm.convert)"
                 )
-            if tuple(info.shape) != tuple(arr.shape):
+            if tuple(info.shape) != tuple(arr.shape) or info.shape[0] != (num_experts or info.shape[0]):
                 raise CheckpointError(f"{name}: shape on disk {info.shape} != model {tuple(arr.shape)}")
             num_experts = num_experts or info.shape[0]
             slab_dtype = dtype if (dtype is not None and mx.issubdtype(arr.dtype, mx.floating)) else arr.dtype

@@ -129,3 +129,35 @@ def test_dbrx_is_refused_with_its_reason(tmp_path, tokenizer_dir):
     path = write_checkpoint(tmp_path / "dbrx", model, config, tokenizer_dir)
     with pytest.raises(mlx_tier.CheckpointError, match="'dbrx' cannot be tiered: its experts are a model-specific module"):
         mlx_tier.load(path)
+
+
+def nvfp4_checkpoint(path, tokenizer_dir):
+    from mlx_lm.utils import quantize_model
+
+    config = {**BASE, "model_type": "mixtral", **CONFIGS["mixtral"]}
+    mx.random.seed(6)
+    mixtral = importlib.import_module("mlx_lm.models.mixtral")
+    model = mixtral.Model(mixtral.ModelArgs.from_dict(config))
+    model, config = quantize_model(
+        model, config, 16, 4, mode="nvfp4", global_scale=True,
+        quant_predicate=lambda p, m: isinstance(m, SwitchLinear),
+    )
+    return write_checkpoint(path, model, config, tokenizer_dir)
+
+
+def test_nvfp4_global_scale_refused_on_cpu(tmp_path, tokenizer_dir):
+    if mx.default_device() != mx.cpu:
+        pytest.skip("CPU-only refusal")
+    path = nvfp4_checkpoint(tmp_path / "nvfp4", tokenizer_dir)
+    with pytest.raises(mlx_tier.CheckpointError, match="nvfp4 experts with a per-expert global scale need a GPU"):
+        mlx_tier.load(path)
+
+
+@pytest.mark.skipif(mx.default_device() == mx.cpu, reason="needs a GPU: MLX's CPU backend has no nvfp4 global-scale gather_qmm")
+def test_nvfp4_global_scale_exact_on_gpu(tmp_path, tokenizer_dir):
+    path = nvfp4_checkpoint(tmp_path / "nvfp4", tokenizer_dir)
+    ref, _ = load_model(path)
+    want = [greedy_ids(ref, p) for p in PROMPTS]
+    for slots in (1, E):
+        model, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots))
+        assert [greedy_ids(model, p) for p in PROMPTS] == want
