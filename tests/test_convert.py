@@ -114,3 +114,19 @@ def test_cli_convert_errors_and_success(tmp_path, tokenizer_dir):
     assert "router agreement" in r.output
     r = runner.invoke(app, ["convert", str(hf), str(tmp_path / "o")])
     assert r.exit_code == 2 and "already exists" in r.output
+
+
+def test_disk_full_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch):
+    import errno
+
+    hf = write_hf(tmp_path / "hf", "mixtral", tokenizer_dir)
+
+    def full_disk(hf_path, mlx_path, **kw):
+        os.makedirs(mlx_path)
+        open(os.path.join(mlx_path, "model.safetensors"), "wb").write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(importlib.import_module("mlx_lm.convert"), "convert", full_disk)
+    r = CliRunner().invoke(app, ["convert", str(hf), str(tmp_path / "out"), "--group-size", "32"])
+    assert r.exit_code == 2 and "No space left on device" in r.output
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
