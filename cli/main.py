@@ -124,6 +124,7 @@ def run(
     max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Most tokens generated per summary."),
     prompt: Optional[str] = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
     repetition_penalty: float = typer.Option(1.1, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
 ) -> None:
     """Summarise every document in INPUT into OUT_DIR, resumably.
 
@@ -148,6 +149,7 @@ def run(
             max_tokens=max_tokens,
             prompt=read_prompt(prompt) if prompt else DEFAULT_PROMPT,
             repetition_penalty=repetition_penalty,
+            trace=trace,
         )
         report = run_job(config, reporter)
     except (InputError, CheckpointError, BudgetError, DemoModelError) as e:
@@ -247,6 +249,53 @@ def convert(
         f"router agreement {report.router_agreement:.1%} of (token, layer) top-k sets on {report.calibration_tokens} calibration tokens",
         highlight=False,
     )
+
+
+@app.command("trace-sim")
+def trace_sim(
+    trace: Path = typer.Argument(..., metavar="TRACE", help="A routing trace: mlx-tier's .npz (from `run --trace`) or plain text lines 'TOKEN LAYER E1 E2 ...'."),
+    policy: list[str] = typer.Option(["lru", "lfu", "2q", "pinned", "belady"], "--policy", help="Policies to compare (repeatable): lru, lfu, 2q, pinned, belady."),
+    slots: list[int] = typer.Option([], "--slots", help="Slots per layer (repeatable). Default: 25%, 50% and 75% of the experts."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Replay a routing trace: hit rate per policy and cache size, Belady's optimum as the ceiling.
+
+    Each layer has its own N slots; hit rate = accesses found resident / all expert
+    accesses. `pinned` uses the trace's own expert counts as its profile (an upper
+    bound for a profile saved from other runs).
+    """
+    import json
+
+    from mlx_tier.policy import OFFLINE_POLICIES, POLICIES
+    from mlx_tier.simulate import simulate
+    from mlx_tier.trace import TraceError, load as load_trace
+
+    try:
+        t = load_trace(trace)
+    except TraceError as e:
+        fail(str(e))
+    for p in policy:
+        if p not in POLICIES and p not in OFFLINE_POLICIES:
+            fail(f"unknown policy {p!r}; choose from {', '.join(list(POLICIES) + list(OFFLINE_POLICIES))}")
+    E = t.num_experts
+    sizes = sorted(set(slots)) or sorted({max(1, round(E * f)) for f in (0.25, 0.5, 0.75)})
+    if any(n < 1 for n in sizes):
+        fail("--slots must be at least 1")
+    results = [simulate(t, p, n) for p in policy for n in sizes]
+    if as_json:
+        out.print_json(json.dumps({
+            "trace": str(trace), "records": int(len(t.layer)), "layers": t.num_layers, "experts": E,
+            "results": [{"policy": r.policy, "slots": r.slots, "hit_rate": r.hit_rate, "hits": r.hits,
+                         "accesses": r.accesses, "per_layer": list(r.per_layer)} for r in results],
+        }))
+        return
+    table = Table(title=f"hit rate: {trace.name} ({len(t.layer)} token-layer records, {t.num_layers} layers x {E} experts)")
+    table.add_column("policy")
+    for n in sizes:
+        table.add_column(f"{n} slots ({n / E:.0%})", justify="right")
+    for p in policy:
+        table.add_row(p, *[f"{r.hit_rate:.1%}" for r in results if r.policy == p])
+    out.print(table)
 
 
 def main() -> None:

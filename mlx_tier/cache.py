@@ -123,6 +123,7 @@ class LayerCache:
         # remap then runs lazily on the device (no host sync per layer), and
         # the router outputs are kept to count hits later, off the hot path.
         self.lut: mx.array | None = None  # [E] uint32 slot of each expert
+        self.recorder = None  # a TraceRecorder while a routing trace is recorded
         self._uncounted: list[mx.array] = []
         for t in tensors.values():
             # Lazy zeros: memory is taken at the first write, not at load.
@@ -141,7 +142,7 @@ class LayerCache:
         return [int(e) for e in np.flatnonzero(self.slot_of >= 0)]
 
     def all_resident(self) -> bool:
-        return self.lut is not None
+        return self.lut is not None and self.recorder is None
 
     def defer_count(self, indices: mx.array) -> None:
         """Remember a fully-resident call's router output; counted in :meth:`count_deferred`."""
@@ -218,6 +219,8 @@ class LayerCache:
             (other entries point at an arbitrary slot). The caller must use the
             round's result, and set :attr:`pending`, before asking for the next.
         """
+        if self.recorder is not None:
+            self.recorder.add(self.layer, idx)
         need = np.unique(idx).tolist()
         if len(need) <= self.num_slots:
             self._ensure(need)
@@ -268,6 +271,26 @@ class ExpertCache:
     def resident_bytes(self) -> int:
         """Bytes of all slabs once allocated (the most the cache can hold)."""
         return sum(layer.resident_bytes for layer in self.layers)
+
+    def start_trace(self, source: str = ""):
+        """Record the router's top-k of every layer call until :meth:`stop_trace`.
+
+        Recording needs the expert ids on the host, so fully resident layers
+        leave their lazy path meanwhile (one sync per layer per step).
+        """
+        from .trace import TraceRecorder
+
+        rec = TraceRecorder(len(self.layers), self.num_experts, source=source)
+        for layer in self.layers:
+            layer.recorder = rec
+        return rec
+
+    def stop_trace(self):
+        """Stop recording; returns the :class:`~mlx_tier.trace.Trace`."""
+        rec = self.layers[0].recorder
+        for layer in self.layers:
+            layer.recorder = None
+        return rec.trace() if rec is not None else None
 
     def reset_stats(self) -> None:
         stats = self.stats

@@ -45,6 +45,7 @@ class JobConfig:
         max_tokens: most tokens generated per summary.
         prompt: the instruction placed before each document.
         repetition_penalty: mlx-lm's repetition penalty (1.0: plain greedy).
+        trace: write this run's routing trace (:mod:`mlx_tier.trace`) here.
     """
 
     input: Path
@@ -54,6 +55,7 @@ class JobConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS
     prompt: str = DEFAULT_PROMPT
     repetition_penalty: float = DEFAULT_REPETITION_PENALTY
+    trace: Path | None = None
 
 
 @dataclass
@@ -297,6 +299,49 @@ def machine_info() -> dict:
     }
 
 
+def _summarise_all(todo, results, report, config, model, tokenizer, cache, journal, reporter, max_context, notice):
+    """The document loop of :func:`run_job` (stops cleanly on SIGINT/SIGTERM)."""
+    with StopFlag(lambda: reporter.message(notice)) as stop:
+        for d in todo:
+            if stop.signal is not None:
+                report.interrupted = True
+                break
+            res = results[d.id]
+            t0 = time.perf_counter()
+            if d.error is not None:
+                res.status, res.error = "failed", d.error
+            else:
+                prompt = build_prompt(tokenizer, config.prompt, d.text)
+                res.input_tokens = len(prompt)
+                if len(prompt) + config.max_tokens > max_context:
+                    res.status = "failed"
+                    res.error = (
+                        f"document too long: {len(prompt)} prompt tokens + {config.max_tokens} to generate "
+                        f"> the model's context of {max_context} (not truncated; split it)"
+                    )
+                else:
+                    try:
+                        text, n, reason = summarise(
+                            model,
+                            tokenizer,
+                            prompt,
+                            config.max_tokens,
+                            config.repetition_penalty,
+                            lambda n, tps, d=d: reporter.tokens(d, n, tps),
+                        )
+                        write_atomic(config.out_dir / f"{d.id}.md", text + "\n")
+                        res.status, res.output_tokens, res.output = "done", n, f"{d.id}.md"
+                        res.finish_reason = reason
+                    except (RuntimeError, ValueError, OSError) as e:  # MLX errors surface as these
+                        res.status, res.error = "failed", f"{type(e).__name__}: {e}"
+            res.seconds = round(time.perf_counter() - t0, 3)
+            journal.append({k: v for k, v in asdict(res).items() if v is not None and k != "source"})
+            reporter.finished(res, cache.stats.as_dict())
+        else:
+            report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
+
+
+
 def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     """Summarise every document of ``config.input`` not already done.
 
@@ -360,44 +405,15 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     reporter.start(total=len(docs), skipped=len(docs) - len(todo))
 
     notice = "stopping after the current document (interrupt again to abort it now)"
-    with StopFlag(lambda: reporter.message(notice)) as stop:
-        for d in todo:
-            if stop.signal is not None:
-                report.interrupted = True
-                break
-            res = results[d.id]
-            t0 = time.perf_counter()
-            if d.error is not None:
-                res.status, res.error = "failed", d.error
-            else:
-                prompt = build_prompt(tokenizer, config.prompt, d.text)
-                res.input_tokens = len(prompt)
-                if len(prompt) + config.max_tokens > max_context:
-                    res.status = "failed"
-                    res.error = (
-                        f"document too long: {len(prompt)} prompt tokens + {config.max_tokens} to generate "
-                        f"> the model's context of {max_context} (not truncated; split it)"
-                    )
-                else:
-                    try:
-                        text, n, reason = summarise(
-                            model,
-                            tokenizer,
-                            prompt,
-                            config.max_tokens,
-                            config.repetition_penalty,
-                            lambda n, tps, d=d: reporter.tokens(d, n, tps),
-                        )
-                        write_atomic(config.out_dir / f"{d.id}.md", text + "\n")
-                        res.status, res.output_tokens, res.output = "done", n, f"{d.id}.md"
-                        res.finish_reason = reason
-                    except (RuntimeError, ValueError, OSError) as e:  # MLX errors surface as these
-                        res.status, res.error = "failed", f"{type(e).__name__}: {e}"
-            res.seconds = round(time.perf_counter() - t0, 3)
-            journal.append({k: v for k, v in asdict(res).items() if v is not None and k != "source"})
-            reporter.finished(res, cache.stats.as_dict())
-        else:
-            report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
+    if config.trace is not None:
+        cache.start_trace(source=str(model_dir))
+    try:
+        _summarise_all(todo, results, report, config, model, tokenizer, cache, journal, reporter, max_context, notice)
+    finally:
+        if config.trace is not None:
+            from .trace import save as save_trace
+
+            save_trace(cache.stop_trace(), config.trace)
 
     report.seconds = time.perf_counter() - t_start
     this_run = {

@@ -20,7 +20,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .cache import CacheStats, ExpertCache, LayerCache, SlabTensor
-from .policy import make_policy
+from .policy import OFFLINE_POLICIES, make_policy
 from .store import CheckpointError, ExpertStore
 
 GIB = 1024**3
@@ -46,7 +46,7 @@ class TierConfig:
     Attributes:
         cache_gb: expert cache budget in GiB (``None``: a default from free memory).
         slots_per_layer: exact slot count per layer; overrides ``cache_gb``.
-        policy: eviction policy name (:mod:`mlx_tier.policy`).
+        policy: eviction policy name (:mod:`mlx_tier.policy`): lru, lfu, 2q, pinned.
         dtype: compute dtype for floating weights. ``None``: float32 on the CPU
             backend (bf16/fp16 matmuls are 9-40x slower there, DESIGN.md),
             the checkpoint's own dtype on a GPU.
@@ -200,6 +200,8 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
             f"{model_dir}: not a Mixture-of-Experts checkpoint "
             f"(model type {model_type!r} has no mlx-lm expert blocks)"
         )
+    if config.policy in OFFLINE_POLICIES:
+        raise ValueError(f"policy {config.policy!r} needs the future: use it in `mlx-tier trace-sim`, not live")
     store = ExpertStore(model_dir, threads=config.read_threads)
     dtype = config.dtype if config.dtype is not None else default_compute_dtype()
     found = [(path, *_stacked_tensors(path, block, store, dtype)) for path, block in blocks]
@@ -226,7 +228,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
     stats = CacheStats()
     layers = []
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
-        layers.append(LayerCache(i, tensors, n, min(slots, n), store, make_policy(config.policy), stats))
+        layers.append(LayerCache(i, tensors, n, min(slots, n), store, make_policy(config.policy, min(slots, n)), stats))
         wrapper._cache = layers[-1]
     expert_cache = ExpertCache(layers, stats, budget, store)
     model.expert_cache = expert_cache
