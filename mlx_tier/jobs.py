@@ -299,47 +299,30 @@ def machine_info() -> dict:
     }
 
 
-def _summarise_all(todo, results, report, config, model, tokenizer, cache, journal, reporter, max_context, notice):
-    """The document loop of :func:`run_job` (stops cleanly on SIGINT/SIGTERM)."""
-    with StopFlag(lambda: reporter.message(notice)) as stop:
-        for d in todo:
-            if stop.signal is not None:
-                report.interrupted = True
-                break
-            res = results[d.id]
-            t0 = time.perf_counter()
-            if d.error is not None:
-                res.status, res.error = "failed", d.error
-            else:
-                prompt = build_prompt(tokenizer, config.prompt, d.text)
-                res.input_tokens = len(prompt)
-                if len(prompt) + config.max_tokens > max_context:
-                    res.status = "failed"
-                    res.error = (
-                        f"document too long: {len(prompt)} prompt tokens + {config.max_tokens} to generate "
-                        f"> the model's context of {max_context} (not truncated; split it)"
-                    )
-                else:
-                    try:
-                        text, n, reason = summarise(
-                            model,
-                            tokenizer,
-                            prompt,
-                            config.max_tokens,
-                            config.repetition_penalty,
-                            lambda n, tps, d=d: reporter.tokens(d, n, tps),
-                        )
-                        write_atomic(config.out_dir / f"{d.id}.md", text + "\n")
-                        res.status, res.output_tokens, res.output = "done", n, f"{d.id}.md"
-                        res.finish_reason = reason
-                    except (RuntimeError, ValueError, OSError) as e:  # MLX errors surface as these
-                        res.status, res.error = "failed", f"{type(e).__name__}: {e}"
-            res.seconds = round(time.perf_counter() - t0, 3)
-            journal.append({k: v for k, v in asdict(res).items() if v is not None and k != "source"})
-            reporter.finished(res, cache.stats.as_dict())
-        else:
-            report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
-
+def summarise_document(doc: Document, res: DocResult, config: JobConfig, model, tokenizer, max_context: int,
+                       reporter: Reporter) -> None:
+    """Summarise one document into ``OUT_DIR/<id>.md``, or record in ``res`` why it failed."""
+    if doc.error is not None:
+        res.status, res.error = "failed", doc.error
+        return
+    prompt = build_prompt(tokenizer, config.prompt, doc.text)
+    res.input_tokens = len(prompt)
+    if len(prompt) + config.max_tokens > max_context:
+        res.status = "failed"
+        res.error = (
+            f"document too long: {len(prompt)} prompt tokens + {config.max_tokens} to generate "
+            f"> the model's context of {max_context} (not truncated; split it)"
+        )
+        return
+    try:
+        text, n, reason = summarise(
+            model, tokenizer, prompt, config.max_tokens, config.repetition_penalty,
+            lambda n, tps: reporter.tokens(doc, n, tps),
+        )
+        write_atomic(config.out_dir / f"{doc.id}.md", text + "\n")
+        res.status, res.output_tokens, res.output, res.finish_reason = "done", n, f"{doc.id}.md", reason
+    except (RuntimeError, ValueError, OSError) as e:  # MLX errors surface as these
+        res.status, res.error = "failed", f"{type(e).__name__}: {e}"
 
 
 def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
@@ -408,7 +391,16 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     if config.trace is not None:
         cache.start_trace(source=str(model_dir))
     try:
-        _summarise_all(todo, results, report, config, model, tokenizer, cache, journal, reporter, max_context, notice)
+        with StopFlag(lambda: reporter.message(notice)) as stop:
+            for d in todo:
+                if stop.signal is not None:
+                    break
+                res, t0 = results[d.id], time.perf_counter()
+                summarise_document(d, res, config, model, tokenizer, max_context, reporter)
+                res.seconds = round(time.perf_counter() - t0, 3)
+                journal.append({k: v for k, v in asdict(res).items() if v is not None and k != "source"})
+                reporter.finished(res, cache.stats.as_dict())
+            report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
     finally:
         if config.trace is not None:
             from .trace import save as save_trace
