@@ -197,11 +197,14 @@ class LayerCache:
         raw = self.store.read_experts(list(self.tensors), missing)
         self.stats.bytes_read += self.store.stats.bytes_read - before_b
         self.stats.read_seconds += self.store.stats.read_seconds - before_t
-        where = mx.array(np.asarray(slots, dtype=np.int32))
         written = []
         for name, t in self.tensors.items():
             slab = t.module[t.attr]
-            slab[where] = _to_mx(raw[name], t.info, t.dtype)  # in place: the module holds `slab`
+            new = _to_mx(raw[name], t.info, t.dtype)  # [len(missing), ...]
+            for i, s in enumerate(slots):
+                # In place (the module holds `slab`); a slice write is ~10x
+                # cheaper than a scatter with an index array on the CPU backend.
+                slab[s : s + 1] = new[i : i + 1]
             written.append(slab)
         mx.eval(written)
 
