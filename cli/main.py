@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -137,8 +138,8 @@ def run(
     from mlx_tier.documents import InputError
     from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
 
-    if cache_gb is not None and cache_gb <= 0:
-        fail(f"--cache-gb must be positive, got {cache_gb}")
+    if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
+        fail(f"--cache-gb must be a positive number, got {cache_gb}")
     reporter = RichReporter()
     try:
         config = JobConfig(
@@ -182,7 +183,7 @@ def plan(
     from mlx_tier import CheckpointError
     from mlx_tier.plan import make_plan
 
-    if memory_gb is not None and memory_gb <= 0:
+    if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
         fail(f"--memory-gb must be positive, got {memory_gb}")
     try:
         p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps, compute_gbps=compute_gbps)

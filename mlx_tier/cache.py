@@ -106,6 +106,8 @@ class LayerCache:
         store: ExpertStore,
         policy: EvictionPolicy,
         stats: CacheStats,
+        policy_name: str = "lru",
+        policy_kwargs: dict | None = None,
     ):
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"slots must be in [1, {num_experts}], got {num_slots}")
@@ -115,6 +117,8 @@ class LayerCache:
         self.num_slots = num_slots
         self.store = store
         self.policy = policy
+        self.policy_name = policy_name
+        self.policy_kwargs = policy_kwargs or {}
         self.stats = stats
         self.slot_of = np.full(num_experts, -1, dtype=np.int64)  # expert -> slot
         self.free = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
@@ -163,7 +167,12 @@ class LayerCache:
             self.pending = None
 
     def _ensure(self, group: list[int]) -> None:
-        """Make every expert in ``group`` resident (``len(group) <= S``)."""
+        """Make every expert in ``group`` resident (``len(group) <= S``).
+
+        The experts are read before any bookkeeping changes, so a failed read
+        leaves the table as it was; a failed write resets the layer (nothing
+        is ever marked resident over stale slot contents).
+        """
         missing = []
         for e in group:
             if self.slot_of[e] >= 0:
@@ -177,6 +186,10 @@ class LayerCache:
             # Room for every expert: read the whole layer now, in one batch, so
             # the layer turns fully resident (lazy remap, no host sync) at once.
             missing = [e for e in range(self.num_experts) if self.slot_of[e] < 0]
+        before_b, before_t = self.store.stats.bytes_read, self.store.stats.read_seconds
+        raw = self.store.read_experts(list(self.tensors), missing)
+        self.stats.bytes_read += self.store.stats.bytes_read - before_b
+        self.stats.read_seconds += self.store.stats.read_seconds - before_t
         self.settle()
         slots = []
         for e in missing:
@@ -191,22 +204,31 @@ class LayerCache:
             self.policy.insert(e)
             slots.append(s)
         self.stats.misses += len(missing)
+        try:
+            written = []
+            for name, t in self.tensors.items():
+                slab = t.module[t.attr]
+                new = _to_mx(raw[name], t.info, t.dtype)  # [len(missing), ...]
+                for i, s in enumerate(slots):
+                    # In place (the module holds `slab`); a slice write is ~10x
+                    # cheaper than a scatter with an index array on the CPU backend.
+                    slab[s : s + 1] = new[i : i + 1]
+                written.append(slab)
+            mx.eval(written)
+        except BaseException:
+            self.reset()
+            raise
         if not self.free and self.num_slots == self.num_experts:
             self.lut = mx.array(self.slot_of.astype(np.uint32))
-        before_b, before_t = self.store.stats.bytes_read, self.store.stats.read_seconds
-        raw = self.store.read_experts(list(self.tensors), missing)
-        self.stats.bytes_read += self.store.stats.bytes_read - before_b
-        self.stats.read_seconds += self.store.stats.read_seconds - before_t
-        written = []
-        for name, t in self.tensors.items():
-            slab = t.module[t.attr]
-            new = _to_mx(raw[name], t.info, t.dtype)  # [len(missing), ...]
-            for i, s in enumerate(slots):
-                # In place (the module holds `slab`); a slice write is ~10x
-                # cheaper than a scatter with an index array on the CPU backend.
-                slab[s : s + 1] = new[i : i + 1]
-            written.append(slab)
-        mx.eval(written)
+
+    def reset(self) -> None:
+        """Forget every resident expert (slab contents are then unused)."""
+        from .policy import make_policy
+
+        self.slot_of[:] = -1
+        self.free = list(range(self.num_slots - 1, -1, -1))
+        self.policy = make_policy(self.policy_name, self.num_slots, **self.policy_kwargs)
+        self.lut = None
 
     def assign(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
         """Make the experts in ``idx`` resident and yield slot indices.

@@ -216,6 +216,8 @@ def router_agreement(reference_dir: Path, converted_dir: Path, text: str) -> tup
     ref, tok = load(str(reference_dir))
     ref.set_dtype(mx.float32)
     tokens = tok.encode(text)[:512]
+    if not tokens:
+        raise CheckpointError("calibration text is empty")
     vocab = getattr(getattr(ref, "args", None), "vocab_size", None)
     if vocab is not None and max(tokens) >= vocab:
         raise CheckpointError(f"{reference_dir}: tokenizer ids exceed the model's vocabulary ({vocab})")

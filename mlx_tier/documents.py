@@ -59,15 +59,31 @@ def decode_text(data: bytes) -> tuple[str | None, str | None]:
     return text, None
 
 
-def _from_folder(root: Path) -> list[Document]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
+def _unique(ids: list[str]) -> list[str]:
+    """Make ids unique even on case-insensitive disks (``a``, ``A`` -> ``a``, ``A-2``)."""
+    seen: dict[str, int] = {}
+    out = []
+    for i in ids:
+        key = i.casefold()
+        seen[key] = seen.get(key, 0) + 1
+        out.append(i if seen[key] == 1 else f"{i}-{seen[key]}")
+    return out
+
+
+def _from_folder(root: Path, exclude: Path | None = None) -> list[Document]:
+    files = sorted(
+        p for p in root.rglob("*")
+        if p.is_file() and p.suffix.lower() in SUFFIXES and not (exclude is not None and p.resolve().is_relative_to(exclude))
+    )
     if not files:
         raise InputError(f"{root}: no .txt or .md files found")
     stems = [safe_id(str(p.relative_to(root).with_suffix(""))) for p in files]
+    folded = [s.casefold() for s in stems]
+    # Keep the suffix only where two files would share an id (a.txt, a.md).
+    ids = _unique([stem if folded.count(stem.casefold()) == 1 else safe_id(str(p.relative_to(root)))
+                   for p, stem in zip(files, stems)])
     docs = []
-    for p, stem in zip(files, stems):
-        # Keep the suffix only where two files would share an id (a.txt, a.md).
-        doc_id = stem if stems.count(stem) == 1 else safe_id(str(p.relative_to(root)))
+    for p, doc_id in zip(files, ids):
         try:
             text, error = decode_text(p.read_bytes())
         except OSError as e:
@@ -98,9 +114,10 @@ def _from_jsonl(path: Path) -> list[Document]:
         if not isinstance(obj["text"], str):
             raise InputError(f'{path}:{n}: "text" must be a string')
         doc_id = safe_id(str(obj["id"]))
-        if doc_id in seen:
-            raise InputError(f"{path}:{n}: duplicate id {obj['id']!r} (first on line {seen[doc_id]})")
-        seen[doc_id] = n
+        key = doc_id.casefold()  # output file names must differ on case-insensitive disks too
+        if key in seen:
+            raise InputError(f"{path}:{n}: duplicate id {obj['id']!r} (first on line {seen[key]})")
+        seen[key] = n
         text = obj["text"] if obj["text"].strip() else None
         docs.append(Document(doc_id, f"{path}:{n}", text, None if text else "empty document"))
     if not docs:
@@ -108,12 +125,13 @@ def _from_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def discover(path: Path) -> list[Document]:
+def discover(path: Path, exclude: Path | None = None) -> list[Document]:
     """All documents of a job input.
 
     Args:
         path: a folder (recursive ``.txt``/``.md``) or a ``.jsonl`` file with
             one ``{"id": ..., "text": ...}`` object per line.
+        exclude: a folder inside ``path`` to skip (the job's output folder).
 
     Raises:
         InputError: path missing, nothing to read, malformed/duplicate JSONL line.
@@ -122,11 +140,15 @@ def discover(path: Path) -> list[Document]:
     if not path.exists():
         raise InputError(f"{path}: no such file or folder")
     if path.is_dir():
-        return _from_folder(path)
+        return _from_folder(path, Path(exclude).resolve() if exclude is not None else None)
     if path.suffix.lower() == ".jsonl":
         return _from_jsonl(path)
     if path.suffix.lower() in SUFFIXES:
-        text, error = decode_text(path.read_bytes())
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise InputError(f"{path}: cannot read ({e.strerror})") from None
+        text, error = decode_text(data)
         if error:
             raise InputError(f"{path}: {error}")
         return [Document(safe_id(path.stem), str(path), text)]

@@ -8,6 +8,7 @@ over :func:`run_job`; progress goes to a :class:`Reporter`.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import signal
 import time
@@ -205,6 +206,30 @@ def prepare_out_dir(out_dir: Path) -> bool:
     return created
 
 
+LOCK = ".mlx-tier.lock"
+
+
+def lock_out_dir(out_dir: Path):
+    """An exclusive lock on ``OUT_DIR`` (``flock``): a second run on the same
+    folder while one is active is refused. Released when the file is closed
+    or the process ends (even by SIGKILL).
+
+    Raises:
+        InputError: another run holds it.
+    """
+    f = open(out_dir / LOCK, "a")
+    try:
+        import fcntl
+
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # no flock (Windows): no protection
+        pass
+    except OSError:
+        f.close()
+        raise InputError(f"{out_dir}: another mlx-tier run is using this output folder") from None
+    return f
+
+
 def read_prompt(value: str) -> str:
     """``--prompt`` value: literal text, or ``@FILE`` to read it from a file.
 
@@ -338,8 +363,11 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
 
     reporter = reporter or Reporter()
     t_start, t_wall = time.perf_counter(), time.time()
-    docs = discover(config.input)
+    docs = discover(config.input, exclude=config.out_dir)
+    if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
+        raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
     created = prepare_out_dir(config.out_dir)
+    lock = lock_out_dir(config.out_dir)  # held until the process exits
     journal = Journal(config.out_dir)
     records = journal.records()
 
@@ -350,7 +378,9 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         reporter.message(f"loading {model_dir}")
         model, tokenizer = load(model_dir, cache_gb=config.cache_gb)
     except BaseException:
-        if created and not any(config.out_dir.iterdir()):
+        lock.close()
+        if created and [p.name for p in config.out_dir.iterdir()] == [LOCK]:
+            (config.out_dir / LOCK).unlink()
             config.out_dir.rmdir()  # leave no trace of a run that never started
         raise
     cache = model.expert_cache
@@ -405,7 +435,10 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         if config.trace is not None:
             from .trace import save as save_trace
 
-            save_trace(cache.stop_trace(), config.trace)
+            try:
+                save_trace(cache.stop_trace(), config.trace)
+            except OSError as e:
+                reporter.message(f"could not write the trace {config.trace}: {e.strerror or e}")
 
     report.seconds = time.perf_counter() - t_start
     this_run = {
@@ -422,5 +455,6 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     report.runs = previous_runs(config.out_dir / REPORT) + [this_run]
     report.cache = {**sum_cache(report.runs), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
+    lock.close()
     reporter.close()
     return report

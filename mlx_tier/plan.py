@@ -167,7 +167,7 @@ def make_plan(
     index = index_checkpoint(model_dir)
     try:
         model, config = load_model(model_dir, lazy=True)  # builds the graph; reads no weight
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"{model_dir}: cannot build the model with mlx-lm: {e}") from None
     blocks = find_expert_blocks(model)
     if not blocks:
@@ -175,6 +175,9 @@ def make_plan(
     prefixes = tuple(path + "." for path, _ in blocks)
     default_gs = (config.get("quantization") or {}).get("group_size")
     expert_names = [n for n in index if n.startswith(prefixes)]
+    if not expert_names:
+        raise CheckpointError(f"{model_dir}: experts are not stored stacked [E, ...] (Hugging Face layout?): "
+                              "run `mlx-tier convert` first")
     num_experts = index[expert_names[0]].shape[0]
     top_k = next((config[k] for k in TOP_K_KEYS if isinstance(config.get(k), int)), None)
     if top_k is None:

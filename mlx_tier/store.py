@@ -94,12 +94,23 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: bad safetensors header ({e})") from None
     base = 8 + n
+    size = path.stat().st_size
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: bad safetensors header (not an object)")
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        begin, end = meta["data_offsets"]
-        out[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), base + begin, end - begin)
+        try:
+            begin, end = meta["data_offsets"]
+            dtype, shape = meta["dtype"], tuple(meta["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: bad safetensors header entry for {name!r}") from None
+        if dtype not in _NP_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, which mlx-tier cannot read")
+        if not 0 <= begin <= end or base + end > size:
+            raise CheckpointError(f"{path}: tensor {name!r} lies outside the file (truncated download?)")
+        out[name] = TensorInfo(path, dtype, shape, base + begin, end - begin)
     return out
 
 
@@ -186,6 +197,8 @@ class ExpertStore:
             out[name] = buf
             for row, e in enumerate(experts):
                 jobs.append((info, e, buf[row]))
+        for info in {job[0].file: job[0] for job in jobs}.values():
+            self._fd(info.file)  # open on this thread: the workers only read the dict
         t0 = time.perf_counter()
         for fut in [self._pool.submit(self._read_into, *job) for job in jobs]:
             fut.result()

@@ -46,7 +46,7 @@ class TierConfig:
     Attributes:
         cache_gb: expert cache budget in GiB (``None``: a default from free memory).
         slots_per_layer: exact slot count per layer; overrides ``cache_gb``.
-        policy: eviction policy name (:mod:`mlx_tier.policy`): lru, lfu, 2q, pinned.
+        policy: eviction policy name (:mod:`mlx_tier.policy`): lru, lfu, 2q.
         dtype: compute dtype for floating weights. ``None``: float32 on the CPU
             backend (bf16/fp16 matmuls are 9-40x slower there, DESIGN.md),
             the checkpoint's own dtype on a GPU.
@@ -202,6 +202,9 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
         )
     if config.policy in OFFLINE_POLICIES:
         raise ValueError(f"policy {config.policy!r} needs the future: use it in `mlx-tier trace-sim`, not live")
+    if config.policy == "pinned":
+        raise ValueError("policy 'pinned' needs a saved frequency profile, which live loading does not take yet; "
+                         "use it in `mlx-tier trace-sim`")
     store = ExpertStore(model_dir, threads=config.read_threads)
     dtype = config.dtype if config.dtype is not None else default_compute_dtype()
     found = [(path, *_stacked_tensors(path, block, store, dtype)) for path, block in blocks]
@@ -228,7 +231,8 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
     stats = CacheStats()
     layers = []
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
-        layers.append(LayerCache(i, tensors, n, min(slots, n), store, make_policy(config.policy, min(slots, n)), stats))
+        layers.append(LayerCache(i, tensors, n, min(slots, n), store, make_policy(config.policy, min(slots, n)), stats,
+                                 policy_name=config.policy))
         wrapper._cache = layers[-1]
     expert_cache = ExpertCache(layers, stats, budget, store)
     model.expert_cache = expert_cache
@@ -262,7 +266,7 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
         config = TierConfig(**{**config.__dict__, "cache_gb": cache_gb})
     try:
         model, model_config = load_model(path, lazy=True)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"{path}: cannot build the model with mlx-lm: {e}") from None
     tier_model(model, path, config)
     tokenizer = load_tokenizer(path, eos_token_ids=model_config.get("eos_token_id"))

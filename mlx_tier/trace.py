@@ -131,26 +131,28 @@ def load(path: Path) -> Trace:
 
 
 class TraceRecorder:
-    """Collects records from a live model (see :meth:`mlx_tier.cache.ExpertCache.record`)."""
+    """Collects records from a live model (see :meth:`mlx_tier.cache.ExpertCache.start_trace`)."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int | None = None, source: str = ""):
         self.meta = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k, "source": source}
-        self._chunks: list[tuple[int, np.ndarray]] = []  # (layer, [T, k] ids)
+        self._chunks: list[tuple[int, np.ndarray, int]] = []  # (layer, [B*T, k] ids, phase)
         self._tokens_seen = [0] * num_layers
 
     def add(self, layer: int, idx: np.ndarray) -> None:
-        """One layer call: ``idx`` ``[..., k]`` (``[B, T, k]`` from mlx-lm)."""
-        self._chunks.append((layer, np.asarray(idx).reshape(-1, idx.shape[-1]).astype(np.int32)))
+        """One layer call: ``idx`` ``[..., k]`` (``[B, T, k]`` from mlx-lm); T > 1 is prefill."""
+        idx = np.asarray(idx)
+        steps = idx.shape[-2] if idx.ndim >= 3 else 1
+        self._chunks.append((layer, idx.reshape(-1, idx.shape[-1]).astype(np.int32), PREFILL if steps > 1 else DECODE))
 
     def trace(self) -> Trace:
         token, layer, phase, experts = [], [], [], []
         seen = [0] * self.meta["num_layers"]
-        for lay, rows in self._chunks:
+        for lay, rows, ph in self._chunks:
             t = len(rows)
             token.append(np.arange(seen[lay], seen[lay] + t))
             seen[lay] += t
             layer.append(np.full(t, lay, np.int32))
-            phase.append(np.full(t, PREFILL if t > 1 else DECODE, np.uint8))
+            phase.append(np.full(t, ph, np.uint8))
             experts.append(rows)
         if not experts:
             k = self.meta.get("top_k") or 1

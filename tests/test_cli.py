@@ -44,7 +44,7 @@ def test_run_resume_and_report(docs, tmp_path, tiny_moe):
     out = tmp_path / "out"
     code, output = run(docs, "--out", out, "--model", tiny_moe, "--cache-gb", "0.0001", "--max-tokens", "6")
     assert code == 0, output
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.iterdir() if p.name != ".mlx-tier.lock")
     assert names == ["journal.jsonl", "more__three.md", "one.md", "report.json", "two.md"]
     report = json.loads((out / "report.json").read_text())
     assert report["totals"]["done"] == 3 and report["totals"]["failed"] == 0
@@ -99,7 +99,7 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
         ((docs, "--out", tmp_path / "o", "--model", tmp_path / "emptydir"), "no config.json"),
         ((docs, "--out", tmp_path / "o", "--model", tiny_dense), "not a Mixture-of-Experts checkpoint"),
         ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "1e-7"), "too small"),
-        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "-1"), "must be positive"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "-1"), "must be a positive number"),
         ((docs, "--out", tmp_path / "o", "--prompt", "@" + str(tmp_path / "none.txt")), "cannot read prompt file"),
     ]
     (tmp_path / "emptydir").mkdir()
@@ -168,3 +168,38 @@ def test_trim_to_sentence():
 def test_version():
     r = runner.invoke(app, ["--version"])
     assert r.exit_code == 0 and r.output.startswith("mlx-tier ")
+
+
+def test_ids_unique_out_dir_inside_input_and_lock(tmp_path, tiny_moe):
+    from mlx_tier.documents import discover
+    from mlx_tier.jobs import LOCK, lock_out_dir
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a b.txt").write_text("first")
+    (docs / "a_b.txt").write_text("second")
+    (docs / "Notes.txt").write_text("third")
+    (docs / "notes.md").write_text("fourth")
+    ids = [d.id for d in discover(docs)]
+    assert len({i.casefold() for i in ids}) == 4, ids
+    out = docs / "summaries"  # the output folder inside the input folder
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "2")
+    assert code == 0, output
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "2")
+    assert "skipping 4 document(s)" in output  # its summaries were not taken as new input
+    held = lock_out_dir(out)
+    try:
+        code, output = run(docs, "--out", out, "--model", tiny_moe)
+        assert code == 2 and "another mlx-tier run is using this output folder" in output
+    finally:
+        held.close()
+    assert (out / LOCK).exists()
+
+
+def test_more_bad_input(tmp_path, tiny_moe, docs):
+    for args, message in [
+        ((docs, "--out", tmp_path / "o", "--cache-gb", "nan"), "must be a positive number"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--trace", tmp_path / "no" / "t.npz"), "cannot write the trace"),
+    ]:
+        code, output = run(*args)
+        assert code == 2 and message in output, output

@@ -72,6 +72,7 @@ def test_convert_round_trip(name, tmp_path, tokenizer_dir):
     report = convert(hf, out, ConvertConfig(bits=4, group_size=32))
     assert report.experts_per_layer == E and report.moe_layers >= 1
     assert 0.0 <= report.router_agreement <= 1.0 and report.calibration_tokens > 100
+    assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()  # they travel
     ref, _ = load_model(out)
     modules = dict(ref.named_modules())
     routers = [m for p, m in modules.items() if p.endswith((".gate", ".router"))]
@@ -130,3 +131,17 @@ def test_disk_full_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch):
     r = CliRunner().invoke(app, ["convert", str(hf), str(tmp_path / "out"), "--group-size", "32"])
     assert r.exit_code == 2 and "No space left on device" in r.output
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_convert_mxfp4_experts(tmp_path, tokenizer_dir):
+    hf = write_hf(tmp_path / "hf", "qwen3_moe", tokenizer_dir)
+    out = tmp_path / "out"
+    convert(hf, out, ConvertConfig(bits=4, mode="mxfp4"))
+    ref, _ = load_model(out)
+    experts = [m for m in dict(ref.named_modules()).values() if isinstance(m, QuantizedSwitchLinear)]
+    assert experts and all(m.mode == "mxfp4" for m in experts)
+    gates = [m for p, m in ref.named_modules() if p.endswith("mlp.gate")]
+    assert gates and all(m.bits == 8 and m.mode == "affine" for m in gates)  # router stays 8-bit affine
+    want = [greedy_ids(ref, p) for p in PROMPTS]
+    model, _ = mlx_tier.load(out, config=TierConfig(slots_per_layer=1))
+    assert [greedy_ids(model, p) for p in PROMPTS] == want

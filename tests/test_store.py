@@ -50,3 +50,20 @@ def test_bad_checkpoints(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((10).to_bytes(8, "little") + b"not json!!")
     with pytest.raises(CheckpointError, match="bad safetensors header"):
         ExpertStore(tmp_path)
+
+
+def test_truncated_or_unknown_dtype_is_a_clear_error(shards, tmp_path):
+    path, _ = shards
+    f = path / "model-00002-of-00002.safetensors"
+    f.write_bytes(f.read_bytes()[:-16])  # a truncated download
+    with pytest.raises(CheckpointError, match="lies outside the file"):
+        index_checkpoint(path)
+    import json
+    import struct
+
+    header = json.dumps({"x": {"dtype": "F4", "shape": [1], "data_offsets": [0, 1]}}).encode()
+    g = tmp_path / "odd"
+    g.mkdir()
+    (g / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    with pytest.raises(CheckpointError, match="dtype F4, which mlx-tier cannot read"):
+        index_checkpoint(g)

@@ -111,3 +111,25 @@ def test_not_an_moe_checkpoint(tiny_dense, tmp_path):
         mlx_tier.load(tiny_dense)
     with pytest.raises(CheckpointError, match="no config.json"):
         mlx_tier.load(tmp_path)
+
+
+def test_failed_read_marks_nothing_resident(tiny_moe):
+    """A read error surfaces, and afterwards the model is still exact: no expert
+    was marked resident over a slot that never received its weights."""
+    model, tokenizer = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2))
+    store = model.expert_cache.store
+    real = store.read_experts
+    calls = {"n": 0}
+
+    def flaky(names, experts):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(5, "Input/output error")
+        return real(names, experts)
+
+    store.read_experts = flaky
+    with pytest.raises(OSError):
+        greedy(model, tokenizer, LONG)
+    store.read_experts = real
+    ref_model, ref_tok = mlx_load(str(tiny_moe))
+    assert greedy(model, tokenizer, LONG) == greedy(ref_model, ref_tok, LONG)

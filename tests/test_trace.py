@@ -91,9 +91,11 @@ def test_run_records_a_trace(tmp_path, tiny_moe):
 
 
 def test_live_policies_and_offline_refusal(tiny_moe):
-    for policy in ("lfu", "2q", "pinned"):
+    for policy in ("lfu", "2q"):
         model, tok = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, policy=policy))
         list(generate_step(mx.array([3, 4, 5]), model, max_tokens=4))
         assert model.expert_cache.stats.misses > 0
     with pytest.raises(ValueError, match="needs the future"):
         mlx_tier.load(tiny_moe, config=TierConfig(policy="belady"))
+    with pytest.raises(ValueError, match="needs a saved frequency profile"):
+        mlx_tier.load(tiny_moe, config=TierConfig(policy="pinned"))
