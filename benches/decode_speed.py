@@ -81,7 +81,6 @@ def main() -> None:
             runs[name].append(measure(m, tokenizer, prompt, args.max_tokens, stats))
 
     ckpt_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    tiny = next(iter(engines.values()))
     print("caliber:")
     print(f"  machine: {platform.machine()} {platform.system()}, {psutil.cpu_count()} cores, "
           f"{psutil.virtual_memory().total / 2**30:.0f} GiB; backend {backend_name()}; mlx {mx.__version__}")

@@ -26,8 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .policy import EvictionPolicy
-from .store import ExpertStore, TensorInfo
+from .policy import make_policy
+from .store import ExpertStore, ReadStats, TensorInfo
 
 
 @dataclass
@@ -93,8 +93,8 @@ class LayerCache:
         num_experts: E.
         num_slots: S, 1 <= S <= E.
         store: the cold tier.
-        policy: eviction policy for this layer.
         stats: shared counters.
+        policy: eviction policy name (:func:`mlx_tier.policy.make_policy`).
     """
 
     def __init__(
@@ -104,10 +104,8 @@ class LayerCache:
         num_experts: int,
         num_slots: int,
         store: ExpertStore,
-        policy: EvictionPolicy,
         stats: CacheStats,
-        policy_name: str = "lru",
-        policy_kwargs: dict | None = None,
+        policy: str = "lru",
     ):
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"slots must be in [1, {num_experts}], got {num_slots}")
@@ -116,9 +114,8 @@ class LayerCache:
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.store = store
-        self.policy = policy
-        self.policy_name = policy_name
-        self.policy_kwargs = policy_kwargs or {}
+        self.policy_name = policy
+        self.policy = make_policy(policy, num_slots)
         self.stats = stats
         self.slot_of = np.full(num_experts, -1, dtype=np.int64)  # expert -> slot
         self.free = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
@@ -186,10 +183,7 @@ class LayerCache:
             # Room for every expert: read the whole layer now, in one batch, so
             # the layer turns fully resident (lazy remap, no host sync) at once.
             missing = [e for e in range(self.num_experts) if self.slot_of[e] < 0]
-        before_b, before_t = self.store.stats.bytes_read, self.store.stats.read_seconds
         raw = self.store.read_experts(list(self.tensors), missing)
-        self.stats.bytes_read += self.store.stats.bytes_read - before_b
-        self.stats.read_seconds += self.store.stats.read_seconds - before_t
         self.settle()
         slots = []
         for e in missing:
@@ -223,11 +217,9 @@ class LayerCache:
 
     def reset(self) -> None:
         """Forget every resident expert (slab contents are then unused)."""
-        from .policy import make_policy
-
         self.slot_of[:] = -1
         self.free = list(range(self.num_slots - 1, -1, -1))
-        self.policy = make_policy(self.policy_name, self.num_slots, **self.policy_kwargs)
+        self.policy = make_policy(self.policy_name, self.num_slots)
         self.lut = None
 
     def assign(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
@@ -279,9 +271,12 @@ class ExpertCache:
 
     @property
     def stats(self) -> CacheStats:
-        """The shared counters, with every deferred hit counted."""
+        """The shared counters, with every deferred hit counted and the
+        store's read totals (the store serves only this cache)."""
         for layer in self.layers:
             layer.count_deferred()
+        self._stats.bytes_read = self.store.stats.bytes_read
+        self._stats.read_seconds = self.store.stats.read_seconds
         return self._stats
 
     @property
@@ -321,3 +316,4 @@ class ExpertCache:
         stats = self.stats
         for k, v in asdict(CacheStats()).items():
             setattr(stats, k, v)
+        self.store.stats = ReadStats()

@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from .store import CheckpointError, index_checkpoint
-from .tiered import find_expert_blocks
+from .tiered import expert_tensors, find_expert_blocks
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 SHARED_MARKERS = ("shared_expert", "shared_experts", "shared_mlp")
@@ -133,7 +133,7 @@ class RouterSafePredicate:
         return _more_precise(own, ours)
 
 
-def _own_predicate(hf_dir: Path, config: dict):
+def _own_predicate(config: dict):
     """The model class's own quant_predicate, from a lazily built instance (no weights)."""
     from mlx_lm.utils import _get_classes
 
@@ -159,17 +159,9 @@ def verify_experts(out_dir: Path) -> tuple[int, int]:
         raise CheckpointError(f"{out_dir}: converted model has no expert blocks")
     E = _num_experts(config)
     for path, block in blocks:
-        for sub, leaf in block.named_modules():
-            if leaf is block or leaf.children():
-                continue
-            for attr, arr in leaf.items():
-                if not isinstance(arr, mx.array) or arr.ndim < 2:
-                    continue
-                name = f"{path}.{sub}.{attr}"
-                info = index.get(name)
-                if info is None or info.shape[0] != (E or info.shape[0]) or tuple(info.shape) != tuple(arr.shape):
-                    got = None if info is None else info.shape
-                    raise CheckpointError(f"{out_dir}: {name} has shape {got}, expected {tuple(arr.shape)} with E={E}")
+        n, _ = expert_tensors(path, block, index, out_dir, dtype=None)
+        if E is not None and n != E:
+            raise CheckpointError(f"{out_dir}: {path} holds {n} experts, expected {E}")
     return len(blocks), E or 0
 
 
@@ -272,7 +264,7 @@ def convert(hf_dir: Path, out_dir: Path, cfg: ConvertConfig = ConvertConfig(), c
     E = _num_experts(config)
     if E is None:
         raise CheckpointError(f"{hf_dir}: config states no expert count ({', '.join(EXPERT_COUNT_KEYS)}): not an MoE")
-    predicate = RouterSafePredicate(cfg, E, _own_predicate(hf_dir, config))
+    predicate = RouterSafePredicate(cfg, E, _own_predicate(config))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))

@@ -14,7 +14,6 @@ published 97.8-99.7%; or S / E when higher).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -163,7 +162,6 @@ def make_plan(
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise CheckpointError(f"{model_dir}: no config.json (not an mlx-lm checkpoint directory)")
-    config = json.loads((model_dir / "config.json").read_text())
     index = index_checkpoint(model_dir)
     try:
         model, config = load_model(model_dir, lazy=True)  # builds the graph; reads no weight

@@ -33,6 +33,19 @@ def _no_victim() -> RuntimeError:
     return RuntimeError("no evictable expert: every resident expert is protected")
 
 
+def _evictable(resident: Iterable[int], protected: Iterable[int]) -> list[int]:
+    """Resident experts not in ``protected``.
+
+    Raises:
+        RuntimeError: none.
+    """
+    protected = set(protected)
+    candidates = [e for e in resident if e not in protected]
+    if not candidates:
+        raise _no_victim()
+    return candidates
+
+
 class LRUPolicy:
     """Least recently used: evict the expert whose last use is oldest."""
 
@@ -90,11 +103,7 @@ class LFUAgingPolicy:
         self._tick(expert)
 
     def evict(self, protected: Iterable[int] = ()) -> int:
-        protected = set(protected)
-        candidates = [e for e in self._prio if e not in protected]
-        if not candidates:
-            raise _no_victim()
-        victim = min(candidates, key=lambda e: (self._prio[e], self._last[e]))
+        victim = min(_evictable(self._prio, protected), key=lambda e: (self._prio[e], self._last[e]))
         self._age = self._prio.pop(victim)
         del self._last[victim]
         return victim
@@ -155,7 +164,6 @@ class PinnedPolicy:
     def __init__(self, slots: int = 0, frequencies: dict[int, float] | None = None) -> None:
         self.freq = dict(frequencies or {})
         self._lru = LRUPolicy()
-        self._rank = {}
 
     def access(self, expert: int) -> None:
         self._lru.access(expert)
@@ -164,12 +172,8 @@ class PinnedPolicy:
         self._lru.insert(expert)
 
     def evict(self, protected: Iterable[int] = ()) -> int:
-        protected = set(protected)
         order = {e: i for i, e in enumerate(self._lru._order)}  # 0 = least recent
-        candidates = [e for e in order if e not in protected]
-        if not candidates:
-            raise _no_victim()
-        victim = min(candidates, key=lambda e: (self.freq.get(e, 0.0), order[e]))
+        victim = min(_evictable(order, protected), key=lambda e: (self.freq.get(e, 0.0), order[e]))
         del self._lru._order[victim]
         return victim
 
@@ -209,11 +213,7 @@ class BeladyPolicy:
         self._consume(expert)
 
     def evict(self, protected: Iterable[int] = ()) -> int:
-        protected = set(protected)
-        candidates = [e for e in self._resident if e not in protected]
-        if not candidates:
-            raise _no_victim()
-        victim = max(candidates, key=lambda e: (self._next_use(e), -e))
+        victim = max(_evictable(self._resident, protected), key=lambda e: (self._next_use(e), -e))
         self._resident.remove(victim)
         return victim
 

@@ -20,7 +20,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .cache import CacheStats, ExpertCache, LayerCache, SlabTensor
-from .policy import OFFLINE_POLICIES, make_policy
+from .policy import OFFLINE_POLICIES
 from .store import CheckpointError, ExpertStore
 
 GIB = 1024**3
@@ -122,8 +122,20 @@ def _set_child(model: nn.Module, path: str, new: nn.Module) -> None:
     node[last] = new
 
 
-def _stacked_tensors(path: str, block: nn.Module, store: ExpertStore, dtype) -> tuple[int, dict]:
-    """The stacked expert tensors of one block, checked against the shard headers."""
+def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path, dtype) -> tuple[int, dict]:
+    """The stacked expert tensors of one expert block, checked against the shard headers.
+
+    Args:
+        path: the block's parameter path (``model.layers.3.mlp.switch_mlp``).
+        index: tensor name -> TensorInfo of the checkpoint (:func:`~mlx_tier.store.index_checkpoint`).
+        dtype: slab dtype for floating tensors (``None``: as stored).
+
+    Returns:
+        ``(E, {name on disk: SlabTensor})``.
+    Raises:
+        CheckpointError: a tensor missing, not stacked ``[E, ...]``, of another
+            shape than the model expects, or an nvfp4 global scale on the CPU.
+    """
     tensors = {}
     num_experts = None
     for sub, leaf in block.named_modules():
@@ -138,10 +150,10 @@ def _stacked_tensors(path: str, block: nn.Module, store: ExpertStore, dtype) -> 
                     "(MLX's CPU backend cannot run them)"
                 )
             name = f"{path}.{sub}.{attr}"
-            info = store.index.get(name)
+            info = index.get(name)
             if info is None:
                 raise CheckpointError(
-                    f"{store.model_dir}: expert tensor {name!r} is not stored stacked [E, ...] "
+                    f"{model_dir}: expert tensor {name!r} is not stored stacked [E, ...] "
                     "(mlx-lm format expected; convert the checkpoint with mlx_lm.convert)"
                 )
             if tuple(info.shape) != tuple(arr.shape) or info.shape[0] != (num_experts or info.shape[0]):
@@ -207,7 +219,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
                          "use it in `mlx-tier trace-sim`")
     store = ExpertStore(model_dir, threads=config.read_threads)
     dtype = config.dtype if config.dtype is not None else default_compute_dtype()
-    found = [(path, *_stacked_tensors(path, block, store, dtype)) for path, block in blocks]
+    found = [(path, *expert_tensors(path, block, store.index, model_dir, dtype)) for path, block in blocks]
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
     wrappers = []
@@ -231,8 +243,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
     stats = CacheStats()
     layers = []
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
-        layers.append(LayerCache(i, tensors, n, min(slots, n), store, make_policy(config.policy, min(slots, n)), stats,
-                                 policy_name=config.policy))
+        layers.append(LayerCache(i, tensors, n, min(slots, n), store, stats, config.policy))
         wrapper._cache = layers[-1]
     expert_cache = ExpertCache(layers, stats, budget, store)
     model.expert_cache = expert_cache

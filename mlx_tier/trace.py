@@ -14,11 +14,14 @@ expert ids. Two file formats:
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .journal import write_atomic
 
 FORMAT = "mlx-tier-trace"
 VERSION = 1
@@ -64,24 +67,18 @@ class Trace:
 
 
 def save(trace: Trace, path: Path) -> None:
-    """Write ``trace`` in mlx-tier's ``.npz`` format (atomically)."""
-    import os
-    import tempfile
+    """Write ``trace`` in mlx-tier's ``.npz`` format (atomically).
 
-    path = Path(path)
+    Raises:
+        OSError: the folder is missing or not writable, or the disk is full.
+    """
     meta = {"format": FORMAT, "version": VERSION, **trace.meta}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(
-                f, token=trace.token, layer=trace.layer, phase=trace.phase, experts=trace.experts,
-                meta=np.array(json.dumps(meta)),
-            )
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    buf = io.BytesIO()
+    np.savez_compressed(
+        buf, token=trace.token, layer=trace.layer, phase=trace.phase, experts=trace.experts,
+        meta=np.array(json.dumps(meta)),
+    )
+    write_atomic(Path(path), buf.getvalue())
 
 
 def load(path: Path) -> Trace:
