@@ -1,0 +1,338 @@
+"""Batched greedy generation for the job runner, on mlx-lm's ``BatchGenerator``.
+
+Several prompts decode together (continuous batching: a finished sequence's
+place is refilled at once), so each expert read from disk serves every
+sequence in the batch. The shared instruction prefix of every prompt is
+prefilled once and its KV cache copied into each sequence (mlx-lm prompt
+caches). Everything here is mlx-lm's; this module only feeds it and collects
+the results, between decode steps — never inside a forward pass.
+
+Also here: the stop-token set, the reasoning-block rule, and the memory
+estimates that pick a batch size and a usable context.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import psutil
+
+GIB = 1024**3
+# Batch size when memory allows more: on a 2-core CPU more sequences add
+# compute per step; mlx-lm's own default of 32 has run small Macs out of memory.
+MAX_AUTO_BATCH = 8
+# Memory kept free for the OS and everything not estimated here.
+HEADROOM_BYTES = 1 * GIB
+DEFAULT_PREFILL_STEP = 512
+
+
+def stop_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
+    """End-of-sequence ids: the union of the tokenizer's and the checkpoint's.
+
+    Reads ``eos_token_id`` (an int or a list) from ``config.json`` and
+    ``generation_config.json`` in ``model_dir`` when present; chat models often
+    list their end-of-turn token only in one of those.
+    """
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    for name in ("config.json", "generation_config.json"):
+        try:
+            value = json.loads((Path(model_dir) / name).read_text()).get("eos_token_id") if model_dir else None
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids.update([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
+    return ids
+
+
+# Reasoning rule (documented in the README): the summary is what the model
+# says outside its reasoning. (1) ``<think>…</think>`` blocks are removed; an
+# unclosed ``<think>`` runs to the end of the text. (2) A ``</think>`` without
+# an opening tag (the chat template opened it) ends the reasoning: everything
+# before it is reasoning. (3) GPT-OSS harmony output: the text of the last
+# ``final`` channel message is the summary; ``analysis`` messages are reasoning.
+_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.S)
+_HARMONY = re.compile(r"<\|channel\|>(\w+)(?:[^<]*)<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.S)
+
+
+def strip_reasoning(text: str) -> tuple[str, str]:
+    """Split generated text into ``(summary, reasoning)`` by the rule above.
+
+    Both parts are stripped of surrounding whitespace; ``reasoning`` is ``""``
+    when the text holds none.
+    """
+    if "<|channel|>" in text:
+        messages = _HARMONY.findall(text)
+        finals = [m for ch, m in messages if ch == "final"]
+        reasoning = "\n\n".join(m.strip() for ch, m in messages if ch != "final")
+        return (finals[-1].strip() if finals else ""), reasoning
+    reasoning = []
+    if "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
+        head, text = text.split("</think>", 1)
+        reasoning.append(head.strip())
+    reasoning += [m.strip() for m in _THINK.findall(text)]
+    summary = _THINK.sub("", text)
+    return summary.strip(), "\n\n".join(r for r in reasoning if r)
+
+
+def kv_bytes_per_token(cache: list) -> tuple[float, int]:
+    """KV-cache cost of a sequence, measured on a filled mlx-lm prompt cache.
+
+    Args:
+        cache: a prompt cache (``mlx_lm.models.cache.make_prompt_cache``) after
+            at least one token was processed.
+
+    Returns:
+        ``(bytes per token, fixed bytes)``: attention caches grow per token
+        (their allocated keys/values divided by allocated length); other
+        caches (SSM/linear-attention state) count as fixed.
+    """
+    per_token, fixed = 0.0, 0
+    for c in cache:
+        if hasattr(c, "caches"):  # CacheList
+            p, f = kv_bytes_per_token(list(c.caches))
+            per_token, fixed = per_token + p, fixed + f
+            continue
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
+            per_token += keys.nbytes / keys.shape[2] + values.nbytes / values.shape[2]
+        else:
+            try:
+                fixed += int(c.nbytes)
+            except (NotImplementedError, AttributeError, TypeError):
+                pass
+    return per_token, fixed
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How many sequences fit, and how long each may be.
+
+    Attributes:
+        kv_per_token: KV-cache bytes per token of one sequence.
+        fixed_per_seq: per-sequence bytes that do not grow with length.
+        prefill_bytes: transient bytes of one prefill step (attention scores
+            and activations), estimated.
+        free_bytes: memory available for sequences now (psutil, minus
+            :data:`HEADROOM_BYTES`).
+    """
+
+    kv_per_token: float
+    fixed_per_seq: int
+    prefill_bytes: int
+    free_bytes: int
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """Bytes one sequence of ``tokens`` tokens (prompt + output) holds."""
+        return int(self.kv_per_token * tokens) + self.fixed_per_seq
+
+    def batch_size(self, tokens: int, limit: int = MAX_AUTO_BATCH) -> int:
+        """Most sequences of ``tokens`` tokens that fit, in ``[1, limit]``."""
+        room = self.free_bytes - self.prefill_bytes
+        return max(1, min(limit, room // max(1, self.sequence_bytes(tokens))))
+
+    def max_tokens(self) -> int:
+        """Longest single sequence (prompt + output) that fits, in tokens."""
+        room = self.free_bytes - self.prefill_bytes - self.fixed_per_seq
+        return int(room / self.kv_per_token) if self.kv_per_token else 1 << 30
+
+
+def estimate_memory(cache: list, model_args, prefill_step: int, context: int) -> MemoryPlan:
+    """A :class:`MemoryPlan` from a filled prompt cache and the model's shape.
+
+    The prefill transient is ``heads x step x context`` float32 attention
+    scores plus ``step x hidden x 16`` bytes of activations — an estimate
+    that errs high; MLX's memory is otherwise not predictable here.
+    """
+    per_token, fixed = kv_bytes_per_token(cache)
+    heads = int(getattr(model_args, "num_attention_heads", 0) or 0)
+    hidden = int(getattr(model_args, "hidden_size", 0) or 0)
+    prefill = heads * prefill_step * context * 4 + prefill_step * hidden * 16
+    free = psutil.virtual_memory().available - HEADROOM_BYTES
+    return MemoryPlan(per_token, fixed, int(prefill), int(free))
+
+
+def common_prefix(prompts: list[list[int]]) -> int:
+    """Length of the longest common prefix of token lists."""
+    n = min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != prompts[0][i] for p in prompts[1:]):
+            return i
+    return n
+
+
+class PrefixCache:
+    """The KV cache of a token prefix shared by many prompts, computed once.
+
+    mlx-lm prompt caches (``make_prompt_cache``); each sequence gets a deep
+    copy, so the shared one is never written.
+    """
+
+    def __init__(self, model, tokens: list[int], prefill_step: int = DEFAULT_PREFILL_STEP):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.tokens = list(tokens)
+        self.cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        for i in range(0, len(tokens), prefill_step):
+            model(mx.array(tokens[i : i + prefill_step])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        self.seconds = time.perf_counter() - t0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def applies(self, prompt: list[int]) -> bool:
+        # At least one token must remain to be processed after the prefix.
+        return len(self.tokens) > 0 and len(prompt) > len(self.tokens) and prompt[: len(self.tokens)] == self.tokens
+
+    def copy(self) -> list:
+        return copy.deepcopy(self.cache)
+
+
+@dataclass
+class Task:
+    """One prompt to complete.
+
+    Attributes:
+        key: the caller's handle, returned with the result.
+        prompt: token ids, ``[T]``.
+        max_tokens: most tokens to generate.
+    """
+
+    key: object
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Finished:
+    """A completed :class:`Task`.
+
+    Attributes:
+        tokens: generated ids (a final stop token excluded).
+        text: ``tokens`` decoded, untrimmed.
+        finish_reason: ``"stop"`` (a stop token) or ``"length"`` (``max_tokens``).
+        seconds: wall time from insertion to completion (shared with the
+            batch's other sequences).
+        prefix_tokens: prompt tokens served from the shared prefix cache.
+    """
+
+    key: object
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    seconds: float
+    prefix_tokens: int = 0
+
+
+@dataclass
+class StepInfo:
+    """What one :meth:`BatchEngine.step` did."""
+
+    finished: list[Finished] = field(default_factory=list)
+    generated: int = 0  # tokens decoded in this step, over the batch
+    prefill: list[tuple] = field(default_factory=list)  # (key, prompt tokens processed, prompt length)
+    seconds: float = 0.0
+
+
+class BatchEngine:
+    """Continuous batching of :class:`Task` s through mlx-lm's ``BatchGenerator``.
+
+    Greedy (argmax) decoding; an optional repetition penalty (mlx-lm's
+    ``make_logits_processors``), whose context includes the prompt as in
+    ``stream_generate``. At most ``batch_size`` sequences are in flight;
+    call :meth:`add` while :attr:`free` is positive, then :meth:`step`.
+
+    Args:
+        model, tokenizer: as returned by :func:`mlx_tier.load` (or ``mlx_lm.load``).
+        stop_ids: end-of-sequence token ids (:func:`stop_token_ids`).
+        batch_size: sequences decoded together, >= 1.
+        prefill_step_size: prompt tokens per forward call in prefill.
+        prefix: a shared prefix's cache; prompts starting with it reuse it.
+    """
+
+    def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 1, repetition_penalty: float = 1.0,
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP, prefix: PrefixCache | None = None):
+        from mlx_lm.generate import BatchGenerator
+
+        if batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.repetition_penalty = repetition_penalty
+        self.prefix = prefix
+        self._gen = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in sorted(stop_ids)],
+            completion_batch_size=batch_size,
+            prefill_batch_size=batch_size,
+            prefill_step_size=prefill_step_size,
+        )
+        self._active: dict[int, tuple[Task, list[int], float, int]] = {}  # uid -> (task, tokens, t0, prefix)
+
+    @property
+    def free(self) -> int:
+        return self.batch_size - len(self._active)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def add(self, task: Task) -> None:
+        """Queue ``task``; it starts prefill at the next :meth:`step`.
+
+        Raises:
+            ValueError: no free place, or an empty prompt.
+        """
+        from mlx_lm.sample_utils import make_logits_processors
+
+        if self.free <= 0:
+            raise ValueError("batch is full")
+        if not task.prompt:
+            raise ValueError("empty prompt")
+        processors = make_logits_processors(repetition_penalty=self.repetition_penalty) \
+            if self.repetition_penalty != 1.0 else []
+        prompt, caches, seen, used = task.prompt, None, None, 0
+        if self.prefix is not None and self.prefix.applies(task.prompt):
+            used = len(self.prefix)
+            prompt, caches, seen = task.prompt[used:], [self.prefix.copy()], [list(self.prefix.tokens)]
+        (uid,) = self._gen.insert([prompt], [task.max_tokens], caches=caches, all_tokens=seen,
+                                  logits_processors=[processors])
+        self._active[uid] = (task, [], time.perf_counter(), used)
+
+    def step(self) -> StepInfo:
+        """One step of mlx-lm's batch generator: a decode step for the running
+        sequences and/or one prefill step for new ones."""
+        info = StepInfo()
+        t0 = time.perf_counter()
+        prompt_responses, responses = self._gen.next()
+        info.seconds = time.perf_counter() - t0
+        info.prefill = [(self._active[p.uid][0].key, *p.progress) for p in prompt_responses if p.uid in self._active]
+        info.generated = len(responses)
+        for r in responses:
+            task, tokens, started, used = self._active[r.uid]
+            if r.finish_reason != "stop":
+                tokens.append(r.token)
+            if r.finish_reason is not None:
+                del self._active[r.uid]
+                info.finished.append(Finished(task.key, tokens, self.tokenizer.decode(tokens), r.finish_reason,
+                                              time.perf_counter() - started, used))
+        return info
+
+    def cancel(self) -> list[Task]:
+        """Drop every sequence in flight; returns their tasks."""
+        tasks = [t for t, *_ in self._active.values()]
+        if self._active:
+            self._gen.remove(list(self._active))
+        self._active.clear()
+        return tasks
+
+    def close(self) -> None:
+        self._gen.close()

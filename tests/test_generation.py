@@ -1,0 +1,122 @@
+"""Batched generation equals one prompt at a time; the reasoning rule; stop ids; memory plan.
+
+Invariant guarded: greedy tokens of a batch (prompts of different lengths,
+right-padded by mlx-lm, with and without the shared-prefix KV cache) equal
+each prompt decoded alone by mlx-lm's ``stream_generate`` on the same model,
+at a cache smaller than the experts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_logits_processors
+
+import mlx_tier
+from mlx_tier.generation import (
+    BatchEngine,
+    MemoryPlan,
+    PrefixCache,
+    Task,
+    common_prefix,
+    stop_token_ids,
+    strip_reasoning,
+)
+from mlx_tier.jobs import build_prompt
+
+N = 10
+TEXTS = ["The cat sat.", "A much longer text about rivers, mountains and the sea, and boats.", "Numbers: 1 2 3 4 5"]
+
+
+def alone(model, tokenizer, prompt, penalty):
+    procs = make_logits_processors(repetition_penalty=penalty) if penalty != 1.0 else None
+    out = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=N, logits_processors=procs)]
+    return [t for t in out if t not in tokenizer.eos_token_ids]
+
+
+def run_batch(engine, prompts):
+    results = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.active:
+        while pending and engine.free:
+            i, p = pending.pop(0)
+            engine.add(Task(i, p, N))
+        for f in engine.step().finished:
+            results[f.key] = f
+    return [results[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def tiered(tiny_moe):
+    return mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2))
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.1])
+def test_batch_equals_alone_with_and_without_prefix(tiered, tiny_moe, penalty):
+    model, tokenizer = tiered
+    prompts = [build_prompt(tokenizer, "Summarise this.", t) for t in TEXTS]
+    assert len({len(p) for p in prompts}) == 3  # different lengths: padding is exercised
+    refs = [alone(model, tokenizer, p, penalty) for p in prompts]
+    assert len({tuple(r) for r in refs}) == 3  # the outputs differ, so a mix-up would show
+    n = common_prefix(prompts)
+    assert 0 < n < min(len(p) for p in prompts)
+    stops = stop_token_ids(tokenizer, tiny_moe)
+    for prefix in (None, PrefixCache(model, prompts[0][:n])):
+        # batch of 2 for 3 prompts: the third joins when the first finishes
+        got = run_batch(BatchEngine(model, tokenizer, stops, batch_size=2, repetition_penalty=penalty,
+                                    prefix=prefix), prompts)
+        assert [g.tokens for g in got] == refs
+        assert all(g.prefix_tokens == (n if prefix else 0) for g in got)
+        assert [g.text for g in got] == [tokenizer.decode(r) for r in refs]
+
+
+def test_engine_refuses_overfill_and_cancels(tiered, tiny_moe):
+    model, tokenizer = tiered
+    eng = BatchEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=1)
+    eng.add(Task("a", [1, 2, 3], 4))
+    with pytest.raises(ValueError, match="full"):
+        eng.add(Task("b", [1, 2], 4))
+    eng.step()
+    assert [t.key for t in eng.cancel()] == ["a"] and eng.free == 1
+    with pytest.raises(ValueError, match="empty"):
+        eng.add(Task("c", [], 4))
+
+
+def test_stop_ids_union_of_tokenizer_and_configs(tmp_path):
+    class Tok:
+        eos_token_ids = {2}
+        eos_token_id = 2
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
+    assert stop_token_ids(Tok(), tmp_path) == {2, 7, 9, 11}
+    (tmp_path / "generation_config.json").write_text("not json")
+    assert stop_token_ids(Tok(), tmp_path) == {2, 7, 9}
+
+
+@pytest.mark.parametrize(
+    "text, summary, reasoning",
+    [
+        ("Plain summary.", "Plain summary.", ""),
+        ("<think>weigh it</think>\nThe answer.", "The answer.", "weigh it"),
+        ("Start. <think>a</think> Middle. <think>b</think> End.", "Start.  Middle.  End.", "a\n\nb"),
+        ("<think>never closed", "", "never closed"),
+        ("opened by the template</think> Final words.", "Final words.", "opened by the template"),
+        ("<|channel|>analysis<|message|>think here<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>",
+         "Done.", "think here"),
+        ("<|channel|>analysis<|message|>only thinking", "", "only thinking"),
+    ],
+)
+def test_strip_reasoning(text, summary, reasoning):
+    assert strip_reasoning(text) == (summary, reasoning)
+
+
+def test_memory_plan_arithmetic():
+    plan = MemoryPlan(kv_per_token=1000.0, fixed_per_seq=500, prefill_bytes=10_000, free_bytes=1_010_000)
+    assert plan.sequence_bytes(100) == 100_500
+    assert plan.batch_size(100) == 8  # 1_000_000 // 100_500 = 9, capped at 8
+    assert plan.batch_size(400) == 2  # 1_000_000 // 400_500
+    assert plan.batch_size(10_000) == 1  # never below one
+    assert plan.max_tokens() == 999
