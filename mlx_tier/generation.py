@@ -57,8 +57,8 @@ def stop_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
 # an opening tag (the chat template opened it) ends the reasoning: everything
 # before it is reasoning. (3) GPT-OSS harmony output: the text of the last
 # ``final`` channel message is the summary; ``analysis`` messages are reasoning.
-_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.S)
-_HARMONY = re.compile(r"<\|channel\|>(\w+)(?:[^<]*)<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.S)
+_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
+_HARMONY = re.compile(r"<\|channel\|>(\w+)(?:[^<]*)<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.DOTALL)
 
 
 def strip_reasoning(text: str) -> tuple[str, str]:
@@ -325,6 +325,10 @@ class BatchEngine:
                 info.finished.append(Finished(task.key, tokens, self.tokenizer.decode(tokens), r.finish_reason,
                                               time.perf_counter() - started, used))
         return info
+
+    def tasks(self) -> list[Task]:
+        """The tasks in flight."""
+        return [t for t, *_ in self._active.values()]
 
     def cancel(self) -> list[Task]:
         """Drop every sequence in flight; returns their tasks."""

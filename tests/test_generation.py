@@ -86,7 +86,7 @@ def test_engine_refuses_overfill_and_cancels(tiered, tiny_moe):
 
 def test_stop_ids_union_of_tokenizer_and_configs(tmp_path):
     class Tok:
-        eos_token_ids = {2}
+        eos_token_ids = frozenset({2})
         eos_token_id = 2
 
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))

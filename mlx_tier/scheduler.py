@@ -1,0 +1,247 @@
+"""Which prompts run next: documents in, summaries out, through one batched engine.
+
+The job runner hands over the documents to do; this module turns each into
+one prompt (or, when too long for the usable context, a map-reduce of parts,
+:mod:`mlx_tier.longdoc`), keeps the batch full, and yields one
+:class:`Outcome` per document as soon as it is finished — the runner then
+writes and journals it. The thermal throttle and progress run between steps
+through ``on_step``; nothing here sleeps or runs inside a forward pass.
+
+Failures: an exception inside a batched step cannot be pinned on one
+sequence, so every document in flight is retried alone; a document that
+fails alone is reported failed with its error and the job goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import psutil
+
+from .generation import (
+    DEFAULT_PREFILL_STEP,
+    HEADROOM_BYTES,
+    BatchEngine,
+    PrefixCache,
+    StepInfo,
+    Task,
+    common_prefix,
+    estimate_memory,
+    stop_token_ids,
+    strip_reasoning,
+)
+from .longdoc import MapReduce, TooLong, build_prompt, trim_to_sentence
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How summaries are generated.
+
+    Attributes:
+        instruction: placed before each document's text.
+        max_tokens: most tokens per generated summary (and per part summary).
+        repetition_penalty: mlx-lm's repetition penalty, 1.0 = plain greedy.
+        batch_size: sequences decoded together; ``None``: from memory
+            headroom (:class:`~mlx_tier.generation.MemoryPlan`), at most 8.
+        context: usable context in tokens (prompt + output); ``None``: the
+            model's. Documents longer than this are summarised by map-reduce.
+        prefill_step_size: prompt tokens per forward call during prefill.
+        reuse_prefix: prefill the instruction prefix shared by every prompt
+            once and copy its KV cache into each sequence.
+    """
+
+    instruction: str
+    max_tokens: int
+    repetition_penalty: float = 1.0
+    batch_size: int | None = None
+    context: int | None = None
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
+    reuse_prefix: bool = True
+
+
+@dataclass
+class Outcome:
+    """One finished (or failed) document.
+
+    ``parts`` > 0 marks a document summarised by map-reduce (its level-0 part
+    count); ``reasoning`` holds any thinking the model did (kept in the
+    journal, not in the summary).
+    """
+
+    id: str
+    status: str  # done | failed
+    summary: str = ""
+    reasoning: str = ""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    parts: int = 0
+    levels: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Doc:
+    doc: object  # documents.Document
+    started: float
+    mr: MapReduce | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning: list[str] = field(default_factory=list)
+    open_tasks: int = 0
+
+
+class Scheduler:
+    """Keeps one :class:`~mlx_tier.generation.BatchEngine` full of documents' prompts.
+
+    Args:
+        model, tokenizer: from :func:`mlx_tier.load` (or ``mlx_lm.load``).
+        model_dir: the checkpoint (its config gives extra stop ids).
+        model_context: the model's context length in tokens.
+        config: :class:`GenerationConfig`.
+
+    Attributes:
+        info: what was decided at start (batch size, usable context, shared
+            prefix tokens and its prefill seconds, KV bytes per token), for the report.
+    """
+
+    def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.stop_ids = stop_token_ids(tokenizer, model_dir)
+        probes = [build_prompt(tokenizer, config.instruction, t) for t in ("alpha beta", "zulu 9")]
+        n = max(0, common_prefix(probes) - 1)  # the last shared token may merge with the text
+        # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
+        self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
+        context = min(model_context, config.context or model_context)
+        plan = self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None),
+                                           config.prefill_step_size, context)
+        self.context = max(1, min(context, plan.max_tokens()))
+        self.batch_size = config.batch_size or plan.batch_size(self.context)
+        self.info = {
+            "batch_size": self.batch_size,
+            "batch_size_from": "--batch-size" if config.batch_size else "memory headroom",
+            "usable_context": self.context,
+            "context_limited_by_memory": self.context < context,
+            "shared_prefix_tokens": len(self.prefix) if config.reuse_prefix else 0,
+            "shared_prefix_prefill_seconds": round(self.prefix.seconds, 3),
+            "kv_bytes_per_token": round(plan.kv_per_token),
+            "prefill_step_size": config.prefill_step_size,
+            "stop_token_ids": sorted(self.stop_ids),
+        }
+        self._engine: BatchEngine | None = None
+
+    def _new_engine(self, batch_size: int) -> BatchEngine:
+        c = self.config
+        return BatchEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
+                           repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
+                           prefix=self.prefix if c.reuse_prefix and len(self.prefix) > 1 else None)
+
+    def _tasks(self, d: _Doc) -> list[Task]:
+        """The first calls of a document (raises TooLong, or the tokenizer's errors)."""
+        c = self.config
+        prompt = build_prompt(self.tokenizer, c.instruction, d.doc.text)
+        d.input_tokens = len(prompt)
+        # Memory now (sequences in flight already hold theirs): a document that
+        # would not fit is split smaller instead of failing the process.
+        now = replace(self.plan, free_bytes=psutil.virtual_memory().available - HEADROOM_BYTES)
+        context = min(self.context, now.max_tokens())
+        if len(prompt) + c.max_tokens <= context:
+            return [Task((d, 0), prompt, c.max_tokens)]
+        d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, context - c.max_tokens)
+        return [Task((d, i), p, c.max_tokens) for i, p in d.mr.prompts()]
+
+    def _failed(self, d: _Doc, error: str) -> Outcome:
+        return Outcome(d.doc.id, "failed", input_tokens=d.input_tokens, parts=d.mr.parts if d.mr else 0,
+                       seconds=time.perf_counter() - d.started, error=error)
+
+    def _finish(self, d: _Doc, text: str, reason: str) -> Outcome:
+        summary = trim_to_sentence(text) if reason == "length" else text
+        return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
+                       d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
+                       time.perf_counter() - d.started)
+
+    def run(self, docs, should_stop: Callable[[], bool] = lambda: False,
+            on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
+        """Summarise ``docs`` (:class:`~mlx_tier.documents.Document`), yielding each outcome when final.
+
+        Once ``should_stop()`` is true no new document starts; the calls in
+        flight finish (a map-reduce document not yet complete stays undone).
+        ``on_step(info, ids in flight)`` runs after every engine step.
+        """
+        waiting = deque(docs)
+        ready: deque[Task] = deque()  # calls of started documents, before new documents
+        solo: deque[_Doc] = deque()  # documents in flight when a batched step failed: retried alone
+        engine = self._engine = self._new_engine(self.batch_size)
+        while True:
+            stopping = should_stop()
+            while engine.free and not stopping:
+                if ready:
+                    engine.add(ready.popleft())
+                    continue
+                source = solo if solo else waiting
+                if not source or (solo and engine.active):
+                    break
+                d = _Doc(source.popleft(), time.perf_counter())
+                if d.doc.error is not None:
+                    yield self._failed(d, d.doc.error)
+                    continue
+                try:
+                    tasks = self._tasks(d)
+                except TooLong as e:
+                    yield self._failed(d, f"document too long for the usable context of {self.context} tokens: {e}")
+                    continue
+                except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
+                    yield self._failed(d, f"{type(e).__name__}: {e}")
+                    continue
+                d.open_tasks = len(tasks)
+                ready.extend(tasks)
+            if not engine.active:
+                if stopping or not (ready or solo or waiting):
+                    break
+                continue
+            in_flight = [t.key[0] for t in engine.tasks()]
+            try:
+                info = engine.step()
+            except Exception as e:  # noqa: BLE001 - e.g. MLX out of memory inside a batched step
+                docs_in_flight = list(dict.fromkeys(in_flight + [t.key[0] for t in ready]))
+                engine.cancel()
+                ready.clear()
+                self._clear_pending()
+                engine = self._engine = self._new_engine(self.batch_size)
+                if len(docs_in_flight) == 1:
+                    yield self._failed(docs_in_flight[0], f"{type(e).__name__}: {e}")
+                else:
+                    solo.extend(d.doc for d in docs_in_flight)
+                continue
+            on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
+            for f in info.finished:
+                d, index = f.key
+                d.output_tokens += len(f.tokens)
+                summary, reasoning = strip_reasoning(f.text)
+                d.reasoning.append(reasoning)
+                d.open_tasks -= 1
+                if d.mr is None:
+                    yield self._finish(d, summary, f.finish_reason)
+                    continue
+                try:
+                    more = d.mr.add(index, trim_to_sentence(summary) if f.finish_reason == "length" else summary)
+                except TooLong as e:
+                    yield self._failed(d, f"document too long for the usable context of {self.context} tokens: {e}")
+                    continue
+                if d.mr.summary is not None:
+                    yield self._finish(d, d.mr.summary, f.finish_reason)
+                elif more:
+                    d.open_tasks = len(more)
+                    ready.extendleft(reversed([Task((d, i), p, self.config.max_tokens) for i, p in more]))
+        engine.close()
+
+    def _clear_pending(self) -> None:
+        """Forget lazy expert outputs of a failed step (they would fail again when evaluated)."""
+        cache = getattr(self.model, "expert_cache", None)
+        for layer in getattr(cache, "layers", []):
+            layer.pending = None

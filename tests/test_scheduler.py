@@ -1,0 +1,88 @@
+"""The scheduler: batched documents equal documents alone; map-reduce for long ones; a failing
+document fails alone while the others finish; a stop request starts nothing new."""
+
+from __future__ import annotations
+
+import pytest
+
+import mlx_tier
+from mlx_tier.documents import Document
+from mlx_tier.scheduler import GenerationConfig, Scheduler
+
+TEXTS = {
+    "a": "The cat sat on the mat and looked at the garden.",
+    "b": "Rivers run to the sea. Mountains stand. Boats float on the water near the harbour.",
+    "c": "Numbers: one, two, three, four, five, six.",
+}
+LONG = "\n\n".join(f"Paragraph {i}: the {i}th bridge crosses the river at mile {i * 7}." for i in range(40))
+
+
+def docs(texts):
+    return [Document(k, k, t) for k, t in texts.items()]
+
+
+@pytest.fixture(scope="module")
+def tiered(tiny_moe):
+    return mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2))
+
+
+def run(model, tokenizer, path, texts, *, batch, model_context=4096, **kw):
+    config = GenerationConfig("Summarise this.", max_tokens=8, batch_size=batch, **kw)
+    sched = Scheduler(model, tokenizer, path, model_context, config)
+    return {o.id: o for o in sched.run(docs(texts))}, sched
+
+
+def test_batched_documents_equal_documents_alone(tiered, tiny_moe):
+    model, tokenizer = tiered
+    alone, _ = run(model, tokenizer, tiny_moe, TEXTS, batch=1, reuse_prefix=False)
+    batched, sched = run(model, tokenizer, tiny_moe, TEXTS, batch=2)
+    assert sched.info["batch_size"] == 2 and sched.info["shared_prefix_tokens"] > 0
+    assert all(o.status == "done" and o.output_tokens > 0 for o in batched.values())
+    assert {k: o.summary for k, o in batched.items()} == {k: o.summary for k, o in alone.items()}
+    assert len({o.summary for o in alone.values()}) == 3
+
+
+def test_long_document_is_summarised_by_map_reduce(tiered, tiny_moe):
+    model, tokenizer = tiered
+    out, sched = run(model, tokenizer, tiny_moe, {"long": LONG, "a": TEXTS["a"]}, batch=2, model_context=180)
+    assert sched.context == 180
+    long, short = out["long"], out["a"]
+    assert long.status == "done" and long.parts >= 3 and long.levels >= 2
+    assert long.input_tokens > 180  # the whole document's prompt: never truncated
+    assert long.output_tokens > 8  # every part's tokens count
+    assert short.status == "done" and short.parts == 0
+
+
+class Poisoned:
+    """The model, failing like an MLX out-of-memory error whenever a batch holds ``token``."""
+
+    def __init__(self, model, token: int):
+        self._model, self._token = model, token
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, inputs, *args, **kwargs):
+        if (inputs == self._token).any().item():
+            raise RuntimeError("[malloc] Unable to allocate 1234 bytes")
+        return self._model(inputs, *args, **kwargs)
+
+
+def test_a_failing_document_fails_alone(tiered, tiny_moe):
+    model, tokenizer = tiered
+    texts = {**TEXTS, "bad": "zebraquokka " * 3}
+    token = tokenizer.encode(" zebraquokka", add_special_tokens=False)[0]
+    assert all(token not in tokenizer.encode(t) for t in TEXTS.values())
+    clean, _ = run(model, tokenizer, tiny_moe, TEXTS, batch=4)
+    out, _ = run(Poisoned(model, token), tokenizer, tiny_moe, texts, batch=4)
+    assert out["bad"].status == "failed" and "Unable to allocate" in out["bad"].error
+    assert {k: out[k].summary for k in TEXTS} == {k: o.summary for k, o in clean.items()}
+
+
+def test_stop_request_starts_nothing_new(tiered, tiny_moe):
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=1))
+    steps = []
+    out = list(sched.run(docs(TEXTS), should_stop=lambda: len(steps) > 0, on_step=lambda i, ids: steps.append(ids)))
+    assert [o.id for o in out] == ["a"]  # in flight at the stop: finished; b and c never started
+    assert all(ids == ["a"] for ids in steps)
