@@ -18,8 +18,12 @@ from pathlib import Path
 import mlx.core as mx
 import psutil
 
-from .documents import Document, InputError, discover
-from .journal import Journal, write_atomic
+from .documents import InputError, discover, discover_list
+from .journal import Journal, JsonlSummaries, remove_stale_temps, write_atomic
+from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
+from .scheduler import GenerationConfig, Outcome, Scheduler
+from .status import LOCK, JobInfo, write_input_list
+from .throttle import Throttle, ThrottleConfig, keep_awake, lower_priority
 
 DEFAULT_PROMPT = (
     "Summarise the following document in three to five sentences. "
@@ -47,6 +51,22 @@ class JobConfig:
         prompt: the instruction placed before each document.
         repetition_penalty: mlx-lm's repetition penalty (1.0: plain greedy).
         trace: write this run's routing trace (:mod:`mlx_tier.trace`) here.
+        input_paths: a list of file paths to summarise instead of ``input``
+            (``mlx-tier run -`` reads it from stdin; kept in ``OUT_DIR/inputs.txt``).
+        output_format: ``md`` (``<id>.md`` files) or ``jsonl`` (also
+            ``OUT_DIR/summaries.jsonl``, one line per finished document).
+        retry_failed: run only the documents that failed in an earlier run
+            (a plain rerun runs pending documents and keeps failed ones failed).
+        command: the command line that resumes this job, recorded in
+            the journal's ``start`` record for ``mlx-tier status``.
+        batch_size: documents decoded together; ``None``: from memory headroom (at most 8).
+        context: usable context in tokens; ``None``: the model's. Longer
+            documents are summarised by map-reduce (:mod:`mlx_tier.longdoc`).
+        prefill_step_size: prompt tokens per forward call during prefill.
+        reuse_prefix: prefill the shared instruction prefix once (mlx-lm prompt cache).
+        throttle: the thermal-aware throttle's settings (:mod:`mlx_tier.throttle`).
+        nice: CPU priority decrease (``os.nice`` increment; 0 = unchanged).
+        background_qos: macOS background QoS (slows Metal ~8x; off by default).
     """
 
     input: Path
@@ -57,6 +77,17 @@ class JobConfig:
     prompt: str = DEFAULT_PROMPT
     repetition_penalty: float = DEFAULT_REPETITION_PENALTY
     trace: Path | None = None
+    input_paths: tuple[str, ...] | None = None
+    output_format: str = "md"
+    retry_failed: bool = False
+    command: str | None = None
+    batch_size: int | None = None
+    context: int | None = None
+    prefill_step_size: int = 512
+    reuse_prefix: bool = True
+    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
+    nice: int = 0
+    background_qos: bool = False
 
 
 @dataclass
@@ -72,6 +103,7 @@ class DocResult:
     error: str | None = None
     output: str | None = None
     finish_reason: str | None = None  # "stop" (end of text) or "length" (hit --max-tokens)
+    parts: int = 0  # > 0: too long for the context, summarised by map-reduce over this many parts
 
 
 @dataclass
@@ -86,9 +118,11 @@ class JobReport:
 
     results: list[DocResult] = field(default_factory=list)
     interrupted: bool = False
+    stop_signal: int | None = None  # the signal that stopped the run (SIGINT/SIGTERM), if any
     seconds: float = 0.0
     cache: dict = field(default_factory=dict)
     setup: dict = field(default_factory=dict)
+    throttle: dict = field(default_factory=dict)  # Throttle.as_dict(): time throttled/paused, timeline
     runs: list[dict] = field(default_factory=list)
 
     def count(self, status: str) -> int:
@@ -99,28 +133,27 @@ class JobReport:
         """Tokens generated in this run."""
         return sum(r.output_tokens for r in self.results if r.status == "done")
 
-    @property
-    def generation_seconds(self) -> float:
-        """Seconds spent on this run's documents (prompt processing included)."""
-        return sum(r.seconds for r in self.results if r.status == "done")
-
     def as_dict(self) -> dict:
         finished = [r for r in self.results if r.status in ("done", "skipped")]
         out_tokens = sum(r.output_tokens for r in finished)
-        seconds = sum(r.seconds for r in finished)
+        # Documents of a batch overlap in time: throughput is over the runs' wall time.
+        run_tokens = sum(r.get("output_tokens", 0) for r in self.runs)
+        run_seconds = sum(r.get("seconds", 0.0) for r in self.runs)
         totals = {s: self.count(s) for s in ("done", "skipped", "failed", "pending")}
         totals |= {
             "documents": len(self.results),
+            "chunked": sum(r.parts > 0 for r in self.results),
             "input_tokens": sum(r.input_tokens for r in finished),
             "output_tokens": out_tokens,
-            "document_seconds": round(seconds, 3),
-            "output_tok_per_s": round(out_tokens / seconds, 3) if seconds else 0.0,
+            "run_seconds": round(run_seconds, 3),
+            "output_tok_per_s": round(run_tokens / run_seconds, 3) if run_seconds else 0.0,
             "interrupted": self.interrupted,
         }
         return {
             "documents": [asdict(r) for r in self.results],
             "totals": totals,
             "cache": self.cache,
+            "throttle": self.throttle,
             "runs": self.runs,
             **self.setup,
         }
@@ -151,15 +184,24 @@ class Reporter:
 
     def message(self, text: str) -> None: ...
     def start(self, total: int, skipped: int) -> None: ...
-    def tokens(self, doc: Document, generated: int, tok_per_s: float) -> None: ...
+    def working(self, in_flight: list[str], tok_per_s: float) -> None: ...
     def finished(self, result: DocResult, cache: dict) -> None: ...
     def close(self) -> None: ...
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM: abandon the current document now. ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class StopFlag:
     """Set by SIGINT/SIGTERM: finish the current document, then stop.
 
-    A second signal restores the default handler, so a third one kills.
+    A second signal raises :class:`Interrupted` and restores the default
+    handler, so a third one kills.
     """
 
     def __init__(self, on_first=lambda: None) -> None:
@@ -178,7 +220,7 @@ class StopFlag:
     def _handle(self, signum, frame):
         if self.signal is not None:
             signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
-            raise KeyboardInterrupt
+            raise Interrupted(signum)
         self.signal = signum
         self._on_first()
 
@@ -205,8 +247,6 @@ def prepare_out_dir(out_dir: Path) -> bool:
         raise InputError(f"{out_dir}: output folder not writable ({e.strerror or e})") from None
     return created
 
-
-LOCK = ".mlx-tier.lock"
 
 
 def lock_out_dir(out_dir: Path):
@@ -257,47 +297,6 @@ def context_length(model_dir: Path) -> int:
     return FALLBACK_CONTEXT
 
 
-def build_prompt(tokenizer, instruction: str, text: str) -> list[int]:
-    """Token ids of the chat prompt for one document (plain text without a chat template)."""
-    content = f"{instruction}\n\n{text.strip()}"
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        return list(ids)
-    return tokenizer.encode(content + "\n\nSummary:")
-
-
-def trim_to_sentence(text: str) -> str:
-    """Drop a trailing unfinished sentence (output cut by the token limit), if any sentence ended."""
-    cut = max(text.rfind(c) for c in ".!?")
-    return text[: cut + 1] if cut > 0 else text
-
-
-def summarise(
-    model, tokenizer, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0, on_token=None
-) -> tuple[str, int, str]:
-    """Summary of one prompt with mlx-lm's ``stream_generate`` (argmax sampling).
-
-    Returns:
-        ``(text, generated_tokens, finish_reason)``; when the token limit cut
-        the text, its unfinished last sentence is dropped.
-    """
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_logits_processors
-
-    processors = make_logits_processors(repetition_penalty=repetition_penalty) if repetition_penalty != 1.0 else None
-    text, n, reason = [], 0, None
-    for resp in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, logits_processors=processors):
-        text.append(resp.text)
-        n = resp.generation_tokens
-        reason = resp.finish_reason or reason
-        if on_token is not None:
-            on_token(n, resp.generation_tps)
-    out = "".join(text).strip()
-    if reason == "length":
-        out = trim_to_sentence(out)
-    return out, n, reason or "length"
-
-
 def backend_name() -> str:
     """``"metal"``, ``"cuda"`` or ``"cpu"``: where MLX runs by default."""
     if mx.default_device() == mx.cpu:
@@ -324,30 +323,78 @@ def machine_info() -> dict:
     }
 
 
-def summarise_document(doc: Document, res: DocResult, config: JobConfig, model, tokenizer, max_context: int,
-                       reporter: Reporter) -> None:
-    """Summarise one document into ``OUT_DIR/<id>.md``, or record in ``res`` why it failed."""
-    if doc.error is not None:
-        res.status, res.error = "failed", doc.error
-        return
-    prompt = build_prompt(tokenizer, config.prompt, doc.text)
-    res.input_tokens = len(prompt)
-    if len(prompt) + config.max_tokens > max_context:
-        res.status = "failed"
-        res.error = (
-            f"document too long: {len(prompt)} prompt tokens + {config.max_tokens} to generate "
-            f"> the model's context of {max_context} (not truncated; split it)"
-        )
+# What fails one document without stopping the job. MLX's out-of-memory errors
+# surface as RuntimeError ("[metal::malloc] ...", "[malloc] ...") or, from a
+# C++ std::bad_alloc, as MemoryError; tokenizer and disk-full errors vary. So
+# any Exception; KeyboardInterrupt/SystemExit (BaseException) still stop the job.
+DOCUMENT_ERRORS: tuple[type[BaseException], ...] = (Exception,)
+
+
+class _Rate:
+    """Generated tokens per second over the recent decode steps (exponential average)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.value, self._w = 0.0, weight
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens and seconds > 0:
+            now = tokens / seconds
+            self.value = now if not self.value else (1 - self._w) * self.value + self._w * now
+
+
+def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
+    """Write a finished summary (atomically) and fill ``res``; a write error fails the document."""
+    res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
+    res.seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
+    if outcome.status != "done":
+        res.status, res.error = "failed", outcome.error
         return
     try:
-        text, n, reason = summarise(
-            model, tokenizer, prompt, config.max_tokens, config.repetition_penalty,
-            lambda n, tps: reporter.tokens(doc, n, tps),
-        )
-        write_atomic(config.out_dir / f"{doc.id}.md", text + "\n")
-        res.status, res.output_tokens, res.output, res.finish_reason = "done", n, f"{doc.id}.md", reason
-    except (RuntimeError, ValueError, OSError) as e:  # MLX errors surface as these
-        res.status, res.error = "failed", f"{type(e).__name__}: {e}"
+        write_atomic(out_dir / f"{res.id}.md", outcome.summary + "\n")
+        res.status, res.output = "done", f"{res.id}.md"
+    except DOCUMENT_ERRORS as e:
+        res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
+
+
+def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, model_dir: Path, journal: Journal,
+                   reporter: Reporter, stopping, setup: dict) -> dict:
+    """Generate every document of ``todo`` (batched, throttled), writing and journalling each as it
+    finishes; fills ``results``. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
+    warning = lower_priority(config.nice, config.background_qos)
+    if warning:
+        reporter.message(warning)
+    throttle = Throttle(config.throttle, should_stop=stopping)
+    generation = GenerationConfig(
+        config.prompt, config.max_tokens, config.repetition_penalty, config.batch_size, config.context,
+        config.prefill_step_size, config.reuse_prefix,
+    )
+    scheduler = Scheduler(model, tokenizer, model_dir, context_length(model_dir), generation)
+    setup["generation"] = scheduler.info
+    reporter.message(
+        f"batch size {scheduler.batch_size} ({scheduler.info['batch_size_from']}), "
+        f"usable context {scheduler.context} tokens"
+    )
+    rate = _Rate()
+
+    def on_step(info, in_flight):
+        rate.add(info.generated, info.seconds)
+        reporter.working(in_flight, rate.value)
+        throttle.step(info.generated)
+
+    throttled_before = 0.0
+    for outcome in scheduler.run(todo, should_stop=stopping, on_step=on_step):
+        res = results[outcome.id]
+        _record(outcome, res, config.out_dir)
+        spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
+        record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
+        # Per-record increment: `mlx-tier status` adds them up.
+        record["throttled_seconds"] = round(spent - throttled_before, 3)
+        throttled_before = spent
+        if outcome.reasoning:
+            record["reasoning"] = outcome.reasoning
+        journal.append(record)
+        reporter.finished(res, model.expert_cache.stats.as_dict())
+    return throttle.as_dict()
 
 
 def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
@@ -363,12 +410,15 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
 
     reporter = reporter or Reporter()
     t_start, t_wall = time.perf_counter(), time.time()
-    docs = discover(config.input, exclude=config.out_dir)
+    docs = (discover_list(config.input_paths, exclude=config.out_dir) if config.input_paths is not None
+            else discover(config.input, exclude=config.out_dir))
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
         raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
     created = prepare_out_dir(config.out_dir)
     lock = lock_out_dir(config.out_dir)  # held until the process exits
-    journal = Journal(config.out_dir)
+    remove_stale_temps(config.out_dir)  # a killed run's half-written outputs
+    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" else None
+    journal = Journal(config.out_dir, on_done=summaries.add if summaries is not None else None)
     records = journal.records()
 
     try:
@@ -384,7 +434,6 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             config.out_dir.rmdir()  # leave no trace of a run that never started
         raise
     cache = model.expert_cache
-    max_context = context_length(model_dir)
 
     report = JobReport(
         setup={
@@ -401,7 +450,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     results = {d.id: DocResult(d.id, "pending", d.source) for d in docs}
     report.results = list(results.values())
 
-    todo = []
+    todo, failed_earlier = [], []
     for d in docs:
         out_path = config.out_dir / f"{d.id}.md"
         rec = records.get(d.id)
@@ -413,24 +462,44 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             # rename. Record it; never regenerate a finished output.
             journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True})
             results[d.id].__dict__.update(status="skipped", output=out_path.name)
+        elif rec and rec.get("status") == "failed" and not config.retry_failed:
+            # Failed in an earlier run: stays failed until --retry-failed.
+            keep = {k: rec[k] for k in ("input_tokens", "seconds") if k in rec}
+            results[d.id].__dict__.update(status="failed", error=rec.get("error"), **keep)
+            failed_earlier.append(d.id)
+        elif config.retry_failed and not (rec and rec.get("status") == "failed"):
+            continue  # pending: left for a plain rerun
         else:
             todo.append(d)
-    reporter.start(total=len(docs), skipped=len(docs) - len(todo))
+    skipped = sum(r.status == "skipped" for r in report.results)
+    if summaries is not None:
+        summaries.sync(journal.records())
+    JobInfo(
+        input=str(config.input), ids=[d.id for d in docs], todo=[d.id for d in todo], started=time.time(),
+        pid=os.getpid(), command=config.command, output_format=config.output_format,
+    ).write(journal)
+    if config.input_paths is not None:
+        write_input_list(config.out_dir, docs)
+    if failed_earlier:
+        reporter.message(f"{len(failed_earlier)} document(s) failed in an earlier run; not retried "
+                         "(rerun with --retry-failed to retry only those)")
+    if config.retry_failed:
+        reporter.message(f"--retry-failed: retrying {len(todo)} failed document(s); pending ones are left for a plain rerun")
+    reporter.start(total=len(todo) + skipped, skipped=skipped)
 
-    notice = "stopping after the current document (interrupt again to abort it now)"
+    notice = "stopping after the documents in progress (interrupt again to abandon them now)"
     if config.trace is not None:
         cache.start_trace(source=str(model_dir))
     try:
-        with StopFlag(lambda: reporter.message(notice)) as stop:
-            for d in todo:
-                if stop.signal is not None:
-                    break
-                res, t0 = results[d.id], time.perf_counter()
-                summarise_document(d, res, config, model, tokenizer, max_context, reporter)
-                res.seconds = round(time.perf_counter() - t0, 3)
-                journal.append({k: v for k, v in asdict(res).items() if v is not None and k != "source"})
-                reporter.finished(res, cache.stats.as_dict())
+        with StopFlag(lambda: reporter.message(notice)) as stop, keep_awake():
+            if todo:
+                report.throttle = _summarise_all(todo, results, config, model, tokenizer, model_dir, journal,
+                                                 reporter, lambda: stop.signal is not None, report.setup)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
+            report.stop_signal = stop.signal
+    except BaseException:  # a second interrupt, or an error that stops the job: free the folder now
+        lock.close()
+        raise
     finally:
         if config.trace is not None:
             from .trace import save as save_trace
@@ -445,9 +514,11 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_wall)),
         "seconds": round(report.seconds, 3),
         "done": report.count("done"),
-        "failed": report.count("failed"),
+        "failed": report.count("failed") - len(failed_earlier),
         "output_tokens": report.output_tokens,
-        "output_tok_per_s": round(report.output_tokens / report.generation_seconds, 3) if report.generation_seconds else 0.0,
+        "output_tok_per_s": round(report.output_tokens / report.seconds, 3) if report.seconds else 0.0,
+        "throttled_seconds": report.throttle.get("throttled_seconds", 0.0) + report.throttle.get("paused_seconds", 0.0)
+        + report.throttle.get("capped_seconds", 0.0),
         "slots_per_layer": cache.slots_per_layer,
         "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
         "cache": {**cache.stats.as_dict(), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes},

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mlx_tier.documents import InputError, discover, safe_id
+from mlx_tier.documents import InputError, discover, discover_list, safe_id
 
 
 def test_folder_recursive_with_bad_documents(tmp_path):
@@ -31,12 +31,51 @@ def test_jsonl(tmp_path):
     assert [(d.id, d.text, d.error) for d in docs] == [("x__1", "one", None), ("2", None, "empty document")]
 
 
+def test_jsonl_custom_id_kept_as_given(tmp_path):
+    f = tmp_path / "batch.jsonl"
+    f.write_text("\n".join(json.dumps(o) for o in [
+        {"custom_id": "req/1", "text": "one"},
+        {"custom_id": 7, "id": "ignored", "text": "two"},
+        {"id": "plain", "text": "three"},
+    ]))
+    docs = discover(f)
+    assert [(d.id, d.key) for d in docs] == [("req__1", ("custom_id", "req/1")), ("7", ("custom_id", 7)),
+                                             ("plain", ("id", "plain"))]
+
+
+def test_path_list(tmp_path, monkeypatch):
+    (tmp_path / "a" / "x").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x" / "one.txt").write_text("one")
+    (tmp_path / "a" / "one.txt").write_text("top")
+    (tmp_path / "b" / "two.pdf").write_bytes(b"%PDF\x00")  # listed explicitly: taken, fails alone
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "one.md").write_text("an earlier summary")
+    monkeypatch.chdir(tmp_path)
+    lines = ["a/x/one.txt", "", str(tmp_path / "a" / "one.txt"), "b/two.pdf", "out/one.md"]
+    docs = discover_list(lines, exclude=tmp_path / "out")
+    assert [d.id for d in docs] == ["a__x__one", "a__one", "b__two"]  # relative to the common folder
+    assert docs[0].text == "one" and docs[0].source == str(tmp_path / "a" / "x" / "one.txt")
+    assert "binary" in docs[2].error
+    for bad, message in [
+        (["a/one.txt", "missing.txt"], "stdin:2: missing.txt: no such file"),
+        (["a"], "stdin:1: a is a folder"),
+        (["a/one.txt", "./a/one.txt"], "stdin:2: ./a/one.txt is listed twice (first on line 1)"),
+        (["", " "], "stdin: no file paths given"),
+    ]:
+        with pytest.raises(InputError) as e:
+            discover_list(bad)
+        assert str(e.value).startswith(message), e.value
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
         ('{"id": "a", "text": "ok"}\n{"id": "b", "text": \n', "in.jsonl:2: malformed JSON"),
-        ('{"id": "a", "text": "ok"}\n["no"]\n', 'in.jsonl:2: each line needs an object with "id" and "text"'),
+        ('{"id": "a", "text": "ok"}\n["no"]\n', 'in.jsonl:2: each line needs an object with "custom_id" (or "id") and "text"'),
         ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "in.jsonl:2: duplicate id 'a' (first on line 1)"),
+        ('{"custom_id": "r/1", "text": "x"}\n{"custom_id": "r__1", "text": "y"}\n', "in.jsonl:2: duplicate custom_id 'r__1' (first on line 1)"),
+        ('{"custom_id": ["a"], "text": "x"}\n', 'in.jsonl:1: "custom_id" must be a string or a number'),
         ("", "no documents"),
     ],
 )

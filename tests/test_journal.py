@@ -30,3 +30,52 @@ def test_journal_last_record_wins_and_torn_line_is_skipped(tmp_path):
     j.append({"id": "c", "status": "done"})
     recs = j.records()
     assert {k: v["status"] for k, v in recs.items()} == {"a": "done", "c": "done"}
+
+
+def test_stale_temps_of_a_killed_run_are_removed(tmp_path):
+    from mlx_tier.journal import remove_stale_temps
+
+    (tmp_path / ".one.md.k3j_x9q2.tmp").write_text("half a summ")  # write_atomic's name for one.md
+    (tmp_path / "one.md").write_text("kept")
+    (tmp_path / ".notes.tmp").write_text("not ours")
+    assert remove_stale_temps(tmp_path) == [".one.md.k3j_x9q2.tmp"]
+    assert sorted(os.listdir(tmp_path)) == [".notes.tmp", "one.md"]
+
+
+def test_jsonl_summaries_one_line_per_id_survives_torn_tail(tmp_path):
+    import json
+
+    from mlx_tier.documents import Document
+    from mlx_tier.journal import JsonlSummaries
+
+    docs = [Document("req__1", "in.jsonl:1", "t", key=("custom_id", "req/1")), Document("b", "/d/b.txt", "t")]
+    (tmp_path / "req__1.md").write_text("First summary.\n")
+    (tmp_path / "b.md").write_text("Second.\n")
+    s = JsonlSummaries(tmp_path, docs)
+    j = Journal(tmp_path, on_done=s.add)
+    j.append({"id": "req__1", "status": "done", "output": "req__1.md", "output_tokens": 3})
+    j.append({"id": "req__1", "status": "done", "output": "req__1.md"})  # a second done record: no second line
+    j.append({"id": "b", "status": "failed", "error": "x"})  # failures are not exported
+    lines = [json.loads(x) for x in s.path.read_text().splitlines()]
+    assert lines == [{"custom_id": "req/1", "summary": "First summary.", "output": "req__1.md", "output_tokens": 3}]
+
+    with open(s.path, "a") as f:
+        f.write('{"id": "b", "summ')  # crash mid-append
+    s = JsonlSummaries(tmp_path, docs)  # reopened by the rerun: torn tail cut off
+    s.sync({"req__1": {"status": "done"}, "b": {"id": "b", "status": "done"}})  # b finished, its line lost
+    lines = [json.loads(x) for x in s.path.read_text().splitlines()]
+    assert [x.get("custom_id", x.get("id")) for x in lines] == ["req/1", "b"]
+    assert lines[1] == {"id": "b", "source": "/d/b.txt", "summary": "Second.", "output": "b.md"}
+
+
+def test_export_failure_keeps_the_record_out_and_id_less_records_are_entries(tmp_path):
+    def broken(record):
+        raise OSError(28, "No space left on device")
+
+    j = Journal(tmp_path, on_done=broken)
+    with pytest.raises(OSError):
+        j.append({"id": "a", "status": "done"})
+    j.append({"event": "throttle", "throttled_seconds": 2.5})
+    j.append({"id": "c", "status": "failed", "throttled_seconds": 1.0})
+    assert j.records().keys() == {"c"}  # "a" was not recorded as done: the rerun redoes or recovers it
+    assert sum(e.get("throttled_seconds", 0) for e in j.entries()) == 3.5

@@ -1,0 +1,278 @@
+"""State of a job from outside: ``mlx-tier status OUT_DIR`` on a running or finished job.
+
+Reads only files: ``journal.jsonl`` (a ``start`` record that
+:func:`mlx_tier.jobs.run_job` appends when a run starts: its document ids, what
+it set out to do, when, which process; then every finished or failed document,
+with its figures and any ``throttled_seconds``), ``run.pid`` (``--background``)
+and the output folder's lock. A run is *running* while another process holds the lock: probed with a
+non-blocking shared ``flock``, released at once, so the probe never blocks a
+run (a run starting in the same microseconds may find it held and refuse).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .documents import Document, InputError
+from .journal import Journal, write_atomic
+
+PID_FILE = "run.pid"
+LOG_FILE = "run.log"
+INPUT_LIST = "inputs.txt"  # `mlx-tier run -`: the paths read from stdin, for the resume command
+LOCK = ".mlx-tier.lock"  # the same name as mlx_tier.jobs.LOCK (kept here so status needs no MLX)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What a run set out to do: a ``{"event": "start", ...}`` record in the journal,
+    appended when the run starts (the last one describes the current or last run).
+
+    Attributes:
+        input: the job's INPUT as given (``-`` for a list on stdin).
+        ids: every document id of the job, in input order.
+        todo: the ids this run will try (pending, or failed with ``--retry-failed``).
+        started: Unix seconds when this run began generating (model loaded).
+        pid: the process running it.
+        command: the command line that resumes it, when the CLI gave one.
+        output_format: ``md`` or ``jsonl``.
+    """
+
+    input: str
+    ids: list[str]
+    todo: list[str]
+    started: float
+    pid: int
+    command: str | None = None
+    output_format: str = "md"
+
+    def write(self, journal: Journal) -> None:
+        """Durably append this run's ``start`` record to ``journal``.
+
+        Raises:
+            OSError: not writable, disk full.
+        """
+        journal.append({"event": "start", **asdict(self)})
+
+    @classmethod
+    def last(cls, entries: list[dict]) -> JobInfo | None:
+        """The last ``start`` record among journal ``entries``, or ``None``."""
+        for rec in reversed(entries):
+            if rec.get("event") == "start":
+                try:
+                    return cls(**{k: rec[k] for k in cls.__dataclass_fields__ if k in rec})
+                except TypeError:
+                    return None
+        return None
+
+
+def write_input_list(out_dir: Path, docs: list[Document]) -> Path:
+    """Keep the file paths of a stdin list in ``out_dir/inputs.txt`` (one absolute path a line)
+    so the job can be resumed with ``mlx-tier run - ... < OUT_DIR/inputs.txt``.
+
+    Raises:
+        OSError: not writable, disk full.
+    """
+    path = Path(out_dir) / INPUT_LIST
+    write_atomic(path, "".join(f"{d.source}\n" for d in docs))
+    return path
+
+
+def lock_held(out_dir: Path) -> bool:
+    """Whether another process holds ``out_dir``'s run lock (a run is active).
+
+    Without ``flock`` (Windows) falls back to whether the process in ``run.pid``
+    (or the last ``start`` record) is alive.
+    """
+    path = Path(out_dir) / LOCK
+    try:
+        import fcntl
+    except ImportError:
+        return _pid_alive(out_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # no lock file: no run ever started here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def start_background(argv: list[str], out_dir: Path, stdin: Path | None = None) -> int:
+    """Start a run detached from this terminal and return at once.
+
+    The process gets its own session (no SIGHUP when the terminal closes, no
+    Ctrl-C from it), its stdout and stderr are appended to ``OUT_DIR/run.log``
+    and its pid is written to ``OUT_DIR/run.pid``. The run itself takes the
+    folder's lock, so a second run there is refused while it is active.
+
+    Args:
+        argv: the full command, e.g. ``[sys.executable, "-m",
+            "mlx_tier.cli.main", "run", ...]`` (without ``--background``).
+        out_dir: the job's output folder (created if missing).
+        stdin: a file to give the process as its standard input (a path list).
+
+    Returns:
+        the process id.
+
+    Raises:
+        InputError: another run is active in ``out_dir``.
+        OSError: ``out_dir`` not writable, or ``argv`` cannot be started.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if lock_held(out_dir):
+        raise InputError(f"{out_dir}: another mlx-tier run is using this output folder")
+    with open(out_dir / LOG_FILE, "ab") as log, open(stdin if stdin is not None else os.devnull, "rb") as inp:
+        proc = subprocess.Popen(argv, stdin=inp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    write_atomic(out_dir / PID_FILE, f"{proc.pid}\n")
+    return proc.pid
+
+
+def read_pid(out_dir: Path) -> int | None:
+    """The pid in ``run.pid`` (``--background``), else the one of the last ``start`` record."""
+    try:
+        return int((Path(out_dir) / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        info = JobInfo.last(list(Journal(out_dir).entries()))
+        return info.pid if info is not None else None
+
+
+def _pid_alive(out_dir: Path) -> bool:
+    import psutil
+
+    pid = read_pid(out_dir)
+    return pid is not None and psutil.pid_exists(pid)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job's progress, from its files.
+
+    Attributes:
+        running: a run holds the folder's lock now.
+        pid: the (last) run's process id.
+        total: documents in the job (``None``: no ``start`` record, an older run).
+        done, failed: documents whose latest journal record says so.
+        pending: ``total - done - failed`` (``None`` without ``total``).
+        todo_left: documents this run set out to do and has not finished or failed yet.
+        output_tokens, generation_seconds: summed over finished documents'
+            records (prompt processing included in the seconds).
+        throttled_seconds: sum of ``throttled_seconds`` over all journal records (0 if none).
+        started: Unix seconds the (last) run started generating.
+        elapsed_seconds: from ``started`` to now (running) or to its last record.
+        finished_this_run: documents finished or failed since ``started``.
+        eta_seconds: ``todo_left`` at this run's wall-clock rate; ``None``
+            when not running or nothing finished yet.
+        command: the command that resumes the job (from the ``start`` record).
+        failures: ``(id, error)`` of failed documents.
+    """
+
+    out_dir: Path
+    running: bool
+    pid: int | None
+    total: int | None
+    done: int
+    failed: int
+    pending: int | None
+    todo_left: int | None
+    output_tokens: int
+    generation_seconds: float
+    throttled_seconds: float
+    started: float | None
+    elapsed_seconds: float
+    finished_this_run: int
+    eta_seconds: float | None
+    command: str | None
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def output_tok_per_s(self) -> float:
+        """Output tokens per second of document time (0 when none)."""
+        return self.output_tokens / self.generation_seconds if self.generation_seconds else 0.0
+
+    @property
+    def documents_per_hour(self) -> float:
+        """This run's wall-clock rate, throttle pauses included (0 when none)."""
+        return self.finished_this_run / self.elapsed_seconds * 3600 if self.elapsed_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        """JSON-ready fields (``mlx-tier status --json``), rates included."""
+        d = asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        d["failures"] = [{"id": i, "error": e} for i, e in self.failures]
+        return d | {"output_tok_per_s": round(self.output_tok_per_s, 3),
+                    "documents_per_hour": round(self.documents_per_hour, 3)}
+
+
+def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
+    """The status of the job in ``out_dir``.
+
+    Args:
+        out_dir: a ``mlx-tier run`` output folder.
+        now: Unix seconds to measure elapsed time against (default: the clock).
+
+    Raises:
+        InputError: ``out_dir`` is missing or holds no ``journal.jsonl`` (nor the
+            lock or pid file of a run that is still loading its model).
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise InputError(f"{out_dir}: no such folder")
+    journal = Journal(out_dir)
+    if not any((out_dir / name).exists() for name in (journal.path.name, LOCK, PID_FILE)):
+        raise InputError(f"{out_dir}: not an mlx-tier output folder (no journal.jsonl)")
+    now = time.time() if now is None else now
+    entries = list(journal.entries())
+    info = JobInfo.last(entries)
+    latest = {rec["id"]: rec for rec in entries if "id" in rec}
+    ids = info.ids if info is not None else list(latest)
+    states = [latest.get(i, {}).get("status") for i in ids]
+    done = [latest[i] for i, s in zip(ids, states) if s == "done"]
+    failures = [(i, str(latest[i].get("error", ""))) for i, s in zip(ids, states) if s == "failed"]
+    throttled = sum(r["throttled_seconds"] for r in entries if isinstance(r.get("throttled_seconds"), (int, float)))
+
+    running = lock_held(out_dir)
+    started = info.started if info is not None else None
+    this_run = [r for r in latest.values() if started is not None and r.get("time", 0) >= started and "status" in r]
+    if started is None:
+        elapsed = 0.0
+    elif running:
+        elapsed = max(now - started, 0.0)
+    else:
+        elapsed = max((max(r["time"] for r in this_run) if this_run else started) - started, 0.0)
+    todo_left = None
+    if info is not None:
+        finished_ids = {r["id"] for r in this_run}
+        todo_left = sum(i not in finished_ids for i in info.todo)
+    eta = None
+    if running and this_run and elapsed > 0 and todo_left is not None:
+        eta = todo_left / (len(this_run) / elapsed)
+    return JobStatus(
+        out_dir=out_dir,
+        running=running,
+        pid=read_pid(out_dir),
+        total=len(ids) if info is not None else None,
+        done=len(done),
+        failed=len(failures),
+        pending=len(ids) - len(done) - len(failures) if info is not None else None,
+        todo_left=todo_left,
+        output_tokens=sum(int(r.get("output_tokens", 0)) for r in done),
+        generation_seconds=round(sum(float(r.get("seconds", 0.0)) for r in done), 3),
+        throttled_seconds=round(float(throttled), 3),
+        started=started,
+        elapsed_seconds=round(elapsed, 3),
+        finished_this_run=len(this_run),
+        eta_seconds=round(eta, 1) if eta is not None else None,
+        command=info.command if info is not None else None,
+        failures=failures,
+    )

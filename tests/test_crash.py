@@ -1,0 +1,229 @@
+"""Invariant 3 under crashes and signals: a run killed with SIGKILL mid-job and rerun
+leaves every document with exactly one complete output, never regenerates a
+finished one and leaves no temporary files; SIGTERM exits 143 with the exact
+command that resumes; one document failing (MLX out-of-memory errors included)
+fails alone, and only `--retry-failed` runs it again.
+"""
+
+import json
+import os
+import shlex
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlx_tier.cli.main as cli
+import pytest
+from conftest import make_mixtral
+from mlx_tier.cli.main import app
+from typer.testing import CliRunner
+
+from mlx_tier.journal import Journal
+from mlx_tier.status import lock_held, read_status
+
+runner = CliRunner()
+WORDS = ["river", "flood", "spring", "farmer", "plant", "seed", "bee", "pollen", "flower", "fruit", "library", "book"]
+
+
+@pytest.fixture(autouse=True)
+def _short_context(monkeypatch):
+    monkeypatch.setattr("mlx_tier.jobs.FALLBACK_CONTEXT", 256)  # the tiny checkpoints state none
+
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory):
+    """The tiny Mixtral with a 320-token byte-level BPE tokenizer: loads in ~0.2 s
+    where SmolLM2's 49k-token tokenizer takes 2-4 s on this machine, and these tests
+    load a model nine times (once in a fresh process)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("small")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS) + " Summarise the following document."], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(root / "tokenizer")
+    return make_mixtral(root / "moe", root / "tokenizer", quantized=True, vocab_size=320)
+
+
+def make_docs(folder: Path, n: int) -> list[Path]:
+    folder.mkdir()
+    paths = []
+    for i in range(n):
+        p = folder / f"doc{i:02d}.txt"
+        p.write_text(" ".join(WORDS[(i + k) % len(WORDS)] for k in range(8)) + ".")
+        paths.append(p)
+    return paths
+
+
+def done_lines(out: Path) -> Counter:
+    """How many ``done`` records each id has in the journal (2 would mean regenerated)."""
+    return Counter(r["id"] for r in Journal(out).entries() if r.get("status") == "done")
+
+
+def test_sigkill_mid_run_then_rerun(tmp_path, small_moe):
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    ids = [p.stem for p in make_docs(docs, 6)]
+    args = ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "16", "--format", "jsonl"]
+    r = runner.invoke(app, [*args, "--background"])
+    assert r.exit_code == 0, r.output
+    assert f"watch it with: mlx-tier status {out}" in r.output
+    pid = int((out / "run.pid").read_text())
+
+    def wait_for(condition):
+        deadline = time.monotonic() + 120
+        while not condition():
+            exited = os.waitpid(pid, os.WNOHANG)[0] == pid
+            assert not exited and time.monotonic() < deadline, (out / "run.log").read_text()
+            time.sleep(0.01)
+
+    try:
+        wait_for(lambda: lock_held(out))
+        # While it is active (loading the model), a second run on the folder is refused: exit 2, nothing loaded.
+        second = runner.invoke(app, args)
+        assert second.exit_code == 2 and "another mlx-tier run is using this output folder" in second.output
+        assert runner.invoke(app, [*args, "--background"]).exit_code == 2
+        wait_for(lambda: bool(done_lines(out)))
+        os.kill(pid, signal.SIGKILL)
+        st = read_status(out)
+        assert st.pid == pid and st.total == 6
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    finished = {i: (out / f"{i}.md").stat().st_mtime_ns for i in done_lines(out)}
+    assert 0 < len(finished) < len(ids), "the kill did not land mid-run"
+    assert not read_status(out).running  # the lock died with the process
+    (out / f".{ids[-1]}.md.a1b2c3d4.tmp").write_text("half a summ")  # as a kill inside write_atomic leaves it
+
+    r = runner.invoke(app, args)  # the same command, in the foreground
+    assert r.exit_code == 0, r.output
+    assert done_lines(out) == Counter(ids)  # exactly one done record each: nothing finished was regenerated
+    assert {i: (out / f"{i}.md").stat().st_mtime_ns for i in finished} == finished
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    lines = [json.loads(x) for x in (out / "summaries.jsonl").read_text().splitlines()]
+    assert sorted(x["id"] for x in lines) == ids  # one line per document, none twice
+    assert all(x["summary"] == (out / f"{x['id']}.md").read_bytes().decode().removesuffix("\n") for x in lines)
+    st = read_status(out)
+    assert (st.running, st.done, st.pending, st.failed) == (False, 6, 0, 0)
+    assert f"loading {small_moe}" in (out / "run.log").read_text()  # the background run's output went to its log
+
+
+def test_sigterm_exits_143_with_the_resume_command(tmp_path, small_moe, monkeypatch):
+    paths = make_docs(tmp_path / "docs", 4)
+    out = tmp_path / "out"
+    signals: list[int] = []  # signals to send after the next document finishes
+    finished = cli.RichReporter.finished
+
+    def finished_then_signal(self, result, cache):
+        finished(self, result, cache)
+        while signals:
+            os.kill(os.getpid(), signals.pop())
+
+    monkeypatch.setattr(cli.RichReporter, "finished", finished_then_signal)
+    stdin = "\n".join(str(p) for p in paths) + "\n"
+    signals[:] = [signal.SIGTERM]
+    # One document at a time, so that a stop leaves documents pending.
+    r = runner.invoke(app, ["run", "-", "--out", str(out), "--model", str(small_moe), "--max-tokens", "4",
+                            "--batch-size", "1"], input=stdin)
+    assert r.exit_code == 143, r.output
+    resume = r.output.split("Resume with: ", 1)[1].splitlines()[0]
+    assert resume == (f"mlx-tier run - --out {out} --model {small_moe} --max-tokens 4 --batch-size 1 "
+                      f"< {out / 'inputs.txt'}")
+    assert len(done_lines(out)) == 1
+
+    command, stdin_file = resume.split(" < ")
+    signals[:] = [signal.SIGTERM, signal.SIGTERM]  # a second one abandons the step at once
+    r = runner.invoke(app, shlex.split(command)[1:], input=Path(stdin_file).read_text())
+    assert r.exit_code == 143 and f"terminated; finished summaries are kept. Resume with: {resume}" in r.output
+    assert len(done_lines(out)) == 2
+
+    r = runner.invoke(app, shlex.split(command)[1:], input=Path(stdin_file).read_text())
+    assert r.exit_code == 0, r.output
+    assert done_lines(out) == Counter(p.stem for p in paths)
+
+
+class FaultyModel:
+    """The tiered model, raising MLX's out-of-memory errors on prompts that contain a marker word."""
+
+    def __init__(self, model, faults: dict[tuple[int, ...], BaseException]):
+        self._model, self._faults = model, faults
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, inputs, cache=None):
+        rows = inputs.tolist() if inputs.ndim == 2 else [inputs.tolist()]
+        for marker, error in self._faults.items():
+            if any(row[i:i + len(marker)] == list(marker) for row in rows for i in range(len(row))):
+                raise error
+        return self._model(inputs, cache=cache)
+
+
+def test_failing_documents_fail_alone_and_retry_failed_reruns_only_them(tmp_path, small_moe, monkeypatch):
+    from mlx_tier import tiered
+
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("".join(json.dumps(o) + "\n" for o in [
+        {"custom_id": "req/ok", "text": "Bees carry pollen between flowers."},
+        {"custom_id": "req/metal", "text": "Zyxwv the river floods every spring."},
+        {"custom_id": "req/alloc", "text": "Qjqkx the library opens at nine."},
+    ]))
+    out = tmp_path / "out"
+    args = ["run", str(inp), "--out", str(out), "--model", str(small_moe), "--max-tokens", "3", "--format", "jsonl"]
+    load = tiered.load
+
+    def faulty_load(path, cache_gb=None):
+        model, tok = load(path, cache_gb=cache_gb)
+        faults = {
+            tuple(tok.encode("Zyxwv")): RuntimeError("[metal::malloc] Attempting to allocate 68719476736 bytes "
+                                                     "which is greater than the maximum allowed buffer size"),
+            tuple(tok.encode("Qjqkx")): MemoryError("std::bad_alloc"),
+        }
+        return FaultyModel(model, faults), tok
+
+    monkeypatch.setattr(tiered, "load", faulty_load)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1, r.output
+    docs = {d["id"]: d for d in json.loads((out / "report.json").read_text())["documents"]}
+    assert docs["req__ok"]["status"] == "done"
+    assert docs["req__metal"]["error"].startswith("RuntimeError: [metal::malloc]")
+    assert docs["req__alloc"]["error"] == "MemoryError: std::bad_alloc"
+    ok_mtime = (out / "req__ok.md").stat().st_mtime_ns
+
+    monkeypatch.setattr(tiered, "load", load)  # the memory is back
+    records_before = [e for e in Journal(out).entries() if "id" in e]
+    r = runner.invoke(app, args)  # a plain rerun leaves failed documents failed
+    assert r.exit_code == 1 and "2 document(s) failed in an earlier run; not retried" in r.output, r.output
+    assert [e for e in Journal(out).entries() if "id" in e] == records_before  # nothing was run
+
+    r = runner.invoke(app, [*args, "--retry-failed"])
+    assert r.exit_code == 0, r.output
+    assert "retrying 2 failed document(s)" in r.output
+    assert (out / "req__ok.md").stat().st_mtime_ns == ok_mtime
+    assert done_lines(out) == Counter(["req__ok", "req__metal", "req__alloc"])
+    lines = [json.loads(x) for x in (out / "summaries.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["req/ok", "req/metal", "req/alloc"]  # as given, once each
+
+
+def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch):
+    from mlx_tier import tiered
+
+    def load_then_terminated(path, cache_gb=None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(tiered, "load", load_then_terminated)
+    make_docs(tmp_path / "docs", 1)
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), "--model", str(tmp_path / "docs")])
+    assert r.exit_code == 143, r.output
+    assert f"terminated; finished summaries are kept. Resume with: mlx-tier run {tmp_path / 'docs'} --out {out}" in r.output
+    assert not out.exists()  # a run that never started leaves no folder
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is restored

@@ -1,0 +1,93 @@
+"""`mlx-tier status` reads a job's files only: counts, throughput, throttle time and
+ETA come from the journal (its run ``start`` record and document records); "running" means another open file holds
+the folder's lock (the lock every `mlx-tier run` takes).
+"""
+
+import json
+
+from mlx_tier.cli.main import app
+from typer.testing import CliRunner
+
+from mlx_tier.jobs import lock_out_dir
+from mlx_tier.journal import Journal
+from mlx_tier.status import JobInfo, lock_held, read_status
+
+runner = CliRunner()
+T0 = 1_700_000_000.0
+
+
+def make_job(out, started=T0):
+    """Six documents: an earlier run finished d0 and failed d1; this run (started at
+    ``started``) set out to do d2..d5 and has finished d2 and d3 by ``started + 100``."""
+    out.mkdir()
+    JobInfo(input="docs", ids=[f"d{i}" for i in range(6)], todo=["d2", "d3", "d4", "d5"], started=started,
+            pid=4321, command="mlx-tier run docs --out out").write(Journal(out))
+    lines = [
+        {"id": "d0", "status": "done", "output_tokens": 40, "seconds": 10.0, "time": started - 500},
+        {"id": "d1", "status": "failed", "error": "RuntimeError: [metal::malloc] out of memory", "time": started - 400},
+        {"event": "throttle", "throttled_seconds": 12.5, "time": started + 10},  # no id: counted, not a document
+        {"id": "d2", "status": "done", "output_tokens": 60, "seconds": 20.0, "throttled_seconds": 3.0, "time": started + 50},
+        {"id": "d3", "status": "done", "output_tokens": 20, "seconds": 10.0, "time": started + 100},
+    ]
+    with open(out / "journal.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines) + '{"id": "d4", "sta')  # torn
+
+
+def test_finished_job(tmp_path):
+    out = tmp_path / "out"
+    make_job(out)
+    s = read_status(out, now=T0 + 5000)
+    assert not s.running and s.pid == 4321
+    assert (s.total, s.done, s.failed, s.pending, s.todo_left) == (6, 3, 1, 2, 2)
+    assert s.output_tokens == 120 and s.output_tok_per_s == 3.0  # 120 tokens / 40 s
+    assert s.throttled_seconds == 15.5
+    assert s.finished_this_run == 2 and s.elapsed_seconds == 100  # up to its last record, not to "now"
+    assert s.documents_per_hour == 72.0 and s.eta_seconds is None  # not running: no ETA
+    assert s.failures == [("d1", "RuntimeError: [metal::malloc] out of memory")]
+
+
+def test_running_job_eta_and_cli(tmp_path):
+    out = tmp_path / "out"
+    make_job(out)
+    assert not lock_held(out)
+    held = lock_out_dir(out)  # what a run holds while it works
+    try:
+        assert lock_held(out)
+        s = read_status(out, now=T0 + 200)
+        assert s.running and s.elapsed_seconds == 200 and s.eta_seconds == 200.0  # 2 left at 2 per 200 s
+        r = runner.invoke(app, ["status", str(out)])
+        assert r.exit_code == 0, r.output
+        assert "running (pid 4321)" in r.output and "3 done, 1 failed, 2 pending" in r.output
+        assert "15.5 s" in r.output  # throttled
+        r = runner.invoke(app, ["status", str(out), "--json"])
+        assert json.loads(r.output)["eta_seconds"] > 0
+    finally:
+        held.close()
+    assert not lock_held(out)  # released: the probe itself never keeps it
+    lock_out_dir(out).close()  # and a new run can take it
+    r = runner.invoke(app, ["status", str(out)])
+    assert "not running" in r.output and "resume with: mlx-tier run docs --out out" in r.output
+    assert "--retry-failed" in r.output
+
+
+def test_status_bad_folder_exit_2(tmp_path):
+    for path, message in [(tmp_path / "nope", "no such folder"), (tmp_path, "not an mlx-tier output folder (no journal.jsonl)")]:
+        r = runner.invoke(app, ["status", str(path)])
+        lines = [x for x in r.output.splitlines() if x.startswith("error:")]
+        assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.output
+
+
+def test_journal_without_start_record(tmp_path):
+    Journal(tmp_path).append({"id": "a", "status": "done", "output_tokens": 5, "seconds": 1.0})
+    s = read_status(tmp_path)
+    assert (s.total, s.done, s.pending, s.eta_seconds) == (None, 1, None, None)
+
+
+def test_run_still_loading_its_model(tmp_path):
+    (tmp_path / "run.pid").write_text("999999\n")  # --background started it; no journal yet
+    held = lock_out_dir(tmp_path)
+    try:
+        s = read_status(tmp_path)
+        assert s.running and s.pid == 999999 and (s.total, s.done) == (None, 0)
+    finally:
+        held.close()
