@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 app = typer.Typer(
     help="Run Mixture-of-Experts models larger than memory: experts stream from disk into a bounded cache.",
@@ -23,6 +26,7 @@ out = Console()
 EXIT_FAILED_DOCS = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # SIGTERM: 128 + 15, as a shell reports a process it ended
 
 
 def fail(message: str) -> None:
@@ -62,8 +66,9 @@ class RichReporter:
         self.progress.start()
         self.task = self.progress.add_task("summarising", total=total, completed=skipped, tps=0.0, hit=0.0, doc="")
 
-    def tokens(self, doc, generated: int, tok_per_s: float) -> None:
-        self.progress.update(self.task, tps=tok_per_s, doc=f"{doc.id} ({generated} tok)")
+    def working(self, in_flight: list[str], tok_per_s: float) -> None:
+        shown = ", ".join(in_flight[:2]) + (f" +{len(in_flight) - 2}" if len(in_flight) > 2 else "")
+        self.progress.update(self.task, tps=tok_per_s, doc=shown)
 
     def finished(self, result, cache: dict) -> None:
         self.done += 1
@@ -91,14 +96,69 @@ def print_summary(report, out_dir: Path) -> None:
         table.add_row(r.id, r.status, str(r.input_tokens), str(r.output_tokens), f"{r.seconds:.1f}", style=style)
     out.print(table)
     c = report.runs[-1]["cache"]  # this run's counters
-    tps = report.output_tokens / report.generation_seconds if report.generation_seconds else 0.0
+    run = report.runs[-1]
+    chunked = sum(r.parts > 0 for r in report.results)
     out.print(
         f"done {report.count('done')}, skipped {report.count('skipped')}, failed {report.count('failed')}, "
-        f"pending {report.count('pending')} | this run: {tps:.2f} output tok/s overall (prompt processing "
-        f"included), hit rate {c['hit_rate']:.1%}, read {c['bytes_read'] / 2**20:.0f} MiB | "
+        f"pending {report.count('pending')}" + (f" ({chunked} long, summarised in parts)" if chunked else "")
+        + f" | this run: {run['output_tok_per_s']:.2f} output tok/s over its wall time (prompt processing "
+        f"included), hit rate {c['hit_rate']:.1%}, read {c['bytes_read'] / 2**20:.0f} MiB, "
+        f"throttled {run.get('throttled_seconds', 0.0):.0f} s | "
         f"report: {out_dir / 'report.json'}",
         highlight=False,
     )
+
+
+def command_args(ctx: typer.Context, drop: tuple[str, ...] = ()) -> list[str]:
+    """The arguments that repeat this command: every parameter given on the command line
+    (not defaults), as parsed, except those named in ``drop``."""
+    args: list[str] = []
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name)  # click's ParameterSource (Typer may bring its own copy)
+        if p.name in drop or source is None or source.name in ("DEFAULT", "DEFAULT_MAP"):
+            continue
+        value = ctx.params[p.name]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if p.param_type_name == "argument":
+            args += [str(v) for v in values]
+        elif getattr(p, "is_flag", False) and isinstance(value, bool):
+            if value or p.secondary_opts:
+                args.append(p.opts[0] if value else p.secondary_opts[0])
+        else:
+            for v in values:
+                args += [p.opts[0], str(v)]
+    return args
+
+
+def resume_command(ctx: typer.Context, out_dir: Path, from_stdin: bool) -> str:
+    """The exact shell command that resumes this run (a stdin list is read back from OUT_DIR/inputs.txt)."""
+    import shlex
+
+    from mlx_tier.status import INPUT_LIST
+
+    line = shlex.join(["mlx-tier", ctx.info_name or "run", *command_args(ctx, drop=("background",))])
+    return line + (f" < {shlex.quote(str(out_dir / INPUT_LIST))}" if from_stdin else "")
+
+
+def _raise_interrupted(signum, frame) -> None:
+    from mlx_tier.jobs import Interrupted
+
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises ``Interrupted`` (until the job installs its own stop handler), so a
+    run terminated while loading its model also exits 143 with the resume line."""
+    try:
+        old = signal.signal(signal.SIGTERM, _raise_interrupted)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _version(value: bool) -> None:
@@ -126,20 +186,59 @@ def run(
     prompt: Optional[str] = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
     repetition_penalty: float = typer.Option(1.1, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
+    output_format: str = typer.Option("md", "--format", help="md: one OUT_DIR/<id>.md per document; jsonl: also OUT_DIR/summaries.jsonl, one line per finished document with its custom_id/id and summary."),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed)."),
+    background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
+    context: Optional[int] = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
+    prefill_step: int = typer.Option(512, "--prefill-step", min=1, help="Prompt tokens per forward pass while reading a document (smaller: less memory)."),
+    max_temp: Optional[float] = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
+    pause_on_battery: bool = typer.Option(False, "--pause-on-battery", help="Pause while the machine runs on battery; resume on AC."),
+    min_battery: Optional[float] = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),
+    max_tok_s: Optional[float] = typer.Option(None, "--max-tok-s", help="Hard cap on generated tokens per second (all documents together)."),
+    nice: int = typer.Option(10, "--nice", min=0, max=19, help="Lower the job's CPU priority by this much (0: unchanged), so the machine stays responsive."),
+    policy: str = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu (LFU with dynamic aging), 2q, or pinned (keeps the saved profile's most used experts; see --save-profile)."),
+    prewarm: Optional[bool] = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
+    save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
+    background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
+    ctx: typer.Context = None,  # filled in by Typer
 ) -> None:
     """Summarise every document in INPUT into OUT_DIR, resumably.
 
-    Rerunning the same command skips finished documents. Ctrl-C stops after the
-    current document; everything finished is kept. Exit codes: 0 all done,
-    1 some documents failed, 2 bad input, 130 interrupted.
+    INPUT `-` reads file paths from stdin, one a line. Rerunning the same
+    command skips finished documents and leaves failed ones failed
+    (--retry-failed reruns only those). Documents are decoded in batches;
+    the job slows down or pauses when the machine is hot or on battery (see
+    `mlx-tier thermal`) and keeps a Mac awake while it runs. Ctrl-C or
+    SIGTERM stops after the documents in progress (a second one abandons
+    them); everything finished is kept and the command to resume is printed. Exit codes: 0 all done, 1 some
+    documents failed, 2 bad input, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
     from mlx_tier import BudgetError, CheckpointError
     from mlx_tier.demo_model import DemoModelError
     from mlx_tier.documents import InputError
     from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
+    from mlx_tier.policy import POLICIES
+    from mlx_tier.profile import ProfileError
+    from mlx_tier.throttle import ThrottleConfig
 
     if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
         fail(f"--cache-gb must be a positive number, got {cache_gb}")
+    if output_format not in ("md", "jsonl"):
+        fail(f"--format must be md or jsonl, got {output_format!r}")
+    if policy not in POLICIES:
+        fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    from_stdin = str(input) == "-"
+    paths = tuple(sys.stdin.read().splitlines()) if from_stdin else None
+    command = resume_command(ctx, out_dir, from_stdin)
+    if background:
+        _start_background(ctx, input, out_dir, paths, prompt)
+        return
+    try:
+        throttle = ThrottleConfig(max_temp=max_temp, pause_on_battery=pause_on_battery, min_battery=min_battery,
+                                  max_tok_s=max_tok_s)
+    except ValueError as e:
+        fail(str(e))
     reporter = RichReporter()
     try:
         config = JobConfig(
@@ -151,21 +250,110 @@ def run(
             prompt=read_prompt(prompt) if prompt else DEFAULT_PROMPT,
             repetition_penalty=repetition_penalty,
             trace=trace,
+            input_paths=paths,
+            output_format=output_format,
+            retry_failed=retry_failed,
+            command=command,
+            batch_size=batch_size,
+            context=context,
+            prefill_step_size=prefill_step,
+            throttle=throttle,
+            nice=nice,
+            background_qos=background_qos,
+            policy=policy,
+            prewarm=prewarm,
+            save_profile=save_profile,
         )
-        report = run_job(config, reporter)
-    except (InputError, CheckpointError, BudgetError, DemoModelError) as e:
+        with _sigterm_interrupts():
+            report = run_job(config, reporter)
+    except (InputError, CheckpointError, BudgetError, DemoModelError, ProfileError) as e:
         reporter.close()
         fail(str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         reporter.close()
-        err.print("interrupted; finished summaries are kept. Run the same command again to resume.")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        term = getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
+        err.print(f"{'terminated' if term else 'interrupted'}; finished summaries are kept. Resume with: {command}",
+                  highlight=False, soft_wrap=True, markup=False)
+        raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     print_summary(report, out_dir)
     if report.interrupted:
-        err.print("stopped after the current document; run the same command again to resume.")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        term = report.stop_signal == signal.SIGTERM
+        err.print(f"stopped after the documents in progress ({'SIGTERM' if term else 'SIGINT'}). Resume with: {command}",
+                  highlight=False, soft_wrap=True, markup=False)
+        raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     if report.count("failed"):
         raise typer.Exit(EXIT_FAILED_DOCS)
+
+
+def _start_background(ctx: typer.Context, input: Path, out_dir: Path, paths: tuple[str, ...] | None,
+                      prompt: str | None) -> None:
+    """Check the input here (bad input: exit 2 now, not in a log), then start the run detached."""
+    import shlex
+
+    from mlx_tier.documents import InputError, discover, discover_list
+    from mlx_tier.jobs import read_prompt
+    from mlx_tier.status import LOG_FILE, PID_FILE, start_background, write_input_list
+
+    stdin = None
+    try:
+        docs = discover_list(paths, exclude=out_dir) if paths is not None else discover(input, exclude=out_dir)
+        if prompt:
+            read_prompt(prompt)
+        if paths is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            stdin = write_input_list(out_dir, docs)
+        argv = [sys.executable, "-m", "mlx_tier.cli.main", "run", *command_args(ctx, drop=("background",))]
+        pid = start_background(argv, out_dir, stdin)
+    except InputError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{out_dir}: cannot start the background run ({e.strerror or e})")
+    out.print(f"started in the background: pid {pid} (also in {out_dir / PID_FILE}), log {out_dir / LOG_FILE}",
+              highlight=False, soft_wrap=True)
+    out.print(f"watch it with: mlx-tier status {shlex.quote(str(out_dir))}", highlight=False, soft_wrap=True, markup=False)
+
+
+@app.command()
+def status(
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Output folder of a running or finished `mlx-tier run`."),
+    as_json: bool = typer.Option(False, "--json", help="Print the status as JSON."),
+) -> None:
+    """Progress of the job in OUT_DIR: running or not, done/failed/pending, throughput, throttle time, ETA."""
+    import json
+
+    from mlx_tier.documents import InputError
+    from mlx_tier.status import read_status
+
+    try:
+        s = read_status(out_dir)
+    except InputError as e:
+        fail(str(e))
+    if as_json:
+        out.print_json(json.dumps(s.as_dict()))
+        return
+    t = Table(title=f"mlx-tier status: {out_dir}", show_header=False)
+    t.add_row("state", f"running (pid {s.pid})" if s.running else "not running")
+    t.add_row("documents", f"{s.total if s.total is not None else '?'} total: {s.done} done, {s.failed} failed, "
+                           f"{s.pending if s.pending is not None else '?'} pending")
+    if s.started is not None:
+        left = f", {s.todo_left} left" if s.todo_left is not None else ""
+        t.add_row("this run", f"{s.finished_this_run} finished in {s.elapsed_seconds:.0f} s "
+                              f"({s.documents_per_hour:.1f} documents/hour, wall clock){left}")
+    t.add_row("throughput", f"{s.output_tok_per_s:.2f} output tok/s this run (wall clock, prompt processing "
+                            f"included); {s.output_tokens} tokens in all")
+    t.add_row("throttled", f"{s.throttled_seconds:.1f} s")
+    eta = (f"{s.eta_seconds:.0f} s" if s.eta_seconds is not None
+           else "unknown (nothing finished yet)" if s.running else "not running")
+    t.add_row("ETA", eta)
+    for doc_id, error in s.failures[:5]:
+        t.add_row(f"failed: {doc_id}", Text(error))
+    if len(s.failures) > 5:
+        t.add_row("failed", f"... and {len(s.failures) - 5} more (report.json, journal.jsonl)")
+    out.print(t)
+    if not s.running and s.command and (s.pending or s.todo_left):
+        out.print(f"resume with: {s.command}", highlight=False, soft_wrap=True, markup=False)
+    if s.failed and not s.running:
+        out.print("retry the failed ones with: the same command plus --retry-failed", highlight=False)
 
 
 @app.command()
@@ -257,19 +445,28 @@ def trace_sim(
     trace: Path = typer.Argument(..., metavar="TRACE", help="A routing trace: mlx-tier's .npz (from `run --trace`) or plain text lines 'TOKEN LAYER E1 E2 ...'."),
     policy: list[str] = typer.Option(["lru", "lfu", "2q", "pinned", "belady"], "--policy", help="Policies to compare (repeatable): lru, lfu, 2q, pinned, belady."),
     slots: list[int] = typer.Option([], "--slots", help="Slots per layer (repeatable). Default: 25%, 50% and 75% of the experts."),
+    split: str = typer.Option("uniform", "--split", help="uniform: every layer gets --slots; adaptive: the same total (slots x layers) spread by each layer's simulated miss curve."),
+    prewarm: bool = typer.Option(False, "--prewarm", help="Start each layer with the profile's most used experts resident, as the live cache does at load."),
+    profile: Path | None = typer.Option(None, "--profile", help="Profile file for `pinned` and --prewarm (a mlx-tier-profile.json). Default: the trace's own counts."),
+    plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of hit rate vs cache size (every size up to all experts), one line per policy. Needs matplotlib (pip install 'mlx-tier\\[plot]')."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Replay a routing trace: hit rate per policy and cache size, Belady's optimum as the ceiling.
 
-    Each layer has its own N slots; hit rate = accesses found resident / all expert
-    accesses. `pinned` uses the trace's own expert counts as its profile (an upper
-    bound for a profile saved from other runs).
+    Each layer has its own slots; hit rate = accesses found resident / all expert
+    accesses. Without --profile, `pinned` and --prewarm use the trace's own expert
+    counts (an upper bound for a profile saved from other runs), and the adaptive
+    split is fitted on the trace it is scored on (also an upper bound).
     """
+    import importlib.util
     import json
 
     from mlx_tier.policy import OFFLINE_POLICIES, POLICIES
-    from mlx_tier.simulate import simulate
-    from mlx_tier.trace import TraceError, load as load_trace
+    from mlx_tier.profile import ProfileError
+    from mlx_tier.profile import load as load_profile
+    from mlx_tier.simulate import adaptive_split, curve_sizes, plot_hit_rates, simulate
+    from mlx_tier.trace import TraceError
+    from mlx_tier.trace import load as load_trace
 
     try:
         t = load_trace(trace)
@@ -278,25 +475,124 @@ def trace_sim(
     for p in policy:
         if p not in POLICIES and p not in OFFLINE_POLICIES:
             fail(f"unknown policy {p!r}; choose from {', '.join(list(POLICIES) + list(OFFLINE_POLICIES))}")
-    E = t.num_experts
+    if split not in ("uniform", "adaptive"):
+        fail(f"--split must be uniform or adaptive, got {split!r}")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier\\[plot]'")
+    E, L = t.num_experts, t.num_layers
     sizes = sorted(set(slots)) or sorted({max(1, round(E * f)) for f in (0.25, 0.5, 0.75)})
-    if any(n < 1 for n in sizes):
-        fail("--slots must be at least 1")
-    results = [simulate(t, p, n) for p in policy for n in sizes]
+    if any(not 1 <= n <= E for n in sizes):
+        fail(f"--slots must be between 1 and {E} (the trace's experts per layer)")
+    prof = None
+    if profile is not None:
+        try:
+            prof = load_profile(profile)
+            prof.check(L, E, str(profile))
+        except ProfileError as e:
+            fail(str(e))
+
+    def run(p: str, n: int):
+        per = adaptive_split(t, p, n * L, prof, prewarm) if split == "adaptive" else n
+        return simulate(t, p, per, prof, prewarm)
+
+    results = [run(p, n) for p in policy for n in sizes]
+    if plot is not None:
+        curve = results + [run(p, n) for p in policy for n in curve_sizes(E) if n not in sizes]
+        try:
+            plot_hit_rates(curve, E, plot, f"{trace.name}: {L} layers x {E} experts, {split} split"
+                           + (", pre-warmed" if prewarm else ""))
+        except OSError as e:
+            fail(f"{plot}: cannot write the plot ({e.strerror or e})")
     if as_json:
         out.print_json(json.dumps({
-            "trace": str(trace), "records": int(len(t.layer)), "layers": t.num_layers, "experts": E,
-            "results": [{"policy": r.policy, "slots": r.slots, "hit_rate": r.hit_rate, "hits": r.hits,
-                         "accesses": r.accesses, "per_layer": list(r.per_layer)} for r in results],
+            "trace": str(trace), "records": len(t.layer), "layers": L, "experts": E,
+            "split": split, "prewarm": prewarm, "profile": str(profile) if profile else None,
+            "results": [{"policy": r.policy, "slots": r.slots, "layer_slots": list(r.layer_slots),
+                         "hit_rate": r.hit_rate, "hits": r.hits, "accesses": r.accesses,
+                         "per_layer": list(r.per_layer)} for r in results],
         }))
         return
-    table = Table(title=f"hit rate: {trace.name} ({len(t.layer)} token-layer records, {t.num_layers} layers x {E} experts)")
+    table = Table(title=f"hit rate: {trace.name} ({len(t.layer)} token-layer records, {L} layers x {E} experts, "
+                        f"{split} split{', pre-warmed' if prewarm else ''})")
     table.add_column("policy")
     for n in sizes:
         table.add_column(f"{n} slots ({n / E:.0%})", justify="right")
     for p in policy:
         table.add_row(p, *[f"{r.hit_rate:.1%}" for r in results if r.policy == p])
     out.print(table)
+    if plot is not None:
+        out.print(f"plot written to {plot}", highlight=False)
+
+
+@app.command("profile")
+def profile_cmd(
+    model: Path = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder the traces were recorded on."),
+    traces: list[Path] = typer.Argument(..., metavar="TRACE...", help="Routing traces (.npz from `run --trace`, or text)."),
+    decay: float = typer.Option(1.0, "--decay", min=0.0, max=1.0, help="Weight of the saved counts before adding these (1 = counts add, 0.5 halves the past)."),
+) -> None:
+    """Save expert frequencies from routing traces as MODEL's profile (merged with
+    any saved one), for the `pinned` policy, pre-warm at load and the adaptive split.
+
+    Written to MODEL/mlx-tier-profile.json, or to the user cache dir when MODEL is
+    not writable.
+    """
+    from mlx_tier import CheckpointError
+    from mlx_tier.profile import ProfileError, from_trace, model_shape, record
+    from mlx_tier.trace import TraceError
+    from mlx_tier.trace import load as load_trace
+
+    try:
+        L, E = model_shape(model)
+        merged = None
+        for path in traces:
+            p = from_trace(load_trace(path), L, E)
+            merged = p if merged is None else merged.merged(p)
+        path = record(model, merged, decay)
+    except (CheckpointError, TraceError) as e:
+        fail(str(e))
+    except ProfileError as e:
+        fail(f"{e} ({', '.join(map(str, traces))})")
+    except OSError as e:
+        fail(f"cannot write the profile ({e.strerror or e})")
+    uses = merged.counts.sum()
+    top = max(1, E // 4)
+    share = sum(merged.counts[i, merged.hottest(i, top)].sum() for i in range(L)) / uses if uses else 0.0
+    out.print(f"profile of {L} MoE layers x {E} experts: {int(uses)} expert uses from {len(traces)} trace(s); "
+              f"the {top} most used experts per layer take {share:.1%} of them. Saved to {path}", highlight=False)
+
+
+@app.command()
+def thermal(
+    as_json: bool = typer.Option(False, "--json", help="Print every sensor's status and reading as JSON."),
+) -> None:
+    """Current readings from every sensor the throttle can use, and which are unavailable (and why)."""
+    import json
+
+    from rich.text import Text
+
+    from mlx_tier.throttle import merge, survey
+
+    statuses = survey()
+    merged = merge((s.name, s.reading) for s in statuses if s.reading is not None)
+    if as_json:
+        out.print_json(json.dumps({"sensors": [s.as_dict() for s in statuses], "merged": merged.as_dict()}))
+        return
+    table = Table(title="mlx-tier thermal: sensors")
+    for col in ("sensor", "available", "reading"):
+        table.add_column(col)
+    for s in statuses:
+        if not s.available:
+            table.add_row(s.name, "no", Text(s.reason or ""), style="dim")
+            continue
+        r = s.reading
+        values = ", ".join(f"{k}={v}" for d in r.details.values() for k, v in d.items())
+        errors = "; ".join(r.errors.values())
+        table.add_row(s.name, "yes", Text(f"read failed: {errors}" if errors else values))
+    out.print(table)
+    if not any(s.available for s in statuses):
+        out.print("no sensor available on this machine: the throttle can only apply --max-tok-s", highlight=False)
+    else:
+        out.print(f"throttle input: {merged.summary()}", highlight=False)
 
 
 def main() -> None:

@@ -2,20 +2,29 @@
 
 Experts stream from SSD (safetensors byte ranges) into a bounded resident
 cache; everything else is mlx-lm's.
+
+The names below are imported on first use (PEP 562), so that light commands
+(``mlx-tier status``, ``mlx-tier thermal``) start without loading MLX,
+mlx-lm and transformers.
 """
 
-from .cache import CacheStats, ExpertCache
-from .store import CheckpointError
-from .tiered import BudgetError, TierConfig, TieredExperts, cache_stats, load
+import importlib
 
-__all__ = [
-    "BudgetError",
-    "CacheStats",
-    "CheckpointError",
-    "ExpertCache",
-    "TierConfig",
-    "TieredExperts",
-    "cache_stats",
-    "load",
-]
+_EXPORTS = {
+    "BudgetError": ".tiered",
+    "CacheStats": ".cache",
+    "CheckpointError": ".store",
+    "ExpertCache": ".cache",
+    "TierConfig": ".tiered",
+    "TieredExperts": ".tiered",
+    "cache_stats": ".tiered",
+    "load": ".tiered",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,12 +19,13 @@ so nothing outside this module holds a slab.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterator
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 
 from .policy import make_policy
 from .store import ExpertStore, ReadStats, TensorInfo
@@ -43,17 +44,41 @@ class CacheStats:
     misses: int = 0  # experts read from the cold tier
     evictions: int = 0
     bytes_read: int = 0
-    read_seconds: float = 0.0  # wall time spent waiting on reads
+    read_seconds: float = 0.0  # wall time of the store's reads (with prefetch, background ones too)
     rounds: int = 0  # extra expert-block passes when a layer needed more experts than slots
+    prewarmed: int = 0  # experts read at load from a profile (not misses; their bytes are not in bytes_read)
+    prewarm_bytes: int = 0
+    prewarm_seconds: float = 0.0
+    # Prefetch (mlx_tier.prefetch). A prefetched expert that serves a miss is
+    # still a miss (read from the cold tier, only earlier); with prefetch,
+    # read_seconds also holds the background reads' wall time.
+    prefetch_predicted: int = 0  # predicted non-resident experts whose read was issued
+    prefetch_used: int = 0  # of those, experts that then served a miss
+    prefetch_wasted_bytes: int = 0  # bytes prefetched and dropped unused
+    # Wall time the forward pass blocked on reads (its own, and waiting for
+    # in-flight prefetches), as opposed to read_seconds, the reads' total.
+    stall_seconds: float = 0.0
 
     @property
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
 
+    @property
+    def prefetch_precision(self) -> float:
+        """Prefetched experts that served a miss / prefetched experts."""
+        return self.prefetch_used / self.prefetch_predicted if self.prefetch_predicted else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Misses served by a prefetch / all misses."""
+        return self.prefetch_used / self.misses if self.misses else 0.0
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
+        d["prefetch_precision"] = self.prefetch_precision
+        d["prefetch_recall"] = self.prefetch_recall
         return d
 
 
@@ -95,6 +120,7 @@ class LayerCache:
         store: the cold tier.
         stats: shared counters.
         policy: eviction policy name (:func:`mlx_tier.policy.make_policy`).
+        frequencies: expert id -> use count from a saved profile, for ``pinned``.
     """
 
     def __init__(
@@ -106,6 +132,7 @@ class LayerCache:
         store: ExpertStore,
         stats: CacheStats,
         policy: str = "lru",
+        frequencies: dict[int, float] | None = None,
     ):
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"slots must be in [1, {num_experts}], got {num_slots}")
@@ -115,7 +142,11 @@ class LayerCache:
         self.num_slots = num_slots
         self.store = store
         self.policy_name = policy
-        self.policy = make_policy(policy, num_slots)
+        self.frequencies = frequencies
+        self.policy = self._new_policy()
+        # Uses of each expert, one per (token, k) entry routed to it: the unit
+        # of a profile (mlx_tier.profile). Counted per call, off the slab path.
+        self.counts = np.zeros(num_experts, dtype=np.int64)
         self.stats = stats
         self.slot_of = np.full(num_experts, -1, dtype=np.int64)  # expert -> slot
         self.free = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
@@ -126,6 +157,11 @@ class LayerCache:
         self.lut: mx.array | None = None  # [E] uint32 slot of each expert
         self.recorder = None  # a TraceRecorder while a routing trace is recorded
         self._uncounted: list[mx.array] = []
+        # Prefetch (mlx_tier.prefetch): a background read of predicted experts
+        # started by the previous layer, then, once waited for, its rows not
+        # yet used: (raw arrays, expert -> row, raw bytes of one expert).
+        self.incoming = None  # a PrefetchedRead or None
+        self._prefetched: tuple[dict[str, np.ndarray], dict[int, int], int] | None = None
         for t in tensors.values():
             # Lazy zeros: memory is taken at the first write, not at load.
             setattr(t.module, t.attr, mx.zeros((num_slots, *t.info.shape[1:]), dtype=t.dtype))
@@ -154,7 +190,9 @@ class LayerCache:
     def count_deferred(self) -> None:
         """Count the hits of remembered fully-resident calls (may evaluate them)."""
         for a in self._uncounted:
-            self.stats.hits += len(np.unique(np.array(a)))
+            ids = np.array(a).reshape(-1)
+            self.stats.hits += len(np.unique(ids))
+            self.counts += np.bincount(ids, minlength=self.num_experts)
         self._uncounted.clear()
 
     def settle(self) -> None:
@@ -183,7 +221,7 @@ class LayerCache:
             # Room for every expert: read the whole layer now, in one batch, so
             # the layer turns fully resident (lazy remap, no host sync) at once.
             missing = [e for e in range(self.num_experts) if self.slot_of[e] < 0]
-        raw = self.store.read_experts(list(self.tensors), missing)
+        batches = self._read(missing)
         self.settle()
         slots = []
         for e in missing:
@@ -198,15 +236,18 @@ class LayerCache:
             self.policy.insert(e)
             slots.append(s)
         self.stats.misses += len(missing)
+        slot_of_new = dict(zip(missing, slots))
         try:
             written = []
             for name, t in self.tensors.items():
                 slab = t.module[t.attr]
-                new = _to_mx(raw[name], t.info, t.dtype)  # [len(missing), ...]
-                for i, s in enumerate(slots):
-                    # In place (the module holds `slab`); a slice write is ~10x
-                    # cheaper than a scatter with an index array on the CPU backend.
-                    slab[s : s + 1] = new[i : i + 1]
+                for raw, rows in batches:
+                    new = _to_mx(raw[name], t.info, t.dtype)  # [rows in raw, ...]
+                    for i, e in rows:
+                        s = slot_of_new[e]
+                        # In place (the module holds `slab`); a slice write is ~10x
+                        # cheaper than a scatter with an index array on the CPU backend.
+                        slab[s : s + 1] = new[i : i + 1]
                 written.append(slab)
             mx.eval(written)
         except BaseException:
@@ -215,12 +256,109 @@ class LayerCache:
         if not self.free and self.num_slots == self.num_experts:
             self.lut = mx.array(self.slot_of.astype(np.uint32))
 
+    def _read(self, missing: list[int]) -> list[tuple[dict[str, np.ndarray], list[tuple[int, int]]]]:
+        """Raw bytes of ``missing``: from the prefetched batch where it holds
+        them (waiting for it if in flight), the rest read now. The wait and the
+        read are the forward pass's stall (``stats.stall_seconds``).
+
+        Returns:
+            ``[(name -> raw array [R, ...], [(row, expert), ...])]``: which row
+            of which batch holds each missing expert.
+
+        Raises:
+            CheckpointError, OSError: the store's read failed (a failed
+            prefetch is not an error: those experts are read now).
+        """
+        t0 = time.perf_counter()
+        if self.incoming is not None:
+            self._take_incoming()
+        batches = []
+        rest = missing
+        if self._prefetched is not None:
+            raw, row_of, _ = self._prefetched
+            used = [(row_of.pop(e), e) for e in missing if e in row_of]  # a row serves one miss
+            if used:
+                batches.append((raw, used))
+                self.stats.prefetch_used += len(used)
+                taken = {e for _, e in used}
+                rest = [e for e in missing if e not in taken]
+        if rest:
+            batches.append((self.store.read_experts(list(self.tensors), rest), list(enumerate(rest))))
+        self.stats.stall_seconds += time.perf_counter() - t0
+        return batches
+
+    def _take_incoming(self) -> None:
+        """Wait for the in-flight prefetch; keep its rows (none if it failed)."""
+        pending, self.incoming = self.incoming, None
+        raw = pending.result()
+        if raw is not None:
+            self._prefetched = (raw, {e: i for i, e in enumerate(pending.experts)}, pending.expert_nbytes)
+
+    def end_call(self) -> None:
+        """Drop the prefetched experts this layer call did not use.
+
+        Counts their bytes in ``stats.prefetch_wasted_bytes``; a read still in
+        flight is waited for first (counted as stall), so that at most one
+        batch is ever in flight (see :class:`mlx_tier.prefetch.BackgroundReader`).
+        """
+        if self.incoming is not None:
+            t0 = time.perf_counter()
+            self._take_incoming()
+            self.stats.stall_seconds += time.perf_counter() - t0
+        if self._prefetched is not None:
+            _, row_of, expert_nbytes = self._prefetched
+            self.stats.prefetch_wasted_bytes += len(row_of) * expert_nbytes
+            self._prefetched = None
+
     def reset(self) -> None:
         """Forget every resident expert (slab contents are then unused)."""
         self.slot_of[:] = -1
         self.free = list(range(self.num_slots - 1, -1, -1))
-        self.policy = make_policy(self.policy_name, self.num_slots)
+        self.policy = self._new_policy()
         self.lut = None
+
+    def _new_policy(self):
+        if self.policy_name == "pinned":
+            return make_policy("pinned", self.num_slots, frequencies=self.frequencies or {})
+        return make_policy(self.policy_name, self.num_slots)
+
+    def prewarm(self, experts: list[int]) -> int:
+        """Read ``experts`` (hottest first) into free slots before any use.
+
+        Only experts not yet resident, and at most as many as there are free
+        slots, are read; they enter the policy coldest first, so the hottest
+        is the most recently used. :func:`mlx_tier.simulate.simulate_layer`
+        mirrors this (its ``prewarm``). Not hits nor misses. Returns how many
+        experts were read.
+
+        Raises:
+            CheckpointError, OSError: a failed read (nothing is marked resident).
+        """
+        experts = [int(e) for e in experts if self.slot_of[e] < 0][: len(self.free)]
+        if not experts:
+            return 0
+        raw = self.store.read_experts(list(self.tensors), experts)
+        self.settle()
+        slots = [self.free.pop() for _ in experts]
+        try:
+            written = []
+            for name, t in self.tensors.items():
+                slab = t.module[t.attr]
+                new = _to_mx(raw[name], t.info, t.dtype)  # [len(experts), ...]
+                for i, s in enumerate(slots):
+                    slab[s : s + 1] = new[i : i + 1]  # in place, as in _ensure
+                written.append(slab)
+            mx.eval(written)
+        except BaseException:
+            self.reset()
+            raise
+        for e, s in zip(experts, slots):
+            self.slot_of[e] = s
+        for e in reversed(experts):
+            self.policy.insert(e)
+        if not self.free and self.num_slots == self.num_experts:
+            self.lut = mx.array(self.slot_of.astype(np.uint32))
+        return len(experts)
 
     def assign(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
         """Make the experts in ``idx`` resident and yield slot indices.
@@ -238,6 +376,7 @@ class LayerCache:
         """
         if self.recorder is not None:
             self.recorder.add(self.layer, idx)
+        self.counts += np.bincount(idx.reshape(-1), minlength=self.num_experts)
         need = np.unique(idx).tolist()
         if len(need) <= self.num_slots:
             self._ensure(need)
@@ -284,8 +423,42 @@ class ExpertCache:
         return self.layers[0].num_slots
 
     @property
+    def layer_slots(self) -> tuple[int, ...]:
+        """Slots of each layer (they differ under an adaptive split)."""
+        return tuple(layer.num_slots for layer in self.layers)
+
+    @property
     def num_experts(self) -> int:
         return self.layers[0].num_experts
+
+    def profile_counts(self) -> np.ndarray:
+        """Expert uses since load, ``[L, E]`` int64 (a copy): one per (token, k)
+        entry routed to the expert, prefill and decode — the unit of a
+        :class:`~mlx_tier.profile.Profile` (``mlx_tier.profile.from_counts``).
+        Layers with fewer experts than the widest are zero-padded."""
+        out = np.zeros((len(self.layers), max(layer.num_experts for layer in self.layers)), np.int64)
+        for i, layer in enumerate(self.layers):
+            layer.count_deferred()
+            out[i, : layer.num_experts] = layer.counts
+        return out
+
+    def prewarm(self, profile) -> int:
+        """Fill each layer's free slots with ``profile``'s most used experts
+        (:meth:`LayerCache.prewarm`). The reads are counted in
+        ``stats.prewarmed``/``prewarm_bytes``/``prewarm_seconds``, not in
+        ``bytes_read``. Returns the number of experts read.
+
+        Args:
+            profile: a :class:`~mlx_tier.profile.Profile` of this model's shape.
+        """
+        before = self.store.stats
+        self.store.stats = ReadStats()
+        n = sum(layer.prewarm(profile.hottest(i, layer.num_slots)) for i, layer in enumerate(self.layers))
+        self._stats.prewarmed += n
+        self._stats.prewarm_bytes += self.store.stats.bytes_read
+        self._stats.prewarm_seconds += self.store.stats.read_seconds
+        self.store.stats = before
+        return n
 
     @property
     def resident_bytes(self) -> int:

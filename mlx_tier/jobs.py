@@ -67,6 +67,11 @@ class JobConfig:
         throttle: the thermal-aware throttle's settings (:mod:`mlx_tier.throttle`).
         nice: CPU priority decrease (``os.nice`` increment; 0 = unchanged).
         background_qos: macOS background QoS (slows Metal ~8x; off by default).
+        policy: expert cache eviction policy (``lru``, ``lfu``, ``2q``, ``pinned``).
+        prewarm: fill the cache at load with the saved profile's most used
+            experts (``None``: only for ``pinned``; :mod:`mlx_tier.profile`).
+        save_profile: after the run, add its expert use counts to the
+            checkpoint's saved profile (next to it, or in the user cache).
     """
 
     input: Path
@@ -88,6 +93,9 @@ class JobConfig:
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     nice: int = 0
     background_qos: bool = False
+    policy: str = "lru"
+    prewarm: bool | None = None
+    save_profile: bool = False
 
 
 @dataclass
@@ -159,7 +167,9 @@ class JobReport:
         }
 
 
-COUNTERS = ("hits", "misses", "evictions", "bytes_read", "read_seconds", "rounds")
+# CacheStats counters that add up across runs (ratios are recomputed).
+COUNTERS = ("hits", "misses", "evictions", "bytes_read", "read_seconds", "rounds", "prewarmed", "prewarm_bytes",
+            "prewarm_seconds", "prefetch_predicted", "prefetch_used", "prefetch_wasted_bytes", "stall_seconds")
 
 
 def previous_runs(path: Path) -> list[dict]:
@@ -176,6 +186,8 @@ def sum_cache(runs: list[dict]) -> dict:
     total = {k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in COUNTERS}
     seen = total["hits"] + total["misses"]
     total["hit_rate"] = total["hits"] / seen if seen else 0.0
+    total["prefetch_precision"] = total["prefetch_used"] / total["prefetch_predicted"] if total["prefetch_predicted"] else 0.0
+    total["prefetch_recall"] = total["prefetch_used"] / total["misses"] if total["misses"] else 0.0
     return total
 
 
@@ -406,7 +418,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         KeyboardInterrupt: a second interrupt; finished outputs are kept.
     """
     from .demo_model import ensure_demo_model
-    from .tiered import load
+    from .tiered import TierConfig, load
 
     reporter = reporter or Reporter()
     t_start, t_wall = time.perf_counter(), time.time()
@@ -426,7 +438,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         if not model_dir.exists():
             raise InputError(f"{model_dir}: model folder not found")
         reporter.message(f"loading {model_dir}")
-        model, tokenizer = load(model_dir, cache_gb=config.cache_gb)
+        model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
+                                config=TierConfig(policy=config.policy, prewarm=config.prewarm))
     except BaseException:
         lock.close()
         if created and [p.name for p in config.out_dir.iterdir()] == [LOCK]:
@@ -441,7 +454,9 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             "model": str(model_dir),
             "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
             "slots_per_layer": cache.slots_per_layer,
+            "layer_slots": list(cache.layer_slots),
             "experts_per_layer": cache.num_experts,
+            "policy": config.policy,
             "max_tokens": config.max_tokens,
             "repetition_penalty": config.repetition_penalty,
             "prompt": config.prompt,
@@ -525,6 +540,15 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     }
     report.runs = previous_runs(config.out_dir / REPORT) + [this_run]
     report.cache = {**sum_cache(report.runs), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
+    if config.save_profile and report.output_tokens:
+        from . import profile
+
+        try:
+            where = profile.record(model_dir, profile.from_counts(cache.profile_counts(), source=str(config.input)))
+            report.setup["profile_saved"] = str(where)
+            reporter.message(f"expert use profile saved to {where}")
+        except (OSError, profile.ProfileError) as e:
+            reporter.message(f"could not save the expert use profile: {e}")
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
     lock.close()
     reporter.close()

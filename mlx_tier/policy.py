@@ -20,7 +20,8 @@ whole trace and is the simulator's ceiling.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from typing import Iterable, Protocol, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 
 class EvictionPolicy(Protocol):

@@ -209,7 +209,10 @@ class Scheduler:
                 info = engine.step()
             except Exception as e:  # noqa: BLE001 - e.g. MLX out of memory inside a batched step
                 docs_in_flight = list(dict.fromkeys(in_flight + [t.key[0] for t in ready]))
-                engine.cancel()
+                try:  # the generator's state after a failed step is unknown: start a fresh one
+                    engine.close()
+                except Exception:  # noqa: BLE001, S110
+                    pass
                 ready.clear()
                 self._clear_pending()
                 engine = self._engine = self._new_engine(self.batch_size)

@@ -1,44 +1,68 @@
 """Replay a routing trace against a policy and a cache size, without the model.
 
-Each layer has its own N slots. Every (token, layer) record accesses its k
-experts in order; an access is a hit when the expert is resident. While a
-token's experts are being served they are protected from eviction (when N >=
-k), as in the live cache. Hit rate = accesses found resident / all accesses.
+Each layer has its own slots (the same N everywhere, or one count per layer).
+Every (token, layer) record accesses its k experts in order; an access is a
+hit when the expert is resident. While a token's experts are being served they
+are protected from eviction (when N >= k), as in the live cache. Hit rate =
+accesses found resident / all accesses. Optionally each layer starts
+pre-warmed with a profile's hottest experts, as the live cache does at load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .policy import make_policy
+from .profile import Profile, from_trace
 from .trace import Trace
 
 
 @dataclass(frozen=True)
 class SimResult:
+    """One replay.
+
+    Attributes:
+        slots: the slots per layer asked for (for a per-layer split: the mean,
+            i.e. the uniform cache of the same total size).
+        layer_slots: the slots each layer had.
+    """
+
     policy: str
     slots: int
     hits: int
     accesses: int
     per_layer: tuple[float, ...]  # hit rate of each layer
+    layer_slots: tuple[int, ...] = ()
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.accesses if self.accesses else 0.0
 
 
-def simulate_layer(seq: list[list[int]], policy: str, slots: int, **policy_kwargs) -> tuple[int, int]:
+def simulate_layer(seq: list[list[int]], policy: str, slots: int, prewarm: Sequence[int] = (),
+                   **policy_kwargs) -> tuple[int, int]:
     """``(hits, accesses)`` of one layer's top-k sequence under ``policy`` with ``slots``.
 
     Mirrors :meth:`mlx_tier.cache.LayerCache.assign` for one token per call:
     the token's distinct experts in id order, resident ones first; when more
     are needed than there are slots, they are served in rounds of ``slots``.
+
+    Args:
+        prewarm: experts resident before the first access, hottest first (at
+            most ``slots`` are used); inserted into the policy coldest first,
+            as :meth:`mlx_tier.cache.LayerCache.prewarm` does. For Belady the
+            pre-warm inserts count as uses before the sequence.
     """
+    warm = list(prewarm)[:slots]
     flat = [e for row in seq for e in sorted(set(row))]
     if policy == "belady":
-        policy_kwargs = {**policy_kwargs, "future": flat}
+        policy_kwargs = {**policy_kwargs, "future": warm[::-1] + flat}
     p = make_policy(policy, slots, **policy_kwargs)
     resident: set[int] = set()
+    for e in reversed(warm):
+        resident.add(e)
+        p.insert(e)
     hits = 0
     for row in seq:
         need = sorted(set(row))
@@ -59,31 +83,112 @@ def simulate_layer(seq: list[list[int]], policy: str, slots: int, **policy_kwarg
     return hits, len(flat)
 
 
-def simulate(trace: Trace, policy: str, slots: int, profile: list[dict[int, float]] | None = None) -> SimResult:
-    """Hit rate of ``policy`` with ``slots`` per layer on ``trace``.
+def _layer_slots(slots: int | Sequence[int], num_layers: int, num_experts: int) -> tuple[int, ...]:
+    per = (slots,) * num_layers if isinstance(slots, int) else tuple(int(n) for n in slots)
+    if len(per) != num_layers or not all(1 <= n <= num_experts for n in per):
+        raise ValueError(f"slots must be {num_layers} counts in [1, {num_experts}], got {per}")
+    return per
+
+
+def simulate(trace: Trace, policy: str, slots: int | Sequence[int], profile: Profile | None = None,
+             prewarm: bool = False) -> SimResult:
+    """Hit rate of ``policy`` on ``trace`` with ``slots`` per layer (one count
+    for all layers, or one per layer).
 
     Args:
-        profile: per layer expert frequencies, for ``pinned`` (default: the
-            trace's own counts — an upper bound for a profile from other runs).
+        profile: expert counts ``[L, E]`` for ``pinned`` and for pre-warm
+            (default: the trace's own counts — an upper bound for a profile
+            from other runs).
+        prewarm: start each layer with the profile's hottest experts resident.
+
+    Raises:
+        ValueError: per-layer slots of the wrong length or outside [1, E];
+            a profile of another shape than the trace.
     """
     seqs = trace.layer_sequences()
+    per = _layer_slots(slots, len(seqs), trace.num_experts)
+    if profile is None and (policy == "pinned" or prewarm):
+        profile = from_trace(trace, len(seqs), trace.num_experts)
+    if profile is not None:
+        profile.check(len(seqs), trace.num_experts, "simulate")
     hits = accesses = 0
     per_layer = []
-    for lay, seq in enumerate(seqs):
-        kwargs = {}
-        if policy == "pinned":
-            if profile is not None:
-                freq = profile[lay]
-            else:
-                freq = {}
-                for row in seq:
-                    for e in row:
-                        freq[e] = freq.get(e, 0) + 1
-            kwargs["frequencies"] = freq
-        h, a = simulate_layer(seq, policy, slots, **kwargs)
+    for lay, (seq, n) in enumerate(zip(seqs, per)):
+        kwargs = {"frequencies": profile.frequencies(lay)} if policy == "pinned" else {}
+        warm = profile.hottest(lay, n) if prewarm else ()
+        h, a = simulate_layer(seq, policy, n, warm, **kwargs)
         hits, accesses = hits + h, accesses + a
         per_layer.append(h / a if a else 0.0)
-    return SimResult(policy, slots, hits, accesses, tuple(per_layer))
+    mean = slots if isinstance(slots, int) else round(sum(per) / len(per))
+    return SimResult(policy, mean, hits, accesses, tuple(per_layer), per)
+
+
+def miss_curves(trace: Trace, policy: str, profile: Profile | None = None, prewarm: bool = False) -> list[list[int]]:
+    """Per layer, the misses with 1..E slots: ``curves[l][n - 1]`` (E simulations per layer)."""
+    seqs = trace.layer_sequences()
+    E = trace.num_experts
+    if profile is None and (policy == "pinned" or prewarm):
+        profile = from_trace(trace, len(seqs), E)
+    curves = []
+    for lay, seq in enumerate(seqs):
+        kwargs = {"frequencies": profile.frequencies(lay)} if policy == "pinned" else {}
+        row = []
+        for n in range(1, E + 1):
+            h, a = simulate_layer(seq, policy, n, profile.hottest(lay, n) if prewarm else (), **kwargs)
+            row.append(a - h)
+        curves.append(row)
+    return curves
+
+
+def split_by_curves(curves: Sequence[Sequence[int]], total_slots: int) -> tuple[int, ...]:
+    """Greedy split of ``total_slots`` across layers by marginal miss reduction.
+
+    Each layer starts with 1 slot. Each step gives the layer with the largest
+    miss reduction per added slot, ``(m[n] - m[n + j]) / j`` over every step
+    size j that fits (so a flat stretch of a non-convex curve does not stop
+    it), its j slots. Slots that buy no reduction on this curve are spread
+    evenly (fewest slots first), so the whole budget is used.
+
+    Args:
+        curves: ``curves[l][n - 1]`` misses of layer l with n slots (:func:`miss_curves`).
+        total_slots: the budget, sum over layers.
+    Returns:
+        slots per layer, each in [1, E], summing to ``min(total_slots, L * E)``.
+    Raises:
+        ValueError: ``total_slots`` < L.
+    """
+    L = len(curves)
+    if total_slots < L:
+        raise ValueError(f"{total_slots} slots cannot give each of {L} layers one")
+    slots = [1] * L
+    left = min(total_slots, sum(len(c) for c in curves)) - L
+
+    def best_step(lay: int) -> tuple[float, int]:
+        m, n = curves[lay], slots[lay]
+        steps = [((m[n - 1] - m[n - 1 + j]) / j, -j) for j in range(1, min(left, len(m) - n) + 1)]
+        gain, neg_j = max(steps, default=(0.0, 0))
+        return gain, -neg_j
+
+    while left > 0:
+        steps = [best_step(i) for i in range(L)]
+        lay = max(range(L), key=lambda i: (steps[i][0], -steps[i][1], -i))  # most gain, smaller step, lower layer
+        gain, j = steps[lay]
+        if gain <= 0:
+            break
+        slots[lay] += j
+        left -= j
+    while left > 0:  # no measured gain left: spread the rest evenly
+        lay = min((s, i) for i, s in enumerate(slots) if s < len(curves[i]))[1]
+        slots[lay] += 1
+        left -= 1
+    return tuple(slots)
+
+
+def adaptive_split(trace: Trace, policy: str, total_slots: int, profile: Profile | None = None,
+                   prewarm: bool = False) -> tuple[int, ...]:
+    """Slots per layer for ``policy`` on ``trace``: :func:`split_by_curves` of
+    :func:`miss_curves` (measured in this simulator)."""
+    return split_by_curves(miss_curves(trace, policy, profile, prewarm), total_slots)
 
 
 def zipf_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, alpha: float = 1.1,
@@ -121,3 +226,47 @@ def zipf_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, alpha
     return Trace(np.array(toks), np.array(layers, np.int32), np.full(len(rows), DECODE, np.uint8),
                  np.array(rows, np.int32), {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k,
                                             "source": f"zipf alpha={alpha} reuse={reuse} seed={seed}"})
+
+
+def curve_sizes(num_experts: int, points: int = 16) -> list[int]:
+    """Cache sizes (slots per layer) for a hit-rate curve: every size from 1
+    to E, or ``points`` of them spread evenly when E is larger."""
+    if num_experts <= points:
+        return list(range(1, num_experts + 1))
+    return sorted({max(1, round(num_experts * i / points)) for i in range(1, points + 1)})
+
+
+def plot_hit_rates(results: Sequence[SimResult], num_experts: int, path, title: str = "") -> None:
+    """Write a PNG: hit rate vs cache size (slots per layer as a fraction of
+    the experts), one line per policy, in the order first seen.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (``pip install 'mlx-tier[plot]'``).
+        OSError: ``path`` cannot be written.
+    """
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    from .journal import write_atomic
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for name in dict.fromkeys(r.policy for r in results):
+        pts = sorted((r.slots / num_experts, r.hit_rate) for r in results if r.policy == name)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3,
+                linestyle="--" if name == "belady" else "-", label=name)
+    ax.set_xlabel("cache size (slots per layer / experts)")
+    ax.set_ylabel("hit rate")
+    ax.set_xlim(0, 1.02)
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title, fontsize=9)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())

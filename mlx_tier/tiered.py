@@ -13,21 +13,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import psutil
+from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .cache import CacheStats, ExpertCache, LayerCache, SlabTensor
 from .policy import OFFLINE_POLICIES
-from .store import CheckpointError, ExpertStore
+from .prefetch import BackgroundReader, link_layers
+from .store import (
+    DEFAULT_PAGE_CACHE,
+    DEFAULT_READ_METHOD,
+    CheckpointError,
+    ExpertStore,
+    check_read_settings,
+)
 
 GIB = 1024**3
 
 # Fraction of available memory (after the dense part is loaded) that the
 # default budget takes: leaves room for the KV cache, activations and the OS.
 DEFAULT_BUDGET_FRACTION = 0.5
+
+# Prefetch off by default: measured on the build machine by benches/prefetch.py
+# (README, "Prefetch").
+DEFAULT_PREFETCH = False
 
 EXPERT_BLOCKS = (SwitchGLU, SwitchMLP)
 
@@ -46,11 +57,24 @@ class TierConfig:
     Attributes:
         cache_gb: expert cache budget in GiB (``None``: a default from free memory).
         slots_per_layer: exact slot count per layer; overrides ``cache_gb``.
-        policy: eviction policy name (:mod:`mlx_tier.policy`): lru, lfu, 2q.
+        policy: eviction policy name (:mod:`mlx_tier.policy`): lru, lfu, 2q,
+            or pinned (keeps the saved profile's most used experts; needs a profile).
         dtype: compute dtype for floating weights. ``None``: float32 on the CPU
             backend (bf16/fp16 matmuls are 9-40x slower there, DESIGN.md),
             the checkpoint's own dtype on a GPU.
         read_threads: size of the cold-tier read pool.
+        read_method: how experts are read: ``"pread"`` or ``"mmap"``
+            (:mod:`mlx_tier.store`; default chosen by benches/read_methods.py).
+        page_cache: what reads do to the OS page cache: ``"keep"``, ``"drop"``
+            (fadvise DONTNEED after reading) or ``"direct"`` (O_DIRECT, pread only).
+        prefetch: at each MoE layer, predict the next layer's experts with its
+            router and read them in the background (:mod:`mlx_tier.prefetch`).
+            Exactness and hit/miss counts do not depend on it. Default from
+            ``benches/prefetch.py`` (README); reported to hurt on Apple
+            unified memory (DESIGN.md, "Prefetch").
+
+    Raises:
+        ValueError: an unknown ``read_method``/``page_cache``, or mmap with direct.
     """
 
     cache_gb: float | None = None
@@ -58,6 +82,25 @@ class TierConfig:
     policy: str = "lru"
     dtype: mx.Dtype | None = None
     read_threads: int = 4
+    read_method: str = DEFAULT_READ_METHOD
+    page_cache: str = DEFAULT_PAGE_CACHE
+    # Frequency profiles (mlx_tier.profile): pinning, pre-warm, adaptive split.
+    # layer_slots: exact slots of each MoE layer (overrides slots_per_layer and
+    #   cache_gb; budget = sum of slots x slot bytes).
+    # split: "uniform" (same slots everywhere) or "adaptive" (the same total
+    #   slots, spread by the profile: mlx_tier.profile.adaptive_slots).
+    # profile: a profile file (default: the one saved for the checkpoint).
+    # prewarm: fill each layer's slots at load with the profile's most used
+    #   experts; None = only for policy "pinned" (explicit, so that the mere
+    #   presence of a saved profile never changes a run's numbers).
+    layer_slots: tuple[int, ...] | None = None
+    split: str = "uniform"
+    profile: Path | None = None
+    prewarm: bool | None = None
+    prefetch: bool = DEFAULT_PREFETCH
+
+    def __post_init__(self):
+        check_read_settings(self.read_method, self.page_cache)
 
 
 class BudgetError(ValueError):
@@ -77,6 +120,7 @@ class TieredExperts(nn.Module):
         super().__init__()
         self._inner = inner  # leading underscore: hidden from parameters()
         self._cache = cache
+        self._prefetch = None  # NextLayerPrefetch (mlx_tier.prefetch) when prefetch is on
 
     @property
     def cache(self) -> LayerCache:
@@ -86,7 +130,13 @@ class TieredExperts(nn.Module):
         if self._cache.all_resident():  # no miss possible: stay lazy, no host sync
             self._cache.defer_count(indices)
             return self._inner(x, self._cache.lut[indices])
-        mx.eval(indices)
+        # Layer l+1's predicted experts [..., k], evaluated with this layer's
+        # router output (one host sync), read while this layer computes.
+        ahead = self._prefetch.predict(x, indices.shape[-1]) if self._prefetch is not None else None
+        if ahead is None:
+            mx.eval(indices)
+        else:
+            mx.eval(indices, ahead)
         idx = np.array(indices)  # [..., k] expert ids
         out = None
         for slots, mask in self._cache.assign(idx):
@@ -106,6 +156,9 @@ class TieredExperts(nn.Module):
         else:
             out = out.reshape(*idx.shape, x.shape[-1])
         self._cache.pending = out
+        self._cache.end_call()  # drop this layer's unused prefetched experts
+        if ahead is not None:
+            self._prefetch.issue(np.array(ahead))
         return out
 
 
@@ -114,12 +167,16 @@ def find_expert_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, EXPERT_BLOCKS)][::-1]
 
 
-def _set_child(model: nn.Module, path: str, new: nn.Module) -> None:
-    *parents, last = path.split(".")
+def _module_at(model: nn.Module, path: str) -> nn.Module:
     node = model
-    for p in parents:
+    for p in path.split(".") if path else []:
         node = node[int(p)] if isinstance(node, list) else node[p]
-    node[last] = new
+    return node
+
+
+def _set_child(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, last = path.rpartition(".")
+    _module_at(model, parent)[last] = new
 
 
 def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path, dtype) -> tuple[int, dict]:
@@ -193,6 +250,53 @@ def plan_slots(budget_bytes: int, num_layers: int, slot_nbytes: int, num_experts
     return int(slots)
 
 
+def _profile_for(config: TierConfig, model_dir: Path, num_layers: int, num_experts: int):
+    """The profile ``config`` needs (pinned, pre-warm, adaptive split), else ``None``.
+
+    Raises:
+        ProfileError: needed but none saved, unreadable, or of another shape.
+        ValueError: an unknown ``split``.
+    """
+    from .profile import HOW_TO_MAKE, PROFILE_FILE, ProfileError, load_for
+
+    if config.split not in ("uniform", "adaptive"):
+        raise ValueError(f"split must be 'uniform' or 'adaptive', got {config.split!r}")
+    wants = {"policy 'pinned'": config.policy == "pinned", "pre-warm": bool(config.prewarm),
+             "the adaptive split": config.split == "adaptive" and config.layer_slots is None}
+    needed = [why for why, yes in wants.items() if yes]
+    if not needed:
+        return None
+    profile = load_for(model_dir, num_layers, num_experts, config.profile)
+    if profile is None:
+        raise ProfileError(
+            f"{model_dir}: {' and '.join(needed)} need{'s' if len(needed) == 1 else ''} a saved frequency profile "
+            f"and none was found ({PROFILE_FILE} next to the checkpoint, or in the user cache dir); {HOW_TO_MAKE}"
+        )
+    return profile
+
+
+def _layer_slot_counts(config: TierConfig, profile, slots: int, total: int, experts: list[int]) -> tuple[int, ...]:
+    """Slots of each layer: ``config.layer_slots``, an adaptive split of
+    ``total`` slots (``slots`` x L when ``slots_per_layer`` is set), or ``slots``
+    everywhere; each capped at the layer's experts.
+
+    Raises:
+        BudgetError: ``layer_slots`` of the wrong length or outside [1, E].
+    """
+    L = len(experts)
+    if config.layer_slots is not None:
+        per = tuple(int(n) for n in config.layer_slots)
+        if len(per) != L or not all(1 <= n <= e for n, e in zip(per, experts)):
+            raise BudgetError(f"layer_slots must give each of the {L} MoE layers 1 to {max(experts)} slots, got {per}")
+        return per
+    if config.split == "adaptive":
+        from .profile import adaptive_slots
+
+        total = slots * L if config.slots_per_layer is not None else total
+        return tuple(min(n, e) for n, e in zip(adaptive_slots(profile, total), experts))
+    return tuple(min(slots, e) for e in experts)
+
+
 def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertCache:
     """Replace every expert block of an mlx-lm model (built lazily) with a tiered one.
 
@@ -201,7 +305,9 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
 
     Raises:
         CheckpointError: no expert block, or experts not stored stacked.
-        BudgetError: budget below one slot per layer.
+        BudgetError: budget below one slot per layer; bad ``layer_slots``.
+        ProfileError: pinned, pre-warm or the adaptive split without a
+            fitting saved profile (:mod:`mlx_tier.profile`).
     """
     blocks = find_expert_blocks(model)
     model_type = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", "?")
@@ -214,12 +320,11 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
         )
     if config.policy in OFFLINE_POLICIES:
         raise ValueError(f"policy {config.policy!r} needs the future: use it in `mlx-tier trace-sim`, not live")
-    if config.policy == "pinned":
-        raise ValueError("policy 'pinned' needs a saved frequency profile, which live loading does not take yet; "
-                         "use it in `mlx-tier trace-sim`")
-    store = ExpertStore(model_dir, threads=config.read_threads)
+    store = ExpertStore(model_dir, threads=config.read_threads, read_method=config.read_method,
+                         page_cache=config.page_cache)
     dtype = config.dtype if config.dtype is not None else default_compute_dtype()
     found = [(path, *expert_tensors(path, block, store.index, model_dir, dtype)) for path, block in blocks]
+    profile = _profile_for(config, model_dir, len(found), max(n for _, n, _ in found))
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
     wrappers = []
@@ -232,7 +337,10 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
 
     slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
     num_experts = max(n for _, n, _ in found)
-    if config.slots_per_layer is not None:
+    if config.layer_slots is not None:
+        slots = 0  # unused: per-layer counts below
+        budget = sum(config.layer_slots) * slot_nbytes
+    elif config.slots_per_layer is not None:
         slots = config.slots_per_layer
         if not 1 <= slots <= num_experts:
             raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
@@ -240,12 +348,21 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
     else:
         budget = int(config.cache_gb * GIB) if config.cache_gb is not None else default_budget_bytes()
         slots = plan_slots(budget, len(found), slot_nbytes, num_experts)
+    per_layer = _layer_slot_counts(config, profile, slots, budget // slot_nbytes, [n for _, n, _ in found])
     stats = CacheStats()
     layers = []
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
-        layers.append(LayerCache(i, tensors, n, min(slots, n), store, stats, config.policy))
+        freq = profile.frequencies(i) if config.policy == "pinned" else None
+        layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, config.policy, freq))
         wrapper._cache = layers[-1]
+    if config.prefetch:
+        parents = [_module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
+        links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
+        for wrapper, link in zip(wrappers, links):
+            wrapper._prefetch = link
     expert_cache = ExpertCache(layers, stats, budget, store)
+    if config.prewarm or (config.prewarm is None and config.policy == "pinned"):
+        expert_cache.prewarm(profile)
     model.expert_cache = expert_cache
     return expert_cache
 

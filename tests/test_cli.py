@@ -209,3 +209,24 @@ def test_more_bad_input(tmp_path, tiny_moe, docs):
     ]:
         code, output = run(*args)
         assert code == 2 and message in output, output
+
+
+def test_policy_profile_round_trip(docs, tmp_path, tiny_moe):
+    """--policy pinned needs a saved profile (exit 2 saying how to make one);
+    --save-profile records one next to the checkpoint; then pinned runs, pre-warmed."""
+    import shutil
+
+    model = shutil.copytree(tiny_moe, tmp_path / "model")
+    code, output = run(docs, "--out", tmp_path / "o1", "--model", model, "--policy", "pinned")
+    assert code == 2 and len(error_lines(output)) == 1 and "profile" in error_lines(output)[0]
+    code, output = run(docs, "--out", tmp_path / "o1", "--model", model, "--policy", "nope")
+    assert code == 2 and "--policy must be one of" in output
+    code, output = run(docs, "--out", tmp_path / "o2", "--model", model, "--max-tokens", "3", "--cache-gb", "0.0001",
+                       "--save-profile")
+    assert code == 0, output
+    assert (model / "mlx-tier-profile.json").exists()
+    code, output = run(docs, "--out", tmp_path / "o3", "--model", model, "--max-tokens", "3", "--cache-gb", "0.0001",
+                       "--policy", "pinned")
+    assert code == 0, output
+    report = json.loads((tmp_path / "o3" / "report.json").read_text())
+    assert report["policy"] == "pinned" and report["cache"]["prewarmed"] > 0

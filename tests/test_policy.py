@@ -1,5 +1,7 @@
 """LRU evicts the least recently used expert that is not protected."""
 
+import functools
+
 import pytest
 
 from mlx_tier.policy import LRUPolicy, make_policy
@@ -66,9 +68,8 @@ def test_pinned_keeps_profile_hot_experts():
 
 def _optimal_misses(seq, slots):
     """Brute force: fewest misses over every eviction choice (tiny inputs)."""
-    from functools import lru_cache
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def best(i, resident):
         if i == len(seq):
             return 0

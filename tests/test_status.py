@@ -39,7 +39,8 @@ def test_finished_job(tmp_path):
     s = read_status(out, now=T0 + 5000)
     assert not s.running and s.pid == 4321
     assert (s.total, s.done, s.failed, s.pending, s.todo_left) == (6, 3, 1, 2, 2)
-    assert s.output_tokens == 120 and s.output_tok_per_s == 3.0  # 120 tokens / 40 s
+    # this run: d2 + d3 = 80 tokens over 100 s of wall clock (batched documents overlap)
+    assert s.output_tokens == 120 and s.run_output_tokens == 80 and s.output_tok_per_s == 0.8
     assert s.throttled_seconds == 15.5
     assert s.finished_this_run == 2 and s.elapsed_seconds == 100  # up to its last record, not to "now"
     assert s.documents_per_hour == 72.0 and s.eta_seconds is None  # not running: no ETA

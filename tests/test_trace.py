@@ -6,11 +6,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
+from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
 import mlx_tier
 from mlx_tier import TierConfig
-from mlx_tier.cli.main import app
 from mlx_tier.simulate import simulate, zipf_trace
 from mlx_tier.trace import DECODE, PREFILL, TraceError, load, save
 
@@ -92,7 +92,7 @@ def test_run_records_a_trace(tmp_path, tiny_moe):
 
 def test_live_policies_and_offline_refusal(tiny_moe):
     for policy in ("lfu", "2q"):
-        model, tok = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, policy=policy))
+        model, _ = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, policy=policy))
         list(generate_step(mx.array([3, 4, 5]), model, max_tokens=4))
         assert model.expert_cache.stats.misses > 0
     with pytest.raises(ValueError, match="needs the future"):
