@@ -200,6 +200,7 @@ def run(
     policy: str = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu (LFU with dynamic aging), 2q, or pinned (keeps the saved profile's most used experts; see --save-profile)."),
     prewarm: Optional[bool] = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
     save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
+    prefetch: Optional[bool] = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
 ) -> None:
@@ -263,6 +264,7 @@ def run(
             policy=policy,
             prewarm=prewarm,
             save_profile=save_profile,
+            prefetch=prefetch,
         )
         with _sigterm_interrupts():
             report = run_job(config, reporter)

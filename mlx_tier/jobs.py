@@ -72,6 +72,8 @@ class JobConfig:
             experts (``None``: only for ``pinned``; :mod:`mlx_tier.profile`).
         save_profile: after the run, add its expert use counts to the
             checkpoint's saved profile (next to it, or in the user cache).
+        prefetch: read the next layer's predicted experts in the background
+            (``None``: :data:`mlx_tier.tiered.DEFAULT_PREFETCH`).
     """
 
     input: Path
@@ -96,6 +98,7 @@ class JobConfig:
     policy: str = "lru"
     prewarm: bool | None = None
     save_profile: bool = False
+    prefetch: bool | None = None
 
 
 @dataclass
@@ -418,7 +421,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         KeyboardInterrupt: a second interrupt; finished outputs are kept.
     """
     from .demo_model import ensure_demo_model
-    from .tiered import TierConfig, load
+    from .tiered import DEFAULT_PREFETCH, TierConfig, load
 
     reporter = reporter or Reporter()
     t_start, t_wall = time.perf_counter(), time.time()
@@ -439,7 +442,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             raise InputError(f"{model_dir}: model folder not found")
         reporter.message(f"loading {model_dir}")
         model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
-                                config=TierConfig(policy=config.policy, prewarm=config.prewarm))
+                                config=TierConfig(policy=config.policy, prewarm=config.prewarm,
+                                                  **({} if config.prefetch is None else {"prefetch": config.prefetch})))
     except BaseException:
         lock.close()
         if created and [p.name for p in config.out_dir.iterdir()] == [LOCK]:
@@ -457,6 +461,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             "layer_slots": list(cache.layer_slots),
             "experts_per_layer": cache.num_experts,
             "policy": config.policy,
+            "prefetch": DEFAULT_PREFETCH if config.prefetch is None else config.prefetch,
             "max_tokens": config.max_tokens,
             "repetition_penalty": config.repetition_penalty,
             "prompt": config.prompt,
