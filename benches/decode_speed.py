@@ -21,7 +21,8 @@ import time
 
 import mlx.core as mx
 import psutil
-from mlx_lm import load as mlx_load, stream_generate
+from mlx_lm import load as mlx_load
+from mlx_lm import stream_generate
 
 import mlx_tier
 from mlx_tier import TierConfig

@@ -11,7 +11,14 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -180,27 +187,27 @@ def _root(
 def run(
     input: Path = typer.Argument(..., metavar="INPUT", help="Folder of .txt/.md documents (searched recursively) or a JSONL file with id and text per line."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
-    model: Optional[Path] = typer.Option(None, help="mlx-lm MoE checkpoint folder. Default: the built-in SmolLM2 8-expert demo MoE (built on first use)."),
-    cache_gb: Optional[float] = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
+    model: Path | None = typer.Option(None, help="mlx-lm MoE checkpoint folder. Default: the built-in SmolLM2 8-expert demo MoE (built on first use)."),
+    cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
     max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Most tokens generated per summary."),
-    prompt: Optional[str] = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
+    prompt: str | None = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
     repetition_penalty: float = typer.Option(1.1, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
+    trace: Path | None = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
     output_format: str = typer.Option("md", "--format", help="md: one OUT_DIR/<id>.md per document; jsonl: also OUT_DIR/summaries.jsonl, one line per finished document with its custom_id/id and summary."),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed)."),
     background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
-    context: Optional[int] = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
+    context: int | None = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
     prefill_step: int = typer.Option(512, "--prefill-step", min=1, help="Prompt tokens per forward pass while reading a document (smaller: less memory)."),
-    max_temp: Optional[float] = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
+    max_temp: float | None = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
     pause_on_battery: bool = typer.Option(False, "--pause-on-battery", help="Pause while the machine runs on battery; resume on AC."),
-    min_battery: Optional[float] = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),
-    max_tok_s: Optional[float] = typer.Option(None, "--max-tok-s", help="Hard cap on generated tokens per second (all documents together)."),
+    min_battery: float | None = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),
+    max_tok_s: float | None = typer.Option(None, "--max-tok-s", help="Hard cap on generated tokens per second (all documents together)."),
     nice: int = typer.Option(10, "--nice", min=0, max=19, help="Lower the job's CPU priority by this much (0: unchanged), so the machine stays responsive."),
     policy: str = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu (LFU with dynamic aging), 2q, or pinned (keeps the saved profile's most used experts; see --save-profile)."),
-    prewarm: Optional[bool] = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
+    prewarm: bool | None = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
     save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
-    prefetch: Optional[bool] = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
+    prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
 ) -> None:
@@ -361,10 +368,10 @@ def status(
 @app.command()
 def plan(
     model: Path = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder."),
-    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="Plan for this much memory (GiB) instead of this machine's."),
+    memory_gb: float | None = typer.Option(None, "--memory-gb", help="Plan for this much memory (GiB) instead of this machine's."),
     context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
-    disk_gbps: Optional[float] = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
-    compute_gbps: Optional[float] = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
+    disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
+    compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
     as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
 ) -> None:
     """Capacity worksheet for MODEL from its config and shard headers (no weights loaded)."""
@@ -411,11 +418,11 @@ def convert(
     hf_dir: Path = typer.Argument(..., metavar="HF_DIR", help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer)."),
     out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="New folder for the mlx-lm checkpoint (must not exist)."),
     bits: int = typer.Option(4, "--bits", help="Bits of the routed experts: 2, 3, 4, 5, 6 or 8."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantisation group size (default: 64 affine, 32 mxfp4)."),
+    group_size: int | None = typer.Option(None, "--group-size", help="Quantisation group size (default: 64 affine, 32 mxfp4)."),
     mode: str = typer.Option("affine", "--mode", help="affine or mxfp4."),
     router_bits: int = typer.Option(8, "--router-bits", help="Routers/gates: 8, or 16 to keep them unquantised."),
-    shared_expert_bits: Optional[int] = typer.Option(None, "--shared-expert-bits", help="Shared experts (default: max(8, --bits); 16 = unquantised)."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for the router-agreement check (default: a shipped text)."),
+    shared_expert_bits: int | None = typer.Option(None, "--shared-expert-bits", help="Shared experts (default: max(8, --bits); 16 = unquantised)."),
+    calib: Path | None = typer.Option(None, "--calib", help="Calibration text for the router-agreement check (default: a shipped text)."),
 ) -> None:
     """Convert a Hugging Face MoE checkpoint to mlx-lm format, router-safe.
 
@@ -424,7 +431,8 @@ def convert(
     experts and reports router agreement with the unquantised model.
     """
     from mlx_tier import CheckpointError
-    from mlx_tier.convert import ConvertConfig, convert as do_convert
+    from mlx_tier.convert import ConvertConfig
+    from mlx_tier.convert import convert as do_convert
 
     if router_bits not in (8, 16):
         fail(f"--router-bits must be 8 or 16, got {router_bits}")

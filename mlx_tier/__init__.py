@@ -20,7 +20,8 @@ _EXPORTS = {
     "cache_stats": ".tiered",
     "load": ".tiered",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["BudgetError", "CacheStats", "CheckpointError", "ExpertCache", "TierConfig", "TieredExperts",
+           "cache_stats", "load"]  # = _EXPORTS
 __version__ = "0.1.0"
 
 

@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from .store import CheckpointError, index_checkpoint

@@ -23,8 +23,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np

@@ -25,7 +25,12 @@ import numpy as np
 import psutil
 
 from .store import CheckpointError, index_checkpoint
-from .tiered import DEFAULT_BUDGET_FRACTION, GIB, default_compute_dtype, find_expert_blocks
+from .tiered import (
+    DEFAULT_BUDGET_FRACTION,
+    GIB,
+    default_compute_dtype,
+    find_expert_blocks,
+)
 
 TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_activated_experts", "n_activated_experts")
 LOCALITY_HIT_RATE = 0.98

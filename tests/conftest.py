@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
+from mlx import nn
 from mlx_lm.models import llama, mixtral
 from mlx_lm.utils import save_config, save_model
 

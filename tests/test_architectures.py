@@ -10,15 +10,15 @@ batch of two prompts equals each alone.
 import importlib
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
+from arch_configs import BASE, CONFIGS, E, K
+from conftest import write_checkpoint
+from mlx import nn
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_model
 
 import mlx_tier
-from arch_configs import BASE, CONFIGS, E, K
-from conftest import write_checkpoint
 from mlx_tier import TierConfig
 
 PROMPTS = [[1, 5, 9, 17, 33, 2, 7], list(range(3, 120, 3))]  # short; long enough for the sorted path

@@ -7,9 +7,9 @@ import os
 import signal
 
 import pytest
+from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
-from mlx_tier.cli.main import app
 from mlx_tier.jobs import JobConfig, Reporter, run_job
 
 runner = CliRunner()

@@ -7,19 +7,19 @@ import json
 import os
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 import pytest
+from arch_configs import BASE, CONFIGS, E, K
+from mlx import nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model
+from mlx_tier.cli.main import app
+from test_architectures import PROMPTS, greedy_ids
 from typer.testing import CliRunner
 
 import mlx_tier
-from arch_configs import BASE, CONFIGS, E, K
 from mlx_tier import CheckpointError, TierConfig
-from mlx_tier.cli.main import app
 from mlx_tier.convert import ConvertConfig, convert, router_agreement
-from test_architectures import PROMPTS, greedy_ids
 
 # How each family names expert e's projections in its Hugging Face checkpoint.
 MIXTRAL_STYLE = ("block_sparse_moe.switch_mlp", "block_sparse_moe.experts.{e}", {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"})

@@ -10,12 +10,13 @@ import json
 
 import mlx.core as mx
 import pytest
-from mlx_lm import generate, load as mlx_load
+from mlx_lm import generate
+from mlx_lm import load as mlx_load
+from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
 import mlx_tier
 from mlx_tier import TierConfig
-from mlx_tier.cli.main import app
 from mlx_tier.demo_model import NUM_EXPERTS, TOP_K
 
 pytestmark = pytest.mark.slow

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from typer.testing import CliRunner
-
 from conftest import TINY_MIXTRAL
 from mlx_tier.cli.main import app
+from typer.testing import CliRunner
+
 from mlx_tier.plan import make_plan, predicted_tok_s
 
 

@@ -7,11 +7,12 @@ import gc
 
 import mlx.core as mx
 import pytest
-from mlx_lm import generate, load as mlx_load
-
-import mlx_tier
 from conftest import make_mixtral
 from mlx.utils import tree_flatten
+from mlx_lm import generate
+from mlx_lm import load as mlx_load
+
+import mlx_tier
 from mlx_tier import BudgetError, CheckpointError, TierConfig
 
 SHORT = "The weather today"
