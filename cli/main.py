@@ -351,6 +351,9 @@ def status(
     t.add_row("throughput", f"{s.output_tok_per_s:.2f} output tok/s this run (wall clock, prompt processing "
                             f"included); {s.output_tokens} tokens in all")
     t.add_row("throttled", f"{s.throttled_seconds:.1f} s")
+    for change in s.thermal[-5:]:  # the latest throttle state changes of this run
+        t.add_row(f"thermal +{change.get('t', 0):.0f} s",
+                  f"{change.get('thermal')}: {change.get('mode')} (duty {change.get('duty')}) - {change.get('reason')}")
     eta = (f"{s.eta_seconds:.0f} s" if s.eta_seconds is not None
            else "unknown (nothing finished yet)" if s.running else "not running")
     t.add_row("ETA", eta)

@@ -394,7 +394,12 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
     def on_step(info, in_flight):
         rate.add(info.generated, info.seconds)
         reporter.working(in_flight, rate.value)
+        seen = len(throttle.timeline)
         throttle.step(info.generated)
+        for change in throttle.timeline[seen:]:  # thermal state changes: durable, for `mlx-tier status`
+            journal.append({"event": "thermal", **change})
+            if change["mode"] != "full":
+                reporter.message(f"throttle: {change['mode']} ({change['reason']})")
 
     throttled_before = 0.0
     for outcome in scheduler.run(todo, should_stop=stopping, on_step=on_step):

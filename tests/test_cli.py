@@ -230,3 +230,23 @@ def test_policy_profile_round_trip(docs, tmp_path, tiny_moe):
     assert code == 0, output
     report = json.loads((tmp_path / "o3" / "report.json").read_text())
     assert report["policy"] == "pinned" and report["cache"]["prewarmed"] > 0
+
+
+def test_max_tok_s_caps_the_job_and_status_shows_throttle_time(docs, tmp_path, tiny_moe):
+    from mlx_tier.status import read_status
+    from mlx_tier.throttle import ThrottleConfig
+
+    out = tmp_path / "out"
+    config = JobConfig(input=docs, out_dir=out, model=tiny_moe, max_tokens=4, batch_size=3,
+                       throttle=ThrottleConfig(max_tok_s=20.0))
+    report = run_job(config)
+    tokens = report.output_tokens
+    assert tokens >= 6 and report.throttle["capped_seconds"] > 0
+    assert report.throttle["tokens"] == tokens
+    # paced to the cap: the decode steps cannot have produced tokens faster than 20/s
+    assert report.throttle["elapsed_seconds"] >= (tokens - 3) / 20.0
+    st = read_status(out)
+    assert st.throttled_seconds == pytest.approx(report.runs[-1]["throttled_seconds"], abs=0.01)
+    assert st.thermal and st.thermal[0]["mode"] == "full"  # the throttle's state at start, journalled
+    result = runner.invoke(app, ["status", str(out)])
+    assert result.exit_code == 0 and "thermal +0 s" in result.output
