@@ -236,17 +236,19 @@ def run(
         fail(f"--format must be md or jsonl, got {output_format!r}")
     if policy not in POLICIES:
         fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    try:
+        throttle = ThrottleConfig(max_temp=max_temp, pause_on_battery=pause_on_battery, min_battery=min_battery,
+                                  max_tok_s=max_tok_s)
+    except ValueError as e:
+        fail(str(e))
+    if model is not None and not model.exists():
+        fail(f"{model}: model folder not found")
     from_stdin = str(input) == "-"
     paths = tuple(sys.stdin.read().splitlines()) if from_stdin else None
     command = resume_command(ctx, out_dir, from_stdin)
     if background:
         _start_background(ctx, input, out_dir, paths, prompt)
         return
-    try:
-        throttle = ThrottleConfig(max_temp=max_temp, pause_on_battery=pause_on_battery, min_battery=min_battery,
-                                  max_tok_s=max_tok_s)
-    except ValueError as e:
-        fail(str(e))
     reporter = RichReporter()
     try:
         config = JobConfig(

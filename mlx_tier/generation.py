@@ -114,48 +114,56 @@ def kv_bytes_per_token(cache: list) -> tuple[float, int]:
 class MemoryPlan:
     """How many sequences fit, and how long each may be.
 
+    A sequence of T tokens holds ``kv_per_token * T + fixed_per_seq`` bytes
+    of cache; while its prompt is prefilled it also needs a transient of
+    ``prefill_fixed + prefill_per_token * T`` bytes (one step's attention
+    scores against the T cached tokens, and activations). Each sequence of a
+    batch may be prefilled at once (mlx-lm's ``prefill_batch_size``), so a
+    batch of B needs B of both.
+
     Attributes:
         kv_per_token: KV-cache bytes per token of one sequence.
         fixed_per_seq: per-sequence bytes that do not grow with length.
-        prefill_bytes: transient bytes of one prefill step (attention scores
-            and activations), estimated.
+        prefill_per_token: transient bytes per context token of a prefill step.
+        prefill_fixed: transient bytes of a prefill step that do not grow with context.
         free_bytes: memory available for sequences now (psutil, minus
             :data:`HEADROOM_BYTES`).
     """
 
     kv_per_token: float
     fixed_per_seq: int
-    prefill_bytes: int
+    prefill_per_token: float
+    prefill_fixed: int
     free_bytes: int
 
     def sequence_bytes(self, tokens: int) -> int:
-        """Bytes one sequence of ``tokens`` tokens (prompt + output) holds."""
-        return int(self.kv_per_token * tokens) + self.fixed_per_seq
+        """Peak bytes of one sequence of ``tokens`` tokens (prompt + output), prefill included."""
+        per_token = self.kv_per_token + self.prefill_per_token
+        return int(per_token * tokens) + self.fixed_per_seq + self.prefill_fixed
 
     def batch_size(self, tokens: int, limit: int = MAX_AUTO_BATCH) -> int:
         """Most sequences of ``tokens`` tokens that fit, in ``[1, limit]``."""
-        room = self.free_bytes - self.prefill_bytes
-        return max(1, min(limit, room // max(1, self.sequence_bytes(tokens))))
+        return int(max(1, min(limit, self.free_bytes // max(1, self.sequence_bytes(tokens)))))
 
     def max_tokens(self) -> int:
-        """Longest single sequence (prompt + output) that fits, in tokens."""
-        room = self.free_bytes - self.prefill_bytes - self.fixed_per_seq
-        return int(room / self.kv_per_token) if self.kv_per_token else 1 << 30
+        """Longest single sequence (prompt + output) that fits, in tokens (0 when none does)."""
+        per_token = self.kv_per_token + self.prefill_per_token
+        room = self.free_bytes - self.fixed_per_seq - self.prefill_fixed
+        return max(0, int(room / per_token)) if per_token else 1 << 30
 
 
-def estimate_memory(cache: list, model_args, prefill_step: int, context: int) -> MemoryPlan:
+def estimate_memory(cache: list, model_args, prefill_step: int) -> MemoryPlan:
     """A :class:`MemoryPlan` from a filled prompt cache and the model's shape.
 
-    The prefill transient is ``heads x step x context`` float32 attention
-    scores plus ``step x hidden x 16`` bytes of activations — an estimate
-    that errs high; MLX's memory is otherwise not predictable here.
+    The prefill transient is ``heads x step`` float32 attention scores per
+    context token plus ``step x hidden x 16`` bytes of activations — an
+    estimate that errs high; MLX's memory is otherwise not predictable here.
     """
     per_token, fixed = kv_bytes_per_token(cache)
     heads = int(getattr(model_args, "num_attention_heads", 0) or 0)
     hidden = int(getattr(model_args, "hidden_size", 0) or 0)
-    prefill = heads * prefill_step * context * 4 + prefill_step * hidden * 16
     free = psutil.virtual_memory().available - HEADROOM_BYTES
-    return MemoryPlan(per_token, fixed, int(prefill), int(free))
+    return MemoryPlan(per_token, fixed, float(heads * prefill_step * 4), prefill_step * hidden * 16, int(free))
 
 
 def common_prefix(prompts: list[list[int]]) -> int:

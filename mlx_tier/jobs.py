@@ -1,7 +1,7 @@
 """The main job: summarise every document of an input with a tiered model.
 
 Resumable (journal), atomic (outputs appear only complete), interruptible
-(SIGINT/SIGTERM stop after the current document). The CLI is a thin layer
+(SIGINT/SIGTERM stop after the documents in progress). The CLI is a thin layer
 over :func:`run_job`; progress goes to a :class:`Reporter`.
 """
 
@@ -21,7 +21,7 @@ import psutil
 from .documents import InputError, discover, discover_list
 from .journal import Journal, JsonlSummaries, remove_stale_temps, write_atomic
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
-from .scheduler import GenerationConfig, Outcome, Scheduler
+from .scheduler import GenerationConfig, Outcome, Scheduler, check_context
 from .status import LOCK, JobInfo, write_input_list
 from .throttle import Throttle, ThrottleConfig, keep_awake, lower_priority
 
@@ -205,7 +205,7 @@ class Reporter:
 
 
 class Interrupted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM: abandon the current document now. ``signum`` says which."""
+    """A second SIGINT/SIGTERM: abandon the documents in progress now. ``signum`` says which."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -213,7 +213,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM: finish the current document, then stop.
+    """Set by SIGINT/SIGTERM: finish the documents in progress, start no new one, then stop.
 
     A second signal raises :class:`Interrupted` and restores the default
     handler, so a third one kills.
@@ -384,6 +384,7 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
         config.prefill_step_size, config.reuse_prefix,
     )
     scheduler = Scheduler(model, tokenizer, model_dir, context_length(model_dir), generation)
+    scheduler.size_batch(todo)
     setup["generation"] = scheduler.info
     reporter.message(
         f"batch size {scheduler.batch_size} ({scheduler.info['batch_size_from']}), "
@@ -449,6 +450,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
                                 config=TierConfig(policy=config.policy, prewarm=config.prewarm,
                                                   **({} if config.prefetch is None else {"prefetch": config.prefetch})))
+        context = min(context_length(model_dir), config.context or context_length(model_dir))
+        check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
     except BaseException:
         lock.close()
         if created and [p.name for p in config.out_dir.iterdir()] == [LOCK]:
@@ -480,7 +483,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         out_path = config.out_dir / f"{d.id}.md"
         rec = records.get(d.id)
         if rec and rec.get("status") == "done" and out_path.exists():
-            keep = {k: rec[k] for k in ("input_tokens", "output_tokens", "seconds", "finish_reason") if k in rec}
+            keep = {k: rec[k] for k in ("input_tokens", "output_tokens", "seconds", "finish_reason", "parts") if k in rec}
             results[d.id].__dict__.update(status="skipped", output=out_path.name, **keep)
         elif out_path.exists():
             # Complete (written atomically) but unrecorded: a crash after the

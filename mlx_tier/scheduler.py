@@ -34,7 +34,11 @@ from .generation import (
     stop_token_ids,
     strip_reasoning,
 )
-from .longdoc import MapReduce, TooLong, build_prompt, trim_to_sentence
+from .documents import InputError
+from .longdoc import MAP_NOTE, MapReduce, TooLong, build_prompt, trim_to_sentence
+
+# Fewest tokens of document text one call must have room for.
+MIN_TEXT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,21 @@ class Outcome:
     error: str | None = None
 
 
+def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "the usable context is"):
+    """Refuse a context with no room for text in one call: the context less the
+    output and the instruction with its part note (:mod:`mlx_tier.longdoc`).
+
+    Raises:
+        InputError: fewer than :data:`MIN_TEXT_TOKENS` tokens would be left.
+    """
+    overhead = len(build_prompt(tokenizer, MAP_NOTE.format(i=99, n=99) + instruction, ""))
+    if context - max_tokens - overhead < MIN_TEXT_TOKENS:
+        raise InputError(
+            f"{what} {context} tokens of context: not enough for --max-tokens {max_tokens} plus the instruction "
+            f"({overhead} tokens) plus text; raise --context or lower --max-tokens"
+        )
+
+
 @dataclass(eq=False)
 class _Doc:
     doc: object  # documents.Document
@@ -94,6 +113,8 @@ class _Doc:
     output_tokens: int = 0
     reasoning: list[str] = field(default_factory=list)
     open_tasks: int = 0
+    context: int = 0  # the usable context when it started
+    finished: bool = False
 
 
 class Scheduler:
@@ -118,28 +139,44 @@ class Scheduler:
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
         self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
         context = min(model_context, config.context or model_context)
-        plan = self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None),
-                                           config.prefill_step_size, context)
-        self.context = max(1, min(context, plan.max_tokens()))
-        self.batch_size = config.batch_size or plan.batch_size(self.context)
+        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), config.prefill_step_size)
+        self.context = min(context, self.plan.max_tokens())
+        check_context(tokenizer, config.instruction, config.max_tokens, self.context,
+                      "memory allows only" if self.context < context else "the usable context is")
+        self.batch_size = config.batch_size or 1
+        self._sized = False
         self.info = {
             "batch_size": self.batch_size,
             "batch_size_from": "--batch-size" if config.batch_size else "memory headroom",
             "usable_context": self.context,
             "context_limited_by_memory": self.context < context,
-            "shared_prefix_tokens": len(self.prefix) if config.reuse_prefix else 0,
+            "shared_prefix_tokens": len(self.prefix) if self._prefix() else 0,
             "shared_prefix_prefill_seconds": round(self.prefix.seconds, 3),
-            "kv_bytes_per_token": round(plan.kv_per_token),
+            "kv_bytes_per_token": round(self.plan.kv_per_token),
             "prefill_step_size": config.prefill_step_size,
             "stop_token_ids": sorted(self.stop_ids),
         }
         self._engine: BatchEngine | None = None
 
+    def _prefix(self) -> PrefixCache | None:
+        return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
+
+    def size_batch(self, docs) -> int:
+        """Set the batch size (unless given) from memory, for sequences as long as these
+        documents need: their prompts (estimated at 3 characters a token, erring long)
+        plus ``max_tokens``, at most the usable context. Returns it."""
+        self._sized = True
+        if self.config.batch_size is None:
+            longest = max((len(d.text or "") for d in docs), default=0) // 3 + len(self.prefix) + 16
+            self.batch_size = self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
+            self.info["batch_size"] = self.batch_size
+        return self.batch_size
+
     def _new_engine(self, batch_size: int) -> BatchEngine:
         c = self.config
         return BatchEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
-                           prefix=self.prefix if c.reuse_prefix and len(self.prefix) > 1 else None)
+                           prefix=self._prefix())
 
     def _tasks(self, d: _Doc) -> list[Task]:
         """The first calls of a document (raises TooLong, or the tokenizer's errors)."""
@@ -150,17 +187,24 @@ class Scheduler:
         # would not fit is split smaller instead of failing the process.
         now = replace(self.plan, free_bytes=psutil.virtual_memory().available - HEADROOM_BYTES)
         context = min(self.context, now.max_tokens())
+        d.context = context
         if len(prompt) + c.max_tokens <= context:
             return [Task((d, 0), prompt, c.max_tokens)]
         d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, context - c.max_tokens)
         return [Task((d, i), p, c.max_tokens) for i, p in d.mr.prompts()]
 
     def _failed(self, d: _Doc, error: str) -> Outcome:
+        d.finished = True
         return Outcome(d.doc.id, "failed", input_tokens=d.input_tokens, parts=d.mr.parts if d.mr else 0,
                        seconds=time.perf_counter() - d.started, error=error)
 
     def _finish(self, d: _Doc, text: str, reason: str) -> Outcome:
-        summary = trim_to_sentence(text) if reason == "length" else text
+        summary = (trim_to_sentence(text) if reason == "length" else text).strip()
+        if not summary:
+            return self._failed(d, f"no summary{' outside the reasoning' if any(d.reasoning) else ''} within "
+                                   f"--max-tokens {self.config.max_tokens}; retry with a larger --max-tokens "
+                                   "and --retry-failed")
+        d.finished = True
         return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
                        d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
                        time.perf_counter() - d.started)
@@ -175,25 +219,33 @@ class Scheduler:
         """
         waiting = deque(docs)
         ready: deque[Task] = deque()  # calls of started documents, before new documents
-        solo: deque[_Doc] = deque()  # documents in flight when a batched step failed: retried alone
+        solo: deque = deque()  # documents in flight when a batched step failed: retried alone
+        alone: _Doc | None = None  # the one being retried; nothing else runs meanwhile
+        docs = list(docs)
+        if not self._sized:
+            self.size_batch(docs)
         engine = self._engine = self._new_engine(self.batch_size)
         while True:
             stopping = should_stop()
+            if alone is not None and alone.finished:
+                alone = None
             while engine.free and not stopping:
                 if ready:
                     engine.add(ready.popleft())
                     continue
                 source = solo if solo else waiting
-                if not source or (solo and engine.active):
+                if not source or alone is not None or (solo and engine.active):
                     break
                 d = _Doc(source.popleft(), time.perf_counter())
+                if source is solo:
+                    alone = d
                 if d.doc.error is not None:
                     yield self._failed(d, d.doc.error)
                     continue
                 try:
                     tasks = self._tasks(d)
                 except TooLong as e:
-                    yield self._failed(d, f"document too long for the usable context of {self.context} tokens: {e}")
+                    yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
                     continue
                 except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
                     yield self._failed(d, f"{type(e).__name__}: {e}")
@@ -234,7 +286,7 @@ class Scheduler:
                 try:
                     more = d.mr.add(index, trim_to_sentence(summary) if f.finish_reason == "length" else summary)
                 except TooLong as e:
-                    yield self._failed(d, f"document too long for the usable context of {self.context} tokens: {e}")
+                    yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
                     continue
                 if d.mr.summary is not None:
                     yield self._finish(d, d.mr.summary, f.finish_reason)

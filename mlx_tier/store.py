@@ -64,11 +64,13 @@ _NP_DTYPES = {
 
 READ_METHODS = ("pread", "mmap")
 PAGE_CACHE_MODES = ("keep", "drop", "direct")
-# Chosen by benches/read_methods.py (2.0 GiB synthetic qwen3_moe, 2.5 MiB
-# experts in 9 ranges, 4 threads, 2 shared cores, ext4 on a virtual disk, 9 runs,
-# medians): cold, pread took 9.3 ms per expert of a layer batch, mmap 37 ms
-# (4x slower: page-fault reads); drop and direct tied with keep cold (within
-# 5%) and were 3-4x slower warm, where keep serves re-reads from memory.
+# Chosen by benches/read_methods.py (~2 GiB synthetic qwen3_moe, 2.5 MiB
+# experts in 9 ranges, 8 experts of a layer per call, 4 threads, 2 shared
+# cores, ext4 on a virtual disk; 4 repetitions of 9 runs, medians): cold,
+# pread took 5.3-9.3 ms per expert and mmap 24-40 ms (4-5x slower: page-fault
+# reads); direct tied with keep cold (within 3%), drop was 6-15% slower; warm,
+# keep served re-reads 4x faster than drop or direct (mmap/keep was faster
+# still warm, 0.8-1.6 ms, but never worth its cold cost).
 DEFAULT_READ_METHOD = "pread"
 DEFAULT_PAGE_CACHE = "keep"
 # O_DIRECT needs offset, length and buffer address aligned to the logical

@@ -105,6 +105,11 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
         ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "1e-7"), "too small"),
         ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "-1"), "must be a positive number"),
         ((docs, "--out", tmp_path / "o", "--prompt", "@" + str(tmp_path / "none.txt")), "cannot read prompt file"),
+        # --background checks before detaching
+        ((docs, "--out", tmp_path / "o", "--model", tmp_path / "no-model", "--background"), "model folder not found"),
+        ((docs, "--out", tmp_path / "o", "--max-tok-s", "0", "--background"), "--max-tok-s must be a positive"),
+        # a context too small for --max-tokens and the instruction: refused before any document
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--context", "100"), "raise --context"),
     ]
     (tmp_path / "emptydir").mkdir()
     bad = tmp_path / "bad.jsonl"

@@ -179,8 +179,8 @@ def test_failing_documents_fail_alone_and_retry_failed_reruns_only_them(tmp_path
     args = ["run", str(inp), "--out", str(out), "--model", str(small_moe), "--max-tokens", "3", "--format", "jsonl"]
     load = tiered.load
 
-    def faulty_load(path, cache_gb=None):
-        model, tok = load(path, cache_gb=cache_gb)
+    def faulty_load(path, cache_gb=None, **kw):
+        model, tok = load(path, cache_gb=cache_gb, **kw)
         faults = {
             tuple(tok.encode("Zyxwv")): RuntimeError("[metal::malloc] Attempting to allocate 68719476736 bytes "
                                                      "which is greater than the maximum allowed buffer size"),
@@ -215,7 +215,7 @@ def test_failing_documents_fail_alone_and_retry_failed_reruns_only_them(tmp_path
 def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch):
     from mlx_tier import tiered
 
-    def load_then_terminated(path, cache_gb=None):
+    def load_then_terminated(path, cache_gb=None, **kw):
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM did not stop the run")
 

@@ -114,9 +114,19 @@ def test_strip_reasoning(text, summary, reasoning):
 
 
 def test_memory_plan_arithmetic():
-    plan = MemoryPlan(kv_per_token=1000.0, fixed_per_seq=500, prefill_bytes=10_000, free_bytes=1_010_000)
-    assert plan.sequence_bytes(100) == 100_500
-    assert plan.batch_size(100) == 8  # 1_000_000 // 100_500 = 9, capped at 8
-    assert plan.batch_size(400) == 2  # 1_000_000 // 400_500
+    plan = MemoryPlan(kv_per_token=1000.0, fixed_per_seq=500, prefill_per_token=9000.0, prefill_fixed=9500,
+                      free_bytes=1_010_000)
+    assert plan.sequence_bytes(100) == 1_010_000  # 10 000 B/token (cache + prefill transient) + 10 000 fixed
+    assert plan.batch_size(100) == 1
+    assert plan.batch_size(40) == 2  # 1_010_000 // 410_000
+    assert plan.batch_size(10) == 8  # 9 fit, capped at 8
     assert plan.batch_size(10_000) == 1  # never below one
-    assert plan.max_tokens() == 999
+    assert plan.max_tokens() == 100
+
+
+def test_memory_plan_does_not_collapse_for_many_heads():
+    """64 heads, 512-token prefill steps, 0.9 GiB free: the transient grows with the
+    context being solved for, so the usable context stays in the thousands."""
+    plan = MemoryPlan(kv_per_token=2048.0, fixed_per_seq=0, prefill_per_token=64 * 512 * 4.0,
+                      prefill_fixed=512 * 2880 * 16, free_bytes=int(0.9 * 2**30))
+    assert 6000 < plan.max_tokens() < 8000

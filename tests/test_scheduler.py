@@ -86,3 +86,22 @@ def test_stop_request_starts_nothing_new(tiered, tiny_moe):
     out = list(sched.run(docs(TEXTS), should_stop=lambda: len(steps) > 0, on_step=lambda i, ids: steps.append(ids)))
     assert [o.id for o in out] == ["a"]  # in flight at the stop: finished; b and c never started
     assert all(ids == ["a"] for ids in steps)
+
+
+def test_impossible_context_is_refused_before_any_document(tiered, tiny_moe):
+    from mlx_tier.documents import InputError
+
+    model, tokenizer = tiered
+    with pytest.raises(InputError, match="raise --context or lower --max-tokens"):
+        Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 160, context=100))
+
+
+def test_nothing_outside_the_reasoning_fails_the_document(tiered, tiny_moe):
+    from mlx_tier.scheduler import _Doc
+
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8))
+    d = _Doc(Document("t", "t", "text"), 0.0, reasoning=["thinking, cut by the limit"])
+    out = sched._finish(d, "", "length")
+    assert out.status == "failed" and "outside the reasoning" in out.error and "--retry-failed" in out.error
+    assert sched._finish(_Doc(Document("u", "u", "x"), 0.0), "A summary.", "stop").status == "done"
