@@ -585,7 +585,7 @@ def thermal(
 
     from rich.text import Text
 
-    from mlx_tier.throttle import merge, survey
+    from mlx_tier.sensors import merge, survey
 
     statuses = survey()
     merged = merge((s.name, s.reading) for s in statuses if s.reading is not None)

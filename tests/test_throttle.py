@@ -20,29 +20,25 @@ import pytest
 from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
-from mlx_tier import throttle as th
-from mlx_tier.throttle import (
+from mlx_tier import sensors as th
+from mlx_tier.sensors import (
     CRITICAL,
     FAIR,
     NOMINAL,
     SERIOUS,
     BatterySensor,
-    Controller,
     MacThermalSensor,
     NvidiaSensor,
     Reading,
     Sensor,
     TemperatureSensor,
     ThermalZoneSensor,
-    Throttle,
-    ThrottleConfig,
-    keep_awake,
-    lower_priority,
     merge,
     parse_nvidia_smi,
     parse_pmset_therm,
     read_thermal_zones,
 )
+from mlx_tier.throttle import Controller, Throttle, ThrottleConfig, keep_awake, lower_priority
 
 
 class FakeSensor(Sensor):
