@@ -48,11 +48,22 @@ class Document:
     key: tuple[str, str | int | float] | None = None
 
 
+# Longest id kept as is: its output name (<id>.md, and the .<id>.md.XXXXXXXX.tmp
+# written first) must stay under the usual 255-byte file-name limit.
+MAX_ID_BYTES = 200
+
+
 def safe_id(raw: str) -> str:
-    """A file-name-safe form of ``raw`` (``a/b c.txt`` -> ``a__b_c.txt``)."""
+    """A file-name-safe form of ``raw`` (``a/b c.txt`` -> ``a__b_c.txt``); one longer
+    than :data:`MAX_ID_BYTES` is cut and ends with a hash of the whole (still unique)."""
     s = raw.replace("/", "__").replace("\\", "__")
-    s = _UNSAFE.sub("_", s).strip("._")
-    return s or "doc"
+    s = _UNSAFE.sub("_", s).strip("._") or "doc"
+    if len(s.encode("utf-8")) > MAX_ID_BYTES:
+        import hashlib
+
+        digest = hashlib.sha256(s.encode("utf-8")).hexdigest()[:12]
+        s = s.encode("utf-8")[: MAX_ID_BYTES - 13].decode("utf-8", "ignore") + "_" + digest
+    return s
 
 
 def decode_text(data: bytes) -> tuple[str | None, str | None]:

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -375,7 +376,10 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
                    reporter: Reporter, stopping, setup: dict) -> dict:
     """Generate every document of ``todo`` (batched, throttled), writing and journalling each as it
     finishes; fills ``results``. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
-    warning = lower_priority(config.nice, config.background_qos)
+    try:
+        warning = lower_priority(config.nice, config.background_qos)
+    except (OSError, subprocess.SubprocessError) as e:  # e.g. taskpolicy missing or refused
+        warning = f"could not lower the job's priority: {e}"
     if warning:
         reporter.message(warning)
     throttle = Throttle(config.throttle, should_stop=stopping)

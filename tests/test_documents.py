@@ -99,3 +99,11 @@ def test_input_errors(tmp_path):
 def test_safe_id():
     assert safe_id("a/b c?.txt") == "a__b_c_.txt"
     assert safe_id("../..") == "doc"
+
+
+def test_long_ids_are_cut_with_a_hash_and_stay_unique():
+    from mlx_tier.documents import MAX_ID_BYTES, safe_id
+
+    a, b = safe_id("x" * 300), safe_id("x" * 299 + "y")
+    assert len(a) == len(b) == MAX_ID_BYTES and a != b
+    assert safe_id("short name.txt") == "short_name.txt"
