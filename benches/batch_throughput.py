@@ -76,7 +76,7 @@ def one_run(model, tokenizer, model_dir, docs, batch: int, max_tokens: int, reus
         "ttft_s": first_token,
         "hit_rate": stats.hit_rate,
         "bytes_read_per_token": stats.bytes_read / max(1, tokens),
-        "io_wait_fraction": stats.read_seconds / wall,
+        "io_wait_fraction": stats.stall_seconds / wall,  # time the forward pass waited on reads
         "summaries": {o.id: o.summary for o in outs},
     }
 

@@ -48,10 +48,10 @@ def measure(model, tokenizer, prompt, max_tokens, stats=None):
     out = {"ttft": first - t0, "tpot": (end - first) / max(n - 1, 1), "tokens": n, "total": end - t0}
     if stats is not None:
         s_end = stats.stats.as_dict()
-        d = {k: s_end[k] - s_first[k] for k in ("hits", "misses", "bytes_read", "read_seconds")}
+        d = {k: s_end[k] - s_first[k] for k in ("hits", "misses", "bytes_read", "stall_seconds")}
         out["hit_rate"] = d["hits"] / max(d["hits"] + d["misses"], 1)
         out["bytes_per_token"] = d["bytes_read"] / max(n - 1, 1)
-        out["io_fraction"] = d["read_seconds"] / max(end - first, 1e-9)
+        out["io_fraction"] = d["stall_seconds"] / max(end - first, 1e-9)  # time the forward pass waited on reads
     return out
 
 
