@@ -349,7 +349,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the synthetic 2 GiB MoE)")
     ap.add_argument("--cap-gb", type=float, default=1.0, help="memory cap, GiB (page cache included)")
     ap.add_argument("--cache-gb", type=float, default=None,
-                    help=f"mlx-tier expert cache, GiB (default {DEFAULT_CACHE_FRACTION:.0%} of the cap)")
+                    help=f"mlx-tier expert cache, GiB (default {DEFAULT_CACHE_FRACTION * 100:.0f}%% of the cap)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--policies", default="lru,lfu,2q")
     ap.add_argument("--prefetch", default="off,on", help="comma list of on/off")
