@@ -6,8 +6,8 @@ import contextlib
 import math
 import signal
 import sys
+import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -19,7 +19,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 app = typer.Typer(
@@ -42,6 +42,13 @@ def fail(message: str) -> None:
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
+HEARTBEAT_SECONDS = 60  # how often a log file gets a progress line between documents
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 class RichReporter:
     """Progress bar: documents done/total, tok/s, cache hit rate, ETA."""
 
@@ -52,7 +59,7 @@ class RichReporter:
             MofNCompleteColumn(),
             TextColumn("decode {task.fields[tps]:5.1f} tok/s"),
             TextColumn("hit rate {task.fields[hit]:5.1%}"),
-            TextColumn("{task.fields[doc]}"),
+            TextColumn("{task.fields[doc]}", table_column=Column(width=40, no_wrap=True)),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -60,22 +67,28 @@ class RichReporter:
             transient=False,
         )
         self.task = None
+        self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
-        err.print(f"[dim]{text}[/]", highlight=False)
+        err.print(f"[dim]{text}[/]", highlight=False, soft_wrap=True)
 
     def start(self, total: int, skipped: int) -> None:
         self.total, self.done = total, skipped
         if skipped:
-            err.print(f"skipping {skipped} document(s) already done (journal)")
+            err.print(f"skipping {skipped} document(s) already done (journal)", soft_wrap=True)
         if skipped == total:
             return
         self.progress.start()
         self.task = self.progress.add_task("summarising", total=total, completed=skipped, tps=0.0, hit=0.0, doc="")
 
-    def working(self, in_flight: list[str], tok_per_s: float) -> None:
-        shown = ", ".join(in_flight[:2]) + (f" +{len(in_flight) - 2}" if len(in_flight) > 2 else "")
-        self.progress.update(self.task, tps=tok_per_s, doc=shown)
+    def working(self, in_flight: list[str], tok_per_s: float, hit_rate: float, prefill: str) -> None:
+        shown = prefill or ", ".join(in_flight[:2]) + (f" +{len(in_flight) - 2}" if len(in_flight) > 2 else "")
+        self.progress.update(self.task, tps=tok_per_s, hit=hit_rate, doc=_clip(shown, 40))
+        now = time.monotonic()
+        if not err.is_terminal and now - self.last_line >= HEARTBEAT_SECONDS:  # a log: a line now and then
+            self.last_line = now
+            err.print(f"working: {len(in_flight)} document(s) in flight; {prefill or 'decoding'}; "
+                      f"decode {tok_per_s:.1f} tok/s, hit rate {hit_rate:.1%}", highlight=False, soft_wrap=True)
 
     def finished(self, result, cache: dict) -> None:
         self.done += 1
@@ -86,7 +99,7 @@ class RichReporter:
             err.print(
                 f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens in {result.seconds:.1f} s, "
                 f"hit rate so far {cache['hit_rate']:.1%}",
-                highlight=False,
+                highlight=False, soft_wrap=True,
             )
 
     def close(self) -> None:
@@ -96,6 +109,7 @@ class RichReporter:
 
 def print_summary(report, out_dir: Path) -> None:
     table = Table(title="mlx-tier run")
+    # seconds: from the document's start to its end (documents of a batch overlap in time)
     for col in ("document", "status", "in tok", "out tok", "seconds"):
         table.add_column(col, justify="right" if "tok" in col or col == "seconds" else "left")
     for r in report.results:
@@ -112,7 +126,7 @@ def print_summary(report, out_dir: Path) -> None:
         f"included), hit rate {c['hit_rate']:.1%}, read {c['bytes_read'] / 2**20:.0f} MiB, "
         f"throttled {run.get('throttled_seconds', 0.0):.0f} s | "
         f"report: {out_dir / 'report.json'}",
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )
 
 
@@ -348,7 +362,7 @@ def status(
                            f"{s.pending if s.pending is not None else '?'} pending")
     if s.started is not None:
         left = f", {s.todo_left} left" if s.todo_left is not None else ""
-        t.add_row("this run", f"{s.finished_this_run} finished in {s.elapsed_seconds:.0f} s "
+        t.add_row("this run", f"{s.finished_this_run} finished or failed in {s.elapsed_seconds:.0f} s "
                               f"({s.documents_per_hour:.1f} documents/hour, wall clock){left}")
     t.add_row("throughput", f"{s.output_tok_per_s:.2f} output tok/s this run (wall clock, prompt processing "
                             f"included); {s.output_tokens} tokens in all")
@@ -367,7 +381,12 @@ def status(
     if not s.running and s.command and (s.pending or s.todo_left):
         out.print(f"resume with: {s.command}", highlight=False, soft_wrap=True, markup=False)
     if s.failed and not s.running:
-        out.print("retry the failed ones with: the same command plus --retry-failed", highlight=False)
+        if s.command:
+            head, sep, tail = s.command.partition(" < ")  # a stdin list stays at the end
+            retry = f"{head} --retry-failed{sep}{tail}" if "--retry-failed" not in head else s.command
+            out.print(f"retry the failed ones with: {retry}", highlight=False, soft_wrap=True, markup=False)
+        else:
+            out.print("retry the failed ones with: the same command plus --retry-failed", highlight=False)
 
 
 @app.command()

@@ -246,7 +246,7 @@ class StepInfo:
 
     finished: list[Finished] = field(default_factory=list)
     generated: int = 0  # tokens decoded in this step, over the batch
-    prefill: list[tuple] = field(default_factory=list)  # (key, prompt tokens processed, prompt length)
+    prefill: list[tuple] = field(default_factory=list)  # (task key, prompt tokens processed, prompt length)
     seconds: float = 0.0
 
 
@@ -280,7 +280,11 @@ class BatchEngine:
             model,
             stop_tokens=[[t] for t in sorted(stop_ids)],
             completion_batch_size=batch_size,
-            prefill_batch_size=batch_size,
+            # One document's prompt at a time (prefill_step_size tokens per
+            # step), interleaved with the batch's decode steps: a step stays
+            # short, so progress, the throttle and a stop request are seen
+            # between steps, and only one prefill transient is in memory.
+            prefill_batch_size=1,
             prefill_step_size=prefill_step_size,
         )
         self._active: dict[int, tuple[Task, list[int], float, int]] = {}  # uid -> (task, tokens, t0, prefix)
@@ -337,6 +341,14 @@ class BatchEngine:
     def tasks(self) -> list[Task]:
         """The tasks in flight."""
         return [t for t, *_ in self._active.values()]
+
+    def cancel_unstarted(self) -> list[Task]:
+        """Drop the sequences that have not produced a token yet (still reading
+        their prompt); returns their tasks."""
+        uids = [uid for uid, (_, tokens, *_) in self._active.items() if not tokens]
+        if uids:
+            self._gen.remove(uids)
+        return [self._active.pop(uid)[0] for uid in uids]
 
     def cancel(self) -> list[Task]:
         """Drop every sequence in flight; returns their tasks."""

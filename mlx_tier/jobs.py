@@ -200,7 +200,9 @@ class Reporter:
 
     def message(self, text: str) -> None: ...
     def start(self, total: int, skipped: int) -> None: ...
-    def working(self, in_flight: list[str], tok_per_s: float) -> None: ...
+    def working(self, in_flight: list[str], tok_per_s: float, hit_rate: float, prefill: str) -> None:
+        """After each engine step: documents in flight, recent decode tok/s, hit
+        rate so far, and which prompt is being read (``""`` when none)."""
     def finished(self, result: DocResult, cache: dict) -> None: ...
     def close(self) -> None: ...
 
@@ -398,7 +400,8 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
 
     def on_step(info, in_flight):
         rate.add(info.generated, info.seconds)
-        reporter.working(in_flight, rate.value)
+        reading = "; ".join(f"reading {i} ({done}/{total} prompt tokens)" for i, done, total in info.prefill)
+        reporter.working(in_flight, rate.value, model.expert_cache.stats.hit_rate, reading)
         seen = len(throttle.timeline)
         throttle.step(info.generated)
         for change in throttle.timeline[seen:]:  # thermal state changes: durable, for `mlx-tier status`
@@ -519,7 +522,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         reporter.message(f"--retry-failed: retrying {len(todo)} failed document(s); pending ones are left for a plain rerun")
     reporter.start(total=len(todo) + skipped, skipped=skipped)
 
-    notice = "stopping after the documents in progress (interrupt again to abandon them now)"
+    notice = ("stopping: summaries being written are finished, documents still being read are left for "
+              "the next run (interrupt again to stop at once)")
     if config.trace is not None:
         cache.start_trace(source=str(model_dir))
     try:

@@ -89,7 +89,7 @@ class Outcome:
     error: str | None = None
 
 
-def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "the usable context is"):
+def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "a context of"):
     """Refuse a context with no room for text in one call: the context less the
     output and the instruction with its part note (:mod:`mlx_tier.longdoc`).
 
@@ -99,7 +99,7 @@ def check_context(tokenizer, instruction: str, max_tokens: int, context: int, wh
     overhead = len(build_prompt(tokenizer, MAP_NOTE.format(i=99, n=99) + instruction, ""))
     if context - max_tokens - overhead < MIN_TEXT_TOKENS:
         raise InputError(
-            f"{what} {context} tokens of context: not enough for --max-tokens {max_tokens} plus the instruction "
+            f"{what} {context} tokens is not enough for --max-tokens {max_tokens} plus the instruction "
             f"({overhead} tokens) plus text; raise --context or lower --max-tokens"
         )
 
@@ -142,7 +142,7 @@ class Scheduler:
         self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), config.prefill_step_size)
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
-                      "memory allows only" if self.context < context else "the usable context is")
+                      "the memory left allows only a context of" if self.context < context else "a context of")
         self.batch_size = config.batch_size or 1
         self._sized = False
         self.info = {
@@ -213,9 +213,11 @@ class Scheduler:
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
         """Summarise ``docs`` (:class:`~mlx_tier.documents.Document`), yielding each outcome when final.
 
-        Once ``should_stop()`` is true no new document starts; the calls in
-        flight finish (a map-reduce document not yet complete stays undone).
-        ``on_step(info, ids in flight)`` runs after every engine step.
+        Once ``should_stop()`` is true no new document starts, calls still
+        reading their prompt are dropped, and the calls already generating
+        finish (a map-reduce document not yet complete stays undone).
+        ``on_step(info, ids in flight)`` runs after every engine step
+        (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
         """
         waiting = deque(docs)
         ready: deque[Task] = deque()  # calls of started documents, before new documents
@@ -225,8 +227,14 @@ class Scheduler:
         if not self._sized:
             self.size_batch(docs)
         engine = self._engine = self._new_engine(self.batch_size)
+        abandoned = False
         while True:
             stopping = should_stop()
+            if stopping and not abandoned:
+                # Documents still reading their prompt are left for the next run
+                # (a long prefill would delay the stop); those already writing finish.
+                engine.cancel_unstarted()
+                abandoned = True
             if alone is not None and alone.finished:
                 alone = None
             while engine.free and not stopping:
@@ -273,6 +281,7 @@ class Scheduler:
                 else:
                     solo.extend(d.doc for d in docs_in_flight)
                 continue
+            info.prefill = [(key[0].doc.id, done, total) for key, done, total in info.prefill]
             on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
             for f in info.finished:
                 d, index = f.key

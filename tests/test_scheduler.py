@@ -81,11 +81,20 @@ def test_a_failing_document_fails_alone(tiered, tiny_moe):
 
 def test_stop_request_starts_nothing_new(tiered, tiny_moe):
     model, tokenizer = tiered
-    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=1))
-    steps = []
-    out = list(sched.run(docs(TEXTS), should_stop=lambda: len(steps) > 0, on_step=lambda i, ids: steps.append(ids)))
-    assert [o.id for o in out] == ["a"]  # in flight at the stop: finished; b and c never started
-    assert all(ids == ["a"] for ids in steps)
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=2))
+    generated = []
+
+    def on_step(info, ids):
+        generated.append(info.generated)
+
+    # Stop once a token is out: the documents already writing finish; b was still
+    # being read (prefill runs one prompt at a time) and c never started.
+    out = list(sched.run(docs(TEXTS), should_stop=lambda: sum(generated) > 0, on_step=on_step))
+    assert [o.id for o in out] == ["a"] and out[0].status == "done"
+    # Stop while the first prompt is still being read: nothing finishes.
+    generated.clear()
+    out = list(sched.run(docs(TEXTS), should_stop=lambda: len(generated) > 0, on_step=on_step))
+    assert out == [] and sum(generated) == 0
 
 
 def test_impossible_context_is_refused_before_any_document(tiered, tiny_moe):
