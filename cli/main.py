@@ -212,7 +212,7 @@ def run(
     background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
     context: int | None = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
-    prefill_step: int = typer.Option(512, "--prefill-step", min=1, help="Prompt tokens per forward pass while reading a document (smaller: less memory)."),
+    prefill_step: int = typer.Option(512, "--prefill-step", min=1, help="Prompt tokens per forward pass while reading a document's prompt (one document at a time; smaller: less memory and shorter steps, larger: fewer expert reads)."),
     max_temp: float | None = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
     pause_on_battery: bool = typer.Option(False, "--pause-on-battery", help="Pause while the machine runs on battery; resume on AC."),
     min_battery: float | None = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),
@@ -232,7 +232,7 @@ def run(
     (--retry-failed reruns only those). Documents are decoded in batches;
     the job slows down or pauses when the machine is hot or on battery (see
     `mlx-tier thermal`) and keeps a Mac awake while it runs. Ctrl-C or
-    SIGTERM stops after the documents in progress (a second one abandons
+    SIGTERM finishes the summaries being written and stops (a second one abandons
     them); everything finished is kept and the command to resume is printed. Exit codes: 0 all done, 1 some
     documents failed, 2 bad input, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
@@ -303,7 +303,7 @@ def run(
     print_summary(report, out_dir)
     if report.interrupted:
         term = report.stop_signal == signal.SIGTERM
-        err.print(f"stopped after the documents in progress ({'SIGTERM' if term else 'SIGINT'}). Resume with: {command}",
+        err.print(f"stopped ({'SIGTERM' if term else 'SIGINT'}); summaries being written were finished. Resume with: {command}",
                   highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     if report.count("failed"):
