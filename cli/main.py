@@ -199,7 +199,7 @@ def _root(
 
 @app.command()
 def run(
-    input: Path = typer.Argument(..., metavar="INPUT", help="Folder of .txt/.md documents (searched recursively) or a JSONL file with id and text per line."),
+    input: Path = typer.Argument(..., metavar="INPUT", help="Folder of .txt/.md documents (searched recursively), a JSONL file with custom_id (or id) and text per line, or - for a list of file paths on stdin."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
     model: Path | None = typer.Option(None, help="mlx-lm MoE checkpoint folder. Default: the built-in SmolLM2 8-expert demo MoE (built on first use)."),
     cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
@@ -230,11 +230,12 @@ def run(
     INPUT `-` reads file paths from stdin, one a line. Rerunning the same
     command skips finished documents and leaves failed ones failed
     (--retry-failed reruns only those). Documents are decoded in batches;
-    the job slows down or pauses when the machine is hot or on battery (see
-    `mlx-tier thermal`) and keeps a Mac awake while it runs. Ctrl-C or
-    SIGTERM finishes the summaries being written and stops (a second one abandons
-    them); everything finished is kept and the command to resume is printed. Exit codes: 0 all done, 1 some
-    documents failed, 2 bad input, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
+    the job slows down or pauses when the machine is hot or on battery
+    (see `mlx-tier thermal`) and keeps a Mac awake while it runs. Ctrl-C or
+    SIGTERM finishes the summaries being written and stops (a second one
+    stops at once); everything finished is kept and the command to resume
+    is printed. Exit codes: 0 all done, 1 some documents failed, 2 bad
+    input, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
     """
     from mlx_tier import BudgetError, CheckpointError
     from mlx_tier.demo_model import DemoModelError
