@@ -236,7 +236,12 @@ class LayerCache:
             self.policy.insert(e)
             slots.append(s)
         self.stats.misses += len(missing)
-        slot_of_new = dict(zip(missing, slots))
+        self._write(batches, dict(zip(missing, slots)))
+        self._update_lut()
+
+    def _write(self, batches, slot_of_new: dict[int, int]) -> None:
+        """Copy read experts into their slots: ``batches`` as :meth:`_read` returns
+        them, ``slot_of_new`` expert -> slot. A failed write resets the layer."""
         try:
             written = []
             for name, t in self.tensors.items():
@@ -253,6 +258,9 @@ class LayerCache:
         except BaseException:
             self.reset()
             raise
+
+    def _update_lut(self) -> None:
+        """Once every expert is resident, switch to the lazy device-side remap."""
         if not self.free and self.num_slots == self.num_experts:
             self.lut = mx.array(self.slot_of.astype(np.uint32))
 
@@ -340,24 +348,12 @@ class LayerCache:
         raw = self.store.read_experts(list(self.tensors), experts)
         self.settle()
         slots = [self.free.pop() for _ in experts]
-        try:
-            written = []
-            for name, t in self.tensors.items():
-                slab = t.module[t.attr]
-                new = _to_mx(raw[name], t.info, t.dtype)  # [len(experts), ...]
-                for i, s in enumerate(slots):
-                    slab[s : s + 1] = new[i : i + 1]  # in place, as in _ensure
-                written.append(slab)
-            mx.eval(written)
-        except BaseException:
-            self.reset()
-            raise
+        self._write([(raw, list(enumerate(experts)))], dict(zip(experts, slots)))
         for e, s in zip(experts, slots):
             self.slot_of[e] = s
         for e in reversed(experts):
             self.policy.insert(e)
-        if not self.free and self.num_slots == self.num_experts:
-            self.lut = mx.array(self.slot_of.astype(np.uint32))
+        self._update_lut()
         return len(experts)
 
     def assign(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
