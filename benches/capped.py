@@ -456,7 +456,8 @@ def main() -> None:
 
     print("\ncaliber:")
     print(f"  machine: {platform.machine()} {platform.system()} {platform.release()}, {psutil.cpu_count()} cores "
-          f"SHARED with 4 other agents' jobs while measured, {psutil.virtual_memory().total / GIB:.0f} GiB, "
+          f"(load average {os.getloadavg()[1]:.1f} over the last 5 min: other jobs on it inflate timings), "
+          f"{psutil.virtual_memory().total / GIB:.0f} GiB, "
           f"swap {swap_total / GIB:.1f} GiB; backend {backend_name()}")
     print(f"  model: {args.model.name}, {plan.model_type}, {ckpt / GIB:.2f} GiB on disk = "
           f"{ckpt / cap:.1f}x the cap; {plan.moe_layers} MoE layers x {plan.experts_per_layer} experts, "
@@ -516,7 +517,8 @@ def main() -> None:
     out = args.json or cache_dir() / f"bench-capped-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "caliber": {"machine": platform.platform(), "cpu_count": psutil.cpu_count(), "shared_machine": True,
+        "caliber": {"machine": platform.platform(), "cpu_count": psutil.cpu_count(),
+                    "load_average_5min": os.getloadavg()[1],
                     "memory_gib": psutil.virtual_memory().total / GIB, "swap_bytes": swap_total,
                     "model": str(args.model), "checkpoint_bytes": ckpt, "cap_bytes": cap,
                     "capped": cgroup is not None, "memsw": memsw, "cache_gb": cache_gb,
