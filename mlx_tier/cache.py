@@ -190,9 +190,9 @@ class LayerCache:
     def count_deferred(self) -> None:
         """Count the hits of remembered fully-resident calls (may evaluate them)."""
         for a in self._uncounted:
-            ids = np.array(a).reshape(-1)
-            self.stats.hits += len(np.unique(ids))
-            self.counts += np.bincount(ids, minlength=self.num_experts)
+            uses = np.bincount(np.array(a).reshape(-1), minlength=self.num_experts)
+            self.stats.hits += int(np.count_nonzero(uses))
+            self.counts += uses
         self._uncounted.clear()
 
     def settle(self) -> None:
@@ -372,8 +372,9 @@ class LayerCache:
         """
         if self.recorder is not None:
             self.recorder.add(self.layer, idx)
-        self.counts += np.bincount(idx.reshape(-1), minlength=self.num_experts)
-        need = np.unique(idx).tolist()
+        uses = np.bincount(idx.reshape(-1), minlength=self.num_experts)  # [E] uses in this call
+        self.counts += uses
+        need = np.flatnonzero(uses).tolist()  # distinct experts, ascending (as np.unique gave)
         if len(need) <= self.num_slots:
             self._ensure(need)
             yield self.slot_of[idx].astype(idx.dtype), None

@@ -437,6 +437,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     from .tiered import DEFAULT_PREFETCH, TierConfig, load
 
     reporter = reporter or Reporter()
+    prefetch = DEFAULT_PREFETCH if config.prefetch is None else config.prefetch
     t_start, t_wall = time.perf_counter(), time.time()
     docs = (discover_list(config.input_paths, exclude=config.out_dir) if config.input_paths is not None
             else discover(config.input, exclude=config.out_dir))
@@ -455,9 +456,9 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             raise InputError(f"{model_dir}: model folder not found")
         reporter.message(f"loading {model_dir}")
         model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
-                                config=TierConfig(policy=config.policy, prewarm=config.prewarm,
-                                                  **({} if config.prefetch is None else {"prefetch": config.prefetch})))
-        context = min(context_length(model_dir), config.context or context_length(model_dir))
+                                config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch))
+        model_context = context_length(model_dir)
+        context = min(model_context, config.context or model_context)
         check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
     except BaseException:
         lock.close()
@@ -476,7 +477,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             "layer_slots": list(cache.layer_slots),
             "experts_per_layer": cache.num_experts,
             "policy": config.policy,
-            "prefetch": DEFAULT_PREFETCH if config.prefetch is None else config.prefetch,
+            "prefetch": prefetch,
             "max_tokens": config.max_tokens,
             "repetition_penalty": config.repetition_penalty,
             "prompt": config.prompt,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from .documents import InputError
 from .generation import (
     DEFAULT_PREFILL_STEP,
     HEADROOM_BYTES,
@@ -34,7 +35,6 @@ from .generation import (
     stop_token_ids,
     strip_reasoning,
 )
-from .documents import InputError
 from .longdoc import MAP_NOTE, MapReduce, TooLong, build_prompt, trim_to_sentence
 
 # Fewest tokens of document text one call must have room for.
@@ -112,7 +112,6 @@ class _Doc:
     input_tokens: int = 0
     output_tokens: int = 0
     reasoning: list[str] = field(default_factory=list)
-    open_tasks: int = 0
     context: int = 0  # the usable context when it started
     finished: bool = False
 
@@ -156,7 +155,6 @@ class Scheduler:
             "prefill_step_size": config.prefill_step_size,
             "stop_token_ids": sorted(self.stop_ids),
         }
-        self._engine: BatchEngine | None = None
 
     def _prefix(self) -> PrefixCache | None:
         return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
@@ -226,7 +224,7 @@ class Scheduler:
         docs = list(docs)
         if not self._sized:
             self.size_batch(docs)
-        engine = self._engine = self._new_engine(self.batch_size)
+        engine = self._new_engine(self.batch_size)
         abandoned = False
         while True:
             stopping = should_stop()
@@ -258,7 +256,6 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
                     yield self._failed(d, f"{type(e).__name__}: {e}")
                     continue
-                d.open_tasks = len(tasks)
                 ready.extend(tasks)
             if not engine.active:
                 if stopping or not (ready or solo or waiting):
@@ -275,7 +272,7 @@ class Scheduler:
                     pass
                 ready.clear()
                 self._clear_pending()
-                engine = self._engine = self._new_engine(self.batch_size)
+                engine = self._new_engine(self.batch_size)
                 if len(docs_in_flight) == 1:
                     yield self._failed(docs_in_flight[0], f"{type(e).__name__}: {e}")
                 else:
@@ -288,7 +285,6 @@ class Scheduler:
                 d.output_tokens += len(f.tokens)
                 summary, reasoning = strip_reasoning(f.text)
                 d.reasoning.append(reasoning)
-                d.open_tasks -= 1
                 if d.mr is None:
                     yield self._finish(d, summary, f.finish_reason)
                     continue
@@ -300,7 +296,6 @@ class Scheduler:
                 if d.mr.summary is not None:
                     yield self._finish(d, d.mr.summary, f.finish_reason)
                 elif more:
-                    d.open_tasks = len(more)
                     ready.extendleft(reversed([Task((d, i), p, self.config.max_tokens) for i, p in more]))
         engine.close()
 
