@@ -27,12 +27,9 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from .errors import BudgetError
 from .policy import PolicySpec
 from .store import ExpertStore, ReadStats, TensorInfo
-
-
-class BudgetError(ValueError):
-    """The cache budget cannot hold the slots asked for (one per MoE layer at least)."""
 
 
 @dataclass
@@ -138,7 +135,7 @@ class LayerCache:
         num_slots: int,
         store: ExpertStore,
         stats: CacheStats,
-        policy: PolicySpec = PolicySpec("lru"),
+        policy: PolicySpec | None = None,
     ):
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"slots must be in [1, {num_experts}], got {num_slots}")
@@ -147,8 +144,8 @@ class LayerCache:
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.store = store
-        self.policy_spec = policy
-        self.policy = policy.make(layer, num_slots)
+        self.policy_spec = policy or PolicySpec("lru")
+        self.policy = self.policy_spec.make(layer, num_slots)
         # Uses of each expert, one per (token, k) entry routed to it: the unit
         # of a profile (mlx_tier.profile). Counted per call, off the slab path.
         self.counts = np.zeros(num_experts, dtype=np.int64)
