@@ -10,22 +10,47 @@ import time
 from pathlib import Path
 
 import typer
+import typer.core
+
+try:  # Typer >= 0.24 carries its own copy of click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older Typer on click
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Column, Table
+from rich.table import Table
 from rich.text import Text
+
+class OneLineErrors(typer.core.TyperGroup):
+    """Usage errors (an option out of range, a missing argument) as one ``error:`` line and
+    exit code 2, like the CLI's own errors, instead of a boxed usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except UsageError as e:
+            where = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
+            err.print(f"[bold red]error:[/] {e.format_message()}{where}", highlight=False, soft_wrap=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except ClickException as e:
+            err.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            err.print("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
     help="Run Mixture-of-Experts models larger than memory: experts stream from disk into a bounded cache.",
     no_args_is_help=True,
     add_completion=False,
+    cls=OneLineErrors,
+    rich_markup_mode=None,  # click's plain help: wraps to the terminal, never cuts an option name
 )
 err = Console(stderr=True)
 out = Console()
@@ -46,88 +71,144 @@ HEARTBEAT_SECONDS = 60  # how often a log file gets a progress line between docu
 
 
 def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def format_duration(seconds: float | None) -> str:
+    """``"1h02m"``, ``"12m05s"``, ``"45s"``; ``"?"`` when unknown."""
+    if seconds is None:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def progress_line(done: int, total: int, elapsed: float, eta: float | None, activity, width: int) -> str:
+    """One status line that fits ``width`` columns: done/total and ETA first, then elapsed
+    time, what is being read or written (the document name cut to what fits) and the rates,
+    which are dropped first when the line is too narrow.
+
+    ``activity`` is a :class:`mlx_tier.jobs.Activity` or ``None`` (nothing started yet).
+    """
+    head = f"{done}/{total} done  ETA {format_duration(eta)}  {format_duration(elapsed)}"
+    if activity is None:
+        return _clip(head, width)
+    if activity.reading is not None:
+        name, read, length = activity.reading
+        what, detail = "reading ", f" {read:,}/{length:,} prompt tokens"
+    elif activity.writing:
+        name, tokens = activity.writing[0]
+        more = len(activity.writing) - 1
+        what, detail = "writing ", (f" +{more} more" if more else "") + f", {tokens} tokens"
+    else:
+        return _clip(head, width)
+    rates = f"  {activity.decode_tok_s:.1f} tok/s  hit {activity.hit_rate:.0%}"
+    for tail in (rates, ""):
+        room = width - len(head) - 2 - len(what) - len(detail) - len(tail)
+        if room >= min(len(name), 8):
+            return f"{head}  {what}{_clip(name, room)}{detail}{tail}"
+    return _clip(head, width)
+
+
+class _Line:
+    """The live progress line, rendered at the console's current width on every refresh."""
+
+    def __init__(self, reporter: RichReporter) -> None:
+        self.r = reporter
+
+    def __rich__(self) -> Text:
+        return Text(self.r.line(err.width - 1), no_wrap=True, overflow="ellipsis")
 
 
 class RichReporter:
-    """Progress bar: documents done/total, tok/s, cache hit rate, ETA."""
+    """Progress: a live line on a terminal (refreshed every second, new data after every
+    engine step), one line per document and a heartbeat each minute in a log file."""
 
     def __init__(self) -> None:
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("decode {task.fields[tps]:5.1f} tok/s"),
-            TextColumn("hit rate {task.fields[hit]:5.1%}"),
-            TextColumn("{task.fields[doc]}", table_column=Column(width=40, no_wrap=True)),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=err,
-            transient=False,
-        )
-        self.task = None
-        self.last_line = time.monotonic()
+        self.live = None
+        self.activity = None
+        self.total = self.done = self.finished_now = 0
+        self.t0 = self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
         err.print(f"[dim]{text}[/]", highlight=False, soft_wrap=True)
 
     def start(self, total: int, skipped: int) -> None:
         self.total, self.done = total, skipped
+        self.t0 = self.last_line = time.monotonic()
         if skipped:
             err.print(f"skipping {skipped} document(s) already done (journal)", soft_wrap=True)
-        if skipped == total:
+        if skipped == total or not err.is_terminal:
             return
-        self.progress.start()
-        self.task = self.progress.add_task("summarising", total=total, completed=skipped, tps=0.0, hit=0.0, doc="")
+        from rich.live import Live
 
-    def working(self, in_flight: list[str], tok_per_s: float, hit_rate: float, prefill: str) -> None:
-        shown = prefill or ", ".join(in_flight[:2]) + (f" +{len(in_flight) - 2}" if len(in_flight) > 2 else "")
-        self.progress.update(self.task, tps=tok_per_s, hit=hit_rate, doc=_clip(shown, 40))
+        self.live = Live(_Line(self), console=err, refresh_per_second=1, transient=False)
+        self.live.start()
+
+    def eta(self) -> float | None:
+        """Seconds left at this run's pace (``None`` until a document finishes)."""
+        if not self.finished_now:
+            return None
+        return (time.monotonic() - self.t0) / self.finished_now * (self.total - self.done)
+
+    def line(self, width: int) -> str:
+        return progress_line(self.done, self.total, time.monotonic() - self.t0, self.eta(), self.activity, width)
+
+    def working(self, activity) -> None:
+        self.activity = activity
         now = time.monotonic()
-        if not err.is_terminal and now - self.last_line >= HEARTBEAT_SECONDS:  # a log: a line now and then
+        if self.live is None and now - self.last_line >= HEARTBEAT_SECONDS:  # a log: a line now and then
             self.last_line = now
-            err.print(f"working: {len(in_flight)} document(s) in flight; {prefill or 'decoding'}; "
-                      f"decode {tok_per_s:.1f} tok/s, hit rate {hit_rate:.1%}", highlight=False, soft_wrap=True)
+            err.print(self.line(200), highlight=False, soft_wrap=True, markup=False)
 
     def finished(self, result, cache: dict) -> None:
         self.done += 1
-        self.progress.update(self.task, advance=1, hit=cache["hit_rate"], doc="")
+        self.finished_now += 1
         if result.status == "failed":
-            self.progress.console.print(f"[red]failed[/] {result.id}: {result.error}", highlight=False)
-        elif not err.is_terminal:  # a log file gets one line per document instead of a live bar
+            err.print(f"[red]failed[/] {result.id}: {result.error}", highlight=False, soft_wrap=True)
+        elif self.live is None:  # a log file gets one line per document instead of a live line
             err.print(
-                f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens in {result.seconds:.1f} s, "
-                f"hit rate so far {cache['hit_rate']:.1%}",
+                f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens, "
+                f"{result.doc_seconds:.1f} s of its own, hit rate so far {cache['hit_rate']:.1%}",
                 highlight=False, soft_wrap=True,
             )
 
     def close(self) -> None:
-        if self.task is not None:
-            self.progress.stop()
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
 
 
 def print_summary(report, out_dir: Path) -> None:
-    table = Table(title="mlx-tier run")
-    # seconds: from the document's start to its end (documents of a batch overlap in time)
-    for col in ("document", "status", "in tok", "out tok", "seconds"):
-        table.add_column(col, justify="right" if "tok" in col or col == "seconds" else "left")
+    table = Table(title="mlx-tier run", caption="doc s: the document's own time, reading its prompt and "
+                  "writing its summary (decode steps are shared with the documents written alongside)")
+    for col in ("document", "status", "in tok", "out tok", "doc s"):
+        table.add_column(col, justify="left" if col in ("document", "status") else "right",
+                         overflow="fold" if col == "document" else "ellipsis")
     for r in report.results:
-        style = {"failed": "red", "pending": "yellow", "skipped": "dim"}.get(r.status, "")
-        table.add_row(r.id, r.status, str(r.input_tokens), str(r.output_tokens), f"{r.seconds:.1f}", style=style)
+        status = f"{r.status} (earlier)" if r.earlier_run else r.status
+        style = {"failed": "red", "pending": "yellow"}.get(r.status, "dim" if r.earlier_run else "")
+        table.add_row(r.id, status, str(r.input_tokens), str(r.output_tokens), f"{r.doc_seconds:.1f}", style=style)
     out.print(table)
-    c = report.runs[-1]["cache"]  # this run's counters
+    out.print(summary_line(report, out_dir), highlight=False, soft_wrap=True)
+
+
+def summary_line(report, out_dir: Path) -> str:
+    """The final line: the job's totals, then this run's own figures, then where the report is."""
     run = report.runs[-1]
     chunked = sum(r.parts > 0 for r in report.results)
-    out.print(
-        f"done {report.count('done')}, skipped {report.count('skipped')}, failed {report.count('failed')}, "
-        f"pending {report.count('pending')}" + (f" ({chunked} long, summarised in parts)" if chunked else "")
-        + f" | this run: {run['output_tok_per_s']:.2f} output tok/s over its wall time (prompt processing "
-        f"included), hit rate {c['hit_rate']:.1%}, read {c['bytes_read'] / 2**20:.0f} MiB, "
-        f"throttled {run.get('throttled_seconds', 0.0):.0f} s | "
-        f"report: {out_dir / 'report.json'}",
-        highlight=False, soft_wrap=True,
-    )
+    line = (f"job: {report.count('done')} done ({run['already_done']} by earlier runs), "
+            f"{report.count('failed')} failed, {report.count('pending')} pending"
+            + (f" ({chunked} long, summarised in parts)" if chunked else ""))
+    if not run.get("loaded_model"):
+        return line + f" | this run: nothing to do (model not loaded) | report: {out_dir / 'report.json'}"
+    c = run["cache"]
+    read = c["bytes_read"]
+    experts = report.setup.get("expert_bytes_on_disk") or 0
+    reread = (f" = {read / experts:.1f}x the experts' {experts / 2**20:.0f} MiB on disk: experts evicted "
+              "from the cache are read again when next needed" if experts and read > experts else "")
+    return (line + f" | this run: {run['output_tok_per_s']:.2f} output tok/s over its wall time (prompt reading "
+            f"included), hit rate {c['hit_rate']:.1%}, read {read / 2**20:.0f} MiB{reread}, "
+            f"throttled {run.get('throttled_seconds', 0.0):.0f} s | report: {out_dir / 'report.json'}")
 
 
 def command_args(ctx: typer.Context, drop: tuple[str, ...] = ()) -> list[str]:
@@ -201,7 +282,7 @@ def _root(
 def run(
     input: Path = typer.Argument(..., metavar="INPUT", help="Folder of .txt/.md documents (searched recursively), a JSONL file with custom_id (or id) and text per line, or - for a list of file paths on stdin."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
-    model: Path | None = typer.Option(None, help="mlx-lm MoE checkpoint folder. Default: the built-in SmolLM2 8-expert demo MoE (built on first use)."),
+    model: str | None = typer.Option(None, "--model", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id such as mlx-community/Qwen3-30B-A3B-4bit (local cache first, else downloaded; HF_HUB_OFFLINE=1 forbids downloads). Default: the built-in demo, SmolLM2-135M as an 8-expert MoE: a toy that shows the machinery, not good summaries."),
     cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
     max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Most tokens generated per summary."),
     prompt: str | None = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
@@ -256,8 +337,13 @@ def run(
                                   max_tok_s=max_tok_s)
     except ValueError as e:
         fail(str(e))
-    if model is not None and not model.exists():
-        fail(f"{model}: model folder not found")
+    if model is not None:
+        from mlx_tier.hub import check_name
+
+        try:
+            check_name(model)
+        except CheckpointError as e:
+            fail(str(e))
     from_stdin = str(input) == "-"
     paths = tuple(sys.stdin.read().splitlines()) if from_stdin else None
     command = resume_command(ctx, out_dir, from_stdin)
@@ -339,6 +425,27 @@ def _start_background(ctx: typer.Context, input: Path, out_dir: Path, paths: tup
     out.print(f"watch it with: mlx-tier status {shlex.quote(str(out_dir))}", highlight=False, soft_wrap=True, markup=False)
 
 
+def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
+    """Rows for ``mlx-tier status``: the documents in flight from a running job's progress file."""
+    if not progress:
+        return []
+    age = time.time() - progress.get("time", time.time())
+    rows = []
+    if progress.get("reading"):
+        name, read, length = progress["reading"]
+        rows.append(("reading", f"{name}: {read:,}/{length:,} prompt tokens "
+                                f"({progress.get('prompt_tok_s', 0):.1f} prompt tok/s)"))
+    for name, tokens in progress.get("writing") or []:
+        rows.append(("writing", f"{name}: {tokens} tokens so far"))
+    waiting = [i for i in progress.get("in_flight") or []
+               if i not in {w[0] for w in progress.get("writing") or []} | {(progress.get("reading") or [None])[0]}]
+    if waiting:
+        rows.append(("waiting", ", ".join(waiting)))
+    rows.append(("rates", f"decode {progress.get('decode_tok_s', 0):.1f} tok/s, hit rate "
+                          f"{progress.get('hit_rate', 0):.1%} (as of {age:.0f} s ago)"))
+    return rows
+
+
 @app.command()
 def status(
     out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Output folder of a running or finished `mlx-tier run`."),
@@ -348,7 +455,7 @@ def status(
     import json
 
     from mlx_tier.documents import InputError
-    from mlx_tier.status import read_status
+    from mlx_tier.status import describe_throttle, read_status
 
     try:
         s = read_status(out_dir)
@@ -369,10 +476,11 @@ def status(
                             f"included); {s.output_tokens} tokens in all")
     t.add_row("throttled", f"{s.throttled_seconds:.1f} s")
     for change in s.thermal[-5:]:  # the latest throttle state changes of this run
-        t.add_row(f"thermal +{change.get('t', 0):.0f} s",
-                  f"{change.get('thermal')}: {change.get('mode')} (duty {change.get('duty')}) - {change.get('reason')}")
-    eta = (f"{s.eta_seconds:.0f} s" if s.eta_seconds is not None
-           else "unknown (nothing finished yet)" if s.running else "not running")
+        t.add_row("throttle", describe_throttle(change))
+    for label, text in in_flight_rows(s.progress):
+        t.add_row(label, Text(text))
+    eta = (format_duration(s.eta_seconds) if s.eta_seconds is not None
+           else "after the first document finishes" if s.running else "not running")
     t.add_row("ETA", eta)
     for doc_id, error in s.failures[:5]:
         t.add_row(f"failed: {doc_id}", Text(error))
@@ -392,14 +500,19 @@ def status(
 
 @app.command()
 def plan(
-    model: Path = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder."),
+    model: str = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id (read from the local cache, else only its config and safetensors headers are fetched: nothing large is downloaded)."),
     memory_gb: float | None = typer.Option(None, "--memory-gb", help="Plan for this much memory (GiB) instead of this machine's."),
     context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
     disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
     compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
     as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
 ) -> None:
-    """Capacity worksheet for MODEL from its config and shard headers (no weights loaded)."""
+    """Capacity worksheet for MODEL from its config and shard headers (no weights loaded).
+
+    Will it fit, and how fast might it decode: dense part, KV cache, expert
+    sizes, the cache mlx-tier would choose and a decode range from the
+    disk/compute roofline. Works on a hub repo id before downloading it.
+    """
     import json
 
     from mlx_tier import CheckpointError
@@ -440,7 +553,7 @@ def plan(
 
 @app.command()
 def convert(
-    hf_dir: Path = typer.Argument(..., metavar="HF_DIR", help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer)."),
+    hf_dir: str = typer.Argument(..., metavar="HF_DIR", help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer), or a repo id (local cache first, else downloaded)."),
     out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="New folder for the mlx-lm checkpoint (must not exist)."),
     bits: int = typer.Option(4, "--bits", help="Bits of the routed experts: 2, 3, 4, 5, 6 or 8."),
     group_size: int | None = typer.Option(None, "--group-size", help="Quantisation group size (default: 64 affine, 32 mxfp4)."),
@@ -463,7 +576,9 @@ def convert(
         fail(f"--router-bits must be 8 or 16, got {router_bits}")
     cfg = ConvertConfig(bits=bits, group_size=group_size, mode=mode, router_bits=router_bits, shared_expert_bits=shared_expert_bits)
     try:
-        report = do_convert(hf_dir, out_dir, cfg, calib)
+        from mlx_tier.hub import resolve_model
+
+        report = do_convert(resolve_model(hf_dir), out_dir, cfg, calib)
     except (CheckpointError, FileExistsError) as e:
         fail(str(e))
     except OSError as e:
@@ -483,7 +598,7 @@ def trace_sim(
     split: str = typer.Option("uniform", "--split", help="uniform: every layer gets --slots; adaptive: the same total (slots x layers) spread by each layer's simulated miss curve."),
     prewarm: bool = typer.Option(False, "--prewarm", help="Start each layer with the profile's most used experts resident, as the live cache does at load."),
     profile: Path | None = typer.Option(None, "--profile", help="Profile file for `pinned` and --prewarm (a mlx-tier-profile.json). Default: the trace's own counts."),
-    plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of hit rate vs cache size (every size up to all experts), one line per policy. Needs matplotlib (pip install 'mlx-tier\\[plot]')."),
+    plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of hit rate vs cache size (every size up to all experts), one line per policy. Needs matplotlib (pip install 'mlx-tier[plot]')."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Replay a routing trace: hit rate per policy and cache size, Belady's optimum as the ceiling.
@@ -561,7 +676,7 @@ def trace_sim(
 
 @app.command("profile")
 def profile_cmd(
-    model: Path = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder the traces were recorded on."),
+    model: str = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder (or Hugging Face repo id) the traces were recorded on."),
     traces: list[Path] = typer.Argument(..., metavar="TRACE...", help="Routing traces (.npz from `run --trace`, or text)."),
     decay: float = typer.Option(1.0, "--decay", min=0.0, max=1.0, help="Weight of the saved counts before adding these (1 = counts add, 0.5 halves the past)."),
 ) -> None:
@@ -577,6 +692,9 @@ def profile_cmd(
     from mlx_tier.trace import load as load_trace
 
     try:
+        from mlx_tier.hub import resolve_model
+
+        model = resolve_model(model)
         L, E = model_shape(model)
         merged = None
         for path in traces:

@@ -30,6 +30,9 @@ MAX_AUTO_BATCH = 8
 # Memory kept free for the OS and everything not estimated here.
 HEADROOM_BYTES = 1 * GIB
 DEFAULT_PREFILL_STEP = 512
+# Wall time one engine step should take at most (prompt reading + one decode
+# step): progress, the throttle and a stop request are seen between steps.
+STEP_SECONDS = 4.0
 
 
 def stop_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
@@ -242,12 +245,57 @@ class Finished:
 
 @dataclass
 class StepInfo:
-    """What one :meth:`BatchEngine.step` did."""
+    """What one :meth:`BatchEngine.step` did.
+
+    ``prefill_seconds`` and ``decode_seconds`` split ``seconds`` (mlx-lm's
+    ``BatchGenerator.stats``): the part spent reading the prompt in
+    ``prefill`` and the decode step shared by the sequences in ``generating``.
+    """
 
     finished: list[Finished] = field(default_factory=list)
     generated: int = 0  # tokens decoded in this step, over the batch
     prefill: list[tuple] = field(default_factory=list)  # (task key, prompt tokens processed, prompt length)
+    generating: list[tuple] = field(default_factory=list)  # (task key, tokens generated so far), still running
     seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens read in this step
+
+
+class PrefillPacer:
+    """Prompt tokens per step, chosen from the measured prompt-reading rate so
+    that a step takes about ``target_seconds`` on this machine.
+
+    A fixed token count is seconds on a GPU and minutes on a slow CPU (512
+    tokens at ~4 tok/s); steps bounded in time keep progress, the throttle and
+    stops responsive everywhere. The rate is an exponential average of recent
+    steps (it falls as the context grows: attention reads every cached token).
+
+    Args:
+        max_tokens: the largest step (``--prefill-step``), >= 1.
+        target_seconds: wall time per step to aim at, decode step included.
+        rate: a first estimate in prompt tokens per second (``None``: the first
+            step reads ``min_tokens``).
+        min_tokens: the smallest step (a step this short is overhead-bound).
+    """
+
+    def __init__(self, max_tokens: int, target_seconds: float = STEP_SECONDS, rate: float | None = None,
+                 min_tokens: int = 16):
+        self.max_tokens, self.target, self.rate = max(1, max_tokens), target_seconds, rate
+        self.min_tokens = min(min_tokens, self.max_tokens)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Record a step that read ``tokens`` prompt tokens in ``seconds`` (ignored when either is 0)."""
+        if tokens > 0 and seconds > 0:
+            now = tokens / seconds
+            self.rate = now if self.rate is None else 0.5 * self.rate + 0.5 * now
+
+    def size(self, decode_seconds: float = 0.0) -> int:
+        """Tokens for the next step, given the decode step's recent duration (it shares the step)."""
+        if self.rate is None:
+            return self.min_tokens
+        budget = max(self.target - decode_seconds, 0.25 * self.target)
+        return int(min(self.max_tokens, max(self.min_tokens, self.rate * budget)))
 
 
 class BatchEngine:
@@ -262,12 +310,16 @@ class BatchEngine:
         model, tokenizer: as returned by :func:`mlx_tier.load` (or ``mlx_lm.load``).
         stop_ids: end-of-sequence token ids (:func:`stop_token_ids`).
         batch_size: sequences decoded together, >= 1.
-        prefill_step_size: prompt tokens per forward call in prefill.
-        prefix: a shared prefix's cache; prompts starting with it reuse it.
+        prefill_step_size: most prompt tokens per step (the step size follows
+            the measured rate: :class:`PrefillPacer`).
+        prefix: a shared prefix's cache; prompts starting with it reuse it
+            (its prefill time gives the pacer its first rate estimate).
+        step_seconds: wall time per step to aim at (:data:`STEP_SECONDS`).
     """
 
     def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 1, repetition_penalty: float = 1.0,
-                 prefill_step_size: int = DEFAULT_PREFILL_STEP, prefix: PrefixCache | None = None):
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP, prefix: PrefixCache | None = None,
+                 step_seconds: float = STEP_SECONDS):
         from mlx_lm.generate import BatchGenerator
 
         if batch_size < 1:
@@ -288,6 +340,9 @@ class BatchEngine:
             prefill_step_size=prefill_step_size,
         )
         self._active: dict[int, tuple[Task, list[int], float, int]] = {}  # uid -> (task, tokens, t0, prefix)
+        first = len(prefix) / prefix.seconds if prefix is not None and prefix.seconds > 0 else None
+        self.pacer = PrefillPacer(prefill_step_size, step_seconds, first)
+        self._decode_seconds = 0.0  # the last decode step's duration
 
     @property
     def free(self) -> int:
@@ -323,9 +378,17 @@ class BatchEngine:
         """One step of mlx-lm's batch generator: a decode step for the running
         sequences and/or one prefill step for new ones."""
         info = StepInfo()
+        # mlx-lm reads this many prompt tokens in the coming step (BatchGenerator._next)
+        self._gen.prefill_step_size = self.pacer.size(self._decode_seconds)
         t0 = time.perf_counter()
-        prompt_responses, responses = self._gen.next()
+        with self._gen.stats() as stats:
+            prompt_responses, responses = self._gen.next()
         info.seconds = time.perf_counter() - t0
+        info.prefill_seconds, info.decode_seconds = stats.prompt_time, stats.decode_time
+        info.prefill_tokens = stats.prompt_tokens
+        self.pacer.observe(stats.prompt_tokens, stats.prompt_time)
+        if responses:
+            self._decode_seconds = stats.decode_time
         info.prefill = [(self._active[p.uid][0].key, *p.progress) for p in prompt_responses if p.uid in self._active]
         info.generated = len(responses)
         for r in responses:
@@ -336,6 +399,8 @@ class BatchEngine:
                 del self._active[r.uid]
                 info.finished.append(Finished(task.key, tokens, self.tokenizer.decode(tokens), r.finish_reason,
                                               time.perf_counter() - started, used))
+            else:
+                info.generating.append((task.key, len(tokens)))
         return info
 
     def tasks(self) -> list[Task]:

@@ -12,6 +12,7 @@ import os
 import platform
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from .documents import InputError, discover, discover_list
 from .journal import Journal, JsonlSummaries, remove_stale_temps, write_atomic
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
 from .scheduler import GenerationConfig, Outcome, Scheduler, check_context
-from .status import LOCK, JobInfo, write_input_list
+from .status import LOCK, JobInfo, ProgressFile, write_input_list
 from .throttle import Throttle, ThrottleConfig, keep_awake, lower_priority
 
 DEFAULT_PROMPT = (
@@ -107,25 +108,30 @@ class DocResult:
     """Outcome of one document (one entry of report.json)."""
 
     id: str
-    status: str  # done | skipped (done by an earlier run) | failed | pending (not reached)
+    status: str  # the document's state now: done | failed | pending (not reached yet)
     source: str = ""
     input_tokens: int = 0
     output_tokens: int = 0
-    seconds: float = 0.0
+    # The document's own time: its prompt-reading steps plus the decode steps it took
+    # part in (a decode step serves the whole batch); not the time since the batch began.
+    doc_seconds: float = 0.0
     error: str | None = None
     output: str | None = None
     finish_reason: str | None = None  # "stop" (end of text) or "length" (hit --max-tokens)
     parts: int = 0  # > 0: too long for the context, summarised by map-reduce over this many parts
+    earlier_run: bool = False  # done or failed by an earlier run (its figures from the journal)
 
 
 @dataclass
 class JobReport:
     """Everything report.json holds.
 
-    ``results`` covers every document of the job (earlier runs' finished ones
-    as ``skipped``, with their figures from the journal); ``runs`` keeps one
-    record per run (this one last) so a rerun never loses a run's measurements;
-    ``cache`` sums the cache counters over all runs.
+    ``results`` covers every document of the job by its state now (a document
+    done by an earlier run is ``done`` with ``earlier_run`` true and its figures
+    from the journal), so ``totals`` tell the job's truth after any rerun;
+    ``runs`` keeps one record per run (this one last: what it did itself) so a
+    rerun never loses a run's measurements; ``cache`` sums the cache counters
+    over all runs.
     """
 
     results: list[DocResult] = field(default_factory=list)
@@ -140,18 +146,22 @@ class JobReport:
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
 
+    def this_run(self, status: str) -> int:
+        """Documents that reached ``status`` in this run."""
+        return sum(r.status == status and not r.earlier_run for r in self.results)
+
     @property
     def output_tokens(self) -> int:
         """Tokens generated in this run."""
-        return sum(r.output_tokens for r in self.results if r.status == "done")
+        return sum(r.output_tokens for r in self.results if r.status == "done" and not r.earlier_run)
 
     def as_dict(self) -> dict:
-        finished = [r for r in self.results if r.status in ("done", "skipped")]
+        finished = [r for r in self.results if r.status == "done"]
         out_tokens = sum(r.output_tokens for r in finished)
         # Documents of a batch overlap in time: throughput is over the runs' wall time.
         run_tokens = sum(r.get("output_tokens", 0) for r in self.runs)
         run_seconds = sum(r.get("seconds", 0.0) for r in self.runs)
-        totals = {s: self.count(s) for s in ("done", "skipped", "failed", "pending")}
+        totals = {s: self.count(s) for s in ("done", "failed", "pending")}
         totals |= {
             "documents": len(self.results),
             "chunked": sum(r.parts > 0 for r in self.results),
@@ -195,14 +205,40 @@ def sum_cache(runs: list[dict]) -> dict:
     return total
 
 
+@dataclass(frozen=True)
+class Activity:
+    """What the job is doing, after an engine step (for progress displays and ``mlx-tier status``).
+
+    Attributes:
+        in_flight: ids of the documents started and not finished.
+        reading: ``(id, prompt tokens read, prompt length)`` of the prompt being read, or ``None``.
+        writing: ``(id, tokens generated so far)`` of each document being written.
+        decode_tok_s: generated tokens per second over recent decode steps (all documents).
+        prompt_tok_s: prompt tokens read per second over recent steps.
+        hit_rate: expert cache hit rate of this run so far, in [0, 1].
+    """
+
+    in_flight: list[str]
+    reading: tuple[str, int, int] | None
+    writing: list[tuple[str, int]]
+    decode_tok_s: float
+    prompt_tok_s: float
+    hit_rate: float
+
+    def as_dict(self) -> dict:
+        return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
+                "writing": [list(w) for w in self.writing], "decode_tok_s": round(self.decode_tok_s, 3),
+                "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4)}
+
+
 class Reporter:
     """Receives progress events; the CLI shows them with Rich. Default: silent."""
 
     def message(self, text: str) -> None: ...
-    def start(self, total: int, skipped: int) -> None: ...
-    def working(self, in_flight: list[str], tok_per_s: float, hit_rate: float, prefill: str) -> None:
-        """After each engine step: documents in flight, recent decode tok/s, hit
-        rate so far, and which prompt is being read (``""`` when none)."""
+    def start(self, total: int, skipped: int) -> None:
+        """``total`` documents in the job, ``skipped`` of them done by earlier runs."""
+    def working(self, activity: Activity) -> None:
+        """After each engine step (a few seconds apart at most: :data:`~mlx_tier.generation.STEP_SECONDS`)."""
     def finished(self, result: DocResult, cache: dict) -> None: ...
     def close(self) -> None: ...
 
@@ -215,24 +251,48 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+# After a second signal, how long the main thread has to stop by itself (raising
+# Interrupted between Python bytecodes) before the watchdog ends the process.
+HARD_STOP_GRACE_SECONDS = 1.0
+
+
 class StopFlag:
     """Set by SIGINT/SIGTERM: finish the documents in progress, start no new one, then stop.
 
-    A second signal raises :class:`Interrupted` and restores the default
-    handler, so a third one kills.
+    A second signal stops at once. Python runs signal handlers only between
+    bytecodes of the main thread, so during a long MLX call (a prompt step can
+    take minutes on a CPU) the handler waits, and two signals that arrive
+    meanwhile run it once. So the signals are also counted where they arrive:
+    Python's C-level handler writes one byte per signal to a wakeup fd
+    (``signal.set_wakeup_fd``), which a watchdog thread reads. At the second
+    signal the main thread gets :data:`HARD_STOP_GRACE_SECONDS` to raise
+    :class:`Interrupted` itself (restoring the default handler, so a third
+    signal kills); if it has not left the ``with`` block by then, the watchdog
+    calls ``on_abort(signum)`` and ends the process (``os._exit``, 128 +
+    signum). Finished summaries are safe either way: each was written
+    atomically and journalled (fsync) before it was reported.
     """
 
-    def __init__(self, on_first=lambda: None) -> None:
+    def __init__(self, on_first=lambda: None, on_abort=lambda signum: None) -> None:
         self.signal: int | None = None
         self._old: dict = {}
-        self._on_first = on_first
+        self._on_first, self._on_abort = on_first, on_abort
+        self._active = False
+        self._pipe: tuple[int, int] | None = None
+        self._old_wakeup = -1
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: no handlers, no clean stop
-                pass
+                return self
+        self._active = True
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._pipe = (r, w)
+        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(r,), name="mlx-tier-stop-watchdog", daemon=True).start()
         return self
 
     def _handle(self, signum, frame):
@@ -242,7 +302,30 @@ class StopFlag:
         self.signal = signum
         self._on_first()
 
+    def _watch(self, fd: int) -> None:
+        """Count SIGINT/SIGTERM as they arrive; at the second, stop the process if the main thread does not."""
+        seen = 0
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            while data := pipe.read(64):  # b"" once __exit__ closes the write end
+                seen = self._count(data, seen)
+
+    def _count(self, data: bytes, seen: int) -> int:
+        for signum in data:
+            if signum in (signal.SIGINT, signal.SIGTERM):
+                seen += 1
+                if seen >= 2:
+                    time.sleep(HARD_STOP_GRACE_SECONDS)
+                    if self._active:
+                        self._on_abort(signum)
+                        os._exit(128 + signum)
+        return seen
+
     def __exit__(self, *exc):
+        self._active = False
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            os.close(self._pipe[1])  # the watchdog reads end-of-file and returns
+            self._pipe = None
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
@@ -363,7 +446,7 @@ class _Rate:
 def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
     """Write a finished summary (atomically) and fill ``res``; a write error fails the document."""
     res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
-    res.seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
+    res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
     if outcome.status != "done":
         res.status, res.error = "failed", outcome.error
         return
@@ -396,12 +479,16 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
         f"batch size {scheduler.batch_size} ({scheduler.info['batch_size_from']}), "
         f"usable context {scheduler.context} tokens"
     )
-    rate = _Rate()
+    rate, prompt_rate = _Rate(), _Rate()
+    progress = ProgressFile(config.out_dir)
 
     def on_step(info, in_flight):
-        rate.add(info.generated, info.seconds)
-        reading = "; ".join(f"reading {i} ({done}/{total} prompt tokens)" for i, done, total in info.prefill)
-        reporter.working(in_flight, rate.value, model.expert_cache.stats.hit_rate, reading)
+        rate.add(info.generated, info.decode_seconds)
+        prompt_rate.add(info.prefill_tokens, info.prefill_seconds)
+        activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
+                            rate.value, prompt_rate.value, model.expert_cache.stats.hit_rate)
+        reporter.working(activity)
+        progress.update(activity)
         seen = len(throttle.timeline)
         throttle.step(info.generated)
         for change in throttle.timeline[seen:]:  # thermal state changes: durable, for `mlx-tier status`
@@ -422,19 +509,94 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
             record["reasoning"] = outcome.reasoning
         journal.append(record)
         reporter.finished(res, model.expert_cache.stats.as_dict())
+    progress.clear()
     return throttle.as_dict()
+
+
+def _triage(docs, records: dict, config: JobConfig, journal: Journal, results: dict) -> tuple[list, list]:
+    """Sort the job's documents by their journal state; fills ``results``.
+
+    Returns:
+        ``(todo, failed_earlier)``: documents to run now, ids left failed.
+    """
+    todo, failed_earlier = [], []
+    for d in docs:
+        out_path = config.out_dir / f"{d.id}.md"
+        rec = records.get(d.id)
+        res = results[d.id]
+        if rec and rec.get("status") == "done" and out_path.exists():
+            keep = {k: rec[k] for k in ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts")
+                    if k in rec}
+            res.__dict__.update(status="done", output=out_path.name, earlier_run=True, **keep)
+        elif out_path.exists():
+            # Complete (written atomically) but unrecorded: a crash after the
+            # rename. Record it; never regenerate a finished output.
+            journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True})
+            res.__dict__.update(status="done", output=out_path.name, earlier_run=True)
+        elif rec and rec.get("status") == "failed" and not config.retry_failed:
+            # Failed in an earlier run: stays failed until --retry-failed.
+            keep = {k: rec[k] for k in ("input_tokens", "doc_seconds") if k in rec}
+            res.__dict__.update(status="failed", error=rec.get("error"), earlier_run=True, **keep)
+            failed_earlier.append(d.id)
+        elif config.retry_failed and not (rec and rec.get("status") == "failed"):
+            continue  # pending: left for a plain rerun
+        else:
+            todo.append(d)
+    return todo, failed_earlier
+
+
+def _load_model(config: JobConfig, reporter: Reporter, prefetch: bool):
+    """The tiered model, with the context checked before any document.
+
+    Returns:
+        ``(model, tokenizer, model_dir)``.
+    """
+    from .demo_model import ensure_demo_model
+    from .hub import resolve_model
+    from .tiered import TierConfig, load
+
+    model_dir = resolve_model(config.model) if config.model is not None else ensure_demo_model(reporter.message)
+    reporter.message(f"loading {model_dir}")
+    model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
+                            config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch))
+    model_context = context_length(model_dir)
+    context = min(model_context, config.context or model_context)
+    check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
+    return model, tokenizer, model_dir
+
+
+def _setup(model_dir, cache, config: JobConfig, prefetch: bool) -> dict:
+    """The run's settings for report.json."""
+    return {
+        **machine_info(),
+        "model": str(model_dir),
+        "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
+        "slots_per_layer": cache.slots_per_layer,
+        "layer_slots": list(cache.layer_slots),
+        "experts_per_layer": cache.num_experts,
+        # all experts of all layers as stored: bytes_read beyond this are re-reads of evicted experts
+        "expert_bytes_on_disk": sum(t.info.nbytes for layer in cache.layers for t in layer.tensors.values()),
+        "policy": config.policy,
+        "prefetch": prefetch,
+        "max_tokens": config.max_tokens,
+        "repetition_penalty": config.repetition_penalty,
+        "prompt": config.prompt,
+    }
 
 
 def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     """Summarise every document of ``config.input`` not already done.
+
+    With nothing left to do (every document done, or failed without
+    ``retry_failed``), the model is not loaded: report.json is rewritten
+    with the job's totals and a run record that did nothing.
 
     Raises:
         InputError: bad input or output folder (nothing is generated).
         mlx_tier.CheckpointError, mlx_tier.BudgetError: unusable model or budget.
         KeyboardInterrupt: a second interrupt; finished outputs are kept.
     """
-    from .demo_model import ensure_demo_model
-    from .tiered import DEFAULT_PREFETCH, TierConfig, load
+    from .tiered import DEFAULT_PREFETCH
 
     reporter = reporter or Reporter()
     prefetch = DEFAULT_PREFETCH if config.prefetch is None else config.prefetch
@@ -448,66 +610,24 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     remove_stale_temps(config.out_dir)  # a killed run's half-written outputs
     summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" else None
     journal = Journal(config.out_dir, on_done=summaries.add if summaries is not None else None)
-    records = journal.records()
-
-    try:
-        model_dir = Path(config.model) if config.model is not None else ensure_demo_model(reporter.message)
-        if not model_dir.exists():
-            raise InputError(f"{model_dir}: model folder not found")
-        reporter.message(f"loading {model_dir}")
-        model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
-                                config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch))
-        model_context = context_length(model_dir)
-        context = min(model_context, config.context or model_context)
-        check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
-    except BaseException:
-        lock.close()
-        if created and [p.name for p in config.out_dir.iterdir()] == [LOCK]:
-            (config.out_dir / LOCK).unlink()
-            config.out_dir.rmdir()  # leave no trace of a run that never started
-        raise
-    cache = model.expert_cache
-
-    report = JobReport(
-        setup={
-            **machine_info(),
-            "model": str(model_dir),
-            "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
-            "slots_per_layer": cache.slots_per_layer,
-            "layer_slots": list(cache.layer_slots),
-            "experts_per_layer": cache.num_experts,
-            "policy": config.policy,
-            "prefetch": prefetch,
-            "max_tokens": config.max_tokens,
-            "repetition_penalty": config.repetition_penalty,
-            "prompt": config.prompt,
-        }
-    )
     results = {d.id: DocResult(d.id, "pending", d.source) for d in docs}
-    report.results = list(results.values())
-
-    todo, failed_earlier = [], []
-    for d in docs:
-        out_path = config.out_dir / f"{d.id}.md"
-        rec = records.get(d.id)
-        if rec and rec.get("status") == "done" and out_path.exists():
-            keep = {k: rec[k] for k in ("input_tokens", "output_tokens", "seconds", "finish_reason", "parts") if k in rec}
-            results[d.id].__dict__.update(status="skipped", output=out_path.name, **keep)
-        elif out_path.exists():
-            # Complete (written atomically) but unrecorded: a crash after the
-            # rename. Record it; never regenerate a finished output.
-            journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True})
-            results[d.id].__dict__.update(status="skipped", output=out_path.name)
-        elif rec and rec.get("status") == "failed" and not config.retry_failed:
-            # Failed in an earlier run: stays failed until --retry-failed.
-            keep = {k: rec[k] for k in ("input_tokens", "seconds") if k in rec}
-            results[d.id].__dict__.update(status="failed", error=rec.get("error"), **keep)
-            failed_earlier.append(d.id)
-        elif config.retry_failed and not (rec and rec.get("status") == "failed"):
-            continue  # pending: left for a plain rerun
-        else:
-            todo.append(d)
-    skipped = sum(r.status == "skipped" for r in report.results)
+    report = JobReport(results=list(results.values()))
+    todo, failed_earlier = _triage(docs, journal.records(), config, journal, results)
+    model = cache = None
+    if todo:
+        try:
+            model, tokenizer, model_dir = _load_model(config, reporter, prefetch)
+        except BaseException:
+            lock.close()
+            if created and [p.name for p in config.out_dir.iterdir()] == [LOCK]:
+                (config.out_dir / LOCK).unlink()
+                config.out_dir.rmdir()  # leave no trace of a run that never started
+            raise
+        cache = model.expert_cache
+        report.setup = _setup(model_dir, cache, config, prefetch)
+    else:
+        report.setup = {**machine_info(), "model": str(config.model) if config.model is not None else "demo"}
+    skipped = sum(r.status == "done" for r in report.results)
     if summaries is not None:
         summaries.sync(journal.records())
     JobInfo(
@@ -522,16 +642,39 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     if config.retry_failed:
         reporter.message(f"--retry-failed: retrying {len(todo)} failed document(s); pending ones are left for a plain rerun")
     reporter.start(total=len(todo) + skipped, skipped=skipped)
+    if todo:
+        _run_todo(todo, results, config, model, tokenizer, model_dir, journal, reporter, report, lock)
+    report.seconds = time.perf_counter() - t_start
+    report.runs = previous_runs(config.out_dir / REPORT) + [_run_record(report, t_wall, cache, skipped, failed_earlier)]
+    report.cache = sum_cache(report.runs)
+    if cache is not None:
+        report.cache |= {"resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
+    if config.save_profile and report.output_tokens:
+        _save_profile(config, model_dir, cache, report, reporter)
+    write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
+    lock.close()
+    reporter.close()
+    return report
 
+
+def _run_todo(todo, results, config: JobConfig, model, tokenizer, model_dir, journal, reporter, report, lock) -> None:
+    """Generate ``todo`` under the stop flag (first signal: stop after the step; second: at once)."""
+    cache = model.expert_cache
     notice = ("stopping: summaries being written are finished, documents still being read are left for "
               "the next run (interrupt again to stop at once)")
+    resume = f" Resume with: {config.command}" if config.command else ""
+
+    def abort(signum: int) -> None:  # from the watchdog thread, just before the process ends
+        reporter.close()
+        os.write(2, f"\nstopped at once ({signal.Signals(signum).name}); finished summaries are kept.{resume}\n"
+                 .encode())
+
     if config.trace is not None:
         cache.start_trace(source=str(model_dir))
     try:
-        with StopFlag(lambda: reporter.message(notice)) as stop, keep_awake():
-            if todo:
-                report.throttle = _summarise_all(todo, results, config, model, tokenizer, model_dir, journal,
-                                                 reporter, lambda: stop.signal is not None, report.setup)
+        with StopFlag(lambda: reporter.message(notice), abort) as stop, keep_awake():
+            report.throttle = _summarise_all(todo, results, config, model, tokenizer, model_dir, journal,
+                                             reporter, lambda: stop.signal is not None, report.setup)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
             report.stop_signal = stop.signal
     except BaseException:  # a second interrupt, or an error that stops the job: free the folder now
@@ -546,32 +689,39 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             except OSError as e:
                 reporter.message(f"could not write the trace {config.trace}: {e.strerror or e}")
 
-    report.seconds = time.perf_counter() - t_start
-    this_run = {
+
+def _run_record(report: JobReport, t_wall: float, cache, skipped: int, failed_earlier: list) -> dict:
+    """What this run did itself (one entry of report.json's ``runs``)."""
+    throttle = report.throttle
+    record = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_wall)),
         "seconds": round(report.seconds, 3),
-        "done": report.count("done"),
-        "failed": report.count("failed") - len(failed_earlier),
+        "done": report.this_run("done"),
+        "failed": report.this_run("failed"),
+        "already_done": skipped,  # done by earlier runs, not regenerated
+        "left_failed": len(failed_earlier),  # failed earlier, not retried (no --retry-failed)
+        "loaded_model": cache is not None,
         "output_tokens": report.output_tokens,
         "output_tok_per_s": round(report.output_tokens / report.seconds, 3) if report.seconds else 0.0,
-        "throttled_seconds": report.throttle.get("throttled_seconds", 0.0) + report.throttle.get("paused_seconds", 0.0)
-        + report.throttle.get("capped_seconds", 0.0),
-        "slots_per_layer": cache.slots_per_layer,
-        "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
-        "cache": {**cache.stats.as_dict(), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes},
+        "throttled_seconds": throttle.get("throttled_seconds", 0.0) + throttle.get("paused_seconds", 0.0)
+        + throttle.get("capped_seconds", 0.0),
     }
-    report.runs = previous_runs(config.out_dir / REPORT) + [this_run]
-    report.cache = {**sum_cache(report.runs), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
-    if config.save_profile and report.output_tokens:
-        from . import profile
+    if cache is not None:
+        record |= {
+            "slots_per_layer": cache.slots_per_layer,
+            "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
+            "cache": {**cache.stats.as_dict(), "resident_bytes_max": cache.resident_bytes,
+                      "budget_bytes": cache.budget_bytes},
+        }
+    return record
 
-        try:
-            where = profile.record(model_dir, profile.from_counts(cache.profile_counts(), source=str(config.input)))
-            report.setup["profile_saved"] = str(where)
-            reporter.message(f"expert use profile saved to {where}")
-        except (OSError, profile.ProfileError) as e:
-            reporter.message(f"could not save the expert use profile: {e}")
-    write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
-    lock.close()
-    reporter.close()
-    return report
+
+def _save_profile(config: JobConfig, model_dir, cache, report: JobReport, reporter: Reporter) -> None:
+    from . import profile
+
+    try:
+        where = profile.record(model_dir, profile.from_counts(cache.profile_counts(), source=str(config.input)))
+        report.setup["profile_saved"] = str(where)
+        reporter.message(f"expert use profile saved to {where}")
+    except (OSError, profile.ProfileError) as e:
+        reporter.message(f"could not save the expert use profile: {e}")

@@ -67,6 +67,7 @@ class Plan:
     tok_s_high: float  # hit rate = max(0.98, S / E)
     hit_rate_low: float
     hit_rate_high: float
+    source: str = "local"  # local: a checkpoint folder; hub: config and headers read remotely, nothing downloaded
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -145,8 +146,77 @@ def predicted_tok_s(hit_rate: float, missed_bytes_at_zero: float, active_bytes: 
     return 1 / t if t > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class _Source:
+    """A checkpoint's config, tensor headers and expert block paths, local or on the hub."""
+
+    name: str
+    kind: str  # "local" or "hub"
+    config: dict
+    index: dict
+    blocks: list
+    files: list  # local shards (for the disk probe); empty for the hub
+
+
+def _open(model: str | Path) -> _Source:
+    """Read what the plan needs: a local folder (or a cached hub snapshot), else the hub's headers."""
+    from .hub import cached_snapshot, check_name, is_repo_id, remote_metadata
+
+    check_name(model)
+    path = Path(model).expanduser()
+    if not path.exists() and is_repo_id(model):
+        path = cached_snapshot(str(model)) or path
+    if path.exists():
+        return _open_local(path)
+    config, index = remote_metadata(str(model))
+    return _Source(str(model), "hub", config, index, _blocks_from_config(str(model), config), [])
+
+
+def _open_local(model_dir: Path) -> _Source:
+    from mlx_lm.utils import load_model
+
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(f"{model_dir}: no config.json (not an mlx-lm checkpoint directory)")
+    index = index_checkpoint(model_dir)
+    try:
+        model, config = load_model(model_dir, lazy=True)  # builds the graph; reads no weight
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{model_dir}: cannot build the model with mlx-lm: {e}") from None
+    return _Source(str(model_dir), "local", config, index, find_expert_blocks(model),
+                   sorted(model_dir.glob("*.safetensors")))
+
+
+def _blocks_from_config(name: str, config: dict) -> list:
+    """Expert blocks of the model mlx-lm builds from ``config`` (lazy arrays: nothing is computed)."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{name}: cannot build the model with mlx-lm: {e}") from None
+    return find_expert_blocks(model)
+
+
+def measure_scratch_disk_gbps(folder: Path | None = None, total_mb: int = 64) -> float:
+    """Disk bandwidth where a download would go (``HF_HUB_CACHE`` or the temp folder), in GB/s:
+    a ``total_mb`` MiB scratch file is written, synced, read back as :func:`measure_disk_gbps`
+    does (page cache dropped first on Linux), then removed."""
+    import tempfile
+
+    folder = Path(folder or os.environ.get("HF_HUB_CACHE") or tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".mlx-tier-disk-probe-") as f:
+        block = os.urandom(2**20)
+        for _ in range(total_mb):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        return measure_disk_gbps([Path(f.name)], total_mb=total_mb)
+
+
 def make_plan(
-    model_dir: Path,
+    model_dir: str | Path,
     memory_gb: float | None = None,
     context_tokens: int = 8192,
     disk_gbps: float | None = None,
@@ -155,24 +225,19 @@ def make_plan(
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
     Args:
+        model_dir: an mlx-lm checkpoint folder, or a Hugging Face repo id: from
+            the local hub cache when there, else from the repo's ``config.json``
+            and safetensors headers over HTTP (:func:`mlx_tier.hub.remote_metadata`;
+            nothing large is downloaded, and the disk is probed with a scratch file).
         memory_gb: memory to plan for (default: this machine's total).
         context_tokens: context length for the KV cache estimate.
         disk_gbps / compute_gbps: bandwidths; measured briefly when ``None``.
 
     Raises:
-        CheckpointError: not an mlx-lm MoE checkpoint.
+        CheckpointError: not an mlx-lm MoE checkpoint; not found; hub unreachable.
     """
-    from mlx_lm.utils import load_model
-
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise CheckpointError(f"{model_dir}: no config.json (not an mlx-lm checkpoint directory)")
-    index = index_checkpoint(model_dir)
-    try:
-        model, config = load_model(model_dir, lazy=True)  # builds the graph; reads no weight
-    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{model_dir}: cannot build the model with mlx-lm: {e}") from None
-    blocks = find_expert_blocks(model)
+    source = _open(model_dir)
+    model_dir, config, index, blocks = source.name, source.config, source.index, source.blocks
     if not blocks:
         raise CheckpointError(f"{model_dir}: not a Mixture-of-Experts checkpoint")
     prefixes = tuple(path + "." for path, _ in blocks)
@@ -222,7 +287,7 @@ def make_plan(
 
     disk_measured = disk_gbps is None
     if disk_gbps is None:
-        disk_gbps = measure_disk_gbps(sorted(model_dir.glob("*.safetensors")))
+        disk_gbps = measure_disk_gbps(source.files) if source.files else measure_scratch_disk_gbps()
     if compute_gbps is None:
         compute_gbps = measure_compute_gbps()
     miss_bytes_at_zero = L * top_k * expert_bytes_disk
@@ -235,6 +300,7 @@ def make_plan(
 
     return Plan(
         model=str(model_dir),
+        source=source.kind,
         model_type=config.get("model_type", "?"),
         moe_layers=L,
         experts_per_layer=num_experts,

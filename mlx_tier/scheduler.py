@@ -85,7 +85,7 @@ class Outcome:
     finish_reason: str | None = None
     parts: int = 0
     levels: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the document's own time: its prompt-reading steps plus the decode steps it took part in
     error: str | None = None
 
 
@@ -114,6 +114,16 @@ class _Doc:
     reasoning: list[str] = field(default_factory=list)
     context: int = 0  # the usable context when it started
     finished: bool = False
+    seconds: float = 0.0  # prompt reading + decode steps it was in (decode steps are shared with the batch)
+
+
+def _charge_time(info: StepInfo) -> None:
+    """Add this step's time to each document's own: the prompt-reading part to the one being
+    read, the decode part to each document decoding (once per document, whatever its calls)."""
+    for d in dict.fromkeys(key[0] for key, *_ in info.prefill):
+        d.seconds += info.prefill_seconds
+    for d in dict.fromkeys([key[0] for key, _ in info.generating] + [f.key[0] for f in info.finished]):
+        d.seconds += info.decode_seconds
 
 
 class Scheduler:
@@ -194,7 +204,7 @@ class Scheduler:
     def _failed(self, d: _Doc, error: str) -> Outcome:
         d.finished = True
         return Outcome(d.doc.id, "failed", input_tokens=d.input_tokens, parts=d.mr.parts if d.mr else 0,
-                       seconds=time.perf_counter() - d.started, error=error)
+                       seconds=d.seconds, error=error)
 
     def _finish(self, d: _Doc, text: str, reason: str) -> Outcome:
         summary = (trim_to_sentence(text) if reason == "length" else text).strip()
@@ -205,7 +215,7 @@ class Scheduler:
         d.finished = True
         return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
                        d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
-                       time.perf_counter() - d.started)
+                       d.seconds)
 
     def run(self, docs, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
@@ -278,7 +288,9 @@ class Scheduler:
                 else:
                     solo.extend(d.doc for d in docs_in_flight)
                 continue
+            _charge_time(info)
             info.prefill = [(key[0].doc.id, done, total) for key, done, total in info.prefill]
+            info.generating = [(key[0].doc.id, n) for key, n in info.generating]
             on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
             for f in info.finished:
                 d, index = f.key

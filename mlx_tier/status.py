@@ -11,6 +11,7 @@ run (a run starting in the same microseconds may find it held and refuse).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -24,6 +25,60 @@ PID_FILE = "run.pid"
 LOG_FILE = "run.log"
 INPUT_LIST = "inputs.txt"  # `mlx-tier run -`: the paths read from stdin, for the resume command
 LOCK = ".mlx-tier.lock"  # the same name as mlx_tier.jobs.LOCK (kept here so status needs no MLX)
+PROGRESS_FILE = "progress.json"  # documents in flight and how far each has got, while a run works
+
+
+class ProgressFile:
+    """``OUT_DIR/progress.json``: what a running job is doing now (the documents in
+    flight, the prompt being read and how far, tokens written so far, rates),
+    rewritten atomically at most every ``every`` seconds and removed when the run
+    ends; ``mlx-tier status`` shows it while the run holds the lock.
+
+    Progress is best effort: a write that fails (disk full) is skipped, never
+    fatal to the job.
+    """
+
+    def __init__(self, out_dir: Path, every: float = 2.0) -> None:
+        self.path, self.every, self._last = Path(out_dir) / PROGRESS_FILE, every, float("-inf")
+
+    def update(self, activity) -> None:
+        """Write ``activity`` (anything with ``as_dict()``, e.g. :class:`mlx_tier.jobs.Activity`)
+        if ``every`` seconds have passed since the last write."""
+        now = time.monotonic()
+        if now - self._last < self.every:
+            return
+        self._last = now
+        try:
+            write_atomic(self.path, json.dumps({"time": time.time(), **activity.as_dict()}) + "\n")
+        except OSError:
+            pass
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def read_progress(out_dir: Path) -> dict | None:
+    """The last progress snapshot of ``out_dir`` (``None`` when absent or unreadable)."""
+    try:
+        data = json.loads((Path(out_dir) / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def describe_throttle(change: dict) -> str:
+    """A throttle state change (a ``thermal`` journal record) in plain words, e.g.
+    ``"full speed from 0 s into the run: nothing limits it (thermal state: not
+    reported by any sensor here; see `mlx-tier thermal`)"``."""
+    mode, duty = change.get("mode"), change.get("duty")
+    doing = {"full": "full speed", "paused": "paused"}.get(
+        mode, f"slowed to {duty:.0%} of the time" if isinstance(duty, (int, float)) else str(mode))
+    reason = change.get("reason") or ""
+    why = "nothing limits it" if reason in ("", "nominal") else reason
+    thermal = change.get("thermal")
+    state = ("not reported by any sensor here; see `mlx-tier thermal`" if thermal in (None, "unknown")
+             else str(thermal))
+    return f"{doing} from {change.get('t', 0):.0f} s into the run: {why} (thermal state: {state})"
 
 
 @dataclass(frozen=True)
@@ -177,6 +232,10 @@ class JobStatus:
             when not running or nothing finished yet.
         command: the command that resumes the job (from the ``start`` record).
         failures: ``(id, error)`` of failed documents.
+        progress: while running, ``progress.json``: ``in_flight`` ids, ``reading``
+            ``[id, prompt tokens read, prompt length]`` or ``None``, ``writing``
+            ``[[id, tokens so far], ...]``, ``decode_tok_s``, ``prompt_tok_s``,
+            ``hit_rate``, ``time`` (Unix seconds it was written).
     """
 
     out_dir: Path
@@ -197,6 +256,7 @@ class JobStatus:
     command: str | None
     failures: list[tuple[str, str]] = field(default_factory=list)
     thermal: list[dict] = field(default_factory=list)
+    progress: dict | None = None  # the running job's last progress snapshot (:class:`ProgressFile`)
 
     @property
     def output_tok_per_s(self) -> float:
@@ -279,4 +339,5 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
         eta_seconds=round(eta, 1) if eta is not None else None,
         command=info.command if info is not None else None,
         failures=failures,
+        progress=read_progress(out_dir) if running else None,
     )

@@ -368,7 +368,9 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
 
     Args:
         path: checkpoint directory in mlx-lm format (``config.json``, safetensors
-            shards with stacked experts, tokenizer files).
+            shards with stacked experts, tokenizer files), or a Hugging Face
+            repo id as ``mlx_lm.load`` takes it (local cache first, downloaded
+            when missing; :func:`mlx_tier.hub.resolve_model`).
         cache_gb: expert cache budget in GiB; ``None``: half of the memory
             available after the dense part is loaded. Overrides ``config.cache_gb``.
         config: further settings (:class:`TierConfig`).
@@ -379,10 +381,13 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
         is the :class:`~mlx_tier.cache.ExpertCache` (counters in ``.stats``).
 
     Raises:
-        CheckpointError: missing directory/config/shards, or not an MoE checkpoint.
+        CheckpointError: missing directory/config/shards, or not an MoE checkpoint;
+            a repo id not cached while offline, or not downloadable.
         BudgetError: budget too small for one expert slot per MoE layer.
     """
-    path = Path(path)
+    from .hub import resolve_model
+
+    path = resolve_model(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint directory)")
     config = config or TierConfig()
