@@ -94,15 +94,15 @@ def progress_line(done: int, total: int, elapsed: float, eta: float | None, acti
         return _clip(head, width)
     if activity.reading is not None:
         name, read, length = activity.reading
-        what, detail = "reading ", f" {read:,}/{length:,} prompt tokens"
+        what, details = "reading ", (f" {read:,}/{length:,} prompt tokens", f" {read:,}/{length:,}")
     elif activity.writing:
         name, tokens = activity.writing[0]
-        more = len(activity.writing) - 1
-        what, detail = "writing ", (f" +{more} more" if more else "") + f", {tokens} tokens"
+        more = f" +{len(activity.writing) - 1} more" if len(activity.writing) > 1 else ""
+        what, details = "writing ", (f"{more}, {tokens} tokens", more)
     else:
         return _clip(head, width)
     rates = f"  {activity.decode_tok_s:.1f} tok/s  hit {activity.hit_rate:.0%}"
-    for tail in (rates, ""):
+    for detail, tail in ((details[0], rates), (details[0], ""), (details[1], "")):
         room = width - len(head) - 2 - len(what) - len(detail) - len(tail)
         if room >= min(len(name), 8):
             return f"{head}  {what}{_clip(name, room)}{detail}{tail}"

@@ -130,3 +130,46 @@ def test_memory_plan_does_not_collapse_for_many_heads():
     plan = MemoryPlan(kv_per_token=2048.0, fixed_per_seq=0, prefill_per_token=64 * 512 * 4.0,
                       prefill_fixed=512 * 2880 * 16, free_bytes=int(0.9 * 2**30))
     assert 6000 < plan.max_tokens() < 8000
+
+
+def test_pacer_chooses_step_tokens_from_the_measured_rate():
+    from mlx_tier.generation import PrefillPacer
+
+    p = PrefillPacer(512, target_seconds=4.0)
+    assert p.size() == 16  # nothing measured yet: a short first step
+    p.observe(16, 4.0)  # 4 tok/s, the 2-core CPU of issue 12: 512 tokens would be a 128 s step
+    assert p.size() == 16
+    p.observe(100, 2.0)  # 50 tok/s now: averaged with the last (27 tok/s)
+    assert p.size() == 108 and p.size(decode_seconds=2.0) == 54  # the decode step shares the budget
+    assert p.size(decode_seconds=10.0) == 27  # never below a quarter of the target
+    p.observe(10_000, 1.0)
+    assert p.size() == 512  # fast machine: capped at --prefill-step
+    p.observe(0, 0.0)  # a step without prompt work changes nothing
+    assert p.size() == 512
+
+
+def test_prompt_steps_are_bounded_in_time_on_a_slow_machine(tiny_moe):
+    """A model that reads 100 prompt tokens a second (sleeping, so the CPU load of other
+    tests hardly matters): a 400-token prompt is read in short steps, not one 4 s step."""
+    model, tokenizer = mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2))
+    cls = type(model)
+
+    def slow_call(self, inputs, *args, **kwargs):
+        import time
+
+        if inputs.shape[1] > 1:
+            time.sleep(0.01 * inputs.shape[1])
+        return cls.__call__(self, inputs, *args, **kwargs)
+
+    model.__class__ = type("SlowModel", (cls,), {"__call__": slow_call})
+    engine = BatchEngine(model, tokenizer, stop_token_ids(tokenizer), prefill_step_size=512, step_seconds=0.4)
+    prompt = tokenizer.encode(" ".join(["river flood spring farmer plant"] * 80))[:400]
+    engine.add(Task("k", prompt, 2))
+    steps = []
+    while engine.active:
+        info = engine.step()
+        if info.prefill:
+            steps.append((info.prefill_tokens, info.prefill_seconds))
+    assert sum(t for t, _ in steps) == len(prompt) - 1  # mlx-lm reads the last token when decoding starts
+    assert len(steps) >= 5
+    assert max(s for _, s in steps[1:]) < 1.2, steps  # 0.4 s aimed at; a 512-token step would take 4 s

@@ -1,0 +1,130 @@
+"""What a new user sees: a progress line that fits 80 columns with done/total and ETA
+first; help that wraps at 80 columns without cutting option names; usage errors as
+one ``error:`` line with exit code 2 (like the CLI's own); a final line that says
+why more bytes were read than the experts' size; a rerun with nothing to do that
+does not load the model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlx_tier.cli.main import app, format_duration, in_flight_rows, progress_line, summary_line
+from typer.testing import CliRunner
+
+from mlx_tier.jobs import Activity, DocResult, JobReport
+from mlx_tier.status import describe_throttle
+
+runner = CliRunner()
+LONG = "bill_of_rights_amendments_1_to_5_with_a_very_long_file_name"
+
+
+def reading(name=LONG, read=312, length=1204):
+    return Activity([name, "other"], (name, read, length), [("other", 17)], 3.14, 4.2, 0.9612)
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_progress_line_fits_with_count_and_eta_first(width):
+    line = progress_line(2, 7, 754.0, 1380.0, reading(), width)
+    assert len(line) <= width
+    assert line.startswith("2/7 done  ETA 23m00s  12m34s  reading bill_of_")
+    assert "312/1,204" + (" prompt tokens" if width >= 80 else "") in line  # the prompt's progress stays
+    assert "…" in line  # the name was cut to fit, not the count or the token progress
+
+
+def test_progress_line_cases():
+    wide = progress_line(2, 7, 5.0, None, reading("gettysburg"), 120)
+    assert wide == "2/7 done  ETA ?  5s  reading gettysburg 312/1,204 prompt tokens  3.1 tok/s  hit 96%"
+    writing = Activity(["a", "b"], None, [("a", 12), ("b", 3)], 1.0, 0.0, 0.5)
+    assert progress_line(0, 2, 3725.0, 60.0, writing, 80) == (
+        "0/2 done  ETA 1m00s  1h02m  writing a +1 more, 12 tokens  1.0 tok/s  hit 50%")
+    assert progress_line(0, 2, 1.0, None, None, 80) == "0/2 done  ETA ?  1s"
+    assert len(progress_line(1, 2, 1.0, None, reading(), 30)) <= 30  # too narrow for any name: count first
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (None, 0, 59.9, 61, 3600, 7325)] == ["?", "0s", "59s", "1m01s", "1h00m",
+                                                                            "2h02m"]
+
+
+@pytest.mark.parametrize("command", ["run", "plan", "status", "convert", "trace-sim", "profile", "thermal"])
+def test_help_reads_at_80_columns(command):
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert max(len(x) for x in lines) <= 80, max(lines, key=len)
+    assert "…" not in r.output and "╭" not in r.output
+    from mlx_tier.cli.main import app as typer_app
+    import typer.main
+
+    cmd = typer.main.get_command(typer_app).commands[command]
+    for p in cmd.params:
+        for opt in p.opts + p.secondary_opts:
+            if opt.startswith("-"):
+                assert opt in r.output, opt  # every option name whole
+    helps = [p.help for p in cmd.params if getattr(p, "help", None)]
+    longest = max(helps, key=len).split()
+    assert " ".join(longest[-3:]).rstrip(".") in " ".join(r.output.split())  # descriptions wrap, not cut
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "docs", "--out", "o", "--max-tokens", "0"], "Invalid value for '--max-tokens'"),
+    (["run", "docs", "--out", "o", "--nice", "99"], "Invalid value for '--nice'"),
+    (["run", "docs"], "Missing option '--out'"),
+    (["plan", "m", "--context", "0"], "Invalid value for '--context'"),
+    (["run", "docs", "--out", "o", "--no-such-option"], "No such option"),
+])
+def test_usage_errors_are_one_line_exit_2(args, message):
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert [x for x in r.output.splitlines() if x.strip()] == [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert len(r.output.strip().splitlines()) == 1 and message in r.output, r.output
+
+
+def report_with(bytes_read, experts=100 * 2**20, earlier=2):
+    results = [DocResult(f"d{i}", "done", earlier_run=i < earlier) for i in range(3)] + [DocResult("p", "pending")]
+    run = {"already_done": earlier, "loaded_model": True, "output_tok_per_s": 1.5, "throttled_seconds": 0.0,
+           "cache": {"bytes_read": bytes_read, "hit_rate": 0.8}}
+    return JobReport(results=results, runs=[run], setup={"expert_bytes_on_disk": experts})
+
+
+def test_summary_line_explains_rereads(tmp_path):
+    line = summary_line(report_with(21248 * 2**20), tmp_path)
+    assert line.startswith("job: 3 done (2 by earlier runs), 0 failed, 1 pending")
+    assert ("read 21248 MiB = 212.5x the experts' 100 MiB on disk: experts evicted from the cache are read "
+            "again when next needed") in line
+    assert "x the experts'" not in summary_line(report_with(50 * 2**20), tmp_path)  # less than the experts: no note
+
+
+def test_throttle_and_in_flight_in_plain_words():
+    assert describe_throttle({"t": 0, "thermal": "unknown", "mode": "full", "duty": 1.0, "reason": "nominal"}) == (
+        "full speed from 0 s into the run: nothing limits it (thermal state: not reported by any sensor here; "
+        "see `mlx-tier thermal`)")
+    assert describe_throttle({"t": 65.4, "thermal": "serious", "mode": "slow", "duty": 0.25,
+                              "reason": "thermal state serious (pmset)"}) == (
+        "slowed to 25% of the time from 65 s into the run: thermal state serious (pmset) (thermal state: serious)")
+    rows = in_flight_rows({"time": 0, **reading("a.txt").as_dict(), "in_flight": ["a.txt", "other", "c"]})
+    assert rows[:3] == [("reading", "a.txt: 312/1,204 prompt tokens (4.2 prompt tok/s)"),
+                        ("writing", "other: 17 tokens so far"), ("waiting", "c")]
+    assert in_flight_rows(None) == []
+
+
+def test_rerun_with_nothing_pending_does_not_load_the_model(tmp_path, tiny_moe, monkeypatch):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The river floods every spring and the farmers plant after it recedes.")
+    out = tmp_path / "out"
+    args = ["run", str(docs), "--out", str(out), "--model", str(tiny_moe), "--max-tokens", "4"]
+    assert runner.invoke(app, args).exit_code == 0
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("mlx_tier.tiered.load", no_load)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "this run: nothing to do (model not loaded)" in r.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["done"] == 1 and report["runs"][-1]["loaded_model"] is False
+    assert report["cache"]["misses"] == report["runs"][0]["cache"]["misses"]  # the first run's counters kept
