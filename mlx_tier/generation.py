@@ -17,6 +17,7 @@ import copy
 import json
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,39 +264,63 @@ class StepInfo:
 
 
 class PrefillPacer:
-    """Prompt tokens per step, chosen from the measured prompt-reading rate so
-    that a step takes about ``target_seconds`` on this machine.
+    """Prompt tokens per step, chosen from measured step times so that a step takes
+    about ``target_seconds`` on this machine.
 
     A fixed token count is seconds on a GPU and minutes on a slow CPU (512
     tokens at ~4 tok/s); steps bounded in time keep progress, the throttle and
-    stops responsive everywhere. The rate is an exponential average of recent
-    steps (it falls as the context grows: attention reads every cached token).
+    stops responsive everywhere. A step of ``n`` prompt tokens is modelled as
+    ``a + b * n`` seconds (``a``: per-step overhead such as expert reads and
+    rounds; ``b``: seconds per token), least squares over the recent steps
+    (``b`` grows with the context: attention reads every cached token). The
+    step aims at the target but never lets the overhead exceed half of it
+    (``n >= a / b``): when the overhead alone is near the target, steps run
+    longer rather than wasting most of their time on it.
 
     Args:
         max_tokens: the largest step (``--prefill-step``), >= 1.
         target_seconds: wall time per step to aim at, decode step included.
-        rate: a first estimate in prompt tokens per second (``None``: the first
-            step reads ``min_tokens``).
-        min_tokens: the smallest step (a step this short is overhead-bound).
+        seed: a first ``(tokens, seconds)`` observation (e.g. the shared prefix's prefill).
+        min_tokens: the smallest step.
+        window: how many recent steps the fit uses.
     """
 
-    def __init__(self, max_tokens: int, target_seconds: float = STEP_SECONDS, rate: float | None = None,
-                 min_tokens: int = 16):
-        self.max_tokens, self.target, self.rate = max(1, max_tokens), target_seconds, rate
+    def __init__(self, max_tokens: int, target_seconds: float = STEP_SECONDS,
+                 seed: tuple[int, float] | None = None, min_tokens: int = 4, window: int = 6):
+        self.max_tokens, self.target = max(1, max_tokens), target_seconds
         self.min_tokens = min(min_tokens, self.max_tokens)
+        self._seen: deque[tuple[int, float]] = deque(maxlen=window)
+        if seed is not None:
+            self.observe(*seed)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Record a step that read ``tokens`` prompt tokens in ``seconds`` (ignored when either is 0)."""
         if tokens > 0 and seconds > 0:
-            now = tokens / seconds
-            self.rate = now if self.rate is None else 0.5 * self.rate + 0.5 * now
+            self._seen.append((tokens, seconds))
+
+    def model(self) -> tuple[float, float] | None:
+        """``(a, b)``: seconds per step and per token, fitted; ``None`` before any step."""
+        if not self._seen:
+            return None
+        ns, ts = zip(*self._seen)
+        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        if var > 0:
+            b = sum((n - mean_n) * (t - mean_t) for n, t in self._seen) / var
+            a = mean_t - b * mean_n
+            if b > 0 and a >= 0:
+                return a, b
+        return 0.0, mean_t / mean_n  # one size seen, or a fit that makes no sense: a pure rate
 
     def size(self, decode_seconds: float = 0.0) -> int:
         """Tokens for the next step, given the decode step's recent duration (it shares the step)."""
-        if self.rate is None:
+        fit = self.model()
+        if fit is None:
             return self.min_tokens
+        a, b = fit
         budget = max(self.target - decode_seconds, 0.25 * self.target)
-        return int(min(self.max_tokens, max(self.min_tokens, self.rate * budget)))
+        n = max((budget - a) / b, a / b)
+        return int(min(self.max_tokens, max(self.min_tokens, n)))
 
 
 class BatchEngine:
@@ -340,8 +365,8 @@ class BatchEngine:
             prefill_step_size=prefill_step_size,
         )
         self._active: dict[int, tuple[Task, list[int], float, int]] = {}  # uid -> (task, tokens, t0, prefix)
-        first = len(prefix) / prefix.seconds if prefix is not None and prefix.seconds > 0 else None
-        self.pacer = PrefillPacer(prefill_step_size, step_seconds, first)
+        seed = (len(prefix), prefix.seconds) if prefix is not None else None
+        self.pacer = PrefillPacer(prefill_step_size, step_seconds, seed)
         self._decode_seconds = 0.0  # the last decode step's duration
 
     @property

@@ -132,20 +132,29 @@ def test_memory_plan_does_not_collapse_for_many_heads():
     assert 6000 < plan.max_tokens() < 8000
 
 
-def test_pacer_chooses_step_tokens_from_the_measured_rate():
+def test_pacer_chooses_step_tokens_from_measured_step_times():
     from mlx_tier.generation import PrefillPacer
 
     p = PrefillPacer(512, target_seconds=4.0)
-    assert p.size() == 16  # nothing measured yet: a short first step
-    p.observe(16, 4.0)  # 4 tok/s, the 2-core CPU of issue 12: 512 tokens would be a 128 s step
+    assert p.size() == 4  # nothing measured yet: a short first step
+    p.observe(4, 1.0)  # 4 tok/s, the 2-core CPU of issue 12: 512 tokens would be a 128 s step
     assert p.size() == 16
-    p.observe(100, 2.0)  # 50 tok/s now: averaged with the last (27 tok/s)
-    assert p.size() == 108 and p.size(decode_seconds=2.0) == 54  # the decode step shares the budget
-    assert p.size(decode_seconds=10.0) == 27  # never below a quarter of the target
-    p.observe(10_000, 1.0)
-    assert p.size() == 512  # fast machine: capped at --prefill-step
-    p.observe(0, 0.0)  # a step without prompt work changes nothing
-    assert p.size() == 512
+    p.observe(16, 4.0)
+    assert p.model() == pytest.approx((0.0, 0.25)) and p.size() == 16
+    assert p.size(decode_seconds=2.0) == 8  # the decode step shares the budget
+    assert p.size(decode_seconds=10.0) == 4  # never below a quarter of the target
+    q = PrefillPacer(512, target_seconds=4.0)
+    for n in (8, 32):  # 1 s of overhead per step + 0.1 s per token
+        q.observe(n, 1.0 + 0.1 * n)
+    assert q.model() == pytest.approx((1.0, 0.1)) and q.size() in (29, 30)  # 1 + 3 s
+    r = PrefillPacer(512, target_seconds=4.0)
+    for n in (8, 32):  # 2.5 s of overhead per step: the overhead is kept at half the step
+        r.observe(n, 2.5 + 0.1 * n)
+    assert r.size() in (24, 25)  # a 5 s step rather than 15-token 4 s steps, mostly overhead
+    fast = PrefillPacer(512, target_seconds=4.0, seed=(40, 0.01))
+    assert fast.size() == 512  # a fast machine: capped at --prefill-step
+    fast.observe(0, 0.0)  # a step without prompt work changes nothing
+    assert fast.size() == 512
 
 
 def test_prompt_steps_are_bounded_in_time_on_a_slow_machine(tiny_moe):
