@@ -275,7 +275,10 @@ class PrefillPacer:
     (``b`` grows with the context: attention reads every cached token). The
     step aims at the target but never lets the overhead exceed half of it
     (``n >= a / b``): when the overhead alone is near the target, steps run
-    longer rather than wasting most of their time on it.
+    longer rather than wasting most of their time on it. The fit is used only
+    when the recent sizes differ enough (largest >= 1.5x smallest) to separate
+    ``a`` from ``b``, else a plain rate; and a step is at most twice the last
+    one, so a noisy estimate cannot make one step much longer than the last.
 
     Args:
         max_tokens: the largest step (``--prefill-step``), >= 1.
@@ -305,7 +308,7 @@ class PrefillPacer:
         ns, ts = zip(*self._seen)
         mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
         var = sum((n - mean_n) ** 2 for n in ns)
-        if var > 0:
+        if max(ns) >= 1.5 * min(ns) and var > 0:
             b = sum((n - mean_n) * (t - mean_t) for n, t in self._seen) / var
             a = mean_t - b * mean_n
             if b > 0 and a >= 0:
@@ -319,7 +322,7 @@ class PrefillPacer:
             return self.min_tokens
         a, b = fit
         budget = max(self.target - decode_seconds, 0.25 * self.target)
-        n = max((budget - a) / b, a / b)
+        n = min(max((budget - a) / b, a / b), 2 * self._seen[-1][0])
         return int(min(self.max_tokens, max(self.min_tokens, n)))
 
 
@@ -339,12 +342,13 @@ class BatchEngine:
             the measured rate: :class:`PrefillPacer`).
         prefix: a shared prefix's cache; prompts starting with it reuse it
             (its prefill time gives the pacer its first rate estimate).
-        step_seconds: wall time per step to aim at (:data:`STEP_SECONDS`).
+        step_seconds: wall time per step to aim at (:data:`STEP_SECONDS`);
+            ``None``: every prompt step is ``prefill_step_size`` tokens (unpaced).
     """
 
     def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 1, repetition_penalty: float = 1.0,
                  prefill_step_size: int = DEFAULT_PREFILL_STEP, prefix: PrefixCache | None = None,
-                 step_seconds: float = STEP_SECONDS):
+                 step_seconds: float | None = STEP_SECONDS):
         from mlx_lm.generate import BatchGenerator
 
         if batch_size < 1:
@@ -366,7 +370,7 @@ class BatchEngine:
         )
         self._active: dict[int, tuple[Task, list[int], float, int]] = {}  # uid -> (task, tokens, t0, prefix)
         seed = (len(prefix), prefix.seconds) if prefix is not None else None
-        self.pacer = PrefillPacer(prefill_step_size, step_seconds, seed)
+        self.pacer = PrefillPacer(prefill_step_size, step_seconds, seed) if step_seconds is not None else None
         self._decode_seconds = 0.0  # the last decode step's duration
 
     @property
@@ -403,15 +407,16 @@ class BatchEngine:
         """One step of mlx-lm's batch generator: a decode step for the running
         sequences and/or one prefill step for new ones."""
         info = StepInfo()
-        # mlx-lm reads this many prompt tokens in the coming step (BatchGenerator._next)
-        self._gen.prefill_step_size = self.pacer.size(self._decode_seconds)
+        if self.pacer is not None:  # mlx-lm reads this many prompt tokens in the coming step (BatchGenerator._next)
+            self._gen.prefill_step_size = self.pacer.size(self._decode_seconds)
         t0 = time.perf_counter()
         with self._gen.stats() as stats:
             prompt_responses, responses = self._gen.next()
         info.seconds = time.perf_counter() - t0
         info.prefill_seconds, info.decode_seconds = stats.prompt_time, stats.decode_time
         info.prefill_tokens = stats.prompt_tokens
-        self.pacer.observe(stats.prompt_tokens, stats.prompt_time)
+        if self.pacer is not None:
+            self.pacer.observe(stats.prompt_tokens, stats.prompt_time)
         if responses:
             self._decode_seconds = stats.decode_time
         info.prefill = [(self._active[p.uid][0].key, *p.progress) for p in prompt_responses if p.uid in self._active]

@@ -138,11 +138,15 @@ def test_pacer_chooses_step_tokens_from_measured_step_times():
     p = PrefillPacer(512, target_seconds=4.0)
     assert p.size() == 4  # nothing measured yet: a short first step
     p.observe(4, 1.0)  # 4 tok/s, the 2-core CPU of issue 12: 512 tokens would be a 128 s step
-    assert p.size() == 16
+    assert p.size() == 8  # 16 would fit the target; a step at most doubles
     p.observe(16, 4.0)
     assert p.model() == pytest.approx((0.0, 0.25)) and p.size() == 16
     assert p.size(decode_seconds=2.0) == 8  # the decode step shares the budget
     assert p.size(decode_seconds=10.0) == 4  # never below a quarter of the target
+    noisy = PrefillPacer(512, target_seconds=4.0)
+    for n, t in ((6, 4.0), (7, 4.1), (6, 3.9)):  # sizes too close to separate overhead from rate
+        noisy.observe(n, t)
+    assert noisy.size() == 6  # a plain rate, not a wild fit
     q = PrefillPacer(512, target_seconds=4.0)
     for n in (8, 32):  # 1 s of overhead per step + 0.1 s per token
         q.observe(n, 1.0 + 0.1 * n)
@@ -151,7 +155,7 @@ def test_pacer_chooses_step_tokens_from_measured_step_times():
     for n in (8, 32):  # 2.5 s of overhead per step: the overhead is kept at half the step
         r.observe(n, 2.5 + 0.1 * n)
     assert r.size() in (24, 25)  # a 5 s step rather than 15-token 4 s steps, mostly overhead
-    fast = PrefillPacer(512, target_seconds=4.0, seed=(40, 0.01))
+    fast = PrefillPacer(512, target_seconds=4.0, seed=(400, 0.01))
     assert fast.size() == 512  # a fast machine: capped at --prefill-step
     fast.observe(0, 0.0)  # a step without prompt work changes nothing
     assert fast.size() == 512
