@@ -293,7 +293,7 @@ def run(
     background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
     context: int | None = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
-    prefill_step: int = typer.Option(512, "--prefill-step", min=1, help="Prompt tokens per forward pass while reading a document's prompt (one document at a time; smaller: less memory and shorter steps, larger: fewer expert reads)."),
+    prefill_step: int = typer.Option(512, "--prefill-step", min=1, help="Most prompt tokens per step while reading a document's prompt (one document at a time). Steps are paced to about 4 s from the measured speed, up to this many tokens; smaller: less memory."),
     max_temp: float | None = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
     pause_on_battery: bool = typer.Option(False, "--pause-on-battery", help="Pause while the machine runs on battery; resume on AC."),
     min_battery: float | None = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),

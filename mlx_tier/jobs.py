@@ -565,6 +565,22 @@ def _load_model(config: JobConfig, reporter: Reporter, prefetch: bool):
     return model, tokenizer, model_dir
 
 
+def _model_for(todo: list, config: JobConfig, reporter: Reporter, prefetch: bool, created: bool, lock):
+    """``(model, tokenizer, model_dir)`` when there is work, else ``(None, None, None)``: a rerun
+    with nothing to do never loads the model. A failed load frees the folder (and removes
+    it when this run created it and left nothing else there)."""
+    if not todo:
+        return None, None, None
+    try:
+        return _load_model(config, reporter, prefetch)
+    except BaseException:
+        lock.close()
+        if created and [p.name for p in config.out_dir.iterdir()] == [LOCK]:
+            (config.out_dir / LOCK).unlink()
+            config.out_dir.rmdir()  # leave no trace of a run that never started
+        raise
+
+
 def _setup(model_dir, cache, config: JobConfig, prefetch: bool) -> dict:
     """The run's settings for report.json."""
     return {
@@ -613,20 +629,10 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     results = {d.id: DocResult(d.id, "pending", d.source) for d in docs}
     report = JobReport(results=list(results.values()))
     todo, failed_earlier = _triage(docs, journal.records(), config, journal, results)
-    model = cache = None
-    if todo:
-        try:
-            model, tokenizer, model_dir = _load_model(config, reporter, prefetch)
-        except BaseException:
-            lock.close()
-            if created and [p.name for p in config.out_dir.iterdir()] == [LOCK]:
-                (config.out_dir / LOCK).unlink()
-                config.out_dir.rmdir()  # leave no trace of a run that never started
-            raise
-        cache = model.expert_cache
-        report.setup = _setup(model_dir, cache, config, prefetch)
-    else:
-        report.setup = {**machine_info(), "model": str(config.model) if config.model is not None else "demo"}
+    model, tokenizer, model_dir = _model_for(todo, config, reporter, prefetch, created, lock)
+    cache = model.expert_cache if model is not None else None
+    report.setup = (_setup(model_dir, cache, config, prefetch) if model is not None
+                    else {**machine_info(), "model": str(config.model) if config.model is not None else "demo"})
     skipped = sum(r.status == "done" for r in report.results)
     if summaries is not None:
         summaries.sync(journal.records())

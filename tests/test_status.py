@@ -62,10 +62,18 @@ def test_running_job_eta_and_cli(tmp_path):
         assert "15.5 s" in r.output  # throttled
         r = runner.invoke(app, ["status", str(out), "--json"])
         assert json.loads(r.output)["eta_seconds"] > 0
+        # the documents in flight, from the progress file the run rewrites every few seconds
+        (out / "progress.json").write_text(json.dumps({
+            "time": T0 + 198, "in_flight": ["d4", "d5"], "reading": ["d5", 312, 1204], "writing": [["d4", 17]],
+            "decode_tok_s": 2.5, "prompt_tok_s": 3.9, "hit_rate": 0.9}))
+        assert read_status(out).progress["reading"] == ["d5", 312, 1204]
+        r = runner.invoke(app, ["status", str(out)])
+        assert "d5: 312/1,204 prompt tokens" in r.output and "d4: 17 tokens so far" in r.output, r.output
     finally:
         held.close()
     assert not lock_held(out)  # released: the probe itself never keeps it
     lock_out_dir(out).close()  # and a new run can take it
+    assert read_status(out).progress is None  # a stale progress file of a run that ended is not shown
     r = runner.invoke(app, ["status", str(out)])
     assert "not running" in r.output and "resume with: mlx-tier run docs --out out" in r.output
     assert "--retry-failed" in r.output
