@@ -103,6 +103,9 @@ def test_partial_expert_set_is_refused(tmp_path, tokenizer_dir):
 def test_cli_convert_errors_and_success(tmp_path, tokenizer_dir):
     runner = CliRunner()
     r = runner.invoke(app, ["convert", str(tmp_path / "nope"), str(tmp_path / "o")])
+    assert r.exit_code == 2 and "nope: model folder not found" in r.output  # neither a folder nor a repo id
+    (tmp_path / "empty").mkdir()
+    r = runner.invoke(app, ["convert", str(tmp_path / "empty"), str(tmp_path / "o")])
     assert r.exit_code == 2 and "no config.json" in r.output
     bad = tmp_path / "unknown"
     bad.mkdir()
