@@ -20,6 +20,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .cache import BudgetError, CacheStats, ExpertCache, LayerCache, SlabTensor
+from .cost_model import TransferCosts
 from .policy import PolicySpec
 from .prefetch import BackgroundReader, link_layers
 from .store import (
@@ -98,6 +99,13 @@ class TierConfig:
     profile: Path | None = None
     prewarm: bool | None = None
     prefetch: bool = DEFAULT_PREFETCH
+    # The CUDA path (mlx_tier/two_tier.py): a warm tier of host_cache_gb GiB in
+    # host memory under the hot slabs (cache_gb is then the GPU budget); warm
+    # experts are computed in place on the CPU stream, or copied to the hot
+    # tier when transfer_costs (mlx_tier.cost_model; None: its defaults) say
+    # copying is cheaper. None: one tier, as on Metal and the CPU backend.
+    host_cache_gb: float | None = None
+    transfer_costs: TransferCosts | None = None
 
     def __post_init__(self):
         check_read_settings(self.read_method, self.page_cache)
@@ -351,6 +359,13 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
         layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, policy))
         wrapper._cache = layers[-1]
+    if config.host_cache_gb is not None:  # the CUDA path: hot slabs + a warm host tier
+        from .two_tier import build_two_tier
+
+        parents = [_module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
+        model.expert_cache = build_two_tier(blocks, parents, layers, budget, store, config,
+                                            lambda path, m: _set_child(model, path, m))
+        return model.expert_cache
     if config.prefetch:
         parents = [_module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
         links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
