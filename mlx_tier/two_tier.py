@@ -149,8 +149,11 @@ class TwoTierLayer:
             written = []
             for name, t in self.hot.tensors.items():
                 slab, pool = t.module[t.attr], self.warm.arrays.get(name)
-                # Every source holds pre-round contents: take them all before any write.
-                src = [(pool if kind == "promote" else slab)[a : a + 1] for kind, _, a, _ in moves.copies]
+                # Every source holds pre-round contents: take them all before any write, as
+                # evaluated copies (a live view of a slab makes each write a full-slab copy:
+                # 120 ms instead of 0.09 ms for a 64 MiB slab on the CPU backend).
+                src = [(pool if kind == "promote" else slab)[a : a + 1] + 0 for kind, _, a, _ in moves.copies]
+                mx.eval(src)
                 for (kind, _, _, b), rows in zip(moves.copies, src):
                     (slab if kind == "promote" else pool)[b : b + 1] = rows
                 new = [_to_mx(raw[name], t.info, t.dtype) for raw, _ in batches]  # [rows in batch, ...]
@@ -208,7 +211,10 @@ class TwoTierExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         ahead = self._prefetch.predict(x, indices.shape[-1]) if self._prefetch is not None else None
-        mx.eval(indices) if ahead is None else mx.eval(indices, ahead)
+        if ahead is None:
+            mx.eval(indices)
+        else:
+            mx.eval(indices, ahead)
         out = self._layer.forward(self._inner, x, np.array(indices))
         self._layer.hot.end_call()  # drop this layer's unused prefetched experts
         if ahead is not None:
