@@ -589,6 +589,8 @@ def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], war
     from mlx_tier.simulate_tiers import simulate_two_tier
 
     E = t.num_experts
+    if not policies:
+        fail("--warm-slots simulates live policies only (lru, lfu, 2q, pinned): give one with --policy")
     if any(n + warm > E for n in hot_sizes):
         fail(f"--slots plus --warm-slots must be at most {E} (the trace's experts per layer)")
     results = [simulate_two_tier(t, p, n, warm, profile=prof) for p in policies for n in hot_sizes]

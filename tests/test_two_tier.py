@@ -32,10 +32,15 @@ ALWAYS_COPY = TransferCosts(pcie_gbps=math.inf, gpu_gbps=math.inf)
 DEFAULT = TransferCosts()  # copies experts with >= 3 tokens: prefill promotes, decode computes warm
 
 
+_SLOT_ROW_GB = {}  # checkpoint -> GiB of one slot in every layer
+
+
 def load_two_tier(path, hot, warm, costs, **kw):
     """A two-tier model with exactly ``hot`` and ``warm`` slots per layer."""
-    one, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=1))
-    slot_gb = one.expert_cache.layers[0].slot_nbytes * len(one.expert_cache.layers) / 2**30
+    if path not in _SLOT_ROW_GB:
+        one, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=1))
+        _SLOT_ROW_GB[path] = one.expert_cache.layers[0].slot_nbytes * len(one.expert_cache.layers) / 2**30
+    slot_gb = _SLOT_ROW_GB[path]
     cfg = TierConfig(slots_per_layer=hot, host_cache_gb=warm * slot_gb * 1.0001, transfer_costs=costs, **kw)
     model, tokenizer = mlx_tier.load(path, config=cfg)
     assert model.expert_cache.warm_slots == (warm,) * len(model.expert_cache.layers)

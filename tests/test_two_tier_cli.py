@@ -70,6 +70,8 @@ def test_trace_sim_warm_slots(tmp_path):
     assert r.exit_code == 0 and "on CPU" in r.output
     r = runner.invoke(app, ["trace-sim", str(path), "--slots", "12", "--warm-slots", "6"])
     assert r.exit_code == 2 and "at most 16" in r.output
+    r = runner.invoke(app, ["trace-sim", str(path), "--slots", "4", "--warm-slots", "6", "--policy", "belady"])
+    assert r.exit_code == 2 and "live policies only" in r.output
 
 
 def test_run_records_per_tier_hits(tmp_path, tiny_moe):
