@@ -35,6 +35,7 @@ from .cost_model import TransferCosts
 from .errors import BudgetError
 from .prefetch import BackgroundReader, NextLayerPrefetch, link_layers
 from .tiers import DEMOTE, DROP, HOT_HIT, KINDS, MISS_HOT, MISS_WARM, PROMOTE, WARM_HIT, Moves, TierIndex
+from .warm import WarmPool
 
 GIB = 1024**3
 
@@ -88,8 +89,6 @@ class TwoTierLayer:
     """
 
     def __init__(self, hot: LayerCache, warm_slots: int, costs: TransferCosts):
-        from .warm import WarmPool
-
         self.hot = hot
         self.warm = WarmPool(hot.tensors, warm_slots)
         self.index = TierIndex(hot.layer, hot.num_experts, hot.num_slots, warm_slots, hot.policy_spec, costs,
