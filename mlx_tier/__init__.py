@@ -13,7 +13,7 @@ import importlib
 _EXPORTS = {
     "BudgetError": ".tiered",
     "CacheStats": ".cache",
-    "CheckpointError": ".store",
+    "CheckpointError": ".checkpoint",
     "ExpertCache": ".cache",
     "TierConfig": ".tiered",
     "TieredExperts": ".tiered",
