@@ -139,6 +139,9 @@ def _read_index(model_dir: Path) -> dict[str, str]:
         raise CheckpointError(f"{path}: not a readable safetensors index ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path}: weight_map is not a mapping of tensor names to file names")
+    outside = next((v for v in weight_map.values() if v in ("", ".", "..") or Path(v).name != v), None)
+    if outside is not None:
+        raise CheckpointError(f"{path}: names {outside!r}, which is not a file in the checkpoint folder")
     return weight_map
 
 
@@ -170,8 +173,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 def index_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     """Where every tensor of the checkpoint lives: tensor name -> TensorInfo.
 
-    With an index file its ``weight_map`` decides (other files, and tensors a
-    file holds but the index does not name, are ignored); without one each
+    With an index file its ``weight_map`` decides (files it does not name are
+    ignored); without one each
     tensor must be in exactly one ``*.safetensors`` file. Every header read is
     checked (:func:`read_header`).
 
@@ -185,17 +188,17 @@ def index_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     headers = {f.name: read_header(f) for f in files}
     if (model_dir / INDEX_FILE).exists():
         weight_map = _read_index(model_dir)
+        index = {}
+        for name, file in weight_map.items():
+            if name not in headers[file]:
+                raise CheckpointError(f"{model_dir / file}: holds no tensor {name!r}, which {INDEX_FILE} places there")
+            index[name] = headers[file][name]
         for file, header in headers.items():
             # mlx-lm loads whole files: a tensor the index places elsewhere must not be here too.
             other = next((n for n in header if weight_map.get(n, file) != file), None)
             if other is not None:
                 raise CheckpointError(f"{model_dir}: tensor {other!r} is in both {file} and {weight_map[other]} "
                                       f"({INDEX_FILE} names {weight_map[other]}); mlx-lm would mix them")
-        index = {}
-        for name, file in weight_map.items():
-            if name not in headers[file]:
-                raise CheckpointError(f"{model_dir / file}: holds no tensor {name!r}, which {INDEX_FILE} places there")
-            index[name] = headers[file][name]
         return index
     index: dict[str, TensorInfo] = {}
     for header in headers.values():

@@ -61,6 +61,12 @@ def test_plain_text_prompt_equals_the_chat_template_tokens(smol):
     assert build_prompt(smol, "Summarise.", text) == list(expected)
 
 
+@pytest.mark.parametrize("text", ["naïve café 東京 \u2028 x\r\n y\t\t z  ", "def f(x):\n    return x ** 2  # 4.81%\n"])
+def test_text_without_special_strings_encodes_as_before(smol, text):
+    assert encode_data(smol, text) == smol.encode(text, add_special_tokens=False)
+    assert encode_data(_spm_tokenizer(None), text) == _spm_tokenizer(None).encode(text, add_special_tokens=False)
+
+
 def test_document_special_tokens_are_text_with_the_smollm2_tokenizer(smol):
     clean = build_prompt(smol, "Summarise.", "x")
     ids = build_prompt(smol, "Summarise.", INJECTION)
