@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import load_model
 
 GIB = 1024**3
 INDEX_FILE = "model.safetensors.index.json"
@@ -337,8 +338,6 @@ def build_lazily(model_dir: Path, files: list[Path] | None = None, strict: bool 
         CheckpointError: no config.json, an unknown model type, weights that
             do not fit the model the config describes (one line).
     """
-    from mlx_lm.utils import load_model
-
     model_dir = Path(model_dir)
     model_type = _read_config(model_dir).get("model_type")
     files = weight_files(model_dir) if files is None else files

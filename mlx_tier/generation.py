@@ -22,9 +22,9 @@ from pathlib import Path
 import mlx.core as mx
 import psutil
 
+from .checkpoint import GIB
 from .prompts import strip_reasoning  # noqa: F401 - moved to mlx_tier.prompts; kept importable here
 
-GIB = 1024**3
 # Batch size when memory allows more: on a 2-core CPU more sequences add
 # compute per step; mlx-lm's own default of 32 has run small Macs out of memory.
 MAX_AUTO_BATCH = 8
