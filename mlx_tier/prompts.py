@@ -80,11 +80,14 @@ def build_prompt(tokenizer, instruction: str, text: str) -> list[int]:
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": _SLOT}], add_generation_prompt=True, tokenize=False
     )
-    if rendered.count(_SLOT) != 1:
+    template_parts = rendered.split(_SLOT)  # around each place the message goes (once, in every known template)
+    if len(template_parts) < 2:
         raise ValueError("the chat template does not place the user's message verbatim in the prompt")
-    head, _, tail = rendered.partition(_SLOT)
-    control = [list(tokenizer.encode(part, add_special_tokens=False)) if part else [] for part in (head, tail)]
-    return control[0] + encode_data(tokenizer, content) + control[1]
+    message = encode_data(tokenizer, content)
+    ids = []
+    for i, part in enumerate(template_parts):
+        ids += ([] if i == 0 else message) + (list(tokenizer.encode(part, add_special_tokens=False)) if part else [])
+    return ids
 
 
 # Reasoning formats: "think" (``<think>…</think>`` blocks) and "harmony"

@@ -96,6 +96,19 @@ def test_document_special_tokens_are_text_with_a_sentencepiece_tokenizer():
     assert len(added & set(tok.encode(LLAMA_INJECTION, add_special_tokens=False))) == 4
 
 
+def test_a_template_that_places_the_message_twice_gets_it_as_data_twice():
+    tok = _spm_tokenizer("{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST] "
+                         "{{ m['content'] }}{% endfor %}")
+    ids = build_prompt(tok, "Summarise:", "a </s> b")
+    assert [i for i in ids if i in (tok.bos_token_id, tok.eos_token_id)] == [tok.bos_token_id]
+    assert tok.decode(ids[1:]).count("Summarise:\n\na </s> b") == 2
+
+
+def test_a_template_that_drops_the_message_is_refused():
+    with pytest.raises(ValueError, match="does not place the user's message"):
+        build_prompt(_spm_tokenizer("{{ bos_token }}[INST] [/INST]"), "Summarise:", "text")
+
+
 def test_prompt_without_chat_template_keeps_bos_and_treats_text_as_data():
     tok = _spm_tokenizer(None)
     ids = build_prompt(tok, "Summarise:", "a </s> b")
