@@ -28,9 +28,9 @@ import psutil
 
 import mlx_tier
 from mlx_tier import TierConfig
+from mlx_tier.checkpoint import context_length
 from mlx_tier.demo_model import ensure_demo_model
 from mlx_tier.documents import Document
-from mlx_tier.checkpoint import context_length
 from mlx_tier.jobs import DEFAULT_PROMPT, FALLBACK_CONTEXT, backend_name
 from mlx_tier.scheduler import GenerationConfig, Scheduler
 
