@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import psutil
 
+from .checkpoint import context_length
 from .documents import InputError, discover, discover_list
 from .journal import Journal, JsonlSummaries, remove_stale_temps, write_atomic
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
@@ -193,7 +194,9 @@ def sum_cache(runs: list[dict]) -> dict:
     total["hit_rate"] = total["hits"] / seen if seen else 0.0
     total["prefetch_precision"] = total["prefetch_used"] / total["prefetch_predicted"] if total["prefetch_predicted"] else 0.0
     total["prefetch_recall"] = total["prefetch_used"] / total["misses"] if total["misses"] else 0.0
-    from .two_tier import TIER_COUNTERS  # per-tier hits of the two-tier cache, when a run had one
+    from .two_tier import (
+        TIER_COUNTERS,  # per-tier hits of the two-tier cache, when a run had one
+    )
 
     total.update({k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in TIER_COUNTERS
                   if any(k in r.get("cache", {}) for r in runs)})
@@ -311,15 +314,6 @@ def read_prompt(value: str) -> str:
     return text
 
 
-def context_length(model_dir: Path) -> int:
-    """The checkpoint's context length in tokens, from its config.json."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return FALLBACK_CONTEXT
-
-
 def backend_name() -> str:
     """``"metal"``, ``"cuda"`` or ``"cpu"``: where MLX runs by default."""
     if mx.default_device() == mx.cpu:
@@ -394,7 +388,7 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
         config.prompt, config.max_tokens, config.repetition_penalty, config.batch_size, config.context,
         config.prefill_step_size, config.reuse_prefix,
     )
-    scheduler = Scheduler(model, tokenizer, model_dir, context_length(model_dir), generation)
+    scheduler = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), generation)
     scheduler.size_batch(todo)
     setup["generation"] = scheduler.info
     reporter.message(
@@ -463,7 +457,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
                                 config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch,
                                                   host_cache_gb=config.host_cache_gb))
-        model_context = context_length(model_dir)
+        model_context = context_length(model_dir, FALLBACK_CONTEXT)
         context = min(model_context, config.context or model_context)
         check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
     except BaseException:

@@ -24,13 +24,8 @@ import mlx.core as mx
 import numpy as np
 import psutil
 
-from .store import CheckpointError, index_checkpoint
-from .tiered import (
-    DEFAULT_BUDGET_FRACTION,
-    GIB,
-    default_compute_dtype,
-    find_expert_blocks,
-)
+from .checkpoint import GIB, CheckpointError, open_checkpoint
+from .tiered import DEFAULT_BUDGET_FRACTION, default_compute_dtype
 
 TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_activated_experts", "n_activated_experts")
 LOCALITY_HIT_RATE = 0.98
@@ -160,21 +155,12 @@ def make_plan(
         disk_gbps / compute_gbps: bandwidths; measured briefly when ``None``.
 
     Raises:
-        CheckpointError: not an mlx-lm MoE checkpoint.
+        CheckpointError: not an mlx-lm MoE checkpoint, or a bad folder
+            (:func:`mlx_tier.checkpoint.open_checkpoint`).
     """
-    from mlx_lm.utils import load_model
-
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise CheckpointError(f"{model_dir}: no config.json (not an mlx-lm checkpoint directory)")
-    index = index_checkpoint(model_dir)
-    try:
-        model, config = load_model(model_dir, lazy=True)  # builds the graph; reads no weight
-    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{model_dir}: cannot build the model with mlx-lm: {e}") from None
-    blocks = find_expert_blocks(model)
-    if not blocks:
-        raise CheckpointError(f"{model_dir}: not a Mixture-of-Experts checkpoint")
+    ckpt = open_checkpoint(model_dir)  # builds the graph; reads no weight
+    index, config, blocks = ckpt.index, ckpt.config, ckpt.blocks
     prefixes = tuple(path + "." for path, _ in blocks)
     default_gs = (config.get("quantization") or {}).get("group_size")
     expert_names = [n for n in index if n.startswith(prefixes)]
@@ -222,7 +208,7 @@ def make_plan(
 
     disk_measured = disk_gbps is None
     if disk_gbps is None:
-        disk_gbps = measure_disk_gbps(sorted(model_dir.glob("*.safetensors")))
+        disk_gbps = measure_disk_gbps(sorted({i.file for i in index.values()}))
     if compute_gbps is None:
         compute_gbps = measure_compute_gbps()
     miss_bytes_at_zero = L * top_k * expert_bytes_disk

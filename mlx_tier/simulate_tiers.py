@@ -16,7 +16,17 @@ import numpy as np
 from .cost_model import TransferCosts
 from .policy import PolicySpec
 from .profile import from_trace
-from .tiers import DEMOTE, DROP, HOT_HIT, KINDS, MISS_HOT, MISS_WARM, PROMOTE, WARM_HIT, TierIndex
+from .tiers import (
+    DEMOTE,
+    DROP,
+    HOT_HIT,
+    KINDS,
+    MISS_HOT,
+    MISS_WARM,
+    PROMOTE,
+    WARM_HIT,
+    TierIndex,
+)
 from .trace import Trace
 
 

@@ -34,7 +34,18 @@ from .cache import CacheStats, ExpertCache, LayerCache, _to_mx
 from .cost_model import TransferCosts
 from .errors import BudgetError
 from .prefetch import BackgroundReader, NextLayerPrefetch, link_layers
-from .tiers import DEMOTE, DROP, HOT_HIT, KINDS, MISS_HOT, MISS_WARM, PROMOTE, WARM_HIT, Moves, TierIndex
+from .tiers import (
+    DEMOTE,
+    DROP,
+    HOT_HIT,
+    KINDS,
+    MISS_HOT,
+    MISS_WARM,
+    PROMOTE,
+    WARM_HIT,
+    Moves,
+    TierIndex,
+)
 from .warm import WarmPool
 
 GIB = 1024**3
