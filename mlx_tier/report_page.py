@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
+import re
 from pathlib import Path
 
 from .job_view import build_view
@@ -41,8 +42,10 @@ pre.summary{background:#fff;border-left:3px solid #888;padding:6px 10px;margin:4
 details{margin:2px 0}summary{cursor:pointer;overflow-wrap:anywhere}
 .failed{color:#a00}.done{color:#060}.pending{color:#555}.note{font-size:.85rem;color:#444}
 """
-_CSP = ("default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
-        "connect-src 'self'; img-src data:")
+# Nothing from outside: inline styles; the live page's own polling script only; data: icon.
+_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+_CSP_LIVE = _CSP + "; script-src 'unsafe-inline'; connect-src 'self'"
+_PYGAL_SCRIPT = re.compile(r"<script[^>]*>.*?</script>", re.S)
 _MARK = {"done": "✓ done", "failed": "✗ failed", "pending": "… pending"}
 
 
@@ -117,7 +120,8 @@ def _chart(title: str, y_title: str, series: list[tuple[str, list, dict]], capti
         chart.range = (0, 1)
     for name, points, opts in series:
         chart.add(name, [(dt.datetime.fromtimestamp(t), v) for t, v in points], **opts)
-    svg = chart.render(is_unicode=True)
+    # pygal always embeds its config for the tooltip script (turned off above): drop it, the page runs no chart code.
+    svg = _PYGAL_SCRIPT.sub("", chart.render(is_unicode=True))
     return (f'<figure id="chart-{key}" data-points="{len(series[0][1])}" role="group" aria-label="{_e(title)}">'
             f'{svg}<figcaption>{_e(caption)}</figcaption></figure>')
 
@@ -261,7 +265,7 @@ def render_page(view: dict, live: dict | None = None) -> str:
     script = "" if live is None else f"<script>{_POLL % (json.dumps(live['version']), int(live['interval_ms']))}</script>"
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP_LIVE if live else _CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
         f'<header><h1>{_e(title)}</h1><p class="note"><code>{_e(view["out_dir"])}</code> · '
