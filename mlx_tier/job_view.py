@@ -62,7 +62,7 @@ def samples(entries: list[dict]) -> list[dict]:
 
     Returns:
         dicts with ``time`` (Unix s), ``run`` (0-based), ``id``, ``status``,
-        ``decode_tok_s``, ``hit_rate`` (hits / (hits + misses) since the
+        ``decode_tok_s`` (``None`` before the run's first decode step), ``hit_rate`` (hits / (hits + misses) since the
         previous sample, ``None`` when no expert was needed), ``bytes_per_token``
         (bytes read from disk / tokens generated since the previous sample,
         ``None`` when none was generated), ``rss_bytes``, ``resident_bytes``,
@@ -80,13 +80,27 @@ def samples(entries: list[dict]) -> list[dict]:
         tokens = _delta(s, prev, "tokens")
         out.append({
             "time": rec.get("time", 0.0), "run": max(run, 0), "id": rec["id"], "status": rec.get("status"),
-            "decode_tok_s": s.get("decode_tok_s"),
+            "decode_tok_s": s.get("decode_tok_s") or None,  # 0: no decode step measured yet
             "hit_rate": _delta(s, prev, "hits") / seen if seen > 0 else None,
             "bytes_per_token": _delta(s, prev, "bytes_read") / tokens if tokens > 0 else None,
             "rss_bytes": s.get("rss_bytes"), "resident_bytes": s.get("resident_bytes"),
             "budget_bytes": s.get("budget_bytes"),
         })
         prev = s
+    return out
+
+
+def throttle_time(entries: list[dict]) -> list[dict]:
+    """Time spent throttled, paused or capped, summed over the journal up to each document record.
+
+    Returns:
+        ``[{"time": Unix s, "seconds": cumulative s}]``, one per record with ``throttled_seconds``.
+    """
+    out, total = [], 0.0
+    for rec in entries:
+        if "id" in rec and isinstance(rec.get("throttled_seconds"), (int, float)):
+            total += rec["throttled_seconds"]
+            out.append({"time": rec.get("time", 0.0), "seconds": round(total, 3)})
     return out
 
 
@@ -170,6 +184,7 @@ def build_view(out_dir: Path, now: float | None = None) -> dict:
         "retry_command": retry_command(status.command) if status.failed else None,
         "samples": samples(entries),
         "thermal": [r for r in entries if r.get("event") == "thermal"],
+        "throttle_time": throttle_time(entries),
         "throttle": {k: throttle.get(k) for k in ("throttled_seconds", "paused_seconds", "capped_seconds")},
         "cache": report.get("cache") or {},
         "machine": report.get("machine") or {},

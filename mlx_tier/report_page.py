@@ -65,10 +65,6 @@ def fmt_seconds(s: float | None) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def _gib(n) -> str:
-    return f"{n / 2**30:.2f} GiB" if isinstance(n, (int, float)) else "unknown"
-
-
 def _number(key: str, label: str, value: str) -> str:
     return f'<div><dt>{_e(label)}</dt><dd id="n-{key}" data-value="{_e(value)}">{_e(value)}</dd></div>'
 
@@ -166,6 +162,7 @@ def charts_section(view: dict) -> str:
                                   {**ref, "stroke_style": {"dasharray": "2, 3", "width": 2}})],
                "Process resident memory when each document finished. " + memory_caption, "memory"),
         thermal_chart(view),
+        throttle_time_chart(view),
     ]
     return f'<section id="charts"><h2>Over time</h2><div class="charts">{"".join(figures)}</div></section>'
 
@@ -191,6 +188,14 @@ def thermal_chart(view: dict) -> str:
              '<table><tr><th class="name">time</th><th class="name">thermal</th><th class="name">mode</th>'
              f'<th>duty</th><th class="name">reason</th></tr>{rows}</table></div></details>')
     return figure.replace("</figcaption></figure>", f"</figcaption>{table}</figure>")
+
+
+def throttle_time_chart(view: dict) -> str:
+    """Time throttled, paused or capped, cumulative over the job, at each finished document."""
+    points = [(p["time"], p["seconds"]) for p in view["throttle_time"]]
+    return _chart("Time throttled or paused", "seconds", [("throttled, paused or capped", points, {})],
+                  "Seconds the throttle slowed, paused or capped decoding, summed over the job. "
+                  + _describe(points, " s"), "throttle-time")
 
 
 def _clock(t) -> str:

@@ -135,6 +135,7 @@ def test_samples_give_rates_between_documents_and_restart_with_each_run():
     assert got[0]["hit_rate"] == 6 / 8 and got[0]["bytes_per_token"] == 200.0
     assert got[1]["hit_rate"] == 3 / 4 and got[1]["bytes_per_token"] == 4000 / 20
     assert got[2]["hit_rate"] is None and got[2]["bytes_per_token"] is None  # counters restarted, nothing new
+    assert got[2]["decode_tok_s"] is None  # no decode step measured yet: no point, not a 0 tok/s point
 
 
 def test_retry_command_adds_the_flag_before_a_stdin_list():
@@ -279,6 +280,7 @@ def check_page_matches_journal(driver, out: Path) -> None:
     assert dots(driver, "bytes-per-token") == sum(p["bytes_per_token"] is not None for p in points)
     assert dots(driver, "memory") == sum(p["rss_bytes"] is not None for p in points) > 0
     assert dots(driver, "thermal") == len(view["thermal"])
+    assert dots(driver, "throttle-time") == sum("throttled_seconds" in r for r in Journal(out).entries()) > 0
     assert len(driver.find_elements("css selector", "#documents details.doc")) == len(view["documents"])
 
 
