@@ -102,15 +102,19 @@ def _chart(title: str, y_title: str, series: list[tuple[str, list, dict]], capti
             (later ones are reference lines drawn without dots).
     """
     import pygal
+    from pygal.style import DefaultStyle
 
+    style = DefaultStyle(font_family="system-ui, sans-serif", label_font_size=13, major_label_font_size=13,
+                         title_font_size=17, legend_font_size=13, background="#fff", plot_background="#fff")
     times = [t for _, points, _ in series for t, _ in points]
     clock = "%H:%M:%S" if times and max(times) - min(times) < 600 else "%H:%M"
     chart = pygal.DateTimeLine(
         js=[], disable_xml_declaration=True, show_legend=len(series) > 1, legend_at_bottom=True,
-        width=640, height=300, title=title, x_title="time (local)", y_title=y_title, truncate_label=-1,
+        width=560, height=300, title=title, x_title="time (local)", y_title=y_title, truncate_label=-1,
         x_value_formatter=lambda d: d.strftime(clock), x_label_rotation=0, include_x_axis=True,
         value_formatter=(lambda v: f"{v:.0%}") if percent else (lambda v: f"{v:.3g}"),
-        no_data_text="no data yet", margin=8,
+        no_data_text="no data yet", margin=8, style=style, dots_size=3.5,
+        x_labels=_time_labels(times),
     )
     if percent:
         chart.range = (0, 1)
@@ -120,6 +124,15 @@ def _chart(title: str, y_title: str, series: list[tuple[str, list, dict]], capti
     svg = _PYGAL_SCRIPT.sub("", chart.render(is_unicode=True))
     return (f'<figure id="chart-{key}" data-points="{len(series[0][1])}" role="group" aria-label="{_e(title)}">'
             f'{svg}<figcaption>{_e(caption)}</figcaption></figure>')
+
+
+def _time_labels(times: list[float], n: int = 4) -> list[dt.datetime] | None:
+    """``n`` evenly spaced x labels over ``times`` (pygal's own crowd on short spans); ``None`` when empty."""
+    if not times:
+        return None
+    lo, hi = min(times), max(times)
+    count = n if hi > lo else 1
+    return [dt.datetime.fromtimestamp(lo + (hi - lo) * i / max(count - 1, 1)) for i in range(count)]
 
 
 def _describe(points: list, unit: str, fmt=lambda v: f"{v:.3g}") -> str:
