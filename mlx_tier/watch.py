@@ -10,7 +10,8 @@ A standard-library ``ThreadingHTTPServer`` serves two read-only routes:
 
 The server only reads the job's files (journal, report.json, summaries); it
 never writes in OUT_DIR, so it is safe beside a running job. It binds to
-127.0.0.1 unless another host is asked for.
+127.0.0.1 unless another host is asked for, and a loopback server answers only
+requests addressed to a loopback name (no DNS rebinding).
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def files_version(out_dir: Path, now: float | None = None) -> str:
     return "-".join(parts)
 
 
+def _host_name(host_header: str) -> str:
+    """The name in a ``Host`` header, without port or IPv6 brackets."""
+    if host_header.startswith("["):
+        return host_header[1:].partition("]")[0]
+    return host_header.rpartition(":")[0] if host_header.count(":") == 1 else host_header
+
+
 class _State:
     """The latest rendered state, rebuilt only when :func:`files_version` changes."""
 
@@ -99,6 +107,10 @@ def _handler(state: _State, config: WatchConfig) -> type[BaseHTTPRequestHandler]
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             url = urlsplit(self.path)
+            if is_loopback(config.host) and not is_loopback(_host_name(self.headers.get("Host", ""))):
+                # A loopback server answers only loopback names: a web page elsewhere cannot
+                # read it through a DNS name pointed at 127.0.0.1 (DNS rebinding).
+                return self._send(403, "text/plain; charset=utf-8", b"forbidden: not a loopback host name")
             try:
                 payload = state.get()
             except Exception as e:  # the job's files mid-rewrite, or gone: say so, keep serving

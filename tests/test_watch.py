@@ -198,6 +198,10 @@ def test_watch_server_serves_state_and_writes_nothing(job_copy, serve):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(url + "journal.jsonl")  # no file serving: only the page and its state
     assert e.value.code == 404
+    rebound = urllib.request.Request(url, headers={"Host": "attacker.example:80"})  # DNS rebinding
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(rebound)
+    assert e.value.code == 403
     assert snapshot(job_copy) == before
 
 
@@ -205,6 +209,14 @@ def test_watch_server_serves_state_and_writes_nothing(job_copy, serve):
                                             ("127.0.0.2", True), ("0.0.0.0", False), ("192.168.1.5", False)])
 def test_is_loopback(host, loopback):
     assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize("header, name", [("127.0.0.1:8737", "127.0.0.1"), ("localhost", "localhost"),
+                                          ("[::1]:8737", "::1"), ("evil.example:80", "evil.example")])
+def test_host_header_name(header, name):
+    from mlx_tier.watch import _host_name
+
+    assert _host_name(header) == name
 
 
 def test_watch_cli_refuses_a_folder_that_is_no_job(tmp_path):
