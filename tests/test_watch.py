@@ -226,6 +226,16 @@ def test_watch_cli_refuses_a_folder_that_is_no_job(tmp_path):
     assert r.exit_code == 2 and "not an mlx-tier output folder" in r.output
 
 
+def test_watch_cli_port_in_use_is_one_clear_error(job_dir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = runner.invoke(app, ["watch", str(job_dir), "--port", str(taken.getsockname()[1])])
+    assert r.exit_code == 2 and "pick another with --port" in r.output
+
+
 def test_watch_cli_warns_when_bound_beyond_loopback(job_dir):
     proc = subprocess.Popen([sys.executable, "-m", "mlx_tier.cli.main", "watch", str(job_dir), "--port", "0",
                              "--host", "0.0.0.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
