@@ -587,7 +587,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         except (OSError, profile.ProfileError) as e:
             reporter.message(f"could not save the expert use profile: {e}")
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
-    _write_report_page(config.out_dir, reporter)
     lock.close()
+    _write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     reporter.close()
     return report

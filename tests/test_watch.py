@@ -164,6 +164,7 @@ def test_view_numbers_equal_the_journal(job_dir):
 
 def test_report_html_is_written_at_the_end_of_a_run_and_loads_nothing(job_dir):
     page = (job_dir / "report.html").read_text()
+    assert 'id="n-state" data-value="finished"' in page  # written once the run no longer holds the folder
     for doc_id in ("doc00", "doc04"):
         assert (job_dir / f"{doc_id}.md").read_text().strip().split("\n")[0][:30] in page.replace("&#x27;", "'")
     for remote in ('src="http', "src='http", 'href="http', "url(http", "@import", "<script"):
