@@ -29,10 +29,11 @@ _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1a1a1a;background:#fafafa;line-height:1.4}
 main,header{max-width:1100px;margin:0 auto;padding:0 12px}
 h1{font-size:1.3rem;margin:12px 0 4px;overflow-wrap:anywhere}h2{font-size:1.1rem;margin:20px 0 6px}
+h3{font-size:1rem;margin:4px 0}
 .numbers{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:8px;margin:0}
 .numbers div{background:#fff;border:1px solid #ccc;border-radius:6px;padding:6px 10px}
 .numbers dt{font-size:.8rem;color:#444}.numbers dd{margin:0;font-size:1.3rem;font-weight:600}
-.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,480px),1fr));gap:12px}
+.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,420px),1fr));gap:12px;align-items:start}
 figure{margin:0;background:#fff;border:1px solid #ccc;border-radius:6px;padding:6px}
 figure svg{width:100%;height:auto;display:block}figcaption{font-size:.85rem;color:#333}
 .scroll{overflow-x:auto}table{border-collapse:collapse;font-size:.85rem}
@@ -101,6 +102,9 @@ def _chart(title: str, y_title: str, series: list[tuple[str, list, dict]], capti
             first series' points are the chart's ``circle.dot`` elements
             (later ones are reference lines drawn without dots).
     """
+    if not series[0][1]:  # nothing to draw: say so in words, no empty axes
+        return (f'<figure id="chart-{key}" data-points="0" role="group" aria-label="{_e(title)}">'
+                f'<h3>{_e(title)}</h3><figcaption>{_e(caption)}</figcaption></figure>')
     import pygal
     from pygal.style import DefaultStyle
 
@@ -139,7 +143,8 @@ def _describe(points: list, unit: str, fmt=lambda v: f"{v:.3g}") -> str:
     if not points:
         return "No point yet: points are added as documents finish."
     values = [v for _, v in points]
-    return (f"{len(points)} points, one per finished or failed document; latest {fmt(values[-1])}{unit}, "
+    count = "1 point" if len(points) == 1 else f"{len(points)} points"
+    return (f"{count}, one per finished or failed document; latest {fmt(values[-1])}{unit}, "
             f"lowest {fmt(min(values))}{unit}, highest {fmt(max(values))}{unit}.")
 
 
@@ -170,8 +175,8 @@ def charts_section(view: dict) -> str:
         _chart("Read from disk per token", "MiB / token", [("MiB read per token", mib, {})],
                "Expert bytes read from disk / tokens generated, since the previous document. "
                + _describe(mib, " MiB"), "bytes-per-token"),
-        _chart("Memory", "GiB", [("process memory (RSS)", rss, {}), ("expert cache budget", budget, ref),
-                                 ("expert slots allocated", resident,
+        _chart("Memory", "GiB", [("process RSS", rss, {}), ("cache budget", budget, ref),
+                                 ("slots allocated", resident,
                                   {**ref, "stroke_style": {"dasharray": "2, 3", "width": 2}})],
                "Process resident memory when each document finished. " + memory_caption, "memory"),
         thermal_chart(view),
@@ -256,6 +261,8 @@ def documents_section(view: dict) -> str:
             facts.append(f'{d["output_tokens"]} tokens')
         if isinstance(d["seconds"], (int, float)):
             facts.append(fmt_seconds(d["seconds"]))
+        if d["finish_reason"] == "length":
+            facts.append("cut at --max-tokens")
         body = (f'<pre class="summary">{_e(d["summary"])}</pre>' if d["summary"] is not None
                 else f'<p class="note">{_e(d["error"] or "not summarised yet")}</p>')
         items.append(f'<details id="doc-{i}" class="doc"><summary><strong>{_e(d["source"])}</strong> '
