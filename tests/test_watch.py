@@ -356,7 +356,7 @@ def test_live_page_of_a_real_demo_run(demo_model, tmp_path, serve, browser):
     docs.mkdir()
     (docs / "bees.txt").write_text("Bees carry pollen from flower to flower, so fruit trees set fruit.")
     (docs / "river.txt").write_text("The river flooded in spring and the farmers planted late.")
-    run_job(JobConfig(input=docs, out_dir=out, model=demo_model, max_tokens=8, cache_gb=0.05))
+    run_job(JobConfig(input=docs, out_dir=out, model=demo_model, max_tokens=8, cache_gb=0.1))
     browser.get(serve(out, interval_s=1.0))
     check_page_matches_journal(browser, out)
     assert shown(browser, "done") == "2"
