@@ -117,7 +117,7 @@ def _chart(title: str, y_title: str, series: list[tuple[str, list, dict]], capti
         width=560, height=300, title=title, x_title="time (local)", y_title=y_title, truncate_label=-1,
         x_value_formatter=lambda d: d.strftime(clock), x_label_rotation=0, include_x_axis=True,
         value_formatter=(lambda v: f"{v:.0%}") if percent else (lambda v: f"{v:.3g}"),
-        no_data_text="no data yet", margin=8, style=style, dots_size=3.5,
+        no_data_text="no data yet", margin=8, margin_right=32, style=style, dots_size=3.5,
         x_labels=_time_labels(times),
     )
     if percent:
@@ -193,7 +193,8 @@ def thermal_chart(view: dict) -> str:
     account = ", ".join(f"{name} {fmt_seconds(t[key])}" for key, name in
                         (("throttled_seconds", "slowed"), ("paused_seconds", "paused"), ("capped_seconds", "capped"))
                         if isinstance(t.get(key), (int, float)))
-    caption = (f"{len(duty)} throttle state changes. " if duty else "No throttle state change recorded: full speed. ")
+    changes = "1 throttle state change" if len(duty) == 1 else f"{len(duty)} throttle state changes"
+    caption = (f"{changes}. " if duty else "No throttle state change recorded: full speed. ")
     caption += f"Time {account} (last finished run)." if account else ""
     figure = _chart("Thermal throttle", "duty", [("duty", duty, {})], caption, "thermal", percent=True)
     if not events:
