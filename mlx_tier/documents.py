@@ -19,12 +19,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import InputError
+
 SUFFIXES = (".txt", ".md")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-class InputError(ValueError):
-    """The job's input as a whole cannot be used (one clear line; CLI exit code 2)."""
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class JobConfig:
     prewarm: bool | None = None
     save_profile: bool = False
     prefetch: bool | None = None
+    host_cache_gb: float | None = None  # warm host tier of the CUDA path (TierConfig.host_cache_gb)
 
 
 @dataclass
@@ -193,6 +194,10 @@ def sum_cache(runs: list[dict]) -> dict:
     total["hit_rate"] = total["hits"] / seen if seen else 0.0
     total["prefetch_precision"] = total["prefetch_used"] / total["prefetch_predicted"] if total["prefetch_predicted"] else 0.0
     total["prefetch_recall"] = total["prefetch_used"] / total["misses"] if total["misses"] else 0.0
+    from .two_tier import TIER_COUNTERS  # per-tier hits of the two-tier cache, when a run had one
+
+    total.update({k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in TIER_COUNTERS
+                  if any(k in r.get("cache", {}) for r in runs)})
     return total
 
 
@@ -470,7 +475,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             raise InputError(f"{model_dir}: model folder not found")
         reporter.message(f"loading {model_dir}")
         model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
-                                config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch))
+                                config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch,
+                                                  host_cache_gb=config.host_cache_gb))
         model_context = context_length(model_dir)
         context = min(model_context, config.context or model_context)
         check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
@@ -572,6 +578,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         + report.throttle.get("capped_seconds", 0.0),
         "slots_per_layer": cache.slots_per_layer,
         "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
+        **({"warm_slots": list(cache.warm_slots), "host_cache_budget_gib": round(cache.warm_budget_bytes / 2**30, 4)}
+           if hasattr(cache, "warm_slots") else {}),
         "cache": {**cache.stats.as_dict(), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes},
         "expert_use": cache.profile_counts().tolist(),  # [L, E] uses this run (the watch page's heatmap)
     }

@@ -8,6 +8,8 @@ Interface, one object per layer, keyed by expert id:
     access(e)           e was resident and used (a hit)
     insert(e)           e was just loaded into a slot
     evict(protected)    choose a resident expert not in ``protected``, forget it, return it
+    remove(e)           forget e without choosing it (it moved to another tier,
+                        :mod:`mlx_tier.tiers`); no aging or ghost-list side effect
 
 Policies (DESIGN.md, "Hot tier"): LRU is the baseline and was strong in
 published measurements; LFU with dynamic aging closed ~24% of the LRU->Belady
@@ -21,13 +23,15 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 class EvictionPolicy(Protocol):
     def access(self, expert: int) -> None: ...
     def insert(self, expert: int) -> None: ...
     def evict(self, protected: Iterable[int] = ()) -> int: ...
+    def remove(self, expert: int) -> None: ...
 
 
 def _no_victim() -> RuntimeError:
@@ -72,6 +76,9 @@ class LRUPolicy:
                 return e
         raise _no_victim()
 
+    def remove(self, expert: int) -> None:
+        del self._order[expert]
+
     def __len__(self) -> int:
         return len(self._order)
 
@@ -108,6 +115,9 @@ class LFUAgingPolicy:
         self._age = self._prio.pop(victim)
         del self._last[victim]
         return victim
+
+    def remove(self, expert: int) -> None:
+        del self._prio[expert], self._last[expert]  # the age stays: nothing was evicted
 
 
 class TwoQPolicy:
@@ -152,6 +162,9 @@ class TwoQPolicy:
                     return e
         raise _no_victim()
 
+    def remove(self, expert: int) -> None:
+        (self._am if expert in self._am else self._a1in).pop(expert)  # not remembered in A1out
+
 
 class PinnedPolicy:
     """Frequency pinning from a saved profile: evict the expert the profile
@@ -177,6 +190,9 @@ class PinnedPolicy:
         victim = min(_evictable(order, protected), key=lambda e: (self.freq.get(e, 0.0), order[e]))
         del self._lru._order[victim]
         return victim
+
+    def remove(self, expert: int) -> None:
+        self._lru.remove(expert)
 
 
 class BeladyPolicy:
@@ -218,6 +234,9 @@ class BeladyPolicy:
         self._resident.remove(victim)
         return victim
 
+    def remove(self, expert: int) -> None:
+        self._resident.remove(expert)
+
 
 POLICIES = {"lru": LRUPolicy, "lfu": LFUAgingPolicy, "2q": TwoQPolicy, "pinned": PinnedPolicy}
 OFFLINE_POLICIES = {"belady": BeladyPolicy}
@@ -234,3 +253,45 @@ def make_policy(name: str, slots: int = 1, **kwargs) -> EvictionPolicy:
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES) + sorted(OFFLINE_POLICIES)}")
     return cls(slots, **kwargs)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Every layer's eviction policy, chosen once at the edge (config) and
+    passed down whole: the one place that knows what each policy needs.
+
+    Attributes:
+        name: ``lru``, ``lfu``, ``2q``, ``pinned`` (live) or ``belady`` (offline).
+        profile: for ``pinned``: any object with ``frequencies(layer) ->
+            {expert: count}`` (a :class:`mlx_tier.profile.Profile`).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+
+    name: str
+    profile: Any = None
+
+    def __post_init__(self):
+        if self.name not in POLICIES and self.name not in OFFLINE_POLICIES:
+            raise ValueError(f"unknown policy {self.name!r}; choose from {sorted(POLICIES) + sorted(OFFLINE_POLICIES)}")
+
+    @property
+    def live(self) -> bool:
+        """Usable in a running model (Belady needs the future)."""
+        return self.name in POLICIES
+
+    @property
+    def needs_profile(self) -> bool:
+        """Needs a saved frequency profile; such a policy also pre-warms by default."""
+        return self.name == "pinned"
+
+    def make(self, layer: int, slots: int, future: Sequence[int] = ()) -> EvictionPolicy:
+        """A fresh policy for MoE layer ``layer`` with ``slots`` slots
+        (``future``: the layer's access sequence, for Belady)."""
+        if self.name == "pinned":
+            freq = self.profile.frequencies(layer) if self.profile is not None else {}
+            return PinnedPolicy(slots, frequencies=freq)
+        if self.name == "belady":
+            return BeladyPolicy(slots, future=future)
+        return make_policy(self.name, slots)

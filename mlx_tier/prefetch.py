@@ -161,6 +161,12 @@ class NextLayerPrefetch:
         logits = self.router(x)  # [..., E]
         return mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
 
+    def wanted(self, experts: list[int]) -> list[int]:
+        """Of the predicted experts (most voted first), those to read: not
+        resident in layer l+1, at most its slot count."""
+        cache = self.next_cache
+        return [e for e in experts if cache.slot_of[e] < 0][: cache.num_slots]
+
     def issue(self, predicted: np.ndarray) -> None:
         """Start reading the predicted experts not resident in layer l+1.
 
@@ -168,15 +174,14 @@ class NextLayerPrefetch:
         Any earlier batch of layer l+1 is dropped first (at most one per layer).
         """
         cache = self.next_cache
-        cache.end_call()
+        cache.end_call()  # drop an unused earlier batch before choosing what is missing
         ids, votes = np.unique(predicted, return_counts=True)
         order = np.argsort(-votes, kind="stable")
-        experts = [int(e) for e in ids[order] if cache.slot_of[e] < 0][: cache.num_slots]
+        experts = self.wanted([int(e) for e in ids[order]])
         if not experts:
             return
-        cache.stats.prefetch_predicted += len(experts)
         future = self.reader.submit(cache.store, self._names, experts)
-        cache.incoming = PrefetchedRead(experts, future, self._expert_nbytes)
+        cache.accept_prefetch(PrefetchedRead(experts, future, self._expert_nbytes))
 
 
 def expert_input_dims(block: nn.Module) -> int | None:

@@ -303,4 +303,4 @@ class Scheduler:
         """Forget lazy expert outputs of a failed step (they would fail again when evaluated)."""
         cache = getattr(self.model, "expert_cache", None)
         for layer in getattr(cache, "layers", []):
-            layer.pending = None
+            layer.discard_pending()
