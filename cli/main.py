@@ -22,6 +22,8 @@ from rich.progress import (
 from rich.table import Column, Table
 from rich.text import Text
 
+from mlx_tier.cli import watch_cmd
+
 app = typer.Typer(
     help="Run Mixture-of-Experts models larger than memory: experts stream from disk into a bounded cache.",
     no_args_is_help=True,
@@ -349,6 +351,7 @@ def _start_background(ctx: typer.Context, input: Path, out_dir: Path, paths: tup
 def status(
     out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Output folder of a running or finished `mlx-tier run`."),
     as_json: bool = typer.Option(False, "--json", help="Print the status as JSON."),
+    as_html: bool = typer.Option(False, "--html", help="Also write OUT_DIR/report.html: the job's page with charts, openable with no server."),
 ) -> None:
     """Progress of the job in OUT_DIR: running or not, done/failed/pending, throughput, throttle time, ETA."""
     import json
@@ -360,6 +363,8 @@ def status(
         s = read_status(out_dir)
     except InputError as e:
         fail(str(e))
+    if as_html:
+        watch_cmd.write_html(out_dir)
     if as_json:
         out.print_json(json.dumps(s.as_dict()))
         return
@@ -394,6 +399,9 @@ def status(
             out.print(f"retry the failed ones with: {retry}", highlight=False, soft_wrap=True, markup=False)
         else:
             out.print("retry the failed ones with: the same command plus --retry-failed", highlight=False)
+
+
+app.command()(watch_cmd.watch)
 
 
 @app.command()

@@ -21,6 +21,7 @@ import psutil
 
 from .checkpoint import context_length
 from .documents import InputError, discover, discover_list
+from .job_view import progress_sample
 from .journal import Journal, JsonlSummaries, remove_stale_temps, write_atomic
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
 from .scheduler import GenerationConfig, Outcome, Scheduler, check_context
@@ -396,9 +397,11 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
         f"usable context {scheduler.context} tokens"
     )
     rate = _Rate()
+    generated = [0]  # tokens generated this run, for the samples the watch page plots
 
     def on_step(info, in_flight):
         rate.add(info.generated, info.seconds)
+        generated[0] += info.generated
         reading = "; ".join(f"reading {i} ({done}/{total} prompt tokens)" for i, done, total in info.prefill)
         reporter.working(in_flight, rate.value, model.expert_cache.stats.hit_rate, reading)
         seen = len(throttle.timeline)
@@ -417,11 +420,22 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
         # Per-record increment: `mlx-tier status` adds them up.
         record["throttled_seconds"] = round(spent - throttled_before, 3)
         throttled_before = spent
+        record["sample"] = progress_sample(model.expert_cache, rate.value, generated[0])
         if outcome.reasoning:
             record["reasoning"] = outcome.reasoning
         journal.append(record)
         reporter.finished(res, model.expert_cache.stats.as_dict())
     return throttle.as_dict()
+
+
+def _write_report_page(out_dir: Path, reporter: Reporter) -> None:
+    """``OUT_DIR/report.html`` (:mod:`mlx_tier.report_page`); a failure to write it only warns."""
+    from .report_page import write_report_html
+
+    try:
+        write_report_html(out_dir)
+    except (OSError, ValueError) as e:
+        reporter.message(f"could not write report.html: {e}")
 
 
 def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
@@ -561,6 +575,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         **({"warm_slots": list(cache.warm_slots), "host_cache_budget_gib": round(cache.warm_budget_bytes / 2**30, 4)}
            if hasattr(cache, "warm_slots") else {}),
         "cache": {**cache.stats.as_dict(), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes},
+        "expert_use": cache.profile_counts().tolist(),  # [L, E] uses this run (the watch page's heatmap)
     }
     report.runs = previous_runs(config.out_dir / REPORT) + [this_run]
     report.cache = {**sum_cache(report.runs), "resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
@@ -575,5 +590,6 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             reporter.message(f"could not save the expert use profile: {e}")
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
     lock.close()
+    _write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     reporter.close()
     return report
