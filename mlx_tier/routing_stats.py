@@ -190,3 +190,23 @@ def routing_stats(trace: Trace, ordered: bool | None = None) -> RoutingStats:
     tokens = min(len(a) for a in ids)
     overlap_uniform = 1.0 - comb(E - k, k) / comb(E, k) if E >= 2 * k else 1.0
     return RoutingStats(tuple(rows), E, k, tokens, k / E, overlap_uniform)
+
+
+def summary_rows(s: RoutingStats) -> list[tuple[str, str, str]]:
+    """``(measure, value, independent-pick baseline)`` rows of the layer means, for display."""
+    def pct(x: float) -> str:
+        return "-" if np.isnan(x) else f"{x:.1%}"
+
+    m = s.mean
+    return [
+        ("expert use entropy (1 = uniform)", f"{m('entropy'):.3f}", "1.000"),
+        ("top expert's share of uses", pct(m("top_share")), pct(1 / s.num_experts)),
+        ("experts covering 90% of uses", pct(m("coverage90")), "~90%"),
+        ("experts reused at the next token", pct(m("reuse")),
+         f"{pct(m('reuse_indep'))} (same popularity), {pct(s.reuse_uniform)} (uniform)"),
+        ("next token shares an expert", pct(m("overlap_any")), pct(s.overlap_uniform)),
+        ("first choice repeated (ordered traces)", pct(m("first_repeat")), pct(1 / s.num_experts)),
+        ("layer l+1 recall, table from layer l", pct(m("cross_recall")),
+         f"{pct(m('cross_recall_static'))} (most used), {pct(s.reuse_uniform)} (uniform)"),
+        ("layer l+1 first choice from l's (ordered)", pct(m("cross_top1")), pct(1 / s.num_experts)),
+    ]

@@ -115,3 +115,21 @@ def test_generator_is_seeded_and_validates():
     assert a.experts.shape == (200, 2) and all(len(set(r)) == 2 for r in a.experts.tolist())
     with pytest.raises(ValueError, match="alpha: 2 values for 3 layers"):
         RoutingModel(3, 8, 2, (1.0, 1.0), (0.0,) * 3, (0.0,) * 3, 0.0)
+
+
+def test_trace_stats_cli(tmp_path):
+    import json
+
+    from mlx_tier.cli.main import app
+    from typer.testing import CliRunner
+
+    from mlx_tier.trace import save
+
+    save(make([[[0, 1], [0, 1], [2, 3], [2, 3]]], 4), tmp_path / "t.npz")
+    r = CliRunner().invoke(app, ["trace-stats", str(tmp_path / "t.npz")])
+    assert r.exit_code == 0, r.output
+    assert "experts reused at the next token" in r.output and "66.7%" in r.output
+    r = CliRunner().invoke(app, ["trace-stats", str(tmp_path / "t.npz"), "--json"])
+    assert json.loads(r.output)[str(tmp_path / "t.npz")]["mean"]["overlap_any"] == pytest.approx(2 / 3)
+    r = CliRunner().invoke(app, ["trace-stats", str(tmp_path / "missing.npz")])
+    assert r.exit_code == 2 and "no such trace file" in r.output
