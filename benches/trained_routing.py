@@ -17,7 +17,7 @@ from :mod:`mlx_tier.simulate` (the live cache's own policy objects and rules).
 Everything is deterministic (seeded generator, recorded traces cached), so
 one run each; no timing is measured.
 
-    python benches/trained_routing.py [--tokens 2000] [--qwen-layers 16] [--synthetic DIR] [--json]
+    python benches/trained_routing.py [--tokens 2000] [--qwen-layers 8] [--synthetic DIR] [--json]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def print_policies(traces: dict[str, Trace]) -> tuple[list, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2000, help="tokens of each generated trace")
-    ap.add_argument("--qwen-layers", type=int, default=16, help="layers of the qwen3-like traces (policy tables"
+    ap.add_argument("--qwen-layers", type=int, default=8, help="layers of the qwen3-like traces (policy tables"
                     " cost E simulations per layer for the adaptive split)")
     ap.add_argument("--synthetic", type=Path, default=None, help="a make_synthetic_moe.py checkpoint to record")
     ap.add_argument("--demo-max-tokens", type=int, default=48, help="as policy_targets.py --max-tokens")
