@@ -3,7 +3,9 @@
 Question (issue 14, section 1): (a) side by side, the routing statistics of
 trained-like traces (:mod:`mlx_tier.trained_routing`: generated to match
 published Mixtral 8x7B and Qwen3-30B-A3B statistics, sources in that module),
-of the demo MoE (recorded), of the synthetic random-weight checkpoint
+of the demo MoE (recorded while it summarises the two shortest example
+documents, greedy, 48 tokens each; ``--all-docs``: all seven, as
+``policy_targets.py``), of the synthetic random-weight checkpoint
 (recorded, when ``--synthetic DIR`` is given) and of the Zipf traces of
 ``benches/policy_targets.py``; (b) on the trained-like traces: lru / lfu / 2q /
 pinned vs Belady at 25/50/75% of the experts (target: the default policy
@@ -17,7 +19,7 @@ from :mod:`mlx_tier.simulate` (the live cache's own policy objects and rules).
 Everything is deterministic (seeded generator, recorded traces cached), so
 one run each; no timing is measured.
 
-    python benches/trained_routing.py [--tokens 2000] [--qwen-layers 8] [--synthetic DIR] [--json]
+    python benches/trained_routing.py [--tokens 2000] [--qwen-layers 8] [--synthetic DIR] [--all-docs] [--json]
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from mlx_tier.trained_routing import generate, mixtral_like, qwen3_like
 
 TARGET_PP = 3.0
 DEFAULT_POLICY = "lru"  # TierConfig's default
-SYNTH_TEXT = Path(__file__).resolve().parent.parent / "examples" / "docs" / "gettysburg_address.txt"
+DOCS = Path(__file__).resolve().parent.parent / "examples" / "docs"
+SYNTH_TEXT = DOCS / "gettysburg_address.txt"
+DEMO_DOCS = ("the_new_colossus.md", "second_inaugural_address_closing.txt")  # the two shortest
 
 
 def record_synthetic(model_dir: Path) -> Trace:
@@ -60,6 +64,30 @@ def record_synthetic(model_dir: Path) -> Trace:
     model.expert_cache.start_trace(source=f"synthetic {model_dir.name} reading {SYNTH_TEXT.name}")
     mx.eval(model(mx.array([ids])))
     trace = model.expert_cache.stop_trace()
+    save_trace(trace, path)
+    return trace
+
+
+def record_demo_docs(names: tuple[str, ...], max_tokens: int) -> Trace:
+    """Routing of the demo MoE summarising a few example documents, as
+    ``policy_targets.record_demo_trace`` does for all of them (cached)."""
+    from mlx_lm import generate as lm_generate
+
+    import mlx_tier
+    from mlx_tier import TierConfig
+    from mlx_tier.demo_model import cache_dir, ensure_demo_model
+    from mlx_tier.jobs import DEFAULT_PROMPT, build_prompt
+
+    path = cache_dir() / "traces" / f"demo-{len(names)}docs-{max_tokens}.npz"
+    if path.is_file():
+        return load_trace(path)
+    model, tokenizer = mlx_tier.load(ensure_demo_model(print), config=TierConfig(slots_per_layer=8))
+    model.expert_cache.start_trace(source=f"demo MoE on {', '.join(names)}, greedy, max_tokens={max_tokens}")
+    for name in names:
+        prompt = build_prompt(tokenizer, DEFAULT_PROMPT, (DOCS / name).read_text(encoding="utf-8"))
+        lm_generate(model, tokenizer, prompt, max_tokens=max_tokens, verbose=False)
+    trace = model.expert_cache.stop_trace()
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_trace(trace, path)
     return trace
 
@@ -123,7 +151,9 @@ def main() -> None:
     ap.add_argument("--qwen-layers", type=int, default=8, help="layers of the qwen3-like traces (policy tables"
                     " cost E simulations per layer for the adaptive split)")
     ap.add_argument("--synthetic", type=Path, default=None, help="a make_synthetic_moe.py checkpoint to record")
-    ap.add_argument("--demo-max-tokens", type=int, default=48, help="as policy_targets.py --max-tokens")
+    ap.add_argument("--demo-max-tokens", type=int, default=48, help="tokens generated per document (demo trace)")
+    ap.add_argument("--all-docs", action="store_true", help="demo trace on all of examples/docs (default: the"
+                    " two shortest)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from mlx_tier.jobs import machine_info
@@ -132,8 +162,11 @@ def main() -> None:
     for stick in (0.1, 0.3, 0.5):
         trained[f"qwen3-like s={stick} ({args.qwen_layers}x128, top-8)"] = generate(
             qwen3_like(args.qwen_layers, stick), args.tokens // 2, seed=1)
-    demo, _ = record_demo_trace(args.demo_max_tokens, refresh=False)
-    others = {"demo-docs (30x8, top-2)": demo, "demo-docs decode only": by_token(demo, demo.phase == DECODE)}
+    if args.all_docs:  # as policy_targets.py (about an hour on a busy 2-core machine)
+        demo, _ = record_demo_trace(args.demo_max_tokens, refresh=False)
+    else:
+        demo = record_demo_docs(DEMO_DOCS, args.demo_max_tokens)
+    others = {"demo (30x8, top-2)": demo, "demo, decode only": by_token(demo, demo.phase == DECODE)}
     if args.synthetic is not None:
         others["synthetic checkpoint"] = record_synthetic(args.synthetic)
     others |= {

@@ -95,7 +95,7 @@ def test_qwen3_like_matches_published_popularity():
 
 
 def test_generator_knobs_move_the_statistics():
-    base = dict(num_layers=3, num_experts=16, top_k=2, alpha=(0.8,) * 3)
+    base = {"num_layers": 3, "num_experts": 16, "top_k": 2, "alpha": (0.8,) * 3}
     free = routing_stats(generate(RoutingModel(**base, stick_first=(0.0,) * 3, stick_other=(0.0,) * 3,
                                                affinity=0.0), 3000, seed=5))
     sticky = routing_stats(generate(RoutingModel(**base, stick_first=(0.6,) * 3, stick_other=(0.6,) * 3,
