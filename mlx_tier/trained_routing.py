@@ -43,7 +43,6 @@ candidate already chosen falls through to a fresh draw.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,7 +187,3 @@ def _pick(model: RoutingModel, t: int, lay: int, out: np.ndarray, fresh: np.ndar
         chosen.append(cand)
     return chosen
 
-
-def sweep_models(num_layers: int, sticks: Sequence[float] = (0.1, 0.3, 0.5)) -> list[RoutingModel]:
-    """``qwen3_like`` at each ``stick`` value (the unknown reuse of a fine-grained router)."""
-    return [qwen3_like(num_layers, s) for s in sticks]
