@@ -32,7 +32,9 @@ top-k per (token, layer) record; a layer's records in order are its tokens):
   trace study reports.
 
 Records of one layer are taken in trace order; a trace of several documents
-is treated as one stream (a document boundary counts as one more step).
+is treated as one stream (a document boundary counts as one more step). A
+trace recorded with batches of several sequences interleaves them, so its
+"next token" is often another sequence's: record one sequence at a time.
 """
 
 from __future__ import annotations
