@@ -104,7 +104,9 @@ def mixtral_like(num_layers: int = 32) -> RoutingModel:
     (Table 5 of arXiv 2401.04088 at layers 0/15/31, scaled to ``num_layers``;
     the speculative-moe lookup-table accuracy). Knob values were tuned so that
     :func:`mlx_tier.routing_stats.routing_stats` of the generated trace meets
-    those targets (tests/test_routing_stats.py checks it)."""
+    those targets (tests/test_routing_stats.py checks it). Popularity: no
+    published number; ``alpha`` 0.3 gives a near-uniform use (entropy 0.99),
+    as Figure 7 of the paper shows."""
     mid, last = (num_layers - 1) * 15 / 31, num_layers - 1
     return RoutingModel(
         num_layers, 8, 2,
@@ -116,16 +118,20 @@ def mixtral_like(num_layers: int = 32) -> RoutingModel:
 
 def qwen3_like(num_layers: int = 48, stick: float = 0.3, affinity: float = 0.16) -> RoutingModel:
     """128 experts, top-8, per-layer popularity of Qwen3-30B-A3B (entropy,
-    top share, 90% coverage from the gpu-container study). ``stick`` (every
-    pick's reuse probability) and ``affinity`` have no published value for
-    this kind of router: benches sweep them."""
+    top share, 90% coverage from the gpu-container study; ``alpha`` 3.3 and
+    ``offset`` 40 tuned to them, tests/test_routing_stats.py checks it).
+    ``stick`` (every pick's reuse probability) and ``affinity`` have no
+    published value for this kind of router: benches/trained_routing.py
+    sweeps ``stick``; ``affinity`` defaults to mixtral_like's."""
     return RoutingModel(num_layers, 128, 8, alpha=(3.3,) * num_layers, stick_first=(stick,) * num_layers,
                         stick_other=(stick,) * num_layers, affinity=affinity, offset=40.0,
                         name=f"qwen3-like (stick {stick}, affinity {affinity})")
 
 
 def _fresh_order(rng: np.random.Generator, logp: np.ndarray, tokens: int, draws: int) -> np.ndarray:
-    """``[tokens, draws]`` experts in Plackett–Luce order (Gumbel-top-``draws`` of ``logp`` + noise)."""
+    """``[tokens, draws]`` experts in Plackett–Luce order: the top ``draws`` of
+    ``logp`` + Gumbel noise, i.e. sampling without replacement (the Gumbel-top-k
+    trick, Kool et al. 2019, "Stochastic Beams and Where to Find Them")."""
     keys = logp[None, :] + rng.gumbel(size=(tokens, len(logp)))
     part = np.argpartition(-keys, draws - 1, axis=1)[:, :draws]
     order = np.argsort(-np.take_along_axis(keys, part, axis=1), axis=1)
