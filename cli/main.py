@@ -616,6 +616,35 @@ def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], war
     out.print(table)
 
 
+@app.command("trace-stats")
+def trace_stats(
+    traces: list[Path] = typer.Argument(..., metavar="TRACE...", help="Routing traces (.npz from `run --trace`, or text)."),
+    as_json: bool = typer.Option(False, "--json", help="Print every layer's statistics as JSON."),
+) -> None:
+    """Routing statistics of traces, to compare with a trained MoE's: expert popularity,
+    step-to-step reuse, cross-layer predictability (means over layers; mlx_tier.routing_stats)."""
+    import json
+
+    from mlx_tier.routing_stats import routing_stats, summary_rows
+    from mlx_tier.trace import TraceError
+    from mlx_tier.trace import load as load_trace
+
+    try:
+        stats = {str(p): routing_stats(load_trace(p)) for p in traces}
+    except (TraceError, ValueError) as e:
+        fail(str(e))
+    if as_json:
+        out.print_json(json.dumps({p: s.as_dict() for p, s in stats.items()}, default=float).replace("NaN", "null"))
+        return
+    for path, s in stats.items():
+        table = Table(title=f"{Path(path).name}: {len(s.layers)} layers x {s.num_experts} experts, top-{s.top_k}, {s.tokens} tokens")
+        for col in ("measure", "trace", "independent picks"):
+            table.add_column(col)
+        for row in summary_rows(s):
+            table.add_row(*row)
+        out.print(table)
+
+
 @app.command("profile")
 def profile_cmd(
     model: Path = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder the traces were recorded on."),
