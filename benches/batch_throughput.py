@@ -28,9 +28,10 @@ import psutil
 
 import mlx_tier
 from mlx_tier import TierConfig
+from mlx_tier.checkpoint import context_length
 from mlx_tier.demo_model import ensure_demo_model
 from mlx_tier.documents import Document
-from mlx_tier.jobs import DEFAULT_PROMPT, backend_name, context_length
+from mlx_tier.jobs import DEFAULT_PROMPT, FALLBACK_CONTEXT, backend_name
 from mlx_tier.scheduler import GenerationConfig, Scheduler
 
 
@@ -44,7 +45,7 @@ def one_run(model, tokenizer, model_dir, docs, batch: int, max_tokens: int, reus
     cache = model.expert_cache
     cache.reset_stats()
     config = GenerationConfig(DEFAULT_PROMPT, max_tokens, 1.1, batch_size=batch, reuse_prefix=reuse_prefix)
-    sched = Scheduler(model, tokenizer, model_dir, context_length(model_dir), config)
+    sched = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), config)
     first_token, decode_s, prefill_s = None, 0.0, 0.0
     t0 = time.perf_counter()
 

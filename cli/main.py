@@ -44,6 +44,7 @@ class OneLineErrors(typer.core.TyperGroup):
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
 
+from mlx_tier.cli import watch_cmd
 
 app = typer.Typer(
     help="Run Mixture-of-Experts models larger than memory: experts stream from disk into a bounded cache.",
@@ -302,6 +303,7 @@ def run(
     policy: str = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu (LFU with dynamic aging), 2q, or pinned (keeps the saved profile's most used experts; see --save-profile)."),
     prewarm: bool | None = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
     save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA path: a warm tier of this many GiB in host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"). Default: one tier."),
     prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
@@ -328,6 +330,10 @@ def run(
 
     if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
         fail(f"--cache-gb must be a positive number, got {cache_gb}")
+    if host_cache_gb is not None and not (math.isfinite(host_cache_gb) and host_cache_gb >= 0):
+        fail(f"--host-cache-gb must be a number >= 0, got {host_cache_gb}")
+    if host_cache_gb is not None and (prewarm or policy == "pinned"):
+        fail("--host-cache-gb: pre-warm (and --policy pinned) are not implemented for the two-tier cache yet")
     if output_format not in ("md", "jsonl"):
         fail(f"--format must be md or jsonl, got {output_format!r}")
     if policy not in POLICIES:
@@ -375,6 +381,7 @@ def run(
             prewarm=prewarm,
             save_profile=save_profile,
             prefetch=prefetch,
+            host_cache_gb=host_cache_gb,
         )
         with _sigterm_interrupts():
             report = run_job(config, reporter)
@@ -450,6 +457,7 @@ def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
 def status(
     out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Output folder of a running or finished `mlx-tier run`."),
     as_json: bool = typer.Option(False, "--json", help="Print the status as JSON."),
+    as_html: bool = typer.Option(False, "--html", help="Also write OUT_DIR/report.html: the job's page with charts, openable with no server."),
 ) -> None:
     """Progress of the job in OUT_DIR: running or not, done/failed/pending, throughput, throttle time, ETA."""
     import json
@@ -461,6 +469,8 @@ def status(
         s = read_status(out_dir)
     except InputError as e:
         fail(str(e))
+    if as_html:
+        watch_cmd.write_html(out_dir)
     if as_json:
         out.print_json(json.dumps(s.as_dict()))
         return
@@ -498,6 +508,9 @@ def status(
             out.print("retry the failed ones with: the same command plus --retry-failed", highlight=False)
 
 
+app.command()(watch_cmd.watch)
+
+
 @app.command()
 def plan(
     model: str = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id (read from the local cache, else only its config and safetensors headers are fetched: nothing large is downloaded)."),
@@ -505,6 +518,7 @@ def plan(
     context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
     disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
     compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
+    gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
 ) -> None:
     """Capacity worksheet for MODEL from its config and shard headers (no weights loaded).
@@ -524,8 +538,13 @@ def plan(
         p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps, compute_gbps=compute_gbps)
     except CheckpointError as e:
         fail(str(e))
+    if gpu_gb is not None and not (math.isfinite(gpu_gb) and gpu_gb > 0):
+        fail(f"--gpu-gb must be positive, got {gpu_gb}")
+    from mlx_tier.tier_plan import three_tier_split
+
+    split = three_tier_split(p, gpu_gb) if gpu_gb is not None else None
     if as_json:
-        out.print_json(json.dumps(p.as_dict()))
+        out.print_json(json.dumps({**p.as_dict(), **({"tiers": split.as_dict()} if split else {})}))
         return
     mib, gib = 2**20, 2**30
     t = Table(title=f"mlx-tier plan: {p.model}", show_header=False)
@@ -546,6 +565,13 @@ def plan(
         ("predicted decode", f"{p.tok_s_low:.2f}-{p.tok_s_high:.2f} tok/s (hit rate {p.hit_rate_low:.0%}-{p.hit_rate_high:.0%})"
          if p.slots_per_layer else "does not fit: the budget holds less than one expert slot per layer"),
     ]
+    if split is not None:
+        E = split.experts_per_layer
+        rows += [
+            (f"GPU hot tier ({gpu_gb:g} GiB - dense - KV)", f"{split.hot_budget / gib:.2f} GiB = {split.hot_slots} of {E} experts per layer"),
+            ("host warm tier", f"{split.host_budget / gib:.2f} GiB = {split.warm_slots} of {E} experts per layer"),
+            ("SSD cold tier", f"{split.cold_experts} of {E} experts per layer"),
+        ]
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)
@@ -599,6 +625,7 @@ def trace_sim(
     prewarm: bool = typer.Option(False, "--prewarm", help="Start each layer with the profile's most used experts resident, as the live cache does at load."),
     profile: Path | None = typer.Option(None, "--profile", help="Profile file for `pinned` and --prewarm (a mlx-tier-profile.json). Default: the trace's own counts."),
     plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of hit rate vs cache size (every size up to all experts), one line per policy. Needs matplotlib (pip install 'mlx-tier[plot]')."),
+    warm_slots: int | None = typer.Option(None, "--warm-slots", min=0, help="CUDA path: also simulate a warm host tier of this many slots per layer under each --slots (hot, GPU) size; prints hot/warm/miss rates and the share computed on the CPU (live policies only)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Replay a routing trace: hit rate per policy and cache size, Belady's optimum as the ceiling.
@@ -645,6 +672,9 @@ def trace_sim(
         per = adaptive_split(t, p, n * L, prof, prewarm) if split == "adaptive" else n
         return simulate(t, p, per, prof, prewarm)
 
+    if warm_slots is not None:
+        _two_tier_sim(t, trace, [p for p in policy if p in POLICIES], sizes, warm_slots, prof, as_json)
+        return
     results = [run(p, n) for p in policy for n in sizes]
     if plot is not None:
         curve = results + [run(p, n) for p in policy for n in curve_sizes(E) if n not in sizes]
@@ -672,6 +702,61 @@ def trace_sim(
     out.print(table)
     if plot is not None:
         out.print(f"plot written to {plot}", highlight=False)
+
+
+def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], warm: int, prof, as_json: bool) -> None:
+    """`trace-sim --warm-slots`: the two-tier replay (mlx_tier.simulate_tiers), one table row per policy and hot size."""
+    import json
+
+    from mlx_tier.simulate_tiers import simulate_two_tier
+
+    E = t.num_experts
+    if not policies:
+        fail("--warm-slots simulates live policies only (lru, lfu, 2q, pinned): give one with --policy")
+    if any(n + warm > E for n in hot_sizes):
+        fail(f"--slots plus --warm-slots must be at most {E} (the trace's experts per layer)")
+    results = [simulate_two_tier(t, p, n, warm, profile=prof) for p in policies for n in hot_sizes]
+    if as_json:
+        out.print_json(json.dumps({"trace": str(trace), "records": len(t.layer), "layers": t.num_layers,
+                                   "experts": E, "results": [r.as_dict() for r in results]}))
+        return
+    table = Table(title=f"two tiers: {trace.name} ({t.num_layers} layers x {E} experts), {warm} warm slots per layer, "
+                        "one token per call, default cost model")
+    for col in ("policy", "hot slots", "hot hit", "warm hit", "miss", "on CPU"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in results:
+        table.add_row(r.policy, str(r.hot_slots), f"{r.hot_hit_rate:.1%}", f"{r.warm_hit_rate:.1%}",
+                      f"{r.miss_rate:.1%}", f"{r.cpu_share:.1%}")
+    out.print(table)
+
+
+@app.command("trace-stats")
+def trace_stats(
+    traces: list[Path] = typer.Argument(..., metavar="TRACE...", help="Routing traces (.npz from `run --trace`, or text)."),
+    as_json: bool = typer.Option(False, "--json", help="Print every layer's statistics as JSON."),
+) -> None:
+    """Routing statistics of traces, to compare with a trained MoE's: expert popularity,
+    step-to-step reuse, cross-layer predictability (means over layers; mlx_tier.routing_stats)."""
+    import json
+
+    from mlx_tier.routing_stats import routing_stats, summary_rows
+    from mlx_tier.trace import TraceError
+    from mlx_tier.trace import load as load_trace
+
+    try:
+        stats = {str(p): routing_stats(load_trace(p)) for p in traces}
+    except (TraceError, ValueError) as e:
+        fail(str(e))
+    if as_json:
+        out.print_json(json.dumps({p: s.as_dict() for p, s in stats.items()}, default=float).replace("NaN", "null"))
+        return
+    for path, s in stats.items():
+        table = Table(title=f"{Path(path).name}: {len(s.layers)} layers x {s.num_experts} experts, top-{s.top_k}, {s.tokens} tokens")
+        for col in ("measure", "trace", "independent picks"):
+            table.add_column(col)
+        for row in summary_rows(s):
+            table.add_row(*row)
+        out.print(table)
 
 
 @app.command("profile")

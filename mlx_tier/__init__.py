@@ -11,9 +11,9 @@ mlx-lm and transformers.
 import importlib
 
 _EXPORTS = {
-    "BudgetError": ".cache",
+    "BudgetError": ".errors",
     "CacheStats": ".cache",
-    "CheckpointError": ".store",
+    "CheckpointError": ".errors",
     "ExpertCache": ".cache",
     "TierConfig": ".tiered",
     "TieredExperts": ".tiered",

@@ -27,8 +27,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from .store import CheckpointError, index_checkpoint
-from .tiered import expert_tensors, find_expert_blocks
+from .checkpoint import CheckpointError, find_expert_blocks, open_checkpoint, set_child
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 SHARED_MARKERS = ("shared_expert", "shared_experts", "shared_mlp")
@@ -150,19 +149,12 @@ def verify_experts(out_dir: Path) -> tuple[int, int]:
     Raises:
         CheckpointError: a layer lacks expert tensors or has the wrong count/shape.
     """
-    from mlx_lm.utils import load_model
-
-    model, config = load_model(out_dir, lazy=True, strict=True)
-    index = index_checkpoint(out_dir)
-    blocks = find_expert_blocks(model)
-    if not blocks:
-        raise CheckpointError(f"{out_dir}: converted model has no expert blocks")
-    E = _num_experts(config)
-    for path, block in blocks:
-        n, _ = expert_tensors(path, block, index, out_dir, dtype=None)
+    ckpt = open_checkpoint(out_dir)
+    E = _num_experts(ckpt.config)
+    for path, n, _ in ckpt.experts():
         if E is not None and n != E:
             raise CheckpointError(f"{out_dir}: {path} holds {n} experts, expected {E}")
-    return len(blocks), E or 0
+    return len(ckpt.blocks), E or 0
 
 
 class _Recorder(nn.Module):
@@ -180,17 +172,15 @@ class _Recorder(nn.Module):
 
 def routing_sets(model: nn.Module, tokens: list[int]) -> list[list[frozenset]]:
     """Per MoE layer, per token: the set of top-k expert ids on ``tokens``."""
-    from .tiered import _set_child
-
     blocks = find_expert_blocks(model)
     logs = [[] for _ in blocks]
     for (path, block), log in zip(blocks, logs):
-        _set_child(model, path, _Recorder(block, log))
+        set_child(model, path, _Recorder(block, log))
     try:
         mx.eval(model(mx.array(tokens)[None]))
     finally:
         for path, block in blocks:
-            _set_child(model, path, block)
+            set_child(model, path, block)
     out = []
     for log in logs:
         idx = mx.concatenate([a.reshape(-1, a.shape[-1]) for a in log]).tolist()

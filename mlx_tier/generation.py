@@ -7,7 +7,7 @@ prefilled once and its KV cache copied into each sequence (mlx-lm prompt
 caches). Everything here is mlx-lm's; this module only feeds it and collects
 the results, between decode steps — never inside a forward pass.
 
-Also here: the stop-token set, the reasoning-block rule, and the memory
+Also here: the stop-token set and the memory
 estimates that pick a batch size and a usable context.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +23,9 @@ from pathlib import Path
 import mlx.core as mx
 import psutil
 
-GIB = 1024**3
+from .checkpoint import GIB
+from .prompts import strip_reasoning  # noqa: F401 - moved to mlx_tier.prompts; kept importable here
+
 # Batch size when memory allows more: on a 2-core CPU more sequences add
 # compute per step; mlx-lm's own default of 32 has run small Macs out of memory.
 MAX_AUTO_BATCH = 8
@@ -53,36 +54,6 @@ def stop_token_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
             continue
         ids.update([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
     return ids
-
-
-# Reasoning rule (documented in the README): the summary is what the model
-# says outside its reasoning. (1) ``<think>…</think>`` blocks are removed; an
-# unclosed ``<think>`` runs to the end of the text. (2) A ``</think>`` without
-# an opening tag (the chat template opened it) ends the reasoning: everything
-# before it is reasoning. (3) GPT-OSS harmony output: the text of the last
-# ``final`` channel message is the summary; ``analysis`` messages are reasoning.
-_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
-_HARMONY = re.compile(r"<\|channel\|>(\w+)(?:[^<]*)<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.DOTALL)
-
-
-def strip_reasoning(text: str) -> tuple[str, str]:
-    """Split generated text into ``(summary, reasoning)`` by the rule above.
-
-    Both parts are stripped of surrounding whitespace; ``reasoning`` is ``""``
-    when the text holds none.
-    """
-    if "<|channel|>" in text:
-        messages = _HARMONY.findall(text)
-        finals = [m for ch, m in messages if ch == "final"]
-        reasoning = "\n\n".join(m.strip() for ch, m in messages if ch != "final")
-        return (finals[-1].strip() if finals else ""), reasoning
-    reasoning = []
-    if "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
-        head, text = text.split("</think>", 1)
-        reasoning.append(head.strip())
-    reasoning += [m.strip() for m in _THINK.findall(text)]
-    summary = _THINK.sub("", text)
-    return summary.strip(), "\n\n".join(r for r in reasoning if r)
 
 
 def kv_bytes_per_token(cache: list) -> tuple[float, int]:

@@ -20,7 +20,9 @@ from pathlib import Path
 import mlx.core as mx
 import psutil
 
+from .checkpoint import context_length
 from .documents import InputError, discover, discover_list
+from .job_view import progress_sample
 from .journal import Journal, JsonlSummaries, remove_stale_temps, write_atomic
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
 from .scheduler import GenerationConfig, Outcome, Scheduler, check_context
@@ -101,6 +103,7 @@ class JobConfig:
     prewarm: bool | None = None
     save_profile: bool = False
     prefetch: bool | None = None
+    host_cache_gb: float | None = None  # warm host tier of the CUDA path (TierConfig.host_cache_gb)
 
 
 @dataclass
@@ -202,6 +205,12 @@ def sum_cache(runs: list[dict]) -> dict:
     total["hit_rate"] = total["hits"] / seen if seen else 0.0
     total["prefetch_precision"] = total["prefetch_used"] / total["prefetch_predicted"] if total["prefetch_predicted"] else 0.0
     total["prefetch_recall"] = total["prefetch_used"] / total["misses"] if total["misses"] else 0.0
+    from .two_tier import (
+        TIER_COUNTERS,  # per-tier hits of the two-tier cache, when a run had one
+    )
+
+    total.update({k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in TIER_COUNTERS
+                  if any(k in r.get("cache", {}) for r in runs)})
     return total
 
 
@@ -389,15 +398,6 @@ def read_prompt(value: str) -> str:
     return text
 
 
-def context_length(model_dir: Path) -> int:
-    """The checkpoint's context length in tokens, from its config.json."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return FALLBACK_CONTEXT
-
-
 def backend_name() -> str:
     """``"metal"``, ``"cuda"`` or ``"cpu"``: where MLX runs by default."""
     if mx.default_device() == mx.cpu:
@@ -472,7 +472,7 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
         config.prompt, config.max_tokens, config.repetition_penalty, config.batch_size, config.context,
         config.prefill_step_size, config.reuse_prefix,
     )
-    scheduler = Scheduler(model, tokenizer, model_dir, context_length(model_dir), generation)
+    scheduler = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), generation)
     scheduler.size_batch(todo)
     setup["generation"] = scheduler.info
     reporter.message(
@@ -481,10 +481,12 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
     )
     rate, prompt_rate = _Rate(), _Rate()
     progress = ProgressFile(config.out_dir)
+    generated = [0]  # tokens generated this run, for the samples the watch page plots
 
     def on_step(info, in_flight):
         rate.add(info.generated, info.decode_seconds)
         prompt_rate.add(info.prefill_tokens, info.prefill_seconds)
+        generated[0] += info.generated
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
                             rate.value, prompt_rate.value, model.expert_cache.stats.hit_rate)
         reporter.working(activity)
@@ -505,6 +507,7 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
         # Per-record increment: `mlx-tier status` adds them up.
         record["throttled_seconds"] = round(spent - throttled_before, 3)
         throttled_before = spent
+        record["sample"] = progress_sample(model.expert_cache, rate.value, generated[0])
         if outcome.reasoning:
             record["reasoning"] = outcome.reasoning
         journal.append(record)
@@ -558,8 +561,9 @@ def _load_model(config: JobConfig, reporter: Reporter, prefetch: bool):
     model_dir = resolve_model(config.model) if config.model is not None else ensure_demo_model(reporter.message)
     reporter.message(f"loading {model_dir}")
     model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
-                            config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch))
-    model_context = context_length(model_dir)
+                            config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch,
+                                              host_cache_gb=config.host_cache_gb))
+    model_context = context_length(model_dir, FALLBACK_CONTEXT)
     context = min(model_context, config.context or model_context)
     check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
     return model, tokenizer, model_dir
@@ -598,6 +602,14 @@ def _setup(model_dir, cache, config: JobConfig, prefetch: bool) -> dict:
         "repetition_penalty": config.repetition_penalty,
         "prompt": config.prompt,
     }
+def _write_report_page(out_dir: Path, reporter: Reporter) -> None:
+    """``OUT_DIR/report.html`` (:mod:`mlx_tier.report_page`); a failure to write it only warns."""
+    from .report_page import write_report_html
+
+    try:
+        write_report_html(out_dir)
+    except (OSError, ValueError) as e:
+        reporter.message(f"could not write report.html: {e}")
 
 
 def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
@@ -659,6 +671,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         _save_profile(config, model_dir, cache, report, reporter)
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
     lock.close()
+    _write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     reporter.close()
     return report
 
@@ -716,8 +729,12 @@ def _run_record(report: JobReport, t_wall: float, cache, skipped: int, failed_ea
         record |= {
             "slots_per_layer": cache.slots_per_layer,
             "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
+            **({"warm_slots": list(cache.warm_slots),
+                "host_cache_budget_gib": round(cache.warm_budget_bytes / 2**30, 4)}
+               if hasattr(cache, "warm_slots") else {}),
             "cache": {**cache.stats.as_dict(), "resident_bytes_max": cache.resident_bytes,
                       "budget_bytes": cache.budget_bytes},
+            "expert_use": cache.profile_counts().tolist(),  # [L, E] uses this run (the watch page's heatmap)
         }
     return record
 

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import TooLong
+from .prompts import build_prompt, encode_data, trim_to_sentence  # noqa: F401 - trim_to_sentence: part of this API
 
 MAP_NOTE = "The text below is part {i} of {n} of a longer document; work on this part only. "
 REDUCE_NOTE = (
@@ -22,15 +23,6 @@ REDUCE_NOTE = (
 )
 # Tokens a part keeps free for what the tokenizer merges across a join.
 JOIN_SLACK = 8
-
-
-def build_prompt(tokenizer, instruction: str, text: str) -> list[int]:
-    """Token ids of the chat prompt for one text (plain text without a chat template)."""
-    content = f"{instruction}\n\n{text.strip()}"
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        return list(ids)
-    return tokenizer.encode(content + "\n\nSummary:")
 
 
 def _pieces(text: str, level: int) -> list[str]:
@@ -116,7 +108,7 @@ class MapReduce:
                      for i, c in enumerate(chunks)])
 
     def _count(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return len(encode_data(self.tokenizer, text))
 
     def _split(self, text: str, note: str) -> list[str]:
         overhead = len(build_prompt(self.tokenizer, note + self.instruction, ""))
@@ -165,9 +157,3 @@ class MapReduce:
             )
         self._start([build_prompt(self.tokenizer, REDUCE_NOTE + self.instruction, g) for g in groups])
         return self.prompts()
-
-
-def trim_to_sentence(text: str) -> str:
-    """Drop a trailing unfinished sentence (output cut by the token limit), if any sentence ended."""
-    cut = max(text.rfind(c) for c in ".!?")
-    return text[: cut + 1] if cut > 0 else text

@@ -24,13 +24,8 @@ import mlx.core as mx
 import numpy as np
 import psutil
 
-from .store import CheckpointError, index_checkpoint
-from .tiered import (
-    DEFAULT_BUDGET_FRACTION,
-    GIB,
-    default_compute_dtype,
-    find_expert_blocks,
-)
+from .checkpoint import GIB, CheckpointError, find_expert_blocks, open_checkpoint
+from .tiered import DEFAULT_BUDGET_FRACTION, default_compute_dtype
 
 TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_activated_experts", "n_activated_experts")
 LOCALITY_HIT_RATE = 0.98
@@ -173,17 +168,9 @@ def _open(model: str | Path) -> _Source:
 
 
 def _open_local(model_dir: Path) -> _Source:
-    from mlx_lm.utils import load_model
-
-    if not (model_dir / "config.json").is_file():
-        raise CheckpointError(f"{model_dir}: no config.json (not an mlx-lm checkpoint directory)")
-    index = index_checkpoint(model_dir)
-    try:
-        model, config = load_model(model_dir, lazy=True)  # builds the graph; reads no weight
-    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{model_dir}: cannot build the model with mlx-lm: {e}") from None
-    return _Source(str(model_dir), "local", config, index, find_expert_blocks(model),
-                   sorted(model_dir.glob("*.safetensors")))
+    ckpt = open_checkpoint(model_dir)  # builds the graph; reads no weight
+    return _Source(str(model_dir), "local", ckpt.config, ckpt.index, ckpt.blocks,
+                   sorted({i.file for i in ckpt.index.values()}))
 
 
 def _blocks_from_config(name: str, config: dict) -> list:

@@ -8,6 +8,8 @@ Interface, one object per layer, keyed by expert id:
     access(e)           e was resident and used (a hit)
     insert(e)           e was just loaded into a slot
     evict(protected)    choose a resident expert not in ``protected``, forget it, return it
+    remove(e)           forget e without choosing it (it moved to another tier,
+                        :mod:`mlx_tier.tiers`); no aging or ghost-list side effect
 
 Policies (DESIGN.md, "Hot tier"): LRU is the baseline and was strong in
 published measurements; LFU with dynamic aging closed ~24% of the LRU->Belady
@@ -29,6 +31,7 @@ class EvictionPolicy(Protocol):
     def access(self, expert: int) -> None: ...
     def insert(self, expert: int) -> None: ...
     def evict(self, protected: Iterable[int] = ()) -> int: ...
+    def remove(self, expert: int) -> None: ...
 
 
 def _no_victim() -> RuntimeError:
@@ -73,6 +76,9 @@ class LRUPolicy:
                 return e
         raise _no_victim()
 
+    def remove(self, expert: int) -> None:
+        del self._order[expert]
+
     def __len__(self) -> int:
         return len(self._order)
 
@@ -109,6 +115,9 @@ class LFUAgingPolicy:
         self._age = self._prio.pop(victim)
         del self._last[victim]
         return victim
+
+    def remove(self, expert: int) -> None:
+        del self._prio[expert], self._last[expert]  # the age stays: nothing was evicted
 
 
 class TwoQPolicy:
@@ -153,6 +162,9 @@ class TwoQPolicy:
                     return e
         raise _no_victim()
 
+    def remove(self, expert: int) -> None:
+        (self._am if expert in self._am else self._a1in).pop(expert)  # not remembered in A1out
+
 
 class PinnedPolicy:
     """Frequency pinning from a saved profile: evict the expert the profile
@@ -178,6 +190,9 @@ class PinnedPolicy:
         victim = min(_evictable(order, protected), key=lambda e: (self.freq.get(e, 0.0), order[e]))
         del self._lru._order[victim]
         return victim
+
+    def remove(self, expert: int) -> None:
+        self._lru.remove(expert)
 
 
 class BeladyPolicy:
@@ -218,6 +233,9 @@ class BeladyPolicy:
         victim = max(_evictable(self._resident, protected), key=lambda e: (self._next_use(e), -e))
         self._resident.remove(victim)
         return victim
+
+    def remove(self, expert: int) -> None:
+        self._resident.remove(expert)
 
 
 POLICIES = {"lru": LRUPolicy, "lfu": LFUAgingPolicy, "2q": TwoQPolicy, "pinned": PinnedPolicy}

@@ -161,6 +161,12 @@ class NextLayerPrefetch:
         logits = self.router(x)  # [..., E]
         return mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
 
+    def wanted(self, experts: list[int]) -> list[int]:
+        """Of the predicted experts (most voted first), those to read: not
+        resident in layer l+1, at most its slot count."""
+        cache = self.next_cache
+        return [e for e in experts if cache.slot_of[e] < 0][: cache.num_slots]
+
     def issue(self, predicted: np.ndarray) -> None:
         """Start reading the predicted experts not resident in layer l+1.
 
@@ -171,7 +177,7 @@ class NextLayerPrefetch:
         cache.end_call()  # drop an unused earlier batch before choosing what is missing
         ids, votes = np.unique(predicted, return_counts=True)
         order = np.argsort(-votes, kind="stable")
-        experts = [int(e) for e in ids[order] if cache.slot_of[e] < 0][: cache.num_slots]
+        experts = self.wanted([int(e) for e in ids[order]])
         if not experts:
             return
         future = self.reader.submit(cache.store, self._names, experts)

@@ -137,23 +137,11 @@ def model_shape(model_dir: Path) -> tuple[int, int]:
     Raises:
         CheckpointError: not an mlx-lm MoE checkpoint with stacked experts.
     """
-    from mlx_lm.utils import load_model
+    # Imported here, not above: it loads MLX and mlx-lm, which `trace-sim` does not need.
+    from .checkpoint import open_checkpoint
 
-    from .store import CheckpointError, index_checkpoint
-    from .tiered import expert_tensors, find_expert_blocks
-
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise CheckpointError(f"{model_dir}: no config.json (not an mlx-lm checkpoint directory)")
-    try:
-        model, _ = load_model(model_dir, lazy=True)
-    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{model_dir}: cannot build the model with mlx-lm: {e}") from None
-    blocks = find_expert_blocks(model)
-    if not blocks:
-        raise CheckpointError(f"{model_dir}: not a Mixture-of-Experts checkpoint")
-    index = index_checkpoint(model_dir)
-    return len(blocks), max(expert_tensors(p, b, index, model_dir, None)[0] for p, b in blocks)
+    experts = open_checkpoint(model_dir).experts()
+    return len(experts), max(n for _, n, _ in experts)
 
 
 def fallback_path(model_dir: Path) -> Path:

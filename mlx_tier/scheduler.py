@@ -33,9 +33,9 @@ from .generation import (
     common_prefix,
     estimate_memory,
     stop_token_ids,
-    strip_reasoning,
 )
-from .longdoc import MAP_NOTE, MapReduce, TooLong, build_prompt, trim_to_sentence
+from .longdoc import MAP_NOTE, MapReduce, TooLong
+from .prompts import build_prompt, reasoning_format, strip_reasoning, trim_to_sentence
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
@@ -143,6 +143,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
+        self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
         probes = [build_prompt(tokenizer, config.instruction, t) for t in ("alpha beta", "zulu 9")]
         n = max(0, common_prefix(probes) - 1)  # the last shared token may merge with the text
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
@@ -295,7 +296,7 @@ class Scheduler:
             for f in info.finished:
                 d, index = f.key
                 d.output_tokens += len(f.tokens)
-                summary, reasoning = strip_reasoning(f.text)
+                summary, reasoning = strip_reasoning(f.text, self.reasoning)
                 d.reasoning.append(reasoning)
                 if d.mr is None:
                     yield self._finish(d, summary, f.finish_reason)

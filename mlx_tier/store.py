@@ -3,7 +3,7 @@
 mlx-lm checkpoints store each expert projection stacked as ``[E, out, in]``
 (plus ``scales``/``biases`` ``[E, out, in // group_size]`` when quantised).
 Expert ``e`` is therefore one contiguous byte range inside each stacked tensor.
-This module parses the safetensors headers (8-byte little-endian length, then
+This module reads the safetensors headers (:mod:`mlx_tier.checkpoint`: 8-byte length, then
 a JSON header with ``dtype``, ``shape`` and ``data_offsets``) and reads only
 those ranges with ``os.preadv`` on a small thread pool (reads release the GIL).
 
@@ -30,10 +30,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import mmap
 import os
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,26 +41,8 @@ from typing import Self
 
 import numpy as np
 
-from .errors import CheckpointError
-
-# safetensors dtype -> numpy dtype used to hold the raw bytes. bfloat16 has no
-# numpy dtype: it travels as uint16 and is reinterpreted by the caller.
-_NP_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": np.uint16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U64": np.uint64,
-    "U32": np.uint32,
-    "U16": np.uint16,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
+# Format-level names live in mlx_tier.checkpoint; importable from here too.
+from .checkpoint import CheckpointError, TensorInfo, index_checkpoint, read_header  # noqa: F401
 
 READ_METHODS = ("pread", "mmap")
 PAGE_CACHE_MODES = ("keep", "drop", "direct")
@@ -101,88 +81,6 @@ def check_read_settings(read_method: str, page_cache: str) -> None:
         raise ValueError("page_cache='direct' needs O_DIRECT (Linux) or F_NOCACHE (macOS); this platform has neither")
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives on disk.
-
-    Attributes:
-        file: shard path.
-        dtype: safetensors dtype string (``"U32"``, ``"BF16"``, ...).
-        shape: full tensor shape.
-        start: absolute byte offset of the first element in ``file``.
-        nbytes: size of the whole tensor in bytes.
-    """
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    nbytes: int
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return np.dtype(_NP_DTYPES[self.dtype])
-
-    def expert_nbytes(self) -> int:
-        """Bytes of one slice along axis 0 (one expert of a stacked tensor)."""
-        return self.nbytes // self.shape[0]
-
-
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse one safetensors file header.
-
-    Returns:
-        tensor name -> TensorInfo (``__metadata__`` dropped).
-
-    Raises:
-        CheckpointError: the file is too short or its header is not valid JSON.
-    """
-    path = Path(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: bad safetensors header ({e})") from None
-    base = 8 + n
-    size = path.stat().st_size
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: bad safetensors header (not an object)")
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = meta["data_offsets"]
-            dtype, shape = meta["dtype"], tuple(meta["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: bad safetensors header entry for {name!r}") from None
-        if dtype not in _NP_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, which mlx-tier cannot read")
-        if not 0 <= begin <= end or base + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} lies outside the file (truncated download?)")
-        out[name] = TensorInfo(path, dtype, shape, base + begin, end - begin)
-    return out
-
-
-def index_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
-    """Headers of every ``*.safetensors`` shard in ``model_dir``, merged.
-
-    Raises:
-        CheckpointError: no shard found.
-    """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no .safetensors files")
-    index: dict[str, TensorInfo] = {}
-    for f in files:
-        index.update(read_header(f))
-    return index
-
-
 @dataclass
 class ReadStats:
     """Counters of the cold tier (read outside the hot loop)."""
@@ -214,6 +112,8 @@ class ExpertStore:
             (DESIGN.md, "Cold reads").
         read_method: ``"pread"`` or ``"mmap"`` (module doc).
         page_cache: ``"keep"``, ``"drop"`` or ``"direct"`` (module doc).
+        index: the checkpoint's tensors (:func:`mlx_tier.checkpoint.index_checkpoint`),
+            when the caller has it already.
 
     Raises:
         ValueError: a bad ``read_method``/``page_cache`` (:func:`check_read_settings`).
@@ -227,12 +127,13 @@ class ExpertStore:
         threads: int = 4,
         read_method: str = DEFAULT_READ_METHOD,
         page_cache: str = DEFAULT_PAGE_CACHE,
+        index: dict[str, TensorInfo] | None = None,
     ):
         check_read_settings(read_method, page_cache)
         self.model_dir = Path(model_dir)
         self.read_method = read_method
         self.page_cache = page_cache
-        self.index = index_checkpoint(self.model_dir)
+        self.index = index if index is not None else index_checkpoint(self.model_dir)
         self._fds: dict[Path, int] = {}
         self._maps: dict[Path, tuple[mmap.mmap, np.ndarray]] = {}  # shard -> (map, uint8 view of it)
         self._local = threading.local()  # per-thread aligned scratch buffer for O_DIRECT

@@ -16,21 +16,31 @@ import mlx.core as mx
 import numpy as np
 import psutil
 from mlx import nn
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_tokenizer
 
 from .cache import BudgetError, CacheStats, ExpertCache, LayerCache, SlabTensor
+from .checkpoint import (  # noqa: F401 - EXPERT_BLOCKS, REFUSED, find_expert_blocks: importable from here too
+    EXPERT_BLOCKS,
+    GIB,
+    REFUSED,
+    CheckpointError,
+    find_expert_blocks,
+    module_at,
+    moe_blocks,
+    open_checkpoint,
+    set_child,
+)
+from .checkpoint import expert_tensors as _stored_expert_tensors
+from .cost_model import TransferCosts
 from .policy import PolicySpec
 from .prefetch import BackgroundReader, link_layers
+from .profile import HOW_TO_MAKE, PROFILE_FILE, ProfileError, adaptive_slots, load_for
 from .store import (
     DEFAULT_PAGE_CACHE,
     DEFAULT_READ_METHOD,
-    CheckpointError,
     ExpertStore,
     check_read_settings,
 )
-
-GIB = 1024**3
 
 # Fraction of available memory (after the dense part is loaded) that the
 # default budget takes: leaves room for the KV cache, activations and the OS.
@@ -39,16 +49,6 @@ DEFAULT_BUDGET_FRACTION = 0.5
 # Prefetch off by default: measured on the build machine by benches/prefetch.py
 # (README, "Prefetch").
 DEFAULT_PREFETCH = False
-
-EXPERT_BLOCKS = (SwitchGLU, SwitchMLP)
-
-# MoE architectures in mlx-lm whose experts do not run through switch_layers,
-# and why they cannot be tiered (yet).
-REFUSED = {
-    "dbrx": "its experts are a model-specific module in mlx_lm/models/dbrx.py (not switch_layers), "
-    "computed with per-expert matmuls that a slot cache cannot serve",
-}
-
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -98,6 +98,13 @@ class TierConfig:
     profile: Path | None = None
     prewarm: bool | None = None
     prefetch: bool = DEFAULT_PREFETCH
+    # The CUDA path (mlx_tier/two_tier.py): a warm tier of host_cache_gb GiB in
+    # host memory under the hot slabs (cache_gb is then the GPU budget); warm
+    # experts are computed in place on the CPU stream, or copied to the hot
+    # tier when transfer_costs (mlx_tier.cost_model; None: its defaults) say
+    # copying is cheaper. None: one tier, as on Metal and the CPU backend.
+    host_cache_gb: float | None = None
+    transfer_costs: TransferCosts | None = None
 
     def __post_init__(self):
         check_read_settings(self.read_method, self.page_cache)
@@ -158,64 +165,31 @@ class TieredExperts(nn.Module):
         return out
 
 
-def find_expert_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(parameter path, block)`` of every mlx-lm expert block, in model order."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, EXPERT_BLOCKS)][::-1]
-
-
-def _module_at(model: nn.Module, path: str) -> nn.Module:
-    node = model
-    for p in path.split(".") if path else []:
-        node = node[int(p)] if isinstance(node, list) else node[p]
-    return node
-
-
-def _set_child(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, last = path.rpartition(".")
-    _module_at(model, parent)[last] = new
-
-
 def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path, dtype) -> tuple[int, dict]:
-    """The stacked expert tensors of one expert block, checked against the shard headers.
+    """The stacked expert tensors of one expert block as cache slabs
+    (:func:`mlx_tier.checkpoint.expert_tensors`).
 
     Args:
         path: the block's parameter path (``model.layers.3.mlp.switch_mlp``).
-        index: tensor name -> TensorInfo of the checkpoint (:func:`~mlx_tier.store.index_checkpoint`).
+        index: tensor name -> TensorInfo of the checkpoint.
         dtype: slab dtype for floating tensors (``None``: as stored).
 
     Returns:
         ``(E, {name on disk: SlabTensor})``.
     Raises:
-        CheckpointError: a tensor missing, not stacked ``[E, ...]``, of another
-            shape than the model expects, or an nvfp4 global scale on the CPU.
+        CheckpointError: as :func:`mlx_tier.checkpoint.expert_tensors`, or an
+            nvfp4 global scale on the CPU.
     """
+    num_experts, stored = _stored_expert_tensors(path, block, index, model_dir)
     tensors = {}
-    num_experts = None
-    for sub, leaf in block.named_modules():
-        if leaf is block or leaf.children():
-            continue
-        for attr, arr in leaf.items():
-            if not isinstance(arr, mx.array):
-                continue  # every array of a switch layer is per expert: [E, ...]
-            if attr == "global_scale" and mx.default_device() == mx.cpu:
-                raise CheckpointError(
-                    f"{path}: nvfp4 experts with a per-expert global scale need a GPU "
-                    "(MLX's CPU backend cannot run them)"
-                )
-            name = f"{path}.{sub}.{attr}"
-            info = index.get(name)
-            if info is None:
-                raise CheckpointError(
-                    f"{model_dir}: expert tensor {name!r} is not stored stacked [E, ...] "
-                    "(mlx-lm format expected; convert the checkpoint with mlx_lm.convert)"
-                )
-            if tuple(info.shape) != tuple(arr.shape) or info.shape[0] != (num_experts or info.shape[0]):
-                raise CheckpointError(f"{name}: shape on disk {info.shape} != model {tuple(arr.shape)}")
-            num_experts = num_experts or info.shape[0]
-            slab_dtype = dtype if (dtype is not None and mx.issubdtype(arr.dtype, mx.floating)) else arr.dtype
-            tensors[name] = SlabTensor(leaf, attr, info, slab_dtype)
-    if not tensors:
-        raise CheckpointError(f"{path}: expert block holds no weights")
+    for name, t in stored.items():
+        if t.attr == "global_scale" and mx.default_device() == mx.cpu:
+            raise CheckpointError(
+                f"{path}: nvfp4 experts with a per-expert global scale need a GPU "
+                "(MLX's CPU backend cannot run them)"
+            )
+        floating = dtype is not None and mx.issubdtype(t.array.dtype, mx.floating)
+        tensors[name] = SlabTensor(t.leaf, t.attr, t.info, dtype if floating else t.array.dtype)
     return num_experts, tensors
 
 
@@ -253,8 +227,6 @@ def _profile_for(config: TierConfig, model_dir: Path, num_layers: int, num_exper
         ProfileError: needed but none saved, unreadable, or of another shape.
         ValueError: an unknown ``split``.
     """
-    from .profile import HOW_TO_MAKE, PROFILE_FILE, ProfileError, load_for
-
     if config.split not in ("uniform", "adaptive"):
         raise ValueError(f"split must be 'uniform' or 'adaptive', got {config.split!r}")
     wants = {f"policy {config.policy!r}": PolicySpec(config.policy).needs_profile, "pre-warm": bool(config.prewarm),
@@ -286,18 +258,17 @@ def _layer_slot_counts(config: TierConfig, profile, slots: int, total: int, expe
             raise BudgetError(f"layer_slots must give each of the {L} MoE layers 1 to {max(experts)} slots, got {per}")
         return per
     if config.split == "adaptive":
-        from .profile import adaptive_slots
-
         total = slots * L if config.slots_per_layer is not None else total
         return tuple(min(n, e) for n, e in zip(adaptive_slots(profile, total), experts))
     return tuple(min(slots, e) for e in experts)
 
 
-def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertCache:
+def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dict | None = None) -> ExpertCache:
     """Replace every expert block of an mlx-lm model (built lazily) with a tiered one.
 
     Evaluates the dense part. Returns the model's ExpertCache, also set as
-    ``model.expert_cache``.
+    ``model.expert_cache``. ``index``: the checkpoint's tensors
+    (:func:`mlx_tier.checkpoint.index_checkpoint`; read when ``None``).
 
     Raises:
         CheckpointError: no expert block, or experts not stored stacked.
@@ -305,19 +276,11 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
         ProfileError: pinned, pre-warm or the adaptive split without a
             fitting saved profile (:mod:`mlx_tier.profile`).
     """
-    blocks = find_expert_blocks(model)
-    model_type = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", "?")
-    if not blocks and model_type in REFUSED:
-        raise CheckpointError(f"{model_dir}: model type {model_type!r} cannot be tiered: {REFUSED[model_type]}")
-    if not blocks:
-        raise CheckpointError(
-            f"{model_dir}: not a Mixture-of-Experts checkpoint "
-            f"(model type {model_type!r} has no mlx-lm expert blocks)"
-        )
+    blocks = moe_blocks(model, model_dir)
     if not PolicySpec(config.policy).live:
         raise ValueError(f"policy {config.policy!r} needs the future: use it in `mlx-tier trace-sim`, not live")
     store = ExpertStore(model_dir, threads=config.read_threads, read_method=config.read_method,
-                         page_cache=config.page_cache)
+                         page_cache=config.page_cache, index=index)
     dtype = config.dtype if config.dtype is not None else default_compute_dtype()
     found = [(path, *expert_tensors(path, block, store.index, model_dir, dtype)) for path, block in blocks]
     profile = _profile_for(config, model_dir, len(found), max(n for _, n, _ in found))
@@ -326,7 +289,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
     wrappers = []
     for path, block in blocks:
         wrappers.append(TieredExperts(block, None))
-        _set_child(model, path, wrappers[-1])
+        set_child(model, path, wrappers[-1])
     if dtype is not None:
         model.set_dtype(dtype)  # the dense part; experts are converted as they are read
     mx.eval(model.parameters())
@@ -351,8 +314,15 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
         layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, policy))
         wrapper._cache = layers[-1]
+    if config.host_cache_gb is not None:  # the CUDA path: hot slabs + a warm host tier
+        from .two_tier import build_two_tier
+
+        parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
+        model.expert_cache = build_two_tier(blocks, parents, layers, budget, store, config,
+                                            lambda path, m: set_child(model, path, m))
+        return model.expert_cache
     if config.prefetch:
-        parents = [_module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
+        parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
         links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
         for wrapper, link in zip(wrappers, links):
             wrapper._prefetch = link
@@ -381,25 +351,22 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
         is the :class:`~mlx_tier.cache.ExpertCache` (counters in ``.stats``).
 
     Raises:
-        CheckpointError: missing directory/config/shards, or not an MoE checkpoint;
-            a repo id not cached while offline, or not downloadable.
+        CheckpointError: a bad checkpoint folder (:mod:`mlx_tier.checkpoint`:
+            missing config or shards, a truncated or corrupt file, an unknown
+            model type), or not an MoE checkpoint; a repo id not cached while
+            offline, or not downloadable.
         BudgetError: budget too small for one expert slot per MoE layer.
     """
     from .hub import resolve_model
 
     path = resolve_model(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint directory)")
+    ckpt = open_checkpoint(path)
     config = config or TierConfig()
     if cache_gb is not None:
         config = TierConfig(**{**config.__dict__, "cache_gb": cache_gb})
-    try:
-        model, model_config = load_model(path, lazy=True)
-    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: cannot build the model with mlx-lm: {e}") from None
-    tier_model(model, path, config)
-    tokenizer = load_tokenizer(path, eos_token_ids=model_config.get("eos_token_id"))
-    return model, tokenizer
+    tier_model(ckpt.model, path, config, ckpt.index)
+    tokenizer = load_tokenizer(path, eos_token_ids=ckpt.config.get("eos_token_id"))
+    return ckpt.model, tokenizer
 
 
 def cache_stats(model: nn.Module) -> CacheStats:

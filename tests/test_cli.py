@@ -45,7 +45,7 @@ def test_run_resume_and_report(docs, tmp_path, tiny_moe):
     code, output = run(docs, "--out", out, "--model", tiny_moe, "--cache-gb", "0.0001", "--max-tokens", "6")
     assert code == 0, output
     names = sorted(p.name for p in out.iterdir() if p.name != ".mlx-tier.lock")
-    assert names == ["journal.jsonl", "more__three.md", "one.md", "report.json", "two.md"]
+    assert names == ["journal.jsonl", "more__three.md", "one.md", "report.html", "report.json", "two.md"]
     report = json.loads((out / "report.json").read_text())
     assert report["totals"]["done"] == 3 and report["totals"]["failed"] == 0
     assert report["slots_per_layer"] < report["experts_per_layer"]  # cache smaller than the experts

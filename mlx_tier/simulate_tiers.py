@@ -1,0 +1,123 @@
+"""Replay a routing trace against the two-tier cache (hot GPU slots + warm host slots), without the model.
+
+Drives the same :class:`mlx_tier.tiers.TierIndex` as the live two-tier cache
+(:mod:`mlx_tier.two_tier`), one call per trace record (one token of one layer),
+as :func:`mlx_tier.simulate.simulate` does for one tier. So users can size both
+budgets (``mlx-tier trace-sim --warm-slots``) without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost_model import TransferCosts
+from .policy import PolicySpec
+from .profile import from_trace
+from .tiers import (
+    DEMOTE,
+    DROP,
+    HOT_HIT,
+    KINDS,
+    MISS_HOT,
+    MISS_WARM,
+    PROMOTE,
+    WARM_HIT,
+    TierIndex,
+)
+from .trace import Trace
+
+
+@dataclass(frozen=True)
+class TwoTierResult:
+    """One two-tier replay; counts are per distinct expert per call, summed over layers.
+
+    Attributes:
+        counts: events by kind (:data:`mlx_tier.tiers.KINDS`).
+        events: per layer, the ``(kind, expert)`` sequence (only when asked for).
+    """
+
+    policy: str
+    hot_slots: int
+    warm_slots: int
+    counts: dict
+    events: tuple = ()
+
+    @property
+    def accesses(self) -> int:
+        c = self.counts
+        return c[HOT_HIT] + c[WARM_HIT] + c[PROMOTE] + c[MISS_HOT] + c[MISS_WARM]
+
+    def rate(self, *kinds: str) -> float:
+        """Share of accesses that were any of ``kinds``."""
+        return sum(self.counts[k] for k in kinds) / self.accesses if self.accesses else 0.0
+
+    @property
+    def hot_hit_rate(self) -> float:
+        return self.rate(HOT_HIT)
+
+    @property
+    def warm_hit_rate(self) -> float:
+        """Accesses found in the warm tier (computed there or promoted)."""
+        return self.rate(WARM_HIT, PROMOTE)
+
+    @property
+    def miss_rate(self) -> float:
+        return self.rate(MISS_HOT, MISS_WARM)
+
+    @property
+    def cpu_share(self) -> float:
+        """Accesses computed on the CPU (warm hits and misses placed warm)."""
+        return self.rate(WARM_HIT, MISS_WARM)
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "hot_slots": self.hot_slots, "warm_slots": self.warm_slots,
+                **self.counts, "accesses": self.accesses, "hot_hit_rate": self.hot_hit_rate,
+                "warm_hit_rate": self.warm_hit_rate, "miss_rate": self.miss_rate, "cpu_share": self.cpu_share,
+                "demotions": self.counts[DEMOTE], "drops": self.counts[DROP]}
+
+
+def replay_layer(index: TierIndex, calls: Sequence[np.ndarray]) -> None:
+    """Feed one layer's calls (each ``[..., k]`` expert ids) to ``index``, as the live cache does."""
+    for idx in calls:
+        uses = np.bincount(np.asarray(idx).reshape(-1), minlength=index.num_experts)
+        need = np.flatnonzero(uses).tolist()
+        for group in index.rounds(need):
+            index.place(group, uses)
+
+
+def simulate_two_tier(trace: Trace, policy: str, hot_slots: int, warm_slots: int,
+                      costs: TransferCosts | None = None, expert_nbytes: int = 1, profile=None,
+                      keep_events: bool = False) -> TwoTierResult:
+    """Replay ``trace`` one record per call with ``hot_slots`` + ``warm_slots`` per layer.
+
+    Args:
+        costs: the placement rule's bandwidths (default :class:`TransferCosts`();
+            one token per call, so only its token threshold matters).
+        expert_nbytes: resident bytes of one expert (cancels out of the rule).
+        profile: frequencies for ``pinned`` (default: the trace's own counts).
+        keep_events: keep every layer's ``(kind, expert)`` sequence.
+
+    Raises:
+        ValueError: an unknown or offline policy (Belady has no two-tier form
+            here), or slots outside ``1 <= H``, ``0 <= W``, ``H + W <= E``.
+    """
+    spec = PolicySpec(policy)
+    if not spec.live:
+        raise ValueError(f"policy {policy!r} is single-tier only in this simulator")
+    if spec.needs_profile:
+        profile = profile or from_trace(trace, trace.num_layers, trace.num_experts)
+        spec = PolicySpec(policy, profile)
+    costs = costs or TransferCosts()
+    counts = dict.fromkeys(KINDS, 0)
+    events = []
+    for lay, seq in enumerate(trace.layer_sequences()):
+        index = TierIndex(lay, trace.num_experts, hot_slots, warm_slots, spec, costs, expert_nbytes)
+        index.log = [] if keep_events else None
+        replay_layer(index, [np.array([row]) for row in seq])
+        for k, v in index.counts.items():
+            counts[k] += v
+        events.append(tuple(index.log or ()))
+    return TwoTierResult(policy, hot_slots, warm_slots, counts, tuple(events) if keep_events else ())

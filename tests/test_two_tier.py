@@ -1,0 +1,156 @@
+"""The CUDA path's two-tier cache, run here with the "GPU" slabs on the CPU.
+
+Invariant 1: a two-tier model (hot slots + warm host slots, warm experts
+computed on the CPU stream, copies decided by the cost model) generates exactly
+the greedy tokens of mlx-lm fully resident — and so of the single-tier path,
+which tests/test_tiered.py holds to the same reference — for several hot and
+warm sizes. The live hit/miss/promotion/demotion sequence equals what
+mlx_tier.simulate_tiers predicts from the recorded trace. Invariant 2 holds
+per tier.
+"""
+
+import math
+
+import mlx.core as mx
+import pytest
+from mlx_lm import generate
+from mlx_lm import load as mlx_load
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_tier
+from mlx_tier import TierConfig
+from mlx_tier.cost_model import TransferCosts
+from mlx_tier.simulate_tiers import simulate_two_tier
+
+LONG = (
+    "In the beginning the river carried salt and silt down from the mountains, and the people who "
+    "lived along its banks learned to read its moods, planting after the floods and fishing in the "
+    "long dry months when the water ran clear and slow over the stones."
+)
+NEVER_COPY = TransferCosts(cpu_gbps=math.inf)
+ALWAYS_COPY = TransferCosts(pcie_gbps=math.inf, gpu_gbps=math.inf)
+DEFAULT = TransferCosts()  # copies experts with >= 3 tokens: prefill promotes, decode computes warm
+
+
+_SLOT_ROW_GB = {}  # checkpoint -> GiB of one slot in every layer
+
+
+def load_two_tier(path, hot, warm, costs, **kw):
+    """A two-tier model with exactly ``hot`` and ``warm`` slots per layer."""
+    if path not in _SLOT_ROW_GB:
+        one, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=1))
+        _SLOT_ROW_GB[path] = one.expert_cache.layers[0].slot_nbytes * len(one.expert_cache.layers) / 2**30
+    slot_gb = _SLOT_ROW_GB[path]
+    cfg = TierConfig(slots_per_layer=hot, host_cache_gb=warm * slot_gb * 1.0001, transfer_costs=costs, **kw)
+    model, tokenizer = mlx_tier.load(path, config=cfg)
+    assert model.expert_cache.warm_slots == (warm,) * len(model.expert_cache.layers)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module", params=["q4", "fp32"])
+def checkpoint(request, tiny_moe, tiny_moe_fp):
+    path = tiny_moe if request.param == "q4" else tiny_moe_fp
+    model, tokenizer = mlx_load(str(path))
+    return path, generate(model, tokenizer, LONG, max_tokens=10, verbose=False)
+
+
+@pytest.mark.parametrize("hot,warm,costs", [(1, 1, DEFAULT), (1, 7, ALWAYS_COPY), (2, 3, NEVER_COPY),
+                                            (3, 5, DEFAULT), (2, 0, DEFAULT)])
+def test_greedy_tokens_equal_mlx_lm(checkpoint, hot, warm, costs):
+    path, ref = checkpoint
+    model, tokenizer = load_two_tier(path, hot, warm, costs)
+    assert generate(model, tokenizer, LONG, max_tokens=10, verbose=False) == ref
+    s = model.expert_cache.stats
+    assert s.misses > 0 and s.hits == s.hot_hits + s.warm_hits + s.promotions
+    if warm and costs is not ALWAYS_COPY:
+        assert s.warm_hits + s.misses_warm > 0 and s.cpu_entries > 0  # the CPU stream really computed
+    if costs is ALWAYS_COPY:
+        assert s.promotions > 0 and s.demotions > 0
+    if warm == 0:
+        assert s.cpu_entries == 0 and s.warm_hits == s.misses_warm == 0
+
+
+def test_wrong_warm_expert_is_detected(tiny_moe):
+    """The exactness test can fail: a warm pool holding other experts changes the output."""
+    model, tokenizer = load_two_tier(tiny_moe, 1, 7, NEVER_COPY)
+    x = mx.array(tokenizer.encode(LONG))[None]
+    good = model(x)
+    mx.eval(good)
+    layer = model.expert_cache.tier_layers[0]
+    assert layer.index.counts["miss_warm"] > 0
+    for name in layer.warm.arrays:
+        layer.warm.arrays[name] = mx.roll(layer.warm.arrays[name], 1, axis=0)
+    assert not mx.allclose(good, model(x), atol=1e-3).item()
+
+
+def one_token_calls(model, tokenizer, prompt, n):
+    """Greedy decode feeding every token alone (prompt too), so that each
+    layer call is one trace record. Returns the generated token ids."""
+    cache = make_prompt_cache(model)
+    for t in tokenizer.encode(prompt):
+        logits = model(mx.array([[t]]), cache=cache)
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out
+
+
+@pytest.mark.parametrize("policy,hot,warm,costs,prefetch", [
+    ("lru", 2, 3, DEFAULT, False), ("lfu", 1, 4, ALWAYS_COPY, True), ("2q", 3, 2, NEVER_COPY, False)])
+def test_live_sequence_equals_the_simulator(tiny_moe, policy, hot, warm, costs, prefetch):
+    model, tokenizer = load_two_tier(tiny_moe, hot, warm, costs, policy=policy, prefetch=prefetch)
+    cache = model.expert_cache
+    for t in cache.tier_layers:
+        t.index.log = []
+    cache.start_trace()
+    tokens = one_token_calls(model, tokenizer, LONG[:120], 8)
+    trace = cache.stop_trace()
+    ref_model, ref_tok = mlx_load(str(tiny_moe))
+    assert tokens == one_token_calls(ref_model, ref_tok, LONG[:120], 8)
+    sim = simulate_two_tier(trace, policy, hot, warm, costs, cache.layers[0].slot_nbytes, keep_events=True)
+    assert sim.events == tuple(tuple(t.index.log) for t in cache.tier_layers)
+    s = cache.stats
+    assert (s.hot_hits, s.warm_hits, s.promotions, s.misses_hot, s.misses_warm, s.demotions) == (
+        sim.counts["hot_hit"], sim.counts["warm_hit"], sim.counts["promote"], sim.counts["miss_hot"],
+        sim.counts["miss_warm"], sim.counts["demote"])
+    assert len(sim.events[0]) > 20  # a real sequence was compared
+
+
+def test_each_tier_stays_within_its_budget(tiny_moe):
+    model, tokenizer = load_two_tier(tiny_moe, 2, 3, DEFAULT)
+    generate(model, tokenizer, LONG, max_tokens=6, verbose=False)
+    cache = model.expert_cache
+    hot = sum(t.module[t.attr].nbytes for layer in cache.layers for t in layer.tensors.values())
+    warm = sum(a.nbytes for t in cache.tier_layers for a in t.warm.arrays.values())
+    assert hot == cache.resident_bytes <= cache.budget_bytes
+    assert warm == cache.warm_resident_bytes <= cache.warm_budget_bytes
+    for t in cache.tier_layers:
+        assert (t.index.hot_slot >= 0).sum() <= 2 and (t.index.warm_slot >= 0).sum() <= 3
+
+
+def test_bad_settings_are_clear_errors(tiny_moe):
+    with pytest.raises(ValueError, match="host cache budget must be"):
+        mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, host_cache_gb=-1.0))
+    with pytest.raises(ValueError, match="pre-warm"):
+        mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, host_cache_gb=0.01, prewarm=True))
+
+
+def test_failed_read_resets_both_tiers_and_stays_exact(tiny_moe):
+    model, tokenizer = load_two_tier(tiny_moe, 1, 2, DEFAULT)
+    store = model.expert_cache.store
+    real, calls = store.read_experts, {"n": 0}
+
+    def flaky(names, experts):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(5, "Input/output error")
+        return real(names, experts)
+
+    store.read_experts = flaky
+    with pytest.raises(OSError):
+        generate(model, tokenizer, LONG, max_tokens=6, verbose=False)
+    store.read_experts = real
+    ref_model, ref_tok = mlx_load(str(tiny_moe))
+    assert generate(model, tokenizer, LONG, max_tokens=6, verbose=False) == generate(
+        ref_model, ref_tok, LONG, max_tokens=6, verbose=False)
