@@ -83,10 +83,13 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual mode
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException as e:
         try:
@@ -315,6 +318,8 @@ class JsonlSummaries:
             line = {doc.key[0]: doc.key[1]}
         else:
             line = {"id": doc_id, "source": doc.source if doc is not None else None}
+            if doc is not None and doc.name != doc_id:  # the output name differs from the original
+                line["name"] = doc.name
         line |= {"summary": summary, "output": name} | {k: record[k] for k in self.FIELDS if k in record}
         _append_line(self.path, (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
         self.ids.add(doc_id)
