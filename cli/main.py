@@ -40,7 +40,7 @@ EXIT_TERMINATED = 143  # SIGTERM: 128 + 15, as a shell reports a process it ende
 
 def fail(message: str) -> None:
     """One clear error line and exit code 2."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
@@ -96,7 +96,8 @@ class RichReporter:
         self.done += 1
         self.progress.update(self.task, advance=1, hit=cache["hit_rate"], doc="")
         if result.status == "failed":
-            self.progress.console.print(f"[red]failed[/] {result.id}: {result.error}", highlight=False)
+            self.progress.console.print(f"[red]failed[/] {escape(result.id)}: {escape(str(result.error))}",
+                                        highlight=False)
         elif not err.is_terminal:  # a log file gets one line per document instead of a live bar
             err.print(
                 f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens in {result.seconds:.1f} s, "
@@ -243,17 +244,17 @@ def run(
     __MACOSX, editor lock and backup files (~$x.docx, .#x, x~, #x#, .swp,
     .bak, .tmp), and links that lead outside INPUT (--follow-links reads
     them). PDF, Office, HTML and EPUB files are converted by MarkItDown
-    (pip install 'mlx-tier[documents]').
+    (the `documents` extra of mlx-tier).
 
     Exit codes: 0 all done, 1 some documents failed, 2 bad input, 3 the job
     stopped early (disk full, checkpoint unreadable; rerun to resume), 130
     interrupted (SIGINT), 143 terminated (SIGTERM).
     """
+    import psutil
+
     from mlx_tier import BudgetError, CheckpointError
     from mlx_tier.demo_model import DemoModelError
     from mlx_tier.documents import InputError
-    import psutil
-
     from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
     from mlx_tier.journal import JobError
     from mlx_tier.policy import POLICIES

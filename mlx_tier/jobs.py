@@ -20,9 +20,9 @@ import mlx.core as mx
 import psutil
 
 from .documents import InputError, discover, discover_list
-from .journal import DISK_FULL, Journal, JobError, JsonlSummaries, remove_stale_temps, write_atomic
-from .outdir import check_out_dir
+from .journal import DISK_FULL, JobError, Journal, JsonlSummaries, remove_stale_temps, write_atomic
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
+from .outdir import check_out_dir
 from .scheduler import GenerationConfig, Outcome, Scheduler, check_context
 from .status import LOCK, JobInfo, write_input_list
 from .throttle import Throttle, ThrottleConfig, keep_awake, lower_priority

@@ -23,8 +23,6 @@ from pathlib import Path
 import psutil
 
 from .documents import InputError
-from .journal import JobError
-from .store import CheckpointError
 from .generation import (
     DEFAULT_PREFILL_STEP,
     HEADROOM_BYTES,
@@ -37,7 +35,9 @@ from .generation import (
     stop_token_ids,
     strip_reasoning,
 )
+from .journal import JobError
 from .longdoc import MAP_NOTE, MapReduce, TooLong, build_prompt, trim_to_sentence
+from .store import CheckpointError
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16

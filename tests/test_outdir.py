@@ -17,7 +17,7 @@ from test_crash import _short_context, done_lines, make_docs, small_moe  # noqa:
 from typer.testing import CliRunner
 
 from mlx_tier.documents import InputError
-from mlx_tier.journal import Journal, _append_line, write_atomic
+from mlx_tier.journal import Journal, write_atomic
 from mlx_tier.outdir import check_out_dir
 
 runner = CliRunner()
@@ -128,8 +128,7 @@ def test_bad_journal_lines_are_skipped_with_a_warning(tmp_path, small_moe):  # n
 
 
 def test_checkpoint_unreadable_mid_job_stops_with_the_rest_pending(tmp_path, small_moe, monkeypatch):  # noqa: F811
-    import mlx_tier.jobs as jobs
-    import mlx_tier.store as store
+    from mlx_tier import jobs, store
 
     docs, out = tmp_path / "docs", tmp_path / "out"
     ids = [p.stem for p in make_docs(docs, 4)]
