@@ -52,8 +52,23 @@ def test_out_dir_equal_to_or_above_input_is_refused(tmp_path):
                          (tmp_path, f"the output folder contains the input folder {docs}")]:
         r = runner.invoke(app, ["run", str(docs), "--out", str(out)])
         assert r.exit_code == 2 and message in r.output, r.output
-    r = runner.invoke(app, ["run", str(docs), "--out", str(docs / "summaries"), "--cache-gb", "1e9"])
-    assert r.exit_code == 2 and "--cache-gb 1e+09 is more than this machine's memory" in r.output
+    import psutil
+
+    for too_much in ["1e9", str(psutil.virtual_memory().total / 2**30 + 1)]:
+        r = runner.invoke(app, ["run", str(docs), "--out", str(docs / "summaries"), "--cache-gb", too_much])
+        assert r.exit_code == 2 and "is more than this machine's memory" in r.output, r.output
+
+
+def test_run_refuses_a_folder_with_a_planted_link(tmp_path):
+    docs, out, victim = tmp_path / "docs", tmp_path / "out", tmp_path / "bashrc"
+    make_docs(docs, 1)
+    out.mkdir()
+    victim.write_text("precious\n")
+    (out / ".mlx-tier.lock").symlink_to(tmp_path / "created-elsewhere")
+    (out / "journal.jsonl").symlink_to(victim)
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out)])
+    assert r.exit_code == 2 and r.output.count("error:") == 1 and "is a symbolic link" in r.output, r.output
+    assert victim.read_text() == "precious\n" and not (tmp_path / "created-elsewhere").exists()
 
 
 def _disk_full_after(monkeypatch, matches, allowed: int):
