@@ -543,7 +543,7 @@ def trace_sim(
     if split not in ("uniform", "adaptive"):
         fail(f"--split must be uniform or adaptive, got {split!r}")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier\\[plot]'")
+        fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier[plot]'")
     E, L = t.num_experts, t.num_layers
     sizes = sorted(set(slots)) or sorted({max(1, round(E * f)) for f in (0.25, 0.5, 0.75)})
     if any(not 1 <= n <= E for n in sizes):

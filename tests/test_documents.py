@@ -157,8 +157,13 @@ def test_converted_formats(tmp_path):
     ]
     (tmp_path / "n.html").write_text("<html><head><script>var x;</script></head><body><h1>News</h1>"
                                       "<p>Rain in <b>Paris</b>.</p></body></html>")
+    (tmp_path / "j.ipynb").write_text(json.dumps({
+        "cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# Analysis\n", "Sales rose."]},
+                  {"cell_type": "code", "metadata": {}, "source": ["print(1)"], "outputs": [], "execution_count": 1}],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     docs = {d.id: d for d in discover(tmp_path)}
-    assert {i: d.error for i, d in docs.items()} == dict.fromkeys(["r", "m", "s", "t", "b", "n"])
+    assert {i: d.error for i, d in docs.items()} == dict.fromkeys(["r", "m", "s", "t", "b", "n", "j"])
+    assert "# Analysis\nSales rose." in docs["j"].text and "print(1)" in docs["j"].text
     assert docs["r"].text.split() == ["Quarterly", "report", "Revenue", "grew", "4.81", "percent."]
     assert docs["m"].text == "# Minutes\n\nThe board met on Monday."
     assert "# Plan\nShip in May" in docs["s"].text
