@@ -256,7 +256,7 @@ def run(
     from mlx_tier.demo_model import DemoModelError
     from mlx_tier.documents import InputError
     from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
-    from mlx_tier.journal import JobError
+    from mlx_tier.errors import JobError
     from mlx_tier.policy import POLICIES
     from mlx_tier.profile import ProfileError
     from mlx_tier.throttle import ThrottleConfig

@@ -11,7 +11,7 @@ mlx-lm and transformers.
 import importlib
 
 _EXPORTS = {
-    "BudgetError": ".tiered",
+    "BudgetError": ".cache",
     "CacheStats": ".cache",
     "CheckpointError": ".store",
     "ExpertCache": ".cache",

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from .policy import make_policy
+from .errors import BudgetError
+from .policy import PolicySpec
 from .store import ExpertStore, ReadStats, TensorInfo
 
 
@@ -74,6 +75,10 @@ class CacheStats:
         """Misses served by a prefetch / all misses."""
         return self.prefetch_used / self.misses if self.misses else 0.0
 
+    def __sub__(self, earlier: CacheStats) -> CacheStats:
+        """Counters of the phase between two snapshots: ``later - earlier``."""
+        return CacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
@@ -119,8 +124,7 @@ class LayerCache:
         num_slots: S, 1 <= S <= E.
         store: the cold tier.
         stats: shared counters.
-        policy: eviction policy name (:func:`mlx_tier.policy.make_policy`).
-        frequencies: expert id -> use count from a saved profile, for ``pinned``.
+        policy: how this layer's eviction policy is made (:class:`mlx_tier.policy.PolicySpec`).
     """
 
     def __init__(
@@ -131,8 +135,7 @@ class LayerCache:
         num_slots: int,
         store: ExpertStore,
         stats: CacheStats,
-        policy: str = "lru",
-        frequencies: dict[int, float] | None = None,
+        policy: PolicySpec | None = None,
     ):
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"slots must be in [1, {num_experts}], got {num_slots}")
@@ -141,9 +144,8 @@ class LayerCache:
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.store = store
-        self.policy_name = policy
-        self.frequencies = frequencies
-        self.policy = self._new_policy()
+        self.policy_spec = policy or PolicySpec("lru")
+        self.policy = self.policy_spec.make(layer, num_slots)
         # Uses of each expert, one per (token, k) entry routed to it: the unit
         # of a profile (mlx_tier.profile). Counted per call, off the slab path.
         self.counts = np.zeros(num_experts, dtype=np.int64)
@@ -194,6 +196,19 @@ class LayerCache:
             self.stats.hits += int(np.count_nonzero(uses))
             self.counts += uses
         self._uncounted.clear()
+
+    def accept_prefetch(self, read) -> None:
+        """Hand this layer an in-flight background read of predicted experts
+        (a :class:`mlx_tier.prefetch.PrefetchedRead`); its rows serve the next
+        call's misses. Any earlier unused batch is dropped first."""
+        self.end_call()
+        self.stats.prefetch_predicted += len(read.experts)
+        self.incoming = read
+
+    def discard_pending(self) -> None:
+        """Forget the last output that read the slabs without evaluating it
+        (after a failed step: evaluating it would fail again)."""
+        self.pending = None
 
     def settle(self) -> None:
         """Evaluate the last computation that read the slabs (see module doc)."""
@@ -322,13 +337,8 @@ class LayerCache:
         """Forget every resident expert (slab contents are then unused)."""
         self.slot_of[:] = -1
         self.free = list(range(self.num_slots - 1, -1, -1))
-        self.policy = self._new_policy()
+        self.policy = self.policy_spec.make(self.layer, self.num_slots)
         self.lut = None
-
-    def _new_policy(self):
-        if self.policy_name == "pinned":
-            return make_policy("pinned", self.num_slots, frequencies=self.frequencies or {})
-        return make_policy(self.policy_name, self.num_slots)
 
     def prewarm(self, experts: list[int]) -> int:
         """Read ``experts`` (hottest first) into free slots before any use.
@@ -403,21 +413,34 @@ class ExpertCache:
         self._stats = stats
         self.budget_bytes = budget_bytes
         self.store = store
-        assert self.resident_bytes <= budget_bytes, "slab sizing exceeded the budget"
+        if self.resident_bytes > budget_bytes:  # invariant 2 (DESIGN.md): checked, not assumed
+            raise BudgetError(
+                f"slabs of {self.resident_bytes} bytes exceed the cache budget of {budget_bytes} bytes"
+            )
 
     @property
     def stats(self) -> CacheStats:
-        """The shared counters, with every deferred hit counted and the
-        store's read totals (the store serves only this cache)."""
+        """The live counters (mutated as the model runs), with every deferred
+        hit counted and the store's read totals (the store serves only this
+        cache). Counting deferred hits reads router outputs that the step that
+        made them has already evaluated. For a value that does not move, take
+        :meth:`snapshot`."""
         for layer in self.layers:
             layer.count_deferred()
         self._stats.bytes_read = self.store.stats.bytes_read
         self._stats.read_seconds = self.store.stats.read_seconds
         return self._stats
 
+    def snapshot(self) -> CacheStats:
+        """A copy of the counters now; ``later - earlier`` measures a phase."""
+        return replace(self.stats)
+
     @property
-    def slots_per_layer(self) -> int:
-        return self.layers[0].num_slots
+    def slots_per_layer(self) -> int | None:
+        """Slots of every layer when they are all equal, else ``None`` (an
+        adaptive split or per-layer counts: see :attr:`layer_slots`)."""
+        counts = set(self.layer_slots)
+        return counts.pop() if len(counts) == 1 else None
 
     @property
     def layer_slots(self) -> tuple[int, ...]:
@@ -448,13 +471,14 @@ class ExpertCache:
         Args:
             profile: a :class:`~mlx_tier.profile.Profile` of this model's shape.
         """
-        before = self.store.stats
-        self.store.stats = ReadStats()
-        n = sum(layer.prewarm(profile.hottest(i, layer.num_slots)) for i, layer in enumerate(self.layers))
-        self._stats.prewarmed += n
-        self._stats.prewarm_bytes += self.store.stats.bytes_read
-        self._stats.prewarm_seconds += self.store.stats.read_seconds
-        self.store.stats = before
+        before, self.store.stats = self.store.stats, ReadStats()
+        try:
+            n = sum(layer.prewarm(profile.hottest(i, layer.num_slots)) for i, layer in enumerate(self.layers))
+            self._stats.prewarmed += n
+            self._stats.prewarm_bytes += self.store.stats.bytes_read
+            self._stats.prewarm_seconds += self.store.stats.read_seconds
+        finally:
+            self.store.stats = before  # prewarm reads are never counted as bytes_read
         return n
 
     @property

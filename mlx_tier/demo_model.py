@@ -30,6 +30,8 @@ import mlx.core as mx
 import numpy as np
 import platformdirs
 
+from .errors import DemoModelError
+
 NUM_EXPERTS = 8
 TOP_K = 2
 NOISE = 0.08  # per-expert perturbation, relative to each weight's std
@@ -42,10 +44,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _ATTN = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
 _FFN = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
-
-
-class DemoModelError(RuntimeError):
-    """The demo model cannot be built (source package missing, disk full...)."""
 
 
 def cache_dir() -> Path:

@@ -29,14 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .converters import SUFFIXES, Converted, convert_file, decode_text
+from .errors import InputError
 from .naming import MAX_ID_BYTES, assign, fold, safe_id
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "InputError", "decode_text", "discover", "discover_list",
            "safe_id", "skip_reason"]
-
-
-class InputError(ValueError):
-    """The job's input as a whole cannot be used (one clear line; CLI exit code 2)."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import mlx.core as mx
 import psutil
 
 from .documents import InputError, discover, discover_list
-from .journal import DISK_FULL, JobError, Journal, JsonlSummaries, remove_stale_temps, write_atomic
+from .errors import JobError
+from .journal import DISK_FULL, Journal, JsonlSummaries, remove_stale_temps, write_atomic
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
 from .outdir import check_out_dir
 from .scheduler import GenerationConfig, Outcome, Scheduler, check_context

@@ -30,18 +30,13 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from .documents import Document
+from .errors import JobError  # noqa: F401 - importable from here too
 
 JOURNAL = "journal.jsonl"
 SUMMARIES = "summaries.jsonl"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # errno values that mean "the disk is full": the job cannot go on.
 DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-
-
-class JobError(RuntimeError):
-    """The job cannot go on (disk full, checkpoint unreadable mid-job): finished
-    work is kept, the journal is consistent, documents not attempted stay
-    pending; the rerun resumes. One clear line (CLI exit code 3)."""
 
 
 def named(e: OSError, path: Path) -> OSError:

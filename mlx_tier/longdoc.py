@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .errors import TooLong
+
 MAP_NOTE = "The text below is part {i} of {n} of a longer document; work on this part only. "
 REDUCE_NOTE = (
     "The texts below are results for consecutive parts of one longer document, in order. "
@@ -75,10 +77,6 @@ def split_text(text: str, count, limit: int, _level: int = 0) -> list[str]:
         parts.append(sep.join(current))
     # The sums above are estimates; re-split any part that is still too long.
     return [q for p in parts for q in (split_text(p, count, limit, _level + 1) if count(p) > limit else [p])]
-
-
-class TooLong(ValueError):
-    """Even one part cannot fit: the usable context is too small for the instruction."""
 
 
 @dataclass

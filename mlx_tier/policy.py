@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 class EvictionPolicy(Protocol):
@@ -234,3 +235,45 @@ def make_policy(name: str, slots: int = 1, **kwargs) -> EvictionPolicy:
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES) + sorted(OFFLINE_POLICIES)}")
     return cls(slots, **kwargs)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Every layer's eviction policy, chosen once at the edge (config) and
+    passed down whole: the one place that knows what each policy needs.
+
+    Attributes:
+        name: ``lru``, ``lfu``, ``2q``, ``pinned`` (live) or ``belady`` (offline).
+        profile: for ``pinned``: any object with ``frequencies(layer) ->
+            {expert: count}`` (a :class:`mlx_tier.profile.Profile`).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+
+    name: str
+    profile: Any = None
+
+    def __post_init__(self):
+        if self.name not in POLICIES and self.name not in OFFLINE_POLICIES:
+            raise ValueError(f"unknown policy {self.name!r}; choose from {sorted(POLICIES) + sorted(OFFLINE_POLICIES)}")
+
+    @property
+    def live(self) -> bool:
+        """Usable in a running model (Belady needs the future)."""
+        return self.name in POLICIES
+
+    @property
+    def needs_profile(self) -> bool:
+        """Needs a saved frequency profile; such a policy also pre-warms by default."""
+        return self.name == "pinned"
+
+    def make(self, layer: int, slots: int, future: Sequence[int] = ()) -> EvictionPolicy:
+        """A fresh policy for MoE layer ``layer`` with ``slots`` slots
+        (``future``: the layer's access sequence, for Belady)."""
+        if self.name == "pinned":
+            freq = self.profile.frequencies(layer) if self.profile is not None else {}
+            return PinnedPolicy(slots, frequencies=freq)
+        if self.name == "belady":
+            return BeladyPolicy(slots, future=future)
+        return make_policy(self.name, slots)

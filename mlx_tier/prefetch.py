@@ -168,15 +168,14 @@ class NextLayerPrefetch:
         Any earlier batch of layer l+1 is dropped first (at most one per layer).
         """
         cache = self.next_cache
-        cache.end_call()
+        cache.end_call()  # drop an unused earlier batch before choosing what is missing
         ids, votes = np.unique(predicted, return_counts=True)
         order = np.argsort(-votes, kind="stable")
         experts = [int(e) for e in ids[order] if cache.slot_of[e] < 0][: cache.num_slots]
         if not experts:
             return
-        cache.stats.prefetch_predicted += len(experts)
         future = self.reader.submit(cache.store, self._names, experts)
-        cache.incoming = PrefetchedRead(experts, future, self._expert_nbytes)
+        cache.accept_prefetch(PrefetchedRead(experts, future, self._expert_nbytes))
 
 
 def expert_input_dims(block: nn.Module) -> int | None:

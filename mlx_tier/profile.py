@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import ProfileError
 from .journal import write_atomic
 
 PROFILE_FILE = "mlx-tier-profile.json"
@@ -38,10 +39,6 @@ HOW_TO_MAKE = (
     "record one with `mlx-tier run DOCS --out OUT --trace T.npz` and then `mlx-tier profile MODEL T.npz`, "
     "or from Python with mlx_tier.profile.record(model_dir, profile)"
 )
-
-
-class ProfileError(ValueError):
-    """A profile is missing, malformed, or does not fit the model."""
 
 
 @dataclass(frozen=True)

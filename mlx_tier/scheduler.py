@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from .documents import InputError
+from .errors import JobError
 from .generation import (
     DEFAULT_PREFILL_STEP,
     HEADROOM_BYTES,
@@ -35,7 +36,6 @@ from .generation import (
     stop_token_ids,
     strip_reasoning,
 )
-from .journal import JobError
 from .longdoc import MAP_NOTE, MapReduce, TooLong, build_prompt, trim_to_sentence
 from .store import CheckpointError
 
@@ -308,4 +308,4 @@ class Scheduler:
         """Forget lazy expert outputs of a failed step (they would fail again when evaluated)."""
         cache = getattr(self.model, "expert_cache", None)
         for layer in getattr(cache, "layers", []):
-            layer.pending = None
+            layer.discard_pending()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .policy import make_policy
+from .policy import PolicySpec
 from .profile import Profile, from_trace
 from .trace import Trace
 
@@ -40,8 +40,8 @@ class SimResult:
         return self.hits / self.accesses if self.accesses else 0.0
 
 
-def simulate_layer(seq: list[list[int]], policy: str, slots: int, prewarm: Sequence[int] = (),
-                   **policy_kwargs) -> tuple[int, int]:
+def simulate_layer(seq: list[list[int]], policy: str | PolicySpec, slots: int, prewarm: Sequence[int] = (),
+                   layer: int = 0) -> tuple[int, int]:
     """``(hits, accesses)`` of one layer's top-k sequence under ``policy`` with ``slots``.
 
     Mirrors :meth:`mlx_tier.cache.LayerCache.assign` for one token per call:
@@ -53,12 +53,12 @@ def simulate_layer(seq: list[list[int]], policy: str, slots: int, prewarm: Seque
             most ``slots`` are used); inserted into the policy coldest first,
             as :meth:`mlx_tier.cache.LayerCache.prewarm` does. For Belady the
             pre-warm inserts count as uses before the sequence.
+        layer: which layer ``seq`` is (a pinned policy's frequencies).
     """
+    spec = policy if isinstance(policy, PolicySpec) else PolicySpec(policy)
     warm = list(prewarm)[:slots]
     flat = [e for row in seq for e in sorted(set(row))]
-    if policy == "belady":
-        policy_kwargs = {**policy_kwargs, "future": warm[::-1] + flat}
-    p = make_policy(policy, slots, **policy_kwargs)
+    p = spec.make(layer, slots, future=warm[::-1] + flat)
     resident: set[int] = set()
     for e in reversed(warm):
         resident.add(e)
@@ -107,16 +107,16 @@ def simulate(trace: Trace, policy: str, slots: int | Sequence[int], profile: Pro
     """
     seqs = trace.layer_sequences()
     per = _layer_slots(slots, len(seqs), trace.num_experts)
-    if profile is None and (policy == "pinned" or prewarm):
+    if profile is None and (PolicySpec(policy).needs_profile or prewarm):
         profile = from_trace(trace, len(seqs), trace.num_experts)
     if profile is not None:
         profile.check(len(seqs), trace.num_experts, "simulate")
+    spec = PolicySpec(policy, profile)
     hits = accesses = 0
     per_layer = []
     for lay, (seq, n) in enumerate(zip(seqs, per)):
-        kwargs = {"frequencies": profile.frequencies(lay)} if policy == "pinned" else {}
         warm = profile.hottest(lay, n) if prewarm else ()
-        h, a = simulate_layer(seq, policy, n, warm, **kwargs)
+        h, a = simulate_layer(seq, spec, n, warm, layer=lay)
         hits, accesses = hits + h, accesses + a
         per_layer.append(h / a if a else 0.0)
     mean = slots if isinstance(slots, int) else round(sum(per) / len(per))
@@ -127,14 +127,14 @@ def miss_curves(trace: Trace, policy: str, profile: Profile | None = None, prewa
     """Per layer, the misses with 1..E slots: ``curves[l][n - 1]`` (E simulations per layer)."""
     seqs = trace.layer_sequences()
     E = trace.num_experts
-    if profile is None and (policy == "pinned" or prewarm):
+    if profile is None and (PolicySpec(policy).needs_profile or prewarm):
         profile = from_trace(trace, len(seqs), E)
+    spec = PolicySpec(policy, profile)
     curves = []
     for lay, seq in enumerate(seqs):
-        kwargs = {"frequencies": profile.frequencies(lay)} if policy == "pinned" else {}
         row = []
         for n in range(1, E + 1):
-            h, a = simulate_layer(seq, policy, n, profile.hottest(lay, n) if prewarm else (), **kwargs)
+            h, a = simulate_layer(seq, spec, n, profile.hottest(lay, n) if prewarm else (), layer=lay)
             row.append(a - h)
         curves.append(row)
     return curves

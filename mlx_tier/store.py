@@ -43,6 +43,8 @@ from typing import Self
 
 import numpy as np
 
+from .errors import CheckpointError
+
 # safetensors dtype -> numpy dtype used to hold the raw bytes. bfloat16 has no
 # numpy dtype: it travels as uint16 and is reinterpreted by the caller.
 _NP_DTYPES = {
@@ -76,10 +78,6 @@ DEFAULT_PAGE_CACHE = "keep"
 # O_DIRECT needs offset, length and buffer address aligned to the logical
 # block size; 4 KiB covers 512-byte and 4K-native disks.
 DIRECT_ALIGN = 4096
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed, or not in the layout mlx-tier reads."""
 
 
 def check_read_settings(read_method: str, page_cache: str) -> None:

@@ -19,8 +19,8 @@ from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model, load_tokenizer
 
-from .cache import CacheStats, ExpertCache, LayerCache, SlabTensor
-from .policy import OFFLINE_POLICIES
+from .cache import BudgetError, CacheStats, ExpertCache, LayerCache, SlabTensor
+from .policy import PolicySpec
 from .prefetch import BackgroundReader, link_layers
 from .store import (
     DEFAULT_PAGE_CACHE,
@@ -101,10 +101,6 @@ class TierConfig:
 
     def __post_init__(self):
         check_read_settings(self.read_method, self.page_cache)
-
-
-class BudgetError(ValueError):
-    """The cache budget cannot hold one expert slot per MoE layer."""
 
 
 class TieredExperts(nn.Module):
@@ -261,7 +257,7 @@ def _profile_for(config: TierConfig, model_dir: Path, num_layers: int, num_exper
 
     if config.split not in ("uniform", "adaptive"):
         raise ValueError(f"split must be 'uniform' or 'adaptive', got {config.split!r}")
-    wants = {"policy 'pinned'": config.policy == "pinned", "pre-warm": bool(config.prewarm),
+    wants = {f"policy {config.policy!r}": PolicySpec(config.policy).needs_profile, "pre-warm": bool(config.prewarm),
              "the adaptive split": config.split == "adaptive" and config.layer_slots is None}
     needed = [why for why, yes in wants.items() if yes]
     if not needed:
@@ -318,7 +314,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
             f"{model_dir}: not a Mixture-of-Experts checkpoint "
             f"(model type {model_type!r} has no mlx-lm expert blocks)"
         )
-    if config.policy in OFFLINE_POLICIES:
+    if not PolicySpec(config.policy).live:
         raise ValueError(f"policy {config.policy!r} needs the future: use it in `mlx-tier trace-sim`, not live")
     store = ExpertStore(model_dir, threads=config.read_threads, read_method=config.read_method,
                          page_cache=config.page_cache)
@@ -350,10 +346,10 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
         slots = plan_slots(budget, len(found), slot_nbytes, num_experts)
     per_layer = _layer_slot_counts(config, profile, slots, budget // slot_nbytes, [n for _, n, _ in found])
     stats = CacheStats()
+    policy = PolicySpec(config.policy, profile)
     layers = []
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
-        freq = profile.frequencies(i) if config.policy == "pinned" else None
-        layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, config.policy, freq))
+        layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, policy))
         wrapper._cache = layers[-1]
     if config.prefetch:
         parents = [_module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
@@ -361,7 +357,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig) -> ExpertC
         for wrapper, link in zip(wrappers, links):
             wrapper._prefetch = link
     expert_cache = ExpertCache(layers, stats, budget, store)
-    if config.prewarm or (config.prewarm is None and config.policy == "pinned"):
+    if config.prewarm or (config.prewarm is None and policy.needs_profile):
         expert_cache.prewarm(profile)
     model.expert_cache = expert_cache
     return expert_cache

@@ -21,15 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import TraceError
 from .journal import write_atomic
 
 FORMAT = "mlx-tier-trace"
 VERSION = 1
 PREFILL, DECODE = 0, 1
-
-
-class TraceError(ValueError):
-    """A trace file is missing or malformed."""
 
 
 @dataclass

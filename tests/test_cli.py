@@ -207,7 +207,7 @@ def test_ids_unique_out_dir_inside_input_and_lock(tmp_path, tiny_moe):
     assert (out / LOCK).exists()
 
 
-def test_more_bad_input(tmp_path, tiny_moe, docs):
+def test_nan_budget_and_unwritable_trace_path_exit_2_with_one_line(tmp_path, tiny_moe, docs):
     for args, message in [
         ((docs, "--out", tmp_path / "o", "--cache-gb", "nan"), "must be a positive number"),
         ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--trace", tmp_path / "no" / "t.npz"), "cannot write the trace"),

@@ -27,7 +27,7 @@ def test_folder_recursive_with_bad_documents(tmp_path):
     assert docs["broken"].error.startswith("cannot convert")
 
 
-def test_jsonl(tmp_path):
+def test_jsonl_gives_one_document_per_line_and_flags_empty_text(tmp_path):
     f = tmp_path / "in.jsonl"
     f.write_text(json.dumps({"id": "x/1", "text": "one"}) + "\n\n" + json.dumps({"id": 2, "text": ""}) + "\n")
     docs = discover(f)

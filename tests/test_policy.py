@@ -19,11 +19,33 @@ def test_lru_order_and_protection():
         p.evict(protected={7})
 
 
-def test_make_policy():
+def test_make_policy_builds_by_name_and_refuses_unknown_names():
     assert isinstance(make_policy("lru"), LRUPolicy)
-    assert make_policy("belady", 4, future=[1, 2]).evict.__self__ is not None
+    belady = make_policy("belady", 4, future=[1, 2, 1])
+    for e in (1, 2):
+        belady.insert(e)
+    assert belady.evict() == 2  # 1 is used again, 2 never: the future was taken
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fifo")
+
+
+def test_policy_spec_makes_each_layer_its_own_policy_and_knows_what_it_needs():
+    from mlx_tier.policy import PinnedPolicy, PolicySpec
+
+    class Profile:  # a scripted profile: layer 1 says expert 5 is hot
+        def frequencies(self, layer):
+            return {5: 100.0} if layer == 1 else {}
+
+    spec = PolicySpec("pinned", Profile())
+    assert spec.live and spec.needs_profile
+    p0, p1 = spec.make(0, 2), spec.make(1, 2)
+    assert isinstance(p1, PinnedPolicy) and p0 is not p1
+    for e in (5, 6):
+        p1.insert(e)
+    assert p1.evict() == 6  # the profile's hot expert stays
+    assert not PolicySpec("belady").live and not PolicySpec("lru").needs_profile
+    with pytest.raises(ValueError, match="unknown policy"):
+        PolicySpec("fifo")
 
 
 def test_lfu_with_aging_prefers_frequent_then_ages():
