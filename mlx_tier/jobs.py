@@ -21,9 +21,17 @@ import psutil
 
 from .checkpoint import context_length
 from .documents import InputError, discover, discover_list
+from .errors import JobError
 from .job_view import progress_sample
-from .journal import Journal, JsonlSummaries, remove_stale_temps, write_atomic
+from .journal import (
+    DISK_FULL,
+    Journal,
+    JsonlSummaries,
+    remove_stale_temps,
+    write_atomic,
+)
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
+from .outdir import check_out_dir
 from .scheduler import GenerationConfig, Outcome, Scheduler, check_context
 from .status import LOCK, JobInfo, write_input_list
 from .throttle import Throttle, ThrottleConfig, keep_awake, lower_priority
@@ -77,6 +85,7 @@ class JobConfig:
             checkpoint's saved profile (next to it, or in the user cache).
         prefetch: read the next layer's predicted experts in the background
             (``None``: :data:`mlx_tier.tiered.DEFAULT_PREFETCH`).
+        follow_links: read links in an INPUT folder that lead outside it.
     """
 
     input: Path
@@ -103,6 +112,7 @@ class JobConfig:
     save_profile: bool = False
     prefetch: bool | None = None
     host_cache_gb: float | None = None  # warm host tier of the CUDA path (TierConfig.host_cache_gb)
+    follow_links: bool = False
 
 
 @dataclass
@@ -119,6 +129,8 @@ class DocResult:
     output: str | None = None
     finish_reason: str | None = None  # "stop" (end of text) or "length" (hit --max-tokens)
     parts: int = 0  # > 0: too long for the context, summarised by map-reduce over this many parts
+    name: str | None = None  # the original id (relative path, JSONL custom_id/id) the output name came from
+    converter: str | None = None  # how the text was read: "text (cp1252)", "markitdown 0.1.9 PdfConverter"...
 
 
 @dataclass
@@ -264,12 +276,13 @@ def prepare_out_dir(out_dir: Path) -> bool:
     Raises:
         InputError: it cannot be created or written.
     """
+    import tempfile
+
     created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".mlx-tier-write-test"
-        probe.write_text("ok")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=out_dir) as probe:  # a fresh name: no planted link is followed
+            probe.write(b"ok")
     except OSError as e:
         raise InputError(f"{out_dir}: output folder not writable ({e.strerror or e})") from None
     return created
@@ -284,7 +297,8 @@ def lock_out_dir(out_dir: Path):
     Raises:
         InputError: another run holds it.
     """
-    f = open(out_dir / LOCK, "a")
+    f = os.fdopen(os.open(out_dir / LOCK, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0),
+                          0o666), "a")
     try:
         import fcntl
 
@@ -361,7 +375,11 @@ class _Rate:
 
 
 def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
-    """Write a finished summary (atomically) and fill ``res``; a write error fails the document."""
+    """Write a finished summary (atomically) and fill ``res``; a write error fails the document.
+
+    Raises:
+        JobError: the disk is full (the document stays pending: no later one could be written either).
+    """
     res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
     res.seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
     if outcome.status != "done":
@@ -370,6 +388,10 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
     try:
         write_atomic(out_dir / f"{res.id}.md", outcome.summary + "\n")
         res.status, res.output = "done", f"{res.id}.md"
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise JobError(f"{e.filename}: {e.strerror}; the job stopped (finished summaries are kept)") from None
+        res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
     except DOCUMENT_ERRORS as e:
         res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
 
@@ -452,8 +474,12 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     reporter = reporter or Reporter()
     prefetch = DEFAULT_PREFETCH if config.prefetch is None else config.prefetch
     t_start, t_wall = time.perf_counter(), time.time()
-    docs = (discover_list(config.input_paths, exclude=config.out_dir) if config.input_paths is not None
-            else discover(config.input, exclude=config.out_dir))
+    check_out_dir(config.out_dir, config.input if config.input_paths is None else None)
+    earlier = Journal(config.out_dir) if config.out_dir.is_dir() else None
+    previous = earlier.names() if earlier is not None else {}  # each document keeps its output name
+    docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous)
+            if config.input_paths is not None
+            else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous))
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
         raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
     created = prepare_out_dir(config.out_dir)
@@ -462,6 +488,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" else None
     journal = Journal(config.out_dir, on_done=summaries.add if summaries is not None else None)
     records = journal.records()
+    for warning in journal.warnings.values():
+        reporter.message(f"journal: {warning}")
 
     try:
         model_dir = Path(config.model) if config.model is not None else ensure_demo_model(reporter.message)
@@ -497,7 +525,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             "prompt": config.prompt,
         }
     )
-    results = {d.id: DocResult(d.id, "pending", d.source) for d in docs}
+    results = {d.id: DocResult(d.id, "pending", d.source, name=d.name, converter=d.converter) for d in docs}
     report.results = list(results.values())
 
     todo, failed_earlier = [], []
@@ -510,7 +538,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         elif out_path.exists():
             # Complete (written atomically) but unrecorded: a crash after the
             # rename. Record it; never regenerate a finished output.
-            journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True})
+            journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True, "name": d.name})
             results[d.id].__dict__.update(status="skipped", output=out_path.name)
         elif rec and rec.get("status") == "failed" and not config.retry_failed:
             # Failed in an earlier run: stays failed until --retry-failed.
@@ -588,8 +616,10 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             reporter.message(f"expert use profile saved to {where}")
         except (OSError, profile.ProfileError) as e:
             reporter.message(f"could not save the expert use profile: {e}")
-    write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
-    lock.close()
+    try:
+        write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
+    finally:  # disk full: the folder is free for the rerun all the same
+        lock.close()
     _write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     reporter.close()
     return report
