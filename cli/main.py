@@ -17,6 +17,7 @@ try:  # Typer >= 0.24 carries its own copy of click
 except ImportError:  # pragma: no cover - older Typer on click
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -34,10 +35,10 @@ class OneLineErrors(typer.core.TyperGroup):
             sys.exit(e.exit_code)
         except UsageError as e:
             where = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
-            err.print(f"[bold red]error:[/] {e.format_message()}{where}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(e.format_message() + where)}", highlight=False, soft_wrap=True)
             sys.exit(EXIT_BAD_INPUT)
         except ClickException as e:
-            err.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)
             sys.exit(e.exit_code)
         except typer.Abort:
             err.print("aborted")
@@ -58,13 +59,14 @@ out = Console()
 
 EXIT_FAILED_DOCS = 1
 EXIT_BAD_INPUT = 2
+EXIT_JOB_ERROR = 3  # the job stopped early (disk full, checkpoint unreadable mid-job); rerun to resume
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: 128 + 15, as a shell reports a process it ended
 
 
 def fail(message: str) -> None:
     """One clear error line and exit code 2."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
@@ -165,7 +167,8 @@ class RichReporter:
         self.done += 1
         self.finished_now += 1
         if result.status == "failed":
-            err.print(f"[red]failed[/] {result.id}: {result.error}", highlight=False, soft_wrap=True)
+            err.print(f"[red]failed[/] {escape(result.id)}: {escape(str(result.error))}", highlight=False,
+                      soft_wrap=True)
         elif self.live is None:  # a log file gets one line per document instead of a live line
             err.print(
                 f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens, "
@@ -281,7 +284,7 @@ def _root(
 
 @app.command()
 def run(
-    input: Path = typer.Argument(..., metavar="INPUT", help="Folder of .txt/.md documents (searched recursively), a JSONL file with custom_id (or id) and text per line, or - for a list of file paths on stdin."),
+    input: Path = typer.Argument(..., metavar="INPUT", help="Folder of documents (searched recursively: .txt/.md in any text encoding, .pdf, .docx, .pptx, .xlsx, .xls, .html, .epub, .ipynb, .msg), a JSONL file with custom_id (or id) and text (or an OpenAI batch request body) per line, or - for a list of file paths on stdin."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
     model: str | None = typer.Option(None, "--model", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id such as mlx-community/Qwen3-30B-A3B-4bit (local cache first, else downloaded; HF_HUB_OFFLINE=1 forbids downloads). Default: the built-in demo, SmolLM2-135M as an 8-expert MoE: a toy that shows the machinery, not good summaries."),
     cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
@@ -305,6 +308,7 @@ def run(
     save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA path: a warm tier of this many GiB in host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"). Default: one tier."),
     prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
+    follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
 ) -> None:
@@ -317,12 +321,24 @@ def run(
     (see `mlx-tier thermal`) and keeps a Mac awake while it runs. Ctrl-C or
     SIGTERM finishes the summaries being written and stops (a second one
     stops at once); everything finished is kept and the command to resume
-    is printed. Exit codes: 0 all done, 1 some documents failed, 2 bad
-    input, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
+    is printed.
+
+    Skipped in a folder: dot-files and dot-folders, macOS ._ files and
+    __MACOSX, editor lock and backup files (~$x.docx, .#x, x~, #x#, .swp,
+    .bak, .tmp), and links that lead outside INPUT (--follow-links reads
+    them). PDF, Office, HTML and EPUB files are converted by MarkItDown
+    (the `documents` extra of mlx-tier).
+
+    Exit codes: 0 all done, 1 some documents failed, 2 bad input, 3 the job
+    stopped early (disk full, checkpoint unreadable; rerun to resume), 130
+    interrupted (SIGINT), 143 terminated (SIGTERM).
     """
+    import psutil
+
     from mlx_tier import BudgetError, CheckpointError
     from mlx_tier.demo_model import DemoModelError
     from mlx_tier.documents import InputError
+    from mlx_tier.errors import JobError
     from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
     from mlx_tier.policy import POLICIES
     from mlx_tier.profile import ProfileError
@@ -334,6 +350,8 @@ def run(
         fail(f"--host-cache-gb must be a number >= 0, got {host_cache_gb}")
     if host_cache_gb is not None and (prewarm or policy == "pinned"):
         fail("--host-cache-gb: pre-warm (and --policy pinned) are not implemented for the two-tier cache yet")
+    if cache_gb is not None and cache_gb > (memory := psutil.virtual_memory().total / 2**30):
+        fail(f"--cache-gb {cache_gb:g} is more than this machine's memory ({memory:.1f} GiB)")
     if output_format not in ("md", "jsonl"):
         fail(f"--format must be md or jsonl, got {output_format!r}")
     if policy not in POLICIES:
@@ -354,7 +372,7 @@ def run(
     paths = tuple(sys.stdin.read().splitlines()) if from_stdin else None
     command = resume_command(ctx, out_dir, from_stdin)
     if background:
-        _start_background(ctx, input, out_dir, paths, prompt)
+        _start_background(ctx, input, out_dir, paths, prompt, follow_links)
         return
     reporter = RichReporter()
     try:
@@ -382,12 +400,19 @@ def run(
             save_profile=save_profile,
             prefetch=prefetch,
             host_cache_gb=host_cache_gb,
+            follow_links=follow_links,
         )
         with _sigterm_interrupts():
             report = run_job(config, reporter)
     except (InputError, CheckpointError, BudgetError, DemoModelError, ProfileError) as e:
         reporter.close()
         fail(str(e))
+    except (JobError, OSError) as e:  # disk full, checkpoint unreadable: finished work is kept
+        reporter.close()
+        reason = str(e) if isinstance(e, JobError) else f"{e.filename or out_dir}: {e.strerror or e}"
+        err.print(f"[bold red]error:[/] {escape(reason)}. Finished summaries are kept; resume with: {escape(command)}",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_JOB_ERROR)
     except KeyboardInterrupt as e:
         reporter.close()
         term = getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
@@ -405,17 +430,20 @@ def run(
 
 
 def _start_background(ctx: typer.Context, input: Path, out_dir: Path, paths: tuple[str, ...] | None,
-                      prompt: str | None) -> None:
+                      prompt: str | None, follow_links: bool) -> None:
     """Check the input here (bad input: exit 2 now, not in a log), then start the run detached."""
     import shlex
 
     from mlx_tier.documents import InputError, discover, discover_list
     from mlx_tier.jobs import read_prompt
+    from mlx_tier.outdir import check_out_dir
     from mlx_tier.status import LOG_FILE, PID_FILE, start_background, write_input_list
 
     stdin = None
     try:
-        docs = discover_list(paths, exclude=out_dir) if paths is not None else discover(input, exclude=out_dir)
+        check_out_dir(out_dir, input if paths is None else None)
+        docs = (discover_list(paths, exclude=out_dir) if paths is not None
+                else discover(input, exclude=out_dir, follow_links=follow_links))
         if prompt:
             read_prompt(prompt)
         if paths is not None:
@@ -471,6 +499,8 @@ def status(
         fail(str(e))
     if as_html:
         watch_cmd.write_html(out_dir)
+    for warning in s.warnings:  # journal lines that are not usable records
+        err.print(f"warning: {warning}", highlight=False, soft_wrap=True, markup=False)
     if as_json:
         out.print_json(json.dumps(s.as_dict()))
         return
@@ -655,7 +685,7 @@ def trace_sim(
     if split not in ("uniform", "adaptive"):
         fail(f"--split must be uniform or adaptive, got {split!r}")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier\\[plot]'")
+        fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier[plot]'")
     E, L = t.num_experts, t.num_layers
     sizes = sorted(set(slots)) or sorted({max(1, round(E * f)) for f in (0.25, 0.5, 0.75)})
     if any(not 1 <= n <= E for n in sizes):

@@ -1,28 +1,39 @@
-"""Job input: documents from a folder (recursive ``.txt``/``.md``), a JSONL file,
-or a list of file paths (``mlx-tier run -`` reads it from stdin).
+"""Job input: documents from a folder (recursive, by suffix), a JSONL file, or
+a list of file paths (``mlx-tier run -`` reads it from stdin).
 
-A *document* has an ``id`` (safe as a file name: the summary goes to
-``OUT_DIR/<id>.md``) and either its text or the reason it cannot be read.
-JSONL lines name themselves with ``custom_id`` (OpenAI batch style) or ``id``;
-the value is kept exactly as given in :attr:`Document.key` so JSONL output
-can echo it back.
+A *document* has a ``name`` (what the user knows it by: its path relative to
+INPUT, or its JSONL ``custom_id``/``id`` as text), an ``id`` (the stem of its
+output ``OUT_DIR/<id>.md``: the name made file-name safe and unique,
+:mod:`mlx_tier.naming`) and either its text or the reason it cannot be read.
+Text comes from :mod:`mlx_tier.converters` (any common text encoding; PDF,
+Word, PowerPoint, Excel, HTML, EPUB… through MarkItDown).
+
+A folder walk skips what is not a document (:func:`skip_reason`: dot-files
+and dot-folders, macOS ``._`` AppleDouble files, editor lock/backup files) and,
+unless ``follow_links``, links that lead outside the folder.
+JSONL lines name themselves with ``custom_id`` (OpenAI batch style, with the
+text in ``text`` or in the user messages of ``body.messages``) or ``id``; the
+value is kept as given (numbers as their literal text) in
+:attr:`Document.key` so JSONL output can echo it back.
 Input-level problems (missing path, nothing to read, malformed JSONL) raise
-:class:`InputError`; a single unreadable document (binary, non-UTF-8, empty)
-is returned with ``error`` set so the rest of the job continues.
+:class:`InputError`; a single unreadable document (binary, empty, a failed
+conversion) is returned with ``error`` set so the rest of the job continues.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .converters import SUFFIXES, Converted, convert_file, decode_text
 from .errors import InputError
+from .naming import MAX_ID_BYTES, assign, fold, safe_id
 
-SUFFIXES = (".txt", ".md")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+__all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "InputError", "decode_text", "discover", "discover_list",
+           "safe_id", "skip_reason"]
 
 
 @dataclass(frozen=True)
@@ -30,105 +41,132 @@ class Document:
     """One document of a job.
 
     Attributes:
-        id: unique, file-name safe identifier.
+        id: unique, file-name safe identifier (output ``<id>.md``).
         source: where it came from (path, or ``FILE:LINE`` for JSONL).
         text: the document's text, ``None`` when unreadable.
         error: why it cannot be summarised, ``None`` when readable.
         key: JSONL input only: ``("custom_id", value)`` or ``("id", value)``,
-            the value exactly as the line gave it (string or number), for
-            ``summaries.jsonl``; ``None`` for files.
+            the value a string as the line gave it (a number as its literal
+            text, e.g. ``"1e400"``), for ``summaries.jsonl``; ``None`` for files.
+        name: the original identifier (relative path, or the key's value);
+            ``id`` is derived from it. Defaults to ``id``.
+        converter: how the text was obtained (``text (utf-8)``,
+            ``markitdown 0.1.3``…), ``None`` for JSONL text.
     """
 
     id: str
     source: str
     text: str | None = None
     error: str | None = None
-    key: tuple[str, str | int | float] | None = None
+    key: tuple[str, str] | None = None
+    name: str | None = None
+    converter: str | None = None
+
+    def __post_init__(self):
+        if self.name is None:
+            object.__setattr__(self, "name", self.id)
 
 
-# Longest id kept as is: its output name (<id>.md, and the .<id>.md.XXXXXXXX.tmp
-# written first) must stay under the usual 255-byte file-name limit.
-MAX_ID_BYTES = 200
+# Folders that hold no documents of the user's: zip tools' macOS metadata.
+_SKIP_FOLDERS = {"__MACOSX"}
+_SKIP_SUFFIXES = {".swp", ".swo", ".swx", ".tmp", ".bak", ".crdownload", ".part"}
 
 
-def safe_id(raw: str) -> str:
-    """A file-name-safe form of ``raw`` (``a/b c.txt`` -> ``a__b_c.txt``); one longer
-    than :data:`MAX_ID_BYTES` is cut and ends with a hash of the whole (still unique)."""
-    s = raw.replace("/", "__").replace("\\", "__")
-    s = _UNSAFE.sub("_", s).strip("._") or "doc"
-    if len(s.encode("utf-8")) > MAX_ID_BYTES:
-        import hashlib
+def skip_reason(name: str) -> str | None:
+    """Why a file or folder named ``name`` is not a document, or ``None`` when it may be one.
 
-        digest = hashlib.sha256(s.encode("utf-8")).hexdigest()[:12]
-        s = s.encode("utf-8")[: MAX_ID_BYTES - 13].decode("utf-8", "ignore") + "_" + digest
-    return s
-
-
-def decode_text(data: bytes) -> tuple[str | None, str | None]:
-    """``(text, None)`` for usable UTF-8 text, else ``(None, reason)``."""
-    if b"\x00" in data:
-        return None, "binary file (contains NUL bytes), not text"
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return None, f"not UTF-8 text (invalid byte at offset {e.start})"
-    if not text.strip():
-        return None, "empty document"
-    return text, None
+    Skipped: macOS AppleDouble metadata (``._x``), other dot-files and
+    dot-folders (``.DS_Store``, ``.git``, Emacs ``.#x`` locks, Vim ``.x.swp``),
+    Office lock files (``~$x.docx``), backups (``x~``, ``x.bak``), Emacs
+    autosaves (``#x#``), partial downloads, ``__MACOSX`` folders.
+    """
+    if name.startswith("._"):
+        return "macOS metadata (AppleDouble)"
+    if name.startswith("."):
+        return "hidden file"
+    if name.startswith("~$"):
+        return "Office lock file"
+    if name.endswith("~") or (name.startswith("#") and name.endswith("#")):
+        return "editor backup file"
+    if os.path.splitext(name)[1].lower() in _SKIP_SUFFIXES:
+        return "temporary or backup file"
+    if name in _SKIP_FOLDERS:
+        return "macOS metadata folder"
+    return None
 
 
-def _unique(ids: list[str]) -> list[str]:
-    """Make ids unique even on case-insensitive disks (``a``, ``A`` -> ``a``, ``A-2``)."""
-    seen: dict[str, int] = {}
-    out = []
-    for i in ids:
-        key = i.casefold()
-        seen[key] = seen.get(key, 0) + 1
-        out.append(i if seen[key] == 1 else f"{i}-{seen[key]}")
-    return out
+def _read(path: Path, doc_id: str, name: str) -> Document:
+    got: Converted = convert_file(path)
+    return Document(doc_id, str(path), got.text, got.error, name=name, converter=got.converter)
 
 
-def _read_document(path: Path, doc_id: str) -> Document:
-    try:
-        text, error = decode_text(path.read_bytes())
-    except OSError as e:
-        text, error = None, f"cannot read: {e.strerror}"
-    return Document(doc_id, str(path), text, error)
+def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None = None) -> list[Document]:
+    """Documents for ``files`` (all under ``root``), named by their paths relative to ``root``."""
+    rel = [p.relative_to(root) for p in files]
+    names = [r.as_posix() for r in rel]
+    stems = [safe_id(str(r.with_suffix(""))) for r in rel]
+    counts: dict[str, int] = {}
+    for s in stems:
+        counts[fold(s)] = counts.get(fold(s), 0) + 1
+    # The output name drops the suffix, except where two files would share it (a.txt, a.md).
+    wished = [s if counts[fold(s)] == 1 else safe_id(str(r)) for s, r in zip(stems, rel)]
+    ids = assign(names, wished, previous)
+    return [_read(p, doc_id, name) for p, doc_id, name in zip(files, ids, names)]
 
 
-def _from_files(root: Path, files: list[Path]) -> list[Document]:
-    """Documents for ``files`` (all under ``root``), ids from their paths relative to ``root``."""
-    stems = [safe_id(str(p.relative_to(root).with_suffix(""))) for p in files]
-    folded = [s.casefold() for s in stems]
-    # Keep the suffix only where two files would share an id (a.txt, a.md).
-    ids = _unique([stem if folded.count(stem.casefold()) == 1 else safe_id(str(p.relative_to(root)))
-                   for p, stem in zip(files, stems)])
-    return [_read_document(p, doc_id) for p, doc_id in zip(files, ids)]
+def _walk(root: Path, exclude: Path | None, follow_links: bool) -> list[Path]:
+    """Files under ``root`` with a document suffix, in sorted order (module doc for what is skipped)."""
+    real_root, files, seen = root.resolve(), [], set()
+    for folder, dirs, names in os.walk(root, followlinks=follow_links):
+        here = Path(folder)
+        if follow_links:  # a link cycle would walk forever
+            real = here.resolve()
+            if real in seen:
+                dirs[:] = []
+                continue
+            seen.add(real)
+        dirs[:] = [d for d in dirs if skip_reason(d) is None
+                   and not (exclude is not None and (here / d).resolve().is_relative_to(exclude))]
+        for name in names:
+            p = here / name
+            if skip_reason(name) is not None or p.suffix.lower() not in SUFFIXES:
+                continue
+            target = p.resolve()
+            if exclude is not None and target.is_relative_to(exclude):
+                continue
+            if not follow_links and p.is_symlink() and not target.is_relative_to(real_root):
+                continue  # a link out of INPUT: not read unless asked
+            if p.is_file():
+                files.append(p)
+    return sorted(files)
 
 
-def _from_folder(root: Path, exclude: Path | None = None) -> list[Document]:
-    files = sorted(
-        p for p in root.rglob("*")
-        if p.is_file() and p.suffix.lower() in SUFFIXES and not (exclude is not None and p.resolve().is_relative_to(exclude))
-    )
+def _from_folder(root: Path, exclude: Path | None, follow_links: bool,
+                 previous: dict[str, str] | None) -> list[Document]:
+    files = _walk(root, exclude, follow_links)
     if not files:
-        raise InputError(f"{root}: no .txt or .md files found")
-    return _from_files(root, files)
+        kinds = ", ".join(s.lstrip(".") for s in SUFFIXES)
+        raise InputError(f"{root}: no documents found (looked for {kinds})")
+    return _from_files(root, files, previous)
 
 
-def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = None, source: str = "stdin") -> list[Document]:
+def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = None, source: str = "stdin",
+                  previous: dict[str, str] | None = None) -> list[Document]:
     """Documents for a list of file paths, one per entry (``mlx-tier run -`` reads them from stdin).
 
-    Any file is taken (the caller chose it); binary or non-UTF-8 ones fail
-    alone, as in a folder. Blank entries are skipped; files inside ``exclude``
-    (the job's output folder) are skipped, so that ``find . -name '*.md'``
-    does not feed earlier summaries back in. Ids come from each path relative
+    Any suffix is taken (the caller chose the file): known formats are
+    converted, others read as text; a binary one fails alone, as in a folder.
+    Blank entries, non-documents (:func:`skip_reason`: AppleDouble, lock and
+    backup files a ``find`` lists) and files inside ``exclude`` (the job's
+    output folder, so that ``find . -name '*.md'`` does not feed earlier
+    summaries back in) are skipped. Ids come from each path relative
     to the files' common folder, made unique as for a folder.
 
     Args:
         lines: file paths (relative to the working directory, or absolute).
         exclude: the job's output folder.
         source: how errors name the list (``stdin:3: ...``).
+        previous: as for :func:`discover`.
 
     Raises:
         InputError: a path is missing or a folder, the same file is listed
@@ -147,57 +185,107 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
         if path in seen:
             raise InputError(f"{source}:{n}: {line.strip()} is listed twice (first on line {seen[path]})")
         seen[path] = n
-        if excluded is None or not path.is_relative_to(excluded):
+        if skip_reason(path.name) is None and (excluded is None or not path.is_relative_to(excluded)):
             files.append(path)
     if not files:
         raise InputError(f"{source}: no file paths given")
     root = Path(os.path.commonpath([p.parent for p in files]))
-    return _from_files(root, files)
+    return _from_files(root, files, previous)
 
 
-def _from_jsonl(path: Path) -> list[Document]:
+def _jsonl_lines(path: Path) -> list[str]:
+    """The lines of a JSONL file: UTF-8 (a leading BOM dropped), split on ``\\n`` only
+    (JSON strings may hold U+2028 and other characters ``str.splitlines`` splits at)."""
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
-        lines = raw.decode("utf-8").splitlines()
+        return raw.decode("utf-8").split("\n")
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
-    docs, seen = [], {}
-    for n, line in enumerate(lines, 1):
+
+
+def _user_text(obj: dict) -> str | None:
+    """The text of an OpenAI batch request line: its ``body.messages`` user contents
+    (strings, or ``{"type": "text", "text": ...}`` parts), joined by blank lines."""
+    body = obj.get("body")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return None
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") != "user":
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str)]
+    return "\n\n".join(parts) if parts else None
+
+
+def _jsonl_record(line: str, where: str) -> tuple[str, str, str]:
+    """``(key name, key value as text, document text)`` of one JSONL line.
+
+    Raises:
+        InputError: malformed JSON, or no usable id or text.
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: malformed JSON ({e.msg})") from None
+    name = "custom_id" if isinstance(obj, dict) and "custom_id" in obj else "id"
+    if not isinstance(obj, dict) or name not in obj or ("text" not in obj and "body" not in obj):
+        raise InputError(f'{where}: each line needs an object with "custom_id" (or "id") and "text" '
+                         '(or an OpenAI batch request\'s "body")')
+    text = obj["text"] if "text" in obj else _user_text(obj)
+    if "text" in obj and not isinstance(text, str):
+        raise InputError(f'{where}: "text" must be a string')
+    if text is None:
+        raise InputError(f'{where}: no user message with text in "body.messages"')
+    value = obj[name]
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise InputError(f'{where}: "{name}" must be a string or a number')
+    if not isinstance(value, str):  # a number: keep its literal text (1e400 is not "inf")
+        value = json.loads(line, parse_int=str, parse_float=str, parse_constant=str)[name]
+    return name, value, text
+
+
+def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
+    records, seen = [], {}
+    for n, line in enumerate(_jsonl_lines(path), 1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: malformed JSON ({e.msg})") from None
-        name = "custom_id" if isinstance(obj, dict) and "custom_id" in obj else "id"
-        if not isinstance(obj, dict) or "text" not in obj or name not in obj:
-            raise InputError(f'{path}:{n}: each line needs an object with "custom_id" (or "id") and "text"')
-        if not isinstance(obj["text"], str):
-            raise InputError(f'{path}:{n}: "text" must be a string')
-        if not isinstance(obj[name], (str, int, float)) or isinstance(obj[name], bool):
-            raise InputError(f'{path}:{n}: "{name}" must be a string or a number')
-        doc_id = safe_id(str(obj[name]))
-        folded = doc_id.casefold()  # output file names must differ on case-insensitive disks too
-        if folded in seen:
-            raise InputError(f"{path}:{n}: duplicate {name} {obj[name]!r} (first on line {seen[folded]})")
-        seen[folded] = n
-        text = obj["text"] if obj["text"].strip() else None
-        docs.append(Document(doc_id, f"{path}:{n}", text, None if text else "empty document", (name, obj[name])))
-    if not docs:
+        name, value, text = _jsonl_record(line, f"{path}:{n}")
+        if value in seen:
+            raise InputError(f"{path}:{n}: duplicate {name} {value!r} (first on line {seen[value]})")
+        seen[value] = n
+        records.append((n, name, value, text))
+    if not records:
         raise InputError(f"{path}: no documents (empty JSONL file)")
-    return docs
+    ids = assign([value for _, _, value, _ in records], previous=previous)
+    return [
+        Document(doc_id, f"{path}:{n}", text if text.strip() else None, None if text.strip() else "empty document",
+                 (name, value), name=value)
+        for doc_id, (n, name, value, text) in zip(ids, records)
+    ]
 
 
-def discover(path: Path, exclude: Path | None = None) -> list[Document]:
+def discover(path: Path, exclude: Path | None = None, follow_links: bool = False,
+             previous: dict[str, str] | None = None) -> list[Document]:
     """All documents of a job input.
 
     Args:
-        path: a folder (recursive ``.txt``/``.md``) or a ``.jsonl`` file with
-            one ``{"custom_id": ..., "text": ...}`` (or ``"id"``) object per line.
+        path: a folder (recursive, files with a suffix in :data:`SUFFIXES`;
+            non-documents skipped, :func:`skip_reason`), a ``.jsonl`` file with
+            one ``{"custom_id": ..., "text": ...}`` (or ``"id"``, or an OpenAI
+            batch request) per line, or one document file.
         exclude: a folder inside ``path`` to skip (the job's output folder).
+        follow_links: read links in the folder that lead outside it (default: skipped).
+        previous: ``name -> id`` an earlier run of the job recorded (its
+            journal): each name keeps its id (:func:`mlx_tier.naming.assign`).
 
     Raises:
         InputError: path missing, nothing to read, malformed/duplicate JSONL line.
@@ -206,16 +294,12 @@ def discover(path: Path, exclude: Path | None = None) -> list[Document]:
     if not path.exists():
         raise InputError(f"{path}: no such file or folder")
     if path.is_dir():
-        return _from_folder(path, Path(exclude).resolve() if exclude is not None else None)
+        return _from_folder(path, Path(exclude).resolve() if exclude is not None else None, follow_links, previous)
     if path.suffix.lower() == ".jsonl":
-        return _from_jsonl(path)
+        return _from_jsonl(path, previous)
     if path.suffix.lower() in SUFFIXES:
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise InputError(f"{path}: cannot read ({e.strerror})") from None
-        text, error = decode_text(data)
-        if error:
-            raise InputError(f"{path}: {error}")
-        return [Document(safe_id(path.stem), str(path), text)]
-    raise InputError(f"{path}: expected a folder of .txt/.md files or a .jsonl file")
+        got = convert_file(path)
+        if got.error:
+            raise InputError(f"{path}: {got.error}")
+        return [Document(safe_id(path.stem), str(path), got.text, name=path.name, converter=got.converter)]
+    raise InputError(f"{path}: expected a folder of documents, a document file or a .jsonl file")

@@ -4,7 +4,8 @@ Each is a ``ValueError`` (mlx-lm's style at the edges) carrying one readable
 line. Where a setting is at fault, ``field`` names it as the library knows
 it (``max_tokens``, ``cache_gb``); the CLI maps fields to its flags, so the
 library never speaks in flag names. The CLI turns any :class:`MlxTierError`
-into one ``error:`` line and exit code 2.
+into one ``error:`` line and exit code 2; a :class:`JobError` (not bad input:
+the job stopped part-way) into one line and exit code 3.
 """
 
 from __future__ import annotations
@@ -48,3 +49,9 @@ class TooLong(MlxTierError):
 
 class DemoModelError(MlxTierError):
     """The demo model cannot be built (source package missing, disk full...)."""
+
+
+class JobError(RuntimeError):
+    """The job cannot go on (disk full, checkpoint unreadable mid-job): finished
+    work is kept, the journal is consistent, documents not attempted stay
+    pending; the rerun resumes. One clear line (CLI exit code 3)."""

@@ -22,9 +22,17 @@ import psutil
 
 from .checkpoint import context_length
 from .documents import InputError, discover, discover_list
+from .errors import JobError
 from .job_view import progress_sample
-from .journal import Journal, JsonlSummaries, remove_stale_temps, write_atomic
+from .journal import (
+    DISK_FULL,
+    Journal,
+    JsonlSummaries,
+    remove_stale_temps,
+    write_atomic,
+)
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
+from .outdir import check_out_dir
 from .scheduler import GenerationConfig, Outcome, Scheduler, check_context
 from .status import LOCK, JobInfo, ProgressFile, write_input_list
 from .throttle import Throttle, ThrottleConfig, keep_awake, lower_priority
@@ -78,6 +86,7 @@ class JobConfig:
             checkpoint's saved profile (next to it, or in the user cache).
         prefetch: read the next layer's predicted experts in the background
             (``None``: :data:`mlx_tier.tiered.DEFAULT_PREFETCH`).
+        follow_links: read links in an INPUT folder that lead outside it.
     """
 
     input: Path
@@ -104,6 +113,7 @@ class JobConfig:
     save_profile: bool = False
     prefetch: bool | None = None
     host_cache_gb: float | None = None  # warm host tier of the CUDA path (TierConfig.host_cache_gb)
+    follow_links: bool = False
 
 
 @dataclass
@@ -123,6 +133,8 @@ class DocResult:
     finish_reason: str | None = None  # "stop" (end of text) or "length" (hit --max-tokens)
     parts: int = 0  # > 0: too long for the context, summarised by map-reduce over this many parts
     earlier_run: bool = False  # done or failed by an earlier run (its figures from the journal)
+    name: str | None = None  # the original id (relative path, JSONL custom_id/id) the output name came from
+    converter: str | None = None  # how the text was read: "text (cp1252)", "markitdown 0.1.9 PdfConverter"...
 
 
 @dataclass
@@ -347,12 +359,13 @@ def prepare_out_dir(out_dir: Path) -> bool:
     Raises:
         InputError: it cannot be created or written.
     """
+    import tempfile
+
     created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".mlx-tier-write-test"
-        probe.write_text("ok")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=out_dir) as probe:  # a fresh name: no planted link is followed
+            probe.write(b"ok")
     except OSError as e:
         raise InputError(f"{out_dir}: output folder not writable ({e.strerror or e})") from None
     return created
@@ -367,7 +380,8 @@ def lock_out_dir(out_dir: Path):
     Raises:
         InputError: another run holds it.
     """
-    f = open(out_dir / LOCK, "a")
+    f = os.fdopen(os.open(out_dir / LOCK, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0),
+                          0o666), "a")
     try:
         import fcntl
 
@@ -444,7 +458,11 @@ class _Rate:
 
 
 def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
-    """Write a finished summary (atomically) and fill ``res``; a write error fails the document."""
+    """Write a finished summary (atomically) and fill ``res``; a write error fails the document.
+
+    Raises:
+        JobError: the disk is full (the document stays pending: no later one could be written either).
+    """
     res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
     res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
     if outcome.status != "done":
@@ -453,6 +471,10 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
     try:
         write_atomic(out_dir / f"{res.id}.md", outcome.summary + "\n")
         res.status, res.output = "done", f"{res.id}.md"
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise JobError(f"{e.filename}: {e.strerror}; the job stopped (finished summaries are kept)") from None
+        res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
     except DOCUMENT_ERRORS as e:
         res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
 
@@ -534,7 +556,7 @@ def _triage(docs, records: dict, config: JobConfig, journal: Journal, results: d
         elif out_path.exists():
             # Complete (written atomically) but unrecorded: a crash after the
             # rename. Record it; never regenerate a finished output.
-            journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True})
+            journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True, "name": d.name})
             res.__dict__.update(status="done", output=out_path.name, earlier_run=True)
         elif rec and rec.get("status") == "failed" and not config.retry_failed:
             # Failed in an earlier run: stays failed until --retry-failed.
@@ -629,8 +651,12 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     reporter = reporter or Reporter()
     prefetch = DEFAULT_PREFETCH if config.prefetch is None else config.prefetch
     t_start, t_wall = time.perf_counter(), time.time()
-    docs = (discover_list(config.input_paths, exclude=config.out_dir) if config.input_paths is not None
-            else discover(config.input, exclude=config.out_dir))
+    check_out_dir(config.out_dir, config.input if config.input_paths is None else None)
+    earlier = Journal(config.out_dir) if config.out_dir.is_dir() else None
+    previous = earlier.names() if earlier is not None else {}  # each document keeps its output name
+    docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous)
+            if config.input_paths is not None
+            else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous))
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
         raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
     created = prepare_out_dir(config.out_dir)
@@ -638,9 +664,12 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     remove_stale_temps(config.out_dir)  # a killed run's half-written outputs
     summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" else None
     journal = Journal(config.out_dir, on_done=summaries.add if summaries is not None else None)
-    results = {d.id: DocResult(d.id, "pending", d.source) for d in docs}
+    records = journal.records()
+    for warning in journal.warnings.values():
+        reporter.message(f"journal: {warning}")
+    results = {d.id: DocResult(d.id, "pending", d.source, name=d.name, converter=d.converter) for d in docs}
     report = JobReport(results=list(results.values()))
-    todo, failed_earlier = _triage(docs, journal.records(), config, journal, results)
+    todo, failed_earlier = _triage(docs, records, config, journal, results)
     model, tokenizer, model_dir = _model_for(todo, config, reporter, prefetch, created, lock)
     cache = model.expert_cache if model is not None else None
     report.setup = (_setup(model_dir, cache, config, prefetch) if model is not None
@@ -669,8 +698,10 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         report.cache |= {"resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
     if config.save_profile and report.output_tokens:
         _save_profile(config, model_dir, cache, report, reporter)
-    write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
-    lock.close()
+    try:
+        write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
+    finally:  # disk full: the folder is free for the rerun all the same
+        lock.close()
     _write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     reporter.close()
     return report

@@ -9,11 +9,19 @@ output without its record and records it instead of regenerating it.
 With ``--format jsonl`` a :class:`JsonlSummaries` also appends each finished
 summary to ``summaries.jsonl`` (fsync'ed, before the journal record), one line
 per document id, never two.
+
+Nothing here follows a link planted in the output folder: appends open with
+``O_NOFOLLOW``, outputs are renamed into place (a rename replaces a link, it
+never writes through it), and :func:`check_out_dir` refuses a folder whose
+job files are links. A failed append (disk full) is cut back, so the file
+holds only whole records; the error names the file.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
 import tempfile
@@ -22,9 +30,18 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from .documents import Document
+from .errors import JobError  # noqa: F401 - importable from here too
 
 JOURNAL = "journal.jsonl"
 SUMMARIES = "summaries.jsonl"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# errno values that mean "the disk is full": the job cannot go on.
+DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def named(e: OSError, path: Path) -> OSError:
+    """``e`` with ``path`` as its file name (an ``os.write`` error names none)."""
+    return e if e.filename else type(e)(e.errno, e.strerror or str(e), str(path))
 # write_atomic's temporary names: ".<name>.<8 random chars>.tmp" (tempfile.mkstemp).
 _TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
 
@@ -54,22 +71,28 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 
     Raises:
         OSError: the directory is not writable or the disk is full; ``path``
-            is then untouched and no temporary file is left.
+            is then untouched and no temporary file is left. Its
+            ``filename`` is ``path``.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual mode
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):
+            raise named(e, path) from None
         raise
     fsync_dir(path.parent)
 
@@ -93,17 +116,80 @@ def remove_stale_temps(out_dir: Path) -> list[str]:
     return removed
 
 
+def read_nofollow(path: Path) -> bytes:
+    """The bytes of ``path``, refusing a link (``OSError`` ``ELOOP``, naming the file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as e:
+        raise named(e, path) from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 def _append_line(path: Path, line: bytes) -> None:
-    """Append one line and fsync; a torn last line (no newline) is closed first."""
-    with open(path, "ab+") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":  # a torn line: start a fresh one
-                line = b"\n" + line
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one line and fsync; a torn last line (no newline) is closed first.
+
+    Never follows a link at ``path`` (``O_NOFOLLOW``); if the write fails (disk
+    full) the file is cut back to its old length, so it holds whole lines only.
+
+    Raises:
+        OSError: with ``filename`` set; ``ELOOP`` for a link.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
+    except OSError as e:
+        raise named(e, path) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":  # a torn line: start a fresh one
+            line = b"\n" + line
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise named(e, path) from None
+    finally:
+        os.close(fd)
+
+
+_NUMBER = (int, float)
+# Field -> the types a record may give it (others: any JSON value).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "id": (str,), "status": (str,), "event": (str,), "name": (str,), "time": _NUMBER, "seconds": _NUMBER,
+    "throttled_seconds": _NUMBER, "input_tokens": (int,), "output_tokens": (int,), "parts": (int,),
+    "error": (str, type(None)), "output": (str, type(None)), "finish_reason": (str, type(None)),
+    "started": _NUMBER, "pid": (int,), "ids": (list,), "todo": (list,), "command": (str, type(None)),
+    "input": (str,), "output_format": (str,),
+}
+
+
+def record_problem(rec: object) -> str | None:
+    """Why a parsed journal line is not a usable record, or ``None`` when it is.
+
+    A record is an object; each field of :data:`_TYPES` it has is of its type
+    (``True`` is not a number; numbers are finite); ``ids``/``todo`` are lists
+    of strings; a document record (``id``) has a ``status``.
+    """
+    if not isinstance(rec, dict):
+        return "not an object"
+    for key, types in _TYPES.items():
+        if key not in rec:
+            continue
+        value = rec[key]
+        if not isinstance(value, types) or isinstance(value, bool) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            return f'"{key}" is {json.dumps(value)[:40]}, not {" or ".join(t.__name__ for t in types)}'
+        if key in ("ids", "todo") and not all(isinstance(x, str) for x in value):
+            return f'"{key}" must list strings'
+    if "id" in rec and "status" not in rec:
+        return 'a document record needs a "status"'
+    return None
 
 
 class Journal:
@@ -124,23 +210,40 @@ class Journal:
     def __init__(self, out_dir: Path, on_done: Callable[[dict], None] | None = None):
         self.path = Path(out_dir) / JOURNAL
         self.on_done = on_done
+        self.warnings: dict[int, str] = {}  # line number -> why that line was skipped
 
     def entries(self) -> Iterator[dict]:
-        """Every readable record in file order (torn lines skipped)."""
-        if not self.path.exists():
+        """Every usable record in file order. A torn line (crash mid-append) is
+        skipped quietly; a whole line that is not a usable record
+        (:func:`record_problem`) is skipped with a warning in :attr:`warnings`."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | _NOFOLLOW)
+        except FileNotFoundError:
             return
-        with open(self.path, "rb") as f:
-            for line in f:
+        except OSError as e:
+            raise named(e, self.path) from None
+        with os.fdopen(fd, "rb") as f:
+            for n, line in enumerate(f, 1):
                 try:
                     rec = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError):
-                    continue  # torn write at the end of a crashed run
-                if isinstance(rec, dict):
-                    yield rec
+                    if line.endswith(b"\n") and line.strip():
+                        self.warnings[n] = f"{self.path}:{n}: skipped (not JSON)"
+                    continue  # a torn write at the end of a crashed run
+                problem = record_problem(rec)
+                if problem is not None:
+                    self.warnings[n] = f"{self.path}:{n}: skipped ({problem})"
+                    continue
+                yield rec
 
     def records(self) -> dict[str, dict]:
         """The latest record of each document id."""
         return {rec["id"]: rec for rec in self.entries() if "id" in rec}
+
+    def names(self) -> dict[str, str]:
+        """``name -> id`` of every document an earlier run recorded (done or failed),
+        so a rerun gives each document the same output name (:mod:`mlx_tier.naming`)."""
+        return {rec["name"]: rec["id"] for rec in self.entries() if "id" in rec and "name" in rec}
 
     def append(self, record: dict) -> None:
         """Durably append one record (``time`` is added); the state change is on disk when this returns."""
@@ -176,15 +279,19 @@ class JsonlSummaries:
         self.path = self.out_dir / SUMMARIES
         self.docs: Mapping[str, Document] = {d.id: d for d in docs}
         self.ids: set[str] = set()  # document ids (file stems) already in the file
-        if not self.path.exists():
+        try:
+            fd = os.open(self.path, os.O_RDWR | _NOFOLLOW)
+        except FileNotFoundError:
             return
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):  # torn last line: cut it off (its document gets its line again)
-            with open(self.path, "r+b") as f:
+        except OSError as e:
+            raise named(e, self.path) from None
+        with os.fdopen(fd, "r+b") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):  # torn last line: cut it off (its document gets its line again)
                 f.truncate(end)
                 os.fsync(f.fileno())
-        for line in data[:end].splitlines():
+        for line in data[:end].split(b"\n"):
             try:
                 self.ids.add(json.loads(line)["output"].removesuffix(".md"))
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -200,12 +307,14 @@ class JsonlSummaries:
         if doc_id in self.ids:
             return
         name = f"{doc_id}.md"
-        summary = (self.out_dir / name).read_bytes().decode("utf-8").removesuffix("\n")  # bytes: no newline translation
+        summary = read_nofollow(self.out_dir / name).decode("utf-8").removesuffix("\n")  # bytes: no newline translation
         doc = self.docs.get(doc_id)
         if doc is not None and doc.key is not None:
             line = {doc.key[0]: doc.key[1]}
         else:
             line = {"id": doc_id, "source": doc.source if doc is not None else None}
+            if doc is not None and doc.name != doc_id:  # the output name differs from the original
+                line["name"] = doc.name
         line |= {"summary": summary, "output": name} | {k: record[k] for k in self.FIELDS if k in record}
         _append_line(self.path, (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
         self.ids.add(doc_id)

@@ -46,7 +46,7 @@ details{margin:2px 0}summary{cursor:pointer;overflow-wrap:anywhere}
 # Nothing from outside: inline styles; the live page's own polling script only; data: icon.
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 _CSP_LIVE = _CSP + "; script-src 'unsafe-inline'; connect-src 'self'"
-_PYGAL_SCRIPT = re.compile(r"<script[^>]*>.*?</script>", re.S)
+_PYGAL_SCRIPT = re.compile(r"<script[^>]*>.*?</script>", re.DOTALL)
 _MARK = {"done": "✓ done", "failed": "✗ failed", "pending": "… pending"}
 
 

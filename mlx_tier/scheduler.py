@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from .documents import InputError
+from .errors import JobError
 from .generation import (
     DEFAULT_PREFILL_STEP,
     HEADROOM_BYTES,
@@ -36,6 +37,7 @@ from .generation import (
 )
 from .longdoc import MAP_NOTE, MapReduce, TooLong
 from .prompts import build_prompt, reasoning_format, strip_reasoning, trim_to_sentence
+from .store import CheckpointError
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
@@ -275,6 +277,9 @@ class Scheduler:
             in_flight = [t.key[0] for t in engine.tasks()]
             try:
                 info = engine.step()
+            except (CheckpointError, OSError) as e:  # expert reads: no later document could run either
+                raise JobError(f"the checkpoint became unreadable ({e}); the job stopped, documents not "
+                               "finished stay pending") from e
             except Exception as e:  # noqa: BLE001 - e.g. MLX out of memory inside a batched step
                 docs_in_flight = list(dict.fromkeys(in_flight + [t.key[0] for t in ready]))
                 try:  # the generator's state after a failed step is unknown: start a fresh one

@@ -187,7 +187,8 @@ def start_background(argv: list[str], out_dir: Path, stdin: Path | None = None) 
     out_dir.mkdir(parents=True, exist_ok=True)
     if lock_held(out_dir):
         raise InputError(f"{out_dir}: another mlx-tier run is using this output folder")
-    with open(out_dir / LOG_FILE, "ab") as log, open(stdin if stdin is not None else os.devnull, "rb") as inp:
+    log_fd = os.open(out_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(log_fd, "ab") as log, open(stdin if stdin is not None else os.devnull, "rb") as inp:
         proc = subprocess.Popen(argv, stdin=inp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     write_atomic(out_dir / PID_FILE, f"{proc.pid}\n")
     return proc.pid
@@ -236,6 +237,7 @@ class JobStatus:
             ``[id, prompt tokens read, prompt length]`` or ``None``, ``writing``
             ``[[id, tokens so far], ...]``, ``decode_tok_s``, ``prompt_tok_s``,
             ``hit_rate``, ``time`` (Unix seconds it was written).
+        warnings: journal lines skipped as unusable (``journal.jsonl:N: skipped (why)``).
     """
 
     out_dir: Path
@@ -257,6 +259,7 @@ class JobStatus:
     failures: list[tuple[str, str]] = field(default_factory=list)
     thermal: list[dict] = field(default_factory=list)
     progress: dict | None = None  # the running job's last progress snapshot (:class:`ProgressFile`)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def output_tok_per_s(self) -> float:
@@ -340,4 +343,5 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
         command=info.command if info is not None else None,
         failures=failures,
         progress=read_progress(out_dir) if running else None,
+        warnings=list(journal.warnings.values()),
     )

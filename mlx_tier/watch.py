@@ -105,7 +105,7 @@ class _State:
 
 def _handler(state: _State, config: WatchConfig) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             url = urlsplit(self.path)
             if is_loopback(config.host) and not is_loopback(_host_name(self.headers.get("Host", ""))):
                 # A loopback server answers only loopback names: a web page elsewhere cannot

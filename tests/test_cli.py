@@ -101,7 +101,7 @@ def _short_context(request, monkeypatch):
 def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
     cases = [
         ((tmp_path / "nope", "--out", tmp_path / "o"), "no such file or folder"),
-        ((tmp_path / "emptydir", "--out", tmp_path / "o"), "no .txt or .md files"),
+        ((tmp_path / "emptydir", "--out", tmp_path / "o"), "no documents found"),
         ((docs, "--out", docs / "one.txt" / "sub"), "output folder not writable"),
         ((docs, "--out", tmp_path / "o", "--model", tmp_path / "no-model"), "model folder not found"),
         ((docs, "--out", tmp_path / "o", "--model", tmp_path / "emptydir"), "no config.json"),

@@ -79,3 +79,41 @@ def test_export_failure_keeps_the_record_out_and_id_less_records_are_entries(tmp
     j.append({"id": "c", "status": "failed", "throttled_seconds": 1.0})
     assert j.records().keys() == {"c"}  # "a" was not recorded as done: the rerun redoes or recovers it
     assert sum(e.get("throttled_seconds", 0) for e in j.entries()) == 3.5
+
+
+def test_records_of_the_wrong_types_are_skipped_with_a_warning(tmp_path):
+    lines = ['{"id": "a", "status": "done", "time": 1.5, "output_tokens": 3}',
+             '{"id": ["x"], "status": "done"}', '{"id": "b", "status": "done", "time": "yesterday"}',
+             '{"id": "c", "status": "done", "output_tokens": true}', '{"id": "d"}', '[1, 2]',
+             '{"event": "start", "ids": ["a", 7], "todo": []}', '{"id": "e", "status": "failed", "error": "x"}']
+    (tmp_path / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    j = Journal(tmp_path)
+    assert sorted(j.records()) == ["a", "e"]
+    assert [w.split(": ", 1)[1] for w in j.warnings.values()] == [
+        'skipped ("id" is ["x"], not str)', 'skipped ("time" is "yesterday", not int or float)',
+        'skipped ("output_tokens" is true, not int)', 'skipped (a document record needs a "status")',
+        "skipped (not an object)", 'skipped ("ids" must list strings)']
+    assert list(j.warnings) == [2, 3, 4, 5, 6, 7]  # line numbers
+
+
+def test_a_failed_append_leaves_whole_lines(tmp_path, monkeypatch):
+    import errno
+
+    j = Journal(tmp_path)
+    j.append({"id": "a", "status": "done"})
+    before = j.path.read_bytes()
+    real = os.write
+
+    def full(fd, data):
+        real(fd, bytes(data)[:5])  # some bytes land, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as e:
+        j.append({"id": "b", "status": "done"})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(j.path)
+    assert j.path.read_bytes() == before
+    with pytest.raises(OSError):
+        write_atomic(tmp_path / "report.json", "{}")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["journal.jsonl"]  # no report, no temp file
