@@ -77,6 +77,8 @@ def test_resume_keeps_each_documents_output_name(tmp_path, small_moe):  # noqa: 
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert (out / "a_b.md").stat().st_mtime_ns == first  # not regenerated, not overwritten
-    names = {d["name"]: (d["id"], d["status"]) for d in json.loads((out / "report.json").read_text())["documents"]}
-    assert names == {"a b.txt": ("a_b", "skipped"), "a_b.txt": ("a_b.txt", "done"), "a_b/x.txt": ("a_b__x", "done")}
+    names = {d["name"]: (d["id"], d["status"], d["earlier_run"])
+             for d in json.loads((out / "report.json").read_text())["documents"]}
+    assert names == {"a b.txt": ("a_b", "done", True), "a_b.txt": ("a_b.txt", "done", False),
+                     "a_b/x.txt": ("a_b__x", "done", False)}
     assert done_lines(out) == {"a_b": 1, "a_b.txt": 1, "a_b__x": 1}
