@@ -13,6 +13,9 @@ Tests marked ``metal`` run the real kernels on a Mac and are skipped elsewhere.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -135,11 +138,18 @@ def test_slot_remap_body_matches_reference(harness, n, E):
     assert np.all(np.array(got[0])[lut[np.array(inds)] < 0] == mk.NOT_RESIDENT) or missing.size == 0
 
 
+class GeluGate(nn.Module):
+    def __call__(self, x, gate):
+        return nn.gelu(gate) * x
+
+
 def _block(kind: str, bits: int, gs: int, bias: bool = False):
     D, H, E = 128, 128, 4
     mx.random.seed(bits * 1000 + gs)
     if kind == "glu":
         block = SwitchGLU(D, H, E, bias=bias)
+    elif kind == "glu-gelu":  # a SwitchGLU whose activation is not mlx-lm's SwiGLU
+        block = SwitchGLU(D, H, E, activation=GeluGate(), bias=bias)
     else:
         block = SwitchMLP(D, H, E, bias=bias)
     if bias:
@@ -151,14 +161,23 @@ def _block(kind: str, bits: int, gs: int, bias: bool = False):
 
 
 @pytest.mark.parametrize("kind,bits,gs,bias", [("glu", 4, 64, False), ("glu", 3, 32, False), ("glu", 8, 128, True),
-                                               ("mlp", 4, 32, False), ("mlp", 6, 64, True)])
+                                               ("glu-gelu", 5, 64, False), ("mlp", 4, 32, False),
+                                               ("mlp", 6, 64, True)])
 def test_block_matches_mlx_lm(harness, kind, bits, gs, bias):
     """metal_expert_forward through the emulated kernels == mlx-lm's block."""
     block = _block(kind, bits, gs, bias)
     x = mx.random.normal((1, 3, 128), key=mx.random.key(5))
     slots = mx.array([[[0, 3], [2, 1], [3, 3]]], dtype=mx.uint32)  # [1, 3, k=2]
     want = block(x, slots)
-    got = mk.metal_expert_forward(block, x, slots, harness.launcher)
+    launches = []
+
+    def counting(spec, inputs, template, *rest):
+        launches.append(dict(template).get("GLU"))
+        return harness.launcher(spec, inputs, template, *rest)
+
+    got = mk.metal_expert_forward(block, x, slots, counting)
+    fused = kind == "glu" and not bias  # SwiGLU in the gate_up dispatch
+    assert launches == ([1, None] if fused else [0, None] if kind == "mlp" else [0, 0, None])
     assert got.shape == want.shape == (1, 3, 2, 128)
     _close(got, want)
     scores = mx.softmax(mx.random.normal((1, 3, 2), key=mx.random.key(6)), axis=-1)
@@ -216,3 +235,22 @@ def test_metal_kernels_match_reference_on_a_mac(bits, gs):
     inds, lut = mx.array([3, 1, 3, 0], dtype=mx.uint32), mx.array([1, -1, 2, 0], dtype=mx.int32)
     for g, w in zip(mk.slot_remap(inds, lut), mk.slot_remap_reference(inds, lut)):
         assert mx.array_equal(g, w)
+
+
+BENCH = Path(__file__).resolve().parents[1] / "benches" / "metal_kernels.py"
+
+
+@pytest.mark.skipif(mk.metal_available(), reason="Metal is available here")
+def test_bench_refuses_without_metal():
+    r = subprocess.run([sys.executable, str(BENCH), "--runs", "1"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: this bench needs Apple Metal")
+    assert r.stdout == ""
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mk.metal_available(), reason="needs Apple Metal")
+def test_bench_against_gather_qmm_on_a_mac():
+    r = subprocess.run([sys.executable, str(BENCH), "--runs", "1", "--iters", "3"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "caliber:" in r.stdout and r.stdout.count("speed-up") == 3
+    assert float(r.stdout.rsplit(":", 1)[1]) < 0.05  # bf16 outputs of the two engines agree
