@@ -21,9 +21,9 @@ Both are restored on exit (:func:`memory_controls`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten

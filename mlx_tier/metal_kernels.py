@@ -24,10 +24,10 @@ speed-up is claimed: none has been measured on Apple hardware.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib.resources import files
-from typing import Callable
 
 import mlx.core as mx
 from mlx import nn
@@ -69,7 +69,7 @@ def metal_available() -> bool:
     return bool(mx.metal.is_available())
 
 
-@lru_cache(maxsize=None)
+@cache
 def make_kernel(spec: KernelSpec):
     """``mx.fast.metal_kernel`` for ``spec``, or ``None`` without Metal."""
     if not metal_available():
@@ -90,7 +90,7 @@ class QuantWeights:
     bits: int
 
     @classmethod
-    def of(cls, layer: nn.Module) -> "QuantWeights | None":
+    def of(cls, layer: nn.Module) -> QuantWeights | None:
         """From an mlx-lm ``QuantizedSwitchLinear``; ``None`` for any layer the
         kernels do not handle (float weights, mxfp4/nvfp4, a global scale,
         other widths or groups)."""
@@ -129,7 +129,7 @@ def gate_up(x: mx.array, slots: mx.array, gate: QuantWeights, up: QuantWeights |
             launch: Launcher = metal_launcher) -> mx.array:
     """Kernel ``expert_gate_up``: ``x [T, D]``, ``slots [T, k]`` uint32 ->
     ``[T*k, H]`` float32: ``silu(x Wg^T) * (x Wu^T)`` with ``up``, else ``x Wg^T``."""
-    (T, D), K, H = x.shape, slots.shape[1], gate.w.shape[1]
+    T, K, H = x.shape[0], slots.shape[1], gate.w.shape[1]
     u = up if up is not None else gate
     tmpl = [("BITS", gate.bits), ("GS", gate.group_size), ("GLU", int(up is not None))]
     return launch(GATE_UP, [x, slots, gate.w, gate.scales, gate.biases, u.w, u.scales, u.biases], tmpl,

@@ -70,12 +70,12 @@ def wrapper_source(spec: KernelSpec, body_path: Path, in_dtypes, out_dtypes, tem
     if templates and templates[0]:
         kinds = ["typename" if isinstance(v, mx.Dtype) else "int" for _, v in templates[0]]
         head = "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, templates[0])) + ">\n"
-    lines = ['#include "metal_shim.h"', head + "void kern(" + ", ".join(params) + ") {",
-             f'#include "{body_path.name}"', "}"]
+    signature = head + "void kern(" + ", ".join(params) + ") {"
+    lines = ['#include "metal_shim.h"', signature, f'#include "{body_path.name}"', "}"]
     for j, tmpl in enumerate(templates):
         inst = "<" + ", ".join(_template_value(v) for _, v in tmpl) + ">" if tmpl else ""
-        lines += [f'extern "C" void run_{j}(void** in, void** shp, const int* ndim, void** out, '
-                  "const unsigned* grid, const unsigned* tg) {",
+        lines += [(f'extern "C" void run_{j}(void** in, void** shp, const int* ndim, void** out, '
+                   "const unsigned* grid, const unsigned* tg) {"),
                   f"  shim::launch(grid, tg, [&](const shim::Position& p) {{ kern{inst}({', '.join(args)}); }});",
                   "}"]
     return "\n".join(lines) + "\n"

@@ -107,9 +107,8 @@ def test_cache_limit_from_slot_size_with_a_floor_and_never_raised():
 def test_limits_restored_after_an_error():
     fake = FakeMx(metal=True, max_recommended=64 * GIB, wired=3 * GIB, cache=5 * GIB)
     settings = memory.plan_memory(_resident(), "metal", fake.device_info())
-    with pytest.raises(RuntimeError):
-        with memory.memory_controls(settings, fake):
-            raise RuntimeError("generation failed")
+    with pytest.raises(RuntimeError), memory.memory_controls(settings, fake):
+        raise RuntimeError("generation failed")
     assert (fake.wired, fake.cache) == (3 * GIB, 5 * GIB)
 
 

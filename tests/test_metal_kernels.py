@@ -20,10 +20,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from metal_harness import Harness, gxx_missing
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from metal_harness import Harness, gxx_missing
 from mlx_tier import metal_kernels as mk
 
 pytestmark = pytest.mark.skipif(gxx_missing(), reason="g++ not found: cannot compile the Metal bodies on the CPU")
@@ -44,8 +44,11 @@ def _templates():
 
 
 @pytest.fixture(scope="module")
-def harness(request):
-    return Harness(request.config.cache.mkdir("metal_harness"), _templates())
+def harness(request, tmp_path_factory):
+    """Libraries cached across runs in pytest's cache folder (rebuilt when a source changes)."""
+    cache = getattr(request.config, "cache", None)
+    where = cache.mkdir("metal_harness") if cache is not None else tmp_path_factory.mktemp("metal_harness")
+    return Harness(where, _templates())
 
 
 def _quant(shape, bits, gs, seed) -> mk.QuantWeights:
@@ -242,7 +245,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benches" / "metal_kernels.py"
 
 @pytest.mark.skipif(mk.metal_available(), reason="Metal is available here")
 def test_bench_refuses_without_metal():
-    r = subprocess.run([sys.executable, str(BENCH), "--runs", "1"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(BENCH), "--runs", "1"], check=False, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: this bench needs Apple Metal")
     assert r.stdout == ""
 
@@ -250,7 +253,7 @@ def test_bench_refuses_without_metal():
 @pytest.mark.metal
 @pytest.mark.skipif(not mk.metal_available(), reason="needs Apple Metal")
 def test_bench_against_gather_qmm_on_a_mac():
-    r = subprocess.run([sys.executable, str(BENCH), "--runs", "1", "--iters", "3"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(BENCH), "--runs", "1", "--iters", "3"], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "caliber:" in r.stdout and r.stdout.count("speed-up") == 3
     assert float(r.stdout.rsplit(":", 1)[1]) < 0.05  # bf16 outputs of the two engines agree
