@@ -236,7 +236,12 @@ def _block(inner: nn.Module) -> _Block | None:
 
 
 def _bias(h: mx.array, layer: nn.Module | None, flat_slots: mx.array) -> mx.array:
-    return h + layer["bias"][flat_slots].astype(h.dtype) if layer is not None and "bias" in layer else h
+    """``h [N, out]`` plus each slot's bias; a slot id >= S adds nothing (as in the kernels)."""
+    if layer is None or "bias" not in layer:
+        return h
+    valid = flat_slots < layer["bias"].shape[0]
+    bias = layer["bias"][mx.where(valid, flat_slots, 0)].astype(h.dtype)  # [N, out]
+    return h + mx.where(valid[:, None], bias, 0)
 
 
 def _hidden(inner: nn.Module, b: _Block, x: mx.array, slots: mx.array, launch: Launcher) -> mx.array:

@@ -188,6 +188,19 @@ def test_block_matches_mlx_lm(harness, kind, bits, gs, bias):
     _close(combined, (want * scores[..., None]).sum(axis=-2))
 
 
+@pytest.mark.parametrize("kind", ["glu", "mlp"])
+def test_block_pair_without_slot_gives_zeros(harness, kind):
+    """A slot id >= S (expert not resident) contributes zeros, biases included."""
+    block = _block(kind, 4, 32, bias=True)
+    x = mx.random.normal((2, 128), key=mx.random.key(9))
+    slots = mx.array([[1, mk.NOT_RESIDENT], [2, 0]], dtype=mx.uint32)
+    got = mk.metal_expert_forward(block, x, slots, harness.launcher)  # [2, 2, 128]
+    assert float(mx.abs(got[0, 1]).max()) == 0.0
+    want = block(x, mx.array([[1, 1], [2, 0]], dtype=mx.uint32))
+    _close(got[0, 0], want[0, 0])
+    _close(got[1], want[1])
+
+
 def test_prompt_sized_and_float_blocks_use_the_mlx_path():
     """No kernel launch (the launcher would fail) for a prompt or float experts."""
 
