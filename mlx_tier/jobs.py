@@ -469,6 +469,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         KeyboardInterrupt: a second interrupt; finished outputs are kept.
     """
     from .demo_model import ensure_demo_model
+    from .generation import MAX_AUTO_BATCH
+    from .memory import model_memory_controls
     from .tiered import DEFAULT_PREFETCH, TierConfig, load
 
     reporter = reporter or Reporter()
@@ -570,7 +572,9 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     if config.trace is not None:
         cache.start_trace(source=str(model_dir))
     try:
-        with StopFlag(lambda: reporter.message(notice)) as stop, keep_awake():
+        with StopFlag(lambda: reporter.message(notice)) as stop, keep_awake(), model_memory_controls(
+                model, context, config.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
+            report.setup["memory"] = memory
             if todo:
                 report.throttle = _summarise_all(todo, results, config, model, tokenizer, model_dir, journal,
                                                  reporter, lambda: stop.signal is not None, report.setup)
