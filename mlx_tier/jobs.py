@@ -709,7 +709,12 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
 
 def _run_todo(todo, results, config: JobConfig, model, tokenizer, model_dir, journal, reporter, report, lock) -> None:
     """Generate ``todo`` under the stop flag (first signal: stop after the step; second: at once)."""
+    from .generation import MAX_AUTO_BATCH
+    from .memory import model_memory_controls
+
     cache = model.expert_cache
+    model_context = context_length(model_dir, FALLBACK_CONTEXT)
+    context = min(model_context, config.context or model_context)
     notice = ("stopping: summaries being written are finished, documents still being read are left for "
               "the next run (interrupt again to stop at once)")
     resume = f" Resume with: {config.command}" if config.command else ""
@@ -722,7 +727,9 @@ def _run_todo(todo, results, config: JobConfig, model, tokenizer, model_dir, jou
     if config.trace is not None:
         cache.start_trace(source=str(model_dir))
     try:
-        with StopFlag(lambda: reporter.message(notice), abort) as stop, keep_awake():
+        with StopFlag(lambda: reporter.message(notice), abort) as stop, keep_awake(), model_memory_controls(
+                model, context, config.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
+            report.setup["memory"] = memory
             report.throttle = _summarise_all(todo, results, config, model, tokenizer, model_dir, journal,
                                              reporter, lambda: stop.signal is not None, report.setup)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)

@@ -275,8 +275,10 @@ class ExpertStore:
         self.stats.bytes_read += sum(b.nbytes for b in got.values())
         return got
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the read pool (waiting for reads in flight unless ``wait`` is
+        False) and release the files and maps."""
+        self._pool.shutdown(wait=wait)
         maps = [mm for mm, _ in self._maps.values()]
         self._maps.clear()  # drops the uint8 views, which export the maps' buffers
         for mm in maps:
@@ -292,5 +294,7 @@ class ExpertStore:
         self.close()
 
     def __del__(self):  # best effort; close() is the real API
+        # Never wait here: a collection inside a new thread's start-up would
+        # wait for that very thread (a deadlock seen under gdb in test_prefetch).
         with contextlib.suppress(AttributeError, OSError, RuntimeError, BufferError):  # half-built, or at exit
-            self.close()
+            self.close(wait=False)
