@@ -222,6 +222,7 @@ def run(
     prewarm: bool | None = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
     save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
     prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
+    kernel: str = typer.Option("auto", "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
 ) -> None:
@@ -241,6 +242,7 @@ def run(
     from mlx_tier.demo_model import DemoModelError
     from mlx_tier.documents import InputError
     from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
+    from mlx_tier.kernels import kernel_for
     from mlx_tier.policy import POLICIES
     from mlx_tier.profile import ProfileError
     from mlx_tier.throttle import ThrottleConfig
@@ -251,6 +253,10 @@ def run(
         fail(f"--format must be md or jsonl, got {output_format!r}")
     if policy not in POLICIES:
         fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    try:
+        kernel_for(kernel)  # an unknown name, or metal without Metal
+    except ValueError as e:
+        fail(f"--kernel: {e}")
     try:
         throttle = ThrottleConfig(max_temp=max_temp, pause_on_battery=pause_on_battery, min_battery=min_battery,
                                   max_tok_s=max_tok_s)
@@ -289,6 +295,7 @@ def run(
             prewarm=prewarm,
             save_profile=save_profile,
             prefetch=prefetch,
+            kernel=kernel,
         )
         with _sigterm_interrupts():
             report = run_job(config, reporter)

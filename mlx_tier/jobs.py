@@ -75,6 +75,8 @@ class JobConfig:
             checkpoint's saved profile (next to it, or in the user cache).
         prefetch: read the next layer's predicted experts in the background
             (``None``: :data:`mlx_tier.tiered.DEFAULT_PREFETCH`).
+        kernel: what computes the experts (:mod:`mlx_tier.kernels`); ``auto``:
+            the CPU kernel on MLX's CPU backend (README, "CPU expert kernel").
     """
 
     input: Path
@@ -100,6 +102,7 @@ class JobConfig:
     prewarm: bool | None = None
     save_profile: bool = False
     prefetch: bool | None = None
+    kernel: str = "auto"
 
 
 @dataclass
@@ -456,7 +459,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             raise InputError(f"{model_dir}: model folder not found")
         reporter.message(f"loading {model_dir}")
         model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
-                                config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch))
+                                config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch,
+                                                  kernel=config.kernel))
         model_context = context_length(model_dir)
         context = min(model_context, config.context or model_context)
         check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
