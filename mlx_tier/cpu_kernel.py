@@ -40,6 +40,7 @@ import numpy as np
 from mlx import nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 from numba import njit
+from threadpoolctl import ThreadpoolController
 
 # A slot used by at least this many pairs in one call is dequantised once and
 # multiplied with BLAS; fewer pairs use the fused matvec (benches/kernel.py).
@@ -50,6 +51,7 @@ GEMM_MIN_ROWS = 8
 # lowering lost the inner loops' vectorisation: benches/kernel.py, README).
 THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="mlx-tier-kernel")
+_BLAS = ThreadpoolController()  # numpy's BLAS, limited to one thread inside the pool's shares
 
 MODES = {"affine": 0, "mxfp4": 1}
 FP4_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
@@ -142,13 +144,34 @@ def _qmv(w, scales, biases, bits, gs, mode, xd, xsum, tok, slots, out, f0, f1):
             out[n, o] = _dot_any(w[s, o], scales[s, o], bi, bits, gs, mode, xd[r], xsum[r])
 
 
+@njit(fastmath=FM, nogil=True, cache=True)
+def _dequant4(wr, sr, br, gs, out):
+    """Affine 4-bit row wr [I/2] uint8 -> out [I] float32 in *de-interleaved* column order
+    (even elements, then odd: contiguous stores vectorise; see _Quant.columns)."""
+    bpg = gs // 2
+    half = wr.shape[0]
+    for g in range(sr.shape[0]):
+        sc, bi = sr[g], br[g]
+        wg = wr[g * bpg:(g + 1) * bpg]  # slices, not computed indices: the loop vectorises
+        lo_out = out[g * bpg:(g + 1) * bpg]
+        hi_out = out[half + g * bpg:half + (g + 1) * bpg]
+        for i in range(bpg):
+            fb = np.float32(wg[i])
+            hi = np.floor(fb * np.float32(0.0625))
+            lo_out[i] = sc * (fb - np.float32(16.0) * hi) + bi
+            hi_out[i] = sc * hi + bi
+
+
 @njit(nogil=True, cache=True)
-def _dequant(w, scales, biases, bits, gs, mode, s, out, o0, o1):
-    """out[o0:o1] = rows o0..o1 of slot ``s``'s dequantised weight (out [O, I] float32)."""
+def _dequant(w, scales, biases, bits, gs, mode, s, out):
+    """out [O, I] float32 = slot ``s``'s dequantised weight (layouts as in _qmv)."""
     I = out.shape[1]
     mask = (1 << bits) - 1
-    for o in range(o0, o1):
+    for o in range(out.shape[0]):
         wrow = w[s, o]
+        if mode == 0 and bits == 4:
+            _dequant4(wrow, scales[s, o], biases[s, o], gs, out[o])
+            continue
         for i in range(I):
             q = _code(wrow, i, bits, mask)
             g = i // gs
@@ -165,9 +188,10 @@ def _deinterleave(x: np.ndarray, bits: int, mode: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(R, I // p, p).transpose(0, 2, 1))
 
 
-def _parallel(fn, total: int) -> None:
-    """Run ``fn(f0, f1)`` over [0, total) split among the pool's threads (Numba kernels drop the GIL)."""
-    n = min(THREADS, max(1, total // 64))
+def _parallel(fn, total: int, grain: int = 64) -> None:
+    """Run ``fn(f0, f1)`` over [0, total) split among the pool's threads (Numba kernels and
+    BLAS drop the GIL), at least ``grain`` items a share."""
+    n = min(THREADS, max(1, total // grain))
     if n == 1:
         fn(0, total)
         return
@@ -208,6 +232,14 @@ class _Quant:
         self.biases = _host(bi) if bi is not None else np.zeros((1, 1, 1), np.float32)
         self.out_dims = self.w.shape[1]
         self.in_dims = self.scales.shape[2] * self.gs
+        # Column order of dense(): 4-bit affine rows come de-interleaved (even then odd
+        # input features), so inputs are permuted alike; other formats: natural order.
+        i = np.arange(self.in_dims)
+        self.columns = np.concatenate([i[0::2], i[1::2]]) if (self.bits, self.mode) == (4, 0) else None
+
+    def permute(self, x: np.ndarray) -> np.ndarray:
+        """x ``[R, I]`` with its columns in the order of :meth:`dense`'s."""
+        return x if self.columns is None else np.ascontiguousarray(x[:, self.columns])
 
     def matvec(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """``[len(slots), O]`` float32: row n = W[slots[n]] @ x[tok[n]] (x [R, I] float32)."""
@@ -219,12 +251,30 @@ class _Quant:
                                       xd, xsum, tok, slots, out, f0, f1), out.size)
         return out
 
-    def dense(self, s: int) -> np.ndarray:
-        """``[O, I]`` float32: the dequantised weight of slot ``s``."""
-        out = np.empty((self.out_dims, self.in_dims), np.float32)
-        _parallel(lambda o0, o1: _dequant(self.w, self.scales, self.biases, self.bits, self.gs,
-                                          self.mode, s, out, o0, o1), self.out_dims)
+    def dense(self, s: int, o0: int = 0, o1: int | None = None) -> np.ndarray:
+        """``[o1 - o0, I]`` float32: rows o0..o1 of slot ``s``'s dequantised weight, columns
+        in :attr:`columns` order (one thread)."""
+        o1 = self.out_dims if o1 is None else o1
+        out = np.empty((o1 - o0, self.in_dims), np.float32)
+        _dequant(self.w[:, o0:o1], self.scales[:, o0:o1], self.biases[:, o0:o1] if self.mode == 0 else self.biases,
+                 self.bits, self.gs, self.mode, s, out)
         return out
+
+
+def _gemm_slots(quant: _Quant | None, weight, x, tok, groups, out) -> None:
+    """out[p] = x[tok[p]] @ W[s].T for each ``(s, p)`` of ``groups``: slots shared among the
+    pool's threads, each dequantising its slot and calling BLAS single-threaded (BLAS's own
+    threads spin-wait and collapse when the cores are shared: measured 1.5-150 ms for one call)."""
+    if quant is not None:
+        x = quant.permute(x)
+
+    def work(i0, i1):
+        for s, p in groups[i0:i1]:
+            w = weight[s] if quant is None else quant.dense(s)  # [O, I]
+            out[p] = x[tok[p]] @ w.T
+
+    with _BLAS.limit(limits=1, user_api="blas"):
+        _parallel(work, len(groups), grain=1)
 
 
 def switch_linear(leaf: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -253,11 +303,8 @@ def switch_linear(leaf: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nda
     if quant is not None and small:
         pairs = np.concatenate(small)
         out[pairs] = quant.matvec(x, tok[pairs], slots[pairs])
-    for s, p in groups:
-        if quant is None:
-            out[p] = x[tok[p]] @ weight[s].T  # BLAS gemv/gemm on the slot
-        elif len(p) >= GEMM_MIN_ROWS:
-            out[p] = x[tok[p]] @ quant.dense(s).T
+    big = groups if quant is None else [(s, p) for s, p in groups if len(p) >= GEMM_MIN_ROWS]
+    _gemm_slots(quant, weight, x, tok, big, out)
     if "bias" in leaf:
         out += _host(leaf["bias"])[slots]
     return out
@@ -311,8 +358,15 @@ def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
     quant = _Quant(layer, stacked=False)
     xs = _host(x.reshape(-1, x.shape[-1]))  # [T, I]
     T = xs.shape[0]
-    if T >= GEMM_MIN_ROWS:
-        y = xs @ quant.dense(0).T
+    if T >= GEMM_MIN_ROWS:  # output rows shared among the threads, BLAS single-threaded (_gemm_slots)
+        y = np.empty((T, quant.out_dims), np.float32)
+        xp = quant.permute(xs)
+
+        def work(o0, o1):
+            y[:, o0:o1] = xp @ quant.dense(0, o0, o1).T
+
+        with _BLAS.limit(limits=1, user_api="blas"):
+            _parallel(work, quant.out_dims, grain=256)
     else:
         y = quant.matvec(xs, np.arange(T), np.zeros(T, np.int64))
     return mx.array(y).reshape(*x.shape[:-1], quant.out_dims).astype(x.dtype)

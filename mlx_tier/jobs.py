@@ -437,6 +437,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         KeyboardInterrupt: a second interrupt; finished outputs are kept.
     """
     from .demo_model import ensure_demo_model
+    from .kernels import resolve as resolve_kernel
     from .tiered import DEFAULT_PREFETCH, TierConfig, load
 
     reporter = reporter or Reporter()
@@ -482,6 +483,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             "experts_per_layer": cache.num_experts,
             "policy": config.policy,
             "prefetch": prefetch,
+            "kernel": resolve_kernel(config.kernel),
             "max_tokens": config.max_tokens,
             "repetition_penalty": config.repetition_penalty,
             "prompt": config.prompt,

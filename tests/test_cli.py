@@ -272,4 +272,5 @@ def test_kernel_option(docs, tmp_path, tiny_moe):
         code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4", "--kernel", kernel)
         assert code == 0, output
         texts.append(sorted((p.name, p.read_text()) for p in out.glob("*.md")))
+        assert json.loads((out / "report.json").read_text())["kernel"] == kernel
     assert texts[0] == texts[1] and texts[0]
