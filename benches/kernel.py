@@ -73,7 +73,13 @@ def numpy_dequant(leaf, s: int) -> np.ndarray:
 
 
 def numpy_block(blk, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """Candidate B for a whole SwitchGLU: per expert, numpy dequantise + BLAS; ``[T*k, D]``."""
+    """Candidate B for a whole SwitchGLU: per expert, numpy dequantise + BLAS (one BLAS
+    thread, as in the kernel: its spinning threads collapse on shared cores); ``[T*k, D]``."""
+    with cpu_kernel._BLAS.limit(limits=1, user_api="blas"):
+        return _numpy_block(blk, x, idx)
+
+
+def _numpy_block(blk, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
     T, k = idx.shape
     out = np.empty((T * k, D), np.float32)
     flat = idx.reshape(-1)
