@@ -160,7 +160,7 @@ def assert_cpu_kernel_agrees(path, slot_counts):
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_architecture_matrix_on_cpu_kernel(name, tmp_path, tokenizer_dir):
-    """Each mlx-lm MoE type, 4-bit g32 experts at 1, top-k and E slots; float experts at 1."""
+    """Each mlx-lm MoE type, 4-bit g32 experts at 1, top-k and E slots; float experts at 1 (default subset)."""
     config = {**BASE, "model_type": name, **CONFIGS[name]}
     module = importlib.import_module(f"mlx_lm.models.{name}")
     mx.random.seed(3)
@@ -170,7 +170,8 @@ def test_architecture_matrix_on_cpu_kernel(name, tmp_path, tokenizer_dir):
     q4 = write_checkpoint(tmp_path / "q4", model, {**config, "quantization": {"group_size": 32, "bits": 4}},
                           tokenizer_dir)
     assert_cpu_kernel_agrees(q4, (1, K, E))
-    assert_cpu_kernel_agrees(fp, (1,))
+    if name in DEFAULT_ARCHS:  # float experts: the same SwitchLinear code in every architecture
+        assert_cpu_kernel_agrees(fp, (1,))
 
 
 QUANTS = [dict(mode="affine", bits=b, group_size=g) for b, g in ((2, 64), (3, 32), (5, 64), (6, 64), (8, 32))]
