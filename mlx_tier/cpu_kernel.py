@@ -51,6 +51,9 @@ GEMM_MIN_ROWS = 8
 # lowering lost the inner loops' vectorisation: benches/kernel.py, README).
 THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="mlx-tier-kernel")
+# Least weight bytes a thread's share of a matvec gets: below it, handing work to
+# another thread costs more than it saves (small attention projections).
+SHARE_BYTES = 2**18
 _BLAS = ThreadpoolController()  # numpy's BLAS, limited to one thread inside the pool's shares
 
 MODES = {"affine": 0, "mxfp4": 1}
@@ -223,13 +226,13 @@ class _Quant:
         if leaf.mode not in MODES or leaf.get("global_scale") is not None:
             raise ValueError(f"CPU kernel: quantization mode {leaf.mode!r} is not supported (affine, mxfp4)")
         self.bits, self.gs, self.mode = leaf.bits, leaf.group_size, MODES[leaf.mode]
-        w, sc = leaf["weight"], leaf["scales"]
         bi = leaf.get("biases")
-        if not stacked:  # a dense layer is one always-resident expert
-            w, sc, bi = w[None], sc[None], (None if bi is None else bi[None])
-        self.w = _host(w).view(np.uint8)  # [S, O, I*bits/8]
-        self.scales = _host(sc, float32=self.mode == 0)  # [S, O, G]
+        self.w = _host(leaf["weight"]).view(np.uint8)  # [S, O, I*bits/8]
+        self.scales = _host(leaf["scales"], float32=self.mode == 0)  # [S, O, G]
         self.biases = _host(bi) if bi is not None else np.zeros((1, 1, 1), np.float32)
+        if not stacked:  # a dense layer is one always-resident expert (numpy views: free)
+            self.w, self.scales = self.w[None], self.scales[None]
+            self.biases = self.biases[None] if bi is not None else self.biases
         self.out_dims = self.w.shape[1]
         self.in_dims = self.scales.shape[2] * self.gs
         # Column order of dense(): 4-bit affine rows come de-interleaved (even then odd
@@ -247,8 +250,10 @@ class _Quant:
         xsum = x.reshape(x.shape[0], -1, self.gs).sum(-1, dtype=np.float32)  # [R, G]
         out = np.empty((len(slots), self.out_dims), np.float32)
         tok, slots = tok.astype(np.int64), slots.astype(np.int64)
+        row_bytes = self.w.shape[2] + 2 * self.scales.shape[2] * self.scales.itemsize
         _parallel(lambda f0, f1: _qmv(self.w, self.scales, self.biases, self.bits, self.gs, self.mode,
-                                      xd, xsum, tok, slots, out, f0, f1), out.size)
+                                      xd, xsum, tok, slots, out, f0, f1), out.size,
+                  grain=max(1, SHARE_BYTES // row_bytes))
         return out
 
     def dense(self, s: int, o0: int = 0, o1: int | None = None) -> np.ndarray:
@@ -342,7 +347,8 @@ def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) 
         y = switch_linear(inner.fc2, h, pair, sl)
     else:
         raise TypeError(f"CPU kernel: {type(inner).__name__} is not a SwitchGLU/SwitchMLP")
-    return mx.array(y).reshape(*slots.shape, D).astype(x.dtype)
+    y = mx.array(y).reshape(*slots.shape, D)
+    return y if x.dtype == mx.float32 else y.astype(x.dtype)
 
 
 def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
@@ -369,7 +375,8 @@ def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
             _parallel(work, quant.out_dims, grain=256)
     else:
         y = quant.matvec(xs, np.arange(T), np.zeros(T, np.int64))
-    return mx.array(y).reshape(*x.shape[:-1], quant.out_dims).astype(x.dtype)
+    y = mx.array(y).reshape(*x.shape[:-1], quant.out_dims)
+    return y if x.dtype == mx.float32 else y.astype(x.dtype)
 
 
 class CpuQuantizedLinear(nn.QuantizedLinear):
