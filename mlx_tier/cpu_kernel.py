@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 from mlx import nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchMLP
 from numba import njit
 from threadpoolctl import ThreadpoolController
 
@@ -270,6 +270,8 @@ def _gemm_slots(quant: _Quant | None, weight, x, tok, groups, out) -> None:
     """out[p] = x[tok[p]] @ W[s].T for each ``(s, p)`` of ``groups``: slots shared among the
     pool's threads, each dequantising its slot and calling BLAS single-threaded (BLAS's own
     threads spin-wait and collapse when the cores are shared: measured 1.5-150 ms for one call)."""
+    if not groups:
+        return
     if quant is not None:
         x = quant.permute(x)
 
