@@ -86,6 +86,8 @@ class JobConfig:
         prefetch: read the next layer's predicted experts in the background
             (``None``: :data:`mlx_tier.tiered.DEFAULT_PREFETCH`).
         follow_links: read links in an INPUT folder that lead outside it.
+        kernel: what computes the experts (:mod:`mlx_tier.kernels`); ``auto``:
+            the CPU kernel on MLX's CPU backend (README, "CPU expert kernel").
     """
 
     input: Path
@@ -113,6 +115,7 @@ class JobConfig:
     prefetch: bool | None = None
     host_cache_gb: float | None = None  # warm host tier of the CUDA path (TierConfig.host_cache_gb)
     follow_links: bool = False
+    kernel: str = "auto"
 
 
 @dataclass
@@ -470,6 +473,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     """
     from .demo_model import ensure_demo_model
     from .generation import MAX_AUTO_BATCH
+    from .kernels import resolve as resolve_kernel
     from .memory import model_memory_controls
     from .tiered import DEFAULT_PREFETCH, TierConfig, load
 
@@ -500,7 +504,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         reporter.message(f"loading {model_dir}")
         model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
                                 config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch,
-                                                  host_cache_gb=config.host_cache_gb))
+                                                  host_cache_gb=config.host_cache_gb,
+                                                  kernel=config.kernel))
         model_context = context_length(model_dir, FALLBACK_CONTEXT)
         context = min(model_context, config.context or model_context)
         check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
@@ -522,6 +527,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
             "experts_per_layer": cache.num_experts,
             "policy": config.policy,
             "prefetch": prefetch,
+            "kernel": resolve_kernel(config.kernel),
             "max_tokens": config.max_tokens,
             "repetition_penalty": config.repetition_penalty,
             "prompt": config.prompt,
