@@ -309,6 +309,7 @@ def run(
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA path: a warm tier of this many GiB in host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"). Default: one tier."),
     prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
     follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
+    kernel: str = typer.Option("auto", "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
 ) -> None:
@@ -340,6 +341,7 @@ def run(
     from mlx_tier.documents import InputError
     from mlx_tier.errors import JobError
     from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
+    from mlx_tier.kernels import kernel_for
     from mlx_tier.policy import POLICIES
     from mlx_tier.profile import ProfileError
     from mlx_tier.throttle import ThrottleConfig
@@ -356,6 +358,10 @@ def run(
         fail(f"--format must be md or jsonl, got {output_format!r}")
     if policy not in POLICIES:
         fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    try:
+        kernel_for(kernel)  # an unknown name, or metal without Metal
+    except ValueError as e:
+        fail(f"--kernel: {e}")
     try:
         throttle = ThrottleConfig(max_temp=max_temp, pause_on_battery=pause_on_battery, min_battery=min_battery,
                                   max_tok_s=max_tok_s)
@@ -401,6 +407,7 @@ def run(
             prefetch=prefetch,
             host_cache_gb=host_cache_gb,
             follow_links=follow_links,
+            kernel=kernel,
         )
         with _sigterm_interrupts():
             report = run_job(config, reporter)

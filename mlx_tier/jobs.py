@@ -87,6 +87,8 @@ class JobConfig:
         prefetch: read the next layer's predicted experts in the background
             (``None``: :data:`mlx_tier.tiered.DEFAULT_PREFETCH`).
         follow_links: read links in an INPUT folder that lead outside it.
+        kernel: what computes the experts (:mod:`mlx_tier.kernels`); ``auto``:
+            the CPU kernel on MLX's CPU backend (README, "CPU expert kernel").
     """
 
     input: Path
@@ -114,6 +116,7 @@ class JobConfig:
     prefetch: bool | None = None
     host_cache_gb: float | None = None  # warm host tier of the CUDA path (TierConfig.host_cache_gb)
     follow_links: bool = False
+    kernel: str = "auto"
 
 
 @dataclass
@@ -584,7 +587,7 @@ def _load_model(config: JobConfig, reporter: Reporter, prefetch: bool):
     reporter.message(f"loading {model_dir}")
     model, tokenizer = load(model_dir, cache_gb=config.cache_gb,
                             config=TierConfig(policy=config.policy, prewarm=config.prewarm, prefetch=prefetch,
-                                              host_cache_gb=config.host_cache_gb))
+                                              host_cache_gb=config.host_cache_gb, kernel=config.kernel))
     model_context = context_length(model_dir, FALLBACK_CONTEXT)
     context = min(model_context, config.context or model_context)
     check_context(tokenizer, config.prompt, config.max_tokens, context)  # before any document
@@ -609,6 +612,8 @@ def _model_for(todo: list, config: JobConfig, reporter: Reporter, prefetch: bool
 
 def _setup(model_dir, cache, config: JobConfig, prefetch: bool) -> dict:
     """The run's settings for report.json."""
+    from .kernels import resolve as resolve_kernel
+
     return {
         **machine_info(),
         "model": str(model_dir),
@@ -620,6 +625,7 @@ def _setup(model_dir, cache, config: JobConfig, prefetch: bool) -> dict:
         "expert_bytes_on_disk": sum(t.info.nbytes for layer in cache.layers for t in layer.tensors.values()),
         "policy": config.policy,
         "prefetch": prefetch,
+        "kernel": resolve_kernel(config.kernel),
         "max_tokens": config.max_tokens,
         "repetition_penalty": config.repetition_penalty,
         "prompt": config.prompt,

@@ -18,6 +18,7 @@ import psutil
 from mlx import nn
 from mlx_lm.utils import load_tokenizer
 
+from . import kernels
 from .cache import BudgetError, CacheStats, ExpertCache, LayerCache, SlabTensor
 from .checkpoint import (  # noqa: F401 - EXPERT_BLOCKS, REFUSED, find_expert_blocks: importable from here too
     EXPERT_BLOCKS,
@@ -72,9 +73,18 @@ class TierConfig:
             Exactness and hit/miss counts do not depend on it. Default from
             ``benches/prefetch.py`` (README); reported to hurt on Apple
             unified memory (DESIGN.md, "Prefetch").
+        kernel: what computes the experts (:mod:`mlx_tier.kernels`): ``"mlx"``
+            (mlx-lm's own ops: greedy tokens equal mlx-lm's exactly, hence the
+            library default), ``"cpu"`` (:mod:`mlx_tier.cpu_kernel`, eager,
+            within fp32 rounding; on the build machine many times faster),
+            ``"metal"``, or ``"auto"`` (cpu on MLX's CPU backend, else mlx).
+            The job runner (``mlx-tier run``) defaults to ``"auto"``.
+        dense_kernel: with the cpu kernel, also serve the dense quantized
+            layers (``nn.QuantizedLinear``, a tied ``QuantizedEmbedding``'s
+            ``as_linear``) through it (:func:`mlx_tier.cpu_kernel.serve_dense`).
 
     Raises:
-        ValueError: an unknown ``read_method``/``page_cache``, or mmap with direct.
+        ValueError: an unknown ``read_method``/``page_cache``/``kernel``, or mmap with direct.
     """
 
     cache_gb: float | None = None
@@ -98,6 +108,8 @@ class TierConfig:
     profile: Path | None = None
     prewarm: bool | None = None
     prefetch: bool = DEFAULT_PREFETCH
+    kernel: str = "mlx"
+    dense_kernel: bool = True
     # The CUDA path (mlx_tier/two_tier.py): a warm tier of host_cache_gb GiB in
     # host memory under the hot slabs (cache_gb is then the GPU budget); warm
     # experts are computed in place on the CPU stream, or copied to the hot
@@ -108,6 +120,7 @@ class TierConfig:
 
     def __post_init__(self):
         check_read_settings(self.read_method, self.page_cache)
+        kernels.resolve(self.kernel)
 
 
 class TieredExperts(nn.Module):
@@ -119,10 +132,11 @@ class TieredExperts(nn.Module):
     slot ids, and the wrapped mlx-lm block runs on the slabs.
     """
 
-    def __init__(self, inner: nn.Module, cache: LayerCache):
+    def __init__(self, inner: nn.Module, cache: LayerCache, kernel: kernels.Kernel = kernels.kernel_for("mlx")):
         super().__init__()
         self._inner = inner  # leading underscore: hidden from parameters()
         self._cache = cache
+        self._kernel = kernel  # (inner, x, slots) -> [..., k, D]: mlx_tier.kernels
         self._prefetch = None  # NextLayerPrefetch (mlx_tier.prefetch) when prefetch is on
 
     @property
@@ -132,7 +146,7 @@ class TieredExperts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._cache.all_resident():  # no miss possible: stay lazy, no host sync
             self._cache.defer_count(indices)
-            return self._inner(x, self._cache.lut[indices])
+            return self._kernel(self._inner, x, self._cache.lut[indices])
         # Layer l+1's predicted experts [..., k], evaluated with this layer's
         # router output (one host sync), read while this layer computes.
         ahead = self._prefetch.predict(x, indices.shape[-1]) if self._prefetch is not None else None
@@ -144,7 +158,7 @@ class TieredExperts(nn.Module):
         out = None
         for slots, mask in self._cache.assign(idx):
             if mask is None:  # every needed expert resident at once: one pass
-                out = self._inner(x, mx.array(slots))  # [..., k, D]
+                out = self._kernel(self._inner, x, mx.array(slots))  # [..., k, D]
                 break
             # More experts needed than slots: this round computes only the
             # (token, k) pairs whose expert is resident now, one pair per row.
@@ -153,7 +167,7 @@ class TieredExperts(nn.Module):
                 out = mx.zeros((idx.size, D), dtype=x.dtype)  # [T*k, D]
             pairs = np.flatnonzero(mask.reshape(-1))  # rows of [T*k]
             rows = x.reshape(-1, D)[mx.array(pairs // k)]  # [n, D]
-            y = self._inner(rows, mx.array(slots.reshape(-1)[pairs])[:, None])  # [n, 1, D]
+            y = self._kernel(self._inner, rows, mx.array(slots.reshape(-1)[pairs])[:, None])  # [n, 1, D]
             out[mx.array(pairs)] = y.squeeze(1)
             mx.eval(out)  # the next round may overwrite the slots y read
         else:
@@ -286,13 +300,18 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     profile = _profile_for(config, model_dir, len(found), max(n for _, n, _ in found))
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
+    kernel = kernels.kernel_for(config.kernel)
     wrappers = []
     for path, block in blocks:
-        wrappers.append(TieredExperts(block, None))
+        wrappers.append(TieredExperts(block, None, kernel))
         set_child(model, path, wrappers[-1])
     if dtype is not None:
         model.set_dtype(dtype)  # the dense part; experts are converted as they are read
     mx.eval(model.parameters())
+    if config.dense_kernel and kernels.resolve(config.kernel) == "cpu":
+        from .cpu_kernel import serve_dense
+
+        serve_dense(model)
 
     slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
     num_experts = max(n for _, n, _ in found)

@@ -261,3 +261,22 @@ def test_max_tok_s_caps_the_job_and_status_shows_throttle_time(docs, tmp_path, t
     assert st.thermal and st.thermal[0]["mode"] == "full"  # the throttle's state at start, journalled
     result = runner.invoke(app, ["status", str(out)])
     assert result.exit_code == 0 and "full speed from 0 s into the run" in result.output, result.output
+
+
+def test_kernel_option(docs, tmp_path, tiny_moe):
+    """--kernel: bad names and metal without Metal exit 2 with one line; cpu and mlx write the same summaries."""
+    import mlx.core as mx
+
+    code, output = run(docs, "--out", tmp_path / "o0", "--model", tiny_moe, "--kernel", "gpu")
+    assert code == 2 and "--kernel: kernel must be one of mlx, cpu, metal, auto; got 'gpu'" in output
+    if not mx.metal.is_available():
+        code, output = run(docs, "--out", tmp_path / "o0", "--model", tiny_moe, "--kernel", "metal")
+        assert code == 2 and len(error_lines(output)) == 1 and "needs Apple Metal" in output
+    texts = []
+    for kernel in ("cpu", "mlx"):
+        out = tmp_path / kernel
+        code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4", "--kernel", kernel)
+        assert code == 0, output
+        texts.append(sorted((p.name, p.read_text()) for p in out.glob("*.md")))
+        assert json.loads((out / "report.json").read_text())["kernel"] == kernel
+    assert texts[0] == texts[1] and texts[0]

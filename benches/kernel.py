@@ -1,0 +1,163 @@
+"""CPU expert kernel vs MLX's CPU ops vs this machine's memory bandwidth, side by side.
+
+Question: how close to memory bandwidth does the CPU expert kernel run, and
+how much faster than MLX's ``gather_qmm`` is it? One SwitchGLU block of
+Qwen3-30B-A3B shapes (D=2048, H=768, 128 experts, 4-bit affine, group 64,
+float32 scales as on the CPU backend), in one process:
+
+- memory bandwidth: a streaming read (sum) of a 1 GiB buffer, one thread and
+  all threads; the larger is the reference;
+- decode: one token, k=8 distinct random experts per call (new ones every
+  call, so weights come from memory, not cache): the kept kernel (Numba fused
+  dequantise + matvec), the other build candidate (vectorised numpy dequantise
+  + BLAS matvec) and MLX (``SwitchGLU`` -> ``gather_qmm``), in GB/s of expert
+  weights (packed weights + scales + biases) read;
+- prefill: 512 tokens x top-8 over the 128 experts (random routing): the
+  kernel (rows grouped by expert, dequantise + numpy's BLAS GEMM), the numpy
+  candidate, and MLX's sorted ``gather_qmm`` (what SwitchGLU does for >= 64 pairs).
+
+    python benches/kernel.py [--runs 9] [--mlx-prefill-runs 1]
+
+Prints the caliber and the load average with every figure (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numba
+import numpy as np
+import psutil
+from mlx import nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from mlx_tier import cpu_kernel
+
+D, H, E, K, BITS, GS = 2048, 768, 128, 8, 4, 64
+
+
+def timed(fn, runs: int) -> tuple[float, str]:
+    """Median seconds of ``runs`` calls (after one warm-up) and the load average at the end."""
+    fn()
+    ts = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), "load {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+
+
+def stream_read(runs: int) -> tuple[float, str]:
+    """Bytes/s of a streaming read (``sum``) of 1 GiB, the better of 1 and all threads."""
+    buf = np.ones(2**30 // 4, np.float32)
+    n = cpu_kernel.THREADS
+    parts = np.array_split(buf, n)
+    with ThreadPoolExecutor(n) as pool:  # numpy's sum drops the GIL
+        t1, load1 = timed(lambda: buf.sum(), runs)
+        tn, loadn = timed(lambda: list(pool.map(np.sum, parts)), runs)
+    return (buf.nbytes / min(t1, tn), loadn if tn < t1 else load1)
+
+
+def numpy_dequant(leaf, s: int) -> np.ndarray:
+    """Build candidate B: slot ``s`` of a 4-bit layer dequantised with vectorised numpy, [O, I] float32."""
+    w = np.asarray(leaf["weight"][s]).view(np.uint8)  # [O, I/2]
+    q = np.stack([w & 15, w >> 4], axis=-1).reshape(w.shape[0], -1, GS).astype(np.float32)  # [O, G, gs]
+    sc, bi = np.asarray(leaf["scales"][s]), np.asarray(leaf["biases"][s])
+    return (q * sc[..., None] + bi[..., None]).reshape(w.shape[0], -1)
+
+
+def numpy_block(blk, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Candidate B for a whole SwitchGLU: per expert, numpy dequantise + BLAS (one BLAS
+    thread, as in the kernel: its spinning threads collapse on shared cores); ``[T*k, D]``."""
+    with cpu_kernel._BLAS.limit(limits=1, user_api="blas"):
+        return _numpy_block(blk, x, idx)
+
+
+def _numpy_block(blk, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    T, k = idx.shape
+    out = np.empty((T * k, D), np.float32)
+    flat = idx.reshape(-1)
+    for e in np.unique(flat):
+        pairs = np.flatnonzero(flat == e)
+        xs = x[pairs // k]
+        g, u = xs @ numpy_dequant(blk.gate_proj, e).T, xs @ numpy_dequant(blk.up_proj, e).T
+        h = g / (1 + np.exp(-g)) * u  # SwiGLU (silu(gate) * up)
+        out[pairs] = h @ numpy_dequant(blk.down_proj, e).T
+    return out
+
+
+def expert_bytes(blk) -> float:
+    """Bytes of one expert's packed weights, scales and biases (all three projections)."""
+    return sum(v.nbytes for _, v in nn.utils.tree_flatten(blk.parameters())) / E
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--mlx-prefill-runs", type=int, default=1, help="MLX's prefill takes tens of seconds a run")
+    args = ap.parse_args()
+
+    mx.random.seed(0)
+    blk = SwitchGLU(D, H, E)
+    nn.quantize(blk, group_size=GS, bits=BITS)
+    mx.eval(blk.parameters())
+    rng = np.random.default_rng(0)
+    per_expert = expert_bytes(blk)
+
+    print("caliber:")
+    print(f"  machine: {platform.machine()} {platform.system()}, {psutil.cpu_count()} cores "
+          f"({platform.processor() or 'cpu'}), {psutil.virtual_memory().total / 2**30:.0f} GiB, shared")
+    print(f"  MLX {mx.__version__} on {mx.default_device()}; numba {numba.__version__} "
+          f"({cpu_kernel.THREADS} kernel threads); numpy {np.__version__}")
+    print(f"  block: SwitchGLU D={D} H={H}, {E} experts, {BITS}-bit affine g{GS}, float32 scales; "
+          f"{per_expert / 2**20:.2f} MiB per expert; medians of {args.runs} runs after a warm-up")
+
+    bw, load = stream_read(args.runs)
+    print(f"\nmemory: streaming read of 1 GiB {bw / 1e9:6.1f} GB/s   ({load})")
+
+    x = mx.random.normal((1, D))
+    xs = np.asarray(x)
+
+    def pick():
+        return mx.array(rng.choice(E, K, replace=False)[None].astype(np.uint32))  # [1, k]
+
+    decode = {
+        "cpu kernel (numba fused)": lambda: cpu_kernel.expert_forward(blk, x, pick()),
+        "numpy dequant + BLAS": lambda: numpy_block(blk, xs, np.asarray(pick())),
+        "MLX gather_qmm": lambda: mx.eval(blk(x, pick())),
+    }
+    print(f"\ndecode: 1 token x top-{K} ({K * per_expert / 2**20:.1f} MiB of experts per call)")
+    print(f"{'':28} {'ms':>8} {'GB/s':>7} {'of read bw':>10} {'vs MLX':>7}")
+    res = {name: timed(fn, args.runs) for name, fn in decode.items()}
+    mlx_t = res["MLX gather_qmm"][0]
+    for name, (t, load) in res.items():
+        gbs = K * per_expert / t
+        print(f"{name:28} {t * 1e3:8.2f} {gbs / 1e9:7.2f} {gbs / bw:10.1%} {mlx_t / t:7.1f}x   ({load})")
+
+    T = 512
+    xp = mx.random.normal((T, D))
+    idx = mx.array(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.uint32))  # [T, k] distinct per token
+    xps, idxs = np.asarray(xp), np.asarray(idx)
+    print(f"\nprefill: {T} tokens x top-{K} over {E} experts (random routing)")
+    res = {
+        "cpu kernel (dequant + GEMM)": timed(lambda: cpu_kernel.expert_forward(blk, xp, idx), max(3, args.runs // 3)),
+        "numpy dequant + BLAS": timed(lambda: numpy_block(blk, xps, idxs), max(3, args.runs // 3)),
+        "MLX sorted gather_qmm": timed(lambda: mx.eval(blk(xp, idx)), args.mlx_prefill_runs),
+    }
+    mlx_t = res["MLX sorted gather_qmm"][0]
+    print(f"{'':28} {'s':>8} {'tok/s':>7} {'vs MLX':>7}")
+    for name, (t, load) in res.items():
+        print(f"{name:28} {t:8.2f} {T / t:7.1f} {mlx_t / t:7.1f}x   ({load})")
+    ref = blk(xp[:64], idx[:64])
+    got = cpu_kernel.expert_forward(blk, xp[:64], idx[:64])
+    print(f"\nagreement (64 tokens): max|Δ|/max|ref| = {(mx.abs(ref - got).max() / mx.abs(ref).max()).item():.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Which code computes a tiered block's experts: MLX's ops, the CPU kernel, or Metal kernels.
+
+A kernel is a callable ``(inner, x, slots) -> [..., k, D]`` with ``inner``
+the wrapped mlx-lm ``SwitchGLU``/``SwitchMLP`` whose leaves hold the slot
+slabs, ``x`` ``[..., D]`` and ``slots`` ``[..., k]`` slot ids.
+
+- ``mlx``: the block itself (``gather_qmm``/``gather_mm``), lazy; greedy
+  tokens equal mlx-lm's exactly (DESIGN.md, invariant 1).
+- ``cpu``: :func:`mlx_tier.cpu_kernel.expert_forward`, eager, within fp32
+  rounding of the MLX path.
+- ``metal``: ``mlx_tier.metal_kernels.metal_expert_forward`` (needs Metal).
+- ``auto``: ``cpu`` on MLX's CPU backend, ``mlx`` elsewhere (the Metal
+  kernels are not yet measured on a Mac).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx import nn
+
+KERNELS = ("mlx", "cpu", "metal", "auto")
+
+Kernel = Callable[[nn.Module, mx.array, mx.array], mx.array]
+
+
+def resolve(name: str) -> str:
+    """``name`` with ``auto`` replaced by the kernel for the default device.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {name!r}")
+    if name == "auto":
+        return "cpu" if mx.default_device() == mx.cpu else "mlx"
+    return name
+
+
+def _mlx(inner: nn.Module, x: mx.array, slots: mx.array) -> mx.array:
+    return inner(x, slots)
+
+
+def kernel_for(name: str) -> Kernel:
+    """The expert kernel called ``name`` (one of :data:`KERNELS`).
+
+    Raises:
+        ValueError: an unknown name, or ``metal`` where Metal (or the Metal
+            kernel module) is not available.
+    """
+    name = resolve(name)
+    if name == "mlx":
+        return _mlx
+    if name == "cpu":
+        from .cpu_kernel import expert_forward
+
+        return expert_forward
+    if not mx.metal.is_available():
+        raise ValueError("kernel 'metal' needs Apple Metal, which this machine's MLX does not have")
+    try:
+        from .metal_kernels import metal_expert_forward
+    except ImportError as e:
+        raise ValueError(f"kernel 'metal' is not available in this build of mlx-tier: {e}") from None
+    return metal_expert_forward

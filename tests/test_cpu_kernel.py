@@ -1,0 +1,202 @@
+"""The CPU expert kernel computes what MLX computes, to fp32 rounding.
+
+Invariant 1 on own kernels (DESIGN.md): outputs and logits stay within
+``max|Δ| <= BOUND * max|reference|`` of the MLX path, and greedy tokens equal
+mlx-lm's, for every expert format (affine 2-8 bits at group sizes 32/64/128,
+mxfp4, float experts, per-expert biases), both block kinds (SwitchGLU,
+SwitchMLP) and both kernel paths (fused matvec for few rows per expert,
+dequantise + BLAS GEMM for many), at 1, top-k and E slots per layer.
+"""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from arch_configs import BASE, CONFIGS, E, K
+from conftest import write_checkpoint
+from mlx import nn
+from mlx_lm.generate import generate_step
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear, SwitchMLP
+from mlx_lm.utils import load_model
+
+import mlx_tier
+from mlx_tier import TierConfig, cpu_kernel, kernels
+
+BOUND = 1e-4  # max|Δ| <= BOUND * max|reference|: fp32 accumulation in another order
+
+
+def close(ref: mx.array, got: mx.array) -> float:
+    """max|Δ| / max|ref| (what BOUND limits)."""
+    return (mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max() / mx.abs(ref).max()).item()
+
+
+def block(kind, D=64, H=32, experts=6, bias=True, **quant):
+    """A random expert block with nonzero per-expert biases, quantized when ``quant`` is given."""
+    mx.random.seed(1)
+    b = (SwitchGLU if kind == "glu" else SwitchMLP)(D, H, experts, bias=bias)
+    if bias:
+        for leaf in b.children().values():
+            if isinstance(leaf, SwitchLinear):
+                leaf.bias = mx.random.normal(leaf.bias.shape) * 0.1
+    if quant:
+        nn.quantize(b, **quant)
+    mx.eval(b.parameters())
+    return b
+
+
+def check_block(b, T, k=3, D=64, experts=6):
+    x = mx.random.normal((T, D))
+    idx = mx.random.randint(0, experts, (T, k)).astype(mx.uint32)
+    ref = b(x, idx)
+    got = cpu_kernel.expert_forward(b, x, idx)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert close(ref, got) <= BOUND
+
+
+# T=1: decode (fused matvec); T=40 with 3 of 6 experts: ~20 rows per expert (GEMM path).
+@pytest.mark.parametrize("T", [1, 40])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_affine_glu_block_matches_mlx(bits, group_size, T):
+    b = block("glu", D=128, H=128, bits=bits, group_size=group_size)
+    check_block(b, T, D=128)
+
+
+@pytest.mark.parametrize("T", [1, 40])
+@pytest.mark.parametrize(
+    "kind, quant",
+    [("mlp", dict(bits=4, group_size=32)), ("glu", dict(mode="mxfp4", bits=4, group_size=32)),
+     ("glu", {}), ("mlp", {})],
+    ids=["mlp-q4", "glu-mxfp4", "glu-float", "mlp-float"],
+)
+def test_other_formats_match_mlx(kind, quant, T):
+    check_block(block(kind, **quant), T)
+
+
+def test_qwen3_30b_expert_shape_one_token():
+    """The bench's shapes (Qwen3-30B-A3B): 4-bit g64, D=2048, H=768, k=8, one token."""
+    b = block("glu", D=2048, H=768, experts=8, bias=False, bits=4, group_size=64)
+    check_block(b, 1, k=8, D=2048, experts=8)
+
+
+def test_bfloat16_slabs_compute_in_float32():
+    b = block("glu", bits=4, group_size=32)
+    b.set_dtype(mx.bfloat16)
+    x = mx.random.normal((2, 64)).astype(mx.bfloat16)
+    idx = mx.array([[0, 5, 2], [1, 1, 3]], dtype=mx.uint32)
+    got = cpu_kernel.expert_forward(b, x, idx)
+    assert got.dtype == mx.bfloat16
+    b.set_dtype(mx.float32)  # the same (bf16-representable) values, computed in float32
+    assert close(b(x.astype(mx.float32), idx), got) <= 2**-7  # only the bf16 rounding of the output
+
+
+@pytest.mark.parametrize("mode, bits, group_size", [("affine", 4, 32), ("affine", 8, 64), ("mxfp4", 4, 32)])
+@pytest.mark.parametrize("T", [1, 12])
+def test_dense_quantized_layers_served(mode, bits, group_size, T):
+    mx.random.seed(2)
+    lin = nn.QuantizedLinear(128, 96, bias=True, group_size=group_size, bits=bits, mode=mode)
+    lin.bias = mx.random.normal((96,))
+    emb = nn.QuantizedEmbedding(96, 128, group_size=group_size, bits=bits, mode=mode)
+    x = mx.random.normal((2, T, 128))
+    want = lin(x), emb.as_linear(x), emb(mx.array([3, 7]))
+    model = nn.Sequential(lin, emb)
+    keys = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
+    assert cpu_kernel.serve_dense(model) == 2
+    assert isinstance(lin, cpu_kernel.CpuQuantizedLinear)
+    assert [k for k, _ in nn.utils.tree_flatten(model.parameters())] == keys
+    got = lin(x), emb.as_linear(x), emb(mx.array([3, 7]))
+    assert close(want[0], got[0]) <= BOUND and close(want[1], got[1]) <= BOUND
+    assert mx.array_equal(want[2], got[2])  # lookups stay MLX's
+
+
+def test_wrong_slot_is_detected():
+    """The comparison can fail: reading another slot's weights breaks the bound."""
+    b = block("glu", bits=4, group_size=32)
+    x = mx.random.normal((1, 64))
+    idx = mx.array([[0, 1, 2]], dtype=mx.uint32)
+    assert close(b(x, idx), cpu_kernel.expert_forward(b, x, idx + 1)) > 0.01
+
+
+def test_kernel_names():
+    assert kernels.kernel_for("mlx") is kernels.kernel_for("mlx")
+    assert kernels.kernel_for("cpu") is cpu_kernel.expert_forward
+    assert kernels.resolve("auto") == ("cpu" if mx.default_device() == mx.cpu else "mlx")
+    with pytest.raises(ValueError, match="kernel must be one of mlx, cpu, metal, auto; got 'gpu'"):
+        kernels.kernel_for("gpu")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        TierConfig(kernel="fast")
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="checks the refusal without Metal")
+def test_metal_kernel_refused_without_metal():
+    with pytest.raises(ValueError, match="kernel 'metal' needs Apple Metal"):
+        kernels.kernel_for("metal")
+
+
+# --- tiered models: logits within the bound, greedy tokens equal ---------------------------
+
+PROMPTS = [[1, 5, 9, 17, 33, 2, 7], list(range(3, 120, 3))]  # the long one takes the GEMM path
+# One model per block kind and bias style runs by default; the whole matrix is slow.
+DEFAULT_ARCHS = ["mixtral", "gpt_oss", "phixtral", "qwen3_moe"]
+ARCHS = [a if a in DEFAULT_ARCHS else pytest.param(a, marks=pytest.mark.slow) for a in sorted(CONFIGS)]
+
+
+def greedy_ids(model, prompt, n=8):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def assert_cpu_kernel_agrees(path, slot_counts):
+    ref, _ = load_model(path)
+    ref.set_dtype(mx.float32)
+    want = [greedy_ids(ref, p) for p in PROMPTS]
+    logits = ref(mx.array(PROMPTS[1])[None])
+    for slots in slot_counts:
+        model, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots, kernel="cpu"))
+        assert close(logits, model(mx.array(PROMPTS[1])[None])) <= BOUND, slots
+        assert [greedy_ids(model, p) for p in PROMPTS] == want, slots
+        assert model.expert_cache.stats.misses > 0
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_architecture_matrix_on_cpu_kernel(name, tmp_path, tokenizer_dir):
+    """Each mlx-lm MoE type, 4-bit g32 experts at 1, top-k and E slots; float experts at 1 (default subset)."""
+    config = {**BASE, "model_type": name, **CONFIGS[name]}
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    fp = write_checkpoint(tmp_path / "fp32", model, config, tokenizer_dir)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    q4 = write_checkpoint(tmp_path / "q4", model, {**config, "quantization": {"group_size": 32, "bits": 4}},
+                          tokenizer_dir)
+    assert_cpu_kernel_agrees(q4, (1, K, E))
+    if name in DEFAULT_ARCHS:  # float experts: the same SwitchLinear code in every architecture
+        assert_cpu_kernel_agrees(fp, (1,))
+
+
+QUANTS = [dict(mode="affine", bits=b, group_size=g) for b, g in ((2, 64), (3, 32), (5, 64), (6, 64), (8, 32))]
+
+
+@pytest.mark.parametrize("quant", [*QUANTS, dict(mode="mxfp4", bits=4, group_size=32)],
+                         ids=lambda q: f"{q['mode']}{q['bits']}g{q['group_size']}")
+def test_expert_formats_on_cpu_kernel(quant, tmp_path, tokenizer_dir):
+    config = {**BASE, "model_type": "gpt_oss", **CONFIGS["gpt_oss"]}
+    module = importlib.import_module("mlx_lm.models.gpt_oss")
+    mx.random.seed(4)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    nn.quantize(model, **quant, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    path = write_checkpoint(tmp_path / "ckpt", model, {**config, "quantization": dict(quant)}, tokenizer_dir)
+    assert_cpu_kernel_agrees(path, (1, E))
+
+
+@pytest.mark.slow
+def test_demo_model_on_cpu_kernel(demo_model):
+    """SmolLM2 demo MoE, dense 4-bit layers served too: logits within the bound, same greedy text."""
+    prompts = ([1, 1812, 314, 253], list(range(100, 140)))  # the long one takes the GEMM path
+    ref, _ = mlx_tier.load(demo_model, config=TierConfig(slots_per_layer=8))
+    want_logits = ref(mx.array(prompts[1])[None])
+    want = [greedy_ids(ref, p, n=12) for p in prompts]
+    for slots in (1, 2, 8):  # 1, top-k, E
+        model, _ = mlx_tier.load(demo_model, config=TierConfig(slots_per_layer=slots, kernel="cpu"))
+        assert close(want_logits, model(mx.array(prompts[1])[None])) <= BOUND
+        assert [greedy_ids(model, p, n=12) for p in prompts] == want
