@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -20,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+
 
 class OneLineErrors(typer.core.TyperGroup):
     """Usage errors (an option out of range, a missing argument) as one ``error:`` line and
@@ -375,7 +377,9 @@ def run(
         except CheckpointError as e:
             fail(str(e))
     from_stdin = str(input) == "-"
-    paths = tuple(sys.stdin.read().splitlines()) if from_stdin else None
+    # Paths as bytes, split on newlines only, decoded as the file system does
+    # (a name that is not valid UTF-8 survives as surrogates).
+    paths = tuple(os.fsdecode(b.rstrip(b"\r")) for b in sys.stdin.buffer.read().split(b"\n")) if from_stdin else None
     command = resume_command(ctx, out_dir, from_stdin)
     if background:
         _start_background(ctx, input, out_dir, paths, prompt, follow_links)

@@ -100,10 +100,13 @@ def _read(path: Path, doc_id: str, name: str) -> Document:
     return Document(doc_id, str(path), got.text, got.error, name=name, converter=got.converter)
 
 
-def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None = None) -> list[Document]:
-    """Documents for ``files`` (all under ``root``), named by their paths relative to ``root``."""
+def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None = None,
+                absolute_names: bool = False) -> list[Document]:
+    """Documents for ``files`` (all under ``root``), named by their paths relative to
+    ``root`` (``absolute_names``: by their absolute paths, for lists whose common
+    folder changes from run to run; ids still come from the relative paths)."""
     rel = [p.relative_to(root) for p in files]
-    names = [r.as_posix() for r in rel]
+    names = [p.as_posix() for p in files] if absolute_names else [r.as_posix() for r in rel]
     stems = [safe_id(str(r.with_suffix(""))) for r in rel]
     counts: dict[str, int] = {}
     for s in stems:
@@ -190,7 +193,9 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
     if not files:
         raise InputError(f"{source}: no file paths given")
     root = Path(os.path.commonpath([p.parent for p in files]))
-    return _from_files(root, files, previous)
+    # Named by absolute path: a later list with another common folder must not
+    # take an earlier run's output for a different file of the same relative name.
+    return _from_files(root, files, previous, absolute_names=True)
 
 
 def _jsonl_lines(path: Path) -> list[str]:

@@ -541,7 +541,27 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
     return throttle.as_dict()
 
 
-def _triage(docs, records: dict, config: JobConfig, journal: Journal, results: dict) -> tuple[list, list]:
+def _attempted_ids(journal: Journal | None) -> set[str]:
+    """Ids an earlier run of this job named (its start record) or recorded."""
+    ids: set[str] = set()
+    for rec in journal.entries() if journal is not None else ():
+        ids.update(x for x in (rec.get("ids") or []) + (rec.get("todo") or []) if isinstance(x, str))
+        if isinstance(rec.get("id"), str):
+            ids.add(rec["id"])
+    return ids
+
+
+def _foreign_outputs(out_dir: Path, attempted: set[str]) -> dict[str, str]:
+    """``<stem>.md`` entries in ``out_dir`` that no run of this job wrote (a user's
+    own files), as reserved names for :func:`mlx_tier.naming.assign` (keys no
+    document can have), so that no document's output is named after them."""
+    if not out_dir.is_dir():
+        return {}
+    return {f"\0{p.name}": p.stem for p in out_dir.glob("*.md") if p.stem not in attempted}
+
+
+def _triage(docs, records: dict, config: JobConfig, journal: Journal, results: dict,
+            attempted: set[str] = frozenset()) -> tuple[list, list]:
     """Sort the job's documents by their journal state; fills ``results``.
 
     Returns:
@@ -556,9 +576,10 @@ def _triage(docs, records: dict, config: JobConfig, journal: Journal, results: d
             keep = {k: rec[k] for k in ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts")
                     if k in rec}
             res.__dict__.update(status="done", output=out_path.name, earlier_run=True, **keep)
-        elif out_path.exists():
+        elif d.id in attempted and out_path.is_file() and not out_path.is_symlink():
             # Complete (written atomically) but unrecorded: a crash after the
-            # rename. Record it; never regenerate a finished output.
+            # rename. Record it; never regenerate a finished output. (A file
+            # no run of this job wrote was reserved at naming: never adopted.)
             journal.append({"id": d.id, "status": "done", "output": out_path.name, "recovered": True, "name": d.name})
             res.__dict__.update(status="done", output=out_path.name, earlier_run=True)
         elif rec and rec.get("status") == "failed" and not config.retry_failed:
@@ -659,7 +680,9 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     t_start, t_wall = time.perf_counter(), time.time()
     check_out_dir(config.out_dir, config.input if config.input_paths is None else None)
     earlier = Journal(config.out_dir) if config.out_dir.is_dir() else None
-    previous = earlier.names() if earlier is not None else {}  # each document keeps its output name
+    attempted = _attempted_ids(earlier)
+    # Each document keeps its output name; a user's own <name>.md in OUT_DIR is never taken.
+    previous = {**(earlier.names() if earlier is not None else {}), **_foreign_outputs(config.out_dir, attempted)}
     docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous)
             if config.input_paths is not None
             else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous))
@@ -675,7 +698,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
         reporter.message(f"journal: {warning}")
     results = {d.id: DocResult(d.id, "pending", d.source, name=d.name, converter=d.converter) for d in docs}
     report = JobReport(results=list(results.values()))
-    todo, failed_earlier = _triage(docs, records, config, journal, results)
+    todo, failed_earlier = _triage(docs, records, config, journal, results, attempted)
     model, tokenizer, model_dir = _model_for(todo, config, reporter, prefetch, created, lock)
     cache = model.expert_cache if model is not None else None
     report.setup = (_setup(model_dir, cache, config, prefetch) if model is not None

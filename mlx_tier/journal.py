@@ -79,7 +79,8 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual mode
         try:
-            view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
+            # surrogateescape: a path that is not valid UTF-8 (inputs.txt) is written back as its own bytes
+            view = memoryview(data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data)
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
@@ -250,7 +251,9 @@ class Journal:
         record = {**record, "time": round(time.time(), 3)}
         if self.on_done is not None and record.get("status") == "done":
             self.on_done(record)
-        _append_line(self.path, (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        # ASCII JSON: a file name that is not valid UTF-8 (a lone surrogate
+        # after decoding) round-trips as \udcXX instead of failing the append.
+        _append_line(self.path, (json.dumps(record) + "\n").encode("ascii"))
 
 
 class JsonlSummaries:
@@ -316,7 +319,7 @@ class JsonlSummaries:
             if doc is not None and doc.name != doc_id:  # the output name differs from the original
                 line["name"] = doc.name
         line |= {"summary": summary, "output": name} | {k: record[k] for k in self.FIELDS if k in record}
-        _append_line(self.path, (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
+        _append_line(self.path, (json.dumps(line) + "\n").encode("ascii"))  # as Journal.append
         self.ids.add(doc_id)
 
     def sync(self, records: Mapping[str, dict]) -> None:

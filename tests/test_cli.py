@@ -166,8 +166,14 @@ def test_ctrl_c_stops_after_documents_in_progress_and_resume_finishes(docs, tmp_
 
 
 def test_crash_after_output_before_journal_is_recovered(docs, tmp_path, tiny_moe):
+    from mlx_tier.journal import Journal
+    from mlx_tier.status import JobInfo
+
     out = tmp_path / "out"
     out.mkdir()
+    # The killed run had journalled its start (which names "one"), written
+    # one.md atomically, and died before journalling it as done.
+    JobInfo(input=str(docs), ids=["one", "two"], todo=["one", "two"], started=0.0, pid=1).write(Journal(out))
     (out / "one.md").write_text("finished before the crash\n")
     report = run_job(JobConfig(input=docs, out_dir=out, model=tiny_moe, max_tokens=3))
     assert (out / "one.md").read_text() == "finished before the crash\n"

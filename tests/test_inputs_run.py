@@ -82,3 +82,60 @@ def test_resume_keeps_each_documents_output_name(tmp_path, small_moe):  # noqa: 
     assert names == {"a b.txt": ("a_b", "done", True), "a_b.txt": ("a_b.txt", "done", False),
                      "a_b/x.txt": ("a_b__x", "done", False)}
     assert done_lines(out) == {"a_b": 1, "a_b.txt": 1, "a_b__x": 1}
+
+
+def test_file_name_that_is_not_utf8_is_summarised_and_resumes(tmp_path, small_moe):  # noqa: F811
+    """A name with a raw Latin-1 byte (not UTF-8) must not crash the journal, on the run or the rerun."""
+    import os
+
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    bad = os.fsdecode(b"caf\xe9.txt")
+    (docs / bad).write_text("The river flooded in spring.")
+    (docs / "plain.txt").write_text("A book on fruit.")
+    args = ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "8"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert (out / "caf.md").is_file() and (out / "plain.md").is_file()  # the raw byte is not kept in the id
+    (out / "journal.jsonl").read_bytes().decode("ascii")  # every journal line is plain JSON text
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "2 document(s) already done" in r.output, r.output
+    # The same file listed on stdin (raw bytes) also runs.
+    r = runner.invoke(app, ["run", "-", "--out", str(tmp_path / "out2"), "--model", str(small_moe), "--max-tokens", "8"],
+                      input=bytes(docs) + b"/caf\xe9.txt\n")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out2" / "inputs.txt").read_bytes() == bytes(docs) + b"/caf\xe9.txt\n"
+
+
+def test_a_users_own_file_in_the_output_folder_is_never_taken_as_a_summary(tmp_path, small_moe):  # noqa: F811
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    out.mkdir()
+    (docs / "notes.txt").write_text("The bee visits the flower for pollen.")
+    (out / "notes.md").write_text("my own notes, not a summary\n")
+    (out / "draft.md").mkdir()  # not even a file
+    (docs / "draft.txt").write_text("A river, a book, a farmer.")
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    assert (out / "notes.md").read_text() == "my own notes, not a summary\n"  # untouched
+    report = json.loads((out / "report.json").read_text())
+    got = {d["name"]: (d["id"], d["status"], d.get("earlier_run", False)) for d in report["documents"]}
+    assert got == {"notes.txt": ("notes-2", "done", False), "draft.txt": ("draft-2", "done", False)}
+    assert (out / "notes-2.md").is_file() and (out / "draft-2.md").is_file()
+
+
+def test_listed_files_of_the_same_name_in_other_folders_get_their_own_outputs(tmp_path, small_moe):  # noqa: F811
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+    a.mkdir()
+    b.mkdir()
+    (a / "x.txt").write_text("The river flooded in spring.")
+    (b / "x.txt").write_text("Farmers planted seed.")
+    base = ["run", "-", "--out", str(out), "--model", str(small_moe), "--max-tokens", "8"]
+    r = runner.invoke(app, base, input=f"{a / 'x.txt'}\n")
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, base, input=f"{b / 'x.txt'}\n")
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "report.json").read_text())
+    got = {d["name"]: (d["id"], d["status"], d.get("earlier_run", False)) for d in report["documents"]}
+    assert got == {str(b / "x.txt"): ("x-2", "done", False)}  # summarised, not taken for a/x.txt's output
+    assert (out / "x.md").is_file() and (out / "x-2.md").is_file()
