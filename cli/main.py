@@ -338,14 +338,10 @@ def run(
     """
     import psutil
 
-    from mlx_tier import BudgetError, CheckpointError
-    from mlx_tier.demo_model import DemoModelError
-    from mlx_tier.documents import InputError
-    from mlx_tier.errors import JobError
+    from mlx_tier.errors import JobError, MlxTierError
     from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
     from mlx_tier.kernels import kernel_for
     from mlx_tier.policy import POLICIES
-    from mlx_tier.profile import ProfileError
     from mlx_tier.throttle import ThrottleConfig
 
     if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
@@ -374,7 +370,7 @@ def run(
 
         try:
             check_name(model)
-        except CheckpointError as e:
+        except MlxTierError as e:
             fail(str(e))
     from_stdin = str(input) == "-"
     # Paths as bytes, split on newlines only, decoded as the file system does
@@ -415,7 +411,7 @@ def run(
         )
         with _sigterm_interrupts():
             report = run_job(config, reporter)
-    except (InputError, CheckpointError, BudgetError, DemoModelError, ProfileError) as e:
+    except MlxTierError as e:  # bad input, checkpoint, budget, profile, setting: one line, exit 2
         reporter.close()
         fail(str(e))
     except (JobError, OSError) as e:  # disk full, checkpoint unreadable: finished work is kept
@@ -448,7 +444,13 @@ def _start_background(ctx: typer.Context, input: Path, out_dir: Path, paths: tup
     from mlx_tier.documents import InputError, discover, discover_list
     from mlx_tier.jobs import read_prompt
     from mlx_tier.outdir import check_out_dir
-    from mlx_tier.status import LOG_FILE, PID_FILE, start_background, write_input_list
+    from mlx_tier.status import (
+        LOG_FILE,
+        PID_FILE,
+        lock_held,
+        start_background,
+        write_input_list,
+    )
 
     stdin = None
     try:
@@ -458,6 +460,8 @@ def _start_background(ctx: typer.Context, input: Path, out_dir: Path, paths: tup
         if prompt:
             read_prompt(prompt)
         if paths is not None:
+            if lock_held(out_dir):  # never replace a running job's resume list
+                raise InputError(f"{out_dir}: another mlx-tier run is using this output folder")
             out_dir.mkdir(parents=True, exist_ok=True)
             stdin = write_input_list(out_dir, docs)
         argv = [sys.executable, "-m", "mlx_tier.cli.main", "run", *command_args(ctx, drop=("background",))]

@@ -317,6 +317,17 @@ def switch_linear(leaf: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nda
     return out
 
 
+def unsupported(block: nn.Module) -> str | None:
+    """Why the CPU kernel cannot compute this mlx-lm expert block, or ``None``
+    when it can (affine and mxfp4 quantization, float weights; not mxfp8,
+    nvfp4 or a per-expert global scale)."""
+    for _, leaf in block.named_modules():
+        mode = getattr(leaf, "mode", None)
+        if mode is not None and (mode not in MODES or leaf.get("global_scale") is not None):
+            return f"quantization mode {mode!r}" + (" with a global scale" if mode in MODES else "")
+    return None
+
+
 def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) -> mx.array:
     """An mlx-lm expert block computed by the CPU kernel, eagerly.
 

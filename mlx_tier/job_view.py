@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .journal import Journal
+from .journal import Journal, read_nofollow
 from .status import read_status
 
 REPORT = "report.json"  # the same name as mlx_tier.jobs.REPORT (kept here so the page needs no MLX)
@@ -139,9 +139,8 @@ def _summary_text(out_dir: Path, rec: dict) -> str | None:
     name = rec.get("output") or f"{rec.get('id')}.md"
     if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
         return None
-    try:
-        with open(Path(out_dir) / name, encoding="utf-8", errors="replace") as f:
-            return f.read(SUMMARY_CHARS).rstrip("\n")
+    try:  # never through a link: a planted <id>.md -> /elsewhere must not be served
+        return read_nofollow(Path(out_dir) / name)[: 4 * SUMMARY_CHARS].decode("utf-8", "replace")[:SUMMARY_CHARS].rstrip("\n")
     except OSError:
         return None
 

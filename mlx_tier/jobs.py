@@ -633,7 +633,6 @@ def _model_for(todo: list, config: JobConfig, reporter: Reporter, prefetch: bool
 
 def _setup(model_dir, cache, config: JobConfig, prefetch: bool) -> dict:
     """The run's settings for report.json."""
-    from .kernels import resolve as resolve_kernel
 
     return {
         **machine_info(),
@@ -646,7 +645,7 @@ def _setup(model_dir, cache, config: JobConfig, prefetch: bool) -> dict:
         "expert_bytes_on_disk": sum(t.info.nbytes for layer in cache.layers for t in layer.tensors.values()),
         "policy": config.policy,
         "prefetch": prefetch,
-        "kernel": resolve_kernel(config.kernel),
+        "kernel": getattr(cache, "kernel", config.kernel),  # as chosen for this model (mlx_tier.kernels.choose)
         "max_tokens": config.max_tokens,
         "repetition_penalty": config.repetition_penalty,
         "prompt": config.prompt,

@@ -63,3 +63,33 @@ def kernel_for(name: str) -> Kernel:
     except ImportError as e:
         raise ValueError(f"kernel 'metal' is not available in this build of mlx-tier: {e}") from None
     return metal_expert_forward
+
+
+def choose(name: str, blocks: list[nn.Module], host_tier: bool = False) -> str:
+    """The kernel a tiered model will use: ``name`` resolved for the device and
+    checked against the model. ``auto`` falls back to ``mlx`` where the CPU
+    kernel cannot serve (an expert format it lacks, or the CUDA path's warm
+    tier, which computes with MLX ops); an explicit ``cpu`` there is refused.
+
+    Args:
+        blocks: the model's mlx-lm expert blocks.
+        host_tier: the two-tier (CUDA path) cache is used.
+
+    Raises:
+        ValueError: an unknown name.
+        CheckpointError: ``cpu`` asked for experts it cannot compute.
+        ConfigError: ``cpu`` asked together with a host tier.
+    """
+    chosen = resolve(name)
+    if chosen != "cpu":
+        return chosen
+    from .cpu_kernel import unsupported
+    from .errors import CheckpointError, ConfigError
+
+    why = next((w for w in map(unsupported, blocks) if w is not None), None)
+    if why is not None and name == "cpu":
+        raise CheckpointError(f"kernel 'cpu' cannot compute these experts ({why}); use kernel 'mlx'", field="kernel")
+    if host_tier and name == "cpu":
+        raise ConfigError("kernel 'cpu' does not serve the two-tier (host_cache_gb) cache yet; use kernel 'mlx'",
+                          field="kernel")
+    return "mlx" if why is not None or host_tier else "cpu"

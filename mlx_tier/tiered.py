@@ -300,7 +300,8 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     profile = _profile_for(config, model_dir, len(found), max(n for _, n, _ in found))
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
-    kernel = kernels.kernel_for(config.kernel)
+    kernel_name = kernels.choose(config.kernel, [b for _, b in blocks], config.host_cache_gb is not None)
+    kernel = kernels.kernel_for(kernel_name)
     wrappers = []
     for path, block in blocks:
         wrappers.append(TieredExperts(block, None, kernel))
@@ -308,7 +309,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     if dtype is not None:
         model.set_dtype(dtype)  # the dense part; experts are converted as they are read
     mx.eval(model.parameters())
-    if config.dense_kernel and kernels.resolve(config.kernel) == "cpu":
+    if config.dense_kernel and kernel_name == "cpu":
         from .cpu_kernel import serve_dense
 
         serve_dense(model)
@@ -339,6 +340,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
         parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
         model.expert_cache = build_two_tier(blocks, parents, layers, budget, store, config,
                                             lambda path, m: set_child(model, path, m))
+        model.expert_cache.kernel = kernel_name
         return model.expert_cache
     if config.prefetch:
         parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
@@ -348,6 +350,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     expert_cache = ExpertCache(layers, stats, budget, store)
     if config.prewarm or (config.prewarm is None and policy.needs_profile):
         expert_cache.prewarm(profile)
+    expert_cache.kernel = kernel_name  # what computes the experts (mlx_tier.kernels), for reports
     model.expert_cache = expert_cache
     return expert_cache
 

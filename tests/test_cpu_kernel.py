@@ -200,3 +200,24 @@ def test_demo_model_on_cpu_kernel(demo_model):
         model, _ = mlx_tier.load(demo_model, config=TierConfig(slots_per_layer=slots, kernel="cpu"))
         assert close(want_logits, model(mx.array(prompts[1])[None])) <= BOUND
         assert [greedy_ids(model, p, n=12) for p in prompts] == want
+
+
+def test_auto_kernel_falls_back_where_the_cpu_kernel_cannot_serve_and_cpu_is_refused():
+    """`auto` must never pick the CPU kernel for experts it cannot compute (every
+    document would fail mid-job); an explicit `cpu` is one error at load."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_tier.errors import CheckpointError, ConfigError
+    from mlx_tier.kernels import choose
+
+    affine, mxfp8 = SwitchGLU(32, 64, 4), SwitchGLU(32, 64, 4)
+    nn.quantize(affine, group_size=32, bits=4)
+    nn.quantize(mxfp8, group_size=32, bits=8, mode="mxfp8")
+    assert choose("auto", [affine]) == "cpu"
+    assert choose("auto", [affine, mxfp8]) == "mlx"
+    assert choose("auto", [affine], host_tier=True) == "mlx"
+    with pytest.raises(CheckpointError, match="mxfp8"):
+        choose("cpu", [mxfp8])
+    with pytest.raises(ConfigError, match="two-tier"):
+        choose("cpu", [affine], host_tier=True)
+    assert choose("mlx", [mxfp8]) == "mlx"

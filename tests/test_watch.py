@@ -362,3 +362,16 @@ def test_live_page_of_a_real_demo_run(demo_model, tmp_path, serve, browser):
     assert shown(browser, "done") == "2"
     assert count(browser, "#expert-use tr") == 1 + 30  # header + the demo's 30 layers
     assert console_errors(browser) == []
+
+
+def test_summary_behind_a_planted_link_is_never_served(tmp_path):
+    from mlx_tier.job_view import _summary_text
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the page")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.md").symlink_to(secret)
+    (out / "b.md").write_text("a real summary\n")
+    assert _summary_text(out, {"id": "a", "output": "a.md"}) is None
+    assert _summary_text(out, {"id": "b", "output": "b.md"}) == "a real summary"
