@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "examples" / "docs"
 FRACTIONS = (0.25, 0.5, 0.75)
 TARGET_PP = 5.0
-DEFAULT_POLICY = "lru"  # TierConfig's default
+from mlx_tier.policy import DEFAULT_POLICY  # the one default (TierConfig, JobConfig, CLI)
 ONLINE = ("lru", "lfu", "2q", "pinned")
 
 

@@ -40,7 +40,7 @@ from mlx_tier.trace import save as save_trace
 from mlx_tier.trained_routing import generate, mixtral_like, qwen3_like
 
 TARGET_PP = 3.0
-DEFAULT_POLICY = "lru"  # TierConfig's default
+from mlx_tier.policy import DEFAULT_POLICY  # the one default (TierConfig, JobConfig, CLI)
 DOCS = Path(__file__).resolve().parent.parent / "examples" / "docs"
 SYNTH_TEXT = DOCS / "gettysburg_address.txt"
 DEMO_DOCS = ("the_new_colossus.md", "second_inaugural_address_closing.txt")  # the two shortest

@@ -13,6 +13,9 @@ from pathlib import Path
 import typer
 import typer.core
 
+from mlx_tier.policy import DEFAULT_POLICY
+from mlx_tier.process import DEFAULT_NICE
+
 try:  # Typer >= 0.24 carries its own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # pragma: no cover - older Typer on click
@@ -304,8 +307,8 @@ def run(
     pause_on_battery: bool = typer.Option(False, "--pause-on-battery", help="Pause while the machine runs on battery; resume on AC."),
     min_battery: float | None = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),
     max_tok_s: float | None = typer.Option(None, "--max-tok-s", help="Hard cap on generated tokens per second (all documents together)."),
-    nice: int = typer.Option(10, "--nice", min=0, max=19, help="Lower the job's CPU priority by this much (0: unchanged), so the machine stays responsive."),
-    policy: str = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu (LFU with dynamic aging), 2q, or pinned (keeps the saved profile's most used experts; see --save-profile)."),
+    nice: int = typer.Option(DEFAULT_NICE, "--nice", min=0, max=19, help="Lower the job's CPU priority by this much (0: unchanged), so the machine stays responsive."),
+    policy: str = typer.Option(DEFAULT_POLICY, "--policy", help="Expert cache eviction policy: lfu (LFU with dynamic aging; default), lru, 2q, or pinned (keeps the saved profile's most used experts; see --save-profile)."),
     prewarm: bool | None = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
     save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA path: a warm tier of this many GiB in host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"). Default: one tier."),

@@ -28,7 +28,7 @@ import numpy as np
 from mlx import nn
 
 from .errors import BudgetError
-from .policy import PolicySpec
+from .policy import DEFAULT_POLICY, PolicySpec
 from .store import ExpertStore, ReadStats, TensorInfo
 
 
@@ -144,7 +144,7 @@ class LayerCache:
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.store = store
-        self.policy_spec = policy or PolicySpec("lru")
+        self.policy_spec = policy or PolicySpec(DEFAULT_POLICY)
         self.policy = self.policy_spec.make(layer, num_slots)
         # Uses of each expert, one per (token, k) entry routed to it: the unit
         # of a profile (mlx_tier.profile). Counted per call, off the slab path.

@@ -33,9 +33,11 @@ from .journal import (
 )
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
 from .outdir import check_out_dir
+from .policy import DEFAULT_POLICY
+from .process import DEFAULT_NICE, keep_awake, lower_priority
 from .scheduler import GenerationConfig, Outcome, Scheduler, check_context
 from .status import LOCK, JobInfo, ProgressFile, write_input_list
-from .throttle import Throttle, ThrottleConfig, keep_awake, lower_priority
+from .throttle import Throttle, ThrottleConfig
 
 DEFAULT_PROMPT = (
     "Summarise the following document in three to five sentences. "
@@ -108,9 +110,9 @@ class JobConfig:
     prefill_step_size: int = 512
     reuse_prefix: bool = True
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
-    nice: int = 0
+    nice: int = DEFAULT_NICE
     background_qos: bool = False
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     prewarm: bool | None = None
     save_profile: bool = False
     prefetch: bool | None = None
@@ -202,6 +204,21 @@ class JobReport:
 # CacheStats counters that add up across runs (ratios are recomputed).
 COUNTERS = ("hits", "misses", "evictions", "bytes_read", "read_seconds", "rounds", "prewarmed", "prewarm_bytes",
             "prewarm_seconds", "prefetch_predicted", "prefetch_used", "prefetch_wasted_bytes", "stall_seconds")
+
+
+def _earlier_setup(config: JobConfig) -> tuple[dict, dict]:
+    """``(setup, throttle)`` of the job's last report.json (a rerun that loads no
+    model keeps them), with this machine's facts; minimal if there is none."""
+    try:
+        earlier = json.loads((config.out_dir / REPORT).read_text())
+        earlier = earlier if isinstance(earlier, dict) else {}
+    except (OSError, ValueError):
+        earlier = {}
+    own = ("documents", "totals", "cache", "throttle", "runs")
+    setup = {k: v for k, v in earlier.items() if k not in own}
+    setup |= {**machine_info(), "model": setup.get("model") or (str(config.model) if config.model is not None else "demo")}
+    throttle = earlier.get("throttle")
+    return setup, throttle if isinstance(throttle, dict) else {}
 
 
 def previous_runs(path: Path) -> list[dict]:
@@ -365,6 +382,8 @@ def prepare_out_dir(out_dir: Path) -> bool:
     import tempfile
 
     created = not out_dir.exists()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"{out_dir}: is a file; the output must be a folder")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir) as probe:  # a fresh name: no planted link is followed
@@ -700,15 +719,18 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     todo, failed_earlier = _triage(docs, records, config, journal, results, attempted)
     model, tokenizer, model_dir = _model_for(todo, config, reporter, prefetch, created, lock)
     cache = model.expert_cache if model is not None else None
-    report.setup = (_setup(model_dir, cache, config, prefetch) if model is not None
-                    else {**machine_info(), "model": str(config.model) if config.model is not None else "demo"})
+    if model is not None:
+        report.setup = _setup(model_dir, cache, config, prefetch)
+    else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
+        report.setup, report.throttle = _earlier_setup(config)
     skipped = sum(r.status == "done" for r in report.results)
     if summaries is not None:
         summaries.sync(journal.records())
-    JobInfo(
-        input=str(config.input), ids=[d.id for d in docs], todo=[d.id for d in todo], started=time.time(),
-        pid=os.getpid(), command=config.command, output_format=config.output_format,
-    ).write(journal)
+    if todo or not records:  # a rerun with nothing to do starts no run (status keeps the last one)
+        JobInfo(
+            input=str(config.input), ids=[d.id for d in docs], todo=[d.id for d in todo], started=time.time(),
+            pid=os.getpid(), command=config.command, output_format=config.output_format,
+        ).write(journal)
     if config.input_paths is not None:
         write_input_list(config.out_dir, docs)
     if failed_earlier:

@@ -42,6 +42,9 @@ def keep_awake(spawn: Callable[[list[str]], subprocess.Popen] = subprocess.Popen
                 proc.kill()
 
 
+# The one default for a job's CPU priority decrement (JobConfig and the CLI).
+DEFAULT_NICE = 10
+
 BACKGROUND_QOS_WARNING = (
     "background QoS (taskpolicy -b) was reported to slow Metal decode ~8x; "
     "use it only if the Mac must stay responsive and the job may take much longer"

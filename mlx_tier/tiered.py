@@ -33,7 +33,7 @@ from .checkpoint import (  # noqa: F401 - EXPERT_BLOCKS, REFUSED, find_expert_bl
 )
 from .checkpoint import expert_tensors as _stored_expert_tensors
 from .cost_model import TransferCosts
-from .policy import PolicySpec
+from .policy import DEFAULT_POLICY, PolicySpec
 from .prefetch import BackgroundReader, link_layers
 from .profile import HOW_TO_MAKE, PROFILE_FILE, ProfileError, adaptive_slots, load_for
 from .store import (
@@ -89,7 +89,7 @@ class TierConfig:
 
     cache_gb: float | None = None
     slots_per_layer: int | None = None
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     dtype: mx.Dtype | None = None
     read_threads: int = 4
     read_method: str = DEFAULT_READ_METHOD

@@ -117,6 +117,7 @@ def test_rerun_with_nothing_pending_does_not_load_the_model(tmp_path, tiny_moe, 
     out = tmp_path / "out"
     args = ["run", str(docs), "--out", str(out), "--model", str(tiny_moe), "--max-tokens", "4"]
     assert runner.invoke(app, args).exit_code == 0
+    first_report = (out / "report.json").read_text()
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
@@ -128,3 +129,8 @@ def test_rerun_with_nothing_pending_does_not_load_the_model(tmp_path, tiny_moe, 
     report = json.loads((out / "report.json").read_text())
     assert report["totals"]["done"] == 1 and report["runs"][-1]["loaded_model"] is False
     assert report["cache"]["misses"] == report["runs"][0]["cache"]["misses"]  # the first run's counters kept
+    first = json.loads(first_report)
+    kept = {k: v for k, v in first.items() if k not in ("documents", "totals", "cache", "runs", "machine", "python")}
+    assert {k: report[k] for k in kept} == kept  # setup (generation, memory, kernel, ...) and throttle kept
+    r = runner.invoke(app, ["status", str(out)])
+    assert r.exit_code == 0 and "0 finished or failed" not in r.output, r.output  # status still shows the real run
