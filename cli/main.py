@@ -90,14 +90,15 @@ def format_duration(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def progress_line(done: int, total: int, elapsed: float, eta: float | None, activity, width: int) -> str:
+def progress_line(done: int, total: int, elapsed: float, eta: float | None, activity, width: int,
+                  failed: int = 0) -> str:
     """One status line that fits ``width`` columns: done/total and ETA first, then elapsed
     time, what is being read or written (the document name cut to what fits) and the rates,
     which are dropped first when the line is too narrow.
 
     ``activity`` is a :class:`mlx_tier.jobs.Activity` or ``None`` (nothing started yet).
     """
-    head = f"{done}/{total} done  ETA {format_duration(eta)}  {format_duration(elapsed)}"
+    head = f"{done}/{total} done{f', {failed} failed' if failed else ''}  ETA {format_duration(eta)}  {format_duration(elapsed)}"
     if activity is None:
         return _clip(head, width)
     if activity.reading is not None:
@@ -134,7 +135,7 @@ class RichReporter:
     def __init__(self) -> None:
         self.live = None
         self.activity = None
-        self.total = self.done = self.finished_now = 0
+        self.total = self.done = self.failed = self.finished_now = 0
         self.t0 = self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
@@ -156,10 +157,11 @@ class RichReporter:
         """Seconds left at this run's pace (``None`` until a document finishes)."""
         if not self.finished_now:
             return None
-        return (time.monotonic() - self.t0) / self.finished_now * (self.total - self.done)
+        return (time.monotonic() - self.t0) / self.finished_now * (self.total - self.done - self.failed)
 
     def line(self, width: int) -> str:
-        return progress_line(self.done, self.total, time.monotonic() - self.t0, self.eta(), self.activity, width)
+        return progress_line(self.done, self.total, time.monotonic() - self.t0, self.eta(), self.activity, width,
+                             self.failed)
 
     def working(self, activity) -> None:
         self.activity = activity
@@ -169,12 +171,14 @@ class RichReporter:
             err.print(self.line(200), highlight=False, soft_wrap=True, markup=False)
 
     def finished(self, result, cache: dict) -> None:
-        self.done += 1
         self.finished_now += 1
         if result.status == "failed":
+            self.failed += 1
             err.print(f"[red]failed[/] {escape(result.id)}: {escape(str(result.error))}", highlight=False,
                       soft_wrap=True)
-        elif self.live is None:  # a log file gets one line per document instead of a live line
+            return
+        self.done += 1
+        if self.live is None:  # a log file gets one line per document instead of a live line
             err.print(
                 f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens, "
                 f"{result.doc_seconds:.1f} s of its own, hit rate so far {cache['hit_rate']:.1%}",

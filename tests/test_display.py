@@ -134,3 +134,11 @@ def test_rerun_with_nothing_pending_does_not_load_the_model(tmp_path, tiny_moe, 
     assert {k: report[k] for k in kept} == kept  # setup (generation, memory, kernel, ...) and throttle kept
     r = runner.invoke(app, ["status", str(out)])
     assert r.exit_code == 0 and "0 finished or failed" not in r.output, r.output  # status still shows the real run
+
+
+def test_progress_line_counts_failures_apart_from_done():
+    from mlx_tier.cli.main import progress_line
+
+    line = progress_line(1, 2, 30.0, None, None, 80, failed=1)
+    assert line.startswith("1/2 done, 1 failed") and len(line) <= 80
+    assert progress_line(2, 2, 30.0, None, None, 80).startswith("2/2 done  ETA")
