@@ -58,7 +58,7 @@ class TierConfig:
     Attributes:
         cache_gb: expert cache budget in GiB (``None``: a default from free memory).
         slots_per_layer: exact slot count per layer; overrides ``cache_gb``.
-        policy: eviction policy name (:mod:`mlx_tier.policy`): lru, lfu, 2q,
+        policy: eviction policy name (:mod:`mlx_tier.policy`): lfu (default, DEFAULT_POLICY), lru, 2q,
             or pinned (keeps the saved profile's most used experts; needs a profile).
         dtype: compute dtype for floating weights. ``None``: float32 on the CPU
             backend (bf16/fp16 matmuls are 9-40x slower there, DESIGN.md),
