@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ProfileError
-from .journal import write_atomic
+from .fsio import write_atomic
 
 PROFILE_FILE = "mlx-tier-profile.json"
 FORMAT = "mlx-tier-profile"

@@ -20,8 +20,8 @@ import json
 import re
 from pathlib import Path
 
+from .fsio import write_atomic
 from .job_view import build_view
-from .journal import write_atomic
 
 REPORT_HTML = "report.html"
 

@@ -251,7 +251,7 @@ def plot_hit_rates(results: Sequence[SimResult], num_experts: int, path, title: 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    from .journal import write_atomic
+    from .fsio import write_atomic
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for name in dict.fromkeys(r.policy for r in results):

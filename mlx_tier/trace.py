@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import TraceError
-from .journal import write_atomic
+from .fsio import write_atomic
 
 FORMAT = "mlx-tier-trace"
 VERSION = 1

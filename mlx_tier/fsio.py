@@ -1,0 +1,139 @@
+"""Small file primitives for durable job state, with no policy: atomic writes
+(temp file, fsync, rename), fsync'ed line appends cut back on failure, reads
+and appends that never follow a link, stale temp clean-up.
+
+Used by :mod:`mlx_tier.journal` (the job's journal and outputs) and by every
+module that writes a file the user keeps (traces, profiles, reports).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import tempfile
+from pathlib import Path
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# errno values that mean "the disk is full": the job cannot go on.
+DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def named(e: OSError, path: Path) -> OSError:
+    """``e`` with ``path`` as its file name (an ``os.write`` error names none)."""
+    return e if e.filename else type(e)(e.errno, e.strerror or str(e), str(path))
+# write_atomic's temporary names: ".<name>.<8 random chars>.tmp" (tempfile.mkstemp).
+_TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (no-op where directories can't be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` so that it exists only when complete.
+
+    Raises:
+        OSError: the directory is not writable or the disk is full; ``path``
+            is then untouched and no temporary file is left. Its
+            ``filename`` is ``path``.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual mode
+        try:
+            # surrogateescape: a path that is not valid UTF-8 (inputs.txt) is written back as its own bytes
+            view = memoryview(data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError):
+            raise named(e, path) from None
+        raise
+    fsync_dir(path.parent)
+
+
+def remove_stale_temps(out_dir: Path) -> list[str]:
+    """Delete :func:`write_atomic` temporary files a killed run left in ``out_dir``.
+
+    Call only while holding the folder's lock (no other writer is active).
+
+    Returns:
+        the names removed.
+    """
+    removed = []
+    for p in Path(out_dir).iterdir():
+        if _TEMP.match(p.name) and p.is_file():
+            try:
+                p.unlink()
+                removed.append(p.name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def read_nofollow(path: Path) -> bytes:
+    """The bytes of ``path``, refusing a link (``OSError`` ``ELOOP``, naming the file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as e:
+        raise named(e, path) from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _append_line(path: Path, line: bytes) -> None:
+    """Append one line and fsync; a torn last line (no newline) is closed first.
+
+    Never follows a link at ``path`` (``O_NOFOLLOW``); if the write fails (disk
+    full) the file is cut back to its old length, so it holds whole lines only.
+
+    Raises:
+        OSError: with ``filename`` set; ``ELOOP`` for a link.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
+    except OSError as e:
+        raise named(e, path) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":  # a torn line: start a fresh one
+            line = b"\n" + line
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise named(e, path) from None
+    finally:
+        os.close(fd)
