@@ -321,7 +321,7 @@ def run(
     kernel: str = typer.Option("auto", "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
-) -> None:
+) -> None:  # over 80 lines only by its 28 declared options and the --help text; the body is ~45 lines
     """Summarise every document in INPUT into OUT_DIR, resumably.
 
     INPUT `-` reads file paths from stdin, one a line. Rerunning the same
@@ -343,10 +343,59 @@ def run(
     stopped early (disk full, checkpoint unreadable; rerun to resume), 130
     interrupted (SIGINT), 143 terminated (SIGTERM).
     """
+    from mlx_tier.errors import MlxTierError
+    from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt
+
+    throttle = _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
+                                    max_temp, pause_on_battery, min_battery, max_tok_s)
+    from_stdin = str(input) == "-"
+    # Paths as bytes, split on newlines only, decoded as the file system does
+    # (a name that is not valid UTF-8 survives as surrogates).
+    paths = tuple(os.fsdecode(b.rstrip(b"\r")) for b in sys.stdin.buffer.read().split(b"\n")) if from_stdin else None
+    command = resume_command(ctx, out_dir, from_stdin)
+    if background:
+        _start_background(ctx, input, out_dir, paths, prompt, follow_links)
+        return
+    try:
+        config = JobConfig(
+            input=input,
+            out_dir=out_dir,
+            model=model,
+            cache_gb=cache_gb,
+            max_tokens=max_tokens,
+            prompt=read_prompt(prompt) if prompt else DEFAULT_PROMPT,
+            repetition_penalty=repetition_penalty,
+            trace=trace,
+            input_paths=paths,
+            output_format=output_format,
+            retry_failed=retry_failed,
+            command=command,
+            batch_size=batch_size,
+            context=context,
+            prefill_step_size=prefill_step,
+            throttle=throttle,
+            nice=nice,
+            background_qos=background_qos,
+            policy=policy,
+            prewarm=prewarm,
+            save_profile=save_profile,
+            prefetch=prefetch,
+            host_cache_gb=host_cache_gb,
+            follow_links=follow_links,
+            kernel=kernel,
+        )
+    except MlxTierError as e:  # an unreadable --prompt @FILE
+        fail(str(e))
+    _run_job_and_exit(config, out_dir, command)
+
+
+def _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
+                         max_temp, pause_on_battery, min_battery, max_tok_s):
+    """Check `run`'s options before any work (each bad one: one line, exit 2);
+    returns the throttle's config."""
     import psutil
 
-    from mlx_tier.errors import JobError, MlxTierError
-    from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt, run_job
+    from mlx_tier.errors import MlxTierError
     from mlx_tier.kernels import kernel_for
     from mlx_tier.policy import POLICIES
     from mlx_tier.throttle import ThrottleConfig
@@ -379,43 +428,17 @@ def run(
             check_name(model)
         except MlxTierError as e:
             fail(str(e))
-    from_stdin = str(input) == "-"
-    # Paths as bytes, split on newlines only, decoded as the file system does
-    # (a name that is not valid UTF-8 survives as surrogates).
-    paths = tuple(os.fsdecode(b.rstrip(b"\r")) for b in sys.stdin.buffer.read().split(b"\n")) if from_stdin else None
-    command = resume_command(ctx, out_dir, from_stdin)
-    if background:
-        _start_background(ctx, input, out_dir, paths, prompt, follow_links)
-        return
+    return throttle
+
+
+def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
+    """Run the job with the live display; map its ends to one line and an exit code
+    (2 bad input, 3 job error, 130/143 signals, 1 failed documents)."""
+    from mlx_tier.errors import JobError, MlxTierError
+    from mlx_tier.jobs import run_job
+
     reporter = RichReporter()
     try:
-        config = JobConfig(
-            input=input,
-            out_dir=out_dir,
-            model=model,
-            cache_gb=cache_gb,
-            max_tokens=max_tokens,
-            prompt=read_prompt(prompt) if prompt else DEFAULT_PROMPT,
-            repetition_penalty=repetition_penalty,
-            trace=trace,
-            input_paths=paths,
-            output_format=output_format,
-            retry_failed=retry_failed,
-            command=command,
-            batch_size=batch_size,
-            context=context,
-            prefill_step_size=prefill_step,
-            throttle=throttle,
-            nice=nice,
-            background_qos=background_qos,
-            policy=policy,
-            prewarm=prewarm,
-            save_profile=save_profile,
-            prefetch=prefetch,
-            host_cache_gb=host_cache_gb,
-            follow_links=follow_links,
-            kernel=kernel,
-        )
         with _sigterm_interrupts():
             report = run_job(config, reporter)
     except MlxTierError as e:  # bad input, checkpoint, budget, profile, setting: one line, exit 2
@@ -688,7 +711,6 @@ def trace_sim(
     split is fitted on the trace it is scored on (also an upper bound).
     """
     import importlib.util
-    import json
 
     from mlx_tier.policy import OFFLINE_POLICIES, POLICIES
     from mlx_tier.profile import ProfileError
@@ -735,6 +757,17 @@ def trace_sim(
                            + (", pre-warmed" if prewarm else ""))
         except OSError as e:
             fail(f"{plot}: cannot write the plot ({e.strerror or e})")
+    _print_sim_results(t, trace, results, policy, sizes, split, prewarm, profile, as_json)
+    if plot is not None and not as_json:
+        out.print(f"plot written to {plot}", highlight=False)
+
+
+def _print_sim_results(t, trace: Path, results: list, policies: list[str], sizes: list[int], split: str,
+                       prewarm: bool, profile: Path | None, as_json: bool) -> None:
+    """`trace-sim`'s output: JSON, or one table row per policy and a column per cache size."""
+    import json
+
+    E, L = t.num_experts, t.num_layers
     if as_json:
         out.print_json(json.dumps({
             "trace": str(trace), "records": len(t.layer), "layers": L, "experts": E,
@@ -749,11 +782,9 @@ def trace_sim(
     table.add_column("policy")
     for n in sizes:
         table.add_column(f"{n} slots ({n / E:.0%})", justify="right")
-    for p in policy:
+    for p in policies:
         table.add_row(p, *[f"{r.hit_rate:.1%}" for r in results if r.policy == p])
     out.print(table)
-    if plot is not None:
-        out.print(f"plot written to {plot}", highlight=False)
 
 
 def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], warm: int, prof, as_json: bool) -> None:

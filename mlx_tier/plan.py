@@ -202,13 +202,55 @@ def measure_scratch_disk_gbps(folder: Path | None = None, total_mb: int = 64) ->
         return measure_disk_gbps([Path(f.name)], total_mb=total_mb)
 
 
+def _resident_bytes(index: dict, names: list[str], dtype) -> int:
+    """Bytes of tensors ``names`` once resident: floating ones in the compute
+    ``dtype`` (``None``: as stored), packed quantized ones as stored."""
+    total = 0
+    for n in names:
+        info = index[n]
+        floating = info.dtype in ("F16", "BF16", "F32", "F64")
+        itemsize = dtype.size if (dtype is not None and floating) else info.np_dtype.itemsize
+        total += int(np.prod(info.shape)) * itemsize
+    return total
+
+
+def _kv_bytes(config: dict, moe_layers: int, dtype, context_tokens: int) -> int:
+    """KV cache bytes of one sequence of ``context_tokens`` (standard attention:
+    K and V per layer, ``num_key_value_heads x head_dim``; fp32 on the CPU backend)."""
+    n_layers = config.get("num_hidden_layers") or moe_layers
+    heads = config.get("num_attention_heads") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
+    kv_itemsize = 4 if dtype == mx.float32 else 2
+    return 2 * n_layers * kv_heads * head_dim * kv_itemsize * context_tokens
+
+
+def _expert_layout(model_dir, config: dict, index: dict, blocks: list) -> tuple[tuple[str, ...], list[str], int, int]:
+    """``(block prefixes, stacked expert tensor names, E, top-k)`` of a checkpoint.
+
+    Raises:
+        CheckpointError: no expert block, experts not stacked ``[E, ...]``, or no top-k in the config.
+    """
+    if not blocks:
+        raise CheckpointError(f"{model_dir}: not a Mixture-of-Experts checkpoint")
+    prefixes = tuple(path + "." for path, _ in blocks)
+    expert_names = [n for n in index if n.startswith(prefixes)]
+    if not expert_names:
+        raise CheckpointError(f"{model_dir}: experts are not stored stacked [E, ...] (Hugging Face layout?): "
+                              "run `mlx-tier convert` first")
+    top_k = next((config[k] for k in TOP_K_KEYS if isinstance(config.get(k), int)), None)
+    if top_k is None:
+        raise CheckpointError(f"{model_dir}: config states no experts-per-token ({', '.join(TOP_K_KEYS)})")
+    return prefixes, expert_names, index[expert_names[0]].shape[0], top_k
+
+
 def make_plan(
     model_dir: str | Path,
     memory_gb: float | None = None,
     context_tokens: int = 8192,
     disk_gbps: float | None = None,
     compute_gbps: float | None = None,
-) -> Plan:
+) -> Plan:  # past 80 lines only by the Plan's 29 fields, set in one constructor call
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
     Args:
@@ -225,18 +267,8 @@ def make_plan(
     """
     source = _open(model_dir)
     model_dir, config, index, blocks = source.name, source.config, source.index, source.blocks
-    if not blocks:
-        raise CheckpointError(f"{model_dir}: not a Mixture-of-Experts checkpoint")
-    prefixes = tuple(path + "." for path, _ in blocks)
+    prefixes, expert_names, num_experts, top_k = _expert_layout(model_dir, config, index, blocks)
     default_gs = (config.get("quantization") or {}).get("group_size")
-    expert_names = [n for n in index if n.startswith(prefixes)]
-    if not expert_names:
-        raise CheckpointError(f"{model_dir}: experts are not stored stacked [E, ...] (Hugging Face layout?): "
-                              "run `mlx-tier convert` first")
-    num_experts = index[expert_names[0]].shape[0]
-    top_k = next((config[k] for k in TOP_K_KEYS if isinstance(config.get(k), int)), None)
-    if top_k is None:
-        raise CheckpointError(f"{model_dir}: config states no experts-per-token ({', '.join(TOP_K_KEYS)})")
 
     params = {n: _params(index, n, _group_size(config, n, default_gs)) for n in index}
     is_param = {n: not n.endswith((".scales", ".biases")) for n in index}
@@ -247,24 +279,13 @@ def make_plan(
     expert_params = expert_params_all // (L * num_experts)
     active = dense_params + L * top_k * expert_params
 
+    expert_set = set(expert_names)
     expert_disk_all = sum(index[n].nbytes for n in expert_names)
-    dense_bytes = sum(i.nbytes for n, i in index.items() if n not in set(expert_names))
+    dense_bytes = sum(i.nbytes for n, i in index.items() if n not in expert_set)
     expert_bytes_disk = expert_disk_all // (L * num_experts)
     dtype = default_compute_dtype()
-    resident_all = 0
-    for n in expert_names:
-        info = index[n]
-        floating = info.dtype in ("F16", "BF16", "F32", "F64")
-        itemsize = dtype.size if (dtype is not None and floating) else info.np_dtype.itemsize
-        resident_all += int(np.prod(info.shape)) * itemsize
-    expert_bytes_resident = resident_all // (L * num_experts)
-
-    n_layers = config.get("num_hidden_layers") or L
-    heads = config.get("num_attention_heads") or 1
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
-    kv_itemsize = 4 if dtype == mx.float32 else 2
-    kv_bytes = 2 * n_layers * kv_heads * head_dim * kv_itemsize * context_tokens
+    expert_bytes_resident = _resident_bytes(index, expert_names, dtype) // (L * num_experts)
+    kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
 
     vm = psutil.virtual_memory()
     memory_total = int(memory_gb * GIB) if memory_gb is not None else vm.total

@@ -298,24 +298,29 @@ class Scheduler:
             info.prefill = [(key[0].doc.id, done, total) for key, done, total in info.prefill]
             info.generating = [(key[0].doc.id, n) for key, n in info.generating]
             on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
-            for f in info.finished:
-                d, index = f.key
-                d.output_tokens += len(f.tokens)
-                summary, reasoning = strip_reasoning(f.text, self.reasoning)
-                d.reasoning.append(reasoning)
-                if d.mr is None:
-                    yield self._finish(d, summary, f.finish_reason)
-                    continue
-                try:
-                    more = d.mr.add(index, trim_to_sentence(summary) if f.finish_reason == "length" else summary)
-                except TooLong as e:
-                    yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
-                    continue
-                if d.mr.summary is not None:
-                    yield self._finish(d, d.mr.summary, f.finish_reason)
-                elif more:
-                    ready.extendleft(reversed([Task((d, i), p, self.config.max_tokens) for i, p in more]))
+            yield from self._take_finished(info.finished, ready)
         engine.close()
+
+    def _take_finished(self, finished, ready: deque) -> Iterator[Outcome]:
+        """Outcomes of the calls that finished in a step: a document's summary, or
+        for a map-reduce document its next calls (queued first in ``ready``)."""
+        for f in finished:
+            d, index = f.key
+            d.output_tokens += len(f.tokens)
+            summary, reasoning = strip_reasoning(f.text, self.reasoning)
+            d.reasoning.append(reasoning)
+            if d.mr is None:
+                yield self._finish(d, summary, f.finish_reason)
+                continue
+            try:
+                more = d.mr.add(index, trim_to_sentence(summary) if f.finish_reason == "length" else summary)
+            except TooLong as e:
+                yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
+                continue
+            if d.mr.summary is not None:
+                yield self._finish(d, d.mr.summary, f.finish_reason)
+            elif more:
+                ready.extendleft(reversed([Task((d, i), p, self.config.max_tokens) for i, p in more]))
 
     def _clear_pending(self) -> None:
         """Forget lazy expert outputs of a failed step (they would fail again when evaluated)."""

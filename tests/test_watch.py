@@ -23,17 +23,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import make_mixtral
+from mlx_tier.cli.main import app
+from test_crash import WORDS, small_moe  # noqa: F401 - the tiny Mixtral fixture, shared
 from typer.testing import CliRunner
 
-from mlx_tier.cli.main import app
 from mlx_tier.job_view import build_view, retry_command, samples
 from mlx_tier.journal import Journal
 from mlx_tier.report_page import render_page
 from mlx_tier.watch import WatchConfig, is_loopback, make_server, url_of
 
 runner = CliRunner()
-WORDS = ["river", "flood", "spring", "farmer", "plant", "seed", "bee", "pollen", "flower", "fruit", "library", "book"]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage")
@@ -42,23 +41,6 @@ needs_browser = pytest.mark.skipif(
     not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
     reason="no Chromium: install the Debian packages chromium and chromium-driver (.ci/run does)",
 )
-
-
-@pytest.fixture(scope="module")
-def small_moe(tmp_path_factory):
-    """The tiny Mixtral with a 320-token byte-level BPE tokenizer (loads in ~0.2 s)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("small")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(WORDS) + " Summarise the following document."], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(root / "tokenizer")
-    return make_mixtral(root / "moe", root / "tokenizer", quantized=True, vocab_size=320)
 
 
 def run_small_job(root: Path, model: Path, n: int = 5) -> Path:
@@ -78,7 +60,7 @@ def run_small_job(root: Path, model: Path, n: int = 5) -> Path:
 
 
 @pytest.fixture(scope="module")
-def job_dir(tmp_path_factory, small_moe) -> Path:
+def job_dir(tmp_path_factory, small_moe) -> Path:  # noqa: F811 - the shared fixture
     return run_small_job(tmp_path_factory.mktemp("job"), small_moe)
 
 
