@@ -149,6 +149,14 @@ def _experts(w: mx.array, s: mx.array, b: mx.array, rng: np.random.Generator) ->
     return {"weight": mx.stack(ws), "scales": mx.stack(ss), "biases": mx.stack(bs)}
 
 
+_REPORT_EVERY = 5  # layers per progress line (about 1 s per layer on a 2-core CPU)
+
+
+def _report_due(done: int, total: int) -> bool:
+    """Whether the build reports after ``done`` of ``total`` layers: a line every few seconds, not per layer."""
+    return done % _REPORT_EVERY == 0 or done == total
+
+
 def build(out: Path, progress: Callable[[str], None] = lambda msg: None) -> Path:
     """Write the demo MoE checkpoint to ``out`` (which must not exist).
 
@@ -171,7 +179,8 @@ def build(out: Path, progress: Callable[[str], None] = lambda msg: None) -> Path
     }
     n_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     for i in range(n_layers):
-        progress(f"layer {i + 1}/{n_layers}")
+        if _report_due(i + 1, n_layers):
+            progress(f"demo model: {i + 1}/{n_layers} layers")
         blk, dst = f"blk.{i}", f"model.layers.{i}"
         tensors[f"{dst}.input_layernorm.weight"] = weights[f"{blk}.attn_norm.weight"]
         tensors[f"{dst}.post_attention_layernorm.weight"] = weights[f"{blk}.ffn_norm.weight"]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import os
 import re
-import tempfile
+import secrets
+import stat
+import time
 from pathlib import Path
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -22,8 +24,10 @@ DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 def named(e: OSError, path: Path) -> OSError:
     """``e`` with ``path`` as its file name (an ``os.write`` error names none)."""
     return e if e.filename else type(e)(e.errno, e.strerror or str(e), str(path))
-# write_atomic's temporary names: ".<name>.<8 random chars>.tmp" (tempfile.mkstemp).
+# write_atomic's temporary names: ".<name>.<8 random chars>.tmp" (older runs used tempfile.mkstemp).
 _TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+# A temp file younger than this may belong to a live writer (``status --html`` runs beside a job).
+STALE_AFTER_S = 120.0
 
 
 def fsync_dir(path: Path) -> None:
@@ -40,10 +44,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new, empty temporary file beside ``path``, named like :data:`_TEMP`.
+
+    Created with mode 0666, so the kernel applies the process umask (reading
+    the umask would set it, briefly, for every thread).
+    """
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -55,9 +68,8 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             ``filename`` is ``path``.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temp(path)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual mode
         try:
             # surrogateescape: a path that is not valid UTF-8 (inputs.txt) is written back as its own bytes
             view = memoryview(data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data)
@@ -78,17 +90,29 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     fsync_dir(path.parent)
 
 
-def remove_stale_temps(out_dir: Path) -> list[str]:
+def _is_old_file(path: Path, cutoff: float) -> bool:
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff
+
+
+def remove_stale_temps(out_dir: Path, older_than_s: float = STALE_AFTER_S) -> list[str]:
     """Delete :func:`write_atomic` temporary files a killed run left in ``out_dir``.
 
-    Call only while holding the folder's lock (no other writer is active).
+    Call while holding the folder's lock. Readers that write beside a job
+    without its lock (``mlx-tier status --html``) may have a temp file open,
+    so only files unmodified for ``older_than_s`` seconds are removed; a
+    younger leftover is removed by a later run.
 
     Returns:
         the names removed.
     """
     removed = []
+    cutoff = time.time() - older_than_s
     for p in Path(out_dir).iterdir():
-        if _TEMP.match(p.name) and p.is_file():
+        if _TEMP.match(p.name) and _is_old_file(p, cutoff):
             try:
                 p.unlink()
                 removed.append(p.name)

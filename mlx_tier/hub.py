@@ -96,7 +96,10 @@ def resolve_model(name: str | os.PathLike) -> Path:
 def cached_snapshot(repo: str) -> Path | None:
     """The repo's snapshot folder in the local hub cache when it holds its weights, else ``None``.
 
-    A snapshot with only ``config.json`` (fetched by a remote ``plan``) does not count.
+    A snapshot with only ``config.json`` (fetched by a remote ``plan``) does
+    not count, nor one missing a shard its ``model.safetensors.index.json``
+    names (an interrupted download leaves its shards as ``.incomplete``
+    blobs, never linked into the snapshot).
     """
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -106,7 +109,19 @@ def cached_snapshot(repo: str) -> Path | None:
                                        local_files_only=True))
     except LocalEntryNotFoundError:
         return None
-    return local if any(local.glob("*.safetensors")) else None
+    return local if _has_all_shards(local) else None
+
+
+def _has_all_shards(local: Path) -> bool:
+    """Whether ``local`` holds weights: every shard its index names, or one ``*.safetensors`` without an index."""
+    index = local / "model.safetensors.index.json"
+    if not index.is_file():
+        return any(local.glob("*.safetensors"))
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return bool(shards) and all((local / name).is_file() for name in shards)
 
 
 def _first_line(e: Exception) -> str:

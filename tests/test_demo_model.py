@@ -83,3 +83,10 @@ def test_run_with_demo_model_and_small_cache(tmp_path, demo_model):
     assert report["slots_per_layer"] < report["experts_per_layer"]
     summary = (out / "bees.md").read_text()
     assert len(summary.split()) >= 5
+
+
+def test_demo_build_reports_every_few_layers_not_each_one():
+    from mlx_tier.demo_model import _report_due
+
+    assert [n for n in range(1, 31) if _report_due(n, 30)] == [5, 10, 15, 20, 25, 30]
+    assert [n for n in range(1, 33) if _report_due(n, 32)][-2:] == [30, 32]  # the last layer always

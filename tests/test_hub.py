@@ -150,3 +150,26 @@ def test_scratch_disk_probe_measures_something(tmp_path):
 
     assert measure_scratch_disk_gbps(tmp_path, total_mb=8) > 0
     assert not list(tmp_path.iterdir())  # the scratch file is gone
+
+
+@pytest.mark.parametrize("files, complete", [
+    (["config.json"], False),  # a remote plan fetched only the config
+    (["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors"], False),  # interrupted
+    (["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+      "model-00002-of-00002.safetensors"], True),
+    (["config.json", "model.safetensors"], True),  # unsharded
+])
+def test_cached_snapshot_counts_only_complete_weights(files, complete, tmp_path, monkeypatch):
+    from mlx_tier.hub import cached_snapshot
+
+    snap = tmp_path / "hub" / "models--org--sharded" / "snapshots" / REV
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text(REV)
+    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                            "b.weight": "model-00002-of-00002.safetensors"}}
+    for name in files:
+        (snap / name).write_text(json.dumps(index) if name.endswith("index.json") else "{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cached_snapshot("org/sharded") == (snap if complete else None)

@@ -1,6 +1,7 @@
 """Invariant 3: outputs appear only complete; the journal survives a torn last line."""
 
 import os
+import time
 
 import pytest
 
@@ -35,11 +36,33 @@ def test_journal_last_record_wins_and_torn_line_is_skipped(tmp_path):
 def test_stale_temps_of_a_killed_run_are_removed(tmp_path):
     from mlx_tier.journal import remove_stale_temps
 
-    (tmp_path / ".one.md.k3j_x9q2.tmp").write_text("half a summ")  # write_atomic's name for one.md
+    old = tmp_path / ".one.md.k3j_x9q2.tmp"  # write_atomic's name for one.md
+    old.write_text("half a summ")
+    os.utime(old, (0, time.time() - 3600))  # a killed run's, an hour ago
+    live = tmp_path / ".report.html.a1b2c3d4.tmp"  # a concurrent `status --html` is writing it now
+    live.write_text("<html>")
     (tmp_path / "one.md").write_text("kept")
     (tmp_path / ".notes.tmp").write_text("not ours")
     assert remove_stale_temps(tmp_path) == [".one.md.k3j_x9q2.tmp"]
-    assert sorted(os.listdir(tmp_path)) == [".notes.tmp", "one.md"]
+    assert sorted(os.listdir(tmp_path)) == [".notes.tmp", ".report.html.a1b2c3d4.tmp", "one.md"]
+    assert remove_stale_temps(tmp_path, older_than_s=0) == [".report.html.a1b2c3d4.tmp"]
+
+
+def test_write_atomic_never_touches_the_process_umask(tmp_path, monkeypatch):
+    """Reading the umask sets it, process-wide, for a moment: other threads would create files with 0."""
+    from mlx_tier.fsio import write_atomic
+
+    before = os.umask(0o027)
+    try:
+        def no_umask(mask):
+            raise AssertionError("write_atomic changed the umask")
+
+        monkeypatch.setattr(os, "umask", no_umask)
+        write_atomic(tmp_path / "a.md", "x")
+        monkeypatch.undo()
+        assert (tmp_path / "a.md").stat().st_mode & 0o777 == 0o640  # the kernel applied the umask
+    finally:
+        os.umask(before)
 
 
 def test_jsonl_summaries_one_line_per_id_survives_torn_tail(tmp_path):
