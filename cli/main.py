@@ -69,9 +69,24 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: 128 + 15, as a shell reports a process it ended
 
 
+# The library names a setting `like_this` in its messages (mlx_tier.errors: the
+# error's ``field``); the CLI shows the flag that sets it.
+FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--max-temp",
+         "min_battery": "--min-battery", "max_tok_s": "--max-tok-s", "bits": "--bits", "mode": "--mode",
+         "cache_gb": "--cache-gb", "batch_size": "--batch-size",
+         "slots": "--slots"}
+
+
+def as_flags(message: str) -> str:
+    """``message`` with each library setting name (`max_tokens`) as its flag (--max-tokens)."""
+    for name, flag in FLAGS.items():
+        message = message.replace(f"`{name}`", flag)
+    return message
+
+
 def fail(message: str) -> None:
-    """One clear error line and exit code 2."""
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    """One clear error line (settings named by their flags) and exit code 2."""
+    err.print(f"[bold red]error:[/] {escape(as_flags(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
@@ -344,7 +359,9 @@ def run(
     interrupted (SIGINT), 143 terminated (SIGTERM).
     """
     from mlx_tier.errors import MlxTierError
-    from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt
+    from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, job_tier, read_prompt
+    from mlx_tier.policy import PolicySpec
+    from mlx_tier.scheduler import GenerationConfig
 
     throttle = _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
                                     max_temp, pause_on_battery, min_battery, max_tok_s)
@@ -358,31 +375,14 @@ def run(
         return
     try:
         config = JobConfig(
-            input=input,
-            out_dir=out_dir,
-            model=model,
-            cache_gb=cache_gb,
-            max_tokens=max_tokens,
-            prompt=read_prompt(prompt) if prompt else DEFAULT_PROMPT,
-            repetition_penalty=repetition_penalty,
-            trace=trace,
-            input_paths=paths,
-            output_format=output_format,
-            retry_failed=retry_failed,
-            command=command,
-            batch_size=batch_size,
-            context=context,
-            prefill_step_size=prefill_step,
-            throttle=throttle,
-            nice=nice,
-            background_qos=background_qos,
-            policy=policy,
-            prewarm=prewarm,
-            save_profile=save_profile,
-            prefetch=prefetch,
-            host_cache_gb=host_cache_gb,
-            follow_links=follow_links,
-            kernel=kernel,
+            input=input, out_dir=out_dir, model=model,
+            tier=job_tier(cache_gb=cache_gb, policy=PolicySpec(policy), prewarm=prewarm, host_cache_gb=host_cache_gb,
+                          kernel=kernel, **({} if prefetch is None else {"prefetch": prefetch})),
+            generation=GenerationConfig(read_prompt(prompt) if prompt else DEFAULT_PROMPT, max_tokens,
+                                        repetition_penalty, batch_size, context, prefill_step),
+            throttle=throttle, trace=trace, input_paths=paths, output_format=output_format,
+            retry_failed=retry_failed, command=command, nice=nice, background_qos=background_qos,
+            save_profile=save_profile, follow_links=follow_links,
         )
     except MlxTierError as e:  # an unreadable --prompt @FILE
         fail(str(e))
@@ -575,12 +575,10 @@ def status(
     if not s.running and s.command and (s.pending or s.todo_left):
         out.print(f"resume with: {s.command}", highlight=False, soft_wrap=True, markup=False)
     if s.failed and not s.running:
-        if s.command:
-            head, sep, tail = s.command.partition(" < ")  # a stdin list stays at the end
-            retry = f"{head} --retry-failed{sep}{tail}" if "--retry-failed" not in head else s.command
-            out.print(f"retry the failed ones with: {retry}", highlight=False, soft_wrap=True, markup=False)
-        else:
-            out.print("retry the failed ones with: the same command plus --retry-failed", highlight=False)
+        from mlx_tier.job_view import retry_command
+
+        out.print(f"retry the failed ones with: {retry_command(s.command)}", highlight=False, soft_wrap=True,
+                  markup=False)
 
 
 app.command()(watch_cmd.watch)
@@ -715,7 +713,8 @@ def trace_sim(
     from mlx_tier.policy import OFFLINE_POLICIES, POLICIES
     from mlx_tier.profile import ProfileError
     from mlx_tier.profile import load as load_profile
-    from mlx_tier.simulate import adaptive_split, curve_sizes, plot_hit_rates, simulate
+    from mlx_tier.errors import ConfigError
+    from mlx_tier.simulate import Comparison, compare, plot_hit_rates
     from mlx_tier.trace import TraceError
     from mlx_tier.trace import load as load_trace
 
@@ -731,9 +730,11 @@ def trace_sim(
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier[plot]'")
     E, L = t.num_experts, t.num_layers
-    sizes = sorted(set(slots)) or sorted({max(1, round(E * f)) for f in (0.25, 0.5, 0.75)})
-    if any(not 1 <= n <= E for n in sizes):
-        fail(f"--slots must be between 1 and {E} (the trace's experts per layer)")
+    sim = Comparison(tuple(policy), tuple(slots), split, prewarm, curve=plot is not None)
+    try:
+        sizes = sim.sizes(E)
+    except ConfigError as e:
+        fail(str(e))
     prof = None
     if profile is not None:
         try:
@@ -741,17 +742,11 @@ def trace_sim(
             prof.check(L, E, str(profile))
         except ProfileError as e:
             fail(str(e))
-
-    def run(p: str, n: int):
-        per = adaptive_split(t, p, n * L, prof, prewarm) if split == "adaptive" else n
-        return simulate(t, p, per, prof, prewarm)
-
     if warm_slots is not None:
         _two_tier_sim(t, trace, [p for p in policy if p in POLICIES], sizes, warm_slots, prof, as_json)
         return
-    results = [run(p, n) for p in policy for n in sizes]
+    results, curve = compare(t, sim, prof)
     if plot is not None:
-        curve = results + [run(p, n) for p in policy for n in curve_sizes(E) if n not in sizes]
         try:
             plot_hit_rates(curve, E, plot, f"{trace.name}: {L} layers x {E} experts, {split} split"
                            + (", pre-warmed" if prewarm else ""))

@@ -14,9 +14,10 @@ fails alone is reported failed with its error and the job goes on.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,6 +42,14 @@ from .store import CheckpointError
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
+DEFAULT_PROMPT = (
+    "Summarise the following document in three to five sentences. "
+    "Say what it is, its main points, and any conclusion."
+)
+DEFAULT_MAX_TOKENS = 160
+# Small models fall into loops under pure greedy decoding; mlx-lm's repetition
+# penalty (over the last 20 tokens) breaks them. 1.0 turns it off.
+DEFAULT_REPETITION_PENALTY = 1.1
 
 
 @dataclass(frozen=True)
@@ -60,9 +69,9 @@ class GenerationConfig:
             once and copy its KV cache into each sequence.
     """
 
-    instruction: str
-    max_tokens: int
-    repetition_penalty: float = 1.0
+    instruction: str = DEFAULT_PROMPT
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
     batch_size: int | None = None
     context: int | None = None
     prefill_step_size: int = DEFAULT_PREFILL_STEP
@@ -96,13 +105,14 @@ def check_context(tokenizer, instruction: str, max_tokens: int, context: int, wh
     output and the instruction with its part note (:mod:`mlx_tier.longdoc`).
 
     Raises:
-        InputError: fewer than :data:`MIN_TEXT_TOKENS` tokens would be left.
+        InputError: fewer than :data:`MIN_TEXT_TOKENS` tokens would be left
+            (``field``: ``context``; settings named `like_this` in the message).
     """
     overhead = len(build_prompt(tokenizer, MAP_NOTE.format(i=99, n=99) + instruction, ""))
     if context - max_tokens - overhead < MIN_TEXT_TOKENS:
         raise InputError(
-            f"{what} {context} tokens is not enough for --max-tokens {max_tokens} plus the instruction "
-            f"({overhead} tokens) plus text; raise --context or lower --max-tokens"
+            f"{what} {context} tokens is not enough for `max_tokens` {max_tokens} plus the instruction "
+            f"({overhead} tokens) plus text; raise `context` or lower `max_tokens`", "context"
         )
 
 
@@ -117,6 +127,25 @@ class _Doc:
     context: int = 0  # the usable context when it started
     finished: bool = False
     seconds: float = 0.0  # prompt reading + decode steps it was in (decode steps are shared with the batch)
+
+
+class _Pulled:
+    """Documents taken one at a time from an iterable: truth-testing pulls the next
+    one (at most one ahead), so a generator runs each document's preparation
+    only when the scheduler is about to start it."""
+
+    def __init__(self, docs: Iterable) -> None:
+        self._docs, self._head = iter(docs), deque()
+
+    def __bool__(self) -> bool:
+        if not self._head:
+            self._head.extend(itertools.islice(self._docs, 1))
+        return bool(self._head)
+
+    def popleft(self):
+        if not self:
+            raise IndexError("no document left")
+        return self._head.popleft()
 
 
 def _charge_time(info: StepInfo) -> None:
@@ -136,13 +165,19 @@ class Scheduler:
         model_dir: the checkpoint (its config gives extra stop ids).
         model_context: the model's context length in tokens.
         config: :class:`GenerationConfig`.
+        longest_chars: characters of the longest document to run, erring long
+            (:func:`mlx_tier.documents.size_hint`); ``None``: as long as the
+            usable context. Sizes the batch when ``config.batch_size`` is
+            ``None``: once, here, from the memory plan.
 
     Attributes:
+        batch_size: sequences decoded together (fixed for the scheduler's life).
         info: what was decided at start (batch size, usable context, shared
             prefix tokens and its prefill seconds, KV bytes per token), for the report.
     """
 
-    def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig):
+    def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
+                 longest_chars: int | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
@@ -155,8 +190,7 @@ class Scheduler:
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")
-        self.batch_size = config.batch_size or 1
-        self._sized = False
+        self.batch_size = config.batch_size or self._memory_batch(longest_chars)
         self.info = {
             "batch_size": self.batch_size,
             "batch_size_from": "--batch-size" if config.batch_size else "memory headroom",
@@ -172,16 +206,14 @@ class Scheduler:
     def _prefix(self) -> PrefixCache | None:
         return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
 
-    def size_batch(self, docs) -> int:
-        """Set the batch size (unless given) from memory, for sequences as long as these
-        documents need: their prompts (estimated at 3 characters a token, erring long)
-        plus ``max_tokens``, at most the usable context. Returns it."""
-        self._sized = True
-        if self.config.batch_size is None:
-            longest = max((len(d.text or "") for d in docs), default=0) // 3 + len(self.prefix) + 16
-            self.batch_size = self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
-            self.info["batch_size"] = self.batch_size
-        return self.batch_size
+    def _memory_batch(self, longest_chars: int | None) -> int:
+        """The batch memory allows for sequences as long as the documents need: the
+        longest prompt (estimated at 3 characters a token, erring long) plus
+        ``max_tokens``, at most the usable context."""
+        if longest_chars is None:
+            return self.plan.batch_size(self.context)
+        longest = longest_chars // 3 + len(self.prefix) + 16
+        return self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
 
     def _new_engine(self, batch_size: int) -> BatchEngine:
         c = self.config
@@ -220,9 +252,12 @@ class Scheduler:
                        d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
                        d.seconds)
 
-    def run(self, docs, should_stop: Callable[[], bool] = lambda: False,
+    def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
         """Summarise ``docs`` (:class:`~mlx_tier.documents.Document`), yielding each outcome when final.
+
+        ``docs`` is pulled one document at a time, when a batch place is free
+        (the job runner converts each document then, and may pass a generator).
 
         Once ``should_stop()`` is true no new document starts, calls still
         reading their prompt are dropped, and the calls already generating
@@ -230,13 +265,10 @@ class Scheduler:
         ``on_step(info, ids in flight)`` runs after every engine step
         (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
         """
-        waiting = deque(docs)
+        waiting = _Pulled(docs)
         ready: deque[Task] = deque()  # calls of started documents, before new documents
         solo: deque = deque()  # documents in flight when a batched step failed: retried alone
         alone: _Doc | None = None  # the one being retried; nothing else runs meanwhile
-        docs = list(docs)
-        if not self._sized:
-            self.size_batch(docs)
         engine = self._new_engine(self.batch_size)
         abandoned = False
         while True:
