@@ -336,7 +336,7 @@ def run(
     kernel: str = typer.Option("auto", "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
-) -> None:  # over 80 lines only by its 28 declared options and the --help text; the body is ~45 lines
+) -> None:  # over 60 lines only by its 28 declared options and the --help text; the body is ~30 lines
     """Summarise every document in INPUT into OUT_DIR, resumably.
 
     INPUT `-` reads file paths from stdin, one a line. Rerunning the same
@@ -370,9 +370,6 @@ def run(
     # (a name that is not valid UTF-8 survives as surrogates).
     paths = tuple(os.fsdecode(b.rstrip(b"\r")) for b in sys.stdin.buffer.read().split(b"\n")) if from_stdin else None
     command = resume_command(ctx, out_dir, from_stdin)
-    if background:
-        _start_background(ctx, input, out_dir, paths, prompt, follow_links)
-        return
     try:
         config = JobConfig(
             input=input, out_dir=out_dir, model=model,
@@ -386,7 +383,11 @@ def run(
         )
     except MlxTierError as e:  # an unreadable --prompt @FILE
         fail(str(e))
-    _run_job_and_exit(config, out_dir, command)
+    if background:
+        _start_background(config, [sys.executable, "-m", "mlx_tier.cli.main", "run",
+                                   *command_args(ctx, drop=("background",))])
+    else:
+        _run_job_and_exit(config, out_dir, command)
 
 
 def _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
@@ -466,36 +467,18 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
         raise typer.Exit(EXIT_FAILED_DOCS)
 
 
-def _start_background(ctx: typer.Context, input: Path, out_dir: Path, paths: tuple[str, ...] | None,
-                      prompt: str | None, follow_links: bool) -> None:
-    """Check the input here (bad input: exit 2 now, not in a log), then start the run detached."""
+def _start_background(config, argv: list[str]) -> None:
+    """Start the run detached (:func:`mlx_tier.jobs.start_detached`: bad input exits 2 now,
+    not in a log) and say where to watch it."""
     import shlex
 
-    from mlx_tier.documents import InputError, discover, discover_list
-    from mlx_tier.jobs import read_prompt
-    from mlx_tier.outdir import check_out_dir
-    from mlx_tier.status import (
-        LOG_FILE,
-        PID_FILE,
-        lock_held,
-        start_background,
-        write_input_list,
-    )
+    from mlx_tier.documents import InputError
+    from mlx_tier.jobs import start_detached
+    from mlx_tier.status import LOG_FILE, PID_FILE
 
-    stdin = None
+    out_dir = config.out_dir
     try:
-        check_out_dir(out_dir, input if paths is None else None)
-        docs = (discover_list(paths, exclude=out_dir) if paths is not None
-                else discover(input, exclude=out_dir, follow_links=follow_links))
-        if prompt:
-            read_prompt(prompt)
-        if paths is not None:
-            if lock_held(out_dir):  # never replace a running job's resume list
-                raise InputError(f"{out_dir}: another mlx-tier run is using this output folder")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            stdin = write_input_list(out_dir, docs)
-        argv = [sys.executable, "-m", "mlx_tier.cli.main", "run", *command_args(ctx, drop=("background",))]
-        pid = start_background(argv, out_dir, stdin)
+        pid = start_detached(config, argv)
     except InputError as e:
         fail(str(e))
     except OSError as e:
@@ -593,7 +576,7 @@ def plan(
     compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
     gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
-) -> None:
+) -> None:  # over 60 lines by its 7 declared options and the worksheet's rows; the body calls plan.make_plan and renders
     """Capacity worksheet for MODEL from its config and shard headers (no weights loaded).
 
     Will it fit, and how fast might it decode: dense part, KV cache, expert
@@ -700,7 +683,7 @@ def trace_sim(
     plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of hit rate vs cache size (every size up to all experts), one line per policy. Needs matplotlib (pip install 'mlx-tier[plot]')."),
     warm_slots: int | None = typer.Option(None, "--warm-slots", min=0, help="CUDA path: also simulate a warm host tier of this many slots per layer under each --slots (hot, GPU) size; prints hot/warm/miss rates and the share computed on the CPU (live policies only)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
-) -> None:
+) -> None:  # over 60 lines by its 10 declared options and their help; the body checks, calls simulate.compare, renders
     """Replay a routing trace: hit rate per policy and cache size, Belady's optimum as the ceiling.
 
     Each layer has its own slots; hit rate = accesses found resident / all expert
@@ -710,10 +693,10 @@ def trace_sim(
     """
     import importlib.util
 
+    from mlx_tier.errors import ConfigError
     from mlx_tier.policy import OFFLINE_POLICIES, POLICIES
     from mlx_tier.profile import ProfileError
     from mlx_tier.profile import load as load_profile
-    from mlx_tier.errors import ConfigError
     from mlx_tier.simulate import Comparison, compare, plot_hit_rates
     from mlx_tier.trace import TraceError
     from mlx_tier.trace import load as load_trace

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Self
 
 from .errors import InputError
 from .fsio import remove_stale_temps
@@ -85,7 +86,7 @@ class JobDir:
         self.created = False
         self._lock = None
 
-    def __enter__(self) -> JobDir:
+    def __enter__(self) -> Self:
         self.created = prepare_out_dir(self.path)
         self._lock = lock_out_dir(self.path)
         remove_stale_temps(self.path)  # a killed run's half-written outputs

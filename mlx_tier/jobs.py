@@ -22,7 +22,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,8 +31,8 @@ import psutil
 from .checkpoint import context_length
 from .documents import InputError, discover, discover_list, size_hint
 from .errors import JobError
-from .jobdir import JobDir, lock_out_dir, prepare_out_dir  # noqa: F401 - importable from here too
 from .job_view import progress_sample
+from .jobdir import JobDir, lock_out_dir, prepare_out_dir  # noqa: F401 - importable from here too
 from .journal import (
     DISK_FULL,
     Journal,
@@ -54,7 +54,15 @@ from .scheduler import (  # noqa: F401 - the defaults are importable from here t
 from .status import LOCK, JobInfo, ProgressFile, write_input_list  # noqa: F401
 from .throttle import Throttle, ThrottleConfig
 from .tiered import TierConfig
-from .triage import DONE_KEEPS, FAILED_KEEPS, OutputState, Triage, attempted_ids, foreign_outputs, triage
+from .triage import (
+    DONE_KEEPS,
+    FAILED_KEEPS,
+    OutputState,
+    Triage,
+    attempted_ids,
+    foreign_outputs,
+    triage,
+)
 
 REPORT = "report.json"
 # When the checkpoint states no context length.
@@ -585,6 +593,32 @@ def _find_documents(config: JobConfig) -> list:
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
         raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
     return docs
+
+
+def start_detached(config: JobConfig, argv: list[str]) -> int:
+    """Start the job detached (``mlx-tier run --background``), after checking its input
+    here so that bad input is refused now, not in the log. Converts nothing.
+
+    Args:
+        config: the job, as the detached run will build it again from ``argv``.
+        argv: the command the detached process runs (:func:`mlx_tier.status.start_background`).
+
+    Returns:
+        the detached process's id.
+    Raises:
+        InputError: bad input or output folder, or another run active there.
+        OSError: the folder is not writable or the command cannot start.
+    """
+    from .status import lock_held, start_background
+
+    docs = _find_documents(config)
+    stdin = None
+    if config.input_paths is not None:
+        if lock_held(config.out_dir):  # never replace a running job's resume list
+            raise InputError(f"{config.out_dir}: another mlx-tier run is using this output folder")
+        config.out_dir.mkdir(parents=True, exist_ok=True)
+        stdin = write_input_list(config.out_dir, docs)
+    return start_background(argv, config.out_dir, stdin)
 
 
 def _load_model(config: JobConfig, reporter: Reporter) -> _Loaded:

@@ -148,6 +148,26 @@ class _Pulled:
         return self._head.popleft()
 
 
+@dataclass(eq=False)
+class _Queues:
+    """What waits for a place in the engine, in the order it gets one.
+
+    Attributes:
+        waiting: documents not started, pulled one at a time.
+        ready: calls of started documents (a map-reduce document's next parts): first.
+        solo: documents in flight when a batched step failed: retried one at a time.
+        alone: the document being retried; nothing else runs meanwhile.
+    """
+
+    waiting: _Pulled
+    ready: deque = field(default_factory=deque)
+    solo: deque = field(default_factory=deque)
+    alone: _Doc | None = None
+
+    def empty(self) -> bool:
+        return not (self.ready or self.solo or self.waiting)
+
+
 def _charge_time(info: StepInfo) -> None:
     """Add this step's time to each document's own: the prompt-reading part to the one being
     read, the decode part to each document decoding (once per document, whatever its calls)."""
@@ -265,10 +285,7 @@ class Scheduler:
         ``on_step(info, ids in flight)`` runs after every engine step
         (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
         """
-        waiting = _Pulled(docs)
-        ready: deque[Task] = deque()  # calls of started documents, before new documents
-        solo: deque = deque()  # documents in flight when a batched step failed: retried alone
-        alone: _Doc | None = None  # the one being retried; nothing else runs meanwhile
+        q = _Queues(_Pulled(docs))
         engine = self._new_engine(self.batch_size)
         abandoned = False
         while True:
@@ -278,32 +295,12 @@ class Scheduler:
                 # (a long prefill would delay the stop); those already writing finish.
                 engine.cancel_unstarted()
                 abandoned = True
-            if alone is not None and alone.finished:
-                alone = None
-            while engine.free and not stopping:
-                if ready:
-                    engine.add(ready.popleft())
-                    continue
-                source = solo if solo else waiting
-                if not source or alone is not None or (solo and engine.active):
-                    break
-                d = _Doc(source.popleft(), time.perf_counter())
-                if source is solo:
-                    alone = d
-                if d.doc.error is not None:
-                    yield self._failed(d, d.doc.error)
-                    continue
-                try:
-                    tasks = self._tasks(d)
-                except TooLong as e:
-                    yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
-                    continue
-                except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
-                    yield self._failed(d, f"{type(e).__name__}: {e}")
-                    continue
-                ready.extend(tasks)
+            if q.alone is not None and q.alone.finished:
+                q.alone = None
+            if not stopping:
+                yield from self._admit(engine, q)
             if not engine.active:
-                if stopping or not (ready or solo or waiting):
+                if stopping or q.empty():
                     break
                 continue
             in_flight = [t.key[0] for t in engine.tasks()]
@@ -313,25 +310,63 @@ class Scheduler:
                 raise JobError(f"the checkpoint became unreadable ({e}); the job stopped, documents not "
                                "finished stay pending") from e
             except Exception as e:  # noqa: BLE001 - e.g. MLX out of memory inside a batched step
-                docs_in_flight = list(dict.fromkeys(in_flight + [t.key[0] for t in ready]))
-                try:  # the generator's state after a failed step is unknown: start a fresh one
-                    engine.close()
-                except Exception:  # noqa: BLE001, S110
-                    pass
-                ready.clear()
-                self._clear_pending()
-                engine = self._new_engine(self.batch_size)
-                if len(docs_in_flight) == 1:
-                    yield self._failed(docs_in_flight[0], f"{type(e).__name__}: {e}")
-                else:
-                    solo.extend(d.doc for d in docs_in_flight)
+                engine = yield from self._after_failed_step(engine, e, in_flight, q)
                 continue
             _charge_time(info)
             info.prefill = [(key[0].doc.id, done, total) for key, done, total in info.prefill]
             info.generating = [(key[0].doc.id, n) for key, n in info.generating]
             on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
-            yield from self._take_finished(info.finished, ready)
+            yield from self._take_finished(info.finished, q.ready)
         engine.close()
+
+    def _admit(self, engine: BatchEngine, q: _Queues) -> Iterator[Outcome]:
+        """Fill the engine's free places: calls of started documents first, then the next
+        document (a retried one alone, nothing else beside it); yields documents that fail
+        as they start."""
+        while engine.free:
+            if q.ready:
+                engine.add(q.ready.popleft())
+                continue
+            source = q.solo if q.solo else q.waiting
+            if not source or q.alone is not None or (q.solo and engine.active):
+                return
+            d = _Doc(source.popleft(), time.perf_counter())
+            if source is q.solo:
+                q.alone = d
+            started = self._start(d)
+            if isinstance(started, Outcome):
+                yield started
+            else:
+                q.ready.extend(started)
+
+    def _start(self, d: _Doc) -> list[Task] | Outcome:
+        """A document's first calls, or its failed outcome (unreadable, too long, tokenizer error)."""
+        if d.doc.error is not None:
+            return self._failed(d, d.doc.error)
+        try:
+            return self._tasks(d)
+        except TooLong as e:
+            return self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
+        except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
+            return self._failed(d, f"{type(e).__name__}: {e}")
+
+    def _after_failed_step(self, engine: BatchEngine, error: Exception, in_flight: list, q: _Queues):
+        """A batched step raised: the error cannot be pinned on one sequence, so every document
+        in flight is retried alone (one alone fails with the error). Yields that failure;
+        returns a fresh engine (the failed one's state is unknown)."""
+        docs_in_flight = list(dict.fromkeys(in_flight + [t.key[0] for t in q.ready]))
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
+        q.ready.clear()
+        self._clear_pending()
+        engine = self._new_engine(self.batch_size)
+        if len(docs_in_flight) == 1:
+            yield self._failed(docs_in_flight[0], f"{type(error).__name__}: {error}")
+        else:
+            q.solo.extend(d.doc for d in docs_in_flight)
+        return engine
 
     def _take_finished(self, finished, ready: deque) -> Iterator[Outcome]:
         """Outcomes of the calls that finished in a step: a document's summary, or

@@ -282,6 +282,43 @@ def _layer_slot_counts(config: TierConfig, profile, slots: int, total: int, expe
     return tuple(min(slots, e) for e in experts)
 
 
+def _wrap_blocks(model: nn.Module, blocks: list, config: TierConfig, kernel_name: str, dtype) -> list[TieredExperts]:
+    """Put a :class:`TieredExperts` (no cache yet) in place of each expert block, then
+    evaluate the dense part in ``dtype``: the hidden blocks' stacked experts are never read."""
+    kernel = kernels.kernel_for(kernel_name)
+    wrappers = []
+    for path, block in blocks:
+        wrappers.append(TieredExperts(block, None, kernel))
+        set_child(model, path, wrappers[-1])
+    if dtype is not None:
+        model.set_dtype(dtype)  # the dense part; experts are converted as they are read
+    mx.eval(model.parameters())
+    if config.dense_kernel and kernel_name == "cpu":
+        from .cpu_kernel import serve_dense
+
+        serve_dense(model)
+    return wrappers
+
+
+def _budget(config: TierConfig, slot_nbytes: int, num_layers: int, num_experts: int) -> tuple[int, int]:
+    """``(slots per layer, budget bytes)``: from ``layer_slots`` (slots then unused),
+    else ``slots_per_layer``, else ``cache_gb`` (``None``: from free memory). This is
+    where ``cache_gb`` takes effect.
+
+    Raises:
+        BudgetError: ``slots_per_layer`` outside ``[1, num_experts]``.
+    """
+    if config.layer_slots is not None:
+        return 0, sum(config.layer_slots) * slot_nbytes
+    if config.slots_per_layer is not None:
+        slots = config.slots_per_layer
+        if not 1 <= slots <= num_experts:
+            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
+        return slots, slots * slot_nbytes * num_layers
+    budget = int(config.cache_gb * GIB) if config.cache_gb is not None else default_budget_bytes()
+    return plan_slots(budget, num_layers, slot_nbytes, num_experts), budget
+
+
 def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dict | None = None) -> ExpertCache:
     """Replace every expert block of an mlx-lm model (built lazily) with a tiered one.
 
@@ -306,32 +343,9 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
     kernel_name = kernels.choose(config.kernel, [b for _, b in blocks], config.host_cache_gb is not None)
-    kernel = kernels.kernel_for(kernel_name)
-    wrappers = []
-    for path, block in blocks:
-        wrappers.append(TieredExperts(block, None, kernel))
-        set_child(model, path, wrappers[-1])
-    if dtype is not None:
-        model.set_dtype(dtype)  # the dense part; experts are converted as they are read
-    mx.eval(model.parameters())
-    if config.dense_kernel and kernel_name == "cpu":
-        from .cpu_kernel import serve_dense
-
-        serve_dense(model)
-
+    wrappers = _wrap_blocks(model, blocks, config, kernel_name, dtype)
     slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
-    num_experts = max(n for _, n, _ in found)
-    if config.layer_slots is not None:
-        slots = 0  # unused: per-layer counts below
-        budget = sum(config.layer_slots) * slot_nbytes
-    elif config.slots_per_layer is not None:
-        slots = config.slots_per_layer
-        if not 1 <= slots <= num_experts:
-            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
-        budget = slots * slot_nbytes * len(found)
-    else:
-        budget = int(config.cache_gb * GIB) if config.cache_gb is not None else default_budget_bytes()
-        slots = plan_slots(budget, len(found), slot_nbytes, num_experts)
+    slots, budget = _budget(config, slot_nbytes, len(found), max(n for _, n, _ in found))
     per_layer = _layer_slot_counts(config, profile, slots, budget // slot_nbytes, [n for _, n, _ in found])
     stats = CacheStats()
     policy = replace(config.policy, profile=profile) if config.policy.needs_profile else config.policy

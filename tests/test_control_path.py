@@ -12,7 +12,7 @@ from mlx_tier.cli.main import app
 from test_crash import _short_context, make_docs, small_moe  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
-import mlx_tier.documents as documents
+from mlx_tier import documents
 from mlx_tier.errors import InputError
 from mlx_tier.jobdir import JobDir
 from mlx_tier.jobs import JobConfig, run_job
@@ -93,7 +93,7 @@ def test_a_document_not_claimed_stays_pending_unread(tmp_path, small_moe, conver
 
 
 def test_background_start_converts_nothing(tmp_path, monkeypatch, conversions):
-    import mlx_tier.status as status
+    from mlx_tier import status
 
     docs, out = tmp_path / "docs", tmp_path / "out"
     make_docs(docs, 2)
