@@ -13,6 +13,13 @@ from pathlib import Path
 import typer
 import typer.core
 
+from mlx_tier.defaults import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_PROMPT,
+    DEFAULT_REPETITION_PENALTY,
+    JOB_KERNEL,
+)
 from mlx_tier.policy import DEFAULT_POLICY
 from mlx_tier.process import DEFAULT_NICE
 
@@ -312,16 +319,16 @@ def run(
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
     model: str | None = typer.Option(None, "--model", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id such as mlx-community/Qwen3-30B-A3B-4bit (local cache first, else downloaded; HF_HUB_OFFLINE=1 forbids downloads). Default: the built-in demo, SmolLM2-135M as an 8-expert MoE: a toy that shows the machinery, not good summaries."),
     cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
-    max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Most tokens generated per summary."),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=1, help="Most tokens generated per summary."),
     prompt: str | None = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
-    repetition_penalty: float = typer.Option(1.1, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
+    repetition_penalty: float = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
     trace: Path | None = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
     output_format: str = typer.Option("md", "--format", help="md: one OUT_DIR/<id>.md per document; jsonl: also OUT_DIR/summaries.jsonl, one line per finished document with its custom_id/id and summary."),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed)."),
     background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
     context: int | None = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
-    prefill_step: int = typer.Option(512, "--prefill-step", min=1, help="Most prompt tokens per step while reading a document's prompt (one document at a time). Steps are paced to about 4 s from the measured speed, up to this many tokens; smaller: less memory."),
+    prefill_step: int = typer.Option(DEFAULT_PREFILL_STEP, "--prefill-step", min=1, help="Most prompt tokens per step while reading a document's prompt (one document at a time). Steps are paced to about 4 s from the measured speed, up to this many tokens; smaller: less memory."),
     max_temp: float | None = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
     pause_on_battery: bool = typer.Option(False, "--pause-on-battery", help="Pause while the machine runs on battery; resume on AC."),
     min_battery: float | None = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),
@@ -333,7 +340,7 @@ def run(
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA path: a warm tier of this many GiB in host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"). Default: one tier."),
     prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
     follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
-    kernel: str = typer.Option("auto", "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
+    kernel: str = typer.Option(JOB_KERNEL, "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
 ) -> None:  # over 60 lines only by its 28 declared options and the --help text; the body is ~30 lines
@@ -359,9 +366,10 @@ def run(
     interrupted (SIGINT), 143 terminated (SIGTERM).
     """
     from mlx_tier.errors import MlxTierError
-    from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, job_tier, read_prompt
+    from mlx_tier.jobs import JobConfig, read_prompt
     from mlx_tier.policy import PolicySpec
     from mlx_tier.scheduler import GenerationConfig
+    from mlx_tier.tiered import DEFAULT_PREFETCH, TierConfig
 
     throttle = _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
                                     max_temp, pause_on_battery, min_battery, max_tok_s)
@@ -373,8 +381,9 @@ def run(
     try:
         config = JobConfig(
             input=input, out_dir=out_dir, model=model,
-            tier=job_tier(cache_gb=cache_gb, policy=PolicySpec(policy), prewarm=prewarm, host_cache_gb=host_cache_gb,
-                          kernel=kernel, **({} if prefetch is None else {"prefetch": prefetch})),
+            tier=TierConfig(cache_gb=cache_gb, policy=PolicySpec(policy), prewarm=prewarm,
+                            prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch,
+                            host_cache_gb=host_cache_gb, kernel=kernel),
             generation=GenerationConfig(read_prompt(prompt) if prompt else DEFAULT_PROMPT, max_tokens,
                                         repetition_penalty, batch_size, context, prefill_step),
             throttle=throttle, trace=trace, input_paths=paths, output_format=output_format,

@@ -29,12 +29,14 @@ import mlx.core as mx
 import psutil
 
 from .checkpoint import context_length
+from .defaults import JOB_KERNEL  # noqa: F401 - importable from here too
 from .documents import InputError, discover, discover_list, size_hint
 from .errors import JobError
 from .job_view import progress_sample
 from .jobdir import JobDir, lock_out_dir, prepare_out_dir  # noqa: F401 - importable from here too
 from .journal import (
     DISK_FULL,
+    JOURNAL,
     Journal,
     JsonlSummaries,
     write_atomic,
@@ -67,16 +69,11 @@ from .triage import (
 REPORT = "report.json"
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
-# The job runner's kernel: the CPU kernel where it serves (many times faster on
-# MLX's CPU backend), else MLX's ops. The library's own default (TierConfig.kernel)
-# stays "mlx": its tokens equal mlx-lm's exactly (README, "CPU expert kernel").
-JOB_KERNEL = "auto"
 
 
-def job_tier(**settings) -> TierConfig:
-    """The job runner's tier settings: :class:`~mlx_tier.tiered.TierConfig` with
-    the kernel :data:`JOB_KERNEL` unless ``settings`` name one."""
-    return TierConfig(**{"kernel": JOB_KERNEL, **settings})
+def _job_tier() -> TierConfig:
+    """The job runner's default tier settings: the kernel :data:`~mlx_tier.defaults.JOB_KERNEL`."""
+    return TierConfig(kernel=JOB_KERNEL)
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,8 @@ class JobConfig:
         out_dir: summaries go to ``out_dir/<id>.md``; journal and report beside them.
         model: mlx-lm MoE checkpoint directory or hub repo id; ``None``: the built-in demo model.
         tier: how the model is tiered (cache budget, policy, prefetch, kernel...):
-            given to :func:`mlx_tier.tiered.load` as it is (:func:`job_tier`).
+            given to :func:`mlx_tier.tiered.load` as it is (default: the kernel
+            :data:`~mlx_tier.defaults.JOB_KERNEL`, else TierConfig's defaults).
         generation: how summaries are generated (prompt, max tokens, batch size,
             context...): given to the :class:`~mlx_tier.scheduler.Scheduler` as it is.
         throttle: the thermal-aware throttle's settings (:mod:`mlx_tier.throttle`).
@@ -112,7 +110,7 @@ class JobConfig:
     input: Path
     out_dir: Path
     model: Path | str | None = None
-    tier: TierConfig = field(default_factory=job_tier)
+    tier: TierConfig = field(default_factory=_job_tier)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     trace: Path | None = None
@@ -537,9 +535,23 @@ def _summarise_all(docs: Iterator, longest_chars: int, results: dict, config: Jo
 
 
 def claim_all(doc_id: str) -> bool:
-    """The default share of a job: every pending document (a multi-process run
-    passes its own ``claim``, deciding which documents this process takes)."""
+    """The default share of a job: every pending document."""
     return True
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which part of the job this process does (default: all of it, one journal).
+
+    Attributes:
+        claim: asked with each pending document's id just before it would start;
+            ``False`` leaves it pending here (another process's document).
+        journal_name: the file in ``OUT_DIR`` this process journals to
+            (:class:`~mlx_tier.jobdir.JobDir`).
+    """
+
+    claim: Callable[[str], bool] = claim_all
+    journal_name: str = JOURNAL
 
 
 def _turns(pending: list, results: dict, claim: Callable[[str], bool]) -> Iterator:
@@ -680,8 +692,7 @@ def _write_report_page(out_dir: Path, reporter: Reporter) -> None:
         reporter.message(f"could not write report.html: {e}")
 
 
-def run_job(config: JobConfig, reporter: Reporter | None = None,
-            claim: Callable[[str], bool] = claim_all) -> JobReport:
+def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = Share()) -> JobReport:
     """Summarise every document of ``config.input`` not already done.
 
     With nothing left to do (every document done, or failed without
@@ -692,8 +703,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None,
     Args:
         config: the job (:class:`JobConfig`).
         reporter: receives progress (default: silent).
-        claim: asked with each pending document's id before it starts; ``False``
-            leaves it pending for another process (default: take every one).
+        share: the documents this process takes and the journal it keeps
+            (:class:`Share`; default: every document, the job's journal).
 
     Raises:
         InputError: bad input or output folder (nothing is generated).
@@ -703,8 +714,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None,
     reporter = reporter or Reporter()
     t_start, t_wall = time.perf_counter(), time.time()
     docs = _find_documents(config)
-    with JobDir(config.out_dir) as job:
-        report = _run_in(job, docs, config, reporter, claim)
+    with JobDir(config.out_dir, share.journal_name) as job:
+        report = _run_in(job, docs, config, reporter, share.claim)
         report.seconds = time.perf_counter() - t_start
         _finish_report(report, config, job, t_wall, reporter)
     _write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running

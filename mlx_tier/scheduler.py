@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY
 from .documents import InputError
 from .errors import JobError
 from .generation import (
@@ -42,14 +43,6 @@ from .store import CheckpointError
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
-DEFAULT_PROMPT = (
-    "Summarise the following document in three to five sentences. "
-    "Say what it is, its main points, and any conclusion."
-)
-DEFAULT_MAX_TOKENS = 160
-# Small models fall into loops under pure greedy decoding; mlx-lm's repetition
-# penalty (over the last 20 tokens) breaks them. 1.0 turns it off.
-DEFAULT_REPETITION_PENALTY = 1.1
 
 
 @dataclass(frozen=True)

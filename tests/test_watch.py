@@ -333,7 +333,8 @@ def test_report_html_renders_from_the_file_system_without_errors(job_dir, browse
 @pytest.mark.browser
 def test_live_page_of_a_real_demo_run(demo_model, tmp_path, serve, browser):
     """The same checks on a short real run of the SmolLM2 demo MoE (two one-line documents)."""
-    from mlx_tier.jobs import JobConfig, job_tier, run_job
+    from mlx_tier.jobs import JobConfig, run_job
+    from mlx_tier.tiered import TierConfig
     from mlx_tier.scheduler import GenerationConfig
 
     docs, out = tmp_path / "docs", tmp_path / "out"
@@ -341,7 +342,7 @@ def test_live_page_of_a_real_demo_run(demo_model, tmp_path, serve, browser):
     (docs / "bees.txt").write_text("Bees carry pollen from flower to flower, so fruit trees set fruit.")
     (docs / "river.txt").write_text("The river flooded in spring and the farmers planted late.")
     run_job(JobConfig(input=docs, out_dir=out, model=demo_model, generation=GenerationConfig(max_tokens=8),
-                      tier=job_tier(cache_gb=0.1)))
+                      tier=TierConfig(cache_gb=0.1, kernel="auto")))
     browser.get(serve(out, interval_s=1.0))
     check_page_matches_journal(browser, out)
     assert shown(browser, "done") == "2"
