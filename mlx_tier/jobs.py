@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import mlx.core as mx
-import psutil
 
 from .checkpoint import context_length
 from .defaults import JOB_KERNEL  # noqa: F401 - importable from here too
@@ -44,6 +39,17 @@ from .journal import (
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
 from .outdir import check_out_dir
 from .process import DEFAULT_NICE, keep_awake, lower_priority
+from .report import (  # noqa: F401 - importable from here too
+    COUNTERS,
+    CacheRecord,
+    DocResult,
+    JobReport,
+    RunRecord,
+    backend_name,
+    machine_info,
+    previous_runs,
+    sum_cache,
+)
 from .scheduler import (  # noqa: F401 - the defaults are importable from here too
     DEFAULT_MAX_TOKENS,
     DEFAULT_PROMPT,
@@ -54,6 +60,7 @@ from .scheduler import (  # noqa: F401 - the defaults are importable from here t
     check_context,
 )
 from .status import LOCK, JobInfo, ProgressFile, write_input_list  # noqa: F401
+from .stopflag import HARD_STOP_GRACE_SECONDS, Interrupted, StopFlag  # noqa: F401 - importable from here too
 from .throttle import Throttle, ThrottleConfig
 from .tiered import TierConfig
 from .triage import (
@@ -124,92 +131,6 @@ class JobConfig:
     follow_links: bool = False
 
 
-@dataclass
-class DocResult:
-    """Outcome of one document (one entry of report.json)."""
-
-    id: str
-    status: str  # the document's state now: done | failed | pending (not reached yet)
-    source: str = ""
-    input_tokens: int = 0
-    output_tokens: int = 0
-    # The document's own time: its prompt-reading steps plus the decode steps it took
-    # part in (a decode step serves the whole batch); not the time since the batch began.
-    doc_seconds: float = 0.0
-    error: str | None = None
-    output: str | None = None
-    finish_reason: str | None = None  # "stop" (end of text) or "length" (hit --max-tokens)
-    parts: int = 0  # > 0: too long for the context, summarised by map-reduce over this many parts
-    earlier_run: bool = False  # done or failed by an earlier run (its figures from the journal)
-    name: str | None = None  # the original id (relative path, JSONL custom_id/id) the output name came from
-    converter: str | None = None  # how the text was read: "text (cp1252)", "markitdown 0.1.9 PdfConverter"...
-
-
-@dataclass
-class JobReport:
-    """Everything report.json holds.
-
-    ``results`` covers every document of the job by its state now (a document
-    done by an earlier run is ``done`` with ``earlier_run`` true and its figures
-    from the journal), so ``totals`` tell the job's truth after any rerun;
-    ``runs`` keeps one record per run (this one last: what it did itself) so a
-    rerun never loses a run's measurements; ``cache`` sums the cache counters
-    over all runs.
-    """
-
-    results: list[DocResult] = field(default_factory=list)
-    interrupted: bool = False
-    stop_signal: int | None = None  # the signal that stopped the run (SIGINT/SIGTERM), if any
-    seconds: float = 0.0
-    cache: dict = field(default_factory=dict)
-    setup: dict = field(default_factory=dict)
-    throttle: dict = field(default_factory=dict)  # Throttle.as_dict(): time throttled/paused, timeline
-    runs: list[dict] = field(default_factory=list)
-    # This run's start (triage counts, the model): for its RunRecord; not in report.json.
-    run: RunStart | None = field(default=None, repr=False, compare=False)
-
-    def count(self, status: str) -> int:
-        return sum(r.status == status for r in self.results)
-
-    def this_run(self, status: str) -> int:
-        """Documents that reached ``status`` in this run."""
-        return sum(r.status == status and not r.earlier_run for r in self.results)
-
-    @property
-    def output_tokens(self) -> int:
-        """Tokens generated in this run."""
-        return sum(r.output_tokens for r in self.results if r.status == "done" and not r.earlier_run)
-
-    def as_dict(self) -> dict:
-        finished = [r for r in self.results if r.status == "done"]
-        out_tokens = sum(r.output_tokens for r in finished)
-        # Documents of a batch overlap in time: throughput is over the runs' wall time.
-        run_tokens = sum(r.get("output_tokens", 0) for r in self.runs)
-        run_seconds = sum(r.get("seconds", 0.0) for r in self.runs)
-        totals = {s: self.count(s) for s in ("done", "failed", "pending")}
-        totals |= {
-            "documents": len(self.results),
-            "chunked": sum(r.parts > 0 for r in self.results),
-            "input_tokens": sum(r.input_tokens for r in finished),
-            "output_tokens": out_tokens,
-            "run_seconds": round(run_seconds, 3),
-            "output_tok_per_s": round(run_tokens / run_seconds, 3) if run_seconds else 0.0,
-            "interrupted": self.interrupted,
-        }
-        return {
-            "documents": [asdict(r) for r in self.results],
-            "totals": totals,
-            "cache": self.cache,
-            "throttle": self.throttle,
-            "runs": self.runs,
-            **self.setup,
-        }
-
-
-# CacheStats counters that add up across runs (ratios are recomputed).
-COUNTERS = ("hits", "misses", "evictions", "bytes_read", "read_seconds", "rounds", "prewarmed", "prewarm_bytes",
-            "prewarm_seconds", "prefetch_predicted", "prefetch_used", "prefetch_wasted_bytes", "stall_seconds")
-
 
 def _earlier_setup(config: JobConfig) -> tuple[dict, dict]:
     """``(setup, throttle)`` of the job's last report.json (a rerun that loads no
@@ -224,31 +145,6 @@ def _earlier_setup(config: JobConfig) -> tuple[dict, dict]:
     setup |= {**machine_info(), "model": setup.get("model") or (str(config.model) if config.model is not None else "demo")}
     throttle = earlier.get("throttle")
     return setup, throttle if isinstance(throttle, dict) else {}
-
-
-def previous_runs(path: Path) -> list[dict]:
-    """The ``runs`` of an earlier report.json, if readable."""
-    try:
-        runs = json.loads(path.read_text()).get("runs", [])
-        return [r for r in runs if isinstance(r, dict)]
-    except (OSError, ValueError, AttributeError):
-        return []
-
-
-def sum_cache(runs: list[dict]) -> dict:
-    """Cache counters summed over runs, hit rate recomputed."""
-    total = {k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in COUNTERS}
-    seen = total["hits"] + total["misses"]
-    total["hit_rate"] = total["hits"] / seen if seen else 0.0
-    total["prefetch_precision"] = total["prefetch_used"] / total["prefetch_predicted"] if total["prefetch_predicted"] else 0.0
-    total["prefetch_recall"] = total["prefetch_used"] / total["misses"] if total["misses"] else 0.0
-    from .two_tier import (
-        TIER_COUNTERS,  # per-tier hits of the two-tier cache, when a run had one
-    )
-
-    total.update({k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in TIER_COUNTERS
-                  if any(k in r.get("cache", {}) for r in runs)})
-    return total
 
 
 @dataclass(frozen=True)
@@ -289,93 +185,6 @@ class Reporter:
     def close(self) -> None: ...
 
 
-class Interrupted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM: abandon the documents in progress now. ``signum`` says which."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-# After a second signal, how long the main thread has to stop by itself (raising
-# Interrupted between Python bytecodes) before the watchdog ends the process.
-HARD_STOP_GRACE_SECONDS = 1.0
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM: finish the documents in progress, start no new one, then stop.
-
-    A second signal stops at once. Python runs signal handlers only between
-    bytecodes of the main thread, so during a long MLX call (a prompt step can
-    take minutes on a CPU) the handler waits, and two signals that arrive
-    meanwhile run it once. So the signals are also counted where they arrive:
-    Python's C-level handler writes one byte per signal to a wakeup fd
-    (``signal.set_wakeup_fd``), which a watchdog thread reads. At the second
-    signal the main thread gets :data:`HARD_STOP_GRACE_SECONDS` to raise
-    :class:`Interrupted` itself (restoring the default handler, so a third
-    signal kills); if it has not left the ``with`` block by then, the watchdog
-    calls ``on_abort(signum)`` and ends the process (``os._exit``, 128 +
-    signum). Finished summaries are safe either way: each was written
-    atomically and journalled (fsync) before it was reported.
-    """
-
-    def __init__(self, on_first=lambda: None, on_abort=lambda signum: None) -> None:
-        self.signal: int | None = None
-        self._old: dict = {}
-        self._on_first, self._on_abort = on_first, on_abort
-        self._active = False
-        self._pipe: tuple[int, int] | None = None
-        self._old_wakeup = -1
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: no handlers, no clean stop
-                return self
-        self._active = True
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self._pipe = (r, w)
-        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(r,), name="mlx-tier-stop-watchdog", daemon=True).start()
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signal is not None:
-            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
-            raise Interrupted(signum)
-        self.signal = signum
-        self._on_first()
-
-    def _watch(self, fd: int) -> None:
-        """Count SIGINT/SIGTERM as they arrive; at the second, stop the process if the main thread does not."""
-        seen = 0
-        with os.fdopen(fd, "rb", buffering=0) as pipe:
-            while data := pipe.read(64):  # b"" once __exit__ closes the write end
-                seen = self._count(data, seen)
-
-    def _count(self, data: bytes, seen: int) -> int:
-        for signum in data:
-            if signum in (signal.SIGINT, signal.SIGTERM):
-                seen += 1
-                if seen >= 2:
-                    time.sleep(HARD_STOP_GRACE_SECONDS)
-                    if self._active:
-                        self._on_abort(signum)
-                        os._exit(128 + signum)
-        return seen
-
-    def __exit__(self, *exc):
-        self._active = False
-        if self._pipe is not None:
-            signal.set_wakeup_fd(self._old_wakeup)
-            os.close(self._pipe[1])  # the watchdog reads end-of-file and returns
-            self._pipe = None
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 def read_prompt(value: str) -> str:
     """``--prompt`` value: literal text, or ``@FILE`` to read it from a file.
 
@@ -392,32 +201,6 @@ def read_prompt(value: str) -> str:
     if not text:
         raise InputError(f"{path}: prompt file is empty")
     return text
-
-
-def backend_name() -> str:
-    """``"metal"``, ``"cuda"`` or ``"cpu"``: where MLX runs by default."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    if mx.metal.is_available():
-        return "metal"
-    return "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "gpu"
-
-
-def machine_info() -> dict:
-    """Machine, backend and library versions for the report."""
-    import mlx_lm
-
-    return {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.machine(),
-            "cpu_count": psutil.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 2),
-        },
-        "backend": backend_name(),
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-    }
 
 
 # What fails one document without stopping the job. MLX's out-of-memory errors
@@ -837,83 +620,6 @@ class RunStart:
     skipped: int
     left_failed: int
     loaded: _Loaded | None
-
-
-@dataclass(frozen=True)
-class CacheRecord:
-    """The expert cache's part of a run record (a run that loaded the model).
-
-    Attributes:
-        slots_per_layer: layer 0's slots (``layer_slots`` in the setup has each layer's).
-        cache_budget_gib: the (hot) cache budget, GiB.
-        counters: :meth:`CacheStats.as_dict` plus ``resident_bytes_max`` and ``budget_bytes``.
-        expert_use: ``[L, E]`` uses this run (the watch page's heatmap).
-        warm_slots, host_cache_budget_gib: the warm host tier of the CUDA path, if any.
-    """
-
-    slots_per_layer: int
-    cache_budget_gib: float
-    counters: dict
-    expert_use: list
-    warm_slots: list[int] | None = None
-    host_cache_budget_gib: float | None = None
-
-    @classmethod
-    def of(cls, cache) -> CacheRecord:
-        two_tier = hasattr(cache, "warm_slots")
-        return cls(cache.slots_per_layer, round(cache.budget_bytes / 2**30, 4),
-                   {**cache.stats.as_dict(), "resident_bytes_max": cache.resident_bytes,
-                    "budget_bytes": cache.budget_bytes},
-                   cache.profile_counts().tolist(),
-                   list(cache.warm_slots) if two_tier else None,
-                   round(cache.warm_budget_bytes / 2**30, 4) if two_tier else None)
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """What one run did itself: one entry of report.json's ``runs`` (:meth:`as_dict`).
-
-    Attributes:
-        started: local start time, ISO 8601.
-        seconds: the run's wall time.
-        done, failed: documents this run finished or failed.
-        already_done: done by earlier runs, not regenerated.
-        left_failed: failed earlier, not retried (no ``retry_failed``).
-        output_tokens: tokens generated this run.
-        throttled_seconds: time slowed, paused or capped by the throttle.
-        cache: the cache's figures; ``None``: nothing to do, the model was not loaded.
-    """
-
-    started: str
-    seconds: float
-    done: int
-    failed: int
-    already_done: int
-    left_failed: int
-    output_tokens: int
-    throttled_seconds: float
-    cache: CacheRecord | None = None
-
-    @classmethod
-    def of(cls, report: JobReport, t_wall: float, cache, skipped: int, left_failed: int) -> RunRecord:
-        t = report.throttle
-        return cls(time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_wall)), round(report.seconds, 3),
-                   report.this_run("done"), report.this_run("failed"), skipped, left_failed, report.output_tokens,
-                   t.get("throttled_seconds", 0.0) + t.get("paused_seconds", 0.0) + t.get("capped_seconds", 0.0),
-                   CacheRecord.of(cache) if cache is not None else None)
-
-    def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("started", "seconds", "done", "failed", "already_done", "left_failed")}
-        d |= {"loaded_model": self.cache is not None, "output_tokens": self.output_tokens,
-              "output_tok_per_s": round(self.output_tokens / self.seconds, 3) if self.seconds else 0.0,
-              "throttled_seconds": self.throttled_seconds}
-        if self.cache is not None:
-            c = self.cache
-            d |= {"slots_per_layer": c.slots_per_layer, "cache_budget_gib": c.cache_budget_gib}
-            if c.warm_slots is not None:
-                d |= {"warm_slots": c.warm_slots, "host_cache_budget_gib": c.host_cache_budget_gib}
-            d |= {"cache": c.counters, "expert_use": c.expert_use}
-        return d
 
 
 def _save_profile(config: JobConfig, loaded: _Loaded, report: JobReport, reporter: Reporter) -> None:
