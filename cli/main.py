@@ -407,21 +407,21 @@ def _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format
 
     from mlx_tier.errors import MlxTierError
     from mlx_tier.kernels import kernel_for
-    from mlx_tier.policy import POLICIES
+    from mlx_tier.policy import POLICIES, PolicySpec
     from mlx_tier.throttle import ThrottleConfig
 
     if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
         fail(f"--cache-gb must be a positive number, got {cache_gb}")
     if host_cache_gb is not None and not (math.isfinite(host_cache_gb) and host_cache_gb >= 0):
         fail(f"--host-cache-gb must be a number >= 0, got {host_cache_gb}")
-    if host_cache_gb is not None and (prewarm or policy == "pinned"):
-        fail("--host-cache-gb: pre-warm (and --policy pinned) are not implemented for the two-tier cache yet")
     if cache_gb is not None and cache_gb > (memory := psutil.virtual_memory().total / 2**30):
         fail(f"--cache-gb {cache_gb:g} is more than this machine's memory ({memory:.1f} GiB)")
     if output_format not in ("md", "jsonl"):
         fail(f"--format must be md or jsonl, got {output_format!r}")
     if policy not in POLICIES:
         fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if host_cache_gb is not None and (prewarm or PolicySpec(policy).needs_profile):
+        fail("--host-cache-gb: pre-warm (and --policy pinned) are not implemented for the two-tier cache yet")
     try:
         kernel_for(kernel)  # an unknown name, or metal without Metal
     except ValueError as e:
