@@ -13,6 +13,13 @@ from pathlib import Path
 import typer
 import typer.core
 
+from mlx_tier.defaults import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_PROMPT,
+    DEFAULT_REPETITION_PENALTY,
+    JOB_KERNEL,
+)
 from mlx_tier.policy import DEFAULT_POLICY
 from mlx_tier.process import DEFAULT_NICE
 
@@ -69,9 +76,24 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: 128 + 15, as a shell reports a process it ended
 
 
+# The library names a setting `like_this` in its messages (mlx_tier.errors: the
+# error's ``field``); the CLI shows the flag that sets it.
+FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--max-temp",
+         "min_battery": "--min-battery", "max_tok_s": "--max-tok-s", "bits": "--bits", "mode": "--mode",
+         "cache_gb": "--cache-gb", "batch_size": "--batch-size",
+         "slots": "--slots"}
+
+
+def as_flags(message: str) -> str:
+    """``message`` with each library setting name (`max_tokens`) as its flag (--max-tokens)."""
+    for name, flag in FLAGS.items():
+        message = message.replace(f"`{name}`", flag)
+    return message
+
+
 def fail(message: str) -> None:
-    """One clear error line and exit code 2."""
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    """One clear error line (settings named by their flags) and exit code 2."""
+    err.print(f"[bold red]error:[/] {escape(as_flags(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
@@ -297,16 +319,16 @@ def run(
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
     model: str | None = typer.Option(None, "--model", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id such as mlx-community/Qwen3-30B-A3B-4bit (local cache first, else downloaded; HF_HUB_OFFLINE=1 forbids downloads). Default: the built-in demo, SmolLM2-135M as an 8-expert MoE: a toy that shows the machinery, not good summaries."),
     cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
-    max_tokens: int = typer.Option(160, "--max-tokens", min=1, help="Most tokens generated per summary."),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=1, help="Most tokens generated per summary."),
     prompt: str | None = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
-    repetition_penalty: float = typer.Option(1.1, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
+    repetition_penalty: float = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
     trace: Path | None = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
     output_format: str = typer.Option("md", "--format", help="md: one OUT_DIR/<id>.md per document; jsonl: also OUT_DIR/summaries.jsonl, one line per finished document with its custom_id/id and summary."),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed)."),
     background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
     context: int | None = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
-    prefill_step: int = typer.Option(512, "--prefill-step", min=1, help="Most prompt tokens per step while reading a document's prompt (one document at a time). Steps are paced to about 4 s from the measured speed, up to this many tokens; smaller: less memory."),
+    prefill_step: int = typer.Option(DEFAULT_PREFILL_STEP, "--prefill-step", min=1, help="Most prompt tokens per step while reading a document's prompt (one document at a time). Steps are paced to about 4 s from the measured speed, up to this many tokens; smaller: less memory."),
     max_temp: float | None = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
     pause_on_battery: bool = typer.Option(False, "--pause-on-battery", help="Pause while the machine runs on battery; resume on AC."),
     min_battery: float | None = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),
@@ -318,10 +340,10 @@ def run(
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA path: a warm tier of this many GiB in host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"). Default: one tier."),
     prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
     follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
-    kernel: str = typer.Option("auto", "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
+    kernel: str = typer.Option(JOB_KERNEL, "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ctx: typer.Context = None,  # filled in by Typer
-) -> None:  # over 80 lines only by its 28 declared options and the --help text; the body is ~45 lines
+) -> None:  # over 60 lines only by its 28 declared options and the --help text; the body is ~30 lines
     """Summarise every document in INPUT into OUT_DIR, resumably.
 
     INPUT `-` reads file paths from stdin, one a line. Rerunning the same
@@ -344,7 +366,10 @@ def run(
     interrupted (SIGINT), 143 terminated (SIGTERM).
     """
     from mlx_tier.errors import MlxTierError
-    from mlx_tier.jobs import DEFAULT_PROMPT, JobConfig, read_prompt
+    from mlx_tier.jobs import JobConfig, read_prompt
+    from mlx_tier.policy import PolicySpec
+    from mlx_tier.scheduler import GenerationConfig
+    from mlx_tier.tiered import DEFAULT_PREFETCH, TierConfig
 
     throttle = _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
                                     max_temp, pause_on_battery, min_battery, max_tok_s)
@@ -353,40 +378,25 @@ def run(
     # (a name that is not valid UTF-8 survives as surrogates).
     paths = tuple(os.fsdecode(b.rstrip(b"\r")) for b in sys.stdin.buffer.read().split(b"\n")) if from_stdin else None
     command = resume_command(ctx, out_dir, from_stdin)
-    if background:
-        _start_background(ctx, input, out_dir, paths, prompt, follow_links)
-        return
     try:
         config = JobConfig(
-            input=input,
-            out_dir=out_dir,
-            model=model,
-            cache_gb=cache_gb,
-            max_tokens=max_tokens,
-            prompt=read_prompt(prompt) if prompt else DEFAULT_PROMPT,
-            repetition_penalty=repetition_penalty,
-            trace=trace,
-            input_paths=paths,
-            output_format=output_format,
-            retry_failed=retry_failed,
-            command=command,
-            batch_size=batch_size,
-            context=context,
-            prefill_step_size=prefill_step,
-            throttle=throttle,
-            nice=nice,
-            background_qos=background_qos,
-            policy=policy,
-            prewarm=prewarm,
-            save_profile=save_profile,
-            prefetch=prefetch,
-            host_cache_gb=host_cache_gb,
-            follow_links=follow_links,
-            kernel=kernel,
+            input=input, out_dir=out_dir, model=model,
+            tier=TierConfig(cache_gb=cache_gb, policy=PolicySpec(policy), prewarm=prewarm,
+                            prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch,
+                            host_cache_gb=host_cache_gb, kernel=kernel),
+            generation=GenerationConfig(read_prompt(prompt) if prompt else DEFAULT_PROMPT, max_tokens,
+                                        repetition_penalty, batch_size, context, prefill_step),
+            throttle=throttle, trace=trace, input_paths=paths, output_format=output_format,
+            retry_failed=retry_failed, command=command, nice=nice, background_qos=background_qos,
+            save_profile=save_profile, follow_links=follow_links,
         )
     except MlxTierError as e:  # an unreadable --prompt @FILE
         fail(str(e))
-    _run_job_and_exit(config, out_dir, command)
+    if background:
+        _start_background(config, [sys.executable, "-m", "mlx_tier.cli.main", "run",
+                                   *command_args(ctx, drop=("background",))])
+    else:
+        _run_job_and_exit(config, out_dir, command)
 
 
 def _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
@@ -397,21 +407,21 @@ def _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format
 
     from mlx_tier.errors import MlxTierError
     from mlx_tier.kernels import kernel_for
-    from mlx_tier.policy import POLICIES
+    from mlx_tier.policy import POLICIES, PolicySpec
     from mlx_tier.throttle import ThrottleConfig
 
     if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
         fail(f"--cache-gb must be a positive number, got {cache_gb}")
     if host_cache_gb is not None and not (math.isfinite(host_cache_gb) and host_cache_gb >= 0):
         fail(f"--host-cache-gb must be a number >= 0, got {host_cache_gb}")
-    if host_cache_gb is not None and (prewarm or policy == "pinned"):
-        fail("--host-cache-gb: pre-warm (and --policy pinned) are not implemented for the two-tier cache yet")
     if cache_gb is not None and cache_gb > (memory := psutil.virtual_memory().total / 2**30):
         fail(f"--cache-gb {cache_gb:g} is more than this machine's memory ({memory:.1f} GiB)")
     if output_format not in ("md", "jsonl"):
         fail(f"--format must be md or jsonl, got {output_format!r}")
     if policy not in POLICIES:
         fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if host_cache_gb is not None and (prewarm or PolicySpec(policy).needs_profile):
+        fail("--host-cache-gb: pre-warm (and --policy pinned) are not implemented for the two-tier cache yet")
     try:
         kernel_for(kernel)  # an unknown name, or metal without Metal
     except ValueError as e:
@@ -466,36 +476,18 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
         raise typer.Exit(EXIT_FAILED_DOCS)
 
 
-def _start_background(ctx: typer.Context, input: Path, out_dir: Path, paths: tuple[str, ...] | None,
-                      prompt: str | None, follow_links: bool) -> None:
-    """Check the input here (bad input: exit 2 now, not in a log), then start the run detached."""
+def _start_background(config, argv: list[str]) -> None:
+    """Start the run detached (:func:`mlx_tier.jobs.start_detached`: bad input exits 2 now,
+    not in a log) and say where to watch it."""
     import shlex
 
-    from mlx_tier.documents import InputError, discover, discover_list
-    from mlx_tier.jobs import read_prompt
-    from mlx_tier.outdir import check_out_dir
-    from mlx_tier.status import (
-        LOG_FILE,
-        PID_FILE,
-        lock_held,
-        start_background,
-        write_input_list,
-    )
+    from mlx_tier.documents import InputError
+    from mlx_tier.jobs import start_detached
+    from mlx_tier.status import LOG_FILE, PID_FILE
 
-    stdin = None
+    out_dir = config.out_dir
     try:
-        check_out_dir(out_dir, input if paths is None else None)
-        docs = (discover_list(paths, exclude=out_dir) if paths is not None
-                else discover(input, exclude=out_dir, follow_links=follow_links))
-        if prompt:
-            read_prompt(prompt)
-        if paths is not None:
-            if lock_held(out_dir):  # never replace a running job's resume list
-                raise InputError(f"{out_dir}: another mlx-tier run is using this output folder")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            stdin = write_input_list(out_dir, docs)
-        argv = [sys.executable, "-m", "mlx_tier.cli.main", "run", *command_args(ctx, drop=("background",))]
-        pid = start_background(argv, out_dir, stdin)
+        pid = start_detached(config, argv)
     except InputError as e:
         fail(str(e))
     except OSError as e:
@@ -575,12 +567,10 @@ def status(
     if not s.running and s.command and (s.pending or s.todo_left):
         out.print(f"resume with: {s.command}", highlight=False, soft_wrap=True, markup=False)
     if s.failed and not s.running:
-        if s.command:
-            head, sep, tail = s.command.partition(" < ")  # a stdin list stays at the end
-            retry = f"{head} --retry-failed{sep}{tail}" if "--retry-failed" not in head else s.command
-            out.print(f"retry the failed ones with: {retry}", highlight=False, soft_wrap=True, markup=False)
-        else:
-            out.print("retry the failed ones with: the same command plus --retry-failed", highlight=False)
+        from mlx_tier.job_view import retry_command
+
+        out.print(f"retry the failed ones with: {retry_command(s.command)}", highlight=False, soft_wrap=True,
+                  markup=False)
 
 
 app.command()(watch_cmd.watch)
@@ -595,7 +585,7 @@ def plan(
     compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
     gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
-) -> None:
+) -> None:  # over 60 lines by its 7 declared options and the worksheet's rows; the body calls plan.make_plan and renders
     """Capacity worksheet for MODEL from its config and shard headers (no weights loaded).
 
     Will it fit, and how fast might it decode: dense part, KV cache, expert
@@ -702,7 +692,7 @@ def trace_sim(
     plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of hit rate vs cache size (every size up to all experts), one line per policy. Needs matplotlib (pip install 'mlx-tier[plot]')."),
     warm_slots: int | None = typer.Option(None, "--warm-slots", min=0, help="CUDA path: also simulate a warm host tier of this many slots per layer under each --slots (hot, GPU) size; prints hot/warm/miss rates and the share computed on the CPU (live policies only)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
-) -> None:
+) -> None:  # over 60 lines by its 10 declared options and their help; the body checks, calls simulate.compare, renders
     """Replay a routing trace: hit rate per policy and cache size, Belady's optimum as the ceiling.
 
     Each layer has its own slots; hit rate = accesses found resident / all expert
@@ -712,10 +702,11 @@ def trace_sim(
     """
     import importlib.util
 
+    from mlx_tier.errors import ConfigError
     from mlx_tier.policy import OFFLINE_POLICIES, POLICIES
     from mlx_tier.profile import ProfileError
     from mlx_tier.profile import load as load_profile
-    from mlx_tier.simulate import adaptive_split, curve_sizes, plot_hit_rates, simulate
+    from mlx_tier.simulate import Comparison, compare, plot_hit_rates
     from mlx_tier.trace import TraceError
     from mlx_tier.trace import load as load_trace
 
@@ -731,9 +722,11 @@ def trace_sim(
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier[plot]'")
     E, L = t.num_experts, t.num_layers
-    sizes = sorted(set(slots)) or sorted({max(1, round(E * f)) for f in (0.25, 0.5, 0.75)})
-    if any(not 1 <= n <= E for n in sizes):
-        fail(f"--slots must be between 1 and {E} (the trace's experts per layer)")
+    sim = Comparison(tuple(policy), tuple(slots), split, prewarm, curve=plot is not None)
+    try:
+        sizes = sim.sizes(E)
+    except ConfigError as e:
+        fail(str(e))
     prof = None
     if profile is not None:
         try:
@@ -741,17 +734,11 @@ def trace_sim(
             prof.check(L, E, str(profile))
         except ProfileError as e:
             fail(str(e))
-
-    def run(p: str, n: int):
-        per = adaptive_split(t, p, n * L, prof, prewarm) if split == "adaptive" else n
-        return simulate(t, p, per, prof, prewarm)
-
     if warm_slots is not None:
         _two_tier_sim(t, trace, [p for p in policy if p in POLICIES], sizes, warm_slots, prof, as_json)
         return
-    results = [run(p, n) for p in policy for n in sizes]
+    results, curve = compare(t, sim, prof)
     if plot is not None:
-        curve = results + [run(p, n) for p in policy for n in curve_sizes(E) if n not in sizes]
         try:
             plot_hit_rates(curve, E, plot, f"{trace.name}: {L} layers x {E} experts, {split} split"
                            + (", pre-warmed" if prewarm else ""))

@@ -240,11 +240,11 @@ def convert(hf_dir: Path, out_dir: Path, cfg: ConvertConfig = ConvertConfig(), c
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir}: no config.json (not a Hugging Face checkpoint directory)")
     if cfg.bits not in (2, 3, 4, 5, 6, 8):
-        raise CheckpointError(f"--bits must be one of 2, 3, 4, 5, 6, 8; got {cfg.bits}")
+        raise CheckpointError(f"`bits` must be one of 2, 3, 4, 5, 6, 8; got {cfg.bits}", "bits")
     if cfg.mode not in ("affine", "mxfp4"):
-        raise CheckpointError(f"--mode must be affine or mxfp4; got {cfg.mode}")
+        raise CheckpointError(f"`mode` must be affine or mxfp4; got {cfg.mode}", "mode")
     if cfg.mode == "mxfp4" and cfg.bits != 4:
-        raise CheckpointError("mxfp4 is a 4-bit format: use --bits 4")
+        raise CheckpointError("mxfp4 is a 4-bit format: use `bits` 4", "bits")
     config = json.loads((hf_dir / "config.json").read_text())
     try:
         _get_classes(config)

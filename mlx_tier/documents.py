@@ -26,14 +26,15 @@ import codecs
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from .converters import SUFFIXES, Converted, convert_file, decode_text
 from .errors import InputError
 from .naming import MAX_ID_BYTES, assign, fold, safe_id
 
-__all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "InputError", "decode_text", "discover", "discover_list",
-           "safe_id", "skip_reason"]
+__all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "decode_text", "discover",
+           "discover_list", "safe_id", "skip_reason"]
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,70 @@ def skip_reason(name: str) -> str | None:
     return None
 
 
-def _read(path: Path, doc_id: str, name: str) -> Document:
-    got: Converted = convert_file(path)
-    return Document(doc_id, str(path), got.text, got.error, name=name, converter=got.converter)
+@dataclass(frozen=True, eq=False)
+class FileDocument:
+    """A document of a file, converted when first used.
+
+    Same attributes as :class:`Document`; reading ``text``, ``error`` or
+    ``converter`` converts the file (:func:`mlx_tier.converters.convert_file`)
+    once and keeps the result. Finding a job's documents therefore converts
+    nothing: the job runner triages them by id first and converts only the
+    pending ones, each when its turn comes (a rerun never converts the
+    documents already done; issue 11).
+
+    Attributes:
+        id, source, name: as for :class:`Document` (``source``: the file's path).
+        path: the file.
+    """
+
+    id: str
+    source: str
+    path: Path
+    name: str | None = None
+    key = None  # files have no JSONL key
+
+    @cached_property
+    def _converted(self) -> Converted:
+        return convert_file(self.path)
+
+    @property
+    def text(self) -> str | None:
+        return self._converted.text
+
+    @property
+    def error(self) -> str | None:
+        return self._converted.error
+
+    @property
+    def converter(self) -> str | None:
+        return self._converted.converter
+
+    @property
+    def converted(self) -> bool:
+        """Whether the file was converted already (reading ``converter`` converts it)."""
+        return "_converted" in self.__dict__
+
+    def size_hint(self) -> int:
+        """Characters its text may have, erring long, without converting it: the
+        file's size in bytes (0 when unreadable). Used to size batches."""
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+
+def size_hint(doc) -> int:
+    """Characters a document's text may have without converting it
+    (:meth:`FileDocument.size_hint`; a :class:`Document`'s own text length)."""
+    return doc.size_hint() if isinstance(doc, FileDocument) else len(doc.text or "")
+
+
+def _read(path: Path, doc_id: str, name: str) -> FileDocument:
+    return FileDocument(doc_id, str(path), path, name=name)
 
 
 def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None = None,
-                absolute_names: bool = False) -> list[Document]:
+                absolute_names: bool = False) -> list[FileDocument]:
     """Documents for ``files`` (all under ``root``), named by their paths relative to
     ``root`` (``absolute_names``: by their absolute paths, for lists whose common
     folder changes from run to run; ids still come from the relative paths)."""
@@ -145,7 +203,7 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool) -> list[Path]:
 
 
 def _from_folder(root: Path, exclude: Path | None, follow_links: bool,
-                 previous: dict[str, str] | None) -> list[Document]:
+                 previous: dict[str, str] | None) -> list[FileDocument]:
     files = _walk(root, exclude, follow_links)
     if not files:
         kinds = ", ".join(s.lstrip(".") for s in SUFFIXES)
@@ -154,8 +212,8 @@ def _from_folder(root: Path, exclude: Path | None, follow_links: bool,
 
 
 def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = None, source: str = "stdin",
-                  previous: dict[str, str] | None = None) -> list[Document]:
-    """Documents for a list of file paths, one per entry (``mlx-tier run -`` reads them from stdin).
+                  previous: dict[str, str] | None = None) -> list[FileDocument]:
+    """Documents for a list of file paths (converted when first used, :class:`FileDocument`), one per entry (``mlx-tier run -`` reads them from stdin).
 
     Any suffix is taken (the caller chose the file): known formats are
     converted, others read as text; a binary one fails alone, as in a folder.
@@ -279,8 +337,10 @@ def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
 
 
 def discover(path: Path, exclude: Path | None = None, follow_links: bool = False,
-             previous: dict[str, str] | None = None) -> list[Document]:
-    """All documents of a job input.
+             previous: dict[str, str] | None = None) -> list[Document | FileDocument]:
+    """All documents of a job input; files of a folder are converted when first
+    used (:class:`FileDocument`), a single document file at once (its failure is
+    the input's: :class:`InputError`).
 
     Args:
         path: a folder (recursive, files with a suffix in :data:`SUFFIXES`;

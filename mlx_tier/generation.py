@@ -24,6 +24,7 @@ import mlx.core as mx
 import psutil
 
 from .checkpoint import GIB
+from .defaults import DEFAULT_PREFILL_STEP  # noqa: F401 - importable from here too
 from .prompts import strip_reasoning  # noqa: F401 - moved to mlx_tier.prompts; kept importable here
 
 # Batch size when memory allows more: on a 2-core CPU more sequences add
@@ -31,7 +32,6 @@ from .prompts import strip_reasoning  # noqa: F401 - moved to mlx_tier.prompts; 
 MAX_AUTO_BATCH = 8
 # Memory kept free for the OS and everything not estimated here.
 HEADROOM_BYTES = 1 * GIB
-DEFAULT_PREFILL_STEP = 512
 # Wall time one engine step should take at most (prompt reading + one decode
 # step): progress, the throttle and a stop request are seen between steps.
 STEP_SECONDS = 4.0

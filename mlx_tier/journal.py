@@ -88,10 +88,11 @@ class Journal:
         on_done: called with each ``done`` record before it is appended (the
             JSONL export, :meth:`JsonlSummaries.add`); if it raises, the
             record is not appended.
+        name: the journal's file name in ``out_dir`` (default: the job's one journal).
     """
 
-    def __init__(self, out_dir: Path, on_done: Callable[[dict], None] | None = None):
-        self.path = Path(out_dir) / JOURNAL
+    def __init__(self, out_dir: Path, on_done: Callable[[dict], None] | None = None, name: str = JOURNAL):
+        self.path = Path(out_dir) / name
         self.on_done = on_done
         self.warnings: dict[int, str] = {}  # line number -> why that line was skipped
 

@@ -14,14 +14,16 @@ fails alone is reported failed with its error and the job goes on.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
 
+from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY
 from .documents import InputError
 from .errors import JobError
 from .generation import (
@@ -60,9 +62,9 @@ class GenerationConfig:
             once and copy its KV cache into each sequence.
     """
 
-    instruction: str
-    max_tokens: int
-    repetition_penalty: float = 1.0
+    instruction: str = DEFAULT_PROMPT
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
     batch_size: int | None = None
     context: int | None = None
     prefill_step_size: int = DEFAULT_PREFILL_STEP
@@ -96,13 +98,14 @@ def check_context(tokenizer, instruction: str, max_tokens: int, context: int, wh
     output and the instruction with its part note (:mod:`mlx_tier.longdoc`).
 
     Raises:
-        InputError: fewer than :data:`MIN_TEXT_TOKENS` tokens would be left.
+        InputError: fewer than :data:`MIN_TEXT_TOKENS` tokens would be left
+            (``field``: ``context``; settings named `like_this` in the message).
     """
     overhead = len(build_prompt(tokenizer, MAP_NOTE.format(i=99, n=99) + instruction, ""))
     if context - max_tokens - overhead < MIN_TEXT_TOKENS:
         raise InputError(
-            f"{what} {context} tokens is not enough for --max-tokens {max_tokens} plus the instruction "
-            f"({overhead} tokens) plus text; raise --context or lower --max-tokens"
+            f"{what} {context} tokens is not enough for `max_tokens` {max_tokens} plus the instruction "
+            f"({overhead} tokens) plus text; raise `context` or lower `max_tokens`", "context"
         )
 
 
@@ -117,6 +120,45 @@ class _Doc:
     context: int = 0  # the usable context when it started
     finished: bool = False
     seconds: float = 0.0  # prompt reading + decode steps it was in (decode steps are shared with the batch)
+
+
+class _Pulled:
+    """Documents taken one at a time from an iterable: truth-testing pulls the next
+    one (at most one ahead), so a generator runs each document's preparation
+    only when the scheduler is about to start it."""
+
+    def __init__(self, docs: Iterable) -> None:
+        self._docs, self._head = iter(docs), deque()
+
+    def __bool__(self) -> bool:
+        if not self._head:
+            self._head.extend(itertools.islice(self._docs, 1))
+        return bool(self._head)
+
+    def popleft(self):
+        if not self:
+            raise IndexError("no document left")
+        return self._head.popleft()
+
+
+@dataclass(eq=False)
+class _Queues:
+    """What waits for a place in the engine, in the order it gets one.
+
+    Attributes:
+        waiting: documents not started, pulled one at a time.
+        ready: calls of started documents (a map-reduce document's next parts): first.
+        solo: documents in flight when a batched step failed: retried one at a time.
+        alone: the document being retried; nothing else runs meanwhile.
+    """
+
+    waiting: _Pulled
+    ready: deque = field(default_factory=deque)
+    solo: deque = field(default_factory=deque)
+    alone: _Doc | None = None
+
+    def empty(self) -> bool:
+        return not (self.ready or self.solo or self.waiting)
 
 
 def _charge_time(info: StepInfo) -> None:
@@ -136,13 +178,19 @@ class Scheduler:
         model_dir: the checkpoint (its config gives extra stop ids).
         model_context: the model's context length in tokens.
         config: :class:`GenerationConfig`.
+        longest_chars: characters of the longest document to run, erring long
+            (:func:`mlx_tier.documents.size_hint`); ``None``: as long as the
+            usable context. Sizes the batch when ``config.batch_size`` is
+            ``None``: once, here, from the memory plan.
 
     Attributes:
+        batch_size: sequences decoded together (fixed for the scheduler's life).
         info: what was decided at start (batch size, usable context, shared
             prefix tokens and its prefill seconds, KV bytes per token), for the report.
     """
 
-    def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig):
+    def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
+                 longest_chars: int | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
@@ -155,8 +203,7 @@ class Scheduler:
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")
-        self.batch_size = config.batch_size or 1
-        self._sized = False
+        self.batch_size = config.batch_size or self._memory_batch(longest_chars)
         self.info = {
             "batch_size": self.batch_size,
             "batch_size_from": "--batch-size" if config.batch_size else "memory headroom",
@@ -172,16 +219,14 @@ class Scheduler:
     def _prefix(self) -> PrefixCache | None:
         return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
 
-    def size_batch(self, docs) -> int:
-        """Set the batch size (unless given) from memory, for sequences as long as these
-        documents need: their prompts (estimated at 3 characters a token, erring long)
-        plus ``max_tokens``, at most the usable context. Returns it."""
-        self._sized = True
-        if self.config.batch_size is None:
-            longest = max((len(d.text or "") for d in docs), default=0) // 3 + len(self.prefix) + 16
-            self.batch_size = self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
-            self.info["batch_size"] = self.batch_size
-        return self.batch_size
+    def _memory_batch(self, longest_chars: int | None) -> int:
+        """The batch memory allows for sequences as long as the documents need: the
+        longest prompt (estimated at 3 characters a token, erring long) plus
+        ``max_tokens``, at most the usable context."""
+        if longest_chars is None:
+            return self.plan.batch_size(self.context)
+        longest = longest_chars // 3 + len(self.prefix) + 16
+        return self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
 
     def _new_engine(self, batch_size: int) -> BatchEngine:
         c = self.config
@@ -220,9 +265,12 @@ class Scheduler:
                        d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
                        d.seconds)
 
-    def run(self, docs, should_stop: Callable[[], bool] = lambda: False,
+    def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
         """Summarise ``docs`` (:class:`~mlx_tier.documents.Document`), yielding each outcome when final.
+
+        ``docs`` is pulled one document at a time, when a batch place is free
+        (the job runner converts each document then, and may pass a generator).
 
         Once ``should_stop()`` is true no new document starts, calls still
         reading their prompt are dropped, and the calls already generating
@@ -230,13 +278,7 @@ class Scheduler:
         ``on_step(info, ids in flight)`` runs after every engine step
         (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
         """
-        waiting = deque(docs)
-        ready: deque[Task] = deque()  # calls of started documents, before new documents
-        solo: deque = deque()  # documents in flight when a batched step failed: retried alone
-        alone: _Doc | None = None  # the one being retried; nothing else runs meanwhile
-        docs = list(docs)
-        if not self._sized:
-            self.size_batch(docs)
+        q = _Queues(_Pulled(docs))
         engine = self._new_engine(self.batch_size)
         abandoned = False
         while True:
@@ -246,32 +288,12 @@ class Scheduler:
                 # (a long prefill would delay the stop); those already writing finish.
                 engine.cancel_unstarted()
                 abandoned = True
-            if alone is not None and alone.finished:
-                alone = None
-            while engine.free and not stopping:
-                if ready:
-                    engine.add(ready.popleft())
-                    continue
-                source = solo if solo else waiting
-                if not source or alone is not None or (solo and engine.active):
-                    break
-                d = _Doc(source.popleft(), time.perf_counter())
-                if source is solo:
-                    alone = d
-                if d.doc.error is not None:
-                    yield self._failed(d, d.doc.error)
-                    continue
-                try:
-                    tasks = self._tasks(d)
-                except TooLong as e:
-                    yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
-                    continue
-                except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
-                    yield self._failed(d, f"{type(e).__name__}: {e}")
-                    continue
-                ready.extend(tasks)
+            if q.alone is not None and q.alone.finished:
+                q.alone = None
+            if not stopping:
+                yield from self._admit(engine, q)
             if not engine.active:
-                if stopping or not (ready or solo or waiting):
+                if stopping or q.empty():
                     break
                 continue
             in_flight = [t.key[0] for t in engine.tasks()]
@@ -281,25 +303,63 @@ class Scheduler:
                 raise JobError(f"the checkpoint became unreadable ({e}); the job stopped, documents not "
                                "finished stay pending") from e
             except Exception as e:  # noqa: BLE001 - e.g. MLX out of memory inside a batched step
-                docs_in_flight = list(dict.fromkeys(in_flight + [t.key[0] for t in ready]))
-                try:  # the generator's state after a failed step is unknown: start a fresh one
-                    engine.close()
-                except Exception:  # noqa: BLE001, S110
-                    pass
-                ready.clear()
-                self._clear_pending()
-                engine = self._new_engine(self.batch_size)
-                if len(docs_in_flight) == 1:
-                    yield self._failed(docs_in_flight[0], f"{type(e).__name__}: {e}")
-                else:
-                    solo.extend(d.doc for d in docs_in_flight)
+                engine = yield from self._after_failed_step(engine, e, in_flight, q)
                 continue
             _charge_time(info)
             info.prefill = [(key[0].doc.id, done, total) for key, done, total in info.prefill]
             info.generating = [(key[0].doc.id, n) for key, n in info.generating]
             on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
-            yield from self._take_finished(info.finished, ready)
+            yield from self._take_finished(info.finished, q.ready)
         engine.close()
+
+    def _admit(self, engine: BatchEngine, q: _Queues) -> Iterator[Outcome]:
+        """Fill the engine's free places: calls of started documents first, then the next
+        document (a retried one alone, nothing else beside it); yields documents that fail
+        as they start."""
+        while engine.free:
+            if q.ready:
+                engine.add(q.ready.popleft())
+                continue
+            source = q.solo if q.solo else q.waiting
+            if not source or q.alone is not None or (q.solo and engine.active):
+                return
+            d = _Doc(source.popleft(), time.perf_counter())
+            if source is q.solo:
+                q.alone = d
+            started = self._start(d)
+            if isinstance(started, Outcome):
+                yield started
+            else:
+                q.ready.extend(started)
+
+    def _start(self, d: _Doc) -> list[Task] | Outcome:
+        """A document's first calls, or its failed outcome (unreadable, too long, tokenizer error)."""
+        if d.doc.error is not None:
+            return self._failed(d, d.doc.error)
+        try:
+            return self._tasks(d)
+        except TooLong as e:
+            return self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
+        except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
+            return self._failed(d, f"{type(e).__name__}: {e}")
+
+    def _after_failed_step(self, engine: BatchEngine, error: Exception, in_flight: list, q: _Queues):
+        """A batched step raised: the error cannot be pinned on one sequence, so every document
+        in flight is retried alone (one alone fails with the error). Yields that failure;
+        returns a fresh engine (the failed one's state is unknown)."""
+        docs_in_flight = list(dict.fromkeys(in_flight + [t.key[0] for t in q.ready]))
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
+        q.ready.clear()
+        self._clear_pending()
+        engine = self._new_engine(self.batch_size)
+        if len(docs_in_flight) == 1:
+            yield self._failed(docs_in_flight[0], f"{type(error).__name__}: {error}")
+        else:
+            q.solo.extend(d.doc for d in docs_in_flight)
+        return engine
 
     def _take_finished(self, finished, ready: deque) -> Iterator[Outcome]:
         """Outcomes of the calls that finished in a step: a document's summary, or

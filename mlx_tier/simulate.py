@@ -270,3 +270,62 @@ def plot_hit_rates(results: Sequence[SimResult], num_experts: int, path, title: 
     fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)
     write_atomic(path, buf.getvalue())
+
+
+# Cache sizes trace-sim compares when none are given: these fractions of the experts.
+DEFAULT_SIZE_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Which policies and cache sizes :func:`compare` replays.
+
+    Attributes:
+        policies: policy names (live ones and ``belady``).
+        slots: slots per layer to compare; empty: :data:`DEFAULT_SIZE_FRACTIONS` of the experts.
+        split: ``uniform`` (every layer ``slots``) or ``adaptive`` (the same total,
+            spread by each layer's simulated miss curve, :func:`adaptive_split`).
+        prewarm: start each layer with the profile's most used experts resident.
+        curve: also replay :func:`curve_sizes` (for a hit-rate plot).
+    """
+
+    policies: tuple[str, ...]
+    slots: tuple[int, ...] = ()
+    split: str = "uniform"
+    prewarm: bool = False
+    curve: bool = False
+
+    def sizes(self, num_experts: int) -> list[int]:
+        """The compared sizes (slots per layer), sorted.
+
+        Raises:
+            ConfigError: a size outside ``[1, num_experts]`` (``field``: ``slots``).
+        """
+        from .errors import ConfigError
+
+        sizes = sorted(set(self.slots)) or sorted({max(1, round(num_experts * f)) for f in DEFAULT_SIZE_FRACTIONS})
+        if any(not 1 <= n <= num_experts for n in sizes):
+            raise ConfigError(f"`slots` must be between 1 and {num_experts} (the trace's experts per layer)", "slots")
+        return sizes
+
+
+def compare(trace: Trace, config: Comparison, profile: Profile | None = None) -> tuple[list[SimResult], list[SimResult]]:
+    """Replay ``trace`` under each policy and size of ``config`` (``mlx-tier trace-sim``).
+
+    Returns:
+        ``(results, curve)``: one :class:`SimResult` per policy and compared size
+        (policy-major), and when ``config.curve`` the results plus the curve's
+        other sizes (else empty).
+    Raises:
+        ConfigError: a size out of range.
+    """
+    E, L = trace.num_experts, trace.num_layers
+    sizes = config.sizes(E)
+
+    def one(p: str, n: int) -> SimResult:
+        per = adaptive_split(trace, p, n * L, profile, config.prewarm) if config.split == "adaptive" else n
+        return simulate(trace, p, per, profile, config.prewarm)
+
+    results = [one(p, n) for p in config.policies for n in sizes]
+    curve = results + [one(p, n) for p in config.policies for n in curve_sizes(E) if n not in sizes] if config.curve else []
+    return results, curve

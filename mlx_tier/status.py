@@ -280,7 +280,7 @@ class JobStatus:
                     "documents_per_hour": round(self.documents_per_hour, 3)}
 
 
-def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
+def read_status(out_dir: Path, now: float | None = None) -> JobStatus:  # 65 lines: one pass over the journal, kept whole
     """The status of the job in ``out_dir``.
 
     Args:

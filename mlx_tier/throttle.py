@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
+from .errors import ConfigError
 from .process import BACKGROUND_QOS_WARNING, keep_awake, lower_priority  # noqa: F401 (re-exported)
 from .sensors import (
     CRITICAL,
@@ -78,13 +79,15 @@ class ThrottleConfig:
     stop_check_seconds: float = 0.25
 
     def __post_init__(self) -> None:
-        """Raises ValueError (with the option's name) on a value out of range."""
+        """Raises :class:`~mlx_tier.errors.ConfigError` (a ValueError; ``field``: the
+        setting, named `like_this` in the message) on a value out of range."""
         if self.max_temp is not None and not (math.isfinite(self.max_temp) and 0 < self.max_temp < PLAUSIBLE_C[1]):
-            raise ValueError(f"--max-temp must be between 0 and {PLAUSIBLE_C[1]:.0f} °C, got {self.max_temp}")
+            raise ConfigError(f"`max_temp` must be between 0 and {PLAUSIBLE_C[1]:.0f} °C, got {self.max_temp}",
+                              "max_temp")
         if self.min_battery is not None and not 0 < self.min_battery <= 100:
-            raise ValueError(f"--min-battery must be a percentage in (0, 100], got {self.min_battery}")
+            raise ConfigError(f"`min_battery` must be a percentage in (0, 100], got {self.min_battery}", "min_battery")
         if self.max_tok_s is not None and not (math.isfinite(self.max_tok_s) and self.max_tok_s > 0):
-            raise ValueError(f"--max-tok-s must be a positive number, got {self.max_tok_s}")
+            raise ConfigError(f"`max_tok_s` must be a positive number, got {self.max_tok_s}", "max_tok_s")
         for name in ("fair_duty", "serious_duty", "hot_duty"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")

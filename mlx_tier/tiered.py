@@ -9,7 +9,7 @@ and prompt caches stay mlx-lm's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -58,8 +58,11 @@ class TierConfig:
     Attributes:
         cache_gb: expert cache budget in GiB (``None``: a default from free memory).
         slots_per_layer: exact slot count per layer; overrides ``cache_gb``.
-        policy: eviction policy name (:mod:`mlx_tier.policy`): lfu (default, DEFAULT_POLICY), lru, 2q,
-            or pinned (keeps the saved profile's most used experts; needs a profile).
+        policy: the eviction policy (:class:`mlx_tier.policy.PolicySpec`), made
+            once at the edge and passed down whole; a name (lfu, the default
+            DEFAULT_POLICY; lru, 2q, or pinned: keeps the saved profile's most
+            used experts, needs a profile) is made into a spec here, once. The
+            profile a pinned policy needs is bound at load (:func:`tier_model`).
         dtype: compute dtype for floating weights. ``None``: float32 on the CPU
             backend (bf16/fp16 matmuls are 9-40x slower there, DESIGN.md),
             the checkpoint's own dtype on a GPU.
@@ -89,7 +92,7 @@ class TierConfig:
 
     cache_gb: float | None = None
     slots_per_layer: int | None = None
-    policy: str = DEFAULT_POLICY
+    policy: PolicySpec | str = DEFAULT_POLICY
     dtype: mx.Dtype | None = None
     read_threads: int = 4
     read_method: str = DEFAULT_READ_METHOD
@@ -121,6 +124,8 @@ class TierConfig:
     def __post_init__(self):
         check_read_settings(self.read_method, self.page_cache)
         kernels.resolve(self.kernel)
+        if isinstance(self.policy, str):  # the one place a policy name becomes a spec
+            object.__setattr__(self, "policy", PolicySpec(self.policy))
 
 
 class TieredExperts(nn.Module):
@@ -243,7 +248,7 @@ def _profile_for(config: TierConfig, model_dir: Path, num_layers: int, num_exper
     """
     if config.split not in ("uniform", "adaptive"):
         raise ValueError(f"split must be 'uniform' or 'adaptive', got {config.split!r}")
-    wants = {f"policy {config.policy!r}": PolicySpec(config.policy).needs_profile, "pre-warm": bool(config.prewarm),
+    wants = {f"policy {config.policy.name!r}": config.policy.needs_profile, "pre-warm": bool(config.prewarm),
              "the adaptive split": config.split == "adaptive" and config.layer_slots is None}
     needed = [why for why, yes in wants.items() if yes]
     if not needed:
@@ -277,6 +282,43 @@ def _layer_slot_counts(config: TierConfig, profile, slots: int, total: int, expe
     return tuple(min(slots, e) for e in experts)
 
 
+def _wrap_blocks(model: nn.Module, blocks: list, config: TierConfig, kernel_name: str, dtype) -> list[TieredExperts]:
+    """Put a :class:`TieredExperts` (no cache yet) in place of each expert block, then
+    evaluate the dense part in ``dtype``: the hidden blocks' stacked experts are never read."""
+    kernel = kernels.kernel_for(kernel_name)
+    wrappers = []
+    for path, block in blocks:
+        wrappers.append(TieredExperts(block, None, kernel))
+        set_child(model, path, wrappers[-1])
+    if dtype is not None:
+        model.set_dtype(dtype)  # the dense part; experts are converted as they are read
+    mx.eval(model.parameters())
+    if config.dense_kernel and kernel_name == "cpu":
+        from .cpu_kernel import serve_dense
+
+        serve_dense(model)
+    return wrappers
+
+
+def _budget(config: TierConfig, slot_nbytes: int, num_layers: int, num_experts: int) -> tuple[int, int]:
+    """``(slots per layer, budget bytes)``: from ``layer_slots`` (slots then unused),
+    else ``slots_per_layer``, else ``cache_gb`` (``None``: from free memory). This is
+    where ``cache_gb`` takes effect.
+
+    Raises:
+        BudgetError: ``slots_per_layer`` outside ``[1, num_experts]``.
+    """
+    if config.layer_slots is not None:
+        return 0, sum(config.layer_slots) * slot_nbytes
+    if config.slots_per_layer is not None:
+        slots = config.slots_per_layer
+        if not 1 <= slots <= num_experts:
+            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
+        return slots, slots * slot_nbytes * num_layers
+    budget = int(config.cache_gb * GIB) if config.cache_gb is not None else default_budget_bytes()
+    return plan_slots(budget, num_layers, slot_nbytes, num_experts), budget
+
+
 def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dict | None = None) -> ExpertCache:
     """Replace every expert block of an mlx-lm model (built lazily) with a tiered one.
 
@@ -291,8 +333,8 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
             fitting saved profile (:mod:`mlx_tier.profile`).
     """
     blocks = moe_blocks(model, model_dir)
-    if not PolicySpec(config.policy).live:
-        raise ValueError(f"policy {config.policy!r} needs the future: use it in `mlx-tier trace-sim`, not live")
+    if not config.policy.live:
+        raise ValueError(f"policy {config.policy.name!r} needs the future: use it in `mlx-tier trace-sim`, not live")
     store = ExpertStore(model_dir, threads=config.read_threads, read_method=config.read_method,
                          page_cache=config.page_cache, index=index)
     dtype = config.dtype if config.dtype is not None else default_compute_dtype()
@@ -301,35 +343,12 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
     kernel_name = kernels.choose(config.kernel, [b for _, b in blocks], config.host_cache_gb is not None)
-    kernel = kernels.kernel_for(kernel_name)
-    wrappers = []
-    for path, block in blocks:
-        wrappers.append(TieredExperts(block, None, kernel))
-        set_child(model, path, wrappers[-1])
-    if dtype is not None:
-        model.set_dtype(dtype)  # the dense part; experts are converted as they are read
-    mx.eval(model.parameters())
-    if config.dense_kernel and kernel_name == "cpu":
-        from .cpu_kernel import serve_dense
-
-        serve_dense(model)
-
+    wrappers = _wrap_blocks(model, blocks, config, kernel_name, dtype)
     slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
-    num_experts = max(n for _, n, _ in found)
-    if config.layer_slots is not None:
-        slots = 0  # unused: per-layer counts below
-        budget = sum(config.layer_slots) * slot_nbytes
-    elif config.slots_per_layer is not None:
-        slots = config.slots_per_layer
-        if not 1 <= slots <= num_experts:
-            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
-        budget = slots * slot_nbytes * len(found)
-    else:
-        budget = int(config.cache_gb * GIB) if config.cache_gb is not None else default_budget_bytes()
-        slots = plan_slots(budget, len(found), slot_nbytes, num_experts)
+    slots, budget = _budget(config, slot_nbytes, len(found), max(n for _, n, _ in found))
     per_layer = _layer_slot_counts(config, profile, slots, budget // slot_nbytes, [n for _, n, _ in found])
     stats = CacheStats()
-    policy = PolicySpec(config.policy, profile)
+    policy = replace(config.policy, profile=profile) if config.policy.needs_profile else config.policy
     layers = []
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
         layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, policy))
@@ -363,8 +382,9 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
             shards with stacked experts, tokenizer files), or a Hugging Face
             repo id as ``mlx_lm.load`` takes it (local cache first, downloaded
             when missing; :func:`mlx_tier.hub.resolve_model`).
-        cache_gb: expert cache budget in GiB; ``None``: half of the memory
-            available after the dense part is loaded. Overrides ``config.cache_gb``.
+        cache_gb: expert cache budget in GiB, as ``mlx_lm.load``'s callers
+            like it; ``None``: ``config.cache_gb`` (``None`` there too: half of
+            the memory available after the dense part is loaded).
         config: further settings (:class:`TierConfig`).
 
     Returns:
@@ -385,7 +405,7 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
     ckpt = open_checkpoint(path)
     config = config or TierConfig()
     if cache_gb is not None:
-        config = TierConfig(**{**config.__dict__, "cache_gb": cache_gb})
+        config = replace(config, cache_gb=cache_gb)
     tier_model(ckpt.model, path, config, ckpt.index)
     tokenizer = load_tokenizer(path, eos_token_ids=ckpt.config.get("eos_token_id"))
     return ckpt.model, tokenizer

@@ -11,6 +11,7 @@ from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
 from mlx_tier.jobs import JobConfig, Reporter, run_job
+from mlx_tier.scheduler import GenerationConfig
 
 runner = CliRunner()
 
@@ -151,7 +152,8 @@ class InterruptAfterFirst(Reporter):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_ctrl_c_stops_after_documents_in_progress_and_resume_finishes(docs, tmp_path, tiny_moe, batch):
     out = tmp_path / "out"
-    config = JobConfig(input=docs, out_dir=out, model=tiny_moe, max_tokens=4, batch_size=batch)
+    config = JobConfig(input=docs, out_dir=out, model=tiny_moe,
+                       generation=GenerationConfig(max_tokens=4, batch_size=batch))
     report = run_job(config, InterruptAfterFirst())
     assert report.interrupted
     # Those in flight at the signal finish (one, or the batch of two); the rest never start.
@@ -175,7 +177,7 @@ def test_crash_after_output_before_journal_is_recovered(docs, tmp_path, tiny_moe
     # one.md atomically, and died before journalling it as done.
     JobInfo(input=str(docs), ids=["one", "two"], todo=["one", "two"], started=0.0, pid=1).write(Journal(out))
     (out / "one.md").write_text("finished before the crash\n")
-    report = run_job(JobConfig(input=docs, out_dir=out, model=tiny_moe, max_tokens=3))
+    report = run_job(JobConfig(input=docs, out_dir=out, model=tiny_moe, generation=GenerationConfig(max_tokens=3)))
     assert (out / "one.md").read_text() == "finished before the crash\n"
     one = {r.id: r for r in report.results}["one"]
     assert one.status == "done" and one.earlier_run
@@ -254,7 +256,7 @@ def test_max_tok_s_caps_the_job_and_status_shows_throttle_time(docs, tmp_path, t
     from mlx_tier.throttle import ThrottleConfig
 
     out = tmp_path / "out"
-    config = JobConfig(input=docs, out_dir=out, model=tiny_moe, max_tokens=4, batch_size=3,
+    config = JobConfig(input=docs, out_dir=out, model=tiny_moe, generation=GenerationConfig(max_tokens=4, batch_size=3),
                        throttle=ThrottleConfig(max_tok_s=20.0))
     report = run_job(config)
     tokens = report.output_tokens

@@ -171,6 +171,7 @@ def test_job_reports_and_restores_the_limits(tmp_path, tiny_moe, monkeypatch):
     import json
 
     from mlx_tier.jobs import JobConfig, Reporter, run_job
+    from mlx_tier.scheduler import GenerationConfig
 
     monkeypatch.setattr("mlx_tier.jobs.FALLBACK_CONTEXT", 256)
     docs = tmp_path / "docs"
@@ -178,7 +179,8 @@ def test_job_reports_and_restores_the_limits(tmp_path, tiny_moe, monkeypatch):
     (docs / "a.txt").write_text("The river floods every spring and the farmers plant after it recedes.")
     before = mx.set_cache_limit(7 << 30)  # a known limit in force before the job
     try:
-        run_job(JobConfig(input=docs, out_dir=tmp_path / "out", model=tiny_moe, max_tokens=3), Reporter())
+        run_job(JobConfig(input=docs, out_dir=tmp_path / "out", model=tiny_moe,
+                          generation=GenerationConfig(max_tokens=3)), Reporter())
         assert mx.set_cache_limit(before) == 7 << 30  # restored
     finally:
         mx.set_cache_limit(before)

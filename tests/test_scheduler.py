@@ -101,8 +101,9 @@ def test_impossible_context_is_refused_before_any_document(tiered, tiny_moe):
     from mlx_tier.documents import InputError
 
     model, tokenizer = tiered
-    with pytest.raises(InputError, match="raise --context or lower --max-tokens"):
+    with pytest.raises(InputError, match="raise `context` or lower `max_tokens`") as e:
         Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 160, context=100))
+    assert e.value.field == "context"  # the CLI names its flag (test_cli: "raise --context")
 
 
 def test_nothing_outside_the_reasoning_fails_the_document(tiered, tiny_moe):

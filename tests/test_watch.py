@@ -46,6 +46,7 @@ needs_browser = pytest.mark.skipif(
 def run_small_job(root: Path, model: Path, n: int = 5) -> Path:
     """A finished job: ``n`` documents done and one (an empty file) failed."""
     from mlx_tier.jobs import JobConfig, run_job
+    from mlx_tier.scheduler import GenerationConfig
 
     docs, out = root / "docs", root / "out"
     docs.mkdir()
@@ -54,7 +55,7 @@ def run_small_job(root: Path, model: Path, n: int = 5) -> Path:
     (docs / "empty.txt").write_text("")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("mlx_tier.jobs.FALLBACK_CONTEXT", 256)  # the tiny checkpoint states none
-        run_job(JobConfig(input=docs, out_dir=out, model=model, max_tokens=16,
+        run_job(JobConfig(input=docs, out_dir=out, model=model, generation=GenerationConfig(max_tokens=16),
                           command=f"mlx-tier run {docs} --out {out}"))
     return out
 
@@ -333,12 +334,15 @@ def test_report_html_renders_from_the_file_system_without_errors(job_dir, browse
 def test_live_page_of_a_real_demo_run(demo_model, tmp_path, serve, browser):
     """The same checks on a short real run of the SmolLM2 demo MoE (two one-line documents)."""
     from mlx_tier.jobs import JobConfig, run_job
+    from mlx_tier.tiered import TierConfig
+    from mlx_tier.scheduler import GenerationConfig
 
     docs, out = tmp_path / "docs", tmp_path / "out"
     docs.mkdir()
     (docs / "bees.txt").write_text("Bees carry pollen from flower to flower, so fruit trees set fruit.")
     (docs / "river.txt").write_text("The river flooded in spring and the farmers planted late.")
-    run_job(JobConfig(input=docs, out_dir=out, model=demo_model, max_tokens=8, cache_gb=0.1))
+    run_job(JobConfig(input=docs, out_dir=out, model=demo_model, generation=GenerationConfig(max_tokens=8),
+                      tier=TierConfig(cache_gb=0.1, kernel="auto")))
     browser.get(serve(out, interval_s=1.0))
     check_page_matches_journal(browser, out)
     assert shown(browser, "done") == "2"

@@ -1,0 +1,22 @@
+"""The job's default settings, each defined once, in a module that imports
+nothing: the CLI shows them in ``--help`` without loading MLX, and the configs
+(:class:`mlx_tier.scheduler.GenerationConfig`, :class:`mlx_tier.jobs.JobConfig`)
+take them from here. (The cache policy's default is
+:data:`mlx_tier.policy.DEFAULT_POLICY`, the priority's
+:data:`mlx_tier.process.DEFAULT_NICE`.)
+"""
+
+DEFAULT_PROMPT = (
+    "Summarise the following document in three to five sentences. "
+    "Say what it is, its main points, and any conclusion."
+)
+DEFAULT_MAX_TOKENS = 160
+# Small models fall into loops under pure greedy decoding; mlx-lm's repetition
+# penalty (over the last 20 tokens) breaks them. 1.0 turns it off.
+DEFAULT_REPETITION_PENALTY = 1.1
+# Prompt tokens per forward call while reading a prompt.
+DEFAULT_PREFILL_STEP = 512
+# The job runner's kernel: the CPU kernel where it serves (many times faster on
+# MLX's CPU backend), else MLX's ops. The library's own default
+# (TierConfig.kernel) stays "mlx": its tokens equal mlx-lm's exactly.
+JOB_KERNEL = "auto"
