@@ -97,8 +97,10 @@ def one_token_calls(model, tokenizer, prompt, n):
 
 
 @pytest.mark.parametrize("policy,hot,warm,costs,prefetch", [
-    ("lru", 2, 3, DEFAULT, False), ("lfu", 1, 4, ALWAYS_COPY, True), ("2q", 3, 2, NEVER_COPY, False)])
+    ("lru", 2, 3, DEFAULT, False), ("lfu", 1, 4, ALWAYS_COPY, True), ("2q", 3, 2, NEVER_COPY, False),
+    ("lfu", 2, 4, DEFAULT, True), ("lru", 1, 3, NEVER_COPY, True)])
 def test_live_sequence_equals_the_simulator(tiny_moe, policy, hot, warm, costs, prefetch):
+    """Prefetch included: its warm -> hot promotions (recorded predictions) replay identically."""
     model, tokenizer = load_two_tier(tiny_moe, hot, warm, costs, policy=policy, prefetch=prefetch)
     cache = model.expert_cache
     for t in cache.tier_layers:
@@ -108,13 +110,20 @@ def test_live_sequence_equals_the_simulator(tiny_moe, policy, hot, warm, costs, 
     trace = cache.stop_trace()
     ref_model, ref_tok = mlx_load(str(tiny_moe))
     assert tokens == one_token_calls(ref_model, ref_tok, LONG[:120], 8)
-    sim = simulate_two_tier(trace, policy, hot, warm, costs, cache.layers[0].slot_nbytes, keep_events=True)
+    assert (trace.predicted is not None) == prefetch
+    sim = simulate_two_tier(trace, policy, hot, warm, costs, cache.layers[0].slot_nbytes, keep_events=True,
+                            prefetch=prefetch)
     assert sim.events == tuple(tuple(t.index.log) for t in cache.tier_layers)
     s = cache.stats
-    assert (s.hot_hits, s.warm_hits, s.promotions, s.misses_hot, s.misses_warm, s.demotions) == (
+    assert (s.hot_hits, s.warm_hits, s.promotions, s.misses_hot, s.misses_warm, s.demotions,
+            s.promotions_ahead) == (
         sim.counts["hot_hit"], sim.counts["warm_hit"], sim.counts["promote"], sim.counts["miss_hot"],
-        sim.counts["miss_warm"], sim.counts["demote"])
+        sim.counts["miss_warm"], sim.counts["demote"], sim.counts["promote_ahead"])
     assert len(sim.events[0]) > 20  # a real sequence was compared
+    if prefetch and costs is not NEVER_COPY:
+        assert s.promotions_ahead > 0  # warm -> hot prefetch really happened
+        without = simulate_two_tier(trace, policy, hot, warm, costs, cache.layers[0].slot_nbytes)
+        assert without.counts["promote_ahead"] == 0 and without.counts != sim.counts
 
 
 def test_each_tier_stays_within_its_budget(tiny_moe):
@@ -130,10 +139,9 @@ def test_each_tier_stays_within_its_budget(tiny_moe):
 
 
 def test_bad_settings_are_clear_errors(tiny_moe):
-    with pytest.raises(ValueError, match="host cache budget must be"):
-        mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, host_cache_gb=-1.0))
-    with pytest.raises(ValueError, match="pre-warm"):
-        mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, host_cache_gb=0.01, prewarm=True))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="host_cache_gb must be a finite number of GiB >= 0"):
+            mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, host_cache_gb=bad))
 
 
 def test_failed_read_resets_both_tiers_and_stays_exact(tiny_moe):
