@@ -703,7 +703,7 @@ def trace_sim(
     prewarm: bool = typer.Option(False, "--prewarm", help="Start each layer with the profile's most used experts resident, as the live cache does at load."),
     profile: Path | None = typer.Option(None, "--profile", help="Profile file for `pinned` and --prewarm (a mlx-tier-profile.json). Default: the trace's own counts."),
     plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of hit rate vs cache size (every size up to all experts), one line per policy. Needs matplotlib (pip install 'mlx-tier[plot]')."),
-    warm_slots: int | None = typer.Option(None, "--warm-slots", min=0, help="CUDA path: also simulate a warm host tier of this many slots per layer under each --slots (hot, GPU) size; prints hot/warm/miss rates and the share computed on the CPU (live policies only)."),
+    warm_slots: int | None = typer.Option(None, "--warm-slots", min=0, help="CUDA path: also simulate a warm host tier of this many slots per layer under each --slots (hot, GPU) size; prints hot/warm/miss rates and the share computed on the CPU (live policies only). With --prewarm, hot then warm start filled; a trace recorded with --prefetch also replays its warm-to-hot promotions."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Replay a routing trace: hit rate per policy and cache size, Belady's optimum as the ceiling.
@@ -750,7 +750,7 @@ def trace_sim(
         return simulate(t, p, per, prof, prewarm)
 
     if warm_slots is not None:
-        _two_tier_sim(t, trace, [p for p in policy if p in POLICIES], sizes, warm_slots, prof, as_json)
+        _two_tier_sim(t, trace, [p for p in policy if p in POLICIES], sizes, warm_slots, prof, prewarm, as_json)
         return
     results = [run(p, n) for p in policy for n in sizes]
     if plot is not None:
@@ -790,8 +790,10 @@ def _print_sim_results(t, trace: Path, results: list, policies: list[str], sizes
     out.print(table)
 
 
-def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], warm: int, prof, as_json: bool) -> None:
-    """`trace-sim --warm-slots`: the two-tier replay (mlx_tier.simulate_tiers), one table row per policy and hot size."""
+def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], warm: int, prof, prewarm: bool,
+                  as_json: bool) -> None:
+    """`trace-sim --warm-slots`: the two-tier replay (mlx_tier.simulate_tiers), one table row per policy and
+    hot size; a trace recorded with prefetch replays its warm -> hot promotions."""
     import json
 
     from mlx_tier.simulate_tiers import simulate_two_tier
@@ -801,13 +803,17 @@ def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], war
         fail("--warm-slots simulates live policies only (lru, lfu, 2q, pinned): give one with --policy")
     if any(n + warm > E for n in hot_sizes):
         fail(f"--slots plus --warm-slots must be at most {E} (the trace's experts per layer)")
-    results = [simulate_two_tier(t, p, n, warm, profile=prof) for p in policies for n in hot_sizes]
+    ahead = t.predicted is not None
+    results = [simulate_two_tier(t, p, n, warm, profile=prof, prewarm=prewarm, prefetch=ahead)
+               for p in policies for n in hot_sizes]
     if as_json:
         out.print_json(json.dumps({"trace": str(trace), "records": len(t.layer), "layers": t.num_layers,
-                                   "experts": E, "results": [r.as_dict() for r in results]}))
+                                   "experts": E, "prewarm": prewarm, "prefetch": ahead,
+                                   "results": [r.as_dict() for r in results]}))
         return
     table = Table(title=f"two tiers: {trace.name} ({t.num_layers} layers x {E} experts), {warm} warm slots per layer, "
-                        "one token per call, default cost model")
+                        "one token per call, default cost model" + (", pre-warmed" if prewarm else "")
+                        + (", warm->hot prefetch from the trace's predictions" if ahead else ""))
     for col in ("policy", "hot slots", "hot hit", "warm hit", "miss", "on CPU"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:

@@ -109,9 +109,10 @@ class TwoTierLayer:
     (shared objects), so reporting and prefetch see the hot tier as it is.
     """
 
-    def __init__(self, hot: LayerCache, warm_slots: int, costs: TransferCosts, warm_kernel=None):
+    def __init__(self, hot: LayerCache, warm_slots: int, costs: TransferCosts, warm_kernel=None,
+                 warm_stream=None):
         self.hot = hot
-        self.warm = WarmPool(hot.tensors, warm_slots, warm_kernel)
+        self.warm = WarmPool(hot.tensors, warm_slots, warm_kernel, warm_stream)
         self.index = TierIndex(hot.layer, hot.num_experts, hot.num_slots, warm_slots, hot.policy_spec, costs,
                                hot.slot_nbytes)
         self.entries = {"cpu": 0, "gpu": 0}
@@ -371,9 +372,10 @@ def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module]
     stats = TwoTierStats()
     costs = config.transfer_costs or TransferCosts()
     tier_layers = []
+    stream = mx.new_stream(mx.cpu)  # the warm tier's, beside the default stream (one for all layers)
     for layer, w in zip(layers, warm):
         layer.stats = stats
-        tier_layers.append(TwoTierLayer(layer, w, costs, warm_kernel))
+        tier_layers.append(TwoTierLayer(layer, w, costs, warm_kernel, stream))
     wrappers = [TwoTierExperts(block, t) for (_, block), t in zip(blocks, tier_layers)]
     for (path, _), wrapper in zip(blocks, wrappers):
         replace(path, wrapper)

@@ -38,18 +38,19 @@ class WarmPool:
         num_slots: W >= 0.
         kernel: ``(block, x, slots) -> [..., k, D]`` that computes warm experts
             eagerly (:mod:`mlx_tier.kernels`), or ``None``: mlx-lm's block on
-            :attr:`stream`.
+            ``stream``.
+        stream: a CPU stream that is not the default one (one per model:
+            ``mx.new_stream(mx.cpu)``; ``None``: a new one).
 
     Attributes:
         arrays: name -> ``[W, ...]`` buffer (lazy zeros until first written).
-        stream: the pool's own CPU stream.
     """
 
-    def __init__(self, tensors: dict[str, SlabTensor], num_slots: int, kernel=None):
+    def __init__(self, tensors: dict[str, SlabTensor], num_slots: int, kernel=None, stream=None):
         self.tensors = tensors
         self.num_slots = num_slots
         self.kernel = kernel
-        self.stream = mx.new_stream(mx.cpu)
+        self.stream = stream if stream is not None else mx.new_stream(mx.cpu)
         self.arrays = {name: mx.zeros((num_slots, *t.info.shape[1:]), dtype=t.dtype, stream=mx.cpu)
                        for name, t in tensors.items()} if num_slots else {}
 
