@@ -278,6 +278,35 @@ def _layer_slot_counts(config: TierConfig, profile, slots: int, total: int, expe
     return tuple(min(slots, e) for e in experts)
 
 
+def _budgets(config: TierConfig, two_tiers: bool, slot_nbytes: int, num_layers: int,
+             num_experts: int) -> tuple[int, int, int | None]:
+    """``(hot budget, slots per layer, warm budget)`` in bytes: explicit slots fix
+    the hot budget, else it comes from ``cache_gb`` or the free memory where
+    the tier lives, measured now (after the dense part is loaded:
+    :mod:`mlx_tier.tier_budgets`). Slots are 0 with ``layer_slots`` (counted
+    per layer), the warm budget ``None`` for one tier.
+
+    Raises:
+        BudgetError: slots outside [1, E], a budget below one slot per layer,
+            or budgets that do not fit (:func:`mlx_tier.tier_budgets.tier_budgets`).
+        ConfigError: a negative or non-finite budget.
+    """
+    budget, slots = None, 0
+    if config.layer_slots is not None:
+        budget = sum(config.layer_slots) * slot_nbytes
+    elif config.slots_per_layer is not None:
+        slots = config.slots_per_layer
+        if not 1 <= slots <= num_experts:
+            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
+        budget = slots * slot_nbytes * num_layers
+    budgets = tier_budgets.tier_budgets(config.cache_gb if budget is None else budget / GIB,
+                                        config.host_cache_gb if two_tiers else None, tier_budgets.probe())
+    if budget is None:
+        budget = budgets.hot
+        slots = plan_slots(budget, num_layers, slot_nbytes, num_experts)
+    return budget, slots, budgets.warm
+
+
 def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dict | None = None) -> ExpertCache:
     """Replace every expert block of an mlx-lm model (built lazily) with a tiered one.
 
@@ -287,7 +316,9 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
 
     Raises:
         CheckpointError: no expert block, or experts not stored stacked.
-        BudgetError: budget below one slot per layer; bad ``layer_slots``.
+        BudgetError: budget below one slot per layer; bad ``layer_slots``;
+            budgets that do not fit their memory (:mod:`mlx_tier.tier_budgets`).
+        ConfigError: a negative or non-finite ``cache_gb``/``host_cache_gb``.
         ProfileError: pinned, pre-warm or the adaptive split without a
             fitting saved profile (:mod:`mlx_tier.profile`).
     """
@@ -318,22 +349,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
         serve_dense(model)
 
     slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
-    num_experts = max(n for _, n, _ in found)
-    budget, slots = None, 0  # slots unused with layer_slots: per-layer counts below
-    if config.layer_slots is not None:
-        budget = sum(config.layer_slots) * slot_nbytes
-    elif config.slots_per_layer is not None:
-        slots = config.slots_per_layer
-        if not 1 <= slots <= num_experts:
-            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
-        budget = slots * slot_nbytes * len(found)
-    # Hot (and warm) budgets from the free memory where each tier lives, after
-    # the dense part is loaded (mlx_tier.tier_budgets); explicit slots fix the hot one.
-    budgets = tier_budgets.tier_budgets(config.cache_gb if budget is None else budget / GIB,
-                                        config.host_cache_gb if two_tiers else None, tier_budgets.probe())
-    if budget is None:
-        budget = budgets.hot
-        slots = plan_slots(budget, len(found), slot_nbytes, num_experts)
+    budget, slots, warm_budget = _budgets(config, two_tiers, slot_nbytes, len(found), max(n for _, n, _ in found))
     per_layer = _layer_slot_counts(config, profile, slots, budget // slot_nbytes, [n for _, n, _ in found])
     stats = CacheStats()
     policy = PolicySpec(config.policy, profile)
@@ -345,7 +361,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
         from .two_tier import build_two_tier
 
         parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
-        expert_cache = build_two_tier(blocks, parents, layers, budget, budgets.warm, store, config,
+        expert_cache = build_two_tier(blocks, parents, layers, budget, warm_budget, store, config,
                                       kernel if kernel_name == "cpu" else None,
                                       lambda path, m: set_child(model, path, m))
     else:
@@ -372,8 +388,9 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
             shards with stacked experts, tokenizer files), or a Hugging Face
             repo id as ``mlx_lm.load`` takes it (local cache first, downloaded
             when missing; :func:`mlx_tier.hub.resolve_model`).
-        cache_gb: expert cache budget in GiB; ``None``: half of the memory
-            available after the dense part is loaded. Overrides ``config.cache_gb``.
+        cache_gb: expert cache budget in GiB (on CUDA the GPU's hot tier);
+            ``None``: half of the memory free after the dense part is loaded
+            (on CUDA, of free GPU memory). Overrides ``config.cache_gb``.
         config: further settings (:class:`TierConfig`).
 
     Returns:

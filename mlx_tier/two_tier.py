@@ -228,8 +228,10 @@ class TwoTierLayer:
                 y_hot = block(rows[mx.array(hot_pairs // k)], mx.array(hot_slots.reshape(-1)[hot_pairs])[:, None])
                 mx.async_eval(y_hot)  # [n, 1, D] on the default (GPU) stream
             y_warm = None
-            if warm_pairs.size:
-                y_warm = self.warm.compute(block, rows[mx.array(warm_pairs // k)], warm_slots.reshape(-1)[warm_pairs])
+            if warm_pairs.size:  # rows gathered on the warm tier's stream: nothing waits behind the hot share
+                ws = self.warm.stream
+                xs = mx.take(x.reshape(-1, D, stream=ws), mx.array(warm_pairs // k), axis=0, stream=ws)  # [n, D]
+                y_warm = self.warm.compute(block, xs, warm_slots.reshape(-1)[warm_pairs])
             for pairs, y in ((hot_pairs, y_hot), (warm_pairs, y_warm)):
                 if y is not None:
                     out[mx.array(pairs)] = y.squeeze(1)
@@ -280,7 +282,6 @@ class WarmAwarePrefetch(NextLayerPrefetch):
 
     def issue(self, predicted: np.ndarray) -> None:
         """Warm -> hot promotions (:meth:`TwoTierLayer.promote_ahead`), then cold reads."""
-        self.next_cache.end_call()  # any unused earlier batch is dropped before the copies
         self.next_layer.promote_ahead(predicted)
         super().issue(predicted)
 

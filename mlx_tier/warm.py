@@ -80,9 +80,9 @@ class WarmPool:
         try:
             for name, t in self.tensors.items():  # the block reads the warm buffers for this call only
                 setattr(t.module, t.attr, self.arrays[name])
-            if self.kernel is not None:
-                return self.kernel(block, x, slots.astype(np.int64)[:, None])
-            with mx.stream(self.stream):
+            with mx.stream(self.stream):  # whatever MLX work either way makes stays off the default stream
+                if self.kernel is not None:
+                    return self.kernel(block, x, slots.astype(np.int64)[:, None])
                 y = block(x, mx.array(slots.astype(np.uint32))[:, None])
             mx.async_eval(y)
             return y

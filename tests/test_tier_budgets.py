@@ -11,11 +11,11 @@ CUDA cases run here with a scripted memory snapshot standing in for the probe.
 import json
 
 import pytest
+from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
 import mlx_tier
 from mlx_tier import TierConfig, tier_budgets
-from mlx_tier.cli.main import app
 from mlx_tier.errors import BudgetError, ConfigError
 from mlx_tier.tier_budgets import FreeMemory, TierBudgets, device_memory
 

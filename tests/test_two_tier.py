@@ -228,7 +228,7 @@ def test_cpu_kernel_on_the_warm_tier_stays_within_its_bound(checkpoint, hot, war
 
 def test_warm_tier_computes_on_its_own_cpu_stream(tiny_moe):
     """Not the default stream: the warm share runs beside the hot one (here on a second CPU thread)."""
-    model, tokenizer = load_two_tier(tiny_moe, 1, 3, NEVER_COPY)
+    model, _ = load_two_tier(tiny_moe, 1, 3, NEVER_COPY)
     pools = [t.warm for t in model.expert_cache.tier_layers]
     assert all(p.kernel is None and p.stream.device == mx.cpu for p in pools)
     assert all(p.stream != mx.default_stream(mx.default_device()) for p in pools)

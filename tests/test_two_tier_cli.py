@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
-from mlx_tier.cli.main import app
 from mlx_tier.simulate import zipf_trace
 from mlx_tier.simulate_tiers import simulate_two_tier
 from mlx_tier.tier_plan import three_tier_split
