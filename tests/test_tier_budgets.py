@@ -109,7 +109,8 @@ def docs_dir(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [[], ["--cache-gb", "1"]])
-def test_run_refuses_a_warm_tier_on_one_memory(tmp_path, tiny_moe, extra):
+def test_run_refuses_a_warm_tier_on_one_memory(tmp_path, tiny_moe, extra, monkeypatch):
+    fake_machine(monkeypatch, CPU)  # this machine, also when the suite runs on a GPU (benches/gpu_check.sh)
     r = runner.invoke(app, ["run", str(docs_dir(tmp_path)), "--out", str(tmp_path / "out"), "--model",
                             str(tiny_moe), "--host-cache-gb", "2", *extra])
     assert r.exit_code == 2, r.output
