@@ -179,7 +179,11 @@ class TwoTierLayer:
                 # Every source holds pre-round contents: take them all before any write, as
                 # evaluated copies (a live view of a slab makes each write a full-slab copy:
                 # 120 ms instead of 0.09 ms for a 64 MiB slab on the CPU backend).
-                src = [(pool if kind == "promote" else slab)[a : a + 1] + 0 for kind, _, a, _ in moves.copies]
+                # A warm source is copied on the warm tier's CPU stream (host memory), so
+                # the host -> GPU move is the slab write itself (started, not waited for,
+                # by warm -> hot prefetch); a hot source is a copy on the GPU.
+                src = [self._source(pool if kind == "promote" else slab, a, kind == "promote")
+                       for kind, _, a, _ in moves.copies]
                 mx.eval(src)
                 for (kind, _, _, b), rows in zip(moves.copies, src):
                     (slab if kind == "promote" else pool)[b : b + 1] = rows
@@ -192,6 +196,13 @@ class TwoTierLayer:
         except BaseException:
             self.reset()
             raise
+
+    def _source(self, array: mx.array, slot: int, host: bool) -> mx.array:
+        """A copy of ``array[slot : slot + 1]`` (lazy), on the warm tier's CPU stream when ``host``."""
+        if not host:
+            return array[slot : slot + 1] + 0
+        with mx.stream(self.warm.stream):
+            return array[slot : slot + 1] + 0
 
     def prewarm(self, ranked: list[int]) -> int:
         """Read ``ranked`` (hottest first) into the free hot, then warm, slots
