@@ -6,15 +6,22 @@ miss read and copied into the GPU's slots)? Two engines on one checkpoint in
 one process, runs interleaved, each run on a freshly loaded model (empty expert
 caches; the page cache stays warm):
 
-- ``warm off``: ``TierConfig(slots_per_layer=H)`` (the single-tier cache);
+- ``warm off``: ``TierConfig(slots_per_layer=H, host_cache_gb=0)`` (copy on
+  every miss: the single-tier cache; on CUDA a warm tier is on by default);
 - ``two tiers``: the same H hot slots plus W warm slots (``host_cache_gb``),
-  placement by the cost model with the bandwidths measured at the start.
+  placement by the cost model with the bandwidths measured at the start, warm
+  experts computed by MLX's ops on the warm tier's own CPU stream;
+- ``two tiers, CPU kernel``: the same, warm experts computed by the CPU expert
+  kernel (``kernel="cpu"``) while the GPU computes the hot ones;
+- ``two tiers + prefetch``: the same as ``two tiers`` with prefetch on (warm ->
+  hot promotions of the next layer's predicted experts, cold reads ahead).
 
 Each run prefills a fixed prompt (TTFT) then decodes N tokens *fed from a fixed
 text* (a random model's greedy output repeats one token, which flatters any
 cache). Prints the caliber, the measured bandwidths, and per engine medians:
 decode tok/s, TTFT, hot/warm/cold hit rates, the share of expert uses computed
-on the CPU, MiB read per token; then two tiers / warm off.
+on the CPU, warm -> hot promotions ahead per token, MiB read per token; then
+each engine / warm off.
 
     python benches/two_tier.py MODEL [--hot-fraction 0.25] [--warm-fraction 0.5] [--runs 3] [--tokens 24]
 
@@ -96,6 +103,7 @@ def run_once(model, prompt: list[int], text: list[int]) -> dict:
     out["hot_hit"] = getattr(d, "hot_hits", d.hits) / seen
     out["warm_hit"] = (getattr(d, "warm_hits", 0) + getattr(d, "promotions", 0)) / seen
     out["on_cpu"] = (getattr(d, "warm_hits", 0) + getattr(d, "misses_warm", 0)) / seen
+    out["ahead_per_token"] = getattr(d, "promotions_ahead", 0) / len(text)
     return out
 
 
@@ -117,8 +125,11 @@ def main() -> None:
     H = max(1, round(E * args.hot_fraction))
     W = min(E - H, round(E * args.warm_fraction))
     host_gb = W * L * slot_bytes / 2**30 * 1.0001
-    engines = {"warm off (copy on miss)": TierConfig(slots_per_layer=H),
-               "two tiers": TierConfig(slots_per_layer=H, host_cache_gb=host_gb, transfer_costs=costs)}
+    two = {"slots_per_layer": H, "host_cache_gb": host_gb, "transfer_costs": costs}
+    engines = {"warm off (copy on miss)": TierConfig(slots_per_layer=H, host_cache_gb=0),
+               "two tiers": TierConfig(**two),
+               "two tiers, CPU kernel": TierConfig(**two, kernel="cpu"),
+               "two tiers + prefetch": TierConfig(**two, prefetch=True)}
     ids = tokenizer.encode(TEXT)
     prompt, text = ids[:32], ids[32 : 32 + args.tokens]
     runs = {name: [] for name in engines}
@@ -147,12 +158,15 @@ def report(args, costs, E, L, H, W, slot_bytes, n_prompt, n_text, runs) -> None:
     print(f"  single request, prompt {n_prompt} tokens, {n_text} decode steps fed from a fixed text, "
           f"page cache warm, fresh expert caches, {args.runs} runs, medians")
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    print(f"\n{'engine':26} {'tok/s':>7} {'TTFT s':>7} {'hot':>6} {'warm':>6} {'cold':>6} {'on CPU':>7} {'MiB/tok':>8}")
+    print(f"\n{'engine':24} {'tok/s':>6} {'TTFT s':>6} {'hot':>6} {'warm':>6} {'cold':>6} {'on CPU':>6} "
+          f"{'ahead':>5} {'MiB/t':>6}")
     for name, m in med.items():
-        print(f"{name:26} {m['tok_s']:7.2f} {m['ttft']:7.2f} {m['hot_hit']:6.1%} {m['warm_hit']:6.1%} "
-              f"{m['miss']:6.1%} {m['on_cpu']:7.1%} {m['mib_per_token']:8.2f}")
-    a, b = med["two tiers"], med["warm off (copy on miss)"]
-    print(f"\ntwo tiers / warm off: decode tok/s {a['tok_s'] / b['tok_s']:.2f}x, TTFT {a['ttft'] / b['ttft']:.2f}x")
+        print(f"{name:24} {m['tok_s']:6.2f} {m['ttft']:6.2f} {m['hot_hit']:6.1%} {m['warm_hit']:6.1%} "
+              f"{m['miss']:6.1%} {m['on_cpu']:6.1%} {m['ahead_per_token']:5.1f} {m['mib_per_token']:6.2f}")
+    b = med["warm off (copy on miss)"]
+    for name, a in med.items():
+        if a is not b:
+            print(f"{name} / warm off: decode tok/s {a['tok_s'] / b['tok_s']:.2f}x, TTFT {a['ttft'] / b['ttft']:.2f}x")
     if args.json:
         print(json.dumps(med, indent=2))
 

@@ -318,7 +318,7 @@ def run(
     input: Path = typer.Argument(..., metavar="INPUT", help="Folder of documents (searched recursively: .txt/.md in any text encoding, .pdf, .docx, .pptx, .xlsx, .xls, .html, .epub, .ipynb, .msg), a JSONL file with custom_id (or id) and text (or an OpenAI batch request body) per line, or - for a list of file paths on stdin."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
     model: str | None = typer.Option(None, "--model", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id such as mlx-community/Qwen3-30B-A3B-4bit (local cache first, else downloaded; HF_HUB_OFFLINE=1 forbids downloads). Default: the built-in demo, SmolLM2-135M as an 8-expert MoE: a toy that shows the machinery, not good summaries."),
-    cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB. Default: half the memory available after loading the dense part."),
+    cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB (on CUDA: GPU memory, the hot tier). Default: half the memory free after loading the dense part (on CUDA: free GPU memory)."),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=1, help="Most tokens generated per summary."),
     prompt: str | None = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
     repetition_penalty: float = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
@@ -337,7 +337,7 @@ def run(
     policy: str = typer.Option(DEFAULT_POLICY, "--policy", help="Expert cache eviction policy: lfu (LFU with dynamic aging; default), lru, 2q, or pinned (keeps the saved profile's most used experts; see --save-profile)."),
     prewarm: bool | None = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
     save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
-    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA path: a warm tier of this many GiB in host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"). Default: one tier."),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA only: the warm tier, this many GiB of host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"); 0 turns it off. Default: half the available host memory. Refused elsewhere (one memory: use --cache-gb)."),
     prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
     follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
     kernel: str = typer.Option(JOB_KERNEL, "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
@@ -403,19 +403,24 @@ def _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format
                          max_temp, pause_on_battery, min_battery, max_tok_s):
     """Check `run`'s options before any work (each bad one: one line, exit 2);
     returns the throttle's config."""
-    import psutil
-
     from mlx_tier.errors import MlxTierError
     from mlx_tier.kernels import kernel_for
     from mlx_tier.policy import POLICIES, PolicySpec
     from mlx_tier.throttle import ThrottleConfig
+    from mlx_tier.tier_budgets import probe
 
     if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
         fail(f"--cache-gb must be a positive number, got {cache_gb}")
     if host_cache_gb is not None and not (math.isfinite(host_cache_gb) and host_cache_gb >= 0):
         fail(f"--host-cache-gb must be a number >= 0, got {host_cache_gb}")
-    if cache_gb is not None and cache_gb > (memory := psutil.virtual_memory().total / 2**30):
-        fail(f"--cache-gb {cache_gb:g} is more than this machine's memory ({memory:.1f} GiB)")
+    mem = probe()
+    if host_cache_gb is not None and mem.unified:  # one memory: a warm tier would count it twice
+        fail(f"--host-cache-gb needs a CUDA GPU (hot tier in GPU memory, warm in host memory); on the "
+             f"{mem.backend} backend experts live in one memory: size it with --cache-gb alone")
+    where, memory = ("the GPU's memory", mem.device_total) if not mem.unified else ("this machine's memory",
+                                                                                    mem.host_total)
+    if cache_gb is not None and memory is not None and cache_gb > memory / 2**30:
+        fail(f"--cache-gb {cache_gb:g} is more than {where} ({memory / 2**30:.1f} GiB)")
     if output_format not in ("md", "jsonl"):
         fail(f"--format must be md or jsonl, got {output_format!r}")
     if policy not in POLICIES:
@@ -690,7 +695,7 @@ def trace_sim(
     prewarm: bool = typer.Option(False, "--prewarm", help="Start each layer with the profile's most used experts resident, as the live cache does at load."),
     profile: Path | None = typer.Option(None, "--profile", help="Profile file for `pinned` and --prewarm (a mlx-tier-profile.json). Default: the trace's own counts."),
     plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG of hit rate vs cache size (every size up to all experts), one line per policy. Needs matplotlib (pip install 'mlx-tier[plot]')."),
-    warm_slots: int | None = typer.Option(None, "--warm-slots", min=0, help="CUDA path: also simulate a warm host tier of this many slots per layer under each --slots (hot, GPU) size; prints hot/warm/miss rates and the share computed on the CPU (live policies only)."),
+    warm_slots: int | None = typer.Option(None, "--warm-slots", min=0, help="CUDA path: also simulate a warm host tier of this many slots per layer under each --slots (hot, GPU) size; prints hot/warm/miss rates and the share computed on the CPU (live policies only). With --prewarm, hot then warm start filled; a trace recorded with --prefetch also replays the promotions from warm to hot ahead of use."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:  # over 60 lines by its 10 declared options and their help; the body checks, calls simulate.compare, renders
     """Replay a routing trace: hit rate per policy and cache size, Belady's optimum as the ceiling.
@@ -735,7 +740,7 @@ def trace_sim(
         except ProfileError as e:
             fail(str(e))
     if warm_slots is not None:
-        _two_tier_sim(t, trace, [p for p in policy if p in POLICIES], sizes, warm_slots, prof, as_json)
+        _two_tier_sim(t, trace, [p for p in policy if p in POLICIES], sizes, warm_slots, prof, prewarm, as_json)
         return
     results, curve = compare(t, sim, prof)
     if plot is not None:
@@ -774,8 +779,10 @@ def _print_sim_results(t, trace: Path, results: list, policies: list[str], sizes
     out.print(table)
 
 
-def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], warm: int, prof, as_json: bool) -> None:
-    """`trace-sim --warm-slots`: the two-tier replay (mlx_tier.simulate_tiers), one table row per policy and hot size."""
+def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], warm: int, prof, prewarm: bool,
+                  as_json: bool) -> None:
+    """`trace-sim --warm-slots`: the two-tier replay (mlx_tier.simulate_tiers), one table row per policy and
+    hot size; a trace recorded with prefetch replays its warm -> hot promotions."""
     import json
 
     from mlx_tier.simulate_tiers import simulate_two_tier
@@ -785,13 +792,17 @@ def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], war
         fail("--warm-slots simulates live policies only (lru, lfu, 2q, pinned): give one with --policy")
     if any(n + warm > E for n in hot_sizes):
         fail(f"--slots plus --warm-slots must be at most {E} (the trace's experts per layer)")
-    results = [simulate_two_tier(t, p, n, warm, profile=prof) for p in policies for n in hot_sizes]
+    ahead = t.predicted is not None
+    results = [simulate_two_tier(t, p, n, warm, profile=prof, prewarm=prewarm, prefetch=ahead)
+               for p in policies for n in hot_sizes]
     if as_json:
         out.print_json(json.dumps({"trace": str(trace), "records": len(t.layer), "layers": t.num_layers,
-                                   "experts": E, "results": [r.as_dict() for r in results]}))
+                                   "experts": E, "prewarm": prewarm, "prefetch": ahead,
+                                   "results": [r.as_dict() for r in results]}))
         return
     table = Table(title=f"two tiers: {trace.name} ({t.num_layers} layers x {E} experts), {warm} warm slots per layer, "
-                        "one token per call, default cost model")
+                        "one token per call, default cost model" + (", pre-warmed" if prewarm else "")
+                        + (", warm->hot prefetch from the trace's predictions" if ahead else ""))
     for col in ("policy", "hot slots", "hot hit", "warm hit", "miss", "on CPU"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:

@@ -473,13 +473,17 @@ class ExpertCache:
         """
         before, self.store.stats = self.store.stats, ReadStats()
         try:
-            n = sum(layer.prewarm(profile.hottest(i, layer.num_slots)) for i, layer in enumerate(self.layers))
+            n = sum(self._prewarm_layer(i, profile) for i in range(len(self.layers)))
             self._stats.prewarmed += n
             self._stats.prewarm_bytes += self.store.stats.bytes_read
             self._stats.prewarm_seconds += self.store.stats.read_seconds
         finally:
             self.store.stats = before  # prewarm reads are never counted as bytes_read
         return n
+
+    def _prewarm_layer(self, i: int, profile) -> int:
+        layer = self.layers[i]
+        return layer.prewarm(profile.hottest(i, layer.num_slots))
 
     @property
     def resident_bytes(self) -> int:

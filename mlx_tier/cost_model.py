@@ -16,6 +16,13 @@ Copying wins when ``t > cpu_gbps x (1 / pcie_gbps + 1 / gpu_gbps)``: bytes
 cancel out, so the rule is a token threshold. A free GPU slot is always filled
 (the copy then displaces nothing and every later use runs on the GPU).
 
+Ahead of use (warm -> hot prefetch, :meth:`mlx_tier.tiers.TierIndex.promote_ahead`)
+the copy overlaps the previous layer's compute, so only the GPU's compute
+is left to weigh against the CPU's: copy ahead when
+``bytes / gpu_gbps < t x bytes / cpu_gbps``, i.e. ``t > cpu_gbps / gpu_gbps``
+(:func:`copy_ahead_pays`; with the defaults, from one token). That the copy
+finishes in time is assumed, not modelled.
+
 Technique: Fiddler (Kamahori et al., "Fiddler: CPU-GPU Orchestration for Fast
 Inference of Mixture-of-Experts Models", arXiv:2402.07033) compares the same two
 latencies per expert and number of input tokens. Not modelled: the CPU work
@@ -83,3 +90,18 @@ def goes_to_hot(costs: TransferCosts, nbytes: int, tokens: int, hot_has_free_slo
         False: compute it on the CPU from the warm tier.
     """
     return hot_has_free_slot or costs.copy_is_cheaper(nbytes, tokens)
+
+
+def copy_ahead_pays(costs: TransferCosts, nbytes: int, tokens: int) -> bool:
+    """The warm -> hot prefetch rule: is a predicted warm expert worth copying to
+    the GPU ahead of use, the copy hidden behind the previous layer's compute?
+
+    Args:
+        nbytes: resident bytes of the expert.
+        tokens: (token, k) entries predicted to use it in the next call, >= 1.
+
+    Returns:
+        True when the GPU computing it beats the CPU computing it in place:
+        ``nbytes / gpu_gbps < tokens x nbytes / cpu_gbps``.
+    """
+    return nbytes / (costs.gpu_gbps * GB) < costs.cpu_seconds(nbytes, tokens)

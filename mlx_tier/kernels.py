@@ -10,7 +10,8 @@ slabs, ``x`` ``[..., D]`` and ``slots`` ``[..., k]`` slot ids.
   rounding of the MLX path.
 - ``metal``: ``mlx_tier.metal_kernels.metal_expert_forward`` (needs Metal).
 - ``auto``: ``cpu`` on MLX's CPU backend, ``mlx`` elsewhere (the Metal
-  kernels are not yet measured on a Mac).
+  kernels are not yet measured on a Mac); for the two-tier cache's warm
+  tier, ``cpu`` on every backend (:func:`choose`).
 """
 
 from __future__ import annotations
@@ -68,8 +69,13 @@ def kernel_for(name: str) -> Kernel:
 def choose(name: str, blocks: list[nn.Module], host_tier: bool = False) -> str:
     """The kernel a tiered model will use: ``name`` resolved for the device and
     checked against the model. ``auto`` falls back to ``mlx`` where the CPU
-    kernel cannot serve (an expert format it lacks, or the CUDA path's warm
-    tier, which computes with MLX ops); an explicit ``cpu`` there is refused.
+    kernel cannot serve (an expert format it lacks); an explicit ``cpu`` there
+    is refused.
+
+    With the two-tier cache (the CUDA path) the name is the *warm* tier's
+    kernel: its experts are computed on the CPU where they lie, so ``auto``
+    means the CPU kernel on every backend where it can serve them (else MLX's
+    ops on a CPU stream); the hot tier always runs MLX's ops (the GPU).
 
     Args:
         blocks: the model's mlx-lm expert blocks.
@@ -78,18 +84,19 @@ def choose(name: str, blocks: list[nn.Module], host_tier: bool = False) -> str:
     Raises:
         ValueError: an unknown name.
         CheckpointError: ``cpu`` asked for experts it cannot compute.
-        ConfigError: ``cpu`` asked together with a host tier.
+        ConfigError: ``metal`` asked together with a host tier.
     """
-    chosen = resolve(name)
+    from .errors import CheckpointError, ConfigError
+
+    if host_tier and name == "metal":
+        raise ConfigError("kernel 'metal' does not serve the two-tier (host_cache_gb) cache, whose warm tier "
+                          "computes on the CPU; use kernel 'cpu' or 'mlx'", field="kernel")
+    chosen = "cpu" if host_tier and name == "auto" else resolve(name)
     if chosen != "cpu":
         return chosen
     from .cpu_kernel import unsupported
-    from .errors import CheckpointError, ConfigError
 
     why = next((w for w in map(unsupported, blocks) if w is not None), None)
     if why is not None and name == "cpu":
         raise CheckpointError(f"kernel 'cpu' cannot compute these experts ({why}); use kernel 'mlx'", field="kernel")
-    if host_tier and name == "cpu":
-        raise ConfigError("kernel 'cpu' does not serve the two-tier (host_cache_gb) cache yet; use kernel 'mlx'",
-                          field="kernel")
-    return "mlx" if why is not None or host_tier else "cpu"
+    return "mlx" if why is not None else "cpu"

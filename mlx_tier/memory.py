@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .tier_budgets import backend_of
 from .tiered import default_compute_dtype
 
 GIB = 1 << 30
@@ -127,14 +128,6 @@ def plan_memory(resident: ResidentSet, backend: str, device_info: dict) -> Memor
             f"resident set {resident.total / GIB:.2f} GiB + margin exceeds the recommended maximum "
             f"{wired_max / GIB:.2f} GiB: wired at the maximum; a smaller --cache-gb avoids paging")
     return MemorySettings(backend, resident, limit, int(wired_max), covers, cache_target, note)
-
-
-def backend_of(api=mx) -> str:
-    """``"metal"``, ``"cuda"`` or ``"cpu"``: where ``api`` (``mlx.core``) computes."""
-    if api.metal.is_available():
-        return "metal"
-    cuda = getattr(api, "cuda", None)
-    return "cuda" if cuda is not None and cuda.is_available() else "cpu"
 
 
 @contextmanager

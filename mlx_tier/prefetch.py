@@ -175,6 +175,8 @@ class NextLayerPrefetch:
         """
         cache = self.next_cache
         cache.end_call()  # drop an unused earlier batch before choosing what is missing
+        if cache.recorder is not None:  # a routing trace keeps the prediction (mlx_tier.trace)
+            cache.recorder.predict(cache.layer, predicted)
         ids, votes = np.unique(predicted, return_counts=True)
         order = np.argsort(-votes, kind="stable")
         experts = self.wanted([int(e) for e in ids[order]])

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# The warm tier's default on CUDA: this fraction of available host memory.
+from .tier_budgets import DEFAULT_FRACTION as HOST_BUDGET_FRACTION
+
 GIB = 1024**3
-HOST_BUDGET_FRACTION = 0.5  # as mlx_tier.tiered.DEFAULT_BUDGET_FRACTION
 
 
 @dataclass(frozen=True)

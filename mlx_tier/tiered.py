@@ -14,11 +14,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import psutil
 from mlx import nn
 from mlx_lm.utils import load_tokenizer
 
-from . import kernels
+from . import kernels, tier_budgets
 from .cache import BudgetError, CacheStats, ExpertCache, LayerCache, SlabTensor
 from .checkpoint import (  # noqa: F401 - EXPERT_BLOCKS, REFUSED, find_expert_blocks: importable from here too
     EXPERT_BLOCKS,
@@ -43,9 +42,10 @@ from .store import (
     check_read_settings,
 )
 
-# Fraction of available memory (after the dense part is loaded) that the
-# default budget takes: leaves room for the KV cache, activations and the OS.
-DEFAULT_BUDGET_FRACTION = 0.5
+# Fraction of free memory (after the dense part is loaded) that the default
+# budget takes: leaves room for the KV cache, activations and the OS. Free
+# memory where the tier lives: GPU memory for the hot tier on CUDA, else host.
+DEFAULT_BUDGET_FRACTION = tier_budgets.DEFAULT_FRACTION
 
 # Prefetch off by default: measured on the build machine by benches/prefetch.py
 # (README, "Prefetch").
@@ -56,7 +56,10 @@ class TierConfig:
     """How a model is tiered.
 
     Attributes:
-        cache_gb: expert cache budget in GiB (``None``: a default from free memory).
+        cache_gb: expert cache budget in GiB; on CUDA the GPU (hot tier) budget.
+            ``None``: half of the free memory where the tier lives, after the
+            dense part is loaded (GPU memory on CUDA, else host memory;
+            :mod:`mlx_tier.tier_budgets`).
         slots_per_layer: exact slot count per layer; overrides ``cache_gb``.
         policy: the eviction policy (:class:`mlx_tier.policy.PolicySpec`), made
             once at the edge and passed down whole; a name (lfu, the default
@@ -114,10 +117,13 @@ class TierConfig:
     kernel: str = "mlx"
     dense_kernel: bool = True
     # The CUDA path (mlx_tier/two_tier.py): a warm tier of host_cache_gb GiB in
-    # host memory under the hot slabs (cache_gb is then the GPU budget); warm
+    # host memory under the hot slabs (cache_gb is then the GPU budget). On CUDA
+    # it is always on, None = half of the available host memory, 0 = off (copy
+    # on every miss); elsewhere None = one tier, and a value runs the two-tier
+    # logic on the one memory, both budgets taken from it (tier_budgets). Warm
     # experts are computed in place on the CPU stream, or copied to the hot
     # tier when transfer_costs (mlx_tier.cost_model; None: its defaults) say
-    # copying is cheaper. None: one tier, as on Metal and the CPU backend.
+    # copying is cheaper.
     host_cache_gb: float | None = None
     transfer_costs: TransferCosts | None = None
 
@@ -217,11 +223,6 @@ def default_compute_dtype() -> mx.Dtype | None:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
-def default_budget_bytes() -> int:
-    """Half of the memory available now (psutil), in bytes."""
-    return int(psutil.virtual_memory().available * DEFAULT_BUDGET_FRACTION)
-
-
 def plan_slots(budget_bytes: int, num_layers: int, slot_nbytes: int, num_experts: int) -> int:
     """Slots per layer that fit ``budget_bytes``, at most E.
 
@@ -282,7 +283,8 @@ def _layer_slot_counts(config: TierConfig, profile, slots: int, total: int, expe
     return tuple(min(slots, e) for e in experts)
 
 
-def _wrap_blocks(model: nn.Module, blocks: list, config: TierConfig, kernel_name: str, dtype) -> list[TieredExperts]:
+def _wrap_blocks(model: nn.Module, blocks: list, config: TierConfig, kernel_name: str, dtype,
+                 two_tiers: bool) -> list[TieredExperts]:
     """Put a :class:`TieredExperts` (no cache yet) in place of each expert block, then
     evaluate the dense part in ``dtype``: the hidden blocks' stacked experts are never read."""
     kernel = kernels.kernel_for(kernel_name)
@@ -293,30 +295,40 @@ def _wrap_blocks(model: nn.Module, blocks: list, config: TierConfig, kernel_name
     if dtype is not None:
         model.set_dtype(dtype)  # the dense part; experts are converted as they are read
     mx.eval(model.parameters())
-    if config.dense_kernel and kernel_name == "cpu":
+    if config.dense_kernel and kernel_name == "cpu" and not two_tiers:  # with two tiers: the warm tier's kernel
         from .cpu_kernel import serve_dense
 
         serve_dense(model)
     return wrappers
 
 
-def _budget(config: TierConfig, slot_nbytes: int, num_layers: int, num_experts: int) -> tuple[int, int]:
-    """``(slots per layer, budget bytes)``: from ``layer_slots`` (slots then unused),
-    else ``slots_per_layer``, else ``cache_gb`` (``None``: from free memory). This is
-    where ``cache_gb`` takes effect.
+def _budgets(config: TierConfig, two_tiers: bool, slot_nbytes: int, num_layers: int,
+             num_experts: int) -> tuple[int, int, int | None]:
+    """``(hot budget, slots per layer, warm budget)`` in bytes: explicit slots fix
+    the hot budget, else it comes from ``cache_gb`` or the free memory where
+    the tier lives, measured now (after the dense part is loaded:
+    :mod:`mlx_tier.tier_budgets`). Slots are 0 with ``layer_slots`` (counted
+    per layer), the warm budget ``None`` for one tier.
 
     Raises:
-        BudgetError: ``slots_per_layer`` outside ``[1, num_experts]``.
+        BudgetError: slots outside [1, E], a budget below one slot per layer,
+            or budgets that do not fit (:func:`mlx_tier.tier_budgets.tier_budgets`).
+        ConfigError: a negative or non-finite budget.
     """
+    budget, slots = None, 0
     if config.layer_slots is not None:
-        return 0, sum(config.layer_slots) * slot_nbytes
-    if config.slots_per_layer is not None:
+        budget = sum(config.layer_slots) * slot_nbytes
+    elif config.slots_per_layer is not None:
         slots = config.slots_per_layer
         if not 1 <= slots <= num_experts:
             raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
-        return slots, slots * slot_nbytes * num_layers
-    budget = int(config.cache_gb * GIB) if config.cache_gb is not None else default_budget_bytes()
-    return plan_slots(budget, num_layers, slot_nbytes, num_experts), budget
+        budget = slots * slot_nbytes * num_layers
+    budgets = tier_budgets.tier_budgets(config.cache_gb if budget is None else budget / GIB,
+                                        config.host_cache_gb if two_tiers else None, tier_budgets.probe())
+    if budget is None:
+        budget = budgets.hot
+        slots = plan_slots(budget, num_layers, slot_nbytes, num_experts)
+    return budget, slots, budgets.warm
 
 
 def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dict | None = None) -> ExpertCache:
@@ -328,7 +340,9 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
 
     Raises:
         CheckpointError: no expert block, or experts not stored stacked.
-        BudgetError: budget below one slot per layer; bad ``layer_slots``.
+        BudgetError: budget below one slot per layer; bad ``layer_slots``;
+            budgets that do not fit their memory (:mod:`mlx_tier.tier_budgets`).
+        ConfigError: a negative or non-finite ``cache_gb``/``host_cache_gb``.
         ProfileError: pinned, pre-warm or the adaptive split without a
             fitting saved profile (:mod:`mlx_tier.profile`).
     """
@@ -342,10 +356,12 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     profile = _profile_for(config, model_dir, len(found), max(n for _, n, _ in found))
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
-    kernel_name = kernels.choose(config.kernel, [b for _, b in blocks], config.host_cache_gb is not None)
-    wrappers = _wrap_blocks(model, blocks, config, kernel_name, dtype)
+    backend = tier_budgets.backend_of()
+    two_tiers = tier_budgets.two_tiers(config.host_cache_gb, backend)  # always on CUDA
+    kernel_name = kernels.choose(config.kernel, [b for _, b in blocks], two_tiers)
+    wrappers = _wrap_blocks(model, blocks, config, kernel_name, dtype, two_tiers)
     slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
-    slots, budget = _budget(config, slot_nbytes, len(found), max(n for _, n, _ in found))
+    budget, slots, warm_budget = _budgets(config, two_tiers, slot_nbytes, len(found), max(n for _, n, _ in found))
     per_layer = _layer_slot_counts(config, profile, slots, budget // slot_nbytes, [n for _, n, _ in found])
     stats = CacheStats()
     policy = replace(config.policy, profile=profile) if config.policy.needs_profile else config.policy
@@ -353,23 +369,25 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
         layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, policy))
         wrapper._cache = layers[-1]
-    if config.host_cache_gb is not None:  # the CUDA path: hot slabs + a warm host tier
+    if two_tiers:  # the CUDA path: hot slabs + a warm host tier
         from .two_tier import build_two_tier
 
         parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
-        model.expert_cache = build_two_tier(blocks, parents, layers, budget, store, config,
-                                            lambda path, m: set_child(model, path, m))
-        model.expert_cache.kernel = kernel_name
-        return model.expert_cache
-    if config.prefetch:
-        parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
-        links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
-        for wrapper, link in zip(wrappers, links):
-            wrapper._prefetch = link
-    expert_cache = ExpertCache(layers, stats, budget, store)
+        expert_cache = build_two_tier(blocks, parents, layers, budget, warm_budget, store, config,
+                                      kernels.kernel_for("cpu") if kernel_name == "cpu" else None,
+                                      lambda path, m: set_child(model, path, m))
+    else:
+        if config.prefetch:
+            parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
+            links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
+            for wrapper, link in zip(wrappers, links):
+                wrapper._prefetch = link
+        expert_cache = ExpertCache(layers, stats, budget, store)
     if config.prewarm or (config.prewarm is None and policy.needs_profile):
         expert_cache.prewarm(profile)
-    expert_cache.kernel = kernel_name  # what computes the experts (mlx_tier.kernels), for reports
+    # What computes the experts (mlx_tier.kernels), for reports; with two tiers,
+    # the warm tier's kernel (the hot tier runs MLX's ops).
+    expert_cache.kernel = kernel_name
     model.expert_cache = expert_cache
     return expert_cache
 
@@ -382,9 +400,10 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
             shards with stacked experts, tokenizer files), or a Hugging Face
             repo id as ``mlx_lm.load`` takes it (local cache first, downloaded
             when missing; :func:`mlx_tier.hub.resolve_model`).
-        cache_gb: expert cache budget in GiB, as ``mlx_lm.load``'s callers
-            like it; ``None``: ``config.cache_gb`` (``None`` there too: half of
-            the memory available after the dense part is loaded).
+        cache_gb: expert cache budget in GiB (on CUDA the GPU's hot tier), as
+            ``mlx_lm.load``'s callers like it; ``None``: ``config.cache_gb``
+            (``None`` there too: half of the memory free after the dense part
+            is loaded; on CUDA, of free GPU memory).
         config: further settings (:class:`TierConfig`).
 
     Returns:

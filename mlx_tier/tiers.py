@@ -24,6 +24,14 @@ Rules, per layer call (one decode step or prefill chunk):
   policy evicts there if full); with no room it is *dropped* (to cold), as is
   an expert evicted from the warm tier.
 
+Between calls (:meth:`TierIndex.promote_ahead`, warm -> hot prefetch): the
+experts the previous layer's prediction names for this layer's next call
+(:mod:`mlx_tier.prefetch`), most voted first, that lie in the warm tier are
+*promoted ahead* into the hot tier when :func:`mlx_tier.cost_model.copy_ahead_pays`
+says so, each hot victim chosen by the hot policy among the experts not
+predicted (and demoted as above). At load (:meth:`TierIndex.prewarm`) a
+profile's experts fill the hot tier, then the warm tier, hottest first.
+
 With W = 0 this is exactly the single-tier cache (:class:`mlx_tier.cache.LayerCache`).
 """
 
@@ -33,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost_model import TransferCosts, goes_to_hot
+from .cost_model import TransferCosts, copy_ahead_pays, goes_to_hot
 from .policy import PolicySpec
 
 # Event kinds, in the order they are logged within a round.
@@ -44,7 +52,8 @@ MISS_HOT = "miss_hot"  # cold read placed in the hot tier
 MISS_WARM = "miss_warm"  # cold read placed in the warm tier, computed on the CPU
 DEMOTE = "demote"  # evicted from hot, moved to warm
 DROP = "drop"  # left both tiers (back to cold)
-KINDS = (HOT_HIT, WARM_HIT, PROMOTE, MISS_HOT, MISS_WARM, DEMOTE, DROP)
+PROMOTE_AHEAD = "promote_ahead"  # warm -> hot copy before the call, on a prediction (prefetch)
+KINDS = (HOT_HIT, WARM_HIT, PROMOTE, MISS_HOT, MISS_WARM, DEMOTE, DROP, PROMOTE_AHEAD)
 
 
 @dataclass
@@ -133,23 +142,82 @@ class TierIndex:
                 self._place_host_expert(e, int(uses[e]), protected, moves)
         return moves
 
+    def prewarm(self, ranked: list[int]) -> Moves:
+        """Fill the free slots before any use: ``ranked`` (hottest first, e.g.
+        :meth:`mlx_tier.profile.Profile.hottest`) into the hot tier, then the
+        warm tier. Experts already placed are skipped. Each tier's policy gets
+        its experts coldest first (the hottest is the most recent), as
+        :meth:`mlx_tier.cache.LayerCache.prewarm`. Neither hits nor misses: no event.
+
+        Returns:
+            The cold reads to make (``Moves.reads``).
+        """
+        moves = Moves()
+        todo = [int(e) for e in ranked if self.hot_slot[e] < 0 and self.warm_slot[e] < 0]
+        hot = todo[: len(self.hot_free)]
+        warm = todo[len(hot) : len(hot) + len(self.warm_free)]
+        for e in hot:
+            self.hot_slot[e] = self.hot_free.pop()
+            moves.reads.append((e, "hot", int(self.hot_slot[e])))
+        for e in warm:
+            self.warm_slot[e] = self.warm_free.pop()
+            moves.reads.append((e, "warm", int(self.warm_slot[e])))
+        for e in reversed(hot):
+            self.hot_policy.insert(e)
+        for e in reversed(warm):
+            self.warm_policy.insert(e)
+        return moves
+
+    def promote_ahead(self, predicted: np.ndarray) -> Moves:
+        """Warm -> hot prefetch for the next call, from a prediction of its experts.
+
+        Args:
+            predicted: ``[..., k]`` expert ids the previous layer's router
+                predicts for this layer's next call (:mod:`mlx_tier.prefetch`).
+
+        Returns:
+            The copies to make (promotions, and the demotions they cause),
+            decided most voted expert first (ties: lower id). Predicted experts
+            are protected: a promotion never displaces another predicted one.
+        """
+        moves = Moves()
+        ids, votes = np.unique(np.asarray(predicted).reshape(-1), return_counts=True)
+        order = np.argsort(-votes, kind="stable")
+        protected = {int(e) for e in ids}
+        for e, v in zip(ids[order].tolist(), votes[order].tolist()):
+            if self.warm_slot[e] < 0 or not self._hot_has_room(protected):
+                continue
+            if not (self.hot_free or copy_ahead_pays(self.costs, self.expert_nbytes, v)):
+                continue
+            self._promote(e, protected, moves)
+            self.hot_policy.insert(e)
+            self._event(PROMOTE_AHEAD, e)
+        return moves
+
+    def _promote(self, e: int, protected: set[int], moves: Moves) -> int:
+        """Move warm expert ``e`` to a hot slot (its warm slot is freed first: a
+        demoted victim may take it, a swap); returns the hot slot."""
+        w = int(self.warm_slot[e])
+        self.warm_slot[e] = -1
+        self.warm_policy.remove(e)
+        self.warm_free.append(w)
+        s = self._take_hot_slot(protected, moves)
+        moves.copies.append(("promote", e, w, s))
+        self.hot_slot[e] = s
+        return s
+
     def _place_host_expert(self, e: int, tokens: int, protected: set[int], moves: Moves) -> None:
         warm = self.warm_slot[e] >= 0
         want_hot = goes_to_hot(self.costs, self.expert_nbytes, tokens, bool(self.hot_free))
         if want_hot and self._hot_has_room(protected):
-            if warm:  # free its warm slot first: a demoted victim may take it (a swap)
-                w = int(self.warm_slot[e])
-                self.warm_slot[e] = -1
-                self.warm_policy.remove(e)
-                self.warm_free.append(w)
-                s = self._take_hot_slot(protected, moves)
-                moves.copies.append(("promote", e, w, s))
+            if warm:
+                self._promote(e, protected, moves)
                 self._event(PROMOTE, e)
             else:
                 s = self._take_hot_slot(protected, moves)
                 moves.reads.append((e, "hot", s))
                 self._event(MISS_HOT, e)
-            self.hot_slot[e] = s
+                self.hot_slot[e] = s
             self.hot_policy.insert(e)
         elif warm:
             self.warm_policy.access(e)

@@ -10,15 +10,23 @@ CPU stream (:meth:`WarmPool.compute`); the two outputs are combined into the
 ``[..., k, D]`` mlx-lm returns. MLX schedules the GPU and CPU streams
 concurrently when the layer's output is evaluated.
 
-Built by :func:`mlx_tier.tiered.tier_model` when ``TierConfig.host_cache_gb``
-is set; on Metal and the CPU backend nothing else changes. Here (no GPU) the
-"GPU" slabs live on the CPU, which tests the tier logic and the exactness of
-the combined outputs.
+Overlap: per round, the hot share is issued on the default (GPU) stream and
+started (``mx.async_eval``), then the warm share is started on its own CPU
+stream (``mx.new_stream(mx.cpu)``, ``mx.async_eval``) or computed eagerly by
+the CPU expert kernel; the two run concurrently and are combined.
 
-Cold -> host prefetch reuses :mod:`mlx_tier.prefetch`: the next layer's
-predicted experts that are in neither tier are read ahead; the bytes are placed
-by the index when the layer runs, so the hit/miss sequence does not depend on
-the prediction. Warm -> hot prefetch is not done.
+Built by :func:`mlx_tier.tiered.tier_model` on CUDA (always) and elsewhere
+when ``TierConfig.host_cache_gb`` is set; on Metal and the CPU backend nothing
+else changes. Here (no GPU) the "GPU" slabs live on the CPU, which tests the
+tier logic and the exactness of the combined outputs.
+
+Prefetch (:mod:`mlx_tier.prefetch`'s predictor, ``TierConfig.prefetch``): at
+layer l the predicted experts of layer l+1 that are warm are promoted to hot
+slots ahead of use (:meth:`mlx_tier.tiers.TierIndex.promote_ahead`: the copies
+start at once, ``mx.async_eval``, overlapping layer l's compute); those in
+neither tier are read ahead from SSD (bytes only, placed by the index when
+layer l+1 runs). The predictions are recorded in a routing trace, so the
+simulator replays the promotions exactly.
 """
 
 from __future__ import annotations
@@ -42,17 +50,16 @@ from .tiers import (
     MISS_HOT,
     MISS_WARM,
     PROMOTE,
+    PROMOTE_AHEAD,
     WARM_HIT,
     Moves,
     TierIndex,
 )
 from .warm import WarmPool
 
-GIB = 1024**3
-
 # Per-tier counters that report.json sums over runs (mlx_tier.jobs.sum_cache).
 TIER_COUNTERS = ("hot_hits", "warm_hits", "promotions", "misses_hot", "misses_warm", "demotions",
-                 "cpu_entries", "gpu_entries")
+                 "cpu_entries", "gpu_entries", "promotions_ahead")
 
 
 @dataclass
@@ -68,6 +75,8 @@ class TwoTierStats(CacheStats):
         misses_hot / misses_warm: cold reads placed in the hot / warm tier.
         demotions: experts evicted from the hot tier into the warm tier.
         cpu_entries / gpu_entries: (token, k) entries computed on the CPU / GPU.
+        promotions_ahead: warm experts copied to the hot tier before their call
+            on a prediction (warm -> hot prefetch); not accesses.
     """
 
     hot_hits: int = 0
@@ -78,6 +87,7 @@ class TwoTierStats(CacheStats):
     demotions: int = 0
     cpu_entries: int = 0
     gpu_entries: int = 0
+    promotions_ahead: int = 0
 
     def __sub__(self, earlier: CacheStats) -> TwoTierStats:
         return TwoTierStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
@@ -99,9 +109,10 @@ class TwoTierLayer:
     (shared objects), so reporting and prefetch see the hot tier as it is.
     """
 
-    def __init__(self, hot: LayerCache, warm_slots: int, costs: TransferCosts):
+    def __init__(self, hot: LayerCache, warm_slots: int, costs: TransferCosts, warm_kernel=None,
+                 warm_stream=None):
         self.hot = hot
-        self.warm = WarmPool(hot.tensors, warm_slots)
+        self.warm = WarmPool(hot.tensors, warm_slots, warm_kernel, warm_stream)
         self.index = TierIndex(hot.layer, hot.num_experts, hot.num_slots, warm_slots, hot.policy_spec, costs,
                                hot.slot_nbytes)
         self.entries = {"cpu": 0, "gpu": 0}
@@ -143,8 +154,14 @@ class TwoTierLayer:
             yield (np.where(hot_mask, index.hot_slot[idx], 0).astype(np.uint32), hot_mask,
                    np.where(warm_mask, index.warm_slot[idx], 0).astype(np.uint32), warm_mask)
 
-    def _apply(self, moves: Moves) -> None:
+    def _apply(self, moves: Moves, read=None, wait: bool = True) -> None:
         """Make the round's byte moves: copies (from pre-round contents), then cold reads.
+
+        Args:
+            read: ``experts -> batches`` as :meth:`LayerCache._read` (the default:
+                prefetched rows first, counted as stall).
+            wait: evaluate the writes before returning; else only start them
+                (``mx.async_eval``: warm -> hot prefetch overlapping compute).
 
         Raises:
             CheckpointError, OSError: a failed read (both tiers are reset).
@@ -153,7 +170,7 @@ class TwoTierLayer:
             return
         try:
             cold = [e for e, _, _ in moves.reads]
-            batches = self.hot._read(cold) if cold else []  # prefetched rows first; counted as stall
+            batches = (read or self.hot._read)(cold) if cold else []
             where = {e: (b, i) for b, (_, rows) in enumerate(batches) for i, e in rows}
             self.hot.settle()  # nothing unevaluated may still read a slot we overwrite
             written = []
@@ -162,7 +179,11 @@ class TwoTierLayer:
                 # Every source holds pre-round contents: take them all before any write, as
                 # evaluated copies (a live view of a slab makes each write a full-slab copy:
                 # 120 ms instead of 0.09 ms for a 64 MiB slab on the CPU backend).
-                src = [(pool if kind == "promote" else slab)[a : a + 1] + 0 for kind, _, a, _ in moves.copies]
+                # A warm source is copied on the warm tier's CPU stream (host memory), so
+                # the host -> GPU move is the slab write itself (started, not waited for,
+                # by warm -> hot prefetch); a hot source is a copy on the GPU.
+                src = [self._source(pool if kind == "promote" else slab, a, kind == "promote")
+                       for kind, _, a, _ in moves.copies]
                 mx.eval(src)
                 for (kind, _, _, b), rows in zip(moves.copies, src):
                     (slab if kind == "promote" else pool)[b : b + 1] = rows
@@ -171,15 +192,36 @@ class TwoTierLayer:
                     b, i = where[e]
                     (slab if tier == "hot" else pool)[s : s + 1] = new[b][i : i + 1]
                 written += [slab] + ([pool] if pool is not None else [])
-            mx.eval(written)
+            (mx.eval if wait else mx.async_eval)(written)
         except BaseException:
             self.reset()
             raise
 
+    def _source(self, array: mx.array, slot: int, host: bool) -> mx.array:
+        """A copy of ``array[slot : slot + 1]`` (lazy), on the warm tier's CPU stream when ``host``."""
+        if not host:
+            return array[slot : slot + 1] + 0
+        with mx.stream(self.warm.stream):
+            return array[slot : slot + 1] + 0
+
+    def prewarm(self, ranked: list[int]) -> int:
+        """Read ``ranked`` (hottest first) into the free hot, then warm, slots
+        (:meth:`TierIndex.prewarm`); returns how many experts were read."""
+        moves = self.index.prewarm(ranked)
+        names = list(self.hot.tensors)
+        self._apply(moves, read=lambda es: [(self.hot.store.read_experts(names, es), list(enumerate(es)))])
+        return len(moves.reads)
+
+    def promote_ahead(self, predicted: np.ndarray) -> None:
+        """Warm -> hot prefetch: promote the predicted warm experts of the next
+        call (:meth:`TierIndex.promote_ahead`); the copies are started, not waited for."""
+        self._apply(self.index.promote_ahead(predicted), wait=False)
+
     def forward(self, block: nn.Module, x: mx.array, idx: np.ndarray) -> mx.array:
         """The expert block's output ``[..., k, D]`` for ``x`` ``[..., D]`` and
-        router top-k ``idx`` ``[..., k]``: hot entries on the default stream,
-        warm ones on the CPU stream, combined."""
+        router top-k ``idx`` ``[..., k]``: per round the warm entries start on
+        the CPU (:meth:`WarmPool.compute`), the hot ones on the default stream
+        (``mx.async_eval``), running concurrently; then combined."""
         k, D = idx.shape[-1], x.shape[-1]
         out = None
         for hot_slots, hot_mask, warm_slots, warm_mask in self.assign(idx):
@@ -190,13 +232,20 @@ class TwoTierLayer:
             if out is None:
                 out = mx.zeros((idx.size, D), dtype=x.dtype)  # [T*k, D]
             rows = x.reshape(-1, D)
-            for mask, slots, warm in ((hot_mask, hot_slots, False), (warm_mask, warm_slots, True)):
-                pairs = np.flatnonzero(mask.reshape(-1))  # rows of [T*k]
-                if pairs.size == 0:
-                    continue
-                xs, ss = rows[mx.array(pairs // k)], slots.reshape(-1)[pairs]  # [n, D], [n]
-                y = self.warm.compute(block, xs, ss) if warm else block(xs, mx.array(ss)[:, None])  # [n, 1, D]
-                out[mx.array(pairs)] = y.squeeze(1)
+            hot_pairs = np.flatnonzero(hot_mask.reshape(-1))  # rows of [T*k]
+            warm_pairs = np.flatnonzero(warm_mask.reshape(-1))
+            y_hot = None
+            if hot_pairs.size:  # issued first: an eager CPU kernel below would otherwise run before it
+                y_hot = block(rows[mx.array(hot_pairs // k)], mx.array(hot_slots.reshape(-1)[hot_pairs])[:, None])
+                mx.async_eval(y_hot)  # [n, 1, D] on the default (GPU) stream
+            y_warm = None
+            if warm_pairs.size:  # rows gathered on the warm tier's stream: nothing waits behind the hot share
+                ws = self.warm.stream
+                xs = mx.take(x.reshape(-1, D, stream=ws), mx.array(warm_pairs // k), axis=0, stream=ws)  # [n, D]
+                y_warm = self.warm.compute(block, xs, warm_slots.reshape(-1)[warm_pairs])
+            for pairs, y in ((hot_pairs, y_hot), (warm_pairs, y_warm)):
+                if y is not None:
+                    out[mx.array(pairs)] = y.squeeze(1)
             self.hot.pending = out  # the next round's writes evaluate it first
         return out.reshape(*idx.shape, D)
 
@@ -233,12 +282,19 @@ class TwoTierExperts(nn.Module):
 
 
 class WarmAwarePrefetch(NextLayerPrefetch):
-    """Cold -> host prefetch for a two-tier layer: reads ahead the predicted
-    experts that are in neither tier (at most H + W of them)."""
+    """Prefetch into a two-tier layer: promotes the predicted warm experts to
+    hot slots ahead of use, then reads ahead those in neither tier (at most
+    H + W of them)."""
 
     def __init__(self, link: NextLayerPrefetch, next_layer: TwoTierLayer):
         super().__init__(link.router, link.next_cache, link.reader)
+        self.next_layer = next_layer
         self.index = next_layer.index
+
+    def issue(self, predicted: np.ndarray) -> None:
+        """Warm -> hot promotions (:meth:`TwoTierLayer.promote_ahead`), then cold reads."""
+        self.next_layer.promote_ahead(predicted)
+        super().issue(predicted)
 
     def wanted(self, experts: list[int]) -> list[int]:
         ix = self.index
@@ -280,6 +336,7 @@ class TwoTierCache(ExpertCache):
         s.hot_hits, s.warm_hits, s.promotions = c[HOT_HIT], c[WARM_HIT], c[PROMOTE]
         s.misses_hot, s.misses_warm, s.demotions = c[MISS_HOT], c[MISS_WARM], c[DEMOTE]
         s.hits, s.misses, s.evictions = c[HOT_HIT] + c[WARM_HIT] + c[PROMOTE], c[MISS_HOT] + c[MISS_WARM], c[DROP]
+        s.promotions_ahead = c[PROMOTE_AHEAD]
         s.cpu_entries = sum(t.entries["cpu"] for t in self.tier_layers)
         s.gpu_entries = sum(t.entries["gpu"] for t in self.tier_layers)
         return s
@@ -290,51 +347,47 @@ class TwoTierCache(ExpertCache):
             t.entries = {"cpu": 0, "gpu": 0}
         super().reset_stats()
 
-    def prewarm(self, profile) -> int:
-        raise NotImplementedError("pre-warm is not implemented for the two-tier cache")
+    def _prewarm_layer(self, i: int, profile) -> int:
+        """Pre-warm fills the hot tier, then the warm tier, by profile rank."""
+        t = self.tier_layers[i]
+        return t.prewarm(profile.hottest(i, t.index.H + t.index.W))
 
 
-def warm_slots_for(host_cache_gb: float, hot_slots: list[int], experts: list[int], slot_nbytes: int) -> list[int]:
-    """Warm slots of each layer: the same count everywhere that ``host_cache_gb``
-    holds, each capped at the layer's experts not in its hot tier.
-
-    Raises:
-        ValueError: ``host_cache_gb`` negative or not finite.
-    """
-    if not (isinstance(host_cache_gb, (int, float)) and 0 <= host_cache_gb < float("inf")):
-        raise ValueError(f"host cache budget must be a finite number of GiB >= 0, got {host_cache_gb!r}")
-    per_layer = int(host_cache_gb * GIB) // (len(hot_slots) * slot_nbytes)
+def warm_slots_for(warm_budget_bytes: int, hot_slots: list[int], experts: list[int], slot_nbytes: int) -> list[int]:
+    """Warm slots of each layer: the same count everywhere that ``warm_budget_bytes``
+    holds, each capped at the layer's experts not in its hot tier."""
+    per_layer = int(warm_budget_bytes) // (len(hot_slots) * slot_nbytes)
     return [min(per_layer, e - h) for h, e in zip(hot_slots, experts)]
 
 
 def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module], layers: list[LayerCache],
-                   budget_bytes: int, store, config, replace: Callable[[str, nn.Module], None]) -> TwoTierCache:
+                   budget_bytes: int, warm_budget_bytes: int, store, config, warm_kernel,
+                   replace: Callable[[str, nn.Module], None]) -> TwoTierCache:
     """Turn single-tier layers into two-tier ones and swap the model's expert blocks.
 
     Args:
         blocks: ``(path, mlx-lm expert block)`` per MoE layer.
         parents: the module holding each block (prefetch finds the router there).
         layers: the hot tiers, as :func:`mlx_tier.tiered.tier_model` built them.
-        budget_bytes: the hot budget.
-        config: the :class:`mlx_tier.tiered.TierConfig` (``host_cache_gb`` set).
+        budget_bytes / warm_budget_bytes: the hot and warm budgets
+            (:func:`mlx_tier.tier_budgets.tier_budgets`).
+        config: the :class:`mlx_tier.tiered.TierConfig` (``transfer_costs``, ``prefetch``).
+        warm_kernel: what computes warm experts (:mod:`mlx_tier.kernels`; ``None``: MLX ops).
         replace: sets the module at a parameter path.
 
     Raises:
-        ValueError: a bad ``host_cache_gb``; pre-warm asked for (not implemented here).
         BudgetError: a tier over its budget.
     """
-    if config.prewarm or (config.prewarm is None and layers[0].policy_spec.needs_profile):
-        raise ValueError("pre-warm (and policy 'pinned', which pre-warms) is not implemented for the two-tier "
-                         "cache yet; use prewarm=False")
     slot_nbytes = max(layer.slot_nbytes for layer in layers)
-    warm = warm_slots_for(config.host_cache_gb, [x.num_slots for x in layers], [x.num_experts for x in layers],
+    warm = warm_slots_for(warm_budget_bytes, [x.num_slots for x in layers], [x.num_experts for x in layers],
                           slot_nbytes)
     stats = TwoTierStats()
     costs = config.transfer_costs or TransferCosts()
     tier_layers = []
+    stream = mx.new_stream(mx.cpu)  # the warm tier's, beside the default stream (one for all layers)
     for layer, w in zip(layers, warm):
         layer.stats = stats
-        tier_layers.append(TwoTierLayer(layer, w, costs))
+        tier_layers.append(TwoTierLayer(layer, w, costs, warm_kernel, stream))
     wrappers = [TwoTierExperts(block, t) for (_, block), t in zip(blocks, tier_layers)]
     for (path, _), wrapper in zip(blocks, wrappers):
         replace(path, wrapper)
@@ -342,4 +395,4 @@ def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module]
         links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
         for i, (wrapper, link) in enumerate(zip(wrappers, links)):
             wrapper._prefetch = WarmAwarePrefetch(link, tier_layers[i + 1]) if link is not None else None
-    return TwoTierCache(tier_layers, stats, budget_bytes, int(config.host_cache_gb * GIB), store)
+    return TwoTierCache(tier_layers, stats, budget_bytes, warm_budget_bytes, store)

@@ -6,6 +6,8 @@ run works and freed after, whatever happens.
 """
 
 import json
+import os
+import time
 
 import pytest
 from mlx_tier.cli.main import app
@@ -48,6 +50,7 @@ def test_job_dir_is_held_while_entered_and_left_clean_when_unused(tmp_path):
     (out / "keep").mkdir(parents=True)
     with JobDir(out) as job:
         (out / ".x.md.abcd_123.tmp").write_text("half")
+        os.utime(out / ".x.md.abcd_123.tmp", (0, time.time() - 3600))  # younger ones may be a live writer's
     assert not lock_held(out) and not job.created
     with JobDir(out) as job:  # a killed run's temp file is removed on entering
         assert sorted(p.name for p in out.iterdir()) == [LOCK, "keep"]

@@ -1,5 +1,6 @@
 """The two-tier placement rule (mlx_tier.tiers, mlx_tier.cost_model) and its simulator:
-hand-worked event sequences, the cost model's threshold with its numbers, and
+hand-worked event sequences (calls, warm -> hot prefetch, pre-warm), the cost
+model's thresholds with their numbers, and
 cross-checks against the independent single-tier simulator (W = 0 is the
 single-tier cache; with copy-always LRU the hot tier is an LRU of H slots and
 hot + warm an LRU of H + W slots). Per tier, resident experts never exceed the slots.
@@ -10,11 +11,22 @@ import math
 import numpy as np
 import pytest
 
-from mlx_tier.cost_model import TransferCosts, goes_to_hot
+from mlx_tier.cost_model import TransferCosts, copy_ahead_pays, goes_to_hot
 from mlx_tier.policy import PolicySpec, make_policy
 from mlx_tier.simulate import simulate, zipf_trace
 from mlx_tier.simulate_tiers import replay_layer, simulate_two_tier
-from mlx_tier.tiers import DEMOTE, DROP, HOT_HIT, MISS_HOT, MISS_WARM, PROMOTE, WARM_HIT, TierIndex
+from mlx_tier.tiers import (
+    DEMOTE,
+    DROP,
+    HOT_HIT,
+    MISS_HOT,
+    MISS_WARM,
+    PROMOTE,
+    PROMOTE_AHEAD,
+    WARM_HIT,
+    TierIndex,
+)
+from mlx_tier.trace import Trace
 
 NEVER_COPY = TransferCosts(cpu_gbps=math.inf)  # the CPU is free: copy only into a free hot slot
 ALWAYS_COPY = TransferCosts(pcie_gbps=math.inf, gpu_gbps=math.inf)
@@ -135,3 +147,62 @@ def test_simulator_refuses_belady_and_bad_sizes():
         simulate_two_tier(trace, "belady", 2, 2)
     with pytest.raises(ValueError, match="hot \\+ warm"):
         simulate_two_tier(trace, "lru", 4, 5)
+
+
+def test_copy_ahead_threshold_with_its_numbers():
+    """Ahead of use the PCIe copy is hidden: copy when t > cpu / gpu."""
+    gb = 10**9
+    assert copy_ahead_pays(TransferCosts(), gb, 1)  # 1/1000 s on the GPU < 1/50 s on the CPU
+    slow_gpu = TransferCosts(gpu_gbps=40, cpu_gbps=100)  # threshold 2.5 tokens
+    assert [copy_ahead_pays(slow_gpu, gb, t) for t in (1, 2, 3)] == [False, False, True]
+    assert not copy_ahead_pays(NEVER_COPY, gb, 100) and copy_ahead_pays(ALWAYS_COPY, gb, 1)
+
+
+def test_promote_ahead_moves_predicted_warm_experts_to_hot():
+    ix = run([[0], [1]], H=1, W=2, costs=TransferCosts())  # 0 hot, 1 warm (one token: the CPU computes it)
+    assert ix.log == [(MISS_HOT, 0), (MISS_WARM, 1)]
+    moves = ix.promote_ahead(np.array([[1, 0]]))  # 0 is predicted too: no victim allowed
+    assert moves.copies == [] and len(ix.log) == 2
+    moves = ix.promote_ahead(np.array([[1, 2]]))  # 2 is cold: left to the read-ahead
+    assert ix.log[2:] == [(DEMOTE, 0), (PROMOTE_AHEAD, 1)]
+    assert moves.copies == [("demote", 0, 0, 0), ("promote", 1, 0, 0)]  # a swap through warm slot 0
+    replay_layer(ix, [np.array([1])])
+    assert ix.log[-1] == (HOT_HIT, 1) and ix.counts[PROMOTE_AHEAD] == 1
+    # Most voted first; never-copy costs only fill a free hot slot
+    ix = run([[0], [1], [2]], H=2, W=2, costs=NEVER_COPY, E=6)
+    assert ix.log == [(MISS_HOT, 0), (MISS_HOT, 1), (MISS_WARM, 2)]
+    assert ix.promote_ahead(np.array([[2, 3]])).copies == [] and ix.counts[PROMOTE_AHEAD] == 0
+    # The most voted expert goes first (id order would pick 1), and the promoted one is then protected
+    ix = run([[0], [1], [2]], H=1, W=2, costs=TransferCosts())
+    ix.promote_ahead(np.array([[2], [2], [1]]))
+    assert ix.log[3:] == [(DEMOTE, 0), (PROMOTE_AHEAD, 2)]
+    assert ix.hot_slot[2] >= 0 and ix.warm_slot[1] >= 0 and ix.warm_slot[0] >= 0
+
+
+def test_prewarm_fills_hot_then_warm_by_rank():
+    ix = TierIndex(0, 8, 2, 3, PolicySpec("lru"), TransferCosts(), expert_nbytes=1)
+    moves = ix.prewarm([5, 3, 7, 1, 0, 2])
+    assert moves.reads == [(5, "hot", 0), (3, "hot", 1), (7, "warm", 0), (1, "warm", 1), (0, "warm", 2)]
+    assert ix.hot_slot[2] < 0 and ix.warm_slot[2] < 0 and sum(ix.counts.values()) == 0  # not hits nor misses
+    assert ix.hot_policy.evict() == 3 and ix.warm_policy.evict() == 0  # the hottest is the most recent
+    ix = TierIndex(0, 8, 2, 3, PolicySpec("lru"), TransferCosts(), expert_nbytes=1)
+    replay_layer(ix, [np.array([5])])
+    assert ix.prewarm([5, 6]).reads == [(6, "hot", 1)]  # already placed experts are skipped
+
+
+def test_simulator_replays_predictions_only_when_asked_and_recorded():
+    experts = np.array([[0], [1], [0], [1], [2], [1]], np.int32)
+    predicted = np.array([[-1], [-1], [1], [-1], [-1], [-1]], np.int32)
+    n = len(experts)
+    t = Trace(np.arange(n), np.zeros(n, np.int32), np.ones(n, np.uint8), experts,
+              {"num_layers": 1, "num_experts": 4, "top_k": 1}, predicted)
+    # H=1, W=1, default costs: 0 hot, 1 warm; the prediction before record 2 promotes 1 ahead
+    on = simulate_two_tier(t, "lru", 1, 1, keep_events=True, prefetch=True)
+    off = simulate_two_tier(t, "lru", 1, 1, keep_events=True)
+    assert on.events[0][:5] == ((MISS_HOT, 0), (MISS_WARM, 1), (DEMOTE, 0), (PROMOTE_AHEAD, 1), (WARM_HIT, 0))
+    assert off.counts[PROMOTE_AHEAD] == 0 and on.counts[PROMOTE_AHEAD] == 1
+    with pytest.raises(ValueError, match="no prefetch predictions"):
+        simulate_two_tier(Trace(t.token, t.layer, t.phase, t.experts, t.meta), "lru", 1, 1, prefetch=True)
+    # pre-warm from the trace's own counts: 1 (3 uses) hot, 0 (2 uses) warm
+    warmed = simulate_two_tier(t, "lru", 1, 1, keep_events=True, prewarm=True)
+    assert warmed.events[0][:2] == ((WARM_HIT, 0), (HOT_HIT, 1))

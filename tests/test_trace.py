@@ -99,3 +99,27 @@ def test_live_policies_and_offline_refusal(tiny_moe):
         mlx_tier.load(tiny_moe, config=TierConfig(policy="belady"))
     with pytest.raises(ValueError, match="needs a saved frequency profile"):
         mlx_tier.load(tiny_moe, config=TierConfig(policy="pinned"))
+
+
+def test_predictions_are_recorded_aligned_and_saved(tmp_path):
+    """A prefetch's prediction for a layer's next call lands on that call's records
+    (-1 where none was made, or made for a call of another shape) and survives save/load."""
+    from mlx_tier.trace import TraceRecorder
+
+    rec = TraceRecorder(2, 8)
+    rec.add(0, np.array([[[1, 2]]]))
+    rec.predict(1, np.array([[[3, 4]]]))
+    rec.add(1, np.array([[[3, 5]]]))
+    rec.predict(1, np.array([[[6, 7], [0, 1]]]))  # a two-token prediction for a one-token call: dropped
+    rec.add(1, np.array([[[2, 6]]]))
+    t = rec.trace()
+    assert t.predicted.tolist() == [[-1, -1], [3, 4], [-1, -1]]
+    assert t.layer_predictions() == [[[-1, -1]], [[3, 4], [-1, -1]]]
+    save(t, tmp_path / "t.npz")
+    back = load(tmp_path / "t.npz")
+    np.testing.assert_array_equal(back.predicted, t.predicted)
+    plain = TraceRecorder(1, 8)
+    plain.add(0, np.array([[[1, 2]]]))
+    assert plain.trace().predicted is None
+    save(plain.trace(), tmp_path / "p.npz")
+    assert load(tmp_path / "p.npz").predicted is None and load(tmp_path / "p.npz").layer_predictions() is None

@@ -4,21 +4,26 @@ Invariant 1: a two-tier model (hot slots + warm host slots, warm experts
 computed on the CPU stream, copies decided by the cost model) generates exactly
 the greedy tokens of mlx-lm fully resident — and so of the single-tier path,
 which tests/test_tiered.py holds to the same reference — for several hot and
-warm sizes. The live hit/miss/promotion/demotion sequence equals what
-mlx_tier.simulate_tiers predicts from the recorded trace. Invariant 2 holds
-per tier.
+warm sizes; with the warm tier on the CPU expert kernel, logits stay within
+its fp32 bound and the greedy tokens are equal. The live
+hit/miss/promotion/demotion sequence equals what mlx_tier.simulate_tiers
+predicts from the recorded trace, warm -> hot prefetch and pre-warm (hot, then
+warm, by profile rank; pinned) included. Invariant 2 holds per tier.
 """
 
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import generate
 from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
 
 import mlx_tier
 from mlx_tier import TierConfig
+from mlx_tier import profile as prof
 from mlx_tier.cost_model import TransferCosts
 from mlx_tier.simulate_tiers import simulate_two_tier
 
@@ -97,8 +102,10 @@ def one_token_calls(model, tokenizer, prompt, n):
 
 
 @pytest.mark.parametrize("policy,hot,warm,costs,prefetch", [
-    ("lru", 2, 3, DEFAULT, False), ("lfu", 1, 4, ALWAYS_COPY, True), ("2q", 3, 2, NEVER_COPY, False)])
+    ("lru", 2, 3, DEFAULT, False), ("lfu", 1, 4, ALWAYS_COPY, True), ("2q", 3, 2, NEVER_COPY, False),
+    ("lfu", 2, 4, DEFAULT, True), ("lru", 1, 3, NEVER_COPY, True)])
 def test_live_sequence_equals_the_simulator(tiny_moe, policy, hot, warm, costs, prefetch):
+    """Prefetch included: its warm -> hot promotions (recorded predictions) replay identically."""
     model, tokenizer = load_two_tier(tiny_moe, hot, warm, costs, policy=policy, prefetch=prefetch)
     cache = model.expert_cache
     for t in cache.tier_layers:
@@ -108,13 +115,20 @@ def test_live_sequence_equals_the_simulator(tiny_moe, policy, hot, warm, costs, 
     trace = cache.stop_trace()
     ref_model, ref_tok = mlx_load(str(tiny_moe))
     assert tokens == one_token_calls(ref_model, ref_tok, LONG[:120], 8)
-    sim = simulate_two_tier(trace, policy, hot, warm, costs, cache.layers[0].slot_nbytes, keep_events=True)
+    assert (trace.predicted is not None) == prefetch
+    sim = simulate_two_tier(trace, policy, hot, warm, costs, cache.layers[0].slot_nbytes, keep_events=True,
+                            prefetch=prefetch)
     assert sim.events == tuple(tuple(t.index.log) for t in cache.tier_layers)
     s = cache.stats
-    assert (s.hot_hits, s.warm_hits, s.promotions, s.misses_hot, s.misses_warm, s.demotions) == (
+    assert (s.hot_hits, s.warm_hits, s.promotions, s.misses_hot, s.misses_warm, s.demotions,
+            s.promotions_ahead) == (
         sim.counts["hot_hit"], sim.counts["warm_hit"], sim.counts["promote"], sim.counts["miss_hot"],
-        sim.counts["miss_warm"], sim.counts["demote"])
+        sim.counts["miss_warm"], sim.counts["demote"], sim.counts["promote_ahead"])
     assert len(sim.events[0]) > 20  # a real sequence was compared
+    if prefetch and costs is not NEVER_COPY:
+        assert s.promotions_ahead > 0  # warm -> hot prefetch really happened
+        without = simulate_two_tier(trace, policy, hot, warm, costs, cache.layers[0].slot_nbytes)
+        assert without.counts["promote_ahead"] == 0 and without.counts != sim.counts
 
 
 def test_each_tier_stays_within_its_budget(tiny_moe):
@@ -130,10 +144,9 @@ def test_each_tier_stays_within_its_budget(tiny_moe):
 
 
 def test_bad_settings_are_clear_errors(tiny_moe):
-    with pytest.raises(ValueError, match="host cache budget must be"):
-        mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, host_cache_gb=-1.0))
-    with pytest.raises(ValueError, match="pre-warm"):
-        mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, host_cache_gb=0.01, prewarm=True))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="host_cache_gb must be a finite number of GiB >= 0"):
+            mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, host_cache_gb=bad))
 
 
 def test_failed_read_resets_both_tiers_and_stays_exact(tiny_moe):
@@ -154,3 +167,69 @@ def test_failed_read_resets_both_tiers_and_stays_exact(tiny_moe):
     ref_model, ref_tok = mlx_load(str(tiny_moe))
     assert generate(model, tokenizer, LONG, max_tokens=6, verbose=False) == generate(
         ref_model, ref_tok, LONG, max_tokens=6, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def saved_profile(tiny_moe, tmp_path_factory):
+    """A profile file from a run of the tiny MoE (kept out of its folder)."""
+    model, tokenizer = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=3))
+    generate(model, tokenizer, LONG, max_tokens=6, verbose=False)
+    path = tmp_path_factory.mktemp("profile") / "p.json"
+    prof.save(prof.from_counts(model.expert_cache.profile_counts()), path)
+    return path
+
+
+@pytest.mark.parametrize("policy,hot,warm,costs,prewarm", [
+    ("pinned", 2, 3, DEFAULT, None), ("lfu", 1, 4, ALWAYS_COPY, True), ("pinned", 1, 2, NEVER_COPY, None)])
+def test_prewarm_and_pinned_fill_hot_then_warm(tiny_moe, saved_profile, policy, hot, warm, costs, prewarm):
+    p = prof.load(saved_profile)
+    model, tokenizer = load_two_tier(tiny_moe, hot, warm, costs, policy=policy, profile=saved_profile,
+                                     prewarm=prewarm)
+    cache = model.expert_cache
+    for i, t in enumerate(cache.tier_layers):
+        ranked = p.hottest(i, hot + warm)
+        assert len(ranked) == hot + warm  # the profile ranks enough experts for both tiers
+        assert sorted(np.flatnonzero(t.index.hot_slot >= 0)) == sorted(ranked[:hot])
+        assert sorted(np.flatnonzero(t.index.warm_slot >= 0)) == sorted(ranked[hot:])
+    s = cache.stats
+    assert s.prewarmed == (hot + warm) * len(cache.layers) and s.prewarm_bytes > 0
+    assert (s.hits, s.misses, s.bytes_read) == (0, 0, 0)  # pre-warm reads are neither
+    for t in cache.tier_layers:
+        t.index.log = []
+    cache.start_trace()
+    tokens = one_token_calls(model, tokenizer, LONG[:120], 8)
+    trace = cache.stop_trace()
+    ref_model, ref_tok = mlx_load(str(tiny_moe))
+    assert tokens == one_token_calls(ref_model, ref_tok, LONG[:120], 8)
+    nbytes = cache.layers[0].slot_nbytes
+    sim = simulate_two_tier(trace, policy, hot, warm, costs, nbytes, profile=p, keep_events=True, prewarm=True)
+    assert sim.events == tuple(tuple(t.index.log) for t in cache.tier_layers)
+    assert simulate_two_tier(trace, policy, hot, warm, costs, nbytes, profile=p).counts != sim.counts
+
+
+BOUND = 1e-4  # the CPU kernel's bound (tests/test_cpu_kernel.py): max|d| <= BOUND * max|reference|
+
+
+@pytest.mark.parametrize("hot,warm,costs", [(1, 7, NEVER_COPY), (2, 3, DEFAULT), (1, 2, DEFAULT)])
+def test_cpu_kernel_on_the_warm_tier_stays_within_its_bound(checkpoint, hot, warm, costs):
+    path, ref = checkpoint
+    model, tokenizer = load_two_tier(path, hot, warm, costs, kernel="cpu")
+    assert model.expert_cache.kernel == "cpu" and model.expert_cache.tier_layers[0].warm.kernel is not None
+    x = mx.array(tokenizer.encode(LONG))[None]
+    full, _ = load_model(path)
+    full.set_dtype(mx.float32)
+    want = full(x)
+    got = model(x)
+    assert (mx.abs(want - got).max() / mx.abs(want).max()).item() <= BOUND
+    assert generate(model, tokenizer, LONG, max_tokens=10, verbose=False) == ref
+    s = model.expert_cache.stats
+    assert s.cpu_entries > 0 and s.warm_hits + s.misses_warm > 0
+
+
+def test_warm_tier_computes_on_its_own_cpu_stream(tiny_moe):
+    """Not the default stream: the warm share runs beside the hot one (here on a second CPU thread)."""
+    model, _ = load_two_tier(tiny_moe, 1, 3, NEVER_COPY)
+    pools = [t.warm for t in model.expert_cache.tier_layers]
+    assert all(p.kernel is None and p.stream.device == mx.cpu for p in pools)
+    assert all(p.stream != mx.default_stream(mx.default_device()) for p in pools)
+    assert all(p.stream == pools[0].stream for p in pools)  # one for the model, not a thread per layer

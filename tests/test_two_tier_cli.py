@@ -1,16 +1,16 @@
 """The CUDA path at the edges: `plan --gpu-gb` splits the experts into three tiers
 by the stated arithmetic, `trace-sim --warm-slots` prints what the two-tier
-simulator computes, `run --host-cache-gb` records per-tier hits in report.json,
-and bad values are one error line with exit code 2.
+simulator computes, and bad values are one error line with exit code 2.
 """
 
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
-from mlx_tier.cli.main import app
 from mlx_tier.simulate import zipf_trace
 from mlx_tier.simulate_tiers import simulate_two_tier
 from mlx_tier.tier_plan import three_tier_split
@@ -74,20 +74,32 @@ def test_trace_sim_warm_slots(tmp_path):
     assert r.exit_code == 2 and "live policies only" in r.output
 
 
-def test_run_records_per_tier_hits(tmp_path, tiny_moe):
+def test_trace_sim_warm_slots_replays_predictions_and_prewarm(tmp_path):
+    trace = zipf_trace(2, 16, 2, tokens=80, seed=4)
+    rng = np.random.default_rng(0)
+    # predictions: the true experts for about 2/3 of the records, random ones otherwise
+    guess = rng.integers(0, 16, size=trace.experts.shape).astype(np.int32)
+    trace.predicted = np.where(rng.random((len(guess), 1)) < 0.67, trace.experts, guess).astype(np.int32)
+    trace.predicted[trace.layer == 0] = -1  # the first layer has no layer before it
+    path = tmp_path / "t.npz"
+    save_trace(trace, path)
+    r = runner.invoke(app, ["trace-sim", str(path), "--slots", "3", "--warm-slots", "6", "--policy", "lfu",
+                            "--prewarm", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["prefetch"] is True and data["prewarm"] is True
+    want = simulate_two_tier(trace, "lfu", 3, 6, prewarm=True, prefetch=True).as_dict()
+    assert data["results"] == [json.loads(json.dumps(want))] and want["promotions_ahead"] > 0
+    assert want != simulate_two_tier(trace, "lfu", 3, 6, prewarm=True).as_dict()
+    r = runner.invoke(app, ["trace-sim", str(path), "--slots", "3", "--warm-slots", "6", "--policy", "lfu"])
+    assert r.exit_code == 0 and "prefetch from the trace's predictions" in " ".join(r.output.split())
+
+
+def test_run_refuses_a_bad_host_cache(tmp_path, tiny_moe):
+    """(report.json's per-tier counts: tests/test_tier_budgets.py, on a scripted CUDA machine.)"""
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "one.txt").write_text("The river floods every spring and the farmers plant after it recedes.")
-    out = tmp_path / "out"
-    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(tiny_moe), "--cache-gb", "0.0001",
-                            "--host-cache-gb", "0.0002", "--max-tokens", "4"])
-    assert r.exit_code == 0, r.output
-    report = json.loads((out / "report.json").read_text())
-    cache, run = report["cache"], report["runs"][-1]
-    assert run["warm_slots"] and min(run["warm_slots"]) >= 1
-    assert cache["hot_hits"] + cache["warm_hits"] + cache["promotions"] == cache["hits"]
-    assert cache["misses_hot"] + cache["misses_warm"] == cache["misses"] > 0
-    assert run["cache"]["cpu_entries"] > 0 and 0 < run["cache"]["cpu_share"] <= 1
+    (docs / "one.txt").write_text("The river floods every spring.")
     r = runner.invoke(app, ["run", str(docs), "--out", str(tmp_path / "o2"), "--model", str(tiny_moe),
                             "--host-cache-gb", "-2"])
     assert r.exit_code == 2 and "--host-cache-gb must be a number >= 0" in r.output

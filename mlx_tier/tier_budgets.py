@@ -1,0 +1,149 @@
+"""Default budgets of the expert tiers, each from the free memory where that tier lives.
+
+- CUDA (GPU memory + host RAM): the hot tier lives on the GPU, so its default
+  is a fraction of the GPU's *free device memory* (measured after the dense
+  part is loaded there); the warm tier lives in host RAM, so its default is a
+  fraction of *available host memory*. Two tiers are on by default;
+  ``host_cache_gb=0`` turns the warm tier off (copy on every miss).
+- Metal and the CPU backend (one unified memory): one tier, its default a
+  fraction of available host memory, as before. A warm tier there is only the
+  stand-in that runs the CUDA path's logic on one memory (tests, benches):
+  both tiers then come out of the *same* memory, never twice — the default hot
+  budget is the one-tier default minus the warm budget, and explicit budgets
+  that add up to more than the machine's memory are refused. (``mlx-tier run``
+  refuses ``--host-cache-gb`` off CUDA outright: no user gains from it there.)
+
+Pure functions over a :class:`FreeMemory` snapshot; :func:`probe` is the only
+place that asks the OS and MLX.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import psutil
+
+from .errors import BudgetError, ConfigError
+
+GIB = 1024**3
+# Fraction of the free memory of a tier's home that its default budget takes:
+# room for the KV cache, activations, the OS (as tiered.DEFAULT_BUDGET_FRACTION).
+DEFAULT_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class FreeMemory:
+    """Where the tiers would live and how much room there is, in bytes.
+
+    Attributes:
+        backend: ``"cuda"``, ``"metal"`` or ``"cpu"`` (:func:`backend_of`).
+        host_available: host memory available now (psutil ``available``).
+        host_total: host memory installed.
+        device_free: free GPU memory (CUDA only; ``None`` elsewhere or unknown).
+        device_total: GPU memory installed (CUDA only; ``None`` elsewhere or unknown).
+    """
+
+    backend: str
+    host_available: int
+    host_total: int
+    device_free: int | None = None
+    device_total: int | None = None
+
+    @property
+    def unified(self) -> bool:
+        """One memory for every tier (Metal, CPU): no separate warm tier."""
+        return self.backend != "cuda"
+
+
+@dataclass(frozen=True)
+class TierBudgets:
+    """Bytes of each tier. ``warm`` is ``None`` for one tier (no warm pool)."""
+
+    hot: int
+    warm: int | None
+
+
+def device_memory(info: dict, active: int = 0) -> tuple[int | None, int | None]:
+    """``(free, total)`` GPU bytes from ``mx.device_info()`` on CUDA.
+
+    MLX's CUDA device info gives ``free_memory``/``total_memory`` (NVML,
+    system-wide, else ``cudaMemGetInfo``) in recent versions; older ones give
+    only ``memory_size``, and then free = total - ``active`` (MLX's own
+    allocations: other processes' use is not seen). ``(None, None)`` when
+    neither is there.
+    """
+    total = info.get("total_memory", info.get("memory_size"))
+    free = info.get("free_memory")
+    if free is None and total is not None:
+        free = max(0, int(total) - int(active))
+    return (None if free is None else int(free)), (None if total is None else int(total))
+
+
+def backend_of(api=mx) -> str:
+    """``"metal"``, ``"cuda"`` or ``"cpu"``: where ``api`` (``mlx.core``) computes."""
+    if api.metal.is_available():
+        return "metal"
+    cuda = getattr(api, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else "cpu"
+
+
+def probe(api=mx) -> FreeMemory:
+    """The memory snapshot now (``api``: ``mlx.core``, or a fake)."""
+    vm = psutil.virtual_memory()
+    backend = backend_of(api)
+    free = total = None
+    if backend == "cuda":
+        free, total = device_memory(api.device_info(), api.get_active_memory())
+    return FreeMemory(backend, int(vm.available), int(vm.total), free, total)
+
+
+def two_tiers(host_cache_gb: float | None, backend: str) -> bool:
+    """Whether a warm tier is built: always on CUDA, elsewhere only when asked for."""
+    return backend == "cuda" or host_cache_gb is not None
+
+
+def _gib(name: str, v: float | None, positive: bool) -> int | None:
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v) or v < 0 or (positive and v == 0):
+        need = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name} must be a finite number of GiB {need}, got {v!r}", field=name)
+    return int(v * GIB)
+
+
+def tier_budgets(cache_gb: float | None, host_cache_gb: float | None, mem: FreeMemory) -> TierBudgets:
+    """The hot and warm budgets for ``cache_gb``/``host_cache_gb`` (GiB, ``None``: default).
+
+    Returns:
+        :class:`TierBudgets` in bytes (see the module doc for the rules).
+
+    Raises:
+        ConfigError: a budget that is negative, zero (hot) or not finite.
+        BudgetError: on CUDA, free GPU memory unknown and no ``cache_gb``; on
+            one memory, the warm budget leaving nothing of the default for the
+            hot tier, or the two explicit budgets exceeding the machine's memory.
+    """
+    hot, warm = _gib("cache_gb", cache_gb, True), _gib("host_cache_gb", host_cache_gb, False)
+    if not mem.unified:
+        if hot is None and mem.device_free is None:
+            raise BudgetError("cannot tell the GPU's free memory (MLX reports none): give cache_gb, the GPU "
+                              "(hot tier) budget", field="cache_gb")
+        hot = hot if hot is not None else int(mem.device_free * DEFAULT_FRACTION)
+        warm = warm if warm is not None else int(mem.host_available * DEFAULT_FRACTION)
+        return TierBudgets(hot, warm)
+    one_tier = int(mem.host_available * DEFAULT_FRACTION)
+    if warm is None:
+        return TierBudgets(hot if hot is not None else one_tier, None)
+    if hot is None:
+        if warm >= one_tier:
+            raise BudgetError(f"host_cache_gb {warm / GIB:.2f} GiB leaves nothing of the default expert budget "
+                              f"({one_tier / GIB:.2f} GiB) for the hot tier: on the {mem.backend} backend both "
+                              "tiers share one memory", field="host_cache_gb")
+        return TierBudgets(one_tier - warm, warm)
+    if hot + warm > mem.host_total:
+        raise BudgetError(f"cache_gb + host_cache_gb = {(hot + warm) / GIB:.2f} GiB is more than this machine's "
+                          f"memory ({mem.host_total / GIB:.1f} GiB): on the {mem.backend} backend both tiers "
+                          "share one memory", field="host_cache_gb")
+    return TierBudgets(hot, warm)
