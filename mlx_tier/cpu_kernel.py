@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 from mlx import nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchMLP
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchMLP
 from numba import njit
 from threadpoolctl import ThreadpoolController
 
@@ -290,6 +290,22 @@ def _parallel(fn, total: int, grain: int = 64) -> None:
         f.result()
 
 
+def _parallel_jobs(jobs: list, grain: int) -> None:
+    """Run several ``(fn, total)`` jobs as one :func:`_parallel` call over their concatenated
+    ranges (one hand-off to the pool for, e.g., a block's gate and up projections)."""
+    if len(jobs) == 1:
+        _parallel(*jobs[0], grain=grain)
+        return
+    starts = np.cumsum([0] + [t for _, t in jobs])
+
+    def piece(a, b):
+        for (fn, _), lo, hi in zip(jobs, starts[:-1], starts[1:]):
+            if a < hi and b > lo:
+                fn(max(a, lo) - lo, min(b, hi) - lo)
+
+    _parallel(piece, int(starts[-1]), grain)
+
+
 def _host(a: mx.array, float32: bool = True) -> np.ndarray:
     """A numpy view (zero-copy for evaluated float32/int arrays on the CPU)."""
     if float32 and mx.issubdtype(a.dtype, mx.floating) and a.dtype != mx.float32:
@@ -331,20 +347,31 @@ class _Quant:
 
     def matvec(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """``[len(slots), O]`` float32: row n = W[slots[n]] @ x[tok[n]] (x [R, I] float32)."""
+        out, job = self.matvec_job(x, tok, slots)
+        _parallel_jobs([job], self.grain)
+        return out
+
+    @property
+    def grain(self) -> int:
+        """Output rows of a thread's least share of a matvec (:data:`SHARE_BYTES`)."""
+        return max(1, SHARE_BYTES // (self.w.shape[2] + 2 * self.scales.shape[2] * self.scales.itemsize))
+
+    def matvec_job(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray):
+        """:meth:`matvec`'s output ``[N, O]`` (empty) and the job ``(fn(f0, f1), N*O)`` filling
+        it, f = n*O + o, for :func:`_parallel_jobs`."""
         xd = _deinterleave(x, self.bits, self.mode)  # [R, p, I/p]
         xsum = x.reshape(x.shape[0], -1, self.gs).sum(-1, dtype=np.float32)  # [R, G]
         out = np.empty((len(slots), self.out_dims), np.float32)
         tok, slots = tok.astype(np.int64), slots.astype(np.int64)
-        row_bytes = self.w.shape[2] + 2 * self.scales.shape[2] * self.scales.itemsize
-        dot = _row_loop(self.bits, self.gs, self.mode, self.scales.shape[2])
+        w, sc, bi = self.w, self.scales, self.biases
+        dot = _row_loop(self.bits, self.gs, self.mode, sc.shape[2])
         if dot is not None:
             def rows(f0, f1):
-                _qmv_rows(dot, self.w, self.scales, self.biases, xd, xsum, tok, slots, out, f0, f1)
+                _qmv_rows(dot, w, sc, bi, xd, xsum, tok, slots, out, f0, f1)
         else:
             def rows(f0, f1):
-                _qmv(self.w, self.scales, self.biases, self.bits, self.gs, self.mode, xd, xsum, tok, slots, out, f0, f1)
-        _parallel(rows, out.size, grain=max(1, SHARE_BYTES // row_bytes))
-        return out
+                _qmv(w, sc, bi, self.bits, self.gs, self.mode, xd, xsum, tok, slots, out, f0, f1)
+        return out, (rows, out.size)
 
     def dense(self, s: int, o0: int = 0, o1: int | None = None) -> np.ndarray:
         """``[o1 - o0, I]`` float32: rows o0..o1 of slot ``s``'s dequantised weight, columns
@@ -391,20 +418,43 @@ def switch_linear(leaf: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nda
         ValueError: a quantization mode other than affine/mxfp4 (e.g. nvfp4 with
             a global scale).
     """
+    return switch_linears([leaf], x, tok, slots)[0]
+
+
+def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> list[np.ndarray]:
+    """:func:`switch_linear` of several leaves on the same input (a SwitchGLU's gate and
+    up projections): the fused matvecs of all leaves run as one parallel call, so the
+    pool is handed work once per call, not once per leaf. Returns ``[N, O_leaf]`` each."""
     groups = _groups(slots)
-    quant = _Quant(leaf, stacked=True) if isinstance(leaf, QuantizedSwitchLinear) else None
-    weight = None if quant is not None else _host(leaf["weight"])  # [S, O, I]
-    O = quant.out_dims if quant is not None else weight.shape[1]
-    out = np.empty((len(slots), O), np.float32)
     small = [p for s, p in groups if len(p) < GEMM_MIN_ROWS]
-    if quant is not None and small:
-        pairs = np.concatenate(small)
-        out[pairs] = quant.matvec(x, tok[pairs], slots[pairs])
-    big = groups if quant is None else [(s, p) for s, p in groups if len(p) >= GEMM_MIN_ROWS]
-    _gemm_slots(quant, weight, x, tok, big, out)
-    if "bias" in leaf:
-        out += _host(leaf["bias"])[slots]
-    return out
+    pairs = np.concatenate(small) if small else None
+    outs, jobs, grains = [], [], []
+    for leaf in leaves:
+        quant = _Quant(leaf, stacked=True) if isinstance(leaf, QuantizedSwitchLinear) else None
+        weight = None if quant is not None else _host(leaf["weight"])  # [S, O, I]
+        out = np.empty((len(slots), quant.out_dims if quant is not None else weight.shape[1]), np.float32)
+        if quant is not None and pairs is not None:
+            part, job = quant.matvec_job(x, tok[pairs], slots[pairs])  # [len(pairs), O]
+            jobs.append(job)
+            grains.append(quant.grain)
+            outs.append((out, part))
+        else:
+            outs.append((out, None))
+        big = groups if quant is None else [(s, p) for s, p in groups if len(p) >= GEMM_MIN_ROWS]
+        _gemm_slots(quant, weight, x, tok, big, out)
+    if jobs:
+        _parallel_jobs(jobs, min(grains))
+    result = []
+    for leaf, (out, part) in zip(leaves, outs):
+        if part is not None:
+            if len(pairs) == len(slots) and (pairs == np.arange(len(slots))).all():
+                out = part  # every pair took the matvec, in order: no scatter
+            else:
+                out[pairs] = part
+        if "bias" in leaf:
+            out += _host(leaf["bias"])[slots]
+        result.append(out)
+    return result
 
 
 def unsupported(block: nn.Module) -> str | None:
@@ -418,6 +468,16 @@ def unsupported(block: nn.Module) -> str | None:
     return None
 
 
+def _glu(activation: nn.Module, up: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """A SwitchGLU's ``activation(up, gate)`` on ``[N, H]`` float32 rows. mlx-lm's own
+    ``SwiGLU`` (``silu(gate) * up``) is computed in numpy, saving two MLX round trips per
+    call; any other activation (gpt_oss's clamped variant...) runs as the block defines it."""
+    if type(activation) is SwiGLU:
+        with np.errstate(over="ignore"):  # exp(-gate) -> inf for gate << 0: silu -> -0, as in MLX
+            return gate / (np.float32(1.0) + np.exp(-gate)) * up
+    return _host(activation(mx.array(up), mx.array(gate)))
+
+
 def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) -> mx.array:
     """An mlx-lm expert block computed by the CPU kernel, eagerly.
 
@@ -429,7 +489,8 @@ def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) 
     Returns:
         ``[..., k, D]`` in ``x.dtype``, evaluated: what ``inner(x, slots)``
         returns, to fp32 rounding. The activation is the block's own
-        (``inner.activation``), run by MLX on the ``[N, H]`` hidden rows.
+        (``inner.activation``), run by MLX on the ``[N, H]`` hidden rows;
+        mlx-lm's plain ``SwiGLU`` is computed here in numpy (same formula).
 
     Raises:
         TypeError: ``inner`` is not a SwitchGLU/SwitchMLP.
@@ -441,9 +502,8 @@ def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) 
     tok = np.arange(sl.size) // k  # [N] token of each pair
     pair = np.arange(sl.size)
     if isinstance(inner, SwitchGLU):
-        up = mx.array(switch_linear(inner.up_proj, xs, tok, sl))  # [N, H]
-        gate = mx.array(switch_linear(inner.gate_proj, xs, tok, sl))
-        h = _host(inner.activation(up, gate))
+        up, gate = switch_linears([inner.up_proj, inner.gate_proj], xs, tok, sl)  # [N, H] each
+        h = _glu(inner.activation, up, gate)
         y = switch_linear(inner.down_proj, h, pair, sl)  # [N, D]
     elif isinstance(inner, SwitchMLP):
         h = _host(inner.activation(mx.array(switch_linear(inner.fc1, xs, tok, sl))))
