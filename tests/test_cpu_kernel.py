@@ -83,16 +83,16 @@ def test_4bit_row_loops_match_mlx_and_the_generic_loop(D, group_size):
     b = block("glu", D=D, H=max(64, group_size), bits=4, group_size=group_size)
     check_block(b, 1, D=D)
     q = cpu_kernel._Quant(b.gate_proj, stacked=True)
-    dot = cpu_kernel._row_loop(4, group_size, 0, D // group_size)
-    assert (dot is None) == (group_size == 32 and (D // group_size) % 2 == 1)
-    if dot is None:
+    loop = cpu_kernel._row_loop(4, group_size, 0, D // group_size)
+    assert (loop == 0) == (group_size == 32 and (D // group_size) % 2 == 1)
+    if not loop:
         return
     x = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32)
     xd, xs = cpu_kernel._deinterleave(x, 4, 0), x.reshape(1, -1, group_size).sum(-1)
     tok, slots = np.zeros(3, np.int64), np.array([0, 4, 2])
     want, got = np.empty((3, q.out_dims), np.float32), np.empty((3, q.out_dims), np.float32)
     cpu_kernel._qmv(q.w, q.scales, q.biases, 4, group_size, 0, xd, xs, tok, slots, want, 0, want.size)
-    cpu_kernel._qmv_rows(dot, q.w, q.scales, q.biases, xd, xs, tok, slots, got, 0, got.size)
+    cpu_kernel._qmv4(loop, q.w, q.scales, q.biases, xd, xs, tok, slots, got, 0, got.size)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
