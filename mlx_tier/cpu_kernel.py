@@ -556,10 +556,34 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+def _prompt_positions(x: mx.array) -> bool:
+    """``x`` ``[B, L, D]`` holds several positions of each sequence (a prompt being read)."""
+    return x.ndim >= 3 and x.shape[-2] > 1
+
+
+class CpuOutputLinear(CpuQuantizedLinear):
+    """A model's own quantized output layer (``lm_head``): one position per sequence
+    (decode) through :func:`quantized_matmul`; several positions (a prompt) through
+    MLX's op, lazily. mlx-lm reads a prompt in steps whose logits it never evaluates
+    (``generate_step``'s prefill, the batch generator's), so a lazy op is skipped,
+    where the eager kernel computed all of them: for the demo's 49k-row output
+    layer, 128 prompt positions cost ~0.6 s. When those logits are evaluated
+    (speculative decoding, scoring a text), they are MLX's own."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _prompt_positions(x):
+            return nn.QuantizedLinear.__call__(self, x)
+        return super().__call__(x)
+
+
 class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
-    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied output layer) is :func:`quantized_matmul`."""
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied output layer) is
+    :func:`quantized_matmul` for one position per sequence, MLX's lazy op for
+    several (the rule and its reason: :class:`CpuOutputLinear`)."""
 
     def as_linear(self, x: mx.array) -> mx.array:
+        if _prompt_positions(x):
+            return super().as_linear(x)
         return quantized_matmul(self, x)
 
 
@@ -572,12 +596,16 @@ def serve_dense(model: nn.Module) -> int:
     Each exact ``nn.QuantizedLinear``/``nn.QuantizedEmbedding`` of a supported
     mode (affine, mxfp4) gets the subclass above as its class: parameters,
     names and ``parameters()`` stay as they were, only the matmul changes
-    (a dense quantized layer is one always-resident expert). Subclasses of
-    those layers (model-specific variants) are left alone.
+    (a dense quantized layer is one always-resident expert). The output layer
+    (a module named ``lm_head``, or a tied embedding's ``as_linear``) leaves prompt
+    positions to MLX, lazily (:class:`CpuOutputLinear`). Subclasses of those
+    layers (model-specific variants) are left alone.
     """
     n = 0
-    for _, m in model.named_modules():
+    for name, m in model.named_modules():
         new = _DENSE.get(type(m))
+        if new is CpuQuantizedLinear and name.rsplit(".", 1)[-1] == "lm_head":
+            new = CpuOutputLinear
         if new is not None and m.mode in MODES and m.get("global_scale") is None:
             m.__class__ = new  # same instance dict: only __call__/as_linear change
             n += 1

@@ -132,6 +132,30 @@ def test_dense_quantized_layers_served(mode, bits, group_size, T):
     assert mx.array_equal(want[2], got[2])  # lookups stay MLX's
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-embedding", "lm_head"])
+def test_output_layer_leaves_prompt_positions_to_mlx(tied, monkeypatch):
+    """The output layer computes one position per sequence (decode, a batch of 3) with the
+    kernel and a prompt's positions with MLX's lazy op (mlx-lm never evaluates prefill
+    logits, so they cost nothing); other dense layers use the kernel for both."""
+    mx.random.seed(5)
+    model = nn.Module()
+    model.embed = nn.QuantizedEmbedding(96, 128, group_size=32, bits=8)
+    model.lm_head = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+    model.q_proj = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+    out = (lambda x: model.embed.as_linear(x)) if tied else (lambda x: model.lm_head(x))
+    prompt, step = mx.random.normal((3, 7, 128)), mx.random.normal((3, 1, 128))
+    want = out(prompt), out(step), model.q_proj(prompt)
+    assert cpu_kernel.serve_dense(model) == 3
+    assert type(model.lm_head) is cpu_kernel.CpuOutputLinear
+    assert type(model.q_proj) is cpu_kernel.CpuQuantizedLinear
+    calls = []
+    kernel = cpu_kernel.quantized_matmul
+    monkeypatch.setattr(cpu_kernel, "quantized_matmul", lambda layer, x: calls.append(x.shape) or kernel(layer, x))
+    assert mx.array_equal(out(prompt), want[0]) and calls == []  # MLX's op: bit-equal, no kernel call
+    assert close(want[1], out(step)) <= BOUND and calls == [(3, 1, 128)]
+    assert close(want[2], model.q_proj(prompt)) <= BOUND and calls[-1] == (3, 7, 128)
+
+
 def test_wrong_slot_is_detected():
     """The comparison can fail: reading another slot's weights breaks the bound."""
     b = block("glu", bits=4, group_size=32)
