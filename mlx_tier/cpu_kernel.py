@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
+import psutil
 from mlx import nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchMLP
 from numba import njit
@@ -46,10 +47,13 @@ from threadpoolctl import ThreadpoolController
 # multiplied with BLAS; fewer pairs use the fused matvec (benches/kernel.py).
 GEMM_MIN_ROWS = 8
 
-# Threads of the kernel: one per core. A Python pool over nogil Numba
-# functions measured faster here than Numba's parallel=True (whose parfor
-# lowering lost the inner loops' vectorisation: benches/kernel.py, README).
-THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# Threads of the kernel: one per physical core this process may use (a second
+# hardware thread of a core shares its vector units, which the matvec keeps
+# busy). A Python pool over nogil Numba functions measured faster here than
+# Numba's parallel=True (whose parfor lowering lost the inner loops'
+# vectorisation: benches/kernel.py, README).
+_USABLE = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+THREADS = max(1, min(_USABLE, psutil.cpu_count(logical=False) or _USABLE))
 _POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="mlx-tier-kernel")
 # Least weight bytes a thread's share of a matvec gets: below it, handing work to
 # another thread costs more than it saves (small attention projections).
