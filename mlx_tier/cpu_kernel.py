@@ -506,9 +506,10 @@ def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) 
         TypeError: ``inner`` is not a SwitchGLU/SwitchMLP.
         ValueError: an unsupported quantization mode.
     """
+    mx.eval([x, slots] if isinstance(slots, mx.array) else x)  # one hand-off to MLX's thread, not two
     sl = np.asarray(slots).reshape(-1).astype(np.int64)  # [N]
     k, D = slots.shape[-1], x.shape[-1]
-    xs = _host(x.reshape(-1, D))  # [T, D]
+    xs = _host(x).reshape(-1, D)  # [T, D]; a numpy reshape: no MLX op to evaluate
     tok = np.arange(sl.size) // k  # [N] token of each pair
     pair = np.arange(sl.size)
     if isinstance(inner, SwitchGLU):
@@ -535,7 +536,7 @@ def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
         ``[..., O]`` in ``x.dtype``, evaluated; no layer ``bias`` added.
     """
     quant = _Quant(layer, stacked=False)
-    xs = _host(x.reshape(-1, x.shape[-1]))  # [T, I]
+    xs = _host(x).reshape(-1, x.shape[-1])  # [T, I]; a numpy reshape: no MLX op to evaluate
     T = xs.shape[0]
     if T >= GEMM_MIN_ROWS:  # output rows shared among the threads, BLAS single-threaded (_gemm_slots)
         y = np.empty((T, quant.out_dims), np.float32)
