@@ -96,6 +96,32 @@ def test_4bit_row_loops_match_mlx_and_the_generic_loop(D, group_size):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("T, k", [(1, 2), (1, 4), (2, 3)])
+def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, monkeypatch):
+    """Decode of a bias-free 4-bit SwiGLU block with the pairs split evenly among the threads
+    runs each pair whole on one thread: bit-equal to the per-projection path (same row
+    loops), within the bound of MLX's block."""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    b = block("glu", D=128, H=64, bias=False, bits=4, group_size=32)
+    x = mx.random.normal((T, 128))
+    idx = mx.array(np.random.default_rng(T * k).choice(6, (T, k)).astype(np.uint32))
+    assert cpu_kernel._by_pairs(b, np.asarray(idx).reshape(-1))
+    got = cpu_kernel.expert_forward(b, x, idx)
+    monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    assert mx.array_equal(got, cpu_kernel.expert_forward(b, x, idx))
+    assert close(b(x, idx), got) <= BOUND
+
+
+def test_decode_by_whole_pairs_only_where_it_fits(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    plain, biased = block("glu", bias=False, bits=4, group_size=32), block("glu", bias=True, bits=4, group_size=32)
+    assert cpu_kernel._by_pairs(plain, np.array([0, 3]))
+    assert not cpu_kernel._by_pairs(plain, np.array([0, 3, 5]))  # 3 pairs on 2 threads: rows instead
+    assert not cpu_kernel._by_pairs(biased, np.array([0, 3]))  # up/gate biases come before the activation
+    assert not cpu_kernel._by_pairs(plain, np.zeros(8, np.int64))  # 8 rows of one expert: the GEMM path
+    assert not cpu_kernel._by_pairs(block("mlp", bias=False, bits=4, group_size=32), np.array([0, 3]))
+
+
 def test_qwen3_30b_expert_shape_one_token():
     """The bench's shapes (Qwen3-30B-A3B): 4-bit g64, D=2048, H=768, k=8, one token."""
     b = block("glu", D=2048, H=768, experts=8, bias=False, bits=4, group_size=64)
