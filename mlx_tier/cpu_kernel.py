@@ -12,7 +12,10 @@ pairs, S slots, O output features, I input features, G = I / group_size.
   parallel over (pair, block of output rows), each weight byte read once per
   pair. Affine groups use ``sum_g scale_g * (q . x)_g + bias_g * sum(x_g)``,
   so the inner loop is integer unpack + FMA on de-interleaved activations
-  (the standard trick of llama.cpp's q4_1 dot products).
+  (the standard trick of llama.cpp's q4_1 dot products); 4-bit rows have a
+  loop per group size whose inner trip count is a compile-time constant. A
+  bias-free SwiGLU block whose pairs split evenly among the threads is
+  computed by whole pairs per thread (one hand-off per block).
 - Prefill (many rows per expert): pairs grouped by slot; each slot's weight
   is dequantised once to float32 and fed to numpy's optimized BLAS GEMM.
 
