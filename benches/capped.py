@@ -179,13 +179,15 @@ class Engine:
     cache_gb: float = 0.0
     read_method: str = "pread"
     page_cache: str = "keep"
+    kernel: str = "mlx"  # TierConfig.kernel: what computes the experts (mlx_tier.kernels)
 
     @property
     def name(self) -> str:
         if self.kind == "mlx-lm":
             return "mlx-lm" + ("" if self.capped else " (uncapped)")
         pf = "" if self.prefetch is None else f" prefetch {'on' if self.prefetch else 'off'}"
-        return f"mlx-tier {self.policy}{pf}"
+        kern = "" if self.kernel == "mlx" else f" kernel {self.kernel}"
+        return f"mlx-tier {self.policy}{pf}{kern}"
 
 
 def _emit(**event) -> None:
@@ -214,7 +216,7 @@ def worker(spec: dict) -> None:
     else:
         extra = {} if engine.prefetch is None else {"prefetch": engine.prefetch}
         config = TierConfig(cache_gb=engine.cache_gb, policy=engine.policy, read_method=engine.read_method,
-                            page_cache=engine.page_cache, **extra)
+                            page_cache=engine.page_cache, kernel=engine.kernel, **extra)
         model, tokenizer = mlx_tier.load(spec["model"], config=config)
         cache = model.expert_cache
     load_s = time.perf_counter() - t0
@@ -353,6 +355,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--policies", default="lru,lfu,2q")
     ap.add_argument("--prefetch", default="off,on", help="comma list of on/off")
+    ap.add_argument("--kernels", default="mlx", help="mlx-tier expert kernels, comma list (mlx, cpu: "
+                    "side by side at the same policy and cache; cpu also serves the dense quantized layers)")
     ap.add_argument("--read-method", default=None, help="mlx-tier read method (default: TierConfig's)")
     ap.add_argument("--page-cache", default=None, help="mlx-tier page-cache mode (default: TierConfig's)")
     ap.add_argument("--prompt-tokens", type=int, default=8)
@@ -401,7 +405,8 @@ def main() -> None:
     if not args.no_reference:
         engines.append(Engine("mlx-lm", capped=False))
     engines += [Engine("mlx-tier", policy=pol, prefetch=pf, cache_gb=cache_gb, read_method=read_method,
-                       page_cache=page_cache) for pol in args.policies.split(",") for pf in prefetch]
+                       page_cache=page_cache, kernel=kern)
+                for pol in args.policies.split(",") for pf in prefetch for kern in args.kernels.split(",")]
 
     shards = sorted(args.model.glob("*.safetensors"))
     ckpt = sum(f.stat().st_size for f in shards)

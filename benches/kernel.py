@@ -9,7 +9,8 @@ float32 scales as on the CPU backend), in one process:
   all threads; the larger is the reference;
 - decode: one token, k=8 distinct random experts per call (new ones every
   call, so weights come from memory, not cache): the kept kernel (Numba fused
-  dequantise + matvec), the other build candidate (vectorised numpy dequantise
+  dequantise + matvec), the same with its generic row loop (before the
+  group-size-specialised ones), the other build candidate (vectorised numpy dequantise
   + BLAS matvec) and MLX (``SwitchGLU`` -> ``gather_qmm``), in GB/s of expert
   weights (packed weights + scales + biases) read;
 - prefill: 512 tokens x top-8 over the 128 experts (random routing): the
@@ -92,6 +93,17 @@ def _numpy_block(blk, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return out
 
 
+def generic_rows(fn):
+    """``fn()`` with the kernel's group-size-specialised 4-bit row loops turned off (the
+    runtime group-length loop the kernel used before them), for a side-by-side ratio."""
+    keep = cpu_kernel._row_loop
+    cpu_kernel._row_loop = lambda *a: 0
+    try:
+        return fn()
+    finally:
+        cpu_kernel._row_loop = keep
+
+
 def expert_bytes(blk) -> float:
     """Bytes of one expert's packed weights, scales and biases (all three projections)."""
     return sum(v.nbytes for _, v in nn.utils.tree_flatten(blk.parameters())) / E
@@ -129,6 +141,7 @@ def main() -> None:
 
     decode = {
         "cpu kernel (numba fused)": lambda: cpu_kernel.expert_forward(blk, x, pick()),
+        "  generic row loop (before)": lambda: generic_rows(lambda: cpu_kernel.expert_forward(blk, x, pick())),
         "numpy dequant + BLAS": lambda: numpy_block(blk, xs, np.asarray(pick())),
         "MLX gather_qmm": lambda: mx.eval(blk(x, pick())),
     }

@@ -12,7 +12,10 @@ pairs, S slots, O output features, I input features, G = I / group_size.
   parallel over (pair, block of output rows), each weight byte read once per
   pair. Affine groups use ``sum_g scale_g * (q . x)_g + bias_g * sum(x_g)``,
   so the inner loop is integer unpack + FMA on de-interleaved activations
-  (the standard trick of llama.cpp's q4_1 dot products).
+  (the standard trick of llama.cpp's q4_1 dot products); 4-bit rows have a
+  loop per group size whose inner trip count is a compile-time constant. A
+  bias-free SwiGLU block whose pairs split evenly among the threads is
+  computed by whole pairs per thread (one hand-off per block).
 - Prefill (many rows per expert): pairs grouped by slot; each slot's weight
   is dequantised once to float32 and fed to numpy's optimized BLAS GEMM.
 
@@ -37,8 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
+import psutil
 from mlx import nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchMLP
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchMLP
 from numba import njit
 from threadpoolctl import ThreadpoolController
 
@@ -46,10 +50,13 @@ from threadpoolctl import ThreadpoolController
 # multiplied with BLAS; fewer pairs use the fused matvec (benches/kernel.py).
 GEMM_MIN_ROWS = 8
 
-# Threads of the kernel: one per core. A Python pool over nogil Numba
-# functions measured faster here than Numba's parallel=True (whose parfor
-# lowering lost the inner loops' vectorisation: benches/kernel.py, README).
-THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# Threads of the kernel: one per physical core this process may use (a second
+# hardware thread of a core shares its vector units, which the matvec keeps
+# busy). A Python pool over nogil Numba functions measured faster here than
+# Numba's parallel=True (whose parfor lowering lost the inner loops'
+# vectorisation: benches/kernel.py, README).
+_USABLE = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+THREADS = max(1, min(_USABLE, psutil.cpu_count(logical=False) or _USABLE))
 _POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="mlx-tier-kernel")
 # Least weight bytes a thread's share of a matvec gets: below it, handing work to
 # another thread costs more than it saves (small attention projections).
@@ -90,6 +97,97 @@ def _dot4(wr, sr, br, gs, xd, xs):
             dot += (fb - np.float32(16.0) * hi) * xe[i] + hi * xo[i]
         acc += sr[g] * dot + br[g] * xs[g]
     return acc
+
+
+# Row loops specialised by group size: an inner loop with a compile-time trip
+# count is unrolled and vectorised whole by LLVM, where _dot4's runtime
+# group-length loop (16-64 bytes) runs mostly in its scalar epilogue. Measured
+# 1.3-1.7x faster per thread (benches/kernel.py, README "CPU expert kernel").
+# Each is written out: variants sharing one loop with a computed scale index
+# lost most of the gain, and the same constant-length loop for 8-bit rows ran
+# 4x slower than _dot8's (measured; LLVM's choices, not a rule).
+
+
+@njit(fastmath=FM, nogil=True, cache=True)
+def _dot4_g32(wr, sr, br, xd, xs):
+    """:func:`_dot4` for group 32 and an even number of groups: 32-byte steps over two groups."""
+    acc = np.float32(0.0)
+    for p in range(sr.shape[0] // 2):
+        wg = wr[p * 32:(p + 1) * 32]
+        xe = xd[0, p * 32:(p + 1) * 32]
+        xo = xd[1, p * 32:(p + 1) * 32]
+        s0 = sr[2 * p]
+        s1 = sr[2 * p + 1]
+        dot = np.float32(0.0)
+        for i in range(32):
+            fb = np.float32(wg[i])
+            hi = np.floor(fb * np.float32(0.0625))
+            dot += (s0 if i < 16 else s1) * ((fb - np.float32(16.0) * hi) * xe[i] + hi * xo[i])
+        acc += dot
+    for g in range(sr.shape[0]):
+        acc += br[g] * xs[g]
+    return acc
+
+
+@njit(fastmath=FM, nogil=True, cache=True)
+def _dot4_g64(wr, sr, br, xd, xs):
+    """:func:`_dot4` for group 64 (32 bytes a group)."""
+    acc = np.float32(0.0)
+    for g in range(sr.shape[0]):
+        wg = wr[g * 32:(g + 1) * 32]
+        xe = xd[0, g * 32:(g + 1) * 32]
+        xo = xd[1, g * 32:(g + 1) * 32]
+        dot = np.float32(0.0)
+        for i in range(32):
+            fb = np.float32(wg[i])
+            hi = np.floor(fb * np.float32(0.0625))
+            dot += (fb - np.float32(16.0) * hi) * xe[i] + hi * xo[i]
+        acc += sr[g] * dot + br[g] * xs[g]
+    return acc
+
+
+@njit(fastmath=FM, nogil=True, cache=True)
+def _dot4_g128(wr, sr, br, xd, xs):
+    """:func:`_dot4` for group 128 (64 bytes a group)."""
+    acc = np.float32(0.0)
+    for g in range(sr.shape[0]):
+        wg = wr[g * 64:(g + 1) * 64]
+        xe = xd[0, g * 64:(g + 1) * 64]
+        xo = xd[1, g * 64:(g + 1) * 64]
+        dot = np.float32(0.0)
+        for i in range(64):
+            fb = np.float32(wg[i])
+            hi = np.floor(fb * np.float32(0.0625))
+            dot += (fb - np.float32(16.0) * hi) * xe[i] + hi * xo[i]
+        acc += sr[g] * dot + br[g] * xs[g]
+    return acc
+
+
+def _row_loop(bits: int, gs: int, mode: int, groups: int) -> int:
+    """Which specialised 4-bit row loop :func:`_qmv4` runs for this layout (its group
+    size), or 0: none fits (then :func:`_qmv`)."""
+    if (bits, mode) != (4, 0) or gs not in (32, 64, 128) or (gs == 32 and groups % 2):
+        return 0
+    return gs
+
+
+@njit(nogil=True, cache=True)
+def _qmv4(gs, w, scales, biases, xd, xsum, tok, slots, out, f0, f1):
+    """:func:`_qmv` through the row loop for group size ``gs`` (32, 64, 128: one loop each,
+    the branch outside it; dispatching per row inside _qmv measured 10-25% slower)."""
+    O = out.shape[1]
+    if gs == 32:
+        for f in range(f0, f1):
+            n, o = f // O, f % O
+            out[n, o] = _dot4_g32(w[slots[n], o], scales[slots[n], o], biases[slots[n], o], xd[tok[n]], xsum[tok[n]])
+    elif gs == 64:
+        for f in range(f0, f1):
+            n, o = f // O, f % O
+            out[n, o] = _dot4_g64(w[slots[n], o], scales[slots[n], o], biases[slots[n], o], xd[tok[n]], xsum[tok[n]])
+    else:
+        for f in range(f0, f1):
+            n, o = f // O, f % O
+            out[n, o] = _dot4_g128(w[slots[n], o], scales[slots[n], o], biases[slots[n], o], xd[tok[n]], xsum[tok[n]])
 
 
 @njit(fastmath=FM, nogil=True, cache=True)
@@ -205,6 +303,22 @@ def _parallel(fn, total: int, grain: int = 64) -> None:
         f.result()
 
 
+def _parallel_jobs(jobs: list, grain: int) -> None:
+    """Run several ``(fn, total)`` jobs as one :func:`_parallel` call over their concatenated
+    ranges (one hand-off to the pool for, e.g., a block's gate and up projections)."""
+    if len(jobs) == 1:
+        _parallel(*jobs[0], grain=grain)
+        return
+    starts = np.cumsum([0] + [t for _, t in jobs])
+
+    def piece(a, b):
+        for (fn, _), lo, hi in zip(jobs, starts[:-1], starts[1:]):
+            if a < hi and b > lo:
+                fn(max(a, lo) - lo, min(b, hi) - lo)
+
+    _parallel(piece, int(starts[-1]), grain)
+
+
 def _host(a: mx.array, float32: bool = True) -> np.ndarray:
     """A numpy view (zero-copy for evaluated float32/int arrays on the CPU)."""
     if float32 and mx.issubdtype(a.dtype, mx.floating) and a.dtype != mx.float32:
@@ -246,15 +360,31 @@ class _Quant:
 
     def matvec(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """``[len(slots), O]`` float32: row n = W[slots[n]] @ x[tok[n]] (x [R, I] float32)."""
+        out, job = self.matvec_job(x, tok, slots)
+        _parallel_jobs([job], self.grain)
+        return out
+
+    @property
+    def grain(self) -> int:
+        """Output rows of a thread's least share of a matvec (:data:`SHARE_BYTES`)."""
+        return max(1, SHARE_BYTES // (self.w.shape[2] + 2 * self.scales.shape[2] * self.scales.itemsize))
+
+    def matvec_job(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray):
+        """:meth:`matvec`'s output ``[N, O]`` (empty) and the job ``(fn(f0, f1), N*O)`` filling
+        it, f = n*O + o, for :func:`_parallel_jobs`."""
         xd = _deinterleave(x, self.bits, self.mode)  # [R, p, I/p]
         xsum = x.reshape(x.shape[0], -1, self.gs).sum(-1, dtype=np.float32)  # [R, G]
         out = np.empty((len(slots), self.out_dims), np.float32)
         tok, slots = tok.astype(np.int64), slots.astype(np.int64)
-        row_bytes = self.w.shape[2] + 2 * self.scales.shape[2] * self.scales.itemsize
-        _parallel(lambda f0, f1: _qmv(self.w, self.scales, self.biases, self.bits, self.gs, self.mode,
-                                      xd, xsum, tok, slots, out, f0, f1), out.size,
-                  grain=max(1, SHARE_BYTES // row_bytes))
-        return out
+        w, sc, bi = self.w, self.scales, self.biases
+        loop = _row_loop(self.bits, self.gs, self.mode, sc.shape[2])
+        if loop:
+            def rows(f0, f1):
+                _qmv4(loop, w, sc, bi, xd, xsum, tok, slots, out, f0, f1)
+        else:
+            def rows(f0, f1):
+                _qmv(w, sc, bi, self.bits, self.gs, self.mode, xd, xsum, tok, slots, out, f0, f1)
+        return out, (rows, out.size)
 
     def dense(self, s: int, o0: int = 0, o1: int | None = None) -> np.ndarray:
         """``[o1 - o0, I]`` float32: rows o0..o1 of slot ``s``'s dequantised weight, columns
@@ -301,20 +431,43 @@ def switch_linear(leaf: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nda
         ValueError: a quantization mode other than affine/mxfp4 (e.g. nvfp4 with
             a global scale).
     """
+    return switch_linears([leaf], x, tok, slots)[0]
+
+
+def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> list[np.ndarray]:
+    """:func:`switch_linear` of several leaves on the same input (a SwitchGLU's gate and
+    up projections): the fused matvecs of all leaves run as one parallel call, so the
+    pool is handed work once per call, not once per leaf. Returns ``[N, O_leaf]`` each."""
     groups = _groups(slots)
-    quant = _Quant(leaf, stacked=True) if isinstance(leaf, QuantizedSwitchLinear) else None
-    weight = None if quant is not None else _host(leaf["weight"])  # [S, O, I]
-    O = quant.out_dims if quant is not None else weight.shape[1]
-    out = np.empty((len(slots), O), np.float32)
     small = [p for s, p in groups if len(p) < GEMM_MIN_ROWS]
-    if quant is not None and small:
-        pairs = np.concatenate(small)
-        out[pairs] = quant.matvec(x, tok[pairs], slots[pairs])
-    big = groups if quant is None else [(s, p) for s, p in groups if len(p) >= GEMM_MIN_ROWS]
-    _gemm_slots(quant, weight, x, tok, big, out)
-    if "bias" in leaf:
-        out += _host(leaf["bias"])[slots]
-    return out
+    pairs = np.concatenate(small) if small else None
+    outs, jobs, grains = [], [], []
+    for leaf in leaves:
+        quant = _Quant(leaf, stacked=True) if isinstance(leaf, QuantizedSwitchLinear) else None
+        weight = None if quant is not None else _host(leaf["weight"])  # [S, O, I]
+        out = np.empty((len(slots), quant.out_dims if quant is not None else weight.shape[1]), np.float32)
+        if quant is not None and pairs is not None:
+            part, job = quant.matvec_job(x, tok[pairs], slots[pairs])  # [len(pairs), O]
+            jobs.append(job)
+            grains.append(quant.grain)
+            outs.append((out, part))
+        else:
+            outs.append((out, None))
+        big = groups if quant is None else [(s, p) for s, p in groups if len(p) >= GEMM_MIN_ROWS]
+        _gemm_slots(quant, weight, x, tok, big, out)
+    if jobs:
+        _parallel_jobs(jobs, min(grains))
+    result = []
+    for leaf, (out, part) in zip(leaves, outs):
+        if part is not None:
+            if len(pairs) == len(slots) and (pairs == np.arange(len(slots))).all():
+                out = part  # every pair took the matvec, in order: no scatter
+            else:
+                out[pairs] = part
+        if "bias" in leaf:
+            out += _host(leaf["bias"])[slots]
+        result.append(out)
+    return result
 
 
 def unsupported(block: nn.Module) -> str | None:
@@ -328,6 +481,47 @@ def unsupported(block: nn.Module) -> str | None:
     return None
 
 
+def _glu(activation: nn.Module, up: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """A SwitchGLU's ``activation(up, gate)`` on ``[N, H]`` float32 rows. mlx-lm's own
+    ``SwiGLU`` (``silu(gate) * up``) is computed in numpy, saving two MLX round trips per
+    call; any other activation (gpt_oss's clamped variant...) runs as the block defines it."""
+    if type(activation) is SwiGLU:
+        with np.errstate(over="ignore"):  # exp(-gate) -> inf for gate << 0: silu -> -0, as in MLX
+            return gate / (np.float32(1.0) + np.exp(-gate)) * up
+    return _host(activation(mx.array(up), mx.array(gate)))
+
+
+def _by_pairs(inner: nn.Module, slots: np.ndarray) -> bool:
+    """Decode of a plain quantized SwiGLU block whose (token, expert) pairs split evenly
+    among the threads: then :func:`_glu_by_pairs` serves it with one hand-off."""
+    leaves = (inner.get("gate_proj"), inner.get("up_proj"), inner.get("down_proj"))
+    return (isinstance(inner, SwitchGLU) and type(inner.activation) is SwiGLU and THREADS > 1
+            and len(slots) % THREADS == 0
+            and all(isinstance(q, QuantizedSwitchLinear) and "bias" not in q for q in leaves)
+            and all(len(p) < GEMM_MIN_ROWS for _, p in _groups(slots)))
+
+
+def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """``[N, D]`` float32: a bias-free quantized SwiGLU block, each thread computing whole
+    pairs (gate, up, SwiGLU, down) — one hand-off to the threads per block instead of
+    two, and no thread waits between the projections. Same row loops, same sums as
+    the per-projection path, so bit-equal to it."""
+    gate, up, down = (_Quant(inner[n], stacked=True) for n in ("gate_proj", "up_proj", "down_proj"))
+    y = np.empty((len(slots), down.out_dims), np.float32)
+
+    def share(n0, n1):
+        t, s = tok[n0:n1], slots[n0:n1]
+        (g, gj), (u, uj) = gate.matvec_job(x, t, s), up.matvec_job(x, t, s)
+        gj[0](0, gj[1])
+        uj[0](0, uj[1])
+        h, hj = down.matvec_job(_glu(inner.activation, u, g), np.arange(n1 - n0), s)
+        hj[0](0, hj[1])
+        y[n0:n1] = h
+
+    _parallel(share, len(slots), grain=len(slots) // THREADS)
+    return y
+
+
 def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) -> mx.array:
     """An mlx-lm expert block computed by the CPU kernel, eagerly.
 
@@ -339,21 +533,24 @@ def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) 
     Returns:
         ``[..., k, D]`` in ``x.dtype``, evaluated: what ``inner(x, slots)``
         returns, to fp32 rounding. The activation is the block's own
-        (``inner.activation``), run by MLX on the ``[N, H]`` hidden rows.
+        (``inner.activation``), run by MLX on the ``[N, H]`` hidden rows;
+        mlx-lm's plain ``SwiGLU`` is computed here in numpy (same formula).
 
     Raises:
         TypeError: ``inner`` is not a SwitchGLU/SwitchMLP.
         ValueError: an unsupported quantization mode.
     """
+    mx.eval([x, slots] if isinstance(slots, mx.array) else x)  # one hand-off to MLX's thread, not two
     sl = np.asarray(slots).reshape(-1).astype(np.int64)  # [N]
     k, D = slots.shape[-1], x.shape[-1]
-    xs = _host(x.reshape(-1, D))  # [T, D]
+    xs = _host(x).reshape(-1, D)  # [T, D]; a numpy reshape: no MLX op to evaluate
     tok = np.arange(sl.size) // k  # [N] token of each pair
     pair = np.arange(sl.size)
-    if isinstance(inner, SwitchGLU):
-        up = mx.array(switch_linear(inner.up_proj, xs, tok, sl))  # [N, H]
-        gate = mx.array(switch_linear(inner.gate_proj, xs, tok, sl))
-        h = _host(inner.activation(up, gate))
+    if _by_pairs(inner, sl):
+        y = _glu_by_pairs(inner, xs, tok, sl)  # [N, D]
+    elif isinstance(inner, SwitchGLU):
+        up, gate = switch_linears([inner.up_proj, inner.gate_proj], xs, tok, sl)  # [N, H] each
+        h = _glu(inner.activation, up, gate)
         y = switch_linear(inner.down_proj, h, pair, sl)  # [N, D]
     elif isinstance(inner, SwitchMLP):
         h = _host(inner.activation(mx.array(switch_linear(inner.fc1, xs, tok, sl))))
@@ -375,7 +572,7 @@ def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
         ``[..., O]`` in ``x.dtype``, evaluated; no layer ``bias`` added.
     """
     quant = _Quant(layer, stacked=False)
-    xs = _host(x.reshape(-1, x.shape[-1]))  # [T, I]
+    xs = _host(x).reshape(-1, x.shape[-1])  # [T, I]; a numpy reshape: no MLX op to evaluate
     T = xs.shape[0]
     if T >= GEMM_MIN_ROWS:  # output rows shared among the threads, BLAS single-threaded (_gemm_slots)
         y = np.empty((T, quant.out_dims), np.float32)
@@ -400,10 +597,34 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+def _prompt_positions(x: mx.array) -> bool:
+    """``x`` ``[B, L, D]`` holds several positions of each sequence (a prompt being read)."""
+    return x.ndim >= 3 and x.shape[-2] > 1
+
+
+class CpuOutputLinear(CpuQuantizedLinear):
+    """A model's own quantized output layer (``lm_head``): one position per sequence
+    (decode) through :func:`quantized_matmul`; several positions (a prompt) through
+    MLX's op, lazily. mlx-lm reads a prompt in steps whose logits it never evaluates
+    (``generate_step``'s prefill, the batch generator's), so a lazy op is skipped,
+    where the eager kernel computed all of them: for the demo's 49k-row output
+    layer, 128 prompt positions cost ~0.6 s. When those logits are evaluated
+    (speculative decoding, scoring a text), they are MLX's own."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _prompt_positions(x):
+            return nn.QuantizedLinear.__call__(self, x)
+        return super().__call__(x)
+
+
 class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
-    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied output layer) is :func:`quantized_matmul`."""
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied output layer) is
+    :func:`quantized_matmul` for one position per sequence, MLX's lazy op for
+    several (the rule and its reason: :class:`CpuOutputLinear`)."""
 
     def as_linear(self, x: mx.array) -> mx.array:
+        if _prompt_positions(x):
+            return super().as_linear(x)
         return quantized_matmul(self, x)
 
 
@@ -416,12 +637,16 @@ def serve_dense(model: nn.Module) -> int:
     Each exact ``nn.QuantizedLinear``/``nn.QuantizedEmbedding`` of a supported
     mode (affine, mxfp4) gets the subclass above as its class: parameters,
     names and ``parameters()`` stay as they were, only the matmul changes
-    (a dense quantized layer is one always-resident expert). Subclasses of
-    those layers (model-specific variants) are left alone.
+    (a dense quantized layer is one always-resident expert). The output layer
+    (a module named ``lm_head``, or a tied embedding's ``as_linear``) leaves prompt
+    positions to MLX, lazily (:class:`CpuOutputLinear`). Subclasses of those
+    layers (model-specific variants) are left alone.
     """
     n = 0
-    for _, m in model.named_modules():
+    for name, m in model.named_modules():
         new = _DENSE.get(type(m))
+        if new is CpuQuantizedLinear and name.rsplit(".", 1)[-1] == "lm_head":
+            new = CpuOutputLinear
         if new is not None and m.mode in MODES and m.get("global_scale") is None:
             m.__class__ = new  # same instance dict: only __call__/as_linear change
             n += 1

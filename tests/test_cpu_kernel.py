@@ -74,6 +74,54 @@ def test_other_formats_match_mlx(kind, quant, T):
     check_block(block(kind, **quant), T)
 
 
+@pytest.mark.parametrize("D, group_size", [(128, 32), (96, 32), (192, 64), (384, 128), (160, 32)],
+                         ids=["g32-even", "g32-odd-groups", "g64-odd-groups", "g128-odd-groups", "g32-5-groups"])
+def test_4bit_row_loops_match_mlx_and_the_generic_loop(D, group_size):
+    """Decode's group-size-specialised 4-bit row loops (an odd group count at g32 takes the
+    generic loop): the block matches MLX, and each specialised loop equals the generic one
+    to fp32 rounding on the same rows."""
+    b = block("glu", D=D, H=max(64, group_size), bits=4, group_size=group_size)
+    check_block(b, 1, D=D)
+    q = cpu_kernel._Quant(b.gate_proj, stacked=True)
+    loop = cpu_kernel._row_loop(4, group_size, 0, D // group_size)
+    assert (loop == 0) == (group_size == 32 and (D // group_size) % 2 == 1)
+    if not loop:
+        return
+    x = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32)
+    xd, xs = cpu_kernel._deinterleave(x, 4, 0), x.reshape(1, -1, group_size).sum(-1)
+    tok, slots = np.zeros(3, np.int64), np.array([0, 4, 2])
+    want, got = np.empty((3, q.out_dims), np.float32), np.empty((3, q.out_dims), np.float32)
+    cpu_kernel._qmv(q.w, q.scales, q.biases, 4, group_size, 0, xd, xs, tok, slots, want, 0, want.size)
+    cpu_kernel._qmv4(loop, q.w, q.scales, q.biases, xd, xs, tok, slots, got, 0, got.size)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("T, k", [(1, 2), (1, 4), (2, 3)])
+def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, monkeypatch):
+    """Decode of a bias-free 4-bit SwiGLU block with the pairs split evenly among the threads
+    runs each pair whole on one thread: bit-equal to the per-projection path (same row
+    loops), within the bound of MLX's block."""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    b = block("glu", D=128, H=64, bias=False, bits=4, group_size=32)
+    x = mx.random.normal((T, 128))
+    idx = mx.array(np.random.default_rng(T * k).choice(6, (T, k)).astype(np.uint32))
+    assert cpu_kernel._by_pairs(b, np.asarray(idx).reshape(-1))
+    got = cpu_kernel.expert_forward(b, x, idx)
+    monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    assert mx.array_equal(got, cpu_kernel.expert_forward(b, x, idx))
+    assert close(b(x, idx), got) <= BOUND
+
+
+def test_decode_by_whole_pairs_only_where_it_fits(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    plain, biased = block("glu", bias=False, bits=4, group_size=32), block("glu", bias=True, bits=4, group_size=32)
+    assert cpu_kernel._by_pairs(plain, np.array([0, 3]))
+    assert not cpu_kernel._by_pairs(plain, np.array([0, 3, 5]))  # 3 pairs on 2 threads: rows instead
+    assert not cpu_kernel._by_pairs(biased, np.array([0, 3]))  # up/gate biases come before the activation
+    assert not cpu_kernel._by_pairs(plain, np.zeros(8, np.int64))  # 8 rows of one expert: the GEMM path
+    assert not cpu_kernel._by_pairs(block("mlp", bias=False, bits=4, group_size=32), np.array([0, 3]))
+
+
 def test_qwen3_30b_expert_shape_one_token():
     """The bench's shapes (Qwen3-30B-A3B): 4-bit g64, D=2048, H=768, k=8, one token."""
     b = block("glu", D=2048, H=768, experts=8, bias=False, bits=4, group_size=64)
@@ -108,6 +156,30 @@ def test_dense_quantized_layers_served(mode, bits, group_size, T):
     got = lin(x), emb.as_linear(x), emb(mx.array([3, 7]))
     assert close(want[0], got[0]) <= BOUND and close(want[1], got[1]) <= BOUND
     assert mx.array_equal(want[2], got[2])  # lookups stay MLX's
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-embedding", "lm_head"])
+def test_output_layer_leaves_prompt_positions_to_mlx(tied, monkeypatch):
+    """The output layer computes one position per sequence (decode, a batch of 3) with the
+    kernel and a prompt's positions with MLX's lazy op (mlx-lm never evaluates prefill
+    logits, so they cost nothing); other dense layers use the kernel for both."""
+    mx.random.seed(5)
+    model = nn.Module()
+    model.embed = nn.QuantizedEmbedding(96, 128, group_size=32, bits=8)
+    model.lm_head = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+    model.q_proj = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+    out = (lambda x: model.embed.as_linear(x)) if tied else (lambda x: model.lm_head(x))
+    prompt, step = mx.random.normal((3, 7, 128)), mx.random.normal((3, 1, 128))
+    want = out(prompt), out(step), model.q_proj(prompt)
+    assert cpu_kernel.serve_dense(model) == 3
+    assert type(model.lm_head) is cpu_kernel.CpuOutputLinear
+    assert type(model.q_proj) is cpu_kernel.CpuQuantizedLinear
+    calls = []
+    kernel = cpu_kernel.quantized_matmul
+    monkeypatch.setattr(cpu_kernel, "quantized_matmul", lambda layer, x: calls.append(x.shape) or kernel(layer, x))
+    assert mx.array_equal(out(prompt), want[0]) and calls == []  # MLX's op: bit-equal, no kernel call
+    assert close(want[1], out(step)) <= BOUND and calls == [(3, 1, 128)]
+    assert close(want[2], model.q_proj(prompt)) <= BOUND and calls[-1] == (3, 7, 128)
 
 
 def test_wrong_slot_is_detected():
