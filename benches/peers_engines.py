@@ -74,6 +74,20 @@ class RunSpec:
     threads: int = 1
 
 
+def peak_rss() -> int:
+    """This process's peak resident set, bytes: ``VmHWM`` on Linux.
+
+    Not ``ru_maxrss``: Linux carries the parent's high-water mark over fork
+    and exec into it, so every worker would report at least the bench's own peak.
+    """
+    with contextlib.suppress(OSError):
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB elsewhere
+
+
 def emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
@@ -212,7 +226,7 @@ def worker(spec: RunSpec) -> None:
     finally:
         loaded.close()
     result.update(load_s=load_s, note=loaded.note,
-                  peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, pid=os.getpid())
+                  peak_rss=peak_rss(), pid=os.getpid())
     emit(phase="done", result=result)
 
 
