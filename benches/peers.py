@@ -417,11 +417,12 @@ def caliber_lines(args, prep: Prepared, capped: bool, runs: dict, cache_gb: floa
     lines = [
         f"machine: {platform.machine()} {platform.system()}, {psutil.cpu_count()} cores, "
         f"{psutil.virtual_memory().total / GIB:.0f} GiB, MLX {backend_name()}; cap: {cap}",
-        f"model: {prep.model.name}, {cfg['model_type']}, {ckpt / GIB:.2f} GiB = "
-        f"{ckpt / (args.cap_gb * GIB) if args.cap_gb else 0:.1f}x the cap; {cfg['num_hidden_layers']} layers x "
-        f"{cfg.get('num_experts', '?')} experts, top-{cfg.get('num_experts_per_tok', '?')}",
-        f"single request, prompt {args.prompt_tokens} tokens, {args.tokens} greedy tokens; {args.runs} runs "
-        f"x {'+'.join(args.temps)}, interleaved, medians; mlx-tier cache {cache_gb:g} GiB "
+        f"model: {prep.model.name}, {cfg['model_type']}, {ckpt / GIB:.2f} GiB"
+        + (f" = {ckpt / (args.cap_gb * GIB):.1f}x the cap" if args.cap_gb else "")
+        + f"; {cfg['num_hidden_layers']} layers x {cfg.get('num_experts', '?')} experts, "
+        f"top-{cfg.get('num_experts_per_tok', '?')}",
+        f"single request, prompt {args.prompt_tokens} tokens, {args.tokens} greedy tokens; {args.runs} "
+        f"run{'s' if args.runs > 1 else ''} x {'+'.join(args.temps)}, interleaved, medians; mlx-tier cache {cache_gb:g} GiB "
         f"(kernel {args.tier_kernel}); nunspark budget {budget / 1e9:.2f} GB",
         f"load average (1 min) {min(l1, default=0):.1f}-{max(l1, default=0):.1f}; others' runnable tasks "
         + (f"{min(others):.1f}-{max(others):.1f} (run means)" if others else "not sampled"),

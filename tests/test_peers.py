@@ -143,3 +143,24 @@ def test_dense_bytes_counts_everything_but_experts(peers, tmp_path):
         "model.norm.weight": mx.zeros((8,), dtype=mx.bfloat16),  # 16 B
     })
     assert peers.dense_bytes(tmp_path) == 80
+
+
+def test_caliber_header_names_machine_cap_model_tokens_runs_and_load(peers, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 24,
+                                                      "num_experts": 128, "num_experts_per_tok": 8}))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
+    runs = {("mlx-tier", "warm"): [run(load1_start=6.2, load1_end=7.0, others=4.0)],
+            ("nunspark", "warm"): [run(load1_start=9.5, load1_end=12.2, others=10.0)]}
+    args = peers.parse_args(["--caliber", "seed", "--cap-gb", "2"])
+    lines = peers.caliber_lines(args, peers.Prepared(tmp_path), True, runs, 0.8, 1_240_000_000)
+    text = " ".join(line.strip() for line in lines)
+    assert all(len(line) <= 80 for line in lines)
+    assert "cap: 2 GiB cgroup v1" in text and "cores" in text
+    assert "24 layers x 128 experts, top-8" in text
+    assert "256 greedy tokens; 9 runs x warm" in text
+    assert "load average (1 min) 6.2-12.2" in text and "others' runnable tasks 4.0-10.0" in text
+    uncapped = " ".join(peers.caliber_lines(peers.parse_args(["--cap-gb", "0", "--runs", "1"]),
+                                            peers.Prepared(tmp_path), False, runs, 0.8, 1))
+    assert "NONE (runs uncapped)" in uncapped and "the cap" not in uncapped.split("cap:")[1] and "1 run x" in uncapped
