@@ -224,7 +224,8 @@ def print_summary(report, out_dir: Path) -> None:
         style = {"failed": "red", "pending": "yellow"}.get(r.status, "dim" if r.earlier_run else "")
         table.add_row(r.id, status, str(r.input_tokens), str(r.output_tokens), f"{r.doc_seconds:.1f}", style=style)
     out.print(table)
-    out.print(summary_line(report, out_dir), highlight=False, soft_wrap=True)
+    for part in summary_line(report, out_dir).split(" | "):  # one paragraph each, wrapped between words
+        out.print(part, highlight=False, markup=False)
 
 
 def summary_line(report, out_dir: Path) -> str:

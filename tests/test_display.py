@@ -8,6 +8,7 @@ does not load the model.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from mlx_tier.cli.main import app, format_duration, in_flight_rows, progress_line, summary_line
@@ -95,6 +96,26 @@ def test_summary_line_explains_rereads(tmp_path):
     assert ("read 21248 MiB = 212.5x the experts' 100 MiB on disk: experts evicted from the cache are read "
             "again when next needed") in line
     assert "x the experts'" not in summary_line(report_with(50 * 2**20), tmp_path)  # less than the experts: no note
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_end_of_run_lines_wrap_between_words(tmp_path, monkeypatch, width):
+    """The totals after a run: job, this run, report each start a line; none is cut mid-word."""
+    import mlx_tier.cli.main as cli
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(cli, "out", console)
+    report = report_with(21248 * 2**20)
+    tmp_path = tmp_path.relative_to(tmp_path.parent.parent)  # a path that fits the width (longer ones fold)
+    cli.print_summary(report, tmp_path)
+    text = console.export_text()
+    lines = text[text.index("job: "):].splitlines()
+    assert max(map(len, lines)) <= width
+    words = summary_line(report, tmp_path).replace(" | ", " ").split()
+    assert " ".join(lines).split() == words  # every word whole, in order
+    assert [x.split(":")[0] for x in lines if x.startswith(("job:", "this run:", "report:"))] == [
+        "job", "this run", "report"]
 
 
 def test_throttle_and_in_flight_in_plain_words():
