@@ -14,15 +14,14 @@ a :class:`RunRecord`.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -348,30 +347,40 @@ class Share:
     journal_name: str = JOURNAL
 
 
-def _convert(doc) -> str | None:
-    """Convert ``doc`` (a :class:`~mlx_tier.documents.FileDocument` converts when first read;
-    a conversion failure fails that document alone, never raises)."""
-    return doc.converter
+def _convert_ahead(doc) -> Future:
+    """Start converting ``doc`` in a worker thread (a :class:`~mlx_tier.documents.FileDocument`
+    converts when first read; a conversion failure fails that document alone, never raises).
+    Returns a future of its ``converter``.
+
+    A daemon thread, not a ThreadPoolExecutor: the executor's workers are joined at
+    interpreter exit, so a stopped job would wait there for a large PDF's conversion."""
+    future: Future = Future()
+
+    def work() -> None:
+        try:
+            future.set_result(doc.converter)
+        except BaseException as e:  # noqa: BLE001 - MemoryError: raised where the result is taken
+            future.set_exception(e)
+
+    threading.Thread(target=work, name=f"mlx-tier-convert {doc.id}", daemon=True).start()
+    return future
 
 
 def _turns(pending: list, results: dict, claim: Callable[[str], bool]) -> Iterator:
     """The pending documents this process claims, in order, each converted one document
     ahead in a worker thread: while one document is read and written, the next one's
-    conversion (a large PDF may take minutes) runs beside it, so it neither stalls the
-    engine's steps nor a stop. ``claim`` is asked for a document when the one before it
-    starts. Closing the generator drops the conversion not yet started; one running
-    finishes in its thread (a Python thread cannot be stopped)."""
+    conversion (a large PDF may take minutes) runs beside it, so it stalls neither the
+    engine's steps nor a stop. One conversion runs at a time; ``claim`` is asked for a
+    document when the one before it starts."""
     claimed = (d for d in pending if claim(d.id))  # another process's share stays pending here
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-tier-convert")
-    try:
-        ahead = [(d, pool.submit(_convert, d)) for d in itertools.islice(claimed, 1)]
-        while ahead:
-            d, converting = ahead.pop()
-            ahead = [(n, pool.submit(_convert, n)) for n in itertools.islice(claimed, 1)]
-            results[d.id].converter = converting.result()
-            yield d
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    d = next(claimed, None)
+    converting = _convert_ahead(d) if d is not None else None
+    while d is not None:
+        results[d.id].converter = converting.result()
+        following = next(claimed, None)
+        converting = _convert_ahead(following) if following is not None else None
+        yield d
+        d = following
 
 
 def _outputs(job: JobDir, docs) -> dict[str, OutputState]:
@@ -578,8 +587,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, claim) -> 
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
         longest = _longest(pending)
-        with closing(_turns(pending, results, claim)) as turns:
-            _run_pending(turns, longest, results, config, loaded, journal, reporter, report)
+        _run_pending(_turns(pending, results, claim), longest, results, config, loaded, journal, reporter, report)
     return report, loaded
 
 
