@@ -330,7 +330,7 @@ def _budgets(config: TierConfig, two_tiers: bool, slot_nbytes: int, num_layers: 
     elif config.slots_per_layer is not None:
         slots = config.slots_per_layer
         if not 1 <= slots <= num_experts:
-            raise BudgetError(f"`slots` per layer must be in [1, {num_experts}], got {slots}", "slots")
+            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}", "slots_per_layer")
         budget = slots * slot_nbytes * num_layers
     budgets = tier_budgets.tier_budgets(config.cache_gb if budget is None else budget / GIB,
                                         config.host_cache_gb if two_tiers else None, tier_budgets.probe())
