@@ -381,8 +381,8 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
     if path.suffix.lower() == ".jsonl":
         return _from_jsonl(path, previous)
     if path.suffix.lower() in SUFFIXES:
-        got = convert_file(path)
+        got = FileDocument(safe_id(path.stem), str(path), path, name=path.name)  # a converter's raise: an error
         if got.error:
             raise InputError(f"{path}: {got.error}")
-        return [Document(safe_id(path.stem), str(path), got.text, name=path.name, converter=got.converter)]
+        return [Document(got.id, got.source, got.text, name=got.name, converter=got.converter)]
     raise InputError(f"{path}: expected a folder of documents, a document file or a .jsonl file")

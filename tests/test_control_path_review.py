@@ -60,6 +60,8 @@ def test_a_conversion_error_fails_the_document_but_memory_errors_stop_the_job(tm
     _failing_for(monkeypatch, "a.txt", KeyError("codec"))
     (doc,) = documents.discover(tmp_path)
     assert doc.text is None and doc.error.startswith("cannot convert (KeyError)")
+    with pytest.raises(InputError, match="a.txt: cannot convert .KeyError."):
+        documents.discover(tmp_path / "a.txt")  # the input itself: one clear error, no traceback
     _failing_for(monkeypatch, "a.txt", MemoryError())
     (doc,) = documents.discover(tmp_path)
     with pytest.raises(MemoryError):
