@@ -81,7 +81,8 @@ EXIT_TERMINATED = 143  # SIGTERM: 128 + 15, as a shell reports a process it ende
 FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--max-temp",
          "min_battery": "--min-battery", "max_tok_s": "--max-tok-s", "bits": "--bits", "mode": "--mode",
          "cache_gb": "--cache-gb", "batch_size": "--batch-size",
-         "slots": "--slots"}
+         "slots": "--slots", "retry_failed": "--retry-failed", "pause_on_battery": "--pause-on-battery",
+         "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt"}
 
 
 def as_flags(message: str) -> str:
@@ -161,7 +162,7 @@ class RichReporter:
         self.t0 = self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
-        err.print(f"[dim]{text}[/]", highlight=False, soft_wrap=True)
+        err.print(f"[dim]{escape(as_flags(text))}[/]", highlight=False, soft_wrap=True)
 
     def start(self, total: int, skipped: int) -> None:
         self.total, self.done = total, skipped
@@ -196,7 +197,7 @@ class RichReporter:
         self.finished_now += 1
         if result.status == "failed":
             self.failed += 1
-            err.print(f"[red]failed[/] {escape(result.id)}: {escape(str(result.error))}", highlight=False,
+            err.print(f"[red]failed[/] {escape(result.id)}: {escape(as_flags(str(result.error)))}", highlight=False,
                       soft_wrap=True)
             return
         self.done += 1
@@ -385,13 +386,15 @@ def run(
             tier=TierConfig(cache_gb=cache_gb, policy=PolicySpec(policy), prewarm=prewarm,
                             prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch,
                             host_cache_gb=host_cache_gb, kernel=kernel),
-            generation=GenerationConfig(read_prompt(prompt) if prompt else DEFAULT_PROMPT, max_tokens,
-                                        repetition_penalty, batch_size, context, prefill_step),
+            generation=GenerationConfig(
+                instruction=DEFAULT_PROMPT if prompt is None else read_prompt(prompt), max_tokens=max_tokens,
+                repetition_penalty=repetition_penalty, batch_size=batch_size, context=context,
+                prefill_step_size=prefill_step),
             throttle=throttle, trace=trace, input_paths=paths, output_format=output_format,
             retry_failed=retry_failed, command=command, nice=nice, background_qos=background_qos,
             save_profile=save_profile, follow_links=follow_links,
         )
-    except MlxTierError as e:  # an unreadable --prompt @FILE
+    except MlxTierError as e:  # an empty --prompt, an unreadable --prompt @FILE
         fail(str(e))
     if background:
         _start_background(config, [sys.executable, "-m", "mlx_tier.cli.main", "run",
@@ -559,14 +562,14 @@ def status(
                             f"included); {s.output_tokens} tokens in all")
     t.add_row("throttled", f"{s.throttled_seconds:.1f} s")
     for change in s.thermal[-5:]:  # the latest throttle state changes of this run
-        t.add_row("throttle", describe_throttle(change))
+        t.add_row("throttle", as_flags(describe_throttle(change)))
     for label, text in in_flight_rows(s.progress):
         t.add_row(label, Text(text))
     eta = (format_duration(s.eta_seconds) if s.eta_seconds is not None
            else "after the first document finishes" if s.running else "not running")
     t.add_row("ETA", eta)
     for doc_id, error in s.failures[:5]:
-        t.add_row(f"failed: {doc_id}", Text(error))
+        t.add_row(f"failed: {doc_id}", Text(as_flags(error)))
     if len(s.failures) > 5:
         t.add_row("failed", f"... and {len(s.failures) - 5} more (report.json, journal.jsonl)")
     out.print(t)

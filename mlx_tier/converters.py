@@ -23,6 +23,8 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from .fsio import read_nofollow
+
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text", ".rst")
 # Suffix -> the MarkItDown converter for it. Only that one is tried: MarkItDown's
 # own dispatch falls back to reading a file it failed to convert as plain text.
@@ -32,6 +34,11 @@ CONVERTED_SUFFIXES = {
     ".epub": "EpubConverter", ".ipynb": "IpynbConverter", ".msg": "OutlookMsgConverter",
 }
 SUFFIXES = TEXT_SUFFIXES + tuple(CONVERTED_SUFFIXES)
+# What converting one file may raise and fail that file alone (the caller catches it:
+# mlx_tier.documents.FileDocument): any Exception, since third-party converters raise
+# RuntimeError, ValueError or their own classes; MemoryError is re-raised there, and
+# KeyboardInterrupt and SystemExit are not Exceptions, so they still stop the job.
+CONVERSION_ERRORS: tuple[type[BaseException], ...] = (Exception,)
 EXTRA_HINT = "pip install 'mlx-tier[documents]'"
 # Longest BOM first: UTF-32-LE's mark starts with UTF-16-LE's.
 _BOMS = (
@@ -124,20 +131,47 @@ def _markitdown_version() -> str:
     return version("markitdown")
 
 
-def convert_file(path: Path) -> Converted:
+def _escaped(path: Path, inside: Path) -> str | None:
+    """Why ``path`` may no longer be read as a file of the folder ``inside``, or ``None``."""
+    real = path.resolve()
+    if not real.is_relative_to(inside):
+        return (f"now a link leading outside the input folder (to {real}); not read "
+                "(set `follow_links` to read such links)")
+    return None
+
+
+def convert_file(path: Path, inside: Path | None = None) -> Converted:
     """The text of the file at ``path``, chosen by its suffix (module doc).
 
+    Args:
+        path: the file.
+        inside: the real folder the file must lie in (the job's INPUT): a file
+            replaced since by a link leading out of it is refused, not read,
+            and the file is read through its resolved path without following
+            a link (:func:`mlx_tier.fsio.read_nofollow`) so that nothing outside
+            is read. ``None``: links are followed (``follow_links``, a single file).
+
     Returns a :class:`Converted` with ``error`` set (never raises for the
-    file's content): unreadable, binary, empty, a converter that failed, or
-    the ``documents`` extra missing (the message says what to install).
+    file's content): unreadable, binary, empty, a link out of ``inside``, a
+    converter that failed, or the ``documents`` extra missing (the message
+    says what to install).
     """
     path = Path(path)
     suffix = path.suffix.lower()
+    if inside is not None:
+        if (escaped := _escaped(path, inside)) is not None:
+            return Converted(None, escaped)
+        path = path.resolve()  # its real path: no link left to follow (read_nofollow refuses one)
     if suffix not in CONVERTED_SUFFIXES:
         try:
-            return decode_text(path.read_bytes())
+            return decode_text(read_nofollow(path) if inside is not None else path.read_bytes())
         except OSError as e:
             return Converted(None, f"cannot read: {e.strerror}")
+    return _convert_markitdown(path, suffix)
+
+
+def _convert_markitdown(path: Path, suffix: str) -> Converted:
+    """The text of a :data:`CONVERTED_SUFFIXES` file through MarkItDown (errors as :func:`convert_file`)."""
     kind = CONVERTED_SUFFIXES[suffix]
     try:
         converter = _markitdown(kind)

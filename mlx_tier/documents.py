@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from .converters import SUFFIXES, Converted, convert_file, decode_text
+from .converters import CONVERSION_ERRORS, SUFFIXES, TEXT_SUFFIXES, Converted, convert_file, decode_text
 from .errors import InputError
 from .naming import MAX_ID_BYTES, assign, fold, safe_id
 
@@ -107,20 +107,33 @@ class FileDocument:
     pending ones, each when its turn comes (a rerun never converts the
     documents already done; issue 11).
 
+    A conversion that raises (a converter library's bug, a broken PDF) fails
+    this document alone: ``error`` says why
+    (:data:`~mlx_tier.converters.CONVERSION_ERRORS`; a MemoryError still stops the job).
+
     Attributes:
         id, source, name: as for :class:`Document` (``source``: the file's path).
         path: the file.
+        inside: the real INPUT folder the file must still lie in when it is
+            converted (a link planted there after discovery is refused);
+            ``None``: not checked (``follow_links``, or a list of paths).
     """
 
     id: str
     source: str
     path: Path
     name: str | None = None
+    inside: Path | None = None
     key = None  # files have no JSONL key
 
     @cached_property
     def _converted(self) -> Converted:
-        return convert_file(self.path)
+        try:
+            return convert_file(self.path, inside=self.inside)
+        except MemoryError:
+            raise
+        except CONVERSION_ERRORS as e:  # one document's failure must not stop the job
+            return Converted(None, f"cannot convert ({type(e).__name__}): {e}")
 
     @property
     def text(self) -> str | None:
@@ -134,35 +147,40 @@ class FileDocument:
     def converter(self) -> str | None:
         return self._converted.converter
 
-    @property
-    def converted(self) -> bool:
-        """Whether the file was converted already (reading ``converter`` converts it)."""
-        return "_converted" in self.__dict__
+    def size_hint(self, convert: bool = True) -> int:
+        """Characters its text may have, erring long; used to size batches.
 
-    def size_hint(self) -> int:
-        """Characters its text may have, erring long, without converting it: the
-        file's size in bytes (0 when unreadable). Used to size batches."""
+        A plain-text file (:data:`~mlx_tier.converters.TEXT_SUFFIXES`): its
+        size in bytes, without reading it (an upper bound: no encoding takes
+        less than a byte a character). A converted kind (PDF, Word...): its
+        bytes are mostly not text (a PDF's can be 10-100x its text), so it is
+        converted (once: the result is kept) and its text's length counted;
+        with ``convert`` false, 0 (not sized). 0 when unreadable.
+        """
+        if self.path.suffix.lower() not in TEXT_SUFFIXES:
+            return len(self.text or "") if convert else 0
         try:
             return self.path.stat().st_size
         except OSError:
             return 0
 
 
-def size_hint(doc) -> int:
-    """Characters a document's text may have without converting it
-    (:meth:`FileDocument.size_hint`; a :class:`Document`'s own text length)."""
-    return doc.size_hint() if isinstance(doc, FileDocument) else len(doc.text or "")
+def size_hint(doc, convert: bool = True) -> int:
+    """Characters a document's text may have, erring long (:meth:`FileDocument.size_hint`:
+    ``convert`` false never converts; a :class:`Document`'s own text length)."""
+    return doc.size_hint(convert) if isinstance(doc, FileDocument) else len(doc.text or "")
 
 
-def _read(path: Path, doc_id: str, name: str) -> FileDocument:
-    return FileDocument(doc_id, str(path), path, name=name)
+def _read(path: Path, doc_id: str, name: str, inside: Path | None = None) -> FileDocument:
+    return FileDocument(doc_id, str(path), path, name=name, inside=inside)
 
 
 def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None = None,
-                absolute_names: bool = False) -> list[FileDocument]:
+                absolute_names: bool = False, inside: Path | None = None) -> list[FileDocument]:
     """Documents for ``files`` (all under ``root``), named by their paths relative to
     ``root`` (``absolute_names``: by their absolute paths, for lists whose common
-    folder changes from run to run; ids still come from the relative paths)."""
+    folder changes from run to run; ids still come from the relative paths).
+    ``inside``: as for :class:`FileDocument`."""
     rel = [p.relative_to(root) for p in files]
     names = [p.as_posix() for p in files] if absolute_names else [r.as_posix() for r in rel]
     stems = [safe_id(str(r.with_suffix(""))) for r in rel]
@@ -172,7 +190,7 @@ def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None =
     # The output name drops the suffix, except where two files would share it (a.txt, a.md).
     wished = [s if counts[fold(s)] == 1 else safe_id(str(r)) for s, r in zip(stems, rel)]
     ids = assign(names, wished, previous)
-    return [_read(p, doc_id, name) for p, doc_id, name in zip(files, ids, names)]
+    return [_read(p, doc_id, name, inside) for p, doc_id, name in zip(files, ids, names)]
 
 
 def _walk(root: Path, exclude: Path | None, follow_links: bool) -> list[Path]:
@@ -208,7 +226,7 @@ def _from_folder(root: Path, exclude: Path | None, follow_links: bool,
     if not files:
         kinds = ", ".join(s.lstrip(".") for s in SUFFIXES)
         raise InputError(f"{root}: no documents found (looked for {kinds})")
-    return _from_files(root, files, previous)
+    return _from_files(root, files, previous, inside=None if follow_links else root.resolve())
 
 
 def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = None, source: str = "stdin",
@@ -253,7 +271,7 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
     root = Path(os.path.commonpath([p.parent for p in files]))
     # Named by absolute path: a later list with another common folder must not
     # take an earlier run's output for a different file of the same relative name.
-    return _from_files(root, files, previous, absolute_names=True)
+    return _from_files(root, files, previous, absolute_names=True, inside=root)
 
 
 def _jsonl_lines(path: Path) -> list[str]:
@@ -363,8 +381,8 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
     if path.suffix.lower() == ".jsonl":
         return _from_jsonl(path, previous)
     if path.suffix.lower() in SUFFIXES:
-        got = convert_file(path)
+        got = FileDocument(safe_id(path.stem), str(path), path, name=path.name)  # a converter's raise: an error
         if got.error:
             raise InputError(f"{path}: {got.error}")
-        return [Document(safe_id(path.stem), str(path), got.text, name=path.name, converter=got.converter)]
+        return [Document(got.id, got.source, got.text, name=got.name, converter=got.converter)]
     raise InputError(f"{path}: expected a folder of documents, a document file or a .jsonl file")

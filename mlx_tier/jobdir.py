@@ -2,9 +2,11 @@
 
 :class:`JobDir` is a context manager: entering creates ``OUT_DIR`` (or checks
 an existing one is a writable folder), takes its run lock (a second run on the
-same folder is refused) and removes the temporary files of a run that was
-killed mid-write; leaving releases the lock, whatever happened. It knows the
-paths the runner writes: each document's ``<id>.md`` and the journal (one
+same folder is refused) and removes the stale temporary files of a run that
+was killed mid-write (those older than 2 minutes,
+:data:`mlx_tier.fsio.STALE_AFTER_S`: a younger one may be a live
+writer's); leaving releases the lock, whatever happened. It knows the paths
+the runner writes: each document's ``<id>.md`` and the journal (one
 name per process, so that several processes of one job could each keep
 their own; the default is the job's one journal).
 """

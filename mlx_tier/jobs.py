@@ -18,17 +18,19 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .checkpoint import context_length
-from .defaults import JOB_KERNEL  # noqa: F401 - importable from here too
-from .documents import InputError, discover, discover_list, size_hint
-from .errors import JobError
+from .defaults import JOB_KERNEL
+from .documents import discover, discover_list, size_hint
+from .errors import InputError, JobError
 from .job_view import progress_sample
-from .jobdir import JobDir, lock_out_dir, prepare_out_dir  # noqa: F401 - importable from here too
+from .jobdir import JobDir, lock_out_dir  # noqa: F401 - lock_out_dir: importable from here (tests)
 from .journal import (
     DISK_FULL,
     JOURNAL,
@@ -36,12 +38,10 @@ from .journal import (
     JsonlSummaries,
     write_atomic,
 )
-from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API
+from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API (benches, tests)
 from .outdir import check_out_dir
 from .process import DEFAULT_NICE, keep_awake, lower_priority
-from .report import (  # noqa: F401 - importable from here too
-    COUNTERS,
-    CacheRecord,
+from .report import (  # noqa: F401 - backend_name, machine_info: importable from here (benches)
     DocResult,
     JobReport,
     RunRecord,
@@ -50,17 +50,15 @@ from .report import (  # noqa: F401 - importable from here too
     previous_runs,
     sum_cache,
 )
-from .scheduler import (  # noqa: F401 - the defaults are importable from here too
-    DEFAULT_MAX_TOKENS,
+from .scheduler import (  # noqa: F401 - DEFAULT_PROMPT: importable from here (benches)
     DEFAULT_PROMPT,
-    DEFAULT_REPETITION_PENALTY,
     GenerationConfig,
     Outcome,
     Scheduler,
     check_context,
 )
-from .status import LOCK, JobInfo, ProgressFile, write_input_list  # noqa: F401
-from .stopflag import HARD_STOP_GRACE_SECONDS, Interrupted, StopFlag  # noqa: F401 - importable from here too
+from .status import JobInfo, ProgressFile, write_input_list
+from .stopflag import Interrupted, StopFlag  # noqa: F401 - Interrupted: importable from here (the CLI)
 from .throttle import Throttle, ThrottleConfig
 from .tiered import TierConfig
 from .triage import (
@@ -78,23 +76,27 @@ REPORT = "report.json"
 FALLBACK_CONTEXT = 4096
 
 
-def _job_tier() -> TierConfig:
-    """The job runner's default tier settings: the kernel :data:`~mlx_tier.defaults.JOB_KERNEL`."""
-    return TierConfig(kernel=JOB_KERNEL)
-
-
 @dataclass(frozen=True)
 class JobConfig:
     """What to summarise, where, and with which model. Built once (by the CLI)
     and passed down whole: its parts reach the layers that use them unchanged.
 
     Attributes:
-        input: folder (recursive .txt/.md) or JSONL file (``id``, ``text``).
+        input: what to summarise: a folder (recursive; every file with a suffix in
+            :data:`mlx_tier.documents.SUFFIXES`: text in any common encoding,
+            PDF, Word, PowerPoint, Excel, HTML, EPUB... converted by
+            :mod:`mlx_tier.converters`; hidden, lock and backup files skipped),
+            a single document file, or a ``.jsonl`` file (one ``{"custom_id"
+            or "id", "text"}`` object or OpenAI batch request per line). With
+            ``input_paths`` (``mlx-tier run -``: paths read from stdin) it only
+            names the input in the journal (:func:`mlx_tier.documents.discover`).
         out_dir: summaries go to ``out_dir/<id>.md``; journal and report beside them.
         model: mlx-lm MoE checkpoint directory or hub repo id; ``None``: the built-in demo model.
         tier: how the model is tiered (cache budget, policy, prefetch, kernel...):
-            given to :func:`mlx_tier.tiered.load` as it is (default: the kernel
-            :data:`~mlx_tier.defaults.JOB_KERNEL`, else TierConfig's defaults).
+            given to :func:`mlx_tier.tiered.load` as it is. Its ``kernel``
+            left ``None`` (TierConfig's default: "the caller's default") is
+            the job's default, :data:`~mlx_tier.defaults.JOB_KERNEL`, set here
+            once (``load()`` alone would use ``"mlx"``).
         generation: how summaries are generated (prompt, max tokens, batch size,
             context...): given to the :class:`~mlx_tier.scheduler.Scheduler` as it is.
         throttle: the thermal-aware throttle's settings (:mod:`mlx_tier.throttle`).
@@ -117,7 +119,7 @@ class JobConfig:
     input: Path
     out_dir: Path
     model: Path | str | None = None
-    tier: TierConfig = field(default_factory=_job_tier)
+    tier: TierConfig = field(default_factory=TierConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     trace: Path | None = None
@@ -130,6 +132,9 @@ class JobConfig:
     save_profile: bool = False
     follow_links: bool = False
 
+    def __post_init__(self):
+        if self.tier.kernel is None:  # the one place the job's kernel default is applied
+            object.__setattr__(self, "tier", replace(self.tier, kernel=JOB_KERNEL))
 
 
 def _earlier_setup(config: JobConfig) -> tuple[dict, dict]:
@@ -180,26 +185,32 @@ class Reporter:
     def start(self, total: int, skipped: int) -> None:
         """``total`` documents in the job, ``skipped`` of them done by earlier runs."""
     def working(self, activity: Activity) -> None:
-        """After each engine step (a few seconds apart at most: :data:`~mlx_tier.generation.STEP_SECONDS`)."""
+        """After each engine step (a few seconds apart at most: :data:`~mlx_tier.generation.STEP_SECONDS`).
+        Documents are converted one ahead in a worker thread, beside the steps; only when
+        a document's turn comes before its conversion ended (a large PDF behind a short
+        text) do the steps wait for it."""
     def finished(self, result: DocResult, cache: dict) -> None: ...
     def close(self) -> None: ...
 
 
 def read_prompt(value: str) -> str:
-    """``--prompt`` value: literal text, or ``@FILE`` to read it from a file.
+    """The instruction from its given value: literal text, or ``@FILE`` to read it from a file.
 
     Raises:
-        InputError: the file is missing, unreadable or empty.
+        InputError: the text is blank, or the file is missing, unreadable or
+            empty (``field``: ``instruction``).
     """
     if not value.startswith("@"):
+        if not value.strip():
+            raise InputError("`instruction` is empty: give the instruction's text, or @FILE", "instruction")
         return value
     path = Path(value[1:])
     try:
         text = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: cannot read prompt file ({e})") from None
+        raise InputError(f"{path}: cannot read prompt file ({e})", "instruction") from None
     if not text:
-        raise InputError(f"{path}: prompt file is empty")
+        raise InputError(f"{path}: prompt file is empty", "instruction")
     return text
 
 
@@ -276,10 +287,9 @@ def _summarise_all(docs: Iterator, longest_chars: int, results: dict, config: Jo
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
                           longest_chars)
     setup["generation"] = scheduler.info
-    reporter.message(
-        f"batch size {scheduler.batch_size} ({scheduler.info['batch_size_from']}), "
-        f"usable context {scheduler.context} tokens"
-    )
+    source = scheduler.info["batch_size_from"]
+    reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
+                     f"usable context {scheduler.context} tokens")
     rate, prompt_rate = _Rate(), _Rate()
     progress = ProgressFile(config.out_dir)
     generated = [0]  # tokens generated this run, for the samples the watch page plots
@@ -337,14 +347,40 @@ class Share:
     journal_name: str = JOURNAL
 
 
+def _convert_ahead(doc) -> Future:
+    """Start converting ``doc`` in a worker thread (a :class:`~mlx_tier.documents.FileDocument`
+    converts when first read; a conversion failure fails that document alone, never raises).
+    Returns a future of its ``converter``.
+
+    A daemon thread, not a ThreadPoolExecutor: the executor's workers are joined at
+    interpreter exit, so a stopped job would wait there for a large PDF's conversion."""
+    future: Future = Future()
+
+    def work() -> None:
+        try:
+            future.set_result(doc.converter)
+        except BaseException as e:  # noqa: BLE001 - MemoryError: raised where the result is taken
+            future.set_exception(e)
+
+    threading.Thread(target=work, name=f"mlx-tier-convert {doc.id}", daemon=True).start()
+    return future
+
+
 def _turns(pending: list, results: dict, claim: Callable[[str], bool]) -> Iterator:
-    """The pending documents this process claims, each converted only when its turn
-    comes (a :class:`~mlx_tier.documents.FileDocument` converts when first read)."""
-    for d in pending:
-        if not claim(d.id):
-            continue  # another process's share: stays pending here
-        results[d.id].converter = d.converter  # converts it now
+    """The pending documents this process claims, in order, each converted one document
+    ahead in a worker thread: while one document is read and written, the next one's
+    conversion (a large PDF may take minutes) runs beside it, so it stalls neither the
+    engine's steps nor a stop. One conversion runs at a time; ``claim`` is asked for a
+    document when the one before it starts."""
+    claimed = (d for d in pending if claim(d.id))  # another process's share stays pending here
+    d = next(claimed, None)
+    converting = _convert_ahead(d) if d is not None else None
+    while d is not None:
+        results[d.id].converter = converting.result()
+        following = next(claimed, None)
+        converting = _convert_ahead(following) if following is not None else None
         yield d
+        d = following
 
 
 def _outputs(job: JobDir, docs) -> dict[str, OutputState]:
@@ -498,9 +534,9 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     t_start, t_wall = time.perf_counter(), time.time()
     docs = _find_documents(config)
     with JobDir(config.out_dir, share.journal_name) as job:
-        report = _run_in(job, docs, config, reporter, share.claim)
+        report, loaded = _run_in(job, docs, config, reporter, share.claim)
         report.seconds = time.perf_counter() - t_start
-        _finish_report(report, config, job, t_wall, reporter)
+        _finish_report(report, loaded, config, t_wall, reporter)
     _write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     reporter.close()
     return report
@@ -523,15 +559,16 @@ def _start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter):
     return journal, records, tri
 
 
-def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, claim) -> JobReport:
-    """The run inside the held job folder: triage, load, generate."""
+def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, claim) -> tuple[JobReport, _Loaded | None]:
+    """The run inside the held job folder: triage, load, generate. Returns the report and the
+    model (``None`` when nothing was to do), kept apart: the report never holds the model."""
     journal, records, tri = _start_run(job, docs, config, reporter)
     results = _results(docs, tri)
     report = JobReport(results=list(results.values()))
     by_id = {d.id: d for d in docs}
     pending = [by_id[i] for i in tri.pending]
     loaded = _model_for(pending, config, reporter, job)
-    report.run = RunStart(len(tri.done) + len(tri.recovered), len(tri.failed), loaded)
+    report.run = RunStart(len(tri.done) + len(tri.recovered), len(tri.failed), loaded is not None)
     if loaded is not None:
         report.setup = _setup(loaded, config)
     else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
@@ -543,26 +580,39 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, claim) -> 
         write_input_list(config.out_dir, docs)
     if tri.failed:
         reporter.message(f"{len(tri.failed)} document(s) failed in an earlier run; not retried "
-                         "(rerun with --retry-failed to retry only those)")
+                         "(rerun with `retry_failed` to retry only those)")
     if config.retry_failed:
-        reporter.message(f"--retry-failed: retrying {len(pending)} failed document(s); pending ones are left for a plain rerun")
+        reporter.message(f"`retry_failed`: retrying {len(pending)} failed document(s); pending ones are left "
+                         "for a plain rerun")
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
-        longest = max(size_hint(d) for d in pending)
+        longest = _longest(pending)
         _run_pending(_turns(pending, results, claim), longest, results, config, loaded, journal, reporter, report)
-    return report
+    return report, loaded
 
 
-def _finish_report(report: JobReport, config: JobConfig, job: JobDir, t_wall: float, reporter: Reporter) -> None:
+def _longest(pending: list) -> int:
+    """Characters of the longest pending document, to size the batch
+    (:func:`mlx_tier.documents.size_hint`). Documents that need converting (PDF...)
+    are sized by converting them, only those of the first batch (the conversion is
+    kept, not repeated); a later one that does not fit the memory left when it
+    starts is split into parts (:class:`~mlx_tier.scheduler.Scheduler`)."""
+    from .generation import MAX_AUTO_BATCH
+
+    return max(size_hint(d, convert=i < MAX_AUTO_BATCH) for i, d in enumerate(pending))
+
+
+def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig, t_wall: float,
+                   reporter: Reporter) -> None:
     """This run's record, the summed cache counters, the profile, and report.json (atomically)."""
-    cache = report.run.loaded.cache if report.run.loaded is not None else None
+    cache = loaded.cache if loaded is not None else None
     record = RunRecord.of(report, t_wall, cache, report.run.skipped, report.run.left_failed)
     report.runs = previous_runs(config.out_dir / REPORT) + [record.as_dict()]
     report.cache = sum_cache(report.runs)
     if cache is not None:
         report.cache |= {"resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
     if config.save_profile and report.output_tokens:
-        _save_profile(config, report.run.loaded, report, reporter)
+        _save_profile(config, loaded, report, reporter)
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
 
 
@@ -614,12 +664,14 @@ class RunStart:
     Attributes:
         skipped: documents done by earlier runs (recovered outputs included), not regenerated.
         left_failed: documents failed earlier and not retried (no ``retry_failed``).
-        loaded: the model, or ``None`` when there was nothing to do.
+        loaded_model: whether the model was loaded (``False``: nothing to do). The
+            model itself is never kept here: a caller holding the report must
+            not keep the model, its slabs and store threads alive.
     """
 
     skipped: int
     left_failed: int
-    loaded: _Loaded | None
+    loaded_model: bool
 
 
 def _save_profile(config: JobConfig, loaded: _Loaded, report: JobReport, reporter: Reporter) -> None:

@@ -126,7 +126,7 @@ def plan_memory(resident: ResidentSet, backend: str, device_info: dict) -> Memor
     note = (f"wired {limit / GIB:.2f} GiB covers the resident set {resident.total / GIB:.2f} GiB + margin"
             if covers else
             f"resident set {resident.total / GIB:.2f} GiB + margin exceeds the recommended maximum "
-            f"{wired_max / GIB:.2f} GiB: wired at the maximum; a smaller --cache-gb avoids paging")
+            f"{wired_max / GIB:.2f} GiB: wired at the maximum; a smaller `cache_gb` avoids paging")
     return MemorySettings(backend, resident, limit, int(wired_max), covers, cache_target, note)
 
 

@@ -57,8 +57,8 @@ class JobReport:
     setup: dict = field(default_factory=dict)
     throttle: dict = field(default_factory=dict)  # Throttle.as_dict(): time throttled/paused, timeline
     runs: list[dict] = field(default_factory=list)
-    # The runner's own state of this run (mlx_tier.jobs.RunStart: triage counts, the model),
-    # for its RunRecord; not in report.json.
+    # The runner's own state of this run (mlx_tier.jobs.RunStart: triage counts, whether the
+    # model was loaded; never the model itself), for its RunRecord; not in report.json.
     run: object = field(default=None, repr=False, compare=False)
 
     def count(self, status: str) -> int:

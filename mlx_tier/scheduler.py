@@ -24,8 +24,7 @@ from pathlib import Path
 import psutil
 
 from .defaults import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY
-from .documents import InputError
-from .errors import JobError
+from .errors import InputError, JobError
 from .generation import (
     DEFAULT_PREFILL_STEP,
     HEADROOM_BYTES,
@@ -206,7 +205,7 @@ class Scheduler:
         self.batch_size = config.batch_size or self._memory_batch(longest_chars)
         self.info = {
             "batch_size": self.batch_size,
-            "batch_size_from": "--batch-size" if config.batch_size else "memory headroom",
+            "batch_size_from": "batch_size" if config.batch_size else "memory headroom",  # the setting, or why
             "usable_context": self.context,
             "context_limited_by_memory": self.context < context,
             "shared_prefix_tokens": len(self.prefix) if self._prefix() else 0,
@@ -258,8 +257,8 @@ class Scheduler:
         summary = (trim_to_sentence(text) if reason == "length" else text).strip()
         if not summary:
             return self._failed(d, f"no summary{' outside the reasoning' if any(d.reasoning) else ''} within "
-                                   f"--max-tokens {self.config.max_tokens}; retry with a larger --max-tokens "
-                                   "and --retry-failed")
+                                   f"`max_tokens` {self.config.max_tokens}; retry with a larger `max_tokens` "
+                                   "and `retry_failed`")
         d.finished = True
         return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
                        d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
@@ -267,7 +266,9 @@ class Scheduler:
 
     def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
-        """Summarise ``docs`` (:class:`~mlx_tier.documents.Document`), yielding each outcome when final.
+        """Summarise ``docs`` (:class:`~mlx_tier.documents.Document` or
+        :class:`~mlx_tier.documents.FileDocument`: anything with ``id``, ``text``
+        and ``error``), yielding each outcome when final.
 
         ``docs`` is pulled one document at a time, when a batch place is free
         (the job runner converts each document then, and may pass a generator).

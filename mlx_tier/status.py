@@ -24,7 +24,7 @@ from .journal import Journal, write_atomic
 PID_FILE = "run.pid"
 LOG_FILE = "run.log"
 INPUT_LIST = "inputs.txt"  # `mlx-tier run -`: the paths read from stdin, for the resume command
-LOCK = ".mlx-tier.lock"  # the same name as mlx_tier.jobs.LOCK (kept here so status needs no MLX)
+LOCK = ".mlx-tier.lock"  # the run lock of OUT_DIR (mlx_tier.jobdir takes it; here so status needs no MLX)
 PROGRESS_FILE = "progress.json"  # documents in flight and how far each has got, while a run works
 
 
@@ -280,7 +280,27 @@ class JobStatus:
                     "documents_per_hour": round(self.documents_per_hour, 3)}
 
 
-def read_status(out_dir: Path, now: float | None = None) -> JobStatus:  # 65 lines: one pass over the journal, kept whole
+def _run_timing(this_run: list[dict], info: JobInfo | None, running: bool, now: float):
+    """``(elapsed seconds, documents of its list left, ETA seconds or None)`` of the last run,
+    from its finished or failed records ``this_run``."""
+    started = info.started if info is not None else None
+    if started is None:
+        elapsed = 0.0
+    elif running:
+        elapsed = max(now - started, 0.0)
+    else:
+        elapsed = max((max(r["time"] for r in this_run) if this_run else started) - started, 0.0)
+    todo_left = None
+    if info is not None:
+        finished_ids = {r["id"] for r in this_run}
+        todo_left = sum(i not in finished_ids for i in info.todo)
+    eta = None
+    if running and this_run and elapsed > 0 and todo_left is not None:
+        eta = todo_left / (len(this_run) / elapsed)
+    return elapsed, todo_left, eta
+
+
+def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
     """The status of the job in ``out_dir``.
 
     Args:
@@ -310,19 +330,7 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:  # 65 lin
     running = lock_held(out_dir)
     started = info.started if info is not None else None
     this_run = [r for r in latest.values() if started is not None and r.get("time", 0) >= started and "status" in r]
-    if started is None:
-        elapsed = 0.0
-    elif running:
-        elapsed = max(now - started, 0.0)
-    else:
-        elapsed = max((max(r["time"] for r in this_run) if this_run else started) - started, 0.0)
-    todo_left = None
-    if info is not None:
-        finished_ids = {r["id"] for r in this_run}
-        todo_left = sum(i not in finished_ids for i in info.todo)
-    eta = None
-    if running and this_run and elapsed > 0 and todo_left is not None:
-        eta = todo_left / (len(this_run) / elapsed)
+    elapsed, todo_left, eta = _run_timing(this_run, info, running, now)
     return JobStatus(
         out_dir=out_dir,
         running=running,

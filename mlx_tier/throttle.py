@@ -152,9 +152,9 @@ class Controller:
             self._hot = r.max_temp_c > (c.max_temp - c.temp_hysteresis if self._hot else c.max_temp)
         if self._hot:
             t = f"{r.max_temp_c:.1f} °C" if r.max_temp_c is not None else "temperature unknown"
-            limits.append((c.hot_duty, f"{t}, --max-temp {c.max_temp:g} °C"))
+            limits.append((c.hot_duty, f"{t}, `max_temp` {c.max_temp:g} °C"))
         if c.pause_on_battery and r.on_battery:
-            limits.append((0.0, "on battery (--pause-on-battery)"))
+            limits.append((0.0, "on battery (`pause_on_battery`)"))
         if c.min_battery is not None:
             if r.on_battery is False:
                 self._low_battery = False  # charging
@@ -163,7 +163,7 @@ class Controller:
                 self._low_battery = r.battery_percent < floor
             if self._low_battery:
                 pct = f"{r.battery_percent:.0f}%" if r.battery_percent is not None else "unknown"
-                limits.append((0.0, f"battery {pct}, --min-battery {c.min_battery:g}%"))
+                limits.append((0.0, f"battery {pct}, `min_battery` {c.min_battery:g}%"))
         if not limits:
             return FULL_SPEED
         duty = min(d for d, _ in limits)

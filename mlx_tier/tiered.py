@@ -32,6 +32,7 @@ from .checkpoint import (  # noqa: F401 - EXPERT_BLOCKS, REFUSED, find_expert_bl
 )
 from .checkpoint import expert_tensors as _stored_expert_tensors
 from .cost_model import TransferCosts
+from .errors import ConfigError
 from .policy import DEFAULT_POLICY, PolicySpec
 from .prefetch import BackgroundReader, link_layers
 from .profile import HOW_TO_MAKE, PROFILE_FILE, ProfileError, adaptive_slots, load_for
@@ -50,6 +51,9 @@ DEFAULT_BUDGET_FRACTION = tier_budgets.DEFAULT_FRACTION
 # Prefetch off by default: measured on the build machine by benches/prefetch.py
 # (README, "Prefetch").
 DEFAULT_PREFETCH = False
+# The kernel load() uses when TierConfig.kernel is None: MLX's own ops, whose greedy
+# tokens equal mlx-lm's exactly (the job runner's default is defaults.JOB_KERNEL).
+LIBRARY_KERNEL = "mlx"
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -84,7 +88,10 @@ class TierConfig:
             library default), ``"cpu"`` (:mod:`mlx_tier.cpu_kernel`, eager,
             within fp32 rounding; on the build machine many times faster),
             ``"metal"``, or ``"auto"`` (cpu on MLX's CPU backend, else mlx).
-            The job runner (``mlx-tier run``) defaults to ``"auto"``.
+            ``None`` (the default): the caller's default, resolved in one
+            place each: :func:`load` uses :data:`LIBRARY_KERNEL` (``"mlx"``),
+            the job runner (:class:`mlx_tier.jobs.JobConfig`)
+            :data:`mlx_tier.defaults.JOB_KERNEL` (``"auto"``).
         dense_kernel: with the cpu kernel, also serve the dense quantized
             layers (``nn.QuantizedLinear``, a tied ``QuantizedEmbedding``'s
             ``as_linear``) through it (:func:`mlx_tier.cpu_kernel.serve_dense`).
@@ -114,7 +121,7 @@ class TierConfig:
     profile: Path | None = None
     prewarm: bool | None = None
     prefetch: bool = DEFAULT_PREFETCH
-    kernel: str = "mlx"
+    kernel: str | None = None
     dense_kernel: bool = True
     # The CUDA path (mlx_tier/two_tier.py): a warm tier of host_cache_gb GiB in
     # host memory under the hot slabs (cache_gb is then the GPU budget). On CUDA
@@ -129,7 +136,8 @@ class TierConfig:
 
     def __post_init__(self):
         check_read_settings(self.read_method, self.page_cache)
-        kernels.resolve(self.kernel)
+        if self.kernel is not None:
+            kernels.resolve(self.kernel)
         if isinstance(self.policy, str):  # the one place a policy name becomes a spec
             object.__setattr__(self, "policy", PolicySpec(self.policy))
 
@@ -235,7 +243,7 @@ def plan_slots(budget_bytes: int, num_layers: int, slot_nbytes: int, num_experts
         need = per_slot_row / GIB
         raise BudgetError(
             f"cache budget {budget_bytes / GIB:.3f} GiB is too small: one expert slot per "
-            f"MoE layer needs {need:.3f} GiB ({num_layers} layers x {slot_nbytes / 2**20:.2f} MiB)"
+            f"MoE layer needs {need:.3f} GiB ({num_layers} layers x {slot_nbytes / 2**20:.2f} MiB)", "cache_gb"
         )
     return int(slots)
 
@@ -275,7 +283,8 @@ def _layer_slot_counts(config: TierConfig, profile, slots: int, total: int, expe
     if config.layer_slots is not None:
         per = tuple(int(n) for n in config.layer_slots)
         if len(per) != L or not all(1 <= n <= e for n, e in zip(per, experts)):
-            raise BudgetError(f"layer_slots must give each of the {L} MoE layers 1 to {max(experts)} slots, got {per}")
+            raise BudgetError(f"layer_slots must give each of the {L} MoE layers 1 to {max(experts)} slots, "
+                              f"got {per}", "layer_slots")
         return per
     if config.split == "adaptive":
         total = slots * L if config.slots_per_layer is not None else total
@@ -321,7 +330,7 @@ def _budgets(config: TierConfig, two_tiers: bool, slot_nbytes: int, num_layers: 
     elif config.slots_per_layer is not None:
         slots = config.slots_per_layer
         if not 1 <= slots <= num_experts:
-            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}")
+            raise BudgetError(f"slots per layer must be in [1, {num_experts}], got {slots}", "slots_per_layer")
         budget = slots * slot_nbytes * num_layers
     budgets = tier_budgets.tier_budgets(config.cache_gb if budget is None else budget / GIB,
                                         config.host_cache_gb if two_tiers else None, tier_budgets.probe())
@@ -348,7 +357,8 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     """
     blocks = moe_blocks(model, model_dir)
     if not config.policy.live:
-        raise ValueError(f"policy {config.policy.name!r} needs the future: use it in `mlx-tier trace-sim`, not live")
+        raise ConfigError(f"policy {config.policy.name!r} needs the future: use it in trace simulation "
+                          "(mlx_tier.simulate), not live", "policy")
     store = ExpertStore(model_dir, threads=config.read_threads, read_method=config.read_method,
                          page_cache=config.page_cache, index=index)
     dtype = config.dtype if config.dtype is not None else default_compute_dtype()
@@ -358,7 +368,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     # before touching the parameters, so that only the dense part is read.
     backend = tier_budgets.backend_of()
     two_tiers = tier_budgets.two_tiers(config.host_cache_gb, backend)  # always on CUDA
-    kernel_name = kernels.choose(config.kernel, [b for _, b in blocks], two_tiers)
+    kernel_name = kernels.choose(config.kernel or LIBRARY_KERNEL, [b for _, b in blocks], two_tiers)
     wrappers = _wrap_blocks(model, blocks, config, kernel_name, dtype, two_tiers)
     slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
     budget, slots, warm_budget = _budgets(config, two_tiers, slot_nbytes, len(found), max(n for _, n, _ in found))

@@ -197,7 +197,8 @@ def test_version():
 
 def test_ids_unique_out_dir_inside_input_and_lock(tmp_path, tiny_moe):
     from mlx_tier.documents import discover
-    from mlx_tier.jobs import LOCK, lock_out_dir
+    from mlx_tier.jobs import lock_out_dir
+    from mlx_tier.status import LOCK
 
     docs = tmp_path / "docs"
     docs.mkdir()

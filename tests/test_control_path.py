@@ -62,9 +62,9 @@ def conversions(monkeypatch):
     seen = []
     real = documents.convert_file
 
-    def counting(path):
+    def counting(path, inside=None):
         seen.append(path.name)
-        return real(path)
+        return real(path, inside)
 
     monkeypatch.setattr(documents, "convert_file", counting)
     return seen

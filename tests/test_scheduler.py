@@ -107,11 +107,13 @@ def test_impossible_context_is_refused_before_any_document(tiered, tiny_moe):
 
 
 def test_nothing_outside_the_reasoning_fails_the_document(tiered, tiny_moe):
+    from mlx_tier.cli.main import as_flags
     from mlx_tier.scheduler import _Doc
 
     model, tokenizer = tiered
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8))
     d = _Doc(Document("t", "t", "text"), 0.0, reasoning=["thinking, cut by the limit"])
     out = sched._finish(d, "", "length")
-    assert out.status == "failed" and "outside the reasoning" in out.error and "--retry-failed" in out.error
+    assert out.status == "failed" and "outside the reasoning" in out.error and "`retry_failed`" in out.error
+    assert "--" not in out.error and "--retry-failed" in as_flags(out.error)  # the CLI renders the flags
     assert sched._finish(_Doc(Document("u", "u", "x"), 0.0), "A summary.", "stop").status == "done"

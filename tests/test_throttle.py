@@ -145,7 +145,7 @@ def test_above_max_temp_slows_and_clears_below_hysteresis():
     for now, temp, mode in trace:
         d = c.decide(Reading(max_temp_c=temp), now)
         assert d.mode == mode, (now, temp)
-    assert d.duty == cfg.hot_duty and "80.5 °C, --max-temp 80" in d.reason
+    assert d.duty == cfg.hot_duty and "80.5 °C, `max_temp` 80" in d.reason
 
 
 def test_hysteresis_does_not_flap_between_fair_and_nominal():
@@ -159,7 +159,7 @@ def test_hysteresis_does_not_flap_between_fair_and_nominal():
 def test_worst_condition_wins_and_all_reasons_are_given():
     c = Controller(ThrottleConfig(max_temp=70))
     d = c.decide(Reading(thermal_state=FAIR, max_temp_c=75.0), 0)
-    assert d.duty == 0.5 and "thermal state fair" in d.reason and "--max-temp 70" in d.reason
+    assert d.duty == 0.5 and "thermal state fair" in d.reason and "`max_temp` 70" in d.reason
 
 
 def test_on_battery_pauses_only_with_pause_on_battery():
