@@ -89,7 +89,7 @@ def test_bad_documents_fail_alone(docs, tmp_path, tiny_moe):
     # Longer than the 256-token context: summarised in parts, never truncated.
     assert report["long"]["status"] == "done" and report["long"]["parts"] >= 2
     assert report["long"]["input_tokens"] > 256 and full["totals"]["chunked"] == 1
-    assert "1 long, summarised in parts" in output
+    assert "1 long, summarised in parts" in " ".join(output.split())  # the end-of-run lines wrap between words
 
 
 @pytest.fixture(autouse=True)

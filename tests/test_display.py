@@ -146,7 +146,7 @@ def test_rerun_with_nothing_pending_does_not_load_the_model(tmp_path, tiny_moe, 
     monkeypatch.setattr("mlx_tier.tiered.load", no_load)
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
-    assert "this run: nothing to do (model not loaded)" in r.output
+    assert "this run: nothing to do (model not loaded)" in " ".join(r.output.split())
     report = json.loads((out / "report.json").read_text())
     assert report["totals"]["done"] == 1 and report["runs"][-1]["loaded_model"] is False
     assert report["cache"]["misses"] == report["runs"][0]["cache"]["misses"]  # the first run's counters kept
