@@ -502,7 +502,7 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
 
 
 def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, model_dir: Path, journal: Journal,
-                   reporter: Reporter, stopping, setup: dict) -> dict:
+                   reporter: Reporter, stopping, setup: dict, share=None) -> dict:
     """Generate every document of ``todo`` (batched, throttled), writing and journalling each as it
     finishes; fills ``results``. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
     try:
@@ -543,7 +543,7 @@ def _summarise_all(todo, results: dict, config: JobConfig, model, tokenizer, mod
                 reporter.message(f"throttle: {change['mode']} ({change['reason']})")
 
     throttled_before = 0.0
-    for outcome in scheduler.run(todo, should_stop=stopping, on_step=on_step):
+    for outcome in scheduler.run(todo, should_stop=stopping, on_step=on_step, share=share):  # issue 16: share
         res = results[outcome.id]
         _record(outcome, res, config.out_dir)
         spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
@@ -757,8 +757,10 @@ def run_job(config: JobConfig, reporter: Reporter | None = None) -> JobReport:
     return report
 
 
-def _run_todo(todo, results, config: JobConfig, model, tokenizer, model_dir, journal, reporter, report, lock) -> None:
-    """Generate ``todo`` under the stop flag (first signal: stop after the step; second: at once)."""
+def _run_todo(todo, results, config: JobConfig, model, tokenizer, model_dir, journal, reporter, report, lock,
+              share=None) -> None:
+    """Generate ``todo`` under the stop flag (first signal: stop after the step; second: at once).
+    ``share``: issue 16, a rank's part of a distributed run (:class:`mlx_tier.distributed.Share`)."""
     from .generation import MAX_AUTO_BATCH
     from .memory import model_memory_controls
 
@@ -781,7 +783,8 @@ def _run_todo(todo, results, config: JobConfig, model, tokenizer, model_dir, jou
                 model, context, config.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
             report.setup["memory"] = memory
             report.throttle = _summarise_all(todo, results, config, model, tokenizer, model_dir, journal,
-                                             reporter, lambda: stop.signal is not None, report.setup)
+                                             reporter, lambda: stop.signal is not None, report.setup,
+                                             share)  # issue 16
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
             report.stop_signal = stop.signal
     except BaseException:  # a second interrupt, or an error that stops the job: free the folder now

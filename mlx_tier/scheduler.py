@@ -221,7 +221,8 @@ class Scheduler:
                        d.seconds)
 
     def run(self, docs, should_stop: Callable[[], bool] = lambda: False,
-            on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
+            on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None,
+            share=None) -> Iterator[Outcome]:
         """Summarise ``docs`` (:class:`~mlx_tier.documents.Document`), yielding each outcome when final.
 
         Once ``should_stop()`` is true no new document starts, calls still
@@ -229,6 +230,10 @@ class Scheduler:
         finish (a map-reduce document not yet complete stays undone).
         ``on_step(info, ids in flight)`` runs after every engine step
         (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
+        ``share`` (issue 16: this rank's part of a distributed run,
+        :class:`mlx_tier.distributed.Share`): ``share.claim(id)`` is asked before a
+        document starts (``False``: another rank has it, skipped); ``share.more()``,
+        when nothing is left in flight, gives other ranks' unstarted documents.
         """
         waiting = deque(docs)
         ready: deque[Task] = deque()  # calls of started documents, before new documents
@@ -256,6 +261,8 @@ class Scheduler:
                 if not source or alone is not None or (solo and engine.active):
                     break
                 d = _Doc(source.popleft(), time.perf_counter())
+                if source is waiting and share is not None and not share.claim(d.doc.id):  # issue 16: another rank's
+                    continue
                 if source is solo:
                     alone = d
                 if d.doc.error is not None:
@@ -271,6 +278,8 @@ class Scheduler:
                     continue
                 ready.extend(tasks)
             if not engine.active:
+                if share is not None and not (stopping or ready or solo or waiting):  # issue 16: idle, take more
+                    waiting.extend(share.more())
                 if stopping or not (ready or solo or waiting):
                     break
                 continue
