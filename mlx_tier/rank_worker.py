@@ -131,7 +131,15 @@ def main(argv: list[str]) -> int:
         print("usage: python -m mlx_tier.rank_worker supervise|work PLAN (started by `mlx-tier run --ranks`)",
               file=sys.stderr)
         return 2
-    return (supervise if argv[0] == "supervise" else work)(Path(argv[1]))
+    if argv[0] == "supervise":
+        return supervise(Path(argv[1]))
+    from .errors import MlxTierError
+
+    try:
+        return work(Path(argv[1]))
+    except (MlxTierError, RuntimeError, OSError) as e:  # bad model, budget, group: one line, the others go on
+        print(f"[rank {_rank_env()}] error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -163,6 +163,9 @@ def test_two_ranks_write_every_document_once_and_match_one_process(tmp_path, sma
     assert (st.running, st.done, st.pending) == (False, 6, 0)
     assert "rank 0 (" in two.stdout and "rank 1 (" in two.stdout
     assert not list((out / "ranks").glob("*/claims"))  # claims are dropped with their run
+    plain = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), *common])  # one process now
+    assert plain.exit_code == 0 and "nothing to do" in plain.output, plain.output
+    assert done_records(out) == Counter(ids)
 
 
 def _rank_pid(out: Path, rank: int) -> int | None:
@@ -196,6 +199,7 @@ def test_a_rank_killed_stops_nobody_and_a_rerun_with_three_ranks_completes(tmp_p
     assert ranks[1]["ended"] == "killed (SIGKILL)" and ranks[0]["ended"] == "finished", output
     assert report["totals"]["done"] + report["totals"]["pending"] == 10
     assert proc.returncode == (3 if report["totals"]["pending"] else 0), output
+    assert ranks[1]["done"] < 5, output  # the kill landed before rank 1 finished its share
     assert ranks[0]["done"] >= 5  # rank 0 went on, and took what rank 1 had not started
     finished = {i: (out / f"{i}.md").stat().st_mtime_ns for i in done_records(out)}
 
