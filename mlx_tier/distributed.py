@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .documents import Document, InputError, discover, discover_list
 from .journal import Journal
-from .rankfiles import CLAIMS, PLAN, Claims, run_dir, shares, steal_from
+from .rankfiles import CLAIMS, PLAN, RANKS_DIR, Claims, run_dir, shares, steal_from
 from .throttle import ThrottleConfig
 
 RANK_COMMAND = ["-m", "mlx_tier.rank_worker", "supervise"]
@@ -225,6 +225,8 @@ def _prepare(config, reporter) -> Prepared:
     from .outdir import check_out_dir
 
     check_out_dir(config.out_dir, config.input if config.input_paths is None else None)
+    if (config.out_dir / RANKS_DIR).is_symlink():  # invariant 3: nothing written outside OUT_DIR
+        raise InputError(f"{config.out_dir / RANKS_DIR}: is a link; remove it (ranks write their files there)")
     earlier = Journal(config.out_dir) if config.out_dir.is_dir() else None
     attempted = _attempted_ids(earlier)
     previous = {**(earlier.names() if earlier is not None else {}), **_foreign_outputs(config.out_dir, attempted)}

@@ -63,12 +63,20 @@ def rank_account(folder: Path, rank: int) -> dict:
     }
 
 
-def _update_results(prep, config, t_wall: float) -> None:
-    """This run's documents' results from the merged journal (earlier ones were set at the start)."""
+def _update_results(prep, config, folder: Path, ranks: int, t_wall: float) -> None:
+    """This run's documents' results: from this run's rank journals (whatever the ranks'
+    clocks say), else from the merged journal after ``t_wall`` (recovered by the launcher)."""
+    from .distributed import RankJournal
+
+    mine: dict[str, dict] = {}
+    for k in range(ranks):
+        mine.update(RankJournal(folder / f"journal-{k}.jsonl").records())
     records = Journal(config.out_dir).records()
     for doc_id in prep.todo:
-        rec, res = records.get(doc_id), prep.results[doc_id]
-        if rec is None or rec.get("time", 0) < t_wall or rec.get("status") not in ("done", "failed"):
+        rec, res = mine.get(doc_id) or records.get(doc_id), prep.results[doc_id]
+        if rec is None or rec.get("status") not in ("done", "failed"):
+            continue
+        if doc_id not in mine and rec.get("time", 0) < t_wall:
             continue
         if rec["status"] == "done" and not (config.out_dir / f"{doc_id}.md").is_file():
             continue
@@ -109,7 +117,7 @@ def finish(config, prep, plan_path: Path, t_start: float, t_wall: float, stopped
 
     folder = plan_path.parent
     plan = _read_json(plan_path)
-    _update_results(prep, config, t_wall)
+    _update_results(prep, config, folder, plan.get("ranks", 0), t_wall)
     report = JobReport(results=list(prep.results.values()))
     report.seconds = time.perf_counter() - t_start
     accounts = [rank_account(folder, k) for k in range(plan.get("ranks", 0))]

@@ -79,7 +79,9 @@ def _join_group(ranks: int) -> tuple[int, int]:
     """
     import mlx.core as mx
 
-    group = mx.distributed.init(strict=ranks > 1)
+    if ranks == 1:  # mlx.launch gives one rank an empty hostfile, which init cannot parse: no group needed
+        return 0, 1
+    group = mx.distributed.init(strict=True)
     if group.size() != ranks:
         raise RuntimeError(f"joined a group of {group.size()} ranks, the plan has {ranks}: start it with "
                            "`mlx-tier run --ranks/--hosts`, not by hand")

@@ -115,6 +115,11 @@ def test_hosts_file_and_option_errors_are_one_line_exit_2(tmp_path):
     r = runner.invoke(app, base + ["--hosts", str(tmp)])
     assert r.exit_code == 2 and "not a readable hosts file" in r.output
     assert not (tmp_path / "out").exists()  # nothing written for bad input
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ranks").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    r = runner.invoke(app, base + ["--ranks", "2"])
+    assert r.exit_code == 2 and "is a link" in r.output, r.output
+    assert not (tmp_path / "elsewhere").exists()  # invariant 3: nothing written outside OUT_DIR
 
 
 # End to end: real ranks under mlx.launch.
