@@ -50,9 +50,9 @@ def check(ranks: int | None, hosts: Path | None, background: bool, trace, save_p
 
 def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> None:
     """Run the job over the ranks and exit as `run` does (0 all done, 1 some failed, 2 bad input,
-    3 documents left pending by a rank that died, 130 interrupted)."""
-    from mlx_tier.cli.main import (EXIT_FAILED_DOCS, EXIT_INTERRUPTED, EXIT_JOB_ERROR, err, fail, out,
-                                   print_summary)
+    3 documents left pending by a rank that died, 130/143 stopped by SIGINT/SIGTERM)."""
+    from mlx_tier.cli.main import (EXIT_FAILED_DOCS, EXIT_INTERRUPTED, EXIT_JOB_ERROR, EXIT_TERMINATED, err, fail,
+                                   out, print_summary)
     from mlx_tier.distributed import Launch, run_distributed
     from mlx_tier.errors import MlxTierError
 
@@ -66,10 +66,11 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
     for line in rank_lines(report.runs[-1]):
         out.print(line, highlight=False, soft_wrap=True, markup=False)
     pending = report.count("pending")
-    if report.stop_signal == signal.SIGINT:
-        err.print(f"interrupted; finished summaries are kept. Resume with: {escape(command)}", highlight=False,
-                  soft_wrap=True)
-        raise typer.Exit(EXIT_INTERRUPTED)
+    if report.stop_signal is not None:
+        term = report.stop_signal == signal.SIGTERM
+        err.print(f"{'terminated' if term else 'interrupted'}; finished summaries are kept. Resume with: "
+                  f"{escape(command)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     if pending:
         err.print(f"{pending} document(s) left pending (a rank ended early, see above). Finished summaries are "
                   f"kept; resume with any number of ranks: {escape(command)}", highlight=False, soft_wrap=True)

@@ -125,6 +125,9 @@ def finish(config, prep, plan_path: Path, t_start: float, t_wall: float, stopped
     setup = next((s for s in setups if s), None)
     report.setup = {**setup, **machine_info()} if setup else _earlier_setup(config)[0]
     report.setup["distributed"] = {"ranks": plan.get("ranks"), "hosts": plan.get("hosts"), "run_id": plan.get("run_id")}
+    # the launcher's own Ctrl-C, else a signal a rank was stopped by (SIGINT to its group, SIGTERM from mlx.launch)
+    stopped = stopped or next((r["stop_signal"] for r in map(_read_json, folder.glob("rank-*.json"))
+                               if r.get("stop_signal")), None)
     report.interrupted = stopped is not None and any(r.status == "pending" for r in report.results)
     report.stop_signal = stopped
     report.runs = previous_runs(config.out_dir / REPORT) + [_run_record(report, accounts, t_wall, prep)]

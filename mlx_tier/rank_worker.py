@@ -122,7 +122,7 @@ def work(plan_path: Path) -> int:
         "claimed": len(claims.taken), "stolen": share.stolen,
         "done": sum(r.status == "done" for r in mine), "failed": sum(r.status == "failed" for r in mine),
         "output_tokens": tokens, "output_tok_per_s": round(tokens / seconds, 3) if seconds else 0.0,
-        "interrupted": report.interrupted, "cache": model.expert_cache.stats.as_dict(), "setup": report.setup,
+        "interrupted": report.interrupted, "stop_signal": report.stop_signal, "cache": model.expert_cache.stats.as_dict(), "setup": report.setup,
     }
     write_atomic(Path(plan_path).parent / f"rank-{rank}.json", json.dumps(record, indent=1) + "\n")
     return 0

@@ -182,16 +182,24 @@ def _rank_pid(out: Path, rank: int) -> int | None:
     return None
 
 
-def _started_not_done(out: Path, rank: int) -> set[str]:
-    """Documents ``rank`` has claimed and not yet recorded (in flight)."""
-    claimed = set()
+def _claims(out: Path) -> dict[str, int]:
+    """Document id -> the rank that claimed it, in the running run."""
+    owners = {}
     for claim in out.glob("ranks/*/claims/*"):
         try:
-            if json.loads(claim.read_text())["rank"] == rank:
-                claimed.add(claim.name)
+            owners[claim.name] = json.loads(claim.read_text())["rank"]
         except (OSError, ValueError, KeyError):
             continue  # being written
-    return claimed - set(done_records(out))
+    return owners
+
+
+def _claimers(out: Path) -> set[int]:
+    return set(_claims(out).values())
+
+
+def _started_not_done(out: Path, rank: int) -> set[str]:
+    """Documents ``rank`` has claimed and not yet recorded (in flight)."""
+    return {i for i, r in _claims(out).items() if r == rank} - set(done_records(out))
 
 
 def test_a_rank_killed_stops_nobody_and_a_rerun_with_three_ranks_completes(tmp_path, small_moe):  # noqa: F811
@@ -249,3 +257,28 @@ def test_demo_model_on_two_ranks_equals_one_process(tmp_path, demo_model):
     assert one.returncode == 0 and two.returncode == 0, two.stdout + two.stderr
     assert done_records(tmp_path / "two") == Counter(f"n{i}" for i in range(4))
     assert summaries(tmp_path / "two") == summaries(tmp_path / "one")
+
+
+def test_ctrl_c_stops_every_rank_after_the_summaries_being_written(tmp_path, small_moe):  # noqa: F811
+    ids = make_docs(tmp_path / "docs", 8)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_tier.cli.main", "run", str(tmp_path / "docs"), "--out",
+                             str(out), "--model", str(small_moe), "--max-tokens", "48", "--batch-size", "1",
+                             "--ranks", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    try:
+        while not (done_records(out) and _claimers(out) == {0, 1}):  # both ranks past loading, generating
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does: the launcher and every rank
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "interrupted; finished summaries are kept. Resume with:" in output, output
+    report = json.loads((out / "report.json").read_text())
+    assert all(a["ended"] == "stopped (signal)" for a in report["runs"][-1]["ranks"]), output
+    assert 0 < report["totals"]["done"] < len(ids) and report["totals"]["interrupted"]
+    assert done_records(out) == Counter({i: 1 for i in ids if (out / f"{i}.md").exists()})
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
