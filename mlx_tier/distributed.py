@@ -158,9 +158,12 @@ def plan_documents(config, plan: dict) -> dict[str, Document]:
 
 
 def _absolute(config):
-    """``config`` with INPUT, OUT_DIR and the trace as absolute paths (the same on every host)."""
+    """``config`` with INPUT, OUT_DIR and a model folder as absolute paths (the same on every host)."""
+    model = config.model
+    if model is not None and Path(model).exists():  # a folder here, not a repo id
+        model = str(Path(model).absolute())
     return replace(config, input=config.input if config.input_paths is not None and str(config.input) == "-"
-                   else Path(config.input).absolute(), out_dir=Path(config.out_dir).absolute())
+                   else Path(config.input).absolute(), out_dir=Path(config.out_dir).absolute(), model=model)
 
 
 def _free_ports(n: int) -> int:
@@ -260,9 +263,9 @@ def _write_plan(config, prep: Prepared, launch: Launch, ranks: int) -> Path:
 
 
 def _wait(proc: subprocess.Popen, reporter) -> int | None:
-    """Wait for mlx.launch; a first Ctrl-C (which the local ranks get too) waits on for the
-    summaries being written, a second ends mlx.launch (its ranks get SIGTERM). Returns the
-    signal that stopped the run, if any."""
+    """Wait for mlx.launch; after a Ctrl-C (which the local ranks get too: they finish the
+    summaries being written) wait on; after a second, end mlx.launch (the local ranks got it
+    too and stop at once). Returns the signal that stopped the run, if any."""
     import signal
 
     stopped = None

@@ -122,6 +122,19 @@ def test_hosts_file_and_option_errors_are_one_line_exit_2(tmp_path):
     assert not (tmp_path / "elsewhere").exists()  # invariant 3: nothing written outside OUT_DIR
 
 
+def test_the_plan_carries_every_setting_to_the_ranks(tmp_path):
+    from mlx_tier.distributed import config_from_json, config_to_json
+    from mlx_tier.jobs import JobConfig
+    from mlx_tier.throttle import ThrottleConfig
+
+    for config in [JobConfig(input=Path("-"), out_dir=tmp_path, input_paths=("a.txt", "b c.pdf"), max_tokens=7,
+                             throttle=ThrottleConfig(max_temp=80.0, max_tok_s=3.5), policy="lru", kernel="mlx",
+                             output_format="jsonl", command="mlx-tier run - --out x < x/inputs.txt"),
+                   JobConfig(input=tmp_path / "docs", out_dir=tmp_path / "out", model="org/repo", cache_gb=1.5,
+                             prompt="Say it \u00e9", retry_failed=True, prefetch=True, batch_size=2)]:
+        assert config_from_json(json.loads(json.dumps(config_to_json(config)))) == config
+
+
 # End to end: real ranks under mlx.launch.
 
 def make_docs(folder: Path, n: int) -> list[str]:
