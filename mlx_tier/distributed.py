@@ -248,18 +248,17 @@ def run_distributed(config, launch: Launch, reporter=None):
     docs = find_documents(config)
     if (config.out_dir / RANKS_DIR).is_symlink():  # invariant 3: nothing written outside OUT_DIR
         raise InputError(f"{config.out_dir / RANKS_DIR}: is a link; remove it (ranks write their files there)")
-    t_start, t_wall = time.perf_counter(), time.time()
+    started = time.perf_counter(), time.time()
     with JobDir(config.out_dir) as job:
-        journal, _, tri = start_run(job, docs, config, reporter)
-        report = _launch(config, launch, ranks, job, journal, docs, tri, reporter, (t_start, t_wall)) \
-            if tri.pending else None
+        _, _, tri = start_run(job, docs, config, reporter)
+        report = _launch(config, launch, ranks, job, docs, tri, reporter, started) if tri.pending else None
     if report is None:  # nothing to do: the one-process path writes the job's report, loading no model
         return run_job(config, reporter)
     write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     return report
 
 
-def _launch(config, launch: Launch, ranks: int, job, journal, docs, tri, reporter, started: tuple[float, float]):
+def _launch(config, launch: Launch, ranks: int, job, docs, tri, reporter, started: tuple[float, float]):
     """Under OUT_DIR's lock: record the run's start, write the plan, run the ranks, write the report."""
     from .rank_report import finish
     from .status import JobInfo, write_input_list
@@ -271,7 +270,7 @@ def _launch(config, launch: Launch, ranks: int, job, journal, docs, tri, reporte
             job.discard_if_unused()
             raise
     JobInfo(input=str(config.input), ids=[d.id for d in docs], todo=tri.pending, started=time.time(),
-            pid=os.getpid(), command=config.command, output_format=config.output_format).write(journal)
+            pid=os.getpid(), command=config.command, output_format=config.output_format).write(job.journal())
     if config.input_paths is not None:
         write_input_list(config.out_dir, docs)
     plan_path = _write_plan(config, docs, tri.pending, launch, ranks)

@@ -339,7 +339,7 @@ class Share:
             job's view (:meth:`~mlx_tier.jobdir.JobDir.view`).
         order: pending ids (input order) -> the ids to try, in turn; pulled one
             at a time as the scheduler has room, so it may decide late (a rank
-            of a distributed run steals then: :func:`mlx_tier.distributed.rank_order`).
+            of a distributed run steals then: :func:`mlx_tier.rankfiles.rank_order`).
         part: one rank of a distributed run (issue 16), whose launcher holds
             ``OUT_DIR``'s lock and writes the start record, ``summaries.jsonl``,
             ``report.json`` and ``report.html``: this process locks only its own

@@ -110,10 +110,14 @@ def shares(todo: list[str], ranks: int) -> list[list[str]]:
 
 
 def steal_from(todo: list[str], rank: int, ranks: int, claimed: set[str]) -> list[str]:
-    """What an idle rank takes next: the unclaimed documents of the other rank with the
-    most of them left (the slowest), from the end of its share (where its owner arrives
-    last), so owner and thief work towards each other. ``[]``: nothing left anywhere."""
-    left = [[i for i in s if i not in claimed] for k, s in enumerate(shares(todo, ranks)) if k != rank]
+    """What a rank done with its own share takes next: the unclaimed documents of the other
+    rank with the most of them left (the slowest), from the end of its share (where its owner
+    arrives last), so owner and thief work towards each other. Only from a rank that has
+    started (its share's first document is claimed: owners start there, thieves never do), so
+    that a rank with room in its batch does not take the share of one still loading its
+    model. ``[]``: nothing left to take."""
+    left = [[i for i in s if i not in claimed] for k, s in enumerate(shares(todo, ranks))
+            if k != rank and s and s[0] in claimed]
     slowest = max(left, key=len, default=[])
     return slowest[::-1]
 
@@ -123,10 +127,11 @@ def rank_order(todo: list[str], rank: int, ranks: int,
     """The order in which rank ``rank`` tries the plan's documents (a
     :class:`~mlx_tier.jobs.Share`'s ``order``): its own share first, then, while
     any is left, the other ranks' unclaimed documents by :func:`steal_from`
-    (the slowest share's, from its end; ``claimed()`` lists every rank's claims,
-    read again each time a stolen batch is used up). The runner pulls one id at
-    a time, when the scheduler has room, and claims it then: a document another
-    rank claimed first is skipped there.
+    (the slowest started share's, from its end; ``claimed()`` lists every rank's
+    claims, read again each time a stolen batch is used up). The runner pulls one
+    id at a time, when the scheduler has room, and claims it then: a document
+    another rank claimed first is skipped there. When nothing is left to take the
+    order ends: a rank that never started leaves its share to the next run.
 
     Args:
         todo: the plan's documents to do, in order (the same on every rank).

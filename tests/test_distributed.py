@@ -20,15 +20,22 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import pytest
-from test_crash import WORDS, small_moe  # noqa: F401 - the tiny fast-loading MoE fixture
+from mlx_tier.cli.main import app
+from test_crash import WORDS, _short_context, small_moe  # noqa: F401 - the tiny fast-loading MoE fixture
 from typer.testing import CliRunner
 
-from mlx_tier.cli.main import app
 from mlx_tier.distributed import read_hosts
 from mlx_tier.documents import InputError
 from mlx_tier.journal import Journal
 from mlx_tier.policy import PolicySpec
-from mlx_tier.rankfiles import Claims, rank_journals, shares, steal_from
+from mlx_tier.rankfiles import (
+    Claims,
+    rank_journal_name,
+    rank_journals,
+    rank_order,
+    shares,
+    steal_from,
+)
 from mlx_tier.status import read_status
 
 runner = CliRunner()
@@ -43,12 +50,79 @@ def test_shares_are_disjoint_cover_everything_and_differ_by_one_at_most():
         assert parts == shares(list(todo), ranks)  # deterministic: every rank computes the same
 
 
-def test_an_idle_rank_steals_from_the_end_of_the_slowest_share():
+def test_a_rank_steals_from_the_end_of_the_slowest_started_share():
     todo = [f"d{i}" for i in range(9)]  # shares: d0-d2 | d3-d5 | d6-d8
     claimed = {"d0", "d1", "d2", "d3", "d4", "d6"}  # rank 1 has d5 left, rank 2 has d7, d8
     assert steal_from(todo, 0, 3, claimed) == ["d8", "d7"]
     assert steal_from(todo, 2, 3, claimed) == ["d5"]
     assert steal_from(todo, 0, 3, set(todo)) == []
+    # Another case: rank 2 has not started (still loading its model): its share is left to it.
+    assert steal_from(todo, 0, 3, {"d0", "d1", "d2", "d3"}) == ["d5", "d4"]
+    assert steal_from(todo, 1, 3, {"d0", "d3", "d4", "d5"}) == ["d2", "d1"]
+
+
+def test_a_rank_tries_its_share_then_steals_from_the_slowest_end():
+    todo = [f"d{i}" for i in range(9)]  # shares: d0-d2 | d3-d5 | d6-d8
+    claimed: set[str] = set()
+    pulls = rank_order(todo, 0, 3, lambda: set(claimed))(list(todo))
+    assert [next(pulls) for _ in range(3)] == ["d0", "d1", "d2"]  # its own share first, in order
+    claimed |= {"d0", "d1", "d2", "d3", "d4", "d6"}  # rank 1 has d5 left, rank 2 has d7, d8
+    assert [next(pulls), next(pulls)] == ["d8", "d7"]  # the slowest's, from its end
+    claimed |= {"d7", "d8"}
+    assert list(pulls) == ["d5"]  # then the next slowest; then nothing is left
+    # Another case: documents done meanwhile (not pending for this rank) are never tried.
+    pulls = rank_order(todo, 2, 3, lambda: {"d6"})(["d1", "d2", "d4", "d7", "d8"])
+    assert list(pulls) == ["d7", "d8", "d2", "d1", "d4"]  # own; rank 0's (2 left), from the end; rank 1's
+
+
+def test_a_fast_rank_steals_a_slow_ranks_tail_and_every_document_goes_to_one_rank(tmp_path):
+    """Two ranks pulling through their orders and one claims folder, rank 1 three times
+    as fast: each document is claimed once, and rank 1 finishes rank 0's share from its end."""
+    todo = [f"d{i:02d}" for i in range(12)]
+    claims = [Claims(tmp_path, r) for r in range(2)]
+    pulls = [rank_order(todo, r, 2, claims[r].claimed)(list(todo)) for r in range(2)]
+    live = [True, True]
+    step = 0
+    while any(live):
+        r = 0 if step % 4 == 0 else 1  # rank 0 takes a turn for every three of rank 1's
+        step += 1
+        for i in pulls[r] if live[r] else ():
+            if claims[r].claim(i):
+                break  # one document started per turn
+        else:
+            live[r] = False
+    assert sorted(claims[0].taken + claims[1].taken) == todo  # each exactly once
+    assert claims[0].taken == ["d00", "d01", "d02"]  # the slow rank got through the start of its share
+    assert claims[1].taken == todo[6:] + ["d05", "d04", "d03"]  # the fast one: its own, then the tail
+
+
+def test_a_rank_runs_the_job_runner_beside_the_launchers_lock(tmp_path, small_moe):  # noqa: F811
+    """A rank is `run_job` with a part's Share: it runs while the launcher holds OUT_DIR,
+    journals to its own file, and writes no start record, report.json or report.html."""
+    from mlx_tier.errors import InputError as AnyInputError
+    from mlx_tier.jobdir import JobDir
+    from mlx_tier.jobs import JobConfig, Share, run_job
+    from mlx_tier.scheduler import GenerationConfig
+
+    ids = make_docs(tmp_path / "docs", 4)
+    out = tmp_path / "out"
+    (out / "ranks" / "r1").mkdir(parents=True)
+    config = JobConfig(input=tmp_path / "docs", out_dir=out, model=small_moe, generation=GenerationConfig(max_tokens=4))
+    name = rank_journal_name("r1", 1)
+    claims = Claims(out / "ranks" / "r1" / "claims", 1)  # this is rank 1 of 2: its share doc02, doc03
+    for i in ("doc00", "doc02"):  # rank 0 started its own doc00 and has stolen doc02
+        Claims(out / "ranks" / "r1" / "claims", 0).claim(i)
+    share = Share(claim=claims.claim, journal_name=name, part=True, order=rank_order(ids, 1, 2, claims.claimed))
+    with JobDir(out):  # the launcher's lock
+        with pytest.raises(AnyInputError, match="another process runs this rank"), \
+                JobDir(out, name, part=True), JobDir(out, name, part=True):
+            pass
+        report = run_job(config, share=share)
+    assert {r.id: r.status for r in report.results} == {"doc00": "pending", "doc01": "done", "doc02": "pending",
+                                                         "doc03": "done"}  # its share's doc03, then stole doc01
+    assert claims.taken == ["doc03", "doc01"] and report.runs[-1]["done"] == 2
+    assert {r["id"] for r in Journal(out, name=name).entries() if r.get("status") == "done"} == {"doc01", "doc03"}
+    assert sorted(p.name for p in out.iterdir()) == [".mlx-tier.lock", "doc01.md", "doc03.md", "ranks"]
 
 
 def _claim_all(folder: str, rank: int, ids: list[str], queue) -> None:
