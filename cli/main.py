@@ -57,7 +57,7 @@ class OneLineErrors(typer.core.TyperGroup):
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
 
-from mlx_tier.cli import watch_cmd
+from mlx_tier.cli import ranks_cmd, watch_cmd  # ranks_cmd: issue 16
 
 app = typer.Typer(
     help="Run Mixture-of-Experts models larger than memory: experts stream from disk into a bounded cache.",
@@ -344,8 +344,11 @@ def run(
     follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
     kernel: str = typer.Option(JOB_KERNEL, "--kernel", help="What computes the experts: cpu (own kernel, within fp32 rounding of MLX; many times faster on MLX's CPU backend), mlx (MLX's ops, tokens exactly as mlx-lm), metal, or auto (cpu on the CPU backend, else mlx)."),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
+    # issue 16: one job over several ranks (cli/ranks_cmd.py, mlx_tier/distributed.py)
+    ranks: int | None = typer.Option(None, "--ranks", min=1, help="Spread the job over this many processes on this machine, started by MLX's launcher (mlx.launch, ring backend); each loads the model and takes documents no other rank has started (README, \"Several ranks or Macs\")."),
+    hosts: Path | None = typer.Option(None, "--hosts", help="Spread the job over the machines of this mlx.launch hosts file (JSON, one rank per entry: ssh name and IPs); INPUT and --out must be the same shared paths on every machine (README, \"Several ranks or Macs\")."),
     ctx: typer.Context = None,  # filled in by Typer
-) -> None:  # over 60 lines only by its 28 declared options and the --help text; the body is ~30 lines
+) -> None:  # over 60 lines only by its 30 declared options and the --help text; the body is ~30 lines
     """Summarise every document in INPUT into OUT_DIR, resumably.
 
     INPUT `-` reads file paths from stdin, one a line. Rerunning the same
@@ -380,6 +383,8 @@ def run(
     # (a name that is not valid UTF-8 survives as surrogates).
     paths = tuple(os.fsdecode(b.rstrip(b"\r")) for b in sys.stdin.buffer.read().split(b"\n")) if from_stdin else None
     command = resume_command(ctx, out_dir, from_stdin)
+    if ranks is not None or hosts is not None:  # issue 16
+        ranks_cmd.check(ranks, hosts, background, trace, save_profile)
     try:
         config = JobConfig(
             input=input, out_dir=out_dir, model=model,
@@ -399,6 +404,8 @@ def run(
     if background:
         _start_background(config, [sys.executable, "-m", "mlx_tier.cli.main", "run",
                                    *command_args(ctx, drop=("background",))])
+    elif ranks is not None or hosts is not None:  # issue 16: one job over several ranks
+        ranks_cmd.run_ranks(config, ranks, hosts, command)
     else:
         _run_job_and_exit(config, out_dir, command)
 

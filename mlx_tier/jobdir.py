@@ -7,8 +7,14 @@ was killed mid-write (those older than 2 minutes,
 :data:`mlx_tier.fsio.STALE_AFTER_S`: a younger one may be a live
 writer's); leaving releases the lock, whatever happened. It knows the paths
 the runner writes: each document's ``<id>.md`` and the journal (one
-name per process, so that several processes of one job could each keep
+name per process, so that several processes of one job can each keep
 their own; the default is the job's one journal).
+
+A ``part`` (one rank of a distributed run, issue 16) holds the folder
+otherwise: its launcher has taken the run lock and cleaned up before any rank
+started, so a part locks only its own journal (``<journal>.lock``, against a
+second process taking the same rank) and removes nothing (the other ranks'
+temporary files are live).
 """
 
 from __future__ import annotations
@@ -52,8 +58,17 @@ def lock_out_dir(out_dir: Path):
     Raises:
         InputError: another run holds it.
     """
-    f = os.fdopen(os.open(out_dir / LOCK, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0),
-                          0o666), "a")
+    return lock_file(out_dir / LOCK, "another mlx-tier run is using this output folder", out_dir)
+
+
+def lock_file(path: Path, holder: str, name: Path | None = None):
+    """An open file holding an exclusive ``flock`` on ``path`` (created if missing, never
+    through a link); released when closed or when the process ends (even by SIGKILL).
+
+    Raises:
+        InputError: ``"<name or path>: <holder>"`` when another process holds it.
+    """
+    f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), 0o666), "a")
     try:
         import fcntl
 
@@ -62,7 +77,7 @@ def lock_out_dir(out_dir: Path):
         pass
     except OSError:
         f.close()
-        raise InputError(f"{out_dir}: another mlx-tier run is using this output folder") from None
+        raise InputError(f"{name or path}: {holder}") from None
     return f
 
 
@@ -71,7 +86,9 @@ class JobDir:
 
     Args:
         path: the output folder.
-        journal_name: the journal's file name inside it (default: the job's journal).
+        journal_name: the journal's file name inside it (default: the job's
+            journal); a relative path for a rank's (``ranks/<run id>/journal-<k>.jsonl``).
+        part: one rank of a distributed run (module doc).
 
     Attributes:
         path: the folder.
@@ -82,14 +99,19 @@ class JobDir:
         InputError: not a folder, not writable, or another run holds it.
     """
 
-    def __init__(self, path: Path, journal_name: str = JOURNAL) -> None:
+    def __init__(self, path: Path, journal_name: str = JOURNAL, part: bool = False) -> None:
         self.path = Path(path)
+        self.journal_name = journal_name
         self.journal_path = self.path / journal_name
+        self.part = part
         self.created = False
         self._lock = None
 
     def __enter__(self) -> Self:
         self.created = prepare_out_dir(self.path)
+        if self.part:
+            self._lock = lock_file(self.journal_path.with_suffix(".lock"), "another process runs this rank")
+            return self
         self._lock = lock_out_dir(self.path)
         remove_stale_temps(self.path)  # a killed run's half-written outputs
         return self
@@ -113,7 +135,12 @@ class JobDir:
 
     def journal(self, on_done=None) -> Journal:
         """The journal this process appends to (:class:`mlx_tier.journal.Journal`)."""
-        return Journal(self.path, on_done=on_done, name=self.journal_path.name)
+        return Journal(self.path, on_done=on_done, name=self.journal_name)
+
+    def view(self) -> Journal:
+        """The job's journal as every reader sees it (``journal.jsonl`` with the rank
+        journals of distributed runs merged in): what a run triages from."""
+        return Journal(self.path)
 
     def output(self, doc_id: str) -> Path:
         """Where the summary of document ``doc_id`` goes."""

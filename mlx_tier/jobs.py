@@ -20,7 +20,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -332,6 +332,11 @@ def claim_all(doc_id: str) -> bool:
     return True
 
 
+def input_order(pending: list[str]) -> Iterable[str]:
+    """The default order of a job's pending documents: the input's."""
+    return pending
+
+
 @dataclass(frozen=True)
 class Share:
     """Which part of the job this process does (default: all of it, one journal).
@@ -340,11 +345,21 @@ class Share:
         claim: asked with each pending document's id just before it would start;
             ``False`` leaves it pending here (another process's document).
         journal_name: the file in ``OUT_DIR`` this process journals to
-            (:class:`~mlx_tier.jobdir.JobDir`).
+            (:class:`~mlx_tier.jobdir.JobDir`); every process triages from the
+            job's view (:meth:`~mlx_tier.jobdir.JobDir.view`).
+        order: pending ids (input order) -> the ids to try, in turn; pulled one
+            at a time as the scheduler has room, so it may decide late (a rank
+            of a distributed run steals then: :func:`mlx_tier.rankfiles.rank_order`).
+        part: one rank of a distributed run (issue 16), whose launcher holds
+            ``OUT_DIR``'s lock and writes the start record, ``summaries.jsonl``,
+            ``report.json`` and ``report.html``: this process locks only its own
+            journal (:class:`~mlx_tier.jobdir.JobDir`) and writes none of those.
     """
 
     claim: Callable[[str], bool] = claim_all
     journal_name: str = JOURNAL
+    order: Callable[[list[str]], Iterable[str]] = input_order
+    part: bool = False
 
 
 def _convert_ahead(doc) -> Future:
@@ -366,18 +381,25 @@ def _convert_ahead(doc) -> Future:
     return future
 
 
-def _turns(pending: list, results: dict, claim: Callable[[str], bool]) -> Iterator:
-    """The pending documents this process claims, in order, each converted one document
-    ahead in a worker thread: while one document is read and written, the next one's
-    conversion (a large PDF may take minutes) runs beside it, so it stalls neither the
-    engine's steps nor a stop. One conversion runs at a time; ``claim`` is asked for a
+def _turns(pending: list, results: dict, share: Share) -> Iterator:
+    """The pending documents this process claims, in the share's order, each converted one
+    document ahead in a worker thread: while one document is read and written, the next
+    one's conversion (a large PDF may take minutes) runs beside it, so it stalls neither the
+    engine's steps nor a stop. One conversion runs at a time; ``share.claim`` is asked for a
     document when the one before it starts."""
-    claimed = (d for d in pending if claim(d.id))  # another process's share stays pending here
-    d = next(claimed, None)
+    by_id = {d.id: d for d in pending}
+
+    def claimed() -> Iterator:
+        for i in share.order(list(by_id)):
+            if i in by_id and share.claim(i):  # else another process's share: stays pending here
+                yield by_id.pop(i)  # tried once
+
+    ahead = claimed()
+    d = next(ahead, None)
     converting = _convert_ahead(d) if d is not None else None
     while d is not None:
         results[d.id].converter = converting.result()
-        following = next(claimed, None)
+        following = next(ahead, None)
         converting = _convert_ahead(following) if following is not None else None
         yield d
         d = following
@@ -387,7 +409,7 @@ def _outputs(job: JobDir, docs) -> dict[str, OutputState]:
     return {d.id: OutputState.of(job.output(d.id)) for d in docs}
 
 
-def _results(docs, tri: Triage) -> dict[str, DocResult]:
+def doc_results(docs, tri: Triage) -> dict[str, DocResult]:
     """Each document's result as the triage leaves it (earlier runs' figures from their records)."""
     results = {}
     for d in docs:
@@ -407,7 +429,7 @@ def _results(docs, tri: Triage) -> dict[str, DocResult]:
     return results
 
 
-def _find_documents(config: JobConfig) -> list:
+def find_documents(config: JobConfig) -> list:
     """The job's documents (not converted), each keeping the output name an earlier run gave it.
 
     Raises:
@@ -442,7 +464,7 @@ def start_detached(config: JobConfig, argv: list[str]) -> int:
     """
     from .status import lock_held, start_background
 
-    docs = _find_documents(config)
+    docs = find_documents(config)
     stdin = None
     if config.input_paths is not None:
         if lock_held(config.out_dir):  # never replace a running job's resume list
@@ -501,7 +523,7 @@ def _setup(loaded: _Loaded, config: JobConfig) -> dict:
     }
 
 
-def _write_report_page(out_dir: Path, reporter: Reporter) -> None:
+def write_report_page(out_dir: Path, reporter: Reporter) -> None:
     """``OUT_DIR/report.html`` (:mod:`mlx_tier.report_page`); a failure to write it only warns."""
     from .report_page import write_report_html
 
@@ -532,25 +554,31 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     """
     reporter = reporter or Reporter()
     t_start, t_wall = time.perf_counter(), time.time()
-    docs = _find_documents(config)
-    with JobDir(config.out_dir, share.journal_name) as job:
-        report, loaded = _run_in(job, docs, config, reporter, share.claim)
+    docs = find_documents(config)
+    with JobDir(config.out_dir, share.journal_name, part=share.part) as job:
+        report, loaded = _run_in(job, docs, config, reporter, share)
         report.seconds = time.perf_counter() - t_start
-        _finish_report(report, loaded, config, t_wall, reporter)
-    _write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
+        _finish_report(report, loaded, config, t_wall, reporter, write=not share.part)
+    if not share.part:
+        write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     reporter.close()
     return report
 
 
-def _start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter):
-    """Journal, triage and results of this run, with the earlier runs' recovered outputs recorded."""
-    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" else None
+def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bool = False):
+    """Journal, triage (from the job's view) and results of this run, with the earlier runs'
+    recovered outputs recorded (not by a ``part``: its launcher did; one found now is
+    another rank's, its record on the way). Returns ``(journal, records, triage)``."""
+    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part else None
     journal = job.journal(on_done=summaries.add if summaries is not None else None)
-    records = journal.records()
-    for warning in journal.warnings.values():
+    view = job.view()
+    records = view.records()
+    for warning in view.warnings.values():
         reporter.message(f"journal: {warning}")
-    tri = triage([d.id for d in docs], records, _outputs(job, docs), attempted_ids(journal.entries()),
+    tri = triage([d.id for d in docs], records, _outputs(job, docs), attempted_ids(view.entries()),
                  config.retry_failed)
+    if part:
+        return journal, records, tri
     names = {d.id: d.name for d in docs}
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
         journal.append({"id": i, "status": "done", "output": f"{i}.md", "recovered": True, "name": names[i]})
@@ -559,11 +587,11 @@ def _start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter):
     return journal, records, tri
 
 
-def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, claim) -> tuple[JobReport, _Loaded | None]:
+def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share) -> tuple[JobReport, _Loaded | None]:
     """The run inside the held job folder: triage, load, generate. Returns the report and the
     model (``None`` when nothing was to do), kept apart: the report never holds the model."""
-    journal, records, tri = _start_run(job, docs, config, reporter)
-    results = _results(docs, tri)
+    journal, records, tri = start_run(job, docs, config, reporter, share.part)
+    results = doc_results(docs, tri)
     report = JobReport(results=list(results.values()))
     by_id = {d.id: d for d in docs}
     pending = [by_id[i] for i in tri.pending]
@@ -573,10 +601,10 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, claim) -> 
         report.setup = _setup(loaded, config)
     else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
         report.setup, report.throttle = _earlier_setup(config)
-    if pending or not records:  # a rerun with nothing to do starts no run (status keeps the last one)
+    if (pending or not records) and not share.part:  # a rerun with nothing to do starts no run
         JobInfo(input=str(config.input), ids=list(by_id), todo=tri.pending, started=time.time(), pid=os.getpid(),
                 command=config.command, output_format=config.output_format).write(journal)
-    if config.input_paths is not None:
+    if config.input_paths is not None and not share.part:
         write_input_list(config.out_dir, docs)
     if tri.failed:
         reporter.message(f"{len(tri.failed)} document(s) failed in an earlier run; not retried "
@@ -587,7 +615,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, claim) -> 
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
         longest = _longest(pending)
-        _run_pending(_turns(pending, results, claim), longest, results, config, loaded, journal, reporter, report)
+        _run_pending(_turns(pending, results, share), longest, results, config, loaded, journal, reporter, report)
     return report, loaded
 
 
@@ -603,14 +631,17 @@ def _longest(pending: list) -> int:
 
 
 def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig, t_wall: float,
-                   reporter: Reporter) -> None:
-    """This run's record, the summed cache counters, the profile, and report.json (atomically)."""
+                   reporter: Reporter, write: bool = True) -> None:
+    """This run's record, the summed cache counters, and (``write``) the profile and report.json
+    (atomically)."""
     cache = loaded.cache if loaded is not None else None
     record = RunRecord.of(report, t_wall, cache, report.run.skipped, report.run.left_failed)
     report.runs = previous_runs(config.out_dir / REPORT) + [record.as_dict()]
     report.cache = sum_cache(report.runs)
     if cache is not None:
         report.cache |= {"resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
+    if not write:  # a rank's: its launcher writes the job's report
+        return
     if config.save_profile and report.output_tokens:
         _save_profile(config, loaded, report, reporter)
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")

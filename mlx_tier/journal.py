@@ -38,6 +38,7 @@ from .fsio import (  # noqa: F401 - the file primitives, importable from here to
     remove_stale_temps,
     write_atomic,
 )
+from .rankfiles import merged, rank_journals
 
 JOURNAL = "journal.jsonl"
 SUMMARIES = "summaries.jsonl"
@@ -94,29 +95,42 @@ class Journal:
     def __init__(self, out_dir: Path, on_done: Callable[[dict], None] | None = None, name: str = JOURNAL):
         self.path = Path(out_dir) / name
         self.on_done = on_done
-        self.warnings: dict[int, str] = {}  # line number -> why that line was skipped
+        self.warnings: dict[int | str, str] = {}  # line number (a rank journal's: path:line) -> why skipped
 
     def entries(self) -> Iterator[dict]:
         """Every usable record in file order. A torn line (crash mid-append) is
         skipped quietly; a whole line that is not a usable record
-        (:func:`record_problem`) is skipped with a warning in :attr:`warnings`."""
+        (:func:`record_problem`) is skipped with a warning in :attr:`warnings`.
+
+        The job's ``journal.jsonl`` also brings the rank journals of its
+        distributed runs, all in time order (:mod:`mlx_tier.rankfiles`)."""
+        # issue 16: a distributed run's ranks each append to their own journal; readers see them merged.
+        extra = rank_journals(self.path.parent) if self.path.name == JOURNAL else []
+        if not extra:
+            yield from self._read(self.path)
+            return
+        yield from merged([self._read(self.path), *(self._read(p) for p in extra)])
+
+    def _read(self, path: Path) -> Iterator[dict]:
+        """The usable records of one journal file (see :meth:`entries`)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | _NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
         except FileNotFoundError:
             return
         except OSError as e:
-            raise named(e, self.path) from None
+            raise named(e, path) from None
+        key = (lambda n: n) if path == self.path else (lambda n: f"{path}:{n}")
         with os.fdopen(fd, "rb") as f:
             for n, line in enumerate(f, 1):
                 try:
                     rec = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     if line.endswith(b"\n") and line.strip():
-                        self.warnings[n] = f"{self.path}:{n}: skipped (not JSON)"
+                        self.warnings[key(n)] = f"{path}:{n}: skipped (not JSON)"
                     continue  # a torn write at the end of a crashed run
                 problem = record_problem(rec)
                 if problem is not None:
-                    self.warnings[n] = f"{self.path}:{n}: skipped ({problem})"
+                    self.warnings[key(n)] = f"{path}:{n}: skipped ({problem})"
                     continue
                 yield rec
 

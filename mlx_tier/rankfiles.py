@@ -1,0 +1,150 @@
+"""The files of a job spread over several ranks (issue 16), and how they are read.
+
+Layout, all inside OUT_DIR (a folder every rank sees: one machine's disk, or a
+network share mounted at the same path everywhere)::
+
+    OUT_DIR/ranks/<run_id>/plan.json         what the launcher decided (config, documents to do)
+    OUT_DIR/ranks/<run_id>/journal-<k>.jsonl  rank k's journal (only rank k appends to it)
+    OUT_DIR/ranks/<run_id>/claims/<id>        which rank took document <id> (O_CREAT|O_EXCL)
+    OUT_DIR/ranks/<run_id>/rank-<k>.json      rank k's own account, written when it ends
+    OUT_DIR/ranks/<run_id>/exit-<k>.json      how rank k's process ended (its supervisor writes it)
+
+No file has two writers, except ``claims/``, where creating a file with
+``O_CREAT | O_EXCL`` decides: it succeeds for exactly one rank, on a local disk,
+on NFSv3/v4 (an exclusive CREATE on the server) and on SMB (a create with
+disposition FILE_CREATE). Nothing here relies on locks (``flock``/``fcntl``
+over NFS and SMB vary) or on appends from two machines to one file (NFS does
+not make ``O_APPEND`` atomic across clients). Outputs are renamed into place
+within OUT_DIR (one directory: atomic on NFS and SMB as on a local disk).
+
+The job's view is :func:`merged`: the main ``journal.jsonl`` plus every rank
+journal, in time order (the last record of a document wins), so clocks of the
+machines should agree within the time between two runs (NTP does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+RANKS_DIR = "ranks"
+PLAN = "plan.json"
+CLAIMS = "claims"
+
+
+def run_dir(out_dir: Path, run_id: str) -> Path:
+    """``OUT_DIR/ranks/<run_id>``: the files of one distributed run."""
+    return Path(out_dir) / RANKS_DIR / run_id
+
+
+def rank_journal_name(run_id: str, rank: int) -> str:
+    """Rank ``rank``'s journal of run ``run_id``, relative to OUT_DIR (a journal name for
+    :class:`~mlx_tier.jobdir.JobDir` and :class:`~mlx_tier.journal.Journal`)."""
+    return f"{RANKS_DIR}/{run_id}/journal-{rank}.jsonl"
+
+
+def rank_journals(out_dir: Path) -> list[Path]:
+    """Every rank journal of every distributed run of the job (none for a one-process job)."""
+    root = Path(out_dir) / RANKS_DIR
+    if not root.is_dir() or root.is_symlink():
+        return []
+    return sorted(p for p in root.glob("*/journal-*.jsonl") if p.is_file() and not p.is_symlink())
+
+
+def merged(streams: Iterable[Iterable[dict]]) -> Iterator[dict]:
+    """Journal records of several files as one stream, ordered by their ``time``
+    (Unix seconds; stable, so records of one file keep their order at equal times)."""
+    everything = [rec for stream in streams for rec in stream]
+    everything.sort(key=lambda rec: rec.get("time", 0.0))
+    return iter(everything)
+
+
+class Claims:
+    """Exclusive claims on documents for one distributed run: whoever creates
+    ``claims/<id>`` first (``O_CREAT | O_EXCL``) writes that document, nobody else.
+
+    Args:
+        folder: the run's ``claims`` folder (created if missing).
+        rank: this rank, written into each claim with the host and pid.
+
+    Attributes:
+        taken: ids this rank claimed, in order.
+    """
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self.folder, self.rank = Path(folder), rank
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.taken: list[str] = []
+        self._stamp = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
+
+    def claim(self, doc_id: str) -> bool:
+        """Take ``doc_id`` for this rank; ``False`` when another rank (or this one) has it.
+
+        Raises:
+            OSError: the folder is not writable (other than the claim existing).
+        """
+        try:
+            fd = os.open(self.folder / doc_id, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                         0o666)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({**self._stamp, "time": round(time.time(), 3)}) + "\n")
+        self.taken.append(doc_id)
+        return True
+
+    def claimed(self) -> set[str]:
+        """Every id claimed so far by any rank (one directory listing)."""
+        return set(os.listdir(self.folder))
+
+
+def shares(todo: list[str], ranks: int) -> list[list[str]]:
+    """``todo`` cut into ``ranks`` contiguous, disjoint shares of sizes differing by at most one
+    (rank k: ``todo[k*n//ranks : (k+1)*n//ranks]``): the same on every rank, from the plan alone."""
+    n = len(todo)
+    return [todo[k * n // ranks:(k + 1) * n // ranks] for k in range(ranks)]
+
+
+def steal_from(todo: list[str], rank: int, ranks: int, claimed: set[str]) -> list[str]:
+    """What a rank done with its own share takes next: the unclaimed documents of the other
+    rank with the most of them left (the slowest), from the end of its share (where its owner
+    arrives last), so owner and thief work towards each other. Only from a rank that has
+    started (its share's first document is claimed: owners start there, thieves never do), so
+    that a rank with room in its batch does not take the share of one still loading its
+    model. ``[]``: nothing left to take."""
+    left = [[i for i in s if i not in claimed] for k, s in enumerate(shares(todo, ranks))
+            if k != rank and s and s[0] in claimed]
+    slowest = max(left, key=len, default=[])
+    return slowest[::-1]
+
+
+def rank_order(todo: list[str], rank: int, ranks: int,
+               claimed: Callable[[], set[str]]) -> Callable[[list[str]], Iterator[str]]:
+    """The order in which rank ``rank`` tries the plan's documents (a
+    :class:`~mlx_tier.jobs.Share`'s ``order``): its own share first, then, while
+    any is left, the other ranks' unclaimed documents by :func:`steal_from`
+    (the slowest started share's, from its end; ``claimed()`` lists every rank's
+    claims, read again each time a stolen batch is used up). The runner pulls one
+    id at a time, when the scheduler has room, and claims it then: a document
+    another rank claimed first is skipped there. When nothing is left to take the
+    order ends: a rank that never started leaves its share to the next run.
+
+    Args:
+        todo: the plan's documents to do, in order (the same on every rank).
+        rank, ranks: this rank and how many there are.
+        claimed: every id claimed so far in this run (:meth:`Claims.claimed`).
+    """
+    def order(pending: list[str]) -> Iterator[str]:
+        here = set(pending)
+        yield from (i for i in shares(todo, ranks)[rank] if i in here)
+        tried = set(todo) - here  # done meanwhile (not pending here): never tried
+        while batch := steal_from(todo, rank, ranks, claimed() | tried):
+            for i in batch:
+                tried.add(i)
+                yield i
+
+    return order
