@@ -116,7 +116,7 @@ def _plant_link_after_discovery(monkeypatch, name: str, target):
     """Replace INPUT's file ``name`` by a link to ``target`` just after the job found its documents."""
     import mlx_tier.jobs as jobs
 
-    real = jobs._find_documents
+    real = jobs.find_documents
 
     def find(config):
         docs = real(config)
@@ -125,7 +125,7 @@ def _plant_link_after_discovery(monkeypatch, name: str, target):
         victim.symlink_to(target)
         return docs
 
-    monkeypatch.setattr(jobs, "_find_documents", find)
+    monkeypatch.setattr(jobs, "find_documents", find)
 
 
 def test_a_file_replaced_by_a_link_out_of_input_after_discovery_is_not_read(tmp_path, small_moe, monkeypatch):  # noqa: F811
