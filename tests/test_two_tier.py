@@ -101,6 +101,20 @@ def one_token_calls(model, tokenizer, prompt, n):
     return out
 
 
+def traced_tokens_equal_mlx_lm(model, tokenizer, checkpoint):
+    """Decode 8 tokens one call at a time with a fresh event log and routing trace,
+    check them against mlx-lm's on the same checkpoint; return the trace."""
+    cache = model.expert_cache
+    for t in cache.tier_layers:
+        t.index.log = []
+    cache.start_trace()
+    tokens = one_token_calls(model, tokenizer, LONG[:120], 8)
+    trace = cache.stop_trace()
+    ref_model, ref_tok = mlx_load(str(checkpoint))
+    assert tokens == one_token_calls(ref_model, ref_tok, LONG[:120], 8)
+    return trace
+
+
 @pytest.mark.parametrize("policy,hot,warm,costs,prefetch", [
     ("lru", 2, 3, DEFAULT, False), ("lfu", 1, 4, ALWAYS_COPY, True), ("2q", 3, 2, NEVER_COPY, False),
     ("lfu", 2, 4, DEFAULT, True), ("lru", 1, 3, NEVER_COPY, True)])
@@ -108,13 +122,7 @@ def test_live_sequence_equals_the_simulator(tiny_moe, policy, hot, warm, costs, 
     """Prefetch included: its warm -> hot promotions (recorded predictions) replay identically."""
     model, tokenizer = load_two_tier(tiny_moe, hot, warm, costs, policy=policy, prefetch=prefetch)
     cache = model.expert_cache
-    for t in cache.tier_layers:
-        t.index.log = []
-    cache.start_trace()
-    tokens = one_token_calls(model, tokenizer, LONG[:120], 8)
-    trace = cache.stop_trace()
-    ref_model, ref_tok = mlx_load(str(tiny_moe))
-    assert tokens == one_token_calls(ref_model, ref_tok, LONG[:120], 8)
+    trace = traced_tokens_equal_mlx_lm(model, tokenizer, tiny_moe)
     assert (trace.predicted is not None) == prefetch
     sim = simulate_two_tier(trace, policy, hot, warm, costs, cache.layers[0].slot_nbytes, keep_events=True,
                             prefetch=prefetch)
@@ -194,13 +202,7 @@ def test_prewarm_and_pinned_fill_hot_then_warm(tiny_moe, saved_profile, policy, 
     s = cache.stats
     assert s.prewarmed == (hot + warm) * len(cache.layers) and s.prewarm_bytes > 0
     assert (s.hits, s.misses, s.bytes_read) == (0, 0, 0)  # pre-warm reads are neither
-    for t in cache.tier_layers:
-        t.index.log = []
-    cache.start_trace()
-    tokens = one_token_calls(model, tokenizer, LONG[:120], 8)
-    trace = cache.stop_trace()
-    ref_model, ref_tok = mlx_load(str(tiny_moe))
-    assert tokens == one_token_calls(ref_model, ref_tok, LONG[:120], 8)
+    trace = traced_tokens_equal_mlx_lm(model, tokenizer, tiny_moe)
     nbytes = cache.layers[0].slot_nbytes
     sim = simulate_two_tier(trace, policy, hot, warm, costs, nbytes, profile=p, keep_events=True, prewarm=True)
     assert sim.events == tuple(tuple(t.index.log) for t in cache.tier_layers)
