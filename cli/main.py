@@ -162,7 +162,7 @@ class RichReporter:
         self.t0 = self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
-        err.print(f"[dim]{escape(as_flags(text))}[/]", highlight=False, soft_wrap=True)
+        err.print(f"[dim]{escape(as_flags(text))}[/]", highlight=False)  # wrapped between words
 
     def start(self, total: int, skipped: int) -> None:
         self.total, self.done = total, skipped
@@ -215,13 +215,13 @@ class RichReporter:
 
 
 def print_summary(report, out_dir: Path) -> None:
-    table = Table(title="mlx-tier run", caption="doc s: the document's own time, reading its prompt and "
-                  "writing its summary (decode steps are shared with the documents written alongside)")
+    table = Table(title="mlx-tier run", caption="*: by an earlier run. doc s: the document's own time, reading its "
+                  "prompt and writing its summary (decode steps are shared with the documents written alongside)")
     for col in ("document", "status", "in tok", "out tok", "doc s"):
         table.add_column(col, justify="left" if col in ("document", "status") else "right",
                          overflow="fold" if col == "document" else "ellipsis")
     for r in report.results:
-        status = f"{r.status} (earlier)" if r.earlier_run else r.status
+        status = f"{r.status}*" if r.earlier_run else r.status  # short: names keep the width at 80 columns
         style = {"failed": "red", "pending": "yellow"}.get(r.status, "dim" if r.earlier_run else "")
         table.add_row(r.id, status, str(r.input_tokens), str(r.output_tokens), f"{r.doc_seconds:.1f}", style=style)
     out.print(table)

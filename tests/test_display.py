@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from mlx_tier.cli.main import app, format_duration, in_flight_rows, progress_line, summary_line
@@ -116,6 +117,24 @@ def test_end_of_run_lines_wrap_between_words(tmp_path, monkeypatch, width):
     assert " ".join(lines).split() == words  # every word whole, in order
     assert [x.split(":")[0] for x in lines if x.startswith(("job:", "this run:", "report:"))] == [
         "job", "this run", "report"]
+
+
+def test_a_rerun_table_keeps_document_names_whole_at_80_columns(monkeypatch):
+    """Documents done by an earlier run are marked with a short `done*`, so a 34-character
+    name (the shipped examples') still fits beside the other columns."""
+    import mlx_tier.cli.main as cli
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(cli, "out", console)
+    name = "constitution_preamble_and_article_1"
+    report = report_with(0)
+    report.results[0] = DocResult(name, "done", earlier_run=True, input_tokens=271, output_tokens=102,
+                                  doc_seconds=36.2)
+    cli.print_summary(report, Path("out"))
+    text = console.export_text()
+    assert name in text and "done*" in text and "*: by an earlier run" in " ".join(text.split())
+    assert max(len(x) for x in text.splitlines()) <= 80
 
 
 def test_throttle_and_in_flight_in_plain_words():
