@@ -185,4 +185,6 @@ def test_prompt_steps_are_bounded_in_time_on_a_slow_machine(tiny_moe):
             steps.append((info.prefill_tokens, info.prefill_seconds))
     assert sum(t for t, _ in steps) == len(prompt) - 1  # mlx-lm reads the last token when decoding starts
     assert len(steps) >= 5
-    assert max(s for _, s in steps[1:]) < 1.2, steps  # 0.4 s aimed at; a 512-token step would take 4 s
+    # 0.4 s aimed at; a step sized without pacing (512 tokens) sleeps 4 s alone. The
+    # bound leaves room for the real compute under heavy load (1.27 s seen at load 15).
+    assert max(s for _, s in steps[1:]) < 2.0, steps
