@@ -15,13 +15,13 @@ import typer.core
 
 from mlx_tier.defaults import (
     DEFAULT_MAX_TOKENS,
+    DEFAULT_NICE,
+    DEFAULT_POLICY,
     DEFAULT_PREFILL_STEP,
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
     JOB_KERNEL,
 )
-from mlx_tier.policy import DEFAULT_POLICY
-from mlx_tier.process import DEFAULT_NICE
 
 try:  # Typer >= 0.24 carries its own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError

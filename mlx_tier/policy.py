@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from . import defaults
+
 
 class EvictionPolicy(Protocol):
     def access(self, expert: int) -> None: ...
@@ -239,12 +241,8 @@ class BeladyPolicy:
 
 
 POLICIES = {"lru": LRUPolicy, "lfu": LFUAgingPolicy, "2q": TwoQPolicy, "pinned": PinnedPolicy}
-# The one default (TierConfig, JobConfig, the CLI): LFU with dynamic aging. On
-# every trace replayed (the demo's, Zipf, and routing generated to match
-# published statistics of trained MoEs: README, "Routing like a trained MoE")
-# it is at least as good as LRU, and 0.2-5 points better where they differ;
-# live decode speed is the same (README, capped bench).
-DEFAULT_POLICY = "lfu"
+# The one default (TierConfig, JobConfig, the CLI), and why: mlx_tier.defaults.
+DEFAULT_POLICY = defaults.DEFAULT_POLICY
 OFFLINE_POLICIES = {"belady": BeladyPolicy}
 
 

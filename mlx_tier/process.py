@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
+from . import defaults
 from .sensors import run_text
 
 
@@ -43,7 +44,7 @@ def keep_awake(spawn: Callable[[list[str]], subprocess.Popen] = subprocess.Popen
 
 
 # The one default for a job's CPU priority decrement (JobConfig and the CLI).
-DEFAULT_NICE = 10
+DEFAULT_NICE = defaults.DEFAULT_NICE
 
 BACKGROUND_QOS_WARNING = (
     "background QoS (taskpolicy -b) was reported to slow Metal decode ~8x; "

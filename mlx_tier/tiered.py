@@ -17,7 +17,7 @@ import numpy as np
 from mlx import nn
 from mlx_lm.utils import load_tokenizer
 
-from . import kernels, tier_budgets
+from . import defaults, kernels, tier_budgets
 from .cache import BudgetError, CacheStats, ExpertCache, LayerCache, SlabTensor
 from .checkpoint import (  # noqa: F401 - EXPERT_BLOCKS, REFUSED, find_expert_blocks: importable from here too
     EXPERT_BLOCKS,
@@ -48,9 +48,8 @@ from .store import (
 # memory where the tier lives: GPU memory for the hot tier on CUDA, else host.
 DEFAULT_BUDGET_FRACTION = tier_budgets.DEFAULT_FRACTION
 
-# Prefetch off by default: measured on the build machine by benches/prefetch.py
-# (README, "Prefetch").
-DEFAULT_PREFETCH = False
+# Prefetch off by default (why: mlx_tier.defaults).
+DEFAULT_PREFETCH = defaults.DEFAULT_PREFETCH
 # The kernel load() uses when TierConfig.kernel is None: MLX's own ops, whose greedy
 # tokens equal mlx-lm's exactly (the job runner's default is defaults.JOB_KERNEL).
 LIBRARY_KERNEL = "mlx"
