@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import codecs
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from .fsio import read_nofollow
+from .fsio import open_inside
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text", ".rst")
 # Suffix -> the MarkItDown converter for it. Only that one is tried: MarkItDown's
@@ -147,9 +149,11 @@ def convert_file(path: Path, inside: Path | None = None) -> Converted:
         path: the file.
         inside: the real folder the file must lie in (the job's INPUT): a file
             replaced since by a link leading out of it is refused, not read,
-            and the file is read through its resolved path without following
-            a link (:func:`mlx_tier.fsio.read_nofollow`) so that nothing outside
-            is read. ``None``: links are followed (``follow_links``, a single file).
+            and the file is opened through its resolved path one folder at a
+            time without following a link (:func:`mlx_tier.fsio.open_inside`),
+            so that nothing outside is read even if a folder is swapped for a
+            link meanwhile. ``None``: links are followed (``follow_links``, a
+            single file).
 
     Returns a :class:`Converted` with ``error`` set (never raises for the
     file's content): unreadable, binary, empty, a link out of ``inside``, a
@@ -161,17 +165,25 @@ def convert_file(path: Path, inside: Path | None = None) -> Converted:
     if inside is not None:
         if (escaped := _escaped(path, inside)) is not None:
             return Converted(None, escaped)
-        path = path.resolve()  # its real path: no link left to follow (read_nofollow refuses one)
-    if suffix not in CONVERTED_SUFFIXES:
-        try:
-            return decode_text(read_nofollow(path) if inside is not None else path.read_bytes())
-        except OSError as e:
-            return Converted(None, f"cannot read: {e.strerror}")
-    return _convert_markitdown(path, suffix)
+        path = path.resolve()  # its real path: no link left to follow (open_inside refuses one)
+    try:
+        fd = open_inside(inside, path) if inside is not None else os.open(path, os.O_RDONLY)
+    except ValueError:  # resolved through a link swapped in since the check
+        return Converted(None, "cannot read: now outside the input folder")
+    except OSError as e:
+        return Converted(None, f"cannot read: {e.strerror}")
+    with os.fdopen(fd, "rb") as f:
+        if suffix not in CONVERTED_SUFFIXES:
+            try:
+                return decode_text(f.read())
+            except OSError as e:
+                return Converted(None, f"cannot read: {e.strerror}")
+        return _convert_markitdown(f, path, suffix)
 
 
-def _convert_markitdown(path: Path, suffix: str) -> Converted:
-    """The text of a :data:`CONVERTED_SUFFIXES` file through MarkItDown (errors as :func:`convert_file`)."""
+def _convert_markitdown(stream: BinaryIO, path: Path, suffix: str) -> Converted:
+    """The text of a :data:`CONVERTED_SUFFIXES` file, open as ``stream``, through
+    MarkItDown (errors as :func:`convert_file`; ``path`` names it)."""
     kind = CONVERTED_SUFFIXES[suffix]
     try:
         converter = _markitdown(kind)
@@ -181,7 +193,7 @@ def _convert_markitdown(path: Path, suffix: str) -> Converted:
     try:
         from markitdown import StreamInfo
 
-        result = converter.convert_local(str(path), stream_info=StreamInfo(extension=suffix))
+        result = converter.convert_stream(stream, stream_info=StreamInfo(extension=suffix, filename=path.name))
     except Exception as e:  # noqa: BLE001 - any converter failure fails this document alone
         if type(e).__name__ == "MissingDependencyException":
             return Converted(None, f"{suffix} files need the document converters: {EXTRA_HINT}", name)

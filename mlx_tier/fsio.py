@@ -121,6 +121,35 @@ def remove_stale_temps(out_dir: Path, older_than_s: float = STALE_AFTER_S) -> li
     return removed
 
 
+def open_inside(root: Path, path: Path) -> int:
+    """A read-only descriptor of ``path``, a real (link-free) path in the folder
+    ``root``, opened one component at a time from ``root`` without following a
+    link, so that a folder swapped for a link between resolving ``path`` and
+    opening it is refused, not followed out of ``root`` (``openat`` with
+    ``O_NOFOLLOW``; POSIX). Where the OS has no ``dir_fd`` opening, ``path``
+    itself is opened without following a final link.
+
+    Raises:
+        OSError: naming ``path``; ``ELOOP`` or ``ENOTDIR`` where a component is
+            now a link; ``ValueError``: ``path`` does not lie in ``root``.
+    """
+    rel = Path(path).relative_to(root)
+    try:
+        if os.open not in os.supports_dir_fd or not rel.parts:
+            return os.open(path, os.O_RDONLY | _NOFOLLOW)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in rel.parts[:-1]:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = inner
+            return os.open(rel.parts[-1], os.O_RDONLY | _NOFOLLOW, dir_fd=fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise named(e, path) from None
+
+
 def read_nofollow(path: Path) -> bytes:
     """The bytes of ``path``, refusing a link (``OSError`` ``ELOOP``, naming the file)."""
     try:

@@ -134,8 +134,8 @@ def test_a_file_replaced_by_a_link_out_of_input_after_discovery_is_not_read(tmp_
     secret.write_text("the secret words: zebra quokka.")
     _plant_link_after_discovery(monkeypatch, "doc01.txt", secret)
     read = []
-    real_read = getattr(converters, "read_nofollow", None)
-    monkeypatch.setattr(converters, "read_nofollow", lambda p: read.append(p) or real_read(p), raising=False)
+    real_open = converters.open_inside
+    monkeypatch.setattr(converters, "open_inside", lambda root, p: read.append(p) or real_open(root, p))
     report = run_job(JobConfig(input=docs, out_dir=out, model=small_moe, generation=GenerationConfig(max_tokens=4)))
     doc01 = next(r for r in report.results if r.id == "doc01")
     assert doc01.status == "failed" and "link leading outside the input folder" in doc01.error

@@ -1,6 +1,8 @@
 """Job input: every readable document is found once; bad ones fail alone, bad inputs fail whole."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +272,62 @@ def test_assign_keeps_earlier_runs_names_and_every_suffix_is_checked():
     long_names = ["x" * 300 + "1", "x" * 300 + "2"]
     ids = assign(long_names, wished=["y" * 200, "y" * 200])
     assert ids[0] == "y" * 200 and ids[1] == "y" * 198 + "-2"
+
+
+def _swap_for_link(folder: Path, target: Path) -> None:
+    """Replace ``folder`` by a link to ``target`` (what a racing process could do)."""
+    import shutil
+
+    shutil.rmtree(folder)
+    folder.symlink_to(target, target_is_directory=True)
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "page.html"])
+def test_a_folder_swapped_for_a_link_after_the_check_is_not_followed(tmp_path, monkeypatch, name):
+    """The link check and the open are two steps: a folder of INPUT swapped for a
+    link out of it between them must not be read through (text and converted kinds)."""
+    from mlx_tier import converters
+
+    docs, outside = tmp_path / "docs", tmp_path / "outside"
+    (docs / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (docs / "sub" / name).write_text("<p>river flood</p>")
+    (outside / name).write_text("<p>the secret words: zebra quokka</p>")
+    real_check = converters._escaped
+
+    def check_then_swap(path, inside):
+        verdict = real_check(path, inside)  # passes: the file is inside INPUT now
+        _swap_for_link(docs / "sub", outside)
+        return verdict
+
+    monkeypatch.setattr(converters, "_escaped", check_then_swap)
+    got = converters.convert_file(docs / "sub" / name, inside=docs.resolve())
+    assert got.text is None and got.error.startswith("cannot read"), got
+    assert "zebra" not in (got.error or "")
+
+
+def test_open_inside_reads_real_paths_and_refuses_links_on_the_way(tmp_path):
+    import errno
+
+    from mlx_tier.fsio import open_inside
+
+    root = tmp_path / "root"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "f.txt").write_text("deep")
+    (root / "top.txt").write_text("top")
+    (root / "link.txt").symlink_to(root / "top.txt")
+    real = root.resolve()
+    for rel, want in (("a/b/f.txt", b"deep"), ("top.txt", b"top")):
+        with os.fdopen(open_inside(real, real / rel), "rb") as f:
+            assert f.read() == want
+    with pytest.raises(OSError) as e:
+        open_inside(real, real / "link.txt")  # a final link
+    assert e.value.errno == errno.ELOOP and "link.txt" in str(e.value)
+    (tmp_path / "elsewhere" / "b").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "b" / "f.txt").write_text("outside")
+    _swap_for_link(root / "a", tmp_path / "elsewhere")
+    with pytest.raises(OSError) as e:
+        open_inside(real, real / "a" / "b" / "f.txt")  # a link on the way
+    assert e.value.errno in (errno.ELOOP, errno.ENOTDIR)
+    with pytest.raises(ValueError):
+        open_inside(real, tmp_path / "elsewhere" / "b" / "f.txt")
