@@ -112,14 +112,18 @@ def shares(todo: list[str], ranks: int) -> list[list[str]]:
 def steal_from(todo: list[str], rank: int, ranks: int, claimed: set[str]) -> list[str]:
     """What a rank done with its own share takes next: the unclaimed documents of the other
     rank with the most of them left (the slowest), from the end of its share (where its owner
-    arrives last), so owner and thief work towards each other. Only from a rank that has
-    started (its share's first document is claimed: owners start there, thieves never do), so
-    that a rank with room in its batch does not take the share of one still loading its
-    model. ``[]``: nothing left to take."""
-    left = [[i for i in s if i not in claimed] for k, s in enumerate(shares(todo, ranks))
-            if k != rank and s and s[0] in claimed]
-    slowest = max(left, key=len, default=[])
-    return slowest[::-1]
+    arrives last), so owner and thief work towards each other. Started ranks first (a share
+    whose first document is claimed: owners start there, thieves never do), so that a rank
+    still loading its model keeps its share while others have work; once no started share
+    has anything left, unstarted shares are taken too, from their end, so that a rank that
+    died before claiming anything does not leave its share to the next run (an owner that
+    starts late still begins at the front and meets the thief). ``[]``: nothing left."""
+    others = [s for k, s in enumerate(shares(todo, ranks)) if k != rank and s]
+    for pool in ([s for s in others if s[0] in claimed], [s for s in others if s[0] not in claimed]):
+        slowest = max(([i for i in s if i not in claimed] for s in pool), key=len, default=[])
+        if slowest:
+            return slowest[::-1]
+    return []
 
 
 def rank_order(todo: list[str], rank: int, ranks: int,
@@ -128,10 +132,10 @@ def rank_order(todo: list[str], rank: int, ranks: int,
     :class:`~mlx_tier.jobs.Share`'s ``order``): its own share first, then, while
     any is left, the other ranks' unclaimed documents by :func:`steal_from`
     (the slowest started share's, from its end; ``claimed()`` lists every rank's
-    claims, read again each time a stolen batch is used up). The runner pulls one
-    id at a time, when the scheduler has room, and claims it then: a document
-    another rank claimed first is skipped there. When nothing is left to take the
-    order ends: a rank that never started leaves its share to the next run.
+    claims, read again each time a stolen batch is used up; then unstarted
+    shares). The runner pulls one id at a time, when the scheduler has room, and
+    claims it then: a document another rank claimed first is skipped there. When
+    nothing is left to take the order ends.
 
     Args:
         todo: the plan's documents to do, in order (the same on every rank).

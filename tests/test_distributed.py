@@ -61,6 +61,17 @@ def test_a_rank_steals_from_the_end_of_the_slowest_started_share():
     assert steal_from(todo, 1, 3, {"d0", "d3", "d4", "d5"}) == ["d2", "d1"]
 
 
+def test_an_unstarted_share_is_taken_from_its_end_once_started_shares_are_used_up():
+    """A rank that died before claiming anything: the others finish its share."""
+    todo = [f"d{i}" for i in range(9)]  # shares: d0-d2 | d3-d5 | d6-d8
+    assert steal_from(todo, 0, 3, {"d0", "d1", "d2", "d3", "d4", "d5"}) == ["d8", "d7", "d6"]
+    assert steal_from(todo, 0, 3, {"d0", "d1", "d2"}) == ["d5", "d4", "d3"]  # neither started: a tie, the lower rank
+    assert steal_from(todo, 0, 3, {"d0", "d1", "d2", "d3", "d8"}) == ["d5", "d4"]  # d8: a thief's, not started
+    claimed = {"d0", "d1", "d2", "d3", "d4", "d5"}
+    pulls = rank_order(todo, 1, 3, lambda: set(claimed))(["d6", "d7", "d8"])
+    assert list(pulls) == ["d8", "d7", "d6"]
+
+
 def test_a_rank_tries_its_share_then_steals_from_the_slowest_end():
     todo = [f"d{i}" for i in range(9)]  # shares: d0-d2 | d3-d5 | d6-d8
     claimed: set[str] = set()
