@@ -136,6 +136,26 @@ def test_a_rank_runs_the_job_runner_beside_the_launchers_lock(tmp_path, small_mo
     assert sorted(p.name for p in out.iterdir()) == [".mlx-tier.lock", "doc01.md", "doc03.md", "ranks"]
 
 
+def test_a_rank_finishes_the_share_of_a_rank_that_never_started(tmp_path, small_moe):  # noqa: F811
+    """Rank 0 of 2 died before claiming anything: rank 1 does its own share, then
+    rank 0's from the end; nothing is left to the next run."""
+    from mlx_tier.jobdir import JobDir
+    from mlx_tier.jobs import JobConfig, Share, run_job
+    from mlx_tier.scheduler import GenerationConfig
+
+    ids = make_docs(tmp_path / "docs", 4)
+    out = tmp_path / "out"
+    (out / "ranks" / "r1").mkdir(parents=True)
+    config = JobConfig(input=tmp_path / "docs", out_dir=out, model=small_moe, generation=GenerationConfig(max_tokens=4))
+    claims = Claims(out / "ranks" / "r1" / "claims", 1)
+    share = Share(claim=claims.claim, journal_name=rank_journal_name("r1", 1), part=True,
+                  order=rank_order(ids, 1, 2, claims.claimed))
+    with JobDir(out):
+        report = run_job(config, share=share)
+    assert claims.taken == ["doc02", "doc03", "doc01", "doc00"]
+    assert {r.status for r in report.results} == {"done"}
+
+
 def _claim_all(folder: str, rank: int, ids: list[str], queue) -> None:
     claims = Claims(Path(folder), rank)
     for i in ids:
