@@ -62,26 +62,35 @@ def counted(remap):
     return run, calls
 
 
-def decode(model, tokens: mx.array) -> list[mx.array]:
-    """Logits of the prompt ``tokens [B, L]``, then of ``STEPS`` greedy steps."""
-    cache = make_prompt_cache(model)
+def decode(model, tokens: mx.array, traced: range = range(0)) -> tuple[list[mx.array], object]:
+    """Logits of the prompt ``tokens [B, L]``, then of ``STEPS`` greedy steps;
+    the routing trace of the steps in ``traced`` (``None`` if empty)."""
+    cache, trace = make_prompt_cache(model), None
     logits = model(tokens, cache=cache)[:, -1]  # [B, V]
     out = [logits]
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        if traced and step == traced.start:
+            model.expert_cache.start_trace()
+        if traced and step == traced.stop:
+            trace = model.expert_cache.stop_trace()
         logits = model(mx.argmax(logits, axis=-1)[:, None], cache=cache)[:, -1]
         out.append(logits)
     mx.eval(out)
-    return out
+    return out, trace
 
 
-def assert_same_run(path, tokens: mx.array, remap) -> None:
+def assert_same_run(path, tokens: mx.array, remap, traced: range = range(0)) -> None:
     base, _ = load_full(path)
     dev_remap, calls = counted(remap)
     dev, _ = load_full(path, dev_remap)
-    want, got = decode(base, tokens), decode(dev, tokens)
+    (want, trace_a), (got, trace_b) = decode(base, tokens, traced), decode(dev, tokens, traced)
     layers = len(dev.expert_cache.layers)
-    # the prompt fills every layer (one call each), then each step is remapped on the device
-    assert len(calls) == STEPS * layers and set(calls) == {tokens.shape[0] * 2}
+    # the prompt fills every layer (one call each), then each step not traced
+    # (a trace needs the ids on the host) is remapped on the device
+    assert len(calls) == (STEPS - len(traced)) * layers and set(calls) == {tokens.shape[0] * 2}
+    if traced:
+        assert np.array_equal(trace_a.experts, trace_b.experts)
+        assert trace_b.experts.shape == (len(traced) * layers * tokens.shape[0], 2)
     for w, g in zip(want, got):
         assert mx.array_equal(w, g)  # same slots -> the same MLX computation, bit for bit
     a, b = base.expert_cache.snapshot(), dev.expert_cache.snapshot()
@@ -115,6 +124,14 @@ def test_device_remap_equals_default_path_batch_of_two(tiny_moe_fp, harness):
     a, b = (tok.encode(p) for p in PROMPTS)
     n = min(len(a), len(b))
     assert_same_run(tiny_moe_fp, mx.array([a[:n], b[-n:]]), kernels.remap_for("metal", harness.launcher))
+
+
+@needs_gxx
+def test_device_remap_around_a_trace_recorded_mid_run(tiny_moe, harness):
+    """Recording a routing trace takes layers off the lazy path for steps 2-3,
+    then back: the counts of both kinds of call add up as on the default path."""
+    ids = load_tokenizer(tiny_moe).encode(PROMPTS[0])
+    assert_same_run(tiny_moe, mx.array(ids)[None], kernels.remap_for("metal", harness.launcher), range(2, 4))
 
 
 def test_device_counts_keep_per_call_hit_semantics(tiny_moe):
