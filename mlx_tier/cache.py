@@ -155,10 +155,15 @@ class LayerCache:
         self.pending: mx.array | None = None  # last output that read the slabs
         # Once every expert is resident nothing can miss: the expert -> slot
         # remap then runs lazily on the device (no host sync per layer), and
-        # the router outputs are kept to count hits later, off the hot path.
+        # the router outputs are kept to count hits later, off the hot path --
+        # or, with a device-side remap (mlx_tier.kernels.remap_for), only its
+        # per-call [E] counts, summed on the device (add_device_counts).
         self.lut: mx.array | None = None  # [E] uint32 slot of each expert
         self.recorder = None  # a TraceRecorder while a routing trace is recorded
         self._uncounted: list[mx.array] = []
+        self._device_uses: mx.array | None = None  # [E] uint32 uses summed over calls, lazy
+        self._device_hits: mx.array | None = None  # [] uint32 sum over calls of experts used
+        self._device_calls = 0  # calls summed since the last count_deferred
         # Prefetch (mlx_tier.prefetch): a background read of predicted experts
         # started by the previous layer, then, once waited for, its rows not
         # yet used: (raw arrays, expert -> row, raw bytes of one expert).
@@ -189,13 +194,42 @@ class LayerCache:
         if len(self._uncounted) >= 256:
             self.count_deferred()
 
+    def add_device_counts(self, uses: mx.array) -> None:
+        """Remember a fully-resident call's per-expert uses without a host sync.
+
+        Args:
+            uses: ``[E]`` uint32, entries of this call routed to each expert
+                (the ``counts`` output of :func:`mlx_tier.metal_kernels.slot_remap`).
+
+        Two lazy device arrays hold the running sums: the uses, and the hits
+        (experts used by each call, summed over calls: the unit of
+        :class:`CacheStats`, as :meth:`count_deferred` counts router outputs).
+        Every 256 calls their graph is handed to ``mx.async_eval``, which
+        evaluates it without waiting, so it stays short. uint32 sums: exact
+        until 2**32 entries of one layer between two reads of the stats.
+        """
+        hits = (uses > 0).astype(mx.uint32).sum()  # [] experts this call used
+        if self._device_uses is None:
+            self._device_uses, self._device_hits = uses, hits
+        else:
+            self._device_uses, self._device_hits = self._device_uses + uses, self._device_hits + hits
+        self._device_calls += 1
+        if self._device_calls % 256 == 0:
+            mx.async_eval(self._device_uses, self._device_hits)
+
     def count_deferred(self) -> None:
-        """Count the hits of remembered fully-resident calls (may evaluate them)."""
+        """Count the hits and uses of remembered fully-resident calls (router
+        outputs and device-side counts; may evaluate them)."""
         for a in self._uncounted:
             uses = np.bincount(np.array(a).reshape(-1), minlength=self.num_experts)
             self.stats.hits += int(np.count_nonzero(uses))
             self.counts += uses
         self._uncounted.clear()
+        if self._device_uses is not None:
+            self.stats.hits += int(self._device_hits.item())
+            self.counts += np.array(self._device_uses).astype(np.int64)
+            self._device_uses = self._device_hits = None
+            self._device_calls = 0
 
     def accept_prefetch(self, read) -> None:
         """Hand this layer an in-flight background read of predicted experts

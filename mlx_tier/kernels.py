@@ -12,6 +12,12 @@ slabs, ``x`` ``[..., D]`` and ``slots`` ``[..., k]`` slot ids.
 - ``auto``: ``cpu`` on MLX's CPU backend, ``mlx`` elsewhere (the Metal
   kernels are not yet measured on a Mac); for the two-tier cache's warm
   tier, ``cpu`` on every backend (:func:`choose`).
+
+A fully resident layer maps expert ids to slot ids lazily on the device. Its
+remap (:func:`remap_for`) is ``None`` (an MLX take ``lut[ids]``; the router
+outputs are kept and counted on the host later) except with ``metal``, where
+the ``slot_remap`` kernel also counts each expert's uses on the device, so the
+layer keeps only ``[E]`` counts.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from mlx import nn
 KERNELS = ("mlx", "cpu", "metal", "auto")
 
 Kernel = Callable[[nn.Module, mx.array, mx.array], mx.array]
+# (expert ids [N] uint32, lut [E] slot of each expert) -> (slots [N] uint32,
+# uses [E] uint32): mlx_tier.metal_kernels.slot_remap's contract.
+Remap = Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]
 
 
 def resolve(name: str) -> str:
@@ -64,6 +73,30 @@ def kernel_for(name: str) -> Kernel:
     except ImportError as e:
         raise ValueError(f"kernel 'metal' is not available in this build of mlx-tier: {e}") from None
     return metal_expert_forward
+
+
+def remap_for(name: str, launch=None) -> Remap | None:
+    """The device-side remap of fully resident layers for kernel ``name``:
+    ``metal`` gives :func:`mlx_tier.metal_kernels.slot_remap` (slots and
+    per-expert use counts in one dispatch); the others ``None`` (the layer's
+    MLX take, router outputs counted on the host later).
+
+    Args:
+        name: one of :data:`KERNELS` (``auto`` resolved for the default device).
+        launch: how the Metal kernel runs (a
+            :data:`mlx_tier.metal_kernels.Launcher`); ``None``: on Metal
+            (``mx.fast.metal_kernel``, which raises RuntimeError without Metal).
+            Tests pass the harness that runs the same body compiled with g++.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if resolve(name) != "metal":
+        return None
+    from . import metal_kernels
+
+    launch = launch or metal_kernels.metal_launcher
+    return lambda inds, lut: metal_kernels.slot_remap(inds, lut, launch)
 
 
 def choose(name: str, blocks: list[nn.Module], host_tier: bool = False) -> str:

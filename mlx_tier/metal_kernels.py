@@ -9,7 +9,8 @@ the input/output names below:
 - ``expert_down.metal``: gather, dequantise, down matvec -> ``[T, k, D]``, or the
   router-weighted combine -> ``[T, D]``;
 - ``slot_remap.metal``: expert id -> slot id through the layer's table, plus
-  per-expert use counts, on the device.
+  per-expert use counts, on the device; with kernel ``metal`` every fully
+  resident layer remaps through it (:func:`mlx_tier.kernels.remap_for`).
 
 A grid-wide barrier does not exist inside one Metal dispatch, so the fused
 expert block is two dispatches with ``h`` (k x H float32 per token) between
@@ -151,7 +152,12 @@ def down(h: mx.array, slots: mx.array, proj: QuantWeights, out_dtype: mx.Dtype, 
 
 def slot_remap(inds: mx.array, lut: mx.array, launch: Launcher = metal_launcher) -> tuple[mx.array, mx.array]:
     """Kernel ``slot_remap``: expert ids ``inds [N]`` and the table ``lut [E]``
-    int32 (-1: no slot) -> ``(slots [N] uint32, counts [E] uint32)``."""
+    int32 (-1: no slot) -> ``(slots [N] uint32, counts [E] uint32)``; an id
+    >= E gets slot :data:`NOT_RESIDENT`. One dispatch, lazy like any MLX op.
+
+    Raises:
+        RuntimeError: with the default ``launch``, Metal is not available.
+    """
     n, E = inds.shape[0], lut.shape[0]
     width = -(-max(n, E) // 32) * 32
     return launch(REMAP, [inds.astype(mx.uint32), lut.astype(mx.int32)], [], (width, 1, 1), (32, 1, 1),

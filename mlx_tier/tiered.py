@@ -147,24 +147,45 @@ class TieredExperts(nn.Module):
     Called like ``SwitchGLU``: ``x`` ``[..., D]`` and router top-k ``indices``
     ``[..., k]`` (uint32) give ``[..., k, D]``. The router output is evaluated
     (the host must know which experts to read), expert ids are remapped to
-    slot ids, and the wrapped mlx-lm block runs on the slabs.
+    slot ids, and the wrapped mlx-lm block runs on the slabs. Once the layer is
+    fully resident nothing is evaluated: the remap runs lazily on the device.
+
+    Args:
+        inner: the mlx-lm ``SwitchGLU``/``SwitchMLP`` over the slabs.
+        cache: the layer's :class:`~mlx_tier.cache.LayerCache`.
+        kernel: what computes the experts (:func:`mlx_tier.kernels.kernel_for`).
+        remap: the fully resident layer's remap
+            (:func:`mlx_tier.kernels.remap_for`); ``None``: ``lut[indices]``
+            with the router outputs kept and counted later.
     """
 
-    def __init__(self, inner: nn.Module, cache: LayerCache, kernel: kernels.Kernel = kernels.kernel_for("mlx")):
+    def __init__(self, inner: nn.Module, cache: LayerCache, kernel: kernels.Kernel = kernels.kernel_for("mlx"),
+                 remap: kernels.Remap | None = None):
         super().__init__()
         self._inner = inner  # leading underscore: hidden from parameters()
         self._cache = cache
         self._kernel = kernel  # (inner, x, slots) -> [..., k, D]: mlx_tier.kernels
+        self.remap = remap
         self._prefetch = None  # NextLayerPrefetch (mlx_tier.prefetch) when prefetch is on
 
     @property
     def cache(self) -> LayerCache:
         return self._cache
 
+    def _resident_slots(self, indices: mx.array) -> mx.array:
+        """Slot ids ``[..., k]`` (uint32) of a fully resident layer, lazy; the
+        uses are counted later (:meth:`LayerCache.count_deferred`)."""
+        cache = self._cache
+        if self.remap is None:
+            cache.defer_count(indices)
+            return cache.lut[indices]
+        slots, uses = self.remap(indices.reshape(-1), cache.lut)  # [N], [E]
+        cache.add_device_counts(uses)
+        return slots.reshape(indices.shape)
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._cache.all_resident():  # no miss possible: stay lazy, no host sync
-            self._cache.defer_count(indices)
-            return self._kernel(self._inner, x, self._cache.lut[indices])
+            return self._kernel(self._inner, x, self._resident_slots(indices))
         # Layer l+1's predicted experts [..., k], evaluated with this layer's
         # router output (one host sync), read while this layer computes.
         ahead = self._prefetch.predict(x, indices.shape[-1]) if self._prefetch is not None else None
@@ -295,10 +316,10 @@ def _wrap_blocks(model: nn.Module, blocks: list, config: TierConfig, kernel_name
                  two_tiers: bool) -> list[TieredExperts]:
     """Put a :class:`TieredExperts` (no cache yet) in place of each expert block, then
     evaluate the dense part in ``dtype``: the hidden blocks' stacked experts are never read."""
-    kernel = kernels.kernel_for(kernel_name)
+    kernel, remap = kernels.kernel_for(kernel_name), kernels.remap_for(kernel_name)
     wrappers = []
     for path, block in blocks:
-        wrappers.append(TieredExperts(block, None, kernel))
+        wrappers.append(TieredExperts(block, None, kernel, remap))
         set_child(model, path, wrappers[-1])
     if dtype is not None:
         model.set_dtype(dtype)  # the dense part; experts are converted as they are read
