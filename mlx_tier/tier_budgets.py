@@ -99,9 +99,59 @@ def probe(api=mx) -> FreeMemory:
     return FreeMemory(backend, int(vm.available), int(vm.total), free, total)
 
 
+# MLX's CUDA allocator sets its memory limit to this fraction of the GPU's memory
+# (mlx/backend/cuda/allocator.cpp: memory_limit_ = total * 0.9).
+MLX_CUDA_LIMIT_FRACTION = 0.9
+
+
+def widen_memory_limit(warm_bytes: int, api=mx) -> int | None:
+    """On CUDA, raise MLX's memory limit to its default plus the warm pools' bytes.
+
+    A CUDA build of MLX counts every allocation against one limit, host-resident
+    managed buffers (the warm pools, made on the CPU stream) included; above it
+    each evaluation, ``async_eval`` too, first waits for work in flight
+    (``mlx/transforms.cpp``), which would serialise the hot and warm shares once
+    a large warm pool fills. The limit only paces evaluation; the GPU's own
+    memory is bounded by the hot budget. Never lowers a higher limit (a user's,
+    or an earlier load's).
+
+    Args:
+        warm_bytes: bytes of all warm pools once written.
+        api: ``mlx.core``, or a fake.
+
+    Returns:
+        The limit now in force on CUDA (bytes); ``None`` elsewhere, or when MLX
+        reports no GPU memory size (nothing is changed then).
+    """
+    if backend_of(api) != "cuda":
+        return None
+    _, total = device_memory(api.device_info())
+    if total is None:
+        return None
+    want, now = int(total * MLX_CUDA_LIMIT_FRACTION) + int(warm_bytes), int(api.get_memory_limit())
+    if want > now:
+        api.set_memory_limit(want)
+    return max(want, now)
+
+
 def two_tiers(host_cache_gb: float | None, backend: str) -> bool:
     """Whether a warm tier is built: always on CUDA, elsewhere only when asked for."""
     return backend == "cuda" or host_cache_gb is not None
+
+
+def default_hot_budget(device_free: int) -> int:
+    """The hot (GPU) tier's default budget in bytes: :data:`DEFAULT_FRACTION` of
+    ``device_free``, the GPU's free memory in bytes measured after the dense
+    part is loaded there. The one rule for both a run (:func:`tier_budgets`)
+    and ``mlx-tier plan --gpu-gb`` (:mod:`mlx_tier.tier_plan`); the other half
+    is left for the KV cache and activations."""
+    return int(device_free * DEFAULT_FRACTION)
+
+
+def default_warm_budget(host_available: int) -> int:
+    """The warm (host) tier's default budget in bytes on CUDA: :data:`DEFAULT_FRACTION`
+    of ``host_available``, the host memory available in bytes."""
+    return int(host_available * DEFAULT_FRACTION)
 
 
 def _gib(name: str, v: float | None, positive: bool) -> int | None:
@@ -130,8 +180,8 @@ def tier_budgets(cache_gb: float | None, host_cache_gb: float | None, mem: FreeM
         if hot is None and mem.device_free is None:
             raise BudgetError("cannot tell the GPU's free memory (MLX reports none): give cache_gb, the GPU "
                               "(hot tier) budget", field="cache_gb")
-        hot = hot if hot is not None else int(mem.device_free * DEFAULT_FRACTION)
-        warm = warm if warm is not None else int(mem.host_available * DEFAULT_FRACTION)
+        hot = hot if hot is not None else default_hot_budget(mem.device_free)
+        warm = warm if warm is not None else default_warm_budget(mem.host_available)
         return TierBudgets(hot, warm)
     one_tier = int(mem.host_available * DEFAULT_FRACTION)
     if warm is None:
