@@ -12,6 +12,7 @@ warm, by profile rank; pinned) included. Invariant 2 holds per tier.
 """
 
 import math
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -297,3 +298,78 @@ def test_cpu_kernel_gets_float32_and_the_same_outputs(tiny_moe_bf16, monkeypatch
     want = layer.warm.compute(block, xs, slots)
     layer.warm.arrays = f32
     assert got.dtype == want.dtype == mx.bfloat16 and mx.array_equal(got, want).item()
+
+
+def test_device_placement_of_the_warm_tier(tiny_moe, monkeypatch):
+    """What a CUDA machine needs and the CPU backend cannot show by itself: each round's warm
+    rows are taken to the CPU before the hot share is started (a CPU read of GPU memory
+    synchronises the device on CUDA), and every write to a warm pool runs on the warm
+    tier's CPU stream (a GPU write would move the pool out of host memory)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_tier.two_tier import TwoTierLayer
+    from mlx_tier.warm import WarmPool
+
+    model, tokenizer = load_two_tier(tiny_moe, 1, 3, NEVER_COPY)
+    ws = model.expert_cache.tier_layers[0].warm.stream
+    events, writes = [], []
+    real_rows, real_call, real_write, real_stream = WarmPool.rows, SwitchGLU.__call__, TwoTierLayer._write, mx.stream
+    monkeypatch.setattr(WarmPool, "rows", lambda self, x, r: events.append("rows") or real_rows(self, x, r))
+
+    def call(self, x, idx):  # the block: on the warm stream for the warm share, else the hot share
+        events.append("warm" if mx.default_stream(mx.cpu) == ws else "hot")
+        return real_call(self, x, idx)
+
+    def write(self, name, tier, slot, rows):
+        writes.append([tier])
+        return real_write(self, name, tier, slot, rows)
+
+    def stream(s):
+        if writes and len(writes[-1]) == 1:
+            writes[-1].append(s)  # the stream the write entered
+        return real_stream(s)
+
+    monkeypatch.setattr(SwitchGLU, "__call__", call)
+    monkeypatch.setattr(TwoTierLayer, "_write", write)
+    monkeypatch.setattr(mx, "stream", stream)
+    mx.eval(model(mx.array(tokenizer.encode(LONG))[None]))
+    mixed = [i for i in range(1, len(events) - 1) if events[i : i + 2] == ["hot", "warm"]]
+    assert mixed and all(events[i - 1] == "rows" for i in mixed)
+    assert {tier for tier, _ in writes} == {"hot", "warm"}
+    assert all((s == ws) == (tier == "warm") for tier, s in writes)
+
+
+class _FakeCudaMLX:
+    """``mlx.core`` as a CUDA machine reports it, with a settable memory limit."""
+
+    def __init__(self, total, limit, cuda=True):
+        self.metal = SimpleNamespace(is_available=lambda: False)
+        self.cuda = SimpleNamespace(is_available=lambda: cuda)
+        self.info, self.limit, self.set_calls = {"total_memory": total, "free_memory": total // 2}, limit, 0
+
+    def device_info(self):
+        return self.info
+
+    def get_memory_limit(self):
+        return self.limit
+
+    def set_memory_limit(self, n):
+        self.limit, self.set_calls = n, self.set_calls + 1
+        return n
+
+
+def test_mlx_memory_limit_widened_by_the_warm_pools_on_cuda():
+    """MLX's CUDA limit (0.9 x GPU memory) counts host-resident warm pools too; above it every
+    evaluation waits for work in flight. The limit becomes the default plus the pools'
+    bytes, is never lowered, does not grow with repeated loads, and elsewhere is left alone."""
+    from mlx_tier.tier_budgets import widen_memory_limit
+
+    gib = 2**30
+    api = _FakeCudaMLX(total=80 * gib, limit=72 * gib)
+    assert widen_memory_limit(100 * gib, api) == 172 * gib == api.limit
+    assert widen_memory_limit(100 * gib, api) == 172 * gib and api.set_calls == 1  # a second load: no growth
+    assert widen_memory_limit(10 * gib, api) == 172 * gib == api.limit  # never lowered
+    assert widen_memory_limit(0, _FakeCudaMLX(80 * gib, 72 * gib)) == 72 * gib
+    cpu = _FakeCudaMLX(80 * gib, 5, cuda=False)
+    assert widen_memory_limit(100 * gib, cpu) is None and cpu.limit == 5
+    assert widen_memory_limit(gib) is None  # this machine (no GPU): untouched
