@@ -90,45 +90,49 @@ def backend_of(api=mx) -> str:
 
 
 def probe(api=mx) -> FreeMemory:
-    """The memory snapshot now (``api``: ``mlx.core``, or a fake)."""
+    """The memory snapshot now (``api``: ``mlx.core``, or a fake).
+
+    On CUDA, MLX's buffer cache is emptied first (``clear_cache``): buffers
+    freed while the dense part was loaded and converted stay reserved on the
+    GPU and would count as used, shrinking the hot default.
+    """
     vm = psutil.virtual_memory()
     backend = backend_of(api)
     free = total = None
     if backend == "cuda":
+        api.clear_cache()
         free, total = device_memory(api.device_info(), api.get_active_memory())
     return FreeMemory(backend, int(vm.available), int(vm.total), free, total)
 
 
-# MLX's CUDA allocator sets its memory limit to this fraction of the GPU's memory
-# (mlx/backend/cuda/allocator.cpp: memory_limit_ = total * 0.9).
-MLX_CUDA_LIMIT_FRACTION = 0.9
+# MLX's memory limit before mlx-tier first widened it, per ``mlx.core`` (or fake):
+# its default (a fraction of GPU memory: 0.8, 0.9, 0.95 across versions) or the user's.
+_LIMIT_BEFORE: dict = {}
 
 
 def widen_memory_limit(warm_bytes: int, api=mx) -> int | None:
-    """On CUDA, raise MLX's memory limit to its default plus the warm pools' bytes.
+    """On CUDA, raise MLX's memory limit to what it was before plus the warm pools' bytes.
 
-    A CUDA build of MLX counts every allocation against one limit, host-resident
-    managed buffers (the warm pools, made on the CPU stream) included; above it
-    each evaluation, ``async_eval`` too, first waits for work in flight
-    (``mlx/transforms.cpp``), which would serialise the hot and warm shares once
-    a large warm pool fills. The limit only paces evaluation; the GPU's own
-    memory is bounded by the hot budget. Never lowers a higher limit (a user's,
-    or an earlier load's).
+    A CUDA build of MLX counts every allocation against one limit (by default
+    a fraction of the GPU's memory, ``mlx/backend/cuda/allocator.cpp``), the
+    host-resident managed buffers of the warm pools included; above it each
+    evaluation, ``async_eval`` too, first waits for work in flight
+    (``mlx/transforms.cpp``), which would serialise the hot and warm shares
+    once a large warm pool fills. The limit only paces evaluation; the GPU's
+    own memory is bounded by the hot budget. Never lowers the limit, and
+    repeated loads do not add up.
 
     Args:
         warm_bytes: bytes of all warm pools once written.
         api: ``mlx.core``, or a fake.
 
     Returns:
-        The limit now in force on CUDA (bytes); ``None`` elsewhere, or when MLX
-        reports no GPU memory size (nothing is changed then).
+        The limit now in force on CUDA (bytes); ``None`` elsewhere (nothing changed).
     """
     if backend_of(api) != "cuda":
         return None
-    _, total = device_memory(api.device_info())
-    if total is None:
-        return None
-    want, now = int(total * MLX_CUDA_LIMIT_FRACTION) + int(warm_bytes), int(api.get_memory_limit())
+    now = int(api.get_memory_limit())
+    want = _LIMIT_BEFORE.setdefault(api, now) + int(warm_bytes)
     if want > now:
         api.set_memory_limit(want)
     return max(want, now)

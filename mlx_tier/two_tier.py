@@ -247,7 +247,7 @@ class TwoTierLayer:
             hot_pairs = np.flatnonzero(hot_mask.reshape(-1))  # rows of [T*k]
             warm_pairs = np.flatnonzero(warm_mask.reshape(-1))
             # The warm share's rows first, on the CPU, while nothing of this layer runs on the GPU
-            # (WarmPool.rows: on CUDA the CPU's first read of GPU memory synchronises the device).
+            # (WarmPool.rows: on CUDA the CPU's first read of GPU memory is a synchronous copy).
             xs = self.warm.rows(x, warm_pairs // k) if warm_pairs.size else None  # [n, D]
             y_hot = None
             if hot_pairs.size:  # issued before the warm share: an eager CPU kernel would otherwise run first

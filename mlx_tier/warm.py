@@ -25,10 +25,10 @@ every call (:func:`pool_dtype`). The pool's bytes and the warm budget count
 the float32 copies. With MLX's ops the pool keeps the hot slabs' dtypes.
 
 Placement on CUDA: every write to a pool runs on the pool's CPU stream, so its
-buffers stay host memory. MLX's CUDA backend gives GPU ops device memory and
-moves a buffer into managed memory, with a device synchronisation, the first
-time the CPU reads it (MLX PR #2725, ``copy_to_managed``): a pool written by a
-GPU op would be moved back at the next CPU read.
+buffers stay host memory. Since MLX 0.29.4 (PR #2725) GPU ops get device
+memory, and a buffer is copied into managed (or pinned host) memory the first
+time the CPU reads it: a pool written by a GPU op would become device memory
+and be copied back, whole, at the next CPU read.
 
 Lazy-graph hazard, as for the hot slabs: a warm slot must not be overwritten
 before the computation reading it is evaluated; the owner settles first.
@@ -99,9 +99,10 @@ class WarmPool:
         :meth:`compute`.
 
         Called before the layer's hot share is started: on CUDA the CPU's first
-        read of a GPU-made buffer moves it into managed memory, and freeing the old
-        buffer synchronises the device (MLX PR #2725, ``copy_to_managed``); done
-        while the hot share runs, it would wait for it and undo the overlap.
+        read of a GPU-made buffer moves it into host-readable memory with a
+        synchronous copy, which in MLX 0.29.4-0.30.4 also frees the old buffer
+        with ``cudaFree`` and so waits for the whole device (``copy_to_managed``,
+        MLX PR #2725); done while the hot share runs, it would wait for it.
         """
         D = x.shape[-1]
         xs = mx.take(x.reshape(-1, D, stream=self.stream), mx.array(rows), axis=0, stream=self.stream)

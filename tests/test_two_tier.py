@@ -342,13 +342,10 @@ def test_device_placement_of_the_warm_tier(tiny_moe, monkeypatch):
 class _FakeCudaMLX:
     """``mlx.core`` as a CUDA machine reports it, with a settable memory limit."""
 
-    def __init__(self, total, limit, cuda=True):
+    def __init__(self, limit, cuda=True):
         self.metal = SimpleNamespace(is_available=lambda: False)
         self.cuda = SimpleNamespace(is_available=lambda: cuda)
-        self.info, self.limit, self.set_calls = {"total_memory": total, "free_memory": total // 2}, limit, 0
-
-    def device_info(self):
-        return self.info
+        self.limit, self.set_calls = limit, 0
 
     def get_memory_limit(self):
         return self.limit
@@ -359,17 +356,19 @@ class _FakeCudaMLX:
 
 
 def test_mlx_memory_limit_widened_by_the_warm_pools_on_cuda():
-    """MLX's CUDA limit (0.9 x GPU memory) counts host-resident warm pools too; above it every
-    evaluation waits for work in flight. The limit becomes the default plus the pools'
-    bytes, is never lowered, does not grow with repeated loads, and elsewhere is left alone."""
+    """MLX's CUDA limit (a fraction of GPU memory) counts host-resident warm pools too; above it
+    every evaluation waits for work in flight. The limit becomes its earlier value plus the
+    pools' bytes, is never lowered, does not grow with repeated loads, and elsewhere is left alone."""
     from mlx_tier.tier_budgets import widen_memory_limit
 
     gib = 2**30
-    api = _FakeCudaMLX(total=80 * gib, limit=72 * gib)
+    api = _FakeCudaMLX(limit=72 * gib)
     assert widen_memory_limit(100 * gib, api) == 172 * gib == api.limit
     assert widen_memory_limit(100 * gib, api) == 172 * gib and api.set_calls == 1  # a second load: no growth
-    assert widen_memory_limit(10 * gib, api) == 172 * gib == api.limit  # never lowered
-    assert widen_memory_limit(0, _FakeCudaMLX(80 * gib, 72 * gib)) == 72 * gib
-    cpu = _FakeCudaMLX(80 * gib, 5, cuda=False)
+    assert widen_memory_limit(120 * gib, api) == 192 * gib == api.limit  # a bigger pool: 72 + 120
+    assert widen_memory_limit(10 * gib, api) == 192 * gib == api.limit  # never lowered
+    fresh = _FakeCudaMLX(limit=72 * gib)
+    assert widen_memory_limit(0, fresh) == 72 * gib and fresh.set_calls == 0
+    cpu = _FakeCudaMLX(5, cuda=False)
     assert widen_memory_limit(100 * gib, cpu) is None and cpu.limit == 5
     assert widen_memory_limit(gib) is None  # this machine (no GPU): untouched
