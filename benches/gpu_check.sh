@@ -24,6 +24,7 @@ step() { echo; echo "== $* ($(date -u +%H:%M:%S))"; }
 
 step "install (mlx[cuda]; the base install also brings mlx-cpu, whose files overlap mlx-cuda's: it is removed and the CUDA wheel reinstalled)"
 python3 -m venv "$VENV"
+# shellcheck source=/dev/null
 . "$VENV/bin/activate"
 PIP=(pip install -q)
 if [ -n "${WHEELS:-}" ]; then PIP+=(--no-index --find-links "$WHEELS"); fi
@@ -49,14 +50,8 @@ timeout 300 python -m pytest -q -x tests/test_tiered.py tests/test_two_tier.py t
   tests/test_tier_budgets.py
 
 step "default budgets: hot from free GPU memory, warm from available host memory"
-python - <<'PY'
-from mlx_tier.tier_budgets import probe, tier_budgets
-m = probe()
-b = tier_budgets(None, None, m)
-gib = 2**30
-print(f"backend {m.backend}; GPU free {m.device_free / gib:.1f} of {m.device_total / gib:.1f} GiB; host available "
-      f"{m.host_available / gib:.1f} GiB -> default hot {b.hot / gib:.1f} GiB, warm {b.warm / gib:.1f} GiB")
-PY
+python -c 'import mlx.core as mx; from mlx_tier.tier_budgets import describe_defaults, probe
+print(describe_defaults(probe(), mx.get_memory_limit()))'
 
 step "synthetic MoE ($SIZE_GB GiB, float32 scales: the CPU stream computes warm experts, and bf16 is slow there)"
 if [ ! -f "$SYN/config.json" ]; then

@@ -138,6 +138,22 @@ def widen_memory_limit(warm_bytes: int, api=mx) -> int | None:
     return max(want, now)
 
 
+def describe_defaults(mem: FreeMemory, memory_limit: int | None = None) -> str:
+    """One line: where the tiers would live on this machine and their default budgets
+    (``benches/gpu_check.sh`` prints it). ``memory_limit``: MLX's, in bytes, if known."""
+    gib = 2**30
+    limit = f"; MLX memory limit {memory_limit / gib:.1f} GiB" if memory_limit is not None else ""
+    if mem.unified:
+        return (f"backend {mem.backend}: one memory, host available {mem.host_available / gib:.1f} GiB -> one tier, "
+                f"default {int(mem.host_available * DEFAULT_FRACTION) / gib:.1f} GiB{limit}")
+    if mem.device_free is None:
+        return f"backend cuda: MLX reports no GPU memory: give --cache-gb (the hot budget){limit}"
+    b = tier_budgets(None, None, mem)
+    return (f"backend cuda: GPU free {mem.device_free / gib:.1f} of {mem.device_total / gib:.1f} GiB, host "
+            f"available {mem.host_available / gib:.1f} GiB -> default hot {b.hot / gib:.1f} GiB, warm "
+            f"{b.warm / gib:.1f} GiB{limit}")
+
+
 def two_tiers(host_cache_gb: float | None, backend: str) -> bool:
     """Whether a warm tier is built: always on CUDA, elsewhere only when asked for."""
     return backend == "cuda" or host_cache_gb is not None
