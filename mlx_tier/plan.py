@@ -47,6 +47,7 @@ class Plan:
     dense_bytes: int  # on disk
     expert_bytes_disk: int  # one expert of one layer
     expert_bytes_resident: int  # in the compute dtype (float32 scales on CPU)
+    expert_bytes_warm: int  # in a CUDA warm tier: floating tensors float32 for the CPU kernel (mlx_tier.warm)
     layer_bytes_disk: int  # all experts of one layer
     experts_per_gb: float  # resident experts per GiB of cache
     context_tokens: int
@@ -250,7 +251,7 @@ def make_plan(
     context_tokens: int = 8192,
     disk_gbps: float | None = None,
     compute_gbps: float | None = None,
-) -> Plan:  # 92 lines only by the Plan's 29 fields, set in one constructor call; the arithmetic lives in helpers above
+) -> Plan:  # 94 lines only by the Plan's 30 fields, set in one constructor call; the arithmetic lives in helpers above
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
     Args:
@@ -285,6 +286,7 @@ def make_plan(
     expert_bytes_disk = expert_disk_all // (L * num_experts)
     dtype = default_compute_dtype()
     expert_bytes_resident = _resident_bytes(index, expert_names, dtype) // (L * num_experts)
+    expert_bytes_warm = _resident_bytes(index, expert_names, mx.float32) // (L * num_experts)
     kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
 
     vm = psutil.virtual_memory()
@@ -320,6 +322,7 @@ def make_plan(
         dense_bytes=dense_bytes,
         expert_bytes_disk=expert_bytes_disk,
         expert_bytes_resident=expert_bytes_resident,
+        expert_bytes_warm=expert_bytes_warm,
         layer_bytes_disk=expert_bytes_disk * num_experts,
         experts_per_gb=GIB / expert_bytes_resident if expert_bytes_resident else 0.0,
         context_tokens=context_tokens,

@@ -90,18 +90,88 @@ def backend_of(api=mx) -> str:
 
 
 def probe(api=mx) -> FreeMemory:
-    """The memory snapshot now (``api``: ``mlx.core``, or a fake)."""
+    """The memory snapshot now (``api``: ``mlx.core``, or a fake).
+
+    On CUDA, MLX's buffer cache is emptied first (``clear_cache``): buffers
+    freed while the dense part was loaded and converted stay reserved on the
+    GPU and would count as used, shrinking the hot default.
+    """
     vm = psutil.virtual_memory()
     backend = backend_of(api)
     free = total = None
     if backend == "cuda":
+        api.clear_cache()
         free, total = device_memory(api.device_info(), api.get_active_memory())
     return FreeMemory(backend, int(vm.available), int(vm.total), free, total)
+
+
+# MLX's memory limit before mlx-tier first widened it, per ``mlx.core`` (or fake):
+# its default (a fraction of GPU memory: 0.8, 0.9, 0.95 across versions) or the user's.
+_LIMIT_BEFORE: dict = {}
+
+
+def widen_memory_limit(warm_bytes: int, api=mx) -> int | None:
+    """On CUDA, raise MLX's memory limit to what it was before plus the warm pools' bytes.
+
+    A CUDA build of MLX counts every allocation against one limit (by default
+    a fraction of the GPU's memory, ``mlx/backend/cuda/allocator.cpp``), the
+    host-resident managed buffers of the warm pools included; above it each
+    evaluation, ``async_eval`` too, first waits for work in flight
+    (``mlx/transforms.cpp``), which would serialise the hot and warm shares
+    once a large warm pool fills. The limit only paces evaluation; the GPU's
+    own memory is bounded by the hot budget. Never lowers the limit, and
+    repeated loads do not add up.
+
+    Args:
+        warm_bytes: bytes of all warm pools once written.
+        api: ``mlx.core``, or a fake.
+
+    Returns:
+        The limit now in force on CUDA (bytes); ``None`` elsewhere (nothing changed).
+    """
+    if backend_of(api) != "cuda":
+        return None
+    now = int(api.get_memory_limit())
+    want = _LIMIT_BEFORE.setdefault(api, now) + int(warm_bytes)
+    if want > now:
+        api.set_memory_limit(want)
+    return max(want, now)
+
+
+def describe_defaults(mem: FreeMemory, memory_limit: int | None = None) -> str:
+    """One line: where the tiers would live on this machine and their default budgets
+    (``benches/gpu_check.sh`` prints it). ``memory_limit``: MLX's, in bytes, if known."""
+    gib = 2**30
+    limit = f"; MLX memory limit {memory_limit / gib:.1f} GiB" if memory_limit is not None else ""
+    if mem.unified:
+        return (f"backend {mem.backend}: one memory, host available {mem.host_available / gib:.1f} GiB -> one tier, "
+                f"default {int(mem.host_available * DEFAULT_FRACTION) / gib:.1f} GiB{limit}")
+    if mem.device_free is None:
+        return f"backend cuda: MLX reports no GPU memory: give --cache-gb (the hot budget){limit}"
+    b = tier_budgets(None, None, mem)
+    return (f"backend cuda: GPU free {mem.device_free / gib:.1f} of {mem.device_total / gib:.1f} GiB, host "
+            f"available {mem.host_available / gib:.1f} GiB -> default hot {b.hot / gib:.1f} GiB, warm "
+            f"{b.warm / gib:.1f} GiB{limit}")
 
 
 def two_tiers(host_cache_gb: float | None, backend: str) -> bool:
     """Whether a warm tier is built: always on CUDA, elsewhere only when asked for."""
     return backend == "cuda" or host_cache_gb is not None
+
+
+def default_hot_budget(device_free: int) -> int:
+    """The hot (GPU) tier's default budget in bytes: :data:`DEFAULT_FRACTION` of
+    ``device_free``, the GPU's free memory in bytes measured after the dense
+    part is loaded there. The one rule for both a run (:func:`tier_budgets`)
+    and ``mlx-tier plan --gpu-gb`` (:mod:`mlx_tier.tier_plan`); the other half
+    is left for the KV cache and activations."""
+    return int(device_free * DEFAULT_FRACTION)
+
+
+def default_warm_budget(host_available: int) -> int:
+    """The warm (host) tier's default budget in bytes on CUDA: :data:`DEFAULT_FRACTION`
+    of ``host_available``, the host memory available in bytes."""
+    return int(host_available * DEFAULT_FRACTION)
 
 
 def _gib(name: str, v: float | None, positive: bool) -> int | None:
@@ -130,8 +200,8 @@ def tier_budgets(cache_gb: float | None, host_cache_gb: float | None, mem: FreeM
         if hot is None and mem.device_free is None:
             raise BudgetError("cannot tell the GPU's free memory (MLX reports none): give cache_gb, the GPU "
                               "(hot tier) budget", field="cache_gb")
-        hot = hot if hot is not None else int(mem.device_free * DEFAULT_FRACTION)
-        warm = warm if warm is not None else int(mem.host_available * DEFAULT_FRACTION)
+        hot = hot if hot is not None else default_hot_budget(mem.device_free)
+        warm = warm if warm is not None else default_warm_budget(mem.host_available)
         return TierBudgets(hot, warm)
     one_tier = int(mem.host_available * DEFAULT_FRACTION)
     if warm is None:

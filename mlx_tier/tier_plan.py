@@ -1,31 +1,59 @@
 """The three-tier split of a checkpoint's experts on a GPU machine (``mlx-tier plan --gpu-gb``).
 
-From a :class:`mlx_tier.plan.Plan` (config and shard headers only): the GPU
-holds the dense part and the KV cache, the rest of ``gpu_gb`` is the hot tier;
-the warm tier is the host budget (given, or the fraction of available host
-memory mlx-tier takes by default); the remaining experts stay cold on SSD. On a
-GPU the checkpoint's dtype is kept, so one expert takes its on-disk bytes in
-either tier. Slots are the same in every MoE layer (as ``TierConfig`` makes them).
+From a :class:`mlx_tier.plan.Plan` (config and shard headers only), by the
+rules a run on CUDA applies, through the same functions:
+
+- the GPU's free memory a run would measure after loading the dense part is
+  assumed to be ``gpu_gb`` minus the dense part (nothing else on the GPU);
+- the hot budget is the run's default from that figure
+  (:func:`mlx_tier.tier_budgets.tier_budgets`: half of it; the other half is
+  left for the KV cache and activations), and the hot slots per layer are what
+  :func:`mlx_tier.tiered.plan_slots` makes of it (0: below one slot per layer,
+  which a run refuses);
+- the warm budget is the host budget given, else the run's default (half of the
+  plan's available memory); warm slots per layer are what
+  :func:`mlx_tier.two_tier.warm_slots_for` makes of it;
+- the rest of each layer's experts stay cold on SSD.
+
+On a GPU the checkpoint's dtype is kept, so a hot expert takes its on-disk
+bytes; a warm expert holds its floating tensors (scales, biases) in float32
+for the CPU kernel, as the job runner's default kernel (``auto``) does
+(:mod:`mlx_tier.warm`). Slots are the same in every MoE layer (as
+``TierConfig`` makes them).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# The warm tier's default on CUDA: this fraction of available host memory.
-from .tier_budgets import DEFAULT_FRACTION as HOST_BUDGET_FRACTION
+from .errors import BudgetError
+from .tier_budgets import FreeMemory, tier_budgets
 
 GIB = 1024**3
 
 
 @dataclass(frozen=True)
 class TierSplit:
-    """Experts per MoE layer in each tier, and the budgets (bytes) behind them."""
+    """Experts per MoE layer in each tier, and the figures behind them (bytes).
+
+    Attributes:
+        gpu_bytes: the GPU's memory (``gpu_gb``).
+        device_free: the free GPU memory assumed after the dense part is loaded
+            (``gpu_bytes - dense``): the figure the hot default is taken from.
+        hot_budget: the hot tier's default from ``device_free``.
+        gpu_left: what the GPU keeps for the KV cache and activations
+            (``device_free - hot_budget``), to set against the plan's KV estimate.
+        host_budget: the warm tier's budget.
+        expert_bytes / warm_expert_bytes: one expert of one layer in the hot / warm tier.
+    """
 
     gpu_bytes: int
-    hot_budget: int  # gpu_bytes - dense - KV cache
+    device_free: int
+    hot_budget: int
+    gpu_left: int
     host_budget: int
     expert_bytes: int
+    warm_expert_bytes: int
     experts_per_layer: int
     hot_slots: int
     warm_slots: int
@@ -35,26 +63,38 @@ class TierSplit:
         return asdict(self)
 
 
+def assumed_memory(plan, gpu_gb: float) -> FreeMemory:
+    """The memory snapshot a run on a ``gpu_gb`` GiB GPU would probe after loading
+    the dense part: GPU free = ``gpu_gb`` - dense; host as in ``plan``."""
+    gpu = int(gpu_gb * GIB)
+    return FreeMemory("cuda", plan.memory_available, plan.memory_total, max(0, gpu - plan.dense_bytes), gpu)
+
+
 def three_tier_split(plan, gpu_gb: float, host_gb: float | None = None) -> TierSplit:
     """Split ``plan``'s experts into GPU (hot), host (warm) and SSD (cold) per layer.
 
     Args:
         plan: a :class:`mlx_tier.plan.Plan`.
-        gpu_gb: GPU memory for mlx-tier, GiB.
-        host_gb: host memory for the warm tier, GiB (default: half of the
-            plan's available memory).
+        gpu_gb: the GPU's memory, GiB.
+        host_gb: host memory for the warm tier, GiB (default: the run's, half
+            of the plan's available memory).
 
     Raises:
         ValueError: ``gpu_gb`` or ``host_gb`` not a positive finite number.
     """
+    from .tiered import plan_slots
+    from .two_tier import warm_slots_for
+
     for name, v in (("gpu_gb", gpu_gb), ("host_gb", 1.0 if host_gb is None else host_gb)):
         if not (isinstance(v, (int, float)) and 0 < v < float("inf")):
             raise ValueError(f"{name} must be a positive number of GiB, got {v!r}")
-    gpu = int(gpu_gb * GIB)
-    hot_budget = max(0, gpu - plan.dense_bytes - plan.kv_bytes)
-    host = int(host_gb * GIB) if host_gb is not None else int(plan.memory_available * HOST_BUDGET_FRACTION)
-    per_slot_row = plan.moe_layers * plan.expert_bytes_disk  # one slot in every layer
-    E = plan.experts_per_layer
-    hot = min(E, hot_budget // per_slot_row) if per_slot_row else 0
-    warm = min(E - hot, host // per_slot_row) if per_slot_row else 0
-    return TierSplit(gpu, hot_budget, host, plan.expert_bytes_disk, E, int(hot), int(warm), int(E - hot - warm))
+    mem = assumed_memory(plan, gpu_gb)
+    budgets = tier_budgets(None, host_gb, mem)
+    L, E = plan.moe_layers, plan.experts_per_layer
+    try:
+        hot = plan_slots(budgets.hot, L, plan.expert_bytes_disk, E)
+    except BudgetError:  # below one slot per layer: a run refuses it
+        hot = 0
+    warm = warm_slots_for(budgets.warm, [hot] * L, [E] * L, plan.expert_bytes_warm)[0] if L else 0
+    return TierSplit(mem.device_total, mem.device_free, budgets.hot, mem.device_free - budgets.hot, budgets.warm,
+                     plan.expert_bytes_disk, plan.expert_bytes_warm, E, hot, warm, E - hot - warm)

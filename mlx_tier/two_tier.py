@@ -42,6 +42,7 @@ from .cache import CacheStats, ExpertCache, LayerCache, _to_mx
 from .cost_model import TransferCosts
 from .errors import BudgetError
 from .prefetch import BackgroundReader, NextLayerPrefetch, link_layers
+from .tier_budgets import widen_memory_limit
 from .tiers import (
     DEMOTE,
     DROP,
@@ -55,7 +56,7 @@ from .tiers import (
     Moves,
     TierIndex,
 )
-from .warm import WarmPool
+from .warm import WarmPool, pool_slot_nbytes
 
 # Per-tier counters that report.json sums over runs (mlx_tier.jobs.sum_cache).
 TIER_COUNTERS = ("hot_hits", "warm_hits", "promotions", "misses_hot", "misses_warm", "demotions",
@@ -175,34 +176,44 @@ class TwoTierLayer:
             self.hot.settle()  # nothing unevaluated may still read a slot we overwrite
             written = []
             for name, t in self.hot.tensors.items():
-                slab, pool = t.module[t.attr], self.warm.arrays.get(name)
                 # Every source holds pre-round contents: take them all before any write, as
                 # evaluated copies (a live view of a slab makes each write a full-slab copy:
                 # 120 ms instead of 0.09 ms for a 64 MiB slab on the CPU backend).
-                # A warm source is copied on the warm tier's CPU stream (host memory), so
-                # the host -> GPU move is the slab write itself (started, not waited for,
-                # by warm -> hot prefetch); a hot source is a copy on the GPU.
-                src = [self._source(pool if kind == "promote" else slab, a, kind == "promote")
-                       for kind, _, a, _ in moves.copies]
+                src = [self._source(name, kind == "promote", a) for kind, _, a, _ in moves.copies]
                 mx.eval(src)
                 for (kind, _, _, b), rows in zip(moves.copies, src):
-                    (slab if kind == "promote" else pool)[b : b + 1] = rows
-                new = [_to_mx(raw[name], t.info, t.dtype) for raw, _ in batches]  # [rows in batch, ...]
-                for e, tier, s in moves.reads:  # read slots are never reused within the round
+                    self._write(name, "hot" if kind == "promote" else "warm", b, rows)
+                for e, tier, slot in moves.reads:  # read slots are never reused within the round
                     b, i = where[e]
-                    (slab if tier == "hot" else pool)[s : s + 1] = new[b][i : i + 1]
-                written += [slab] + ([pool] if pool is not None else [])
+                    self._write(name, tier, slot, batches[b][0][name][i : i + 1])
+                written += [t.module[t.attr]] + ([self.warm.arrays[name]] if name in self.warm.arrays else [])
             (mx.eval if wait else mx.async_eval)(written)
         except BaseException:
             self.reset()
             raise
 
-    def _source(self, array: mx.array, slot: int, host: bool) -> mx.array:
-        """A copy of ``array[slot : slot + 1]`` (lazy), on the warm tier's CPU stream when ``host``."""
-        if not host:
-            return array[slot : slot + 1] + 0
-        with mx.stream(self.warm.stream):
-            return array[slot : slot + 1] + 0
+    def _source(self, name: str, promote: bool, slot: int) -> mx.array:
+        """A copy of slot ``slot`` ``[1, ...]`` of tensor ``name`` (lazy): of the warm pool for a
+        promotion, made on the warm tier's CPU stream in the slab's dtype (the host -> GPU
+        move is then the slab write, started, not waited for, by warm -> hot prefetch); of
+        the hot slab for a demotion, a copy on the GPU (the pool write converts it)."""
+        t = self.hot.tensors[name]
+        array = self.warm.arrays[name] if promote else t.module[t.attr]
+        with mx.stream(self.warm.stream if promote else mx.default_stream(mx.default_device())):
+            rows = array[slot : slot + 1]
+            return rows.astype(t.dtype) if rows.dtype != t.dtype else rows + 0
+
+    def _write(self, name: str, tier: str, slot: int, rows) -> None:
+        """Write ``rows`` (``[1, ...]``: an mx.array, or the bytes of a cold read as numpy)
+        into slot ``slot`` of ``tier``'s buffer of tensor ``name``, converted to its dtype.
+        A warm write runs on the warm tier's CPU stream, so the pool stays host memory."""
+        t = self.hot.tensors[name]
+        host = tier != "hot"
+        with mx.stream(self.warm.stream if host else mx.default_stream(mx.default_device())):
+            dtype = self.warm.dtypes[name] if host else t.dtype
+            if not isinstance(rows, mx.array):
+                rows = _to_mx(rows, t.info, dtype)
+            (self.warm.arrays[name] if host else t.module[t.attr])[slot : slot + 1] = rows
 
     def prewarm(self, ranked: list[int]) -> int:
         """Read ``ranked`` (hottest first) into the free hot, then warm, slots
@@ -219,9 +230,10 @@ class TwoTierLayer:
 
     def forward(self, block: nn.Module, x: mx.array, idx: np.ndarray) -> mx.array:
         """The expert block's output ``[..., k, D]`` for ``x`` ``[..., D]`` and
-        router top-k ``idx`` ``[..., k]``: per round the warm entries start on
-        the CPU (:meth:`WarmPool.compute`), the hot ones on the default stream
-        (``mx.async_eval``), running concurrently; then combined."""
+        router top-k ``idx`` ``[..., k]``: per round the warm entries' rows are
+        taken to the CPU (:meth:`WarmPool.rows`), the hot entries start on the
+        default stream (``mx.async_eval``), the warm ones on the CPU
+        (:meth:`WarmPool.compute`), running concurrently; then combined."""
         k, D = idx.shape[-1], x.shape[-1]
         out = None
         for hot_slots, hot_mask, warm_slots, warm_mask in self.assign(idx):
@@ -234,15 +246,14 @@ class TwoTierLayer:
             rows = x.reshape(-1, D)
             hot_pairs = np.flatnonzero(hot_mask.reshape(-1))  # rows of [T*k]
             warm_pairs = np.flatnonzero(warm_mask.reshape(-1))
+            # The warm share's rows first, on the CPU, while nothing of this layer runs on the GPU
+            # (WarmPool.rows: on CUDA the CPU's first read of GPU memory is a synchronous copy).
+            xs = self.warm.rows(x, warm_pairs // k) if warm_pairs.size else None  # [n, D]
             y_hot = None
-            if hot_pairs.size:  # issued first: an eager CPU kernel below would otherwise run before it
+            if hot_pairs.size:  # issued before the warm share: an eager CPU kernel would otherwise run first
                 y_hot = block(rows[mx.array(hot_pairs // k)], mx.array(hot_slots.reshape(-1)[hot_pairs])[:, None])
                 mx.async_eval(y_hot)  # [n, 1, D] on the default (GPU) stream
-            y_warm = None
-            if warm_pairs.size:  # rows gathered on the warm tier's stream: nothing waits behind the hot share
-                ws = self.warm.stream
-                xs = mx.take(x.reshape(-1, D, stream=ws), mx.array(warm_pairs // k), axis=0, stream=ws)  # [n, D]
-                y_warm = self.warm.compute(block, xs, warm_slots.reshape(-1)[warm_pairs])
+            y_warm = self.warm.compute(block, xs, warm_slots.reshape(-1)[warm_pairs]) if xs is not None else None
             for pairs, y in ((hot_pairs, y_hot), (warm_pairs, y_warm)):
                 if y is not None:
                     out[mx.array(pairs)] = y.squeeze(1)
@@ -355,7 +366,8 @@ class TwoTierCache(ExpertCache):
 
 def warm_slots_for(warm_budget_bytes: int, hot_slots: list[int], experts: list[int], slot_nbytes: int) -> list[int]:
     """Warm slots of each layer: the same count everywhere that ``warm_budget_bytes``
-    holds, each capped at the layer's experts not in its hot tier."""
+    holds at ``slot_nbytes`` a warm slot (:func:`mlx_tier.warm.pool_slot_nbytes`),
+    each capped at the layer's experts not in its hot tier."""
     per_layer = int(warm_budget_bytes) // (len(hot_slots) * slot_nbytes)
     return [min(per_layer, e - h) for h, e in zip(hot_slots, experts)]
 
@@ -378,7 +390,7 @@ def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module]
     Raises:
         BudgetError: a tier over its budget.
     """
-    slot_nbytes = max(layer.slot_nbytes for layer in layers)
+    slot_nbytes = max(pool_slot_nbytes(layer.tensors, warm_kernel is not None) for layer in layers)  # warm dtypes
     warm = warm_slots_for(warm_budget_bytes, [x.num_slots for x in layers], [x.num_experts for x in layers],
                           slot_nbytes)
     stats = TwoTierStats()
@@ -391,6 +403,7 @@ def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module]
     wrappers = [TwoTierExperts(block, t) for (_, block), t in zip(blocks, tier_layers)]
     for (path, _), wrapper in zip(blocks, wrappers):
         replace(path, wrapper)
+    widen_memory_limit(sum(t.warm.resident_bytes for t in tier_layers))
     if config.prefetch:
         links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
         for i, (wrapper, link) in enumerate(zip(wrappers, links)):

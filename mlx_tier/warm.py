@@ -17,6 +17,19 @@ runs beside the default stream's (the GPU's; here, the CPU backend's other
 thread). On the CPU backend both tiers are host memory, which is how the tier
 logic is tested here.
 
+Dtypes: with the CPU kernel the pool keeps its floating tensors (scales,
+biases, unquantized weights) in float32, converted once as an expert enters
+the pool, because the kernel computes in float32 and numpy has no bfloat16:
+a pool in the checkpoint's bf16/fp16 (the GPU's dtype) would be converted on
+every call (:func:`pool_dtype`). The pool's bytes and the warm budget count
+the float32 copies. With MLX's ops the pool keeps the hot slabs' dtypes.
+
+Placement on CUDA: every write to a pool runs on the pool's CPU stream, so its
+buffers stay host memory. Since MLX 0.29.4 (PR #2725) GPU ops get device
+memory, and a buffer is copied into managed (or pinned host) memory the first
+time the CPU reads it: a pool written by a GPU op would become device memory
+and be copied back, whole, at the next CPU read.
+
 Lazy-graph hazard, as for the hot slabs: a warm slot must not be overwritten
 before the computation reading it is evaluated; the owner settles first.
 """
@@ -30,20 +43,35 @@ from mlx import nn
 from .cache import SlabTensor
 
 
+def pool_dtype(dtype: mx.Dtype, host_kernel: bool) -> mx.Dtype:
+    """The dtype a warm pool keeps a tensor in whose hot slab is ``dtype``:
+    float32 for a floating tensor when the CPU kernel (``host_kernel``) computes
+    the pool, else ``dtype``."""
+    return mx.float32 if host_kernel and mx.issubdtype(dtype, mx.floating) else dtype
+
+
+def pool_slot_nbytes(tensors: dict[str, SlabTensor], host_kernel: bool) -> int:
+    """Bytes of one warm slot of a layer's ``tensors`` (:func:`pool_dtype`'s dtypes)."""
+    return sum(int(np.prod(t.info.shape[1:])) * pool_dtype(t.dtype, host_kernel).size for t in tensors.values())
+
+
 class WarmPool:
     """Host-memory slots of one MoE layer.
 
     Args:
         tensors: name on disk -> the hot tier's SlabTensor (shapes and dtypes).
         num_slots: W >= 0.
-        kernel: ``(block, x, slots) -> [..., k, D]`` that computes warm experts
-            eagerly (:mod:`mlx_tier.kernels`), or ``None``: mlx-lm's block on
-            ``stream``.
+        kernel: the CPU kernel, ``(block, x, slots) -> [..., k, D]``, which
+            computes warm experts eagerly in float32 (:mod:`mlx_tier.kernels`;
+            the pool's floating tensors are then float32), or ``None``:
+            mlx-lm's block on ``stream``, in the hot slabs' dtypes.
         stream: a CPU stream that is not the default one (one per model:
             ``mx.new_stream(mx.cpu)``; ``None``: a new one).
 
     Attributes:
-        arrays: name -> ``[W, ...]`` buffer (lazy zeros until first written).
+        arrays: name -> ``[W, ...]`` buffer in ``dtypes[name]`` (lazy zeros
+            until first written).
+        dtypes: name -> the buffer's dtype (:func:`pool_dtype`).
     """
 
     def __init__(self, tensors: dict[str, SlabTensor], num_slots: int, kernel=None, stream=None):
@@ -51,17 +79,35 @@ class WarmPool:
         self.num_slots = num_slots
         self.kernel = kernel
         self.stream = stream if stream is not None else mx.new_stream(mx.cpu)
-        self.arrays = {name: mx.zeros((num_slots, *t.info.shape[1:]), dtype=t.dtype, stream=mx.cpu)
+        self.dtypes = {name: pool_dtype(t.dtype, kernel is not None) for name, t in tensors.items()}
+        self.arrays = {name: mx.zeros((num_slots, *t.info.shape[1:]), dtype=self.dtypes[name], stream=self.stream)
                        for name, t in tensors.items()} if num_slots else {}
 
     @property
     def slot_nbytes(self) -> int:
-        return sum(t.slot_nbytes() for t in self.tensors.values())
+        """Bytes of one slot, every tensor in the pool's dtype."""
+        return pool_slot_nbytes(self.tensors, self.kernel is not None)
 
     @property
     def resident_bytes(self) -> int:
         """Bytes of the buffers once written (the most the pool holds)."""
         return self.num_slots * self.slot_nbytes
+
+    def rows(self, x: mx.array, rows: np.ndarray) -> mx.array:
+        """``x`` ``[..., D]``'s rows ``rows`` ``[n]`` (of ``x`` as ``[T, D]``), gathered on
+        :attr:`stream` and evaluated now: ``[n, D]`` in host memory, the input of
+        :meth:`compute`.
+
+        Called before the layer's hot share is started: on CUDA the CPU's first
+        read of a GPU-made buffer moves it into host-readable memory with a
+        synchronous copy, which in MLX 0.29.4-0.30.4 also frees the old buffer
+        with ``cudaFree`` and so waits for the whole device (``copy_to_managed``,
+        MLX PR #2725); done while the hot share runs, it would wait for it.
+        """
+        D = x.shape[-1]
+        xs = mx.take(x.reshape(-1, D, stream=self.stream), mx.array(rows), axis=0, stream=self.stream)
+        mx.eval(xs)
+        return xs
 
     def compute(self, block: nn.Module, x: mx.array, slots: np.ndarray) -> mx.array:
         """The expert block on warm slots, on the CPU: the CPU kernel (eager),

@@ -88,6 +88,17 @@ def tiny_moe(tmp_path_factory, tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_bf16(tmp_path_factory, tokenizer_dir) -> Path:
+    """``tiny_moe`` with bf16 scales, biases and dense weights, as real checkpoints store them."""
+    from mlx_lm.utils import load_model
+
+    q4 = make_mixtral(tmp_path_factory.mktemp("tiny") / "moe-q4-for-bf16", tokenizer_dir, quantized=True)
+    model, config = load_model(q4)
+    model.set_dtype(mx.bfloat16)  # floating leaves only: packed weights stay uint32
+    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "moe-q4-bf16", model, config, tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_fp(tmp_path_factory, tokenizer_dir) -> Path:
     return make_mixtral(tmp_path_factory.mktemp("tiny") / "moe-fp32", tokenizer_dir, quantized=False, seed=1)
 

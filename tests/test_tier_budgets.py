@@ -69,6 +69,39 @@ def test_device_memory_from_mlx_device_info():
     assert device_memory({"device_name": "x"}) == (None, None)
 
 
+def test_probe_on_cuda_empties_mlx_buffer_cache_first():
+    """Freed buffers MLX keeps cached are still reserved on the GPU: the probe releases them
+    before reading free memory, so the hot default is not shrunk by load-time temporaries."""
+    from types import SimpleNamespace
+
+    calls, cached = [], {"bytes": 3 * GIB}
+
+    def clear_cache():
+        calls.append("clear_cache")
+        cached["bytes"] = 0
+
+    def device_info():
+        calls.append("device_info")
+        return {"total_memory": 24 * GIB, "free_memory": 16 * GIB - cached["bytes"]}
+
+    api = SimpleNamespace(metal=SimpleNamespace(is_available=lambda: False),
+                          cuda=SimpleNamespace(is_available=lambda: True), clear_cache=clear_cache,
+                          device_info=device_info, get_active_memory=lambda: 0)
+    mem = tier_budgets.probe(api)
+    assert calls == ["clear_cache", "device_info"] and (mem.device_free, mem.device_total) == (16 * GIB, 24 * GIB)
+    assert tier_budgets.tier_budgets(None, None, mem).hot == tier_budgets.default_hot_budget(16 * GIB) == 8 * GIB
+
+
+def test_describe_defaults_on_each_kind_of_machine():
+    assert tier_budgets.describe_defaults(CUDA, 72 * GIB) == (
+        "backend cuda: GPU free 60.0 of 80.0 GiB, host available 100.0 GiB -> default hot 30.0 GiB, "
+        "warm 50.0 GiB; MLX memory limit 72.0 GiB")
+    assert tier_budgets.describe_defaults(CPU) == ("backend cpu: one memory, host available 20.0 GiB -> one "
+                                                   "tier, default 10.0 GiB")
+    assert "give --cache-gb" in tier_budgets.describe_defaults(FreeMemory("cuda", GIB, GIB))
+    assert tier_budgets.describe_defaults(tier_budgets.probe()).startswith("backend ")  # this machine, whatever it is
+
+
 def fake_machine(monkeypatch, mem: FreeMemory) -> None:
     """The memory probe (and backend) report ``mem`` instead of this machine."""
     monkeypatch.setattr(tier_budgets, "probe", lambda api=None: mem)

@@ -12,6 +12,7 @@ warm, by profile rank; pinned) included. Invariant 2 holds per tier.
 """
 
 import math
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -22,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 import mlx_tier
-from mlx_tier import TierConfig
+from mlx_tier import TierConfig, tier_budgets
 from mlx_tier import profile as prof
 from mlx_tier.cost_model import TransferCosts
 from mlx_tier.simulate_tiers import simulate_two_tier
@@ -235,3 +236,140 @@ def test_warm_tier_computes_on_its_own_cpu_stream(tiny_moe):
     assert all(p.kernel is None and p.stream.device == mx.cpu for p in pools)
     assert all(p.stream != mx.default_stream(mx.default_device()) for p in pools)
     assert all(p.stream == pools[0].stream for p in pools)  # one for the model, not a thread per layer
+
+
+def _bf16_two_tier(path, warm_rows_of_hot: float, kernel: str):
+    """A two-tier model keeping the checkpoint's bf16 (as on a GPU): 1 hot slot per layer,
+    a warm budget of ``warm_rows_of_hot`` hot slots per layer."""
+    one, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=1, dtype=mx.bfloat16))
+    hot_row = one.expert_cache.layers[0].slot_nbytes * len(one.expert_cache.layers)
+    cfg = TierConfig(slots_per_layer=1, dtype=mx.bfloat16, kernel=kernel, transfer_costs=NEVER_COPY,
+                     host_cache_gb=warm_rows_of_hot * hot_row / 2**30)
+    return mlx_tier.load(path, config=cfg)
+
+
+def test_cpu_kernel_warm_pool_holds_float32_and_counts_it(tiny_moe_bf16):
+    """With the CPU kernel a warm pool keeps bf16 scales/biases as float32 (converted once, on
+    entry); its slots are sized and budgeted at those bytes. With MLX's ops it keeps bf16."""
+    model, _ = _bf16_two_tier(tiny_moe_bf16, 3, "cpu")
+    cache = model.expert_cache
+    hot, warm = cache.layers[0], cache.tier_layers[0].warm
+    floating = [n for n, t in hot.tensors.items() if mx.issubdtype(t.dtype, mx.floating)]
+    assert floating and all(hot.tensors[n].dtype == mx.bfloat16 for n in floating)  # the "GPU" keeps bf16
+    assert all(warm.arrays[n].dtype == mx.float32 for n in floating)
+    assert warm.slot_nbytes == 1.2 * hot.slot_nbytes  # 4-bit, group 32: scales + biases double, 0.625 -> 0.75 B/w
+    # 3 hot slots' bytes per layer hold 2.5 warm slots: 2 (by the hot bytes it would be 3)
+    assert cache.warm_slots == (2,) * len(cache.layers)
+    assert cache.warm_resident_bytes == 2 * len(cache.layers) * warm.slot_nbytes <= cache.warm_budget_bytes
+    mlx_model, _ = _bf16_two_tier(tiny_moe_bf16, 3, "mlx")
+    mlx_warm = mlx_model.expert_cache.tier_layers[0].warm
+    assert all(mlx_warm.arrays[n].dtype == mx.bfloat16 for n in floating)
+    assert mlx_model.expert_cache.warm_slots == (3,) * len(cache.layers)
+
+
+def test_cpu_kernel_gets_float32_and_the_same_outputs(tiny_moe_bf16, monkeypatch):
+    """No per-call conversion: every stacked array the CPU kernel reads from a warm pool is
+    already float32 (or packed ints); the outputs equal those of the kernel reading the
+    same experts from a bf16 pool (which converts on each call)."""
+    from mlx_tier import cpu_kernel
+
+    model, tokenizer = _bf16_two_tier(tiny_moe_bf16, 7 * 1.2, "cpu")
+    x = mx.array(tokenizer.encode(LONG))[None]
+    model(x)  # fills the pools
+    seen = []
+    real_host = cpu_kernel._host
+    def spy(a, float32=True):
+        if a.ndim == 3:  # a stacked [S, O, ...] array (activations are [T, D], in the model's bf16)
+            seen.append(a.dtype)
+        return real_host(a, float32)
+
+    monkeypatch.setattr(cpu_kernel, "_host", spy)
+    mx.eval(model(x[:, :5]))
+    assert model.expert_cache.stats.warm_hits > 0
+    assert seen.count(mx.float32) > 0 and set(seen) <= {mx.float32, mx.uint32}
+    layer = model.expert_cache.tier_layers[0]
+    block = model.layers[0].block_sparse_moe.switch_mlp._inner
+    W = layer.index.W
+    xs = mx.random.normal((W, model.args.hidden_size), key=mx.random.key(3)).astype(mx.bfloat16)
+    slots = np.arange(W)
+    got = layer.warm.compute(block, xs, slots)
+    f32 = dict(layer.warm.arrays)
+    layer.warm.arrays = {n: a.astype(layer.warm.tensors[n].dtype) for n, a in f32.items()}  # a bf16 pool
+    want = layer.warm.compute(block, xs, slots)
+    layer.warm.arrays = f32
+    assert got.dtype == want.dtype == mx.bfloat16 and mx.array_equal(got, want).item()
+
+
+def test_device_placement_of_the_warm_tier(tiny_moe, monkeypatch):
+    """What a CUDA machine needs and the CPU backend cannot show by itself: each round's warm
+    rows are taken to the CPU before the hot share is started (a CPU read of GPU memory
+    synchronises the device on CUDA), and every write to a warm pool runs on the warm
+    tier's CPU stream (a GPU write would move the pool out of host memory)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_tier.two_tier import TwoTierLayer
+    from mlx_tier.warm import WarmPool
+
+    model, tokenizer = load_two_tier(tiny_moe, 1, 3, NEVER_COPY)
+    ws = model.expert_cache.tier_layers[0].warm.stream
+    events, writes = [], []
+    real_rows, real_call, real_write, real_stream = WarmPool.rows, SwitchGLU.__call__, TwoTierLayer._write, mx.stream
+    monkeypatch.setattr(WarmPool, "rows", lambda self, x, r: events.append("rows") or real_rows(self, x, r))
+
+    def call(self, x, idx):  # the block: on the warm stream for the warm share, else the hot share
+        events.append("warm" if mx.default_stream(mx.cpu) == ws else "hot")
+        return real_call(self, x, idx)
+
+    def write(self, name, tier, slot, rows):
+        writes.append([tier])
+        return real_write(self, name, tier, slot, rows)
+
+    def stream(s):
+        if writes and len(writes[-1]) == 1:
+            writes[-1].append(s)  # the stream the write entered
+        return real_stream(s)
+
+    monkeypatch.setattr(SwitchGLU, "__call__", call)
+    monkeypatch.setattr(TwoTierLayer, "_write", write)
+    monkeypatch.setattr(mx, "stream", stream)
+    mx.eval(model(mx.array(tokenizer.encode(LONG))[None]))
+    mixed = [i for i in range(1, len(events) - 1) if events[i : i + 2] == ["hot", "warm"]]
+    assert mixed and all(events[i - 1] == "rows" for i in mixed)
+    assert {tier for tier, _ in writes} == {"hot", "warm"}
+    assert all((s == ws) == (tier == "warm") for tier, s in writes)
+
+
+class _FakeCudaMLX:
+    """``mlx.core`` as a CUDA machine reports it, with a settable memory limit."""
+
+    def __init__(self, limit, cuda=True):
+        self.metal = SimpleNamespace(is_available=lambda: False)
+        self.cuda = SimpleNamespace(is_available=lambda: cuda)
+        self.limit, self.set_calls = limit, 0
+
+    def get_memory_limit(self):
+        return self.limit
+
+    def set_memory_limit(self, n):
+        self.limit, self.set_calls = n, self.set_calls + 1
+        return n
+
+
+def test_mlx_memory_limit_widened_by_the_warm_pools_on_cuda():
+    """MLX's CUDA limit (a fraction of GPU memory) counts host-resident warm pools too; above it
+    every evaluation waits for work in flight. The limit becomes its earlier value plus the
+    pools' bytes, is never lowered, does not grow with repeated loads, and elsewhere is left alone."""
+    from mlx_tier.tier_budgets import widen_memory_limit
+
+    gib = 2**30
+    api = _FakeCudaMLX(limit=72 * gib)
+    assert widen_memory_limit(100 * gib, api) == 172 * gib == api.limit
+    assert widen_memory_limit(100 * gib, api) == 172 * gib and api.set_calls == 1  # a second load: no growth
+    assert widen_memory_limit(120 * gib, api) == 192 * gib == api.limit  # a bigger pool: 72 + 120
+    assert widen_memory_limit(10 * gib, api) == 192 * gib == api.limit  # never lowered
+    fresh = _FakeCudaMLX(limit=72 * gib)
+    assert widen_memory_limit(0, fresh) == 72 * gib and fresh.set_calls == 0
+    cpu = _FakeCudaMLX(5, cuda=False)
+    assert widen_memory_limit(100 * gib, cpu) is None and cpu.limit == 5
+    if tier_budgets.backend_of() != "cuda":  # this machine without a GPU: untouched
+        assert widen_memory_limit(gib) is None

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from mlx_tier.simulate import zipf_trace
 from mlx_tier.simulate_tiers import simulate_two_tier
+from mlx_tier import tier_plan
 from mlx_tier.tier_plan import three_tier_split
 from mlx_tier.trace import save as save_trace
 
@@ -21,22 +22,24 @@ runner = CliRunner()
 
 
 def fake_plan(**kw):
-    base = dict(dense_bytes=100 * MIB, kv_bytes=28 * MIB, moe_layers=2, expert_bytes_disk=int(1.5 * MIB),
-                experts_per_layer=8, memory_available=64 * MIB)
+    base = dict(dense_bytes=100 * MIB, kv_bytes=8 * MIB, moe_layers=2, expert_bytes_disk=int(1.5 * MIB),
+                expert_bytes_warm=2 * MIB, experts_per_layer=8, memory_available=64 * MIB, memory_total=128 * MIB)
     return SimpleNamespace(**{**base, **kw})
 
 
 def test_three_tier_split_arithmetic():
-    # GPU 144 MiB - dense 100 - KV 28 = 16 MiB hot; a slot row is 2 layers x 1.5 MiB = 3 MiB -> 5 hot;
-    # host 7 MiB -> 2 warm; 8 - 5 - 2 = 1 cold.
-    s = three_tier_split(fake_plan(), gpu_gb=144 / 1024, host_gb=7 / 1024)
-    assert (s.hot_budget, s.hot_slots, s.warm_slots, s.cold_experts) == (16 * MIB, 5, 2, 1)
-    # Default host budget: half of the available 64 MiB = 32 MiB -> 10 rows, capped at the 3 non-hot experts.
-    s = three_tier_split(fake_plan(), gpu_gb=144 / 1024)
-    assert (s.host_budget, s.hot_slots, s.warm_slots, s.cold_experts) == (32 * MIB, 5, 3, 0)
+    # GPU 120 MiB - dense 100 = 20 MiB free -> hot half of it, 10 MiB (as a run); a hot row is 2 layers x
+    # 1.5 MiB = 3 MiB -> 3 hot; 10 MiB left for KV and activations. Warm rows are 2 x 2 MiB (float32
+    # scales): host 9 MiB -> 2 warm (3 by the hot bytes); 8 - 3 - 2 = 3 cold.
+    s = three_tier_split(fake_plan(), gpu_gb=120 / 1024, host_gb=9 / 1024)
+    assert (s.device_free, s.hot_budget, s.gpu_left) == (20 * MIB, 10 * MIB, 10 * MIB)
+    assert (s.hot_slots, s.warm_slots, s.cold_experts) == (3, 2, 3)
+    # Default host budget: half of the available 64 MiB = 32 MiB -> 8 rows, capped at the 5 non-hot experts.
+    s = three_tier_split(fake_plan(), gpu_gb=120 / 1024)
+    assert (s.host_budget, s.hot_slots, s.warm_slots, s.cold_experts) == (32 * MIB, 3, 5, 0)
     # A GPU smaller than the dense part: nothing hot, everything the host holds warm, the rest cold.
     s = three_tier_split(fake_plan(), gpu_gb=0.05, host_gb=12 / 1024)
-    assert (s.hot_budget, s.hot_slots, s.warm_slots, s.cold_experts) == (0, 0, 4, 4)
+    assert (s.device_free, s.hot_budget, s.hot_slots, s.warm_slots, s.cold_experts) == (0, 0, 0, 3, 5)
     with pytest.raises(ValueError, match="gpu_gb must be a positive"):
         three_tier_split(fake_plan(), gpu_gb=0)
 
@@ -48,11 +51,40 @@ def test_plan_cli_three_tiers(tiny_moe):
     data = json.loads(r.output)
     tiers = data["tiers"]
     assert tiers["hot_slots"] + tiers["warm_slots"] + tiers["cold_experts"] == data["experts_per_layer"]
-    assert tiers["hot_budget"] == int(0.5 * 2**30) - data["dense_bytes"] - data["kv_bytes"]
+    assert tiers["device_free"] == int(0.5 * 2**30) - data["dense_bytes"]
+    assert tiers["hot_budget"] == tiers["device_free"] // 2
     r = runner.invoke(app, ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1", "--gpu-gb", "0.5"])
     assert r.exit_code == 0 and "GPU hot tier" in r.output and "SSD cold tier" in r.output
+    assert "GPU free after the dense part" in r.output and "(assumed: 0.5 GiB - dense)" in r.output
     r = runner.invoke(app, ["plan", str(tiny_moe), "--gpu-gb", "-1"])
     assert r.exit_code == 2 and "--gpu-gb must be positive" in r.output
+
+
+@pytest.mark.parametrize("hot_rows,warm_rows", [(3.5, 2.5), (1.2, 9.0)])
+def test_plan_split_equals_what_a_run_chooses(tiny_moe_bf16, monkeypatch, hot_rows, warm_rows):
+    """`plan --gpu-gb` and a run on CUDA with the same memory figures choose the same hot and
+    warm slots: the run here is `load` with the probe reporting the plan's assumed memory,
+    the checkpoint's bf16 kept (as on a GPU) and the job runner's default kernel (auto)."""
+    from mlx_tier import TierConfig, load, tier_budgets, tiered
+    from mlx_tier.plan import make_plan
+
+    p = make_plan(tiny_moe_bf16, memory_gb=1, disk_gbps=1, compute_gbps=1)
+    L, E = p.moe_layers, p.experts_per_layer
+    assert p.expert_bytes_warm > p.expert_bytes_disk  # bf16 scales become float32 in the warm tier
+    gpu_gb = (p.dense_bytes + 2 * hot_rows * L * p.expert_bytes_disk) / 2**30  # hot = half of the free rest
+    mem_gb = 2 * warm_rows * L * p.expert_bytes_warm / 2**30
+    p = make_plan(tiny_moe_bf16, memory_gb=mem_gb, disk_gbps=1, compute_gbps=1)
+    split = three_tier_split(p, gpu_gb)
+    assert (split.hot_slots, split.warm_slots) == (int(hot_rows), min(E - int(hot_rows), int(warm_rows)))
+    monkeypatch.setattr(tier_budgets, "probe", lambda api=None: tier_plan.assumed_memory(p, gpu_gb))
+    monkeypatch.setattr(tier_budgets, "backend_of", lambda api=None: "cuda")
+    monkeypatch.setattr(tiered, "default_compute_dtype", lambda: None)  # a GPU keeps the checkpoint's dtype
+    model, _ = load(tiny_moe_bf16, config=TierConfig(kernel="auto"))
+    cache = model.expert_cache
+    assert cache.slots_per_layer == split.hot_slots and cache.warm_slots == (split.warm_slots,) * L
+    assert (cache.budget_bytes, cache.warm_budget_bytes) == (split.hot_budget, split.host_budget)
+    assert cache.layers[0].slot_nbytes == split.expert_bytes
+    assert cache.tier_layers[0].warm.slot_nbytes == split.warm_expert_bytes
 
 
 def test_trace_sim_warm_slots(tmp_path):
