@@ -39,6 +39,7 @@ from .journal import (
     write_atomic,
 )
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API (benches, tests)
+from .messages import terminal_width, with_command, wrap_words
 from .outdir import check_out_dir
 from .process import DEFAULT_NICE, keep_awake, lower_priority
 from .report import (  # noqa: F401 - backend_name, machine_info: importable from here (benches)
@@ -657,12 +658,10 @@ def _run_pending(docs: Iterator, longest_chars: int, results, config: JobConfig,
     context = min(loaded.context, g.context or loaded.context)
     notice = ("stopping: summaries being written are finished, documents still being read are left for "
               "the next run (interrupt again to stop at once)")
-    resume = f" Resume with: {config.command}" if config.command else ""
 
     def abort(signum: int) -> None:  # from the watchdog thread, just before the process ends
         reporter.close()
-        os.write(2, f"\nstopped at once ({signal.Signals(signum).name}); finished summaries are kept.{resume}\n"
-                 .encode())
+        os.write(2, f"\n{hard_stop_message(signum, config.command, terminal_width(2))}\n".encode())
 
     if config.trace is not None:
         loaded.cache.start_trace(source=str(loaded.model_dir))
@@ -677,6 +676,16 @@ def _run_pending(docs: Iterator, longest_chars: int, results, config: JobConfig,
     finally:
         if config.trace is not None:
             _save_trace(loaded.cache, config.trace, reporter)
+
+
+def hard_stop_message(signum: int, command: str | None, width: int) -> str:
+    """What a second SIGINT/SIGTERM prints as the process ends at once: the prose
+    word-wrapped to ``width`` columns, then the resume command alone on its line
+    (:func:`mlx_tier.messages.with_command`)."""
+    prose = f"stopped at once ({signal.Signals(signum).name}); finished summaries are kept."
+    if not command:
+        return wrap_words(prose, width)
+    return with_command(f"{prose} Resume with:", command, width)
 
 
 def _save_trace(cache, path: Path, reporter: Reporter) -> None:
