@@ -131,9 +131,11 @@ def progress_line(done: int, total: int, elapsed: float, eta: float | None, acti
     time, what is being read or written (the document name cut to what fits) and the rates,
     which are dropped first when the line is too narrow.
 
-    ``activity`` is a :class:`mlx_tier.jobs.Activity` or ``None`` (nothing started yet).
+    ``activity`` is a :class:`mlx_tier.jobs.Activity` or ``None`` (nothing started yet);
+    ``eta`` ``None`` reads "estimating" (no rate measured yet).
     """
-    head = f"{done}/{total} done{f', {failed} failed' if failed else ''}  ETA {format_duration(eta)}  {format_duration(elapsed)}"
+    left = format_duration(eta) if eta is not None else "estimating"
+    head = f"{done}/{total} done{f', {failed} failed' if failed else ''}  ETA {left}  {format_duration(elapsed)}"
     if activity is None:
         return _clip(head, width)
     if activity.reading is not None:
@@ -169,8 +171,8 @@ class RichReporter:
 
     def __init__(self) -> None:
         self.live = None
-        self.activity = None
-        self.total = self.done = self.failed = self.finished_now = 0
+        self.activity, self.activity_at = None, 0.0
+        self.total = self.done = self.failed = 0
         self.t0 = self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
@@ -189,24 +191,26 @@ class RichReporter:
         self.live.start()
 
     def eta(self) -> float | None:
-        """Seconds left at this run's pace (``None`` until a document finishes)."""
-        if not self.finished_now:
+        """Seconds left: the runner's estimate (:mod:`mlx_tier.eta`, from tokens left and the
+        rates measured) less the time since it came; ``None`` while it is estimating."""
+        if self.done + self.failed >= self.total:
+            return 0.0
+        if self.activity is None or self.activity.eta_seconds is None:
             return None
-        return (time.monotonic() - self.t0) / self.finished_now * (self.total - self.done - self.failed)
+        return max(self.activity.eta_seconds - (time.monotonic() - self.activity_at), 0.0)
 
     def line(self, width: int) -> str:
         return progress_line(self.done, self.total, time.monotonic() - self.t0, self.eta(), self.activity, width,
                              self.failed)
 
     def working(self, activity) -> None:
-        self.activity = activity
         now = time.monotonic()
+        self.activity, self.activity_at = activity, now
         if self.live is None and now - self.last_line >= HEARTBEAT_SECONDS:  # a log: a line now and then
             self.last_line = now
             err.print(self.line(200), highlight=False, soft_wrap=True, markup=False)
 
     def finished(self, result, cache: dict) -> None:
-        self.finished_now += 1
         if result.status == "failed":
             self.failed += 1
             err.print(f"[red]failed[/] {escape(result.id)}: {escape(as_flags(str(result.error)))}", highlight=False,
