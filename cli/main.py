@@ -608,7 +608,7 @@ def status(
     for label, text in in_flight_rows(s.progress if s.running else None):
         t.add_row(label, Text(text))
     eta = (format_duration(s.eta_seconds) if s.eta_seconds is not None
-           else "estimating (no prompt read or token written yet)" if s.running else "not running")
+           else "estimating (until a prompt step and a decode step are measured)" if s.running else "not running")
     t.add_row("ETA", eta)
     for doc_id, error in s.failures[:5]:
         t.add_row(f"failed: {doc_id}", Text(as_flags(error)))
