@@ -669,6 +669,9 @@ def _run_pending(docs: Iterator, sizes: dict[str, int], results, config: JobConf
     notice = ("stopping: summaries being written are finished, documents still being read are left for "
               "the next run (interrupt again to stop at once)")
 
+    def stopping() -> None:  # the Ctrl-C notice, word-wrapped now (runner messages are soft-wrapped)
+        reporter.message(wrap_words(notice, terminal_width(2)))
+
     def abort(signum: int) -> None:  # from the watchdog thread, just before the process ends
         reporter.close()
         os.write(2, f"\n{hard_stop_message(signum, config.command, terminal_width(2))}\n".encode())
@@ -676,7 +679,7 @@ def _run_pending(docs: Iterator, sizes: dict[str, int], results, config: JobConf
     if config.trace is not None:
         loaded.cache.start_trace(source=str(loaded.model_dir))
     try:
-        with StopFlag(lambda: reporter.message(notice), abort) as stop, keep_awake(), model_memory_controls(
+        with StopFlag(stopping, abort) as stop, keep_awake(), model_memory_controls(
                 loaded.model, context, g.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
             report.setup["memory"] = memory
             report.throttle = _summarise_all(docs, sizes, results, config, loaded, journal, reporter,

@@ -73,6 +73,10 @@ def test_first_signal_stops_at_the_next_step_while_a_long_prompt_is_read(tmp_pat
     code, output, seconds = finish(proc)
     assert code == 130, output
     assert "stopping:" in output and command_after(output, "Resume with:").startswith("mlx-tier run ")
+    lines = output.splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("stopping:"))
+    last = next(i for i in range(first, len(lines)) if lines[i].endswith("stop at once)"))
+    assert all(len(x) <= 80 for x in lines[first:last + 1]), lines[first:last + 1]  # wrapped between words
     assert seconds < 15
     report = json.loads((out / "report.json").read_text())
     assert report["totals"]["pending"] >= 1  # the document being read is left for the next run
