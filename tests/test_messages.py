@@ -116,7 +116,7 @@ def test_ranks_ending_early_give_the_resume_command_on_its_own_line(tmp_path, mo
 
     monkeypatch.setattr(mlx_tier.distributed, "run_distributed",
                         lambda config, launch, reporter: finished_report(False, stop_signal, pending))
-    args, command = run_args(tmp_path)
+    args, _ = run_args(tmp_path)
     r = runner.invoke(app, [*args, "--ranks", "2"])
     assert r.exit_code == code, r.output
     assert_prose_then_command(r.output, label, shlex.join(["mlx-tier", *args, "--ranks", "2"]), prose_start)
