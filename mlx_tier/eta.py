@@ -26,6 +26,10 @@ timed with rates measured in this run:
 - both scaled by the run's wall time over its step time (conversions,
   throttle pauses, the rest of the loop).
 
+Not foreseen: a long document summarised in parts counts as the part being
+read or written (its later parts add work when they start), and a rank of a
+job over several ranks counts every pending document, not only its share.
+
 :class:`EtaTracker` is plain state fed by the runner with a clock passed in,
 so it is tested with scripted step sequences; it is ``None`` ("estimating")
 until a prompt step and a decode step have been measured.
