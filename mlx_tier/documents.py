@@ -348,7 +348,7 @@ def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
         raise InputError(f"{path}: no documents (empty JSONL file)")
     ids = assign([value for _, _, value, _ in records], previous=previous)
     return [
-        Document(doc_id, f"{path}:{n}", text if text.strip() else None, None if text.strip() else "empty document",
+        Document(doc_id, f"{path}:{n}", text if text.strip() else None, None if text.strip() else "empty text",
                  (name, value), name=value)
         for doc_id, (n, name, value, text) in zip(ids, records)
     ]

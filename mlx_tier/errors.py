@@ -12,11 +12,14 @@ from __future__ import annotations
 
 
 class MlxTierError(ValueError):
-    """Base class. ``field``: the setting at fault, if one is (else ``None``)."""
+    """Base class. ``field``: the setting at fault, if one is (else ``None``).
+    ``command``: a shell command that fixes it (``pip install ...``), if one does:
+    ``str(e)`` is the message followed by it; the CLI prints ``prose`` (the message
+    alone) and then the command on a line of its own, to copy."""
 
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
+    def __init__(self, message: str, field: str | None = None, command: str | None = None):
+        super().__init__(f"{message} {command}" if command else message)
+        self.field, self.command, self.prose = field, command, message
 
 
 class ConfigError(MlxTierError):

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from .journal import Journal, read_nofollow
-from .status import read_status
+from .status import describe_state, read_status
 
 REPORT = "report.json"  # the same name as mlx_tier.jobs.REPORT (kept here so the page needs no MLX)
 SUMMARY_CHARS = 20_000  # longest summary text shown in place (a summary is a few sentences)
@@ -180,6 +180,8 @@ def build_view(out_dir: Path, now: float | None = None) -> dict:
     return {
         "out_dir": str(out_dir),
         "status": status.as_dict(),
+        "state_text": describe_state(status, now),
+        "resume_command": status.command if not status.running and (status.pending or status.todo_left) else None,
         "retry_command": retry_command(status.command) if status.failed else None,
         "samples": samples(entries),
         "thermal": [r for r in entries if r.get("event") == "thermal"],

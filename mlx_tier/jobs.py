@@ -29,6 +29,7 @@ from .checkpoint import context_length
 from .defaults import JOB_KERNEL
 from .documents import discover, discover_list, size_hint
 from .errors import InputError, JobError
+from .eta import EtaTracker
 from .job_view import progress_sample
 from .jobdir import JobDir, lock_out_dir  # noqa: F401 - lock_out_dir: importable from here (tests)
 from .journal import (
@@ -39,6 +40,7 @@ from .journal import (
     write_atomic,
 )
 from .longdoc import build_prompt, trim_to_sentence  # noqa: F401 - part of this module's API (benches, tests)
+from .messages import terminal_width, with_command, wrap_words
 from .outdir import check_out_dir
 from .process import DEFAULT_NICE, keep_awake, lower_priority
 from .report import (  # noqa: F401 - backend_name, machine_info: importable from here (benches)
@@ -163,6 +165,8 @@ class Activity:
         decode_tok_s: generated tokens per second over recent decode steps (all documents).
         prompt_tok_s: prompt tokens read per second over recent steps.
         hit_rate: expert cache hit rate of this run so far, in [0, 1].
+        eta_seconds: seconds this run has left (:class:`mlx_tier.eta.EtaTracker`), ``None``
+            while still estimating (no prompt step or decode step measured yet).
     """
 
     in_flight: list[str]
@@ -171,11 +175,13 @@ class Activity:
     decode_tok_s: float
     prompt_tok_s: float
     hit_rate: float
+    eta_seconds: float | None = None
 
     def as_dict(self) -> dict:
         return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
                 "writing": [list(w) for w in self.writing], "decode_tok_s": round(self.decode_tok_s, 3),
-                "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4)}
+                "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4),
+                "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None}
 
 
 class Reporter:
@@ -278,14 +284,15 @@ class _Loaded:
         return self.model.expert_cache
 
 
-def _summarise_all(docs: Iterator, longest_chars: int, results: dict, config: JobConfig, loaded: _Loaded,
+def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config: JobConfig, loaded: _Loaded,
                    journal: Journal, reporter: Reporter, stopping, setup: dict) -> dict:
     """Generate every document ``docs`` yields (batched, throttled), writing and journalling each
-    as it finishes; fills ``results``. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
+    as it finishes; fills ``results``. ``sizes``: characters of each pending document (0:
+    unknown), for the ETA. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
-                          longest_chars)
+                          max(sizes.values(), default=0))
     setup["generation"] = scheduler.info
     source = scheduler.info["batch_size_from"]
     reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
@@ -293,13 +300,16 @@ def _summarise_all(docs: Iterator, longest_chars: int, results: dict, config: Jo
     rate, prompt_rate = _Rate(), _Rate()
     progress = ProgressFile(config.out_dir)
     generated = [0]  # tokens generated this run, for the samples the watch page plots
+    eta = EtaTracker(sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic())
 
     def on_step(info, in_flight):
         rate.add(info.generated, info.decode_seconds)
         prompt_rate.add(info.prefill_tokens, info.prefill_seconds)
         generated[0] += info.generated
+        eta.step(info.prefill, info.generating, info.prefill_tokens, info.prefill_seconds, info.generated,
+                 info.decode_seconds)
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
-                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate)
+                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.eta(time.monotonic()))
         reporter.working(activity)
         progress.update(activity)
         seen = len(throttle.timeline)
@@ -313,6 +323,7 @@ def _summarise_all(docs: Iterator, longest_chars: int, results: dict, config: Jo
     for outcome in scheduler.run(docs, should_stop=stopping, on_step=on_step):
         res = results[outcome.id]
         _record(outcome, res, config.out_dir)
+        eta.finished(res.id, res.output_tokens if res.status == "done" else None)
         spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
         record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
         # Per-record increment: `mlx-tier status` adds them up.
@@ -614,20 +625,20 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
                          "for a plain rerun")
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
-        longest = _longest(pending)
-        _run_pending(_turns(pending, results, share), longest, results, config, loaded, journal, reporter, report)
+        _run_pending(_turns(pending, results, share), _sizes(pending), results, config, loaded, journal, reporter,
+                     report)
     return report, loaded
 
 
-def _longest(pending: list) -> int:
-    """Characters of the longest pending document, to size the batch
-    (:func:`mlx_tier.documents.size_hint`). Documents that need converting (PDF...)
+def _sizes(pending: list) -> dict[str, int]:
+    """Characters of each pending document (:func:`mlx_tier.documents.size_hint`), to size
+    the batch by the longest and for the ETA. Documents that need converting (PDF...)
     are sized by converting them, only those of the first batch (the conversion is
-    kept, not repeated); a later one that does not fit the memory left when it
-    starts is split into parts (:class:`~mlx_tier.scheduler.Scheduler`)."""
+    kept, not repeated), the others 0 (unknown); a later one that does not fit the
+    memory left when it starts is split into parts (:class:`~mlx_tier.scheduler.Scheduler`)."""
     from .generation import MAX_AUTO_BATCH
 
-    return max(size_hint(d, convert=i < MAX_AUTO_BATCH) for i, d in enumerate(pending))
+    return {d.id: size_hint(d, convert=i < MAX_AUTO_BATCH) for i, d in enumerate(pending)}
 
 
 def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig, t_wall: float,
@@ -647,7 +658,7 @@ def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig,
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
 
 
-def _run_pending(docs: Iterator, longest_chars: int, results, config: JobConfig, loaded: _Loaded, journal,
+def _run_pending(docs: Iterator, sizes: dict[str, int], results, config: JobConfig, loaded: _Loaded, journal,
                  reporter, report) -> None:
     """Generate ``docs`` under the stop flag (first signal: stop after the step; second: at once)."""
     from .generation import MAX_AUTO_BATCH
@@ -657,26 +668,37 @@ def _run_pending(docs: Iterator, longest_chars: int, results, config: JobConfig,
     context = min(loaded.context, g.context or loaded.context)
     notice = ("stopping: summaries being written are finished, documents still being read are left for "
               "the next run (interrupt again to stop at once)")
-    resume = f" Resume with: {config.command}" if config.command else ""
+
+    def stopping() -> None:  # the Ctrl-C notice, word-wrapped now (runner messages are soft-wrapped)
+        reporter.message(wrap_words(notice, terminal_width(2)))
 
     def abort(signum: int) -> None:  # from the watchdog thread, just before the process ends
         reporter.close()
-        os.write(2, f"\nstopped at once ({signal.Signals(signum).name}); finished summaries are kept.{resume}\n"
-                 .encode())
+        os.write(2, f"\n{hard_stop_message(signum, config.command, terminal_width(2))}\n".encode())
 
     if config.trace is not None:
         loaded.cache.start_trace(source=str(loaded.model_dir))
     try:
-        with StopFlag(lambda: reporter.message(notice), abort) as stop, keep_awake(), model_memory_controls(
+        with StopFlag(stopping, abort) as stop, keep_awake(), model_memory_controls(
                 loaded.model, context, g.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
             report.setup["memory"] = memory
-            report.throttle = _summarise_all(docs, longest_chars, results, config, loaded, journal, reporter,
+            report.throttle = _summarise_all(docs, sizes, results, config, loaded, journal, reporter,
                                              lambda: stop.signal is not None, report.setup)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
             report.stop_signal = stop.signal
     finally:
         if config.trace is not None:
             _save_trace(loaded.cache, config.trace, reporter)
+
+
+def hard_stop_message(signum: int, command: str | None, width: int) -> str:
+    """What a second SIGINT/SIGTERM prints as the process ends at once: the prose
+    word-wrapped to ``width`` columns, then the resume command alone on its line
+    (:func:`mlx_tier.messages.with_command`)."""
+    prose = f"stopped at once ({signal.Signals(signum).name}); finished summaries are kept."
+    if not command:
+        return wrap_words(prose, width)
+    return with_command(f"{prose} Resume with:", command, width)
 
 
 def _save_trace(cache, path: Path, reporter: Reporter) -> None:

@@ -74,15 +74,16 @@ def numbers_section(view: dict) -> str:
     """Done / failed / pending, ETA, rates: each number in ``<dd id="n-KEY">``."""
     s = view["status"]
     unknown = "?"
-    state = (f"running (pid {s['pid']})" if s["running"]
-             else "finished" if s.get("pending") == 0 else "not running")
+    state = f"running (pid {s['pid']})" if s["running"] else s["state"]
+    eta = (fmt_seconds(s["eta_seconds"]) if s["eta_seconds"] is not None else "estimating") if s["running"] \
+        else "not running"
     items = [
         ("state", "State", state),
         ("total", "Documents", unknown if s["total"] is None else str(s["total"])),
         ("done", "Done", str(s["done"])),
         ("failed", "Failed", str(s["failed"])),
         ("pending", "Pending", unknown if s["pending"] is None else str(s["pending"])),
-        ("eta", "ETA", fmt_seconds(s["eta_seconds"]) if s["running"] else "not running"),
+        ("eta", "ETA", eta),
         ("docs-per-hour", "Documents / hour", f"{s['documents_per_hour']:.1f}"),
         ("tok-s", "Output tok/s (wall)", f"{s['output_tok_per_s']:.2f}"),
         ("throttled", "Throttled or paused", fmt_seconds(s["throttled_seconds"])),
@@ -90,7 +91,12 @@ def numbers_section(view: dict) -> str:
     cells = "".join(_number(*item) for item in items)
     note = ("This run's rates: documents finished per wall-clock hour and output tokens per second, "
             "prompt reading and throttle pauses included.")
-    return f'<section id="progress"><h2>Progress</h2><dl class="numbers">{cells}</dl><p class="note">{note}</p></section>'
+    resume = ""
+    if view.get("resume_command"):  # not running, documents left: how to go on
+        resume = (f'<p id="state-note">{_e(view["state_text"])}. Resume with:</p>'
+                  f'<pre id="resume-command">{_e(view["resume_command"])}</pre>')
+    return (f'<section id="progress"><h2>Progress</h2><dl class="numbers">{cells}</dl><p class="note">{note}</p>'
+            f'{resume}</section>')
 
 
 def _chart(title: str, y_title: str, series: list[tuple[str, list, dict]], caption: str, key: str,

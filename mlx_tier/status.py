@@ -210,12 +210,63 @@ def _pid_alive(out_dir: Path) -> bool:
     return pid is not None and psutil.pid_exists(pid)
 
 
+RUNNING, INTERRUPTED, STOPPED, FINISHED = "running", "interrupted", "stopped", "finished"
+
+
+def job_state(running: bool, progress_left: bool, pending: int | None) -> str:
+    """The job's state in one word, from its files.
+
+    Args:
+        running: a process holds the folder's lock.
+        progress_left: ``progress.json`` exists. A run removes it when its
+            generation loop ends, so one left behind while no process holds the
+            lock was written by a run that ended mid-work: a second Ctrl-C
+            (stop at once), a kill or a crash.
+        pending: documents of the job neither done nor failed (``None``: unknown).
+
+    Returns:
+        ``"running"``; ``"interrupted"`` (ended mid-work, see above);
+        ``"stopped"`` (ended cleanly with documents left: a first Ctrl-C, or
+        a rerun still to do); ``"finished"`` (nothing pending).
+    """
+    if running:
+        return RUNNING
+    if progress_left:
+        return INTERRUPTED
+    return FINISHED if pending == 0 else STOPPED
+
+
+def _clock(t: float, now: float) -> str:
+    """Local time of day, with the date when not today."""
+    same_day = time.localtime(t)[:3] == time.localtime(now)[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M", time.localtime(t))
+
+
+def describe_state(status: JobStatus, now: float | None = None) -> str:
+    """``status.state`` in plain words for ``mlx-tier status`` and the job page, e.g.
+    ``"interrupted at 17:57:52: its process ended mid-run (a second Ctrl-C, a kill or a
+    crash); 7 documents left"``."""
+    now = time.time() if now is None else now
+    left = f"{status.pending} document(s) left" if status.pending is not None else "documents left"
+    if status.state == RUNNING:
+        return f"running (pid {status.pid})"
+    if status.state == INTERRUPTED:
+        when = f" at {_clock(status.stopped_at, now)}" if status.stopped_at is not None else ""
+        return f"interrupted{when}: its process ended mid-run (a second Ctrl-C, a kill or a crash); {left}"
+    if status.state == STOPPED:
+        return f"stopped, not running; {left}"
+    return "finished, not running"
+
+
 @dataclass(frozen=True)
 class JobStatus:
     """A job's progress, from its files.
 
     Attributes:
         running: a run holds the folder's lock now.
+        state: :func:`job_state`: ``running``, ``interrupted``, ``stopped`` or ``finished``.
+        stopped_at: Unix seconds an interrupted run was last seen working (its
+            ``progress.json``); ``None`` otherwise.
         pid: the (last) run's process id.
         total: documents in the job (``None``: no ``start`` record, an older run).
         done, failed: documents whose latest journal record says so.
@@ -227,13 +278,18 @@ class JobStatus:
         thermal: the (last) run's throttle state changes, ``{"t", "thermal", "mode",
             "duty", "reason", "time"}`` records, oldest first.
         started: Unix seconds the (last) run started generating.
-        elapsed_seconds: from ``started`` to now (running) or to its last record.
+        elapsed_seconds: from ``started`` to now (running), to when it was last
+            seen working (interrupted) or to its last record.
         finished_this_run: documents finished or failed since ``started``.
-        eta_seconds: ``todo_left`` at this run's wall-clock rate; ``None``
-            when not running or nothing finished yet.
+        eta_seconds: while running, the run's own estimate in ``progress.json``
+            (:mod:`mlx_tier.eta`, from tokens left and rates measured) less the
+            snapshot's age; without one (a run of an older version), ``todo_left``
+            at this run's wall-clock rate; ``None`` when not running or not
+            measured yet.
         command: the command that resumes the job (from the ``start`` record).
         failures: ``(id, error)`` of failed documents.
-        progress: while running, ``progress.json``: ``in_flight`` ids, ``reading``
+        progress: while running (and, for an interrupted run, as it was last
+            written), ``progress.json``: ``in_flight`` ids, ``reading``
             ``[id, prompt tokens read, prompt length]`` or ``None``, ``writing``
             ``[[id, tokens so far], ...]``, ``decode_tok_s``, ``prompt_tok_s``,
             ``hit_rate``, ``time`` (Unix seconds it was written).
@@ -242,6 +298,8 @@ class JobStatus:
 
     out_dir: Path
     running: bool
+    state: str
+    stopped_at: float | None
     pid: int | None
     total: int | None
     done: int
@@ -280,24 +338,35 @@ class JobStatus:
                     "documents_per_hour": round(self.documents_per_hour, 3)}
 
 
-def _run_timing(this_run: list[dict], info: JobInfo | None, running: bool, now: float):
+def _run_timing(this_run: list[dict], info: JobInfo | None, running: bool, now: float,
+                progress: dict | None):
     """``(elapsed seconds, documents of its list left, ETA seconds or None)`` of the last run,
-    from its finished or failed records ``this_run``."""
+    from its finished or failed records ``this_run`` and its last ``progress`` snapshot."""
     started = info.started if info is not None else None
+    seen = _number(progress, "time")  # when the run last reported its work
     if started is None:
         elapsed = 0.0
     elif running:
         elapsed = max(now - started, 0.0)
     else:
-        elapsed = max((max(r["time"] for r in this_run) if this_run else started) - started, 0.0)
+        last = max([r["time"] for r in this_run] + [seen or started, started])
+        elapsed = max(last - started, 0.0)
     todo_left = None
     if info is not None:
         finished_ids = {r["id"] for r in this_run}
         todo_left = sum(i not in finished_ids for i in info.todo)
     eta = None
-    if running and this_run and elapsed > 0 and todo_left is not None:
+    if running and progress is not None and "eta_seconds" in progress:  # the run's own estimate
+        left = _number(progress, "eta_seconds")
+        eta = max(left - max(now - (seen or now), 0.0), 0.0) if left is not None else None
+    elif running and this_run and elapsed > 0 and todo_left is not None:  # an older run: documents' pace
         eta = todo_left / (len(this_run) / elapsed)
     return elapsed, todo_left, eta
+
+
+def _number(d: dict | None, key: str) -> float | None:
+    value = (d or {}).get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
@@ -328,17 +397,22 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
     throttled = sum(r["throttled_seconds"] for r in entries if isinstance(r.get("throttled_seconds"), (int, float)))
 
     running = lock_held(out_dir)
+    progress = read_progress(out_dir)  # read after the lock probe: a run ending now removes it first
     started = info.started if info is not None else None
     this_run = [r for r in latest.values() if started is not None and r.get("time", 0) >= started and "status" in r]
-    elapsed, todo_left, eta = _run_timing(this_run, info, running, now)
+    elapsed, todo_left, eta = _run_timing(this_run, info, running, now, progress)
+    pending = len(ids) - len(done) - len(failures) if info is not None else None
+    state = job_state(running, progress is not None, pending)
     return JobStatus(
         out_dir=out_dir,
         running=running,
+        state=state,
+        stopped_at=_number(progress, "time") if state == INTERRUPTED else None,
         pid=read_pid(out_dir),
         total=len(ids) if info is not None else None,
         done=len(done),
         failed=len(failures),
-        pending=len(ids) - len(done) - len(failures) if info is not None else None,
+        pending=pending,
         todo_left=todo_left,
         output_tokens=sum(int(r.get("output_tokens", 0)) for r in done),
         run_output_tokens=sum(int(r.get("output_tokens", 0)) for r in this_run if r.get("status") == "done"),
@@ -350,6 +424,6 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
         eta_seconds=round(eta, 1) if eta is not None else None,
         command=info.command if info is not None else None,
         failures=failures,
-        progress=read_progress(out_dir) if running else None,
+        progress=progress if running or state == INTERRUPTED else None,
         warnings=list(journal.warnings.values()),
     )

@@ -123,3 +123,17 @@ def demo_model(session_cache) -> Path:
     from mlx_tier.demo_model import ensure_demo_model
 
     return ensure_demo_model()
+
+
+def command_after(output: str, label: str) -> str:
+    """The command a message gives after ``label`` (e.g. ``"Resume with:"``): the line
+    after the word-wrapped prose that ends with it (:func:`mlx_tier.messages.with_command`).
+
+    Raises:
+        AssertionError: no line ends the label.
+    """
+    lines = output.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if " ".join(" ".join(lines[: i + 1]).split()).endswith(label) and line.rstrip().endswith(label.split()[-1]):
+            return lines[i + 1]
+    raise AssertionError(f"no {label!r} followed by a command in:\n{output}")

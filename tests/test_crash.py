@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx_tier.cli.main as cli
 import pytest
-from conftest import make_mixtral
+from conftest import command_after, make_mixtral
 from mlx_tier.cli.main import app
 from typer.testing import CliRunner
 
@@ -71,7 +71,7 @@ def test_sigkill_mid_run_then_rerun(tmp_path, small_moe):
     args = ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "16", "--format", "jsonl"]
     r = runner.invoke(app, [*args, "--background"])
     assert r.exit_code == 0, r.output
-    assert f"watch it with: mlx-tier status {out}" in r.output
+    assert command_after(r.output, "watch it with:") == f"mlx-tier status {out}"
     pid = int((out / "run.pid").read_text())
 
     def wait_for(condition):
@@ -100,6 +100,9 @@ def test_sigkill_mid_run_then_rerun(tmp_path, small_moe):
     finished = {i: (out / f"{i}.md").stat().st_mtime_ns for i in done_lines(out)}
     assert 0 < len(finished) < len(ids), "the kill did not land mid-run"
     assert not read_status(out).running  # the lock died with the process
+    assert read_status(out).state == "interrupted"  # its progress file outlived it: not a clean stop
+    r = runner.invoke(app, ["status", str(out)])
+    assert "interrupted at" in r.output and command_after(r.output, "resume with:").startswith("mlx-tier run "), r.output
     half = out / f".{ids[-1]}.md.a1b2c3d4.tmp"  # as a kill inside write_atomic leaves it
     half.write_text("half a summ")
     os.utime(half, (0, time.time() - 3600))  # younger ones are spared: a `status --html` may be writing
@@ -135,7 +138,7 @@ def test_sigterm_exits_143_with_the_resume_command(tmp_path, small_moe, monkeypa
     r = runner.invoke(app, ["run", "-", "--out", str(out), "--model", str(small_moe), "--max-tokens", "4",
                             "--batch-size", "1"], input=stdin)
     assert r.exit_code == 143, r.output
-    resume = r.output.split("Resume with: ", 1)[1].splitlines()[0]
+    resume = command_after(r.output, "Resume with:")
     assert resume == (f"mlx-tier run - --out {out} --model {small_moe} --max-tokens 4 --batch-size 1 "
                       f"< {out / 'inputs.txt'}")
     assert len(done_lines(out)) == 1
@@ -143,7 +146,8 @@ def test_sigterm_exits_143_with_the_resume_command(tmp_path, small_moe, monkeypa
     command, stdin_file = resume.split(" < ")
     signals[:] = [signal.SIGTERM, signal.SIGTERM]  # a second one abandons the step at once
     r = runner.invoke(app, shlex.split(command)[1:], input=Path(stdin_file).read_text())
-    assert r.exit_code == 143 and f"terminated; finished summaries are kept. Resume with: {resume}" in r.output
+    assert r.exit_code == 143 and "terminated; finished summaries are kept. Resume with:" in r.output
+    assert command_after(r.output, "Resume with:") == resume
     assert len(done_lines(out)) == 2
 
     r = runner.invoke(app, shlex.split(command)[1:], input=Path(stdin_file).read_text())
@@ -226,6 +230,8 @@ def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch):
     out = tmp_path / "out"
     r = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), "--model", str(tmp_path / "docs")])
     assert r.exit_code == 143, r.output
-    assert f"terminated; finished summaries are kept. Resume with: mlx-tier run {tmp_path / 'docs'} --out {out}" in r.output
+    assert "terminated; finished summaries are kept. Resume with:" in r.output
+    assert command_after(r.output, "Resume with:") == (f"mlx-tier run {tmp_path / 'docs'} --out {out} "
+                                                       f"--model {tmp_path / 'docs'}")
     assert not out.exists()  # a run that never started leaves no folder
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is restored

@@ -37,11 +37,11 @@ def test_progress_line_fits_with_count_and_eta_first(width):
 
 def test_progress_line_cases():
     wide = progress_line(2, 7, 5.0, None, reading("gettysburg"), 120)
-    assert wide == "2/7 done  ETA ?  5s  reading gettysburg 312/1,204 prompt tokens  3.1 tok/s  hit 96%"
+    assert wide == "2/7 done  ETA estimating  5s  reading gettysburg 312/1,204 prompt tokens  3.1 tok/s  hit 96%"
     writing = Activity(["a", "b"], None, [("a", 12), ("b", 3)], 1.0, 0.0, 0.5)
     assert progress_line(0, 2, 3725.0, 60.0, writing, 80) == (
         "0/2 done  ETA 1m00s  1h02m  writing a +1 more, 12 tokens  1.0 tok/s  hit 50%")
-    assert progress_line(0, 2, 1.0, None, None, 80) == "0/2 done  ETA ?  1s"
+    assert progress_line(0, 2, 1.0, None, None, 80) == "0/2 done  ETA estimating  1s"
     assert len(progress_line(1, 2, 1.0, None, reading(), 30)) <= 30  # too narrow for any name: count first
 
 
@@ -182,3 +182,66 @@ def test_progress_line_counts_failures_apart_from_done():
     line = progress_line(1, 2, 30.0, None, None, 80, failed=1)
     assert line.startswith("1/2 done, 1 failed") and len(line) <= 80
     assert progress_line(2, 2, 30.0, None, None, 80).startswith("2/2 done  ETA")
+
+
+def _failure_messages(tmp_path) -> dict[str, str]:
+    """Each kind of per-document failure, with the message the code really gives where it
+    is cheap to provoke (converters, JSONL), else as the scheduler and runner word it."""
+    import json
+
+    from mlx_tier.converters import convert_file, decode_text
+    from mlx_tier.documents import discover
+
+    (tmp_path / "inside").mkdir()
+    (tmp_path / "outside.txt").write_text("secret")
+    (tmp_path / "inside" / "link.txt").symlink_to(tmp_path / "outside.txt")
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text(json.dumps({"id": "e", "text": ""}) + "\n")
+    return {
+        "empty file": decode_text(b"  \n").error,
+        "empty text": discover(jsonl)[0].error,
+        "binary file": decode_text(bytes(range(256)) * 8).error,
+        "bad text": decode_text(b"\xff\xfe" + b"\x00\xd8").error,
+        "unreadable": convert_file(tmp_path / "missing.txt").error,
+        "bad link": convert_file(tmp_path / "inside" / "link.txt", inside=(tmp_path / "inside").resolve()).error,
+        "needs extra": ".pdf files need the document converters: pip install 'mlx-tier[documents]'",
+        "conversion": "cannot convert (ValueError): broken xref table",
+        "no text": "no text found (a scanned PDF needs OCR first)",
+        "too long": "document too long for the usable context of 2048 tokens: its parts' summaries do not fit",
+        "no summary": "no summary within `max_tokens` 160; retry with a larger `max_tokens` and `retry_failed`",
+        "write error": "cannot write the summary: PermissionError: [Errno 13] Permission denied",
+        "no memory": "RuntimeError: [metal::malloc] Attempting to allocate 1073741824 bytes",
+        "ValueError": "ValueError: tokenizer refused the text",
+    }
+
+
+def test_every_kind_of_failure_has_a_short_reason(tmp_path):
+    from mlx_tier.messages import SHORT_REASON_CHARS, short_reason
+
+    for short, message in _failure_messages(tmp_path).items():
+        assert short_reason(message) == short, (short, message)
+        assert len(short) <= SHORT_REASON_CHARS
+    assert short_reason("MemoryError: std::bad_alloc") == "no memory"
+    assert short_reason("AVeryLongExceptionNameError: x") == "AVeryLongE…"
+    assert short_reason(None) == short_reason("something odd happened") == "error"
+
+
+def test_results_table_shows_why_each_document_failed_at_80_columns(tmp_path, monkeypatch):
+    """`failed:` then the short reason under it; the shipped examples' longest name stays whole."""
+    import mlx_tier.cli.main as cli
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(cli, "out", console)
+    messages = _failure_messages(tmp_path)
+    report = report_with(0)
+    name = "constitution_preamble_and_article_1"
+    report.results[0] = DocResult(name, "done", input_tokens=271, output_tokens=102, doc_seconds=36.2)
+    report.results += [DocResult(f"f{i}", "failed", error=m, earlier_run=i == 0) for i, m in enumerate(messages.values())]
+    cli.print_summary(report, Path("out"))
+    text = console.export_text()
+    assert max(len(x) for x in text.splitlines()) <= 80 and name in text
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+    for i, short in enumerate(messages):  # the row of f{i}, then the reason on the line under it
+        row = next(k for k, c in enumerate(cells) if c[0] == f"f{i}")
+        assert cells[row][1] == ("failed*:" if i == 0 else "failed:") and cells[row + 1][1] == short, cells[row:row + 2]

@@ -20,6 +20,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import pytest
+from conftest import command_after
 from mlx_tier.cli.main import app
 from test_crash import WORDS, _short_context, small_moe  # noqa: F401 - the tiny fast-loading MoE fixture
 from typer.testing import CliRunner
@@ -383,7 +384,7 @@ def test_a_rank_killed_stops_nobody_and_a_rerun_with_three_ranks_completes(tmp_p
     assert ranks[1]["ended"] == "killed (SIGKILL)" and ranks[0]["ended"] == "finished", output
     assert report["totals"]["done"] + report["totals"]["pending"] == 10
     assert report["totals"]["pending"] >= 1 and proc.returncode == 3, output  # what rank 1 had started
-    assert "resume with any number of ranks" in output
+    assert "resume with any number of ranks:" in " ".join(output.split())
     assert ranks[1]["done"] < 5, output  # the kill landed before rank 1 finished its share
     assert ranks[0]["done"] >= 5  # rank 0 went on, and took what rank 1 had not started
     finished = {i: (out / f"{i}.md").stat().st_mtime_ns for i in done_records(out)}
@@ -436,6 +437,7 @@ def test_ctrl_c_stops_every_rank_after_the_summaries_being_written(tmp_path, sma
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and "interrupted; finished summaries are kept. Resume with:" in output, output
+    assert command_after(output, "Resume with:").startswith("mlx-tier run "), output
     report = json.loads((out / "report.json").read_text())
     assert all(a["ended"] == "stopped (signal)" for a in report["runs"][-1]["ranks"]), output
     assert 0 < report["totals"]["done"] < len(ids) and report["totals"]["interrupted"]

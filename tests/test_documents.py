@@ -33,7 +33,7 @@ def test_jsonl_gives_one_document_per_line_and_flags_empty_text(tmp_path):
     f = tmp_path / "in.jsonl"
     f.write_text(json.dumps({"id": "x/1", "text": "one"}) + "\n\n" + json.dumps({"id": 2, "text": ""}) + "\n")
     docs = discover(f)
-    assert [(d.id, d.text, d.error) for d in docs] == [("x__1", "one", None), ("2", None, "empty document")]
+    assert [(d.id, d.text, d.error) for d in docs] == [("x__1", "one", None), ("2", None, "empty text")]  # a line, not a file
 
 
 def test_jsonl_custom_id_kept_as_given(tmp_path):

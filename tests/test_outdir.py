@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import command_after
 from mlx_tier.cli.main import app
 from test_crash import _short_context, done_lines, make_docs, small_moe  # noqa: F401 - fixtures
 from typer.testing import CliRunner
@@ -107,7 +108,8 @@ def test_full_disk_at_each_write_site(tmp_path, small_moe, monkeypatch, site):  
         r = runner.invoke(app, args)
     assert r.exit_code == 3, r.output
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "No space left on device" in errors[0] and "resume with:" in errors[0], r.output
+    assert len(errors) == 1 and "No space left on device" in " ".join(r.output.split()), r.output
+    assert command_after(r.output, "resume with:").startswith("mlx-tier run "), r.output
     assert "Traceback" not in r.output
     lines = (out / "journal.jsonl").read_bytes().split(b"\n")
     assert lines[-1] == b"" and all(json.loads(x) for x in lines[:-1])  # whole records only

@@ -73,10 +73,17 @@ def test_running_job_eta_and_cli(tmp_path):
         held.close()
     assert not lock_held(out)  # released: the probe itself never keeps it
     lock_out_dir(out).close()  # and a new run can take it
-    assert read_status(out).progress is None  # a stale progress file of a run that ended is not shown
+    # the lock is free but the run's progress file is left: its process ended mid-work
+    s = read_status(out)
+    assert (s.running, s.state, s.stopped_at, s.eta_seconds) == (False, "interrupted", T0 + 198, None)
     r = runner.invoke(app, ["status", str(out)])
-    assert "not running" in r.output and "resume with: mlx-tier run docs --out out" in r.output
-    assert "--retry-failed" in r.output
+    assert "interrupted at" in r.output and "running (pid" not in r.output, r.output
+    assert "d5: 312/1,204" not in r.output  # what it was doing is not shown as going on
+    lines = r.output.splitlines()
+    assert lines[lines.index("resume with:") + 1] == "mlx-tier run docs --out out"
+    assert lines[lines.index("retry the failed ones with:") + 1] == "mlx-tier run docs --out out --retry-failed"
+    (out / "progress.json").unlink()  # a run that ended cleanly removes it
+    assert read_status(out).state == "stopped"
 
 
 def test_status_bad_folder_exit_2(tmp_path):
@@ -98,5 +105,64 @@ def test_run_still_loading_its_model(tmp_path):
     try:
         s = read_status(tmp_path)
         assert s.running and s.pid == 999999 and (s.total, s.done) == (None, 0)
+    finally:
+        held.close()
+
+
+def test_job_state_from_the_lock_the_progress_file_and_what_is_left():
+    from mlx_tier.status import job_state
+
+    assert job_state(True, True, 3) == job_state(True, False, None) == "running"
+    assert job_state(False, True, 3) == job_state(False, True, 0) == "interrupted"  # its writer is gone
+    assert job_state(False, False, 3) == job_state(False, False, None) == "stopped"
+    assert job_state(False, False, 0) == "finished"
+
+
+def test_hard_stopped_run_reads_as_interrupted_with_its_real_time_and_the_resume_command(tmp_path):
+    """What a second Ctrl-C leaves: journal records up to the stop, progress.json as the killed
+    process last wrote it, no lock held. Status says interrupted (not running), when, how long the
+    run really worked (to its last progress, not to its last finished document), and how to resume."""
+    out = tmp_path / "out"
+    make_job(out)
+    (out / "progress.json").write_text(json.dumps({
+        "time": T0 + 160, "in_flight": ["d4"], "reading": None, "writing": [["d4", 9]], "decode_tok_s": 2.0,
+        "prompt_tok_s": 5.0, "hit_rate": 0.5, "eta_seconds": 70.0}))
+    s = read_status(out, now=T0 + 5000)
+    assert (s.state, s.running, s.elapsed_seconds, s.eta_seconds) == ("interrupted", False, 160, None)
+    r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "80"}, terminal_width=80)
+    assert r.exit_code == 0 and "interrupted at" in r.output and "in 160 s" in r.output, r.output
+    assert max(map(len, r.output.splitlines())) <= 80
+    r = runner.invoke(app, ["status", str(out), "--json"])
+    assert json.loads(r.output)["state"] == "interrupted"
+
+
+def test_status_html_of_a_hard_stopped_run_says_interrupted_and_how_to_resume(tmp_path):
+    import re
+
+    from mlx_tier.report_page import write_report_html
+
+    out = tmp_path / "out"
+    make_job(out)
+    (out / "progress.json").write_text(json.dumps({"time": T0 + 160, "in_flight": ["d4"], "reading": None,
+                                                   "writing": [], "decode_tok_s": 0, "prompt_tok_s": 0,
+                                                   "hit_rate": 0}))
+    page = write_report_html(out).read_text()
+    assert re.search(r'id="n-state" data-value="interrupted"', page)
+    assert re.search(r'<p id="state-note">interrupted at [^<]*2 document\(s\) left\. Resume with:</p>', page)
+    assert '<pre id="resume-command">mlx-tier run docs --out out</pre>' in page
+    assert 'data-value="running' not in page
+
+
+def test_running_eta_is_the_runs_own_estimate_less_its_age(tmp_path):
+    out = tmp_path / "out"
+    make_job(out)
+    held = lock_out_dir(out)
+    try:
+        (out / "progress.json").write_text(json.dumps({"time": T0 + 190, "eta_seconds": 70.0, "in_flight": []}))
+        assert read_status(out, now=T0 + 200).eta_seconds == 60.0  # written 10 s ago
+        (out / "progress.json").write_text(json.dumps({"time": T0 + 190, "eta_seconds": None, "in_flight": []}))
+        assert read_status(out, now=T0 + 200).eta_seconds is None  # the run is still estimating
+        r = runner.invoke(app, ["status", str(out)])
+        assert "estimating" in r.output, r.output
     finally:
         held.close()

@@ -1,0 +1,96 @@
+"""Words for a terminal: messages that carry a command, and short failure reasons.
+
+A message that tells the user a command to run ("Resume with: mlx-tier run
+...") is laid out as the prose, word-wrapped to the terminal's width, then the
+command alone on the next line: a terminal that soft-wraps one long line cuts
+it mid-word at column 80, and a command folded by inserted newlines no longer
+pastes. The command line is never wrapped by us (the terminal folds it only if
+it is itself wider than the screen) and carries no indent (a leading space keeps
+a pasted command out of bash's history under ``HISTCONTROL=ignorespace``).
+
+:func:`short_reason` names each kind of per-document failure in a few words
+for the results table (``failed: empty file``); the full message stays in the
+journal, report.json and ``mlx-tier status``.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+DEFAULT_WIDTH = 80
+
+
+def terminal_width(fd: int = 2, default: int = DEFAULT_WIDTH) -> int:
+    """Columns of the terminal on ``fd`` (``COLUMNS`` first, as Rich and shutil read it),
+    else ``default`` (a log file, a pipe)."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+        if columns > 0:
+            return columns
+    except ValueError:
+        pass
+    try:
+        return os.get_terminal_size(fd).columns or default
+    except OSError:
+        return default
+
+
+def wrap_words(text: str, width: int) -> str:
+    """``text`` word-wrapped to ``width`` columns; a word wider than that (a long path)
+    stays whole on its own line rather than being cut, and hyphens never break."""
+    return textwrap.fill(text, max(width, 20), break_long_words=False, break_on_hyphens=False)
+
+
+def with_command(prose: str, command: str, width: int = DEFAULT_WIDTH) -> str:
+    """A message that ends with a command to copy: ``prose`` word-wrapped to ``width``
+    columns, then ``command`` alone on the last line, unwrapped.
+
+    Args:
+        prose: the sentence(s), ending with what introduces the command
+            (``"... Resume with:"``).
+        command: the exact shell command.
+        width: the terminal's columns (:func:`terminal_width`).
+
+    Returns:
+        the lines joined by ``\\n`` (no trailing newline).
+    """
+    return f"{wrap_words(prose, width)}\n{command}"
+
+
+# (a substring of the full error, its short form), first match wins. Each full
+# message comes from mlx_tier.converters, documents, scheduler or jobs.
+_REASONS = (
+    ("empty document", "empty file"),
+    ("empty text", "empty text"),
+    ("binary file", "binary file"),
+    ("byte-order mark", "bad text"),
+    ("cannot read", "unreadable"),
+    ("need the document converters", "needs extra"),
+    ("cannot convert", "conversion"),
+    ("no text found", "no text"),
+    ("link leading outside", "bad link"),
+    ("too long for the usable context", "too long"),
+    ("no summary", "no summary"),
+    ("cannot write the summary", "write error"),
+    ("MemoryError", "no memory"),
+    ("malloc", "no memory"),
+)
+# The longest short reason: with it, the results table's status column stays
+# within "binary file", so at 80 columns the shipped examples' 35-character
+# names keep their width.
+SHORT_REASON_CHARS = 11
+
+
+def short_reason(error: str | None) -> str:
+    """A few words (at most :data:`SHORT_REASON_CHARS`) for why a document failed,
+    e.g. ``"empty file"``, ``"binary file"``, ``"too long"``, ``"no memory"``;
+    an unknown error by its exception name (``"RuntimeError"``) or ``"error"``."""
+    text = error or ""
+    for needle, short in _REASONS:
+        if needle in text:
+            return short
+    head = text.split(":", 1)[0].strip()
+    if head.isidentifier() and (head.endswith(("Error", "Exception")) or head[:1].isupper()):
+        return head if len(head) <= SHORT_REASON_CHARS else head[: SHORT_REASON_CHARS - 1] + "…"
+    return "error"
