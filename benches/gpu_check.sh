@@ -12,7 +12,8 @@
 #
 # Settings (environment): VENV (.venv-gpu), SYN (synthetic model folder,
 # default ~/.cache/mlx-tier/synthetic-gpu), SIZE_GB (2), RUNS (3), TOKENS (24).
-# Prints each step's wall time; the bench prints its own caliber.
+# Prints each step's wall time; the bench prints its own caliber. The steps'
+# time limits (200 + 100 + 200 s) leave the install about 100 s of the 10 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-gpu}
@@ -48,7 +49,7 @@ step "exactness on the GPU: tiered and two-tier greedy tokens equal mlx-lm fully
 # On CUDA a warm tier is on by default, so test_tiered.py runs two tiers here
 # too: its misses land warm and are computed on the CPU (a failure here means
 # CPU and GPU rounding changed a greedy token: see README, "CUDA path").
-timeout 300 python -m pytest -q -x tests/test_tiered.py tests/test_two_tier.py tests/test_tiers.py \
+timeout 200 python -m pytest -q -x tests/test_tiered.py tests/test_two_tier.py tests/test_tiers.py \
   tests/test_tier_budgets.py
 
 step "default budgets: hot from free GPU memory, warm from available host memory"
@@ -57,9 +58,9 @@ print(describe_defaults(probe(), mx.get_memory_limit()))'
 
 step "synthetic MoE ($SIZE_GB GiB, float32 scales: the CPU stream computes warm experts, and bf16 is slow there)"
 if [ ! -f "$SYN/config.json" ]; then
-  timeout 240 python benches/make_synthetic_moe.py "$SYN" --size-gb "$SIZE_GB" --dtype float32
+  timeout 100 python benches/make_synthetic_moe.py "$SYN" --size-gb "$SIZE_GB" --dtype float32
 fi
 
 step "warm tier off vs two tiers (MLX ops / CPU kernel / + prefetch): hot 25% of the experts on the GPU, warm 50% in host memory"
-timeout 300 python benches/two_tier.py "$SYN" --hot-fraction 0.25 --warm-fraction 0.5 --runs "$RUNS" --tokens "$TOKENS"
-step "done"
+timeout 200 python benches/two_tier.py "$SYN" --hot-fraction 0.25 --warm-fraction 0.5 --runs "$RUNS" --tokens "$TOKENS"
+step "done in ${SECONDS} s"
