@@ -64,16 +64,20 @@ def test_run_load_prefers_others_runnable_tasks(peers):
 def test_summary_takes_medians_of_completed_runs_and_counts_the_rest(peers):
     s = peers.summarise([run(tok_s=1.0, ttft=4.0), run(tok_s=3.0, ttft=2.0), run(tok_s=2.0, ttft=9.0),
                          run("OOM-killed while loading")])
-    assert (s["runs"], s["ok"], s["oom"], s["timeouts"], s["failed"]) == (4, 3, 1, 0, 0)
+    assert (s["runs"], s["ok"], s["oom"], s["over"], s["failed"]) == (4, 3, 1, 0, 0)
     assert s["tok_s"] == 2.0 and s["ttft"] == 4.0
     even = peers.summarise([run(tok_s=v) for v in (1.0, 2.0, 3.0, 4.0)])
     assert even["tok_s"] == 2.5
-    timed = peers.summarise([run("timed out after 900 s while generating", partial_tok_s=0.2),
-                             run("timed out after 900 s while generating", partial_tok_s=0.4),
+    timed = peers.summarise([run("over the 900 s limit while generating", tok_s_below=0.2, rate_so_far=0.1),
+                             run("over the 900 s limit while generating", tok_s_below=0.4, rate_so_far=0.3),
                              run("failed while loading: boom")])
-    assert "tok_s" not in timed and timed["partial_tok_s"] == pytest.approx(0.3)
-    assert (timed["timeouts"], timed["failed"]) == (2, 1)
-    assert peers.outcome_cell(timed) == "0/3 2 timeout, 1 failed"
+    # every stopped run was slower than its bound, so all were slower than the largest
+    assert "tok_s" not in timed and timed["tok_s_below"] == 0.4 and timed["rate_so_far"] == pytest.approx(0.2)
+    assert (timed["over"], timed["failed"]) == (2, 1)
+    assert peers.outcome_cell(timed) == "0/3 2 over, 1 failed"
+    # a bound is never pooled with completed runs: one completed run gives the medians
+    mixed = peers.summarise([run(tok_s=1.5), run("over the 900 s limit while generating", tok_s_below=0.1)])
+    assert mixed["tok_s"] == 1.5 and "tok_s_below" not in mixed and peers.outcome_cell(mixed) == "1/2 1 over"
 
 
 def sample_summary(peers):
@@ -81,19 +85,21 @@ def sample_summary(peers):
         ("mlx-tier", "warm"): peers.summarise([run(tok_s=2.0, ttft=3.0, hit_rate=0.8, peak_rss=1.5 * 2**30)] * 3),
         ("mlx-lm", "warm"): peers.summarise([run("OOM-killed while loading")] * 3),
         ("nunspark", "warm"): peers.summarise([run(tok_s=1.0, ttft=5.0, hit_rate=0.9, peak_rss=2**30)] * 3),
-        ("llama.cpp repack", "warm"): peers.summarise([run("timed out after 900 s while generating",
-                                                           partial_tok_s=0.25)]),
+        ("llama.cpp repack", "warm"): peers.summarise([run("over the 1800 s limit while generating",
+                                                           tok_s_below=0.21)], "over the limit"),
     }
 
 
 def test_table_fits_80_columns_with_ratios_to_mlx_tier(peers):
     lines = peers.table(sample_summary(peers))
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
-    rows = {line[:17].strip(): line for line in lines[2:]}  # the engine column
+    rows = {line[:16].strip(): line for line in lines[2:]}  # the engine column
     assert rows["mlx-tier"].endswith("1.00x") and " 2.00 " in rows["mlx-tier"] and "80%" in rows["mlx-tier"]
     assert rows["nunspark"].endswith("0.50x") and " 1.00 " in rows["nunspark"]
     assert "0/3 3 OOM" in rows["mlx-lm"] and rows["mlx-lm"].endswith("-")
-    assert "0.25*" in rows["llama.cpp repack"] and "0/1 1 timeout" in rows["llama.cpp repack"]
+    # stopped at the limit: a bound on tok/s and on the ratio, and the engine dropped
+    assert " <0.21 " in rows["llama.cpp repack"] and rows["llama.cpp repack"].endswith("<0.10x")
+    assert "0/1 1 over, dropped" in rows["llama.cpp repack"]
 
 
 def test_headline_only_when_the_load_held(peers):
@@ -103,6 +109,7 @@ def test_headline_only_when_the_load_held(peers):
     assert "0.50-3.00" in refused and "x" not in refused.split("moved")[0]
     printed = peers.headline(summary, "warm", [1.0, 1.1], 0.5, "load average")
     assert "mlx-tier 2.00 tok/s" in printed and "nunspark 0.50x" in printed and "mlx-lm 0/3 3 OOM" in printed
+    assert "llama.cpp repack <0.10x (stopped at the limit, a bound)" in printed
     assert peers.headline({}, "warm", [1.0], 0.5, "x") == "no headline ratio: mlx-tier completed no run"
 
 
@@ -110,7 +117,8 @@ def test_outcome_names_oom_timeout_and_failure(peers):
     ev = [{"phase": "loading"}, {"phase": "generating"}]
     assert peers._outcome(ev + [{"phase": "done"}], False, 0, "", 0, 60) == "ok"
     assert peers._outcome(ev, False, 1, "", -9, 60) == "OOM-killed while generating"
-    assert peers._outcome(ev, True, 0, "", -9, 60) == "timed out after 60 s while generating"
+    assert peers._outcome(ev, True, 0, "", -9, 60) == "over the 60 s limit while generating"
+    assert peers._outcome(ev + [{"phase": "progress"}], True, 1, "", -9, 60) == "over the 60 s limit while generating"
     assert peers._outcome([], False, 0, "x\nValueError: bad\n", 1, 60) == "failed while starting: ValueError: bad"
     assert peers._events('{"phase": "loading"}\nnot json\n{"phase": "done"}') == [{"phase": "loading"},
                                                                                 {"phase": "done"}]
@@ -124,7 +132,9 @@ def test_token_agreement_names_engines_that_differ(peers):
 
 def test_seed_caliber_and_bad_arguments(peers, tmp_path, capsys):
     args = peers.parse_args(["--caliber", "seed"])
-    assert (args.runs, args.tokens, args.temps) == (9, 256, ("warm",))
+    assert (args.runs, args.tokens, args.temps, args.run_limit_s) == (9, 256, ("warm",), 1800)
+    assert peers.parse_args(["--caliber", "seed", "--run-limit-s", "60"]).run_limit_s == 60
+    assert peers.parse_args([]).run_limit_s == 900
     assert peers.parse_args([]).temps == ("cold", "warm")
     assert peers.main(["--engines", "mlx-tier,vllm"]) == 2
     err = capsys.readouterr().err
@@ -154,13 +164,16 @@ def test_caliber_header_names_machine_cap_model_tokens_runs_and_load(peers, tmp_
     runs = {("mlx-tier", "warm"): [run(load1_start=6.2, load1_end=7.0, others=4.0)],
             ("nunspark", "warm"): [run(load1_start=9.5, load1_end=12.2, others=10.0)]}
     args = peers.parse_args(["--caliber", "seed", "--cap-gb", "2"])
-    lines = peers.caliber_lines(args, peers.Prepared(tmp_path), True, runs, 0.8, 1_240_000_000)
+    fp = peers.fingerprint(args, tmp_path, ["mlx-tier", "nunspark"], [1, 2, 3], True, 0.8, 1_240_000_000)
+    meta = {"machine": "x86_64 Linux, 2 cores, 24 GiB, MLX cpu", "model": peers.model_meta(tmp_path)}
+    lines = peers.caliber_lines(fp, meta, runs)
     text = " ".join(line.strip() for line in lines)
     assert all(len(line) <= 80 for line in lines)
     assert "cap: 2 GiB cgroup v1" in text and "cores" in text
     assert "24 layers x 128 experts, top-8" in text
-    assert "256 greedy tokens; 9 runs x warm" in text
+    assert "256 greedy tokens; 9 runs x warm" in text and "each run stopped at 1800 s" in text
     assert "load average (1 min) 6.2-12.2" in text and "others' runnable tasks 4.0-10.0" in text
-    uncapped = " ".join(peers.caliber_lines(peers.parse_args(["--cap-gb", "0", "--runs", "1"]),
-                                            peers.Prepared(tmp_path), False, runs, 0.8, 1))
+    one = peers.parse_args(["--cap-gb", "0", "--runs", "1"])
+    uncapped = " ".join(peers.caliber_lines(peers.fingerprint(one, tmp_path, ["mlx-tier"], [1], False, 0.8, 1),
+                                            meta, runs))
     assert "NONE (runs uncapped)" in uncapped and "the cap" not in uncapped.split("cap:")[1] and "1 run x" in uncapped
