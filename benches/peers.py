@@ -654,8 +654,9 @@ def report(out: Path, tolerance: float) -> None:
                  *(meta or {}).get("notes", [])]:
         print("\n".join(wrap(line, indent="")))
     todo = pending(slots_of(fp), recorded)
-    print(f"results: {out / 'runs.jsonl'}: {len(recorded)} runs recorded, "
-          + (f"{len(todo)} to go (the same command with --out continues)" if todo else "the pass is complete"))
+    print("\n".join(wrap(f"results: {out / 'runs.jsonl'}: {len(recorded)} runs recorded, "
+                         + (f"{len(todo)} to go (the same command with --out continues)" if todo
+                            else "the pass is complete"), indent="")))
 
 
 def slots_of(fp: dict) -> list:

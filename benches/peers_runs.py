@@ -166,9 +166,18 @@ def load_runs(out: Path) -> list[dict]:
 
 
 def append_run(out: Path, run: dict) -> None:
-    """Append one finished run to ``out/runs.jsonl`` and flush it to disk before returning."""
-    with open(out / RUNS_FILE, "a") as fh:
-        fh.write(json.dumps(run, default=str) + "\n")
+    """Append one finished run to ``out/runs.jsonl`` and flush it to disk before returning.
+
+    A last line cut short by a crash is ended first, so it cannot swallow this one.
+    """
+    path = out / RUNS_FILE
+    cut = False
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            cut = fh.read(1) != b"\n"
+    with open(path, "a") as fh:
+        fh.write(("\n" if cut else "") + json.dumps(run, default=str) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -270,8 +279,9 @@ class Progress:
     ``log_every`` seconds.
     """
 
-    def __init__(self, total: int, done: int, stream=sys.stdout, every: float = 2.0, log_every: float = 60.0):
-        self.total, self.done, self.stream = total, done, stream
+    def __init__(self, total: int, done: int, stream=None, every: float = 2.0, log_every: float = 60.0):
+        self.total, self.done = total, done
+        self.stream = stream = stream or sys.stdout
         self.tty = stream.isatty()
         self.every = every if self.tty else log_every
         self.t0 = time.monotonic()
