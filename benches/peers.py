@@ -176,10 +176,13 @@ def _cell(value, fmt: str) -> str:
 
 def speed_cells(s: dict, tier: float | None) -> tuple[str, str]:
     """The tok/s and ratio-to-mlx-tier cells: ``2.00``/``1.00x``; ``<0.15``/``<0.08x`` for a bound only."""
+    def num(v: float) -> str:  # 3-4 significant digits, at most 6 characters up to 9999
+        return f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
     if "tok_s" in s:
-        return f"{s['tok_s']:.2f}", f"{s['tok_s'] / tier:.2f}x" if tier else "-"
+        return num(s["tok_s"]), f"{num(s['tok_s'] / tier)}x" if tier else "-"
     if "tok_s_below" in s:
-        return f"<{s['tok_s_below']:.2f}", f"<{s['tok_s_below'] / tier:.2f}x" if tier else "-"
+        return f"<{num(s['tok_s_below'])}", f"<{num(s['tok_s_below'] / tier)}x" if tier else "-"
     return "-", "-"
 
 
@@ -230,8 +233,8 @@ def headline(summary: dict[tuple[str, str], dict], temp: str, loads: list[float]
             parts.append(f"{e} {ratio} (stopped at the limit, a bound)")
         else:
             parts.append(f"{e} {outcome_cell(s)}")
-    return (f"headline ({temp}, load moved {spread:.2f} <= {tolerance:.2f}): mlx-tier {tier:.2f} tok/s; "
-            + "; ".join(parts))
+    return (f"headline ({temp}, load moved {spread:.2f} <= {tolerance:.2f}): mlx-tier {tier:.2f} tok/s"
+            + "".join(f"; {p}" for p in parts))
 
 
 def wrap(text: str, indent: str = "  ") -> list[str]:
@@ -616,7 +619,7 @@ def plan_lines(fp: dict, plan: list, recorded: list[dict]) -> list[str]:
     expected, at_most = estimate_s(todo, recorded, fp["run_limit_s"])
     priming = len({s.engine for s in todo}) if fp["temps"] == ["warm"] else 0
     gone = dropped(recorded)
-    lines = [f"plan: {len(fp['engines'])} engines x {fp['runs']} rounds x {'+'.join(fp['temps'])} = {len(plan)} "
+    lines = [f"plan: {len(fp['engines'])} engine(s) x {fp['runs']} rounds x {'+'.join(fp['temps'])} = {len(plan)} "
              f"runs of {fp['tokens']} tokens; {len(recorded)} recorded, {len(todo)} to go"
              + (f" ({', '.join(gone)} dropped)" if gone else ""),
              f"time: at most {duration(at_most + priming * fp['run_limit_s'])} ({len(todo)} runs"
@@ -647,14 +650,17 @@ def report(out: Path, tolerance: float) -> None:
     what = "others' runnable tasks" if all(r.get("others") is not None for r in head_runs) else "load average"
     notes = [f"{e}: {why} in its first run, not run again" for e, why in gone.items()]
     if any("tok_s_below" in s for s in summary.values()):
-        notes.append(f"<x: stopped at the {fp['run_limit_s']} s limit before its {fp['tokens']} tokens; its decode "
-                     f"rate was below x (tokens / time since its first token), not a completed run")
+        notes.append(f"<x: every run stopped at the {fp['run_limit_s']} s limit before its {fp['tokens']} tokens, "
+                     f"so its decode rate was below x = {fp['tokens'] - 1} tokens / the time from its first token "
+                     f"to the stop; a bound, not a completed run")
+    notes += [f"{e} {t}: {s['rate_so_far']:.2f} tok/s over the tokens it decoded before the stop"
+              for (e, t), s in summary.items() if "rate_so_far" in s]
     print()
     for line in [headline(summary, head_temp, loads, tolerance, what), token_agreement(runs), *notes,
                  *(meta or {}).get("notes", [])]:
         print("\n".join(wrap(line, indent="")))
     todo = pending(slots_of(fp), recorded)
-    print("\n".join(wrap(f"results: {out / 'runs.jsonl'}: {len(recorded)} runs recorded, "
+    print("\n".join(wrap(f"results: {out / 'runs.jsonl'}: {len(recorded)} run(s) recorded, "
                          + (f"{len(todo)} to go (the same command with --out continues)" if todo
                             else "the pass is complete"), indent="")))
 
@@ -725,8 +731,9 @@ def main(argv=None) -> int:
         try:
             run_plan(specs, slots_of(fp), out, prep.files(), cgroup, args.run_limit_s, args.temps)
         except KeyboardInterrupt:
-            print(f"\ninterrupted: the run in flight is lost, the others are in {out / 'runs.jsonl'}; "
-                  f"the same command with --out {out} continues")
+            print("\n" + "\n".join(wrap(f"interrupted: the run in flight is lost, the others are in "
+                                         f"{out / 'runs.jsonl'}; the same command with --out {out} continues",
+                                         indent="")))
             report(out, args.load_tolerance)
             return 130
     report(out, args.load_tolerance)

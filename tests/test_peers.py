@@ -100,6 +100,9 @@ def test_table_fits_80_columns_with_ratios_to_mlx_tier(peers):
     # stopped at the limit: a bound on tok/s and on the ratio, and the engine dropped
     assert " <0.21 " in rows["llama.cpp repack"] and rows["llama.cpp repack"].endswith("<0.10x")
     assert "0/1 1 over, dropped" in rows["llama.cpp repack"]
+    # a fast engine's bound keeps to its 6 columns; completed rows print no "<"
+    assert peers.speed_cells({"tok_s_below": 613.02}, 121.5) == ("<613", "<5.05x")
+    assert peers.speed_cells({"tok_s": 135.6}, 121.5) == ("136", "1.12x")
 
 
 def test_headline_only_when_the_load_held(peers):
@@ -330,8 +333,8 @@ def test_engine_dropped_after_its_first_run_oom_or_over_the_limit(peers, runs_mo
     runner.enqueue("llama.cpp", run("over the 1800 s limit while generating", tok_s_below=0.15, rate_so_far=0.05,
                                     others=1.0))
     # nunspark: over the limit in a later run only: kept, and that run counted as over, not completed
-    runner.enqueue("nunspark", run(tok_s=0.2, others=1.0), run("over the 1800 s limit while generating",
-                                                                tok_s_below=0.3, others=1.0), run(tok_s=0.4, others=1.0))
+    over = run("over the 1800 s limit while generating", tok_s_below=0.3, others=1.0)
+    runner.enqueue("nunspark", run(tok_s=0.2, others=1.0), over, run(tok_s=0.4, others=1.0))
     peers.run_plan(specs_for(*engines, tokens=256), plan, tmp_path, [], None, 1800, ("cold",), runner=runner,
                    drop_pages=lambda files: None)
     assert [e for e, _ in runner.calls].count("mlx-lm") == 1 and [e for e, _ in runner.calls].count("llama.cpp") == 1
@@ -346,11 +349,13 @@ def test_engine_dropped_after_its_first_run_oom_or_over_the_limit(peers, runs_mo
     rows = {line[:16].strip(): line for line in out.splitlines() if line[21:22] == " " and "cold" in line[17:21]}
     assert rows["mlx-tier"].endswith("1.00x") and "3/3" in rows["mlx-tier"]
     assert "0/1 1 OOM, dropped" in rows["mlx-lm"]
-    assert " <0.15 " in rows["llama.cpp"] and rows["llama.cpp"].endswith("<0.07x") and "1 over, dropped" in rows["llama.cpp"]
+    assert " <0.15 " in rows["llama.cpp"] and rows["llama.cpp"].endswith("<0.07x")
+    assert "0/1 1 over, dropped" in rows["llama.cpp"]
     assert " 0.30 " in rows["nunspark"] and "2/3 1 over" in rows["nunspark"] and "dropped" not in rows["nunspark"]
     assert "llama.cpp: over the limit in its first run, not run again" in out
     assert "llama.cpp <0.07x (stopped at the limit, a bound)" in out
-    assert "8 runs recorded, the pass is complete" in " ".join(out.split())
+    assert "llama.cpp cold: 0.05 tok/s over the tokens it decoded before the stop" in out
+    assert "8 run(s) recorded, the pass is complete" in " ".join(out.split())
     assert all(len(line) <= 80 for line in out.splitlines())
 
 
@@ -358,7 +363,7 @@ def test_plan_estimate_is_runs_times_the_limit_then_learns_from_recorded_runs(pe
     fp = {"engines": list(peers.ENGINES), "temps": ["warm"], "runs": 9, "tokens": 256, "run_limit_s": 1800}
     plan = peers.slots_of(fp)
     text = " ".join(" ".join(peers.plan_lines(fp, plan, [])).split())
-    assert "5 engines x 9 rounds x warm = 45 runs of 256 tokens; 0 recorded, 45 to go" in text
+    assert "5 engine(s) x 9 rounds x warm = 45 runs of 256 tokens; 0 recorded, 45 to go" in text
     assert "at most 25.0 h (45 runs + 5 priming x the 30 min limit)" in text and "expected 22.5 h" in text
     recorded = [{"engine": "mlx-tier", "slot": 0, "outcome": "ok", "wall_s": 180.0},
                 {"engine": "mlx-lm", "slot": 1, "outcome": "OOM-killed while loading", "wall_s": 60.0},
