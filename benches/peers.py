@@ -51,7 +51,7 @@ How:
     python benches/peers.py --report-only --out DIR2
 
 Defaults: the synthetic 2 GiB qwen3_moe of ``make_synthetic_moe.py``, 2 GiB
-cap, 3 runs, 32 tokens, 32-token prompt, cold and warm, 900 s per run (1800
+cap, 3 runs, 32 tokens, 32-token prompt, cold and warm, 900 s per run (2400
 with ``--caliber seed``).
 """
 
@@ -65,6 +65,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,9 +86,10 @@ NEEDS = {
 }
 NEEDS["llama.cpp repack"] = NEEDS["llama.cpp"]
 CALIBERS = {"seed": {"runs": 9, "tokens": 256, "temps": ("warm",)}}
-# per-run limit, s, by caliber: under the 2 GiB cap mlx-tier takes ~3 min for 256 tokens, nunspark ~21 min
-# (both finish, with room for a busier machine), llama.cpp with mmap ~1 h (stopped in its first run, dropped)
-RUN_LIMIT_S = {"seed": 1800, None: 900}
+# per-run limit, s, by caliber. Seed, 256 tokens under the 2 GiB cap (README, 16-token runs scaled): mlx-tier
+# ~3.5 min, nunspark ~24 min (0.2 tok/s + 2 min TTFT; 40 min still lets it finish at 0.13 tok/s on a busier
+# machine), llama.cpp with mmap ~1 h at 0.07 tok/s (stopped in its first run, then dropped)
+RUN_LIMIT_S = {"seed": 2400, None: 900}
 WIDTH = 80
 
 
@@ -710,6 +712,10 @@ def start(args, notes: list[str], stack: contextlib.ExitStack) -> tuple[dict, Pa
     return fp, out, cgroup, specs, prep
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     problem = check_args(args)
@@ -721,6 +727,7 @@ def main(argv=None) -> int:
         return 0
     from peers_runs import Mismatch
 
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` of a nohup'd pass: as Ctrl-C, the worker killed too
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
         try:

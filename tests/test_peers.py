@@ -135,7 +135,7 @@ def test_token_agreement_names_engines_that_differ(peers):
 
 def test_seed_caliber_and_bad_arguments(peers, tmp_path, capsys):
     args = peers.parse_args(["--caliber", "seed"])
-    assert (args.runs, args.tokens, args.temps, args.run_limit_s) == (9, 256, ("warm",), 1800)
+    assert (args.runs, args.tokens, args.temps, args.run_limit_s) == (9, 256, ("warm",), 2400)
     assert peers.parse_args(["--caliber", "seed", "--run-limit-s", "60"]).run_limit_s == 60
     assert peers.parse_args([]).run_limit_s == 900
     assert peers.parse_args([]).temps == ("cold", "warm")
@@ -174,7 +174,7 @@ def test_caliber_header_names_machine_cap_model_tokens_runs_and_load(peers, tmp_
     assert all(len(line) <= 80 for line in lines)
     assert "cap: 2 GiB cgroup v1" in text and "cores" in text
     assert "24 layers x 128 experts, top-8" in text
-    assert "256 greedy tokens; 9 runs x warm" in text and "each run stopped at 1800 s" in text
+    assert "256 greedy tokens; 9 runs x warm" in text and "each run stopped at 2400 s" in text
     assert "load average (1 min) 6.2-12.2" in text and "others' runnable tasks 4.0-10.0" in text
     one = peers.parse_args(["--cap-gb", "0", "--runs", "1"])
     uncapped = " ".join(peers.caliber_lines(peers.fingerprint(one, tmp_path, ["mlx-tier"], [1], False, 0.8, 1),
