@@ -1,4 +1,4 @@
-"""mlx-tier against its peers, side by side: same checkpoint, prompt, tokens and memory cap.
+"""mlx-tier against its peers: same checkpoint, prompt, tokens and memory cap.
 
 Question (issue 14, section 2): a user who would otherwise run plain mlx-lm,
 nunspark (an MLX expert-streaming engine) or llama.cpp -- how does mlx-tier
@@ -438,7 +438,7 @@ def run_plan(specs: dict, plan: list, out: Path, files: list[Path], cgroup, limi
 
     recorded = load_runs(out)
     todo = pending(plan, recorded)
-    progress = Progress(len(plan), len(plan) - len(todo))
+    progress = Progress()
     if temps == ("warm",):  # warm-only: prime the page cache once per engine, untimed
         for e in dict.fromkeys(s.engine for s in todo):
             progress.start(f"priming {e}")
@@ -674,8 +674,8 @@ def slots_of(fp: dict) -> list:
     return slots(tuple(fp["engines"]), tuple(fp["temps"]), fp["runs"])
 
 
-def start(args, notes: list[str], stack: contextlib.ExitStack) -> tuple[dict, Path, object, dict, Path]:
-    """Everything before the first run: ``(fingerprint, out, cgroup, specs, prepared files' owner)``.
+def start(args, notes: list[str], stack: contextlib.ExitStack) -> tuple[dict, Path, object, dict, Prepared]:
+    """Everything before the first run: ``(fingerprint, out, cgroup or None, RunSpec per engine, Prepared)``.
 
     Raises:
         peers_runs.Mismatch: ``--out`` holds another command's runs.

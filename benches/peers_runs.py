@@ -279,8 +279,7 @@ class Progress:
     ``log_every`` seconds.
     """
 
-    def __init__(self, total: int, done: int, stream=None, every: float = 2.0, log_every: float = 60.0):
-        self.total, self.done = total, done
+    def __init__(self, stream=None, every: float = 2.0, log_every: float = 60.0):
         self.stream = stream = stream or sys.stdout
         self.tty = stream.isatty()
         self.every = every if self.tty else log_every

@@ -383,7 +383,7 @@ def test_progress_line_says_which_run_of_how_many_and_elapsed(runs_mod):
     import io
 
     stream = io.StringIO()
-    p = runs_mod.Progress(45, 12, stream=stream, log_every=0.0)
+    p = runs_mod.Progress(stream=stream, log_every=0.0)
     p.start("run 13/45 llama.cpp repack warm")
     p.tick(192.0, {"phase": "progress", "tokens": 40})
     p.tick(193.0, {"phase": "loading"})
@@ -393,7 +393,7 @@ def test_progress_line_says_which_run_of_how_many_and_elapsed(runs_mod):
     assert lines[1].startswith("run 13/45 llama.cpp repack warm: loading, 0:03:13")
     assert all(len(line) <= 79 for line in lines) and len(lines) == 3
     quiet = io.StringIO()
-    slow = runs_mod.Progress(45, 0, stream=quiet, log_every=60.0)
+    slow = runs_mod.Progress(stream=quiet, log_every=60.0)
     slow.start("run 1/45 mlx-tier warm")
     for s in range(5):
         slow.tick(float(s), {})
