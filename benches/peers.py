@@ -1,4 +1,4 @@
-"""mlx-tier against its peers, side by side: same checkpoint, prompt, tokens and memory cap.
+"""mlx-tier against its peers: same checkpoint, prompt, tokens and memory cap.
 
 Question (issue 14, section 2): a user who would otherwise run plain mlx-lm,
 nunspark (an MLX expert-streaming engine) or llama.cpp -- how does mlx-tier
@@ -35,12 +35,24 @@ How:
   how much it moved. The table (medians, ratios) is printed either way.
 - ``--caliber seed``: the seeds' acceptance caliber: 9 runs, greedy, 256
   tokens, single request, warm.
+- Resumable (``benches/peers_runs.py``): every finished run is appended at
+  once to ``OUT/runs.jsonl``; the same command with the same ``--out``
+  skips the runs recorded and continues the interleaved order (another
+  command's fingerprint -- checkpoint, prompt, tokens, cap, caliber,
+  engines, limit -- is refused, exit 2); Ctrl-C loses only the run in
+  flight. The table comes from the file: ``--report-only --out OUT``.
+- ``--run-limit-s``: a run still going at the limit (load included) is
+  stopped and recorded as a bound (``<x`` tok/s), never as completed; an
+  engine OOM-killed or over the limit in its first run is not run again.
+  The plan's wall time (at most runs x limit) is printed up front, and a
+  progress line (run k of n, phase, tokens, elapsed) while it runs.
 
-    python benches/peers.py --model DIR --cap-gb 2 --caliber seed
+    python benches/peers.py --model DIR --cap-gb 2 --caliber seed --out DIR2
+    python benches/peers.py --report-only --out DIR2
 
 Defaults: the synthetic 2 GiB qwen3_moe of ``make_synthetic_moe.py``, 2 GiB
-cap, 3 runs, 32 tokens, 32-token prompt, cold and warm. Results also go to a
-JSON file (``--json``; default under ``$MLX_TIER_CACHE``).
+cap, 3 runs, 32 tokens, 32-token prompt, cold and warm, 900 s per run (2400
+with ``--caliber seed``).
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,6 +86,10 @@ NEEDS = {
 }
 NEEDS["llama.cpp repack"] = NEEDS["llama.cpp"]
 CALIBERS = {"seed": {"runs": 9, "tokens": 256, "temps": ("warm",)}}
+# per-run limit, s, by caliber. Seed, 256 tokens under the 2 GiB cap (README, 16-token runs scaled): mlx-tier
+# ~3.5 min, nunspark ~24 min (0.2 tok/s + 2 min TTFT; 40 min still lets it finish at 0.13 tok/s on a busier
+# machine), llama.cpp with mmap ~1 h at 0.07 tok/s (stopped in its first run, then dropped)
+RUN_LIMIT_S = {"seed": 2400, None: 900}
 WIDTH = 80
 
 
@@ -111,44 +128,64 @@ def run_load(run: dict) -> float | None:
     return statistics.fmean(starts) if starts else None
 
 
-def summarise(runs: list[dict]) -> dict:
+def summarise(runs: list[dict], dropped_why: str | None = None) -> dict:
     """Medians over completed runs, and what became of the others.
 
     Args:
         runs: per-run dicts with ``outcome`` (``"ok"``, ``"OOM-killed ..."``,
-            ``"timed out ..."``, ``"failed ..."``) and, when measured,
-            ``tok_s``, ``ttft``, ``hit_rate``, ``peak_rss`` (bytes),
-            ``partial_tok_s`` (a timed-out run's rate so far).
+            ``"over the N s limit ..."``, ``"failed ..."``) and, when
+            measured, ``tok_s``, ``ttft``, ``hit_rate``, ``peak_rss`` (bytes);
+            a run stopped at the limit may carry ``tok_s_below`` (its decode
+            rate was under this) and ``rate_so_far``.
+        dropped_why: why the engine was not run again after its first run
+            (``peers_runs.dropped``), if it was not.
 
     Returns:
-        ``runs``, ``ok``, ``oom``, ``timeouts``, ``failed`` counts; medians of
-        the measured keys over completed runs; ``partial_tok_s`` (median over
-        timed-out runs) when no run completed.
+        ``runs``, ``ok``, ``oom``, ``over``, ``failed`` counts; medians of the
+        measured keys over completed runs; when no run completed,
+        ``tok_s_below`` (the largest bound: every stopped run was slower) and
+        ``rate_so_far`` (median); ``dropped``.
     """
     ok = [r for r in runs if r["outcome"] == "ok"]
     s = {"runs": len(runs), "ok": len(ok),
          "oom": sum(r["outcome"].startswith("OOM") for r in runs),
-         "timeouts": sum(r["outcome"].startswith("timed out") for r in runs)}
-    s["failed"] = s["runs"] - s["ok"] - s["oom"] - s["timeouts"]
+         "over": sum(r["outcome"].startswith("over") for r in runs), "dropped": dropped_why}
+    s["failed"] = s["runs"] - s["ok"] - s["oom"] - s["over"]
     for key in ("tok_s", "ttft", "hit_rate", "peak_rss", "load_s"):
         vals = [r[key] for r in ok if r.get(key) is not None]
         if vals:
             s[key] = statistics.median(vals)
-    partial = [r["partial_tok_s"] for r in runs if r.get("partial_tok_s") is not None]
-    if not ok and partial:
-        s["partial_tok_s"] = statistics.median(partial)
+    if not ok:
+        below = [r["tok_s_below"] for r in runs if r.get("tok_s_below") is not None]
+        so_far = [r["rate_so_far"] for r in runs if r.get("rate_so_far") is not None]
+        if below:
+            s["tok_s_below"] = max(below)
+        if so_far:
+            s["rate_so_far"] = statistics.median(so_far)
     return s
 
 
 def outcome_cell(s: dict) -> str:
-    """``9/9`` when all completed, else ``done/runs`` plus what happened to the rest."""
+    """``9/9`` when all completed, else ``done/runs``, what happened to the rest, and ``dropped``."""
     cell = f"{s['ok']}/{s['runs']}"
-    rest = [f"{s[k]} {label}" for k, label in (("oom", "OOM"), ("timeouts", "timeout"), ("failed", "failed")) if s[k]]
-    return cell + (" " + ", ".join(rest) if rest else "")
+    rest = [f"{s[k]} {label}" for k, label in (("oom", "OOM"), ("over", "over"), ("failed", "failed")) if s[k]]
+    return cell + (" " + ", ".join(rest) if rest else "") + (", dropped" if s.get("dropped") else "")
 
 
 def _cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
+
+
+def speed_cells(s: dict, tier: float | None) -> tuple[str, str]:
+    """The tok/s and ratio-to-mlx-tier cells: ``2.00``/``1.00x``; ``<0.15``/``<0.08x`` for a bound only."""
+    def num(v: float) -> str:  # 3-4 significant digits, at most 6 characters up to 9999
+        return f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+    if "tok_s" in s:
+        return num(s["tok_s"]), f"{num(s['tok_s'] / tier)}x" if tier else "-"
+    if "tok_s_below" in s:
+        return f"<{num(s['tok_s_below'])}", f"<{num(s['tok_s_below'] / tier)}x" if tier else "-"
+    return "-", "-"
 
 
 def table(summary: dict[tuple[str, str], dict]) -> list[str]:
@@ -158,25 +195,20 @@ def table(summary: dict[tuple[str, str], dict]) -> list[str]:
         summary: ``{(engine, "cold"|"warm"): summarise(...)}`` in print order.
 
     Returns:
-        Header, rule and rows: decode tok/s (a ``*`` marks a timed-out run's
-        rate so far), TTFT s, hit rate, peak RSS GiB, completed / runs with
-        OOM kills and timeouts, and tok/s as a ratio to mlx-tier's (same
-        temperature).
+        Header, rule and rows: decode tok/s (``<x``: every run was stopped at
+        the limit, so only a bound), TTFT s, hit rate, peak RSS GiB, completed
+        / runs with OOM kills, runs over the limit and ``dropped``, and tok/s
+        as a ratio to mlx-tier's (same temperature).
     """
-    head = f"{'engine':<17} {'run':<4} {'tok/s':>7} {'TTFT s':>7} {'hit':>4} {'RSS GiB':>7}  {'completed':<19} {'vs tier':>7}"
+    head = (f"{'engine':<16} {'run':<4} {'tok/s':>6} {'TTFT s':>6} {'hit':>4} {'RSS GiB':>7}  "
+            f"{'completed':<22} {'vs tier':>7}")
     lines = [head, "-" * len(head)]
     for (engine, temp), s in summary.items():
-        tier = summary.get(("mlx-tier", temp), {}).get("tok_s")
-        if "tok_s" in s:
-            speed = f"{s['tok_s']:.2f} "
-        elif "partial_tok_s" in s:
-            speed = f"{s['partial_tok_s']:.2f}*"
-        else:
-            speed = "- "
-        ratio = f"{s['tok_s'] / tier:.2f}x" if tier and "tok_s" in s else "-"
+        speed, ratio = speed_cells(s, summary.get(("mlx-tier", temp), {}).get("tok_s"))
         rss = s["peak_rss"] / GIB if "peak_rss" in s else None
-        lines.append(f"{engine:<17} {temp:<4} {speed:>7} {_cell(s.get('ttft'), '.2f'):>7} "
-                     f"{_cell(s.get('hit_rate'), '.0%'):>4} {_cell(rss, '.2f'):>7}  {outcome_cell(s)[:19]:<19} {ratio:>7}")
+        lines.append(f"{engine[:16]:<16} {temp:<4} {speed:>6} {_cell(s.get('ttft'), '.1f'):>6} "
+                     f"{_cell(s.get('hit_rate'), '.0%'):>4} {_cell(rss, '.2f'):>7}  {outcome_cell(s)[:22]:<22} "
+                     f"{ratio:>7}")
     return lines
 
 
@@ -192,10 +224,19 @@ def headline(summary: dict[tuple[str, str], dict], temp: str, loads: list[float]
     tier = summary.get(("mlx-tier", temp), {}).get("tok_s")
     if not tier:
         return "no headline ratio: mlx-tier completed no run"
-    parts = [f"{e} {s['tok_s'] / tier:.2f}x" if "tok_s" in s else f"{e} {outcome_cell(s)}"
-             for (e, t), s in summary.items() if t == temp and e != "mlx-tier"]
-    return (f"headline ({temp}, load moved {spread:.2f} <= {tolerance:.2f}): mlx-tier {tier:.2f} tok/s; "
-            + "; ".join(parts))
+    parts = []
+    for (e, t), s in summary.items():
+        if t != temp or e == "mlx-tier":
+            continue
+        _, ratio = speed_cells(s, tier)
+        if "tok_s" in s:
+            parts.append(f"{e} {ratio}")
+        elif "tok_s_below" in s:
+            parts.append(f"{e} {ratio} (stopped at the limit, a bound)")
+        else:
+            parts.append(f"{e} {outcome_cell(s)}")
+    return (f"headline ({temp}, load moved {spread:.2f} <= {tolerance:.2f}): mlx-tier {tier:.2f} tok/s"
+            + "".join(f"; {p}" for p in parts))
 
 
 def wrap(text: str, indent: str = "  ") -> list[str]:
@@ -314,20 +355,28 @@ def _events(stdout: str) -> list[dict]:
     return out
 
 
-def _outcome(events: list[dict], timed_out: bool, oom: int, stderr: str, code: int, timeout: int) -> str:
+def _outcome(events: list[dict], stopped: bool, oom: int, stderr: str, code: int, limit: int) -> str:
     phase = events[-1]["phase"] if events else "starting"
     if events and phase == "done":
         return "ok"
-    if timed_out:
-        return f"timed out after {timeout} s while {phase}"
+    if stopped:
+        return f"over the {limit} s limit while {'generating' if phase == 'progress' else phase}"
     if oom:
-        return f"OOM-killed while {phase}"
+        return f"OOM-killed while {'generating' if phase == 'progress' else phase}"
     tail = stderr.strip().splitlines()[-1:] or [f"exit code {code}"]
     return f"failed while {phase}: {tail[0][:160]}"
 
 
-def run_once(spec, cgroup, timeout: int) -> dict:
-    """One run of ``spec`` (a ``peers_engines.RunSpec``) in a fresh process, inside ``cgroup`` when given."""
+def run_once(spec, cgroup, limit_s: int, tick=lambda elapsed, event: None) -> dict:
+    """One run of ``spec`` (a ``peers_engines.RunSpec``) in a fresh process, inside ``cgroup`` when given.
+
+    Stopped after ``limit_s`` seconds (load included); such a run keeps
+    ``peers_runs.bound_fields``. ``tick(elapsed_s, last_event)`` about once a
+    second. Returns the run's record: ``outcome``, ``wall_s``, load figures,
+    the worker's result when it completed.
+    """
+    from peers_runs import bound_fields, watch
+
     cmd = [sys.executable, str(HERE / "peers_engines.py"), json.dumps(dataclasses.asdict(spec))]
     oom_before = 0
     if cgroup is not None:
@@ -335,27 +384,25 @@ def run_once(spec, cgroup, timeout: int) -> dict:
         oom_before = cgroup.oom_kills()
         cmd = cgroup.wrap(cmd)
     run = {"engine": spec.engine, "load1_start": os.getloadavg()[0]}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE)
-    with LoadSampler(proc.pid) as sampler:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-            timed_out = True
-    run.update(load1_end=os.getloadavg()[0], others=sampler.mean(), returncode=proc.returncode)
-    events = _events(stdout)
+    samplers = []
+
+    def on_start(pid: int) -> None:
+        samplers.append(LoadSampler(pid).__enter__())
+
+    try:
+        w, code = watch(cmd, limit_s, tick, cwd=HERE, on_start=on_start)
+    finally:
+        for sampler in samplers:
+            sampler.__exit__(None, None, None)
+    run.update(load1_end=os.getloadavg()[0], others=samplers[0].mean(), returncode=code, wall_s=w.wall_s)
     oom = cgroup.oom_kills() - oom_before if cgroup is not None else 0
-    run["outcome"] = _outcome(events, timed_out, oom, stderr, proc.returncode, timeout)
+    run["outcome"] = _outcome(w.events, w.stopped, oom, w.stderr, code, limit_s)
     if cgroup is not None:
         run["cgroup_peak"] = cgroup.read("memory.max_usage_in_bytes")
     if run["outcome"] == "ok":
-        run.update(events[-1]["result"])
-    progress = [e for e in events if e["phase"] == "progress"]
-    if run["outcome"] != "ok" and progress and progress[-1]["tokens"] > 1:
-        last = progress[-1]
-        run.update(ttft=last["ttft"], partial_tok_s=(last["tokens"] - 1) / last["decode_s"])
+        run.update(w.events[-1]["result"])
+    elif w.stopped:
+        run.update(bound_fields(w, spec.max_tokens))
     return run
 
 
@@ -371,28 +418,53 @@ def make_specs(engines: list[str], prep: Prepared, prompt: list[int], tokens: in
             for e in engines}
 
 
-def run_rounds(specs: dict, temps: tuple[str, ...], rounds: int, files: list[Path], cgroup, timeout: int,
-               log=print) -> dict[tuple[str, str], list[dict]]:
-    """Interleaved rounds (engine order rotated each round), cold then warm; ``{(engine, temp): runs}``."""
+def run_line(slot, total: int, run: dict) -> str:
+    """One finished run, for the log: ``run 3/45 nunspark warm: ok, 0.20 tok/s``."""
+    speed = (f", {run['tok_s']:.2f} tok/s" if "tok_s" in run else
+             f", <{run['tok_s_below']:.2f} tok/s" if run.get("tok_s_below") is not None else "")
+    return f"run {slot.index + 1}/{total} {slot.engine} {slot.temp}: {run['outcome'][:48]}{speed}"
+
+
+def run_plan(specs: dict, plan: list, out: Path, files: list[Path], cgroup, limit_s: int, temps, runner=run_once,
+             drop_pages=None) -> list[dict]:
+    """Run the slots of ``plan`` not yet recorded in ``out``, appending each finished run there at once.
+
+    Engines dropped (``peers_runs.dropped``) are skipped, also when dropped
+    during this call. Warm-only: each engine still to run gets one untimed
+    priming run first (16 tokens, not recorded). Ctrl-C (KeyboardInterrupt)
+    passes through; only the run in flight is lost. Returns every recorded run.
+    """
+    from peers_runs import Progress, append_run, dropped, load_runs, pending
+
+    recorded = load_runs(out)
+    todo = pending(plan, recorded)
+    progress = Progress()
+    if temps == ("warm",):  # warm-only: prime the page cache once per engine, untimed
+        for e in dict.fromkeys(s.engine for s in todo):
+            progress.start(f"priming {e}")
+            short = dataclasses.replace(specs[e], max_tokens=min(specs[e].max_tokens, 16))
+            progress.line(f"priming {e}: {runner(short, cgroup, limit_s, progress.tick)['outcome'][:60]}")
+    for slot in todo:
+        if slot.engine in dropped(recorded):
+            continue
+        if slot.temp == "cold":
+            (drop_pages or _drop_pages)(files)
+        progress.start(f"run {slot.index + 1}/{len(plan)} {slot.engine} {slot.temp}")
+        run = runner(specs[slot.engine], cgroup, limit_s, progress.tick)
+        run.update(slot=slot.index, round=slot.round, temp=slot.temp, engine=slot.engine)
+        append_run(out, run)
+        recorded.append(run)
+        progress.line(run_line(slot, len(plan), run))
+        why = dropped(recorded).get(slot.engine)
+        if why and sum(r["engine"] == slot.engine for r in recorded) == 1:
+            progress.line(f"  {slot.engine}: {why} in its first run, not run again")
+    return recorded
+
+
+def _drop_pages(files: list[Path]) -> None:
     from pagecache import drop_pages
 
-    names = list(specs)
-    runs: dict[tuple[str, str], list[dict]] = {(e, t): [] for e in names for t in temps}
-    if temps == ("warm",):  # warm-only: prime the page cache once per engine, untimed
-        for e in names:
-            short = dataclasses.replace(specs[e], max_tokens=min(specs[e].max_tokens, 16))
-            log(f"  priming {e}: {run_once(short, cgroup, timeout)['outcome']}")
-    for r in range(rounds):
-        for e in names[r % len(names):] + names[: r % len(names)]:
-            for temp in temps:
-                if temp == "cold":
-                    drop_pages(files)
-                run = run_once(specs[e], cgroup, timeout)
-                runs[(e, temp)].append(run)
-                speed = (f", {run['tok_s']:.2f} tok/s" if "tok_s" in run else
-                         f", {run['partial_tok_s']:.2f} tok/s so far" if "partial_tok_s" in run else "")
-                log(f"  round {r + 1}/{rounds} {e:<17} {temp}: {run['outcome'][:60]}{speed}")
-    return runs
+    drop_pages(files)
 
 
 def prompt_ids(model: Path, n: int) -> list[int]:
@@ -404,26 +476,43 @@ def prompt_ids(model: Path, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def caliber_lines(args, prep: Prepared, capped: bool, runs: dict, cache_gb: float, budget: int) -> list[str]:
-    """The header: machine, cap, model, prompt, tokens, runs, load."""
+def model_meta(model: Path) -> dict:
+    """What the caliber header says of the checkpoint (kept in ``plan.json`` for ``--report-only``)."""
+    cfg = json.loads((model / "config.json").read_text())
+    return {"name": model.name, "model_type": cfg["model_type"], "layers": cfg["num_hidden_layers"],
+            "experts": cfg.get("num_experts", "?"), "top_k": cfg.get("num_experts_per_tok", "?"),
+            "bytes": sum(f.stat().st_size for f in model.glob("*.safetensors"))}
+
+
+def machine_line() -> str:
     from mlx_tier.jobs import backend_name
 
-    cfg = json.loads((prep.model / "config.json").read_text())
-    ckpt = sum(f.stat().st_size for f in prep.model.glob("*.safetensors"))
+    return (f"{platform.machine()} {platform.system()}, {psutil.cpu_count()} cores, "
+            f"{psutil.virtual_memory().total / GIB:.0f} GiB, MLX {backend_name()}")
+
+
+def caliber_lines(fp: dict, meta: dict, runs: dict) -> list[str]:
+    """The header: machine, cap, model, prompt, tokens, runs, limit, load.
+
+    Args:
+        fp: the command's fingerprint (``fingerprint``).
+        meta: ``machine`` (``machine_line()``) and ``model`` (``model_meta``).
+        runs: ``{(engine, temp): [run, ...]}`` recorded.
+    """
+    m = meta["model"]
     all_runs = [r for rs in runs.values() for r in rs]
-    l1 = [r[k] for r in all_runs for k in ("load1_start", "load1_end")]
+    l1 = [r[k] for r in all_runs for k in ("load1_start", "load1_end") if r.get(k) is not None]
     others = [r["others"] for r in all_runs if r.get("others") is not None]
-    cap = f"{args.cap_gb:g} GiB cgroup v1 (page cache charged)" if capped else "NONE (runs uncapped)"
+    cap = f"{fp['cap_gb']:g} GiB cgroup v1 (page cache charged)" if fp["capped"] else "NONE (runs uncapped)"
     lines = [
-        f"machine: {platform.machine()} {platform.system()}, {psutil.cpu_count()} cores, "
-        f"{psutil.virtual_memory().total / GIB:.0f} GiB, MLX {backend_name()}; cap: {cap}",
-        f"model: {prep.model.name}, {cfg['model_type']}, {ckpt / GIB:.2f} GiB"
-        + (f" = {ckpt / (args.cap_gb * GIB):.1f}x the cap" if args.cap_gb else "")
-        + f"; {cfg['num_hidden_layers']} layers x {cfg.get('num_experts', '?')} experts, "
-        f"top-{cfg.get('num_experts_per_tok', '?')}",
-        f"single request, prompt {args.prompt_tokens} tokens, {args.tokens} greedy tokens; {args.runs} "
-        f"run{'s' if args.runs > 1 else ''} x {'+'.join(args.temps)}, interleaved, medians; mlx-tier cache {cache_gb:g} GiB "
-        f"(kernel {args.tier_kernel}); nunspark budget {budget / 1e9:.2f} GB",
+        f"machine: {meta['machine']}; cap: {cap}",
+        f"model: {m['name']}, {m['model_type']}, {m['bytes'] / GIB:.2f} GiB"
+        + (f" = {m['bytes'] / (fp['cap_gb'] * GIB):.1f}x the cap" if fp["cap_gb"] else "")
+        + f"; {m['layers']} layers x {m['experts']} experts, top-{m['top_k']}",
+        f"single request, prompt {fp['prompt_tokens']} tokens, {fp['tokens']} greedy tokens; {fp['runs']} "
+        f"run{'s' if fp['runs'] > 1 else ''} x {'+'.join(fp['temps'])}, interleaved, medians; each run stopped "
+        f"at {fp['run_limit_s']} s; mlx-tier cache {fp['cache_gb']:g} GiB (kernel {fp['tier_kernel']}); "
+        f"nunspark budget {fp['budget_bytes'] / 1e9:.2f} GB",
         f"load average (1 min) {min(l1, default=0):.1f}-{max(l1, default=0):.1f}; others' runnable tasks "
         + (f"{min(others):.1f}-{max(others):.1f} (run means)" if others else "not sampled"),
     ]
@@ -472,19 +561,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tier-kernel", default="auto", help="mlx-tier expert kernel (TierConfig.kernel)")
     ap.add_argument("--load-tolerance", type=float, default=0.5,
                     help="largest move of the load across headline runs that still allows a headline ratio")
-    ap.add_argument("--run-timeout", type=int, default=900, help="seconds before a run is killed")
+    ap.add_argument("--run-limit-s", type=int, default=None,
+                    help=f"seconds a run may take, load included, before it is stopped and recorded as a bound "
+                         f"(default {RUN_LIMIT_S['seed']} with --caliber seed, else {RUN_LIMIT_S[None]})")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (plan.json, runs.jsonl); the same command with the same --out continues "
+                         "a pass (default: a new folder under $MLX_TIER_CACHE/peers-runs)")
+    ap.add_argument("--report-only", action="store_true", help="print the table of --out's runs; run nothing")
     ap.add_argument("--work", type=Path, default=None, help="packed and GGUF copies (default: $MLX_TIER_CACHE/peers)")
-    ap.add_argument("--json", type=Path, default=None, help="results file (default: under $MLX_TIER_CACHE)")
     args = ap.parse_args(argv)
     if args.caliber:
         c = CALIBERS[args.caliber]
         args.runs, args.tokens, args.temps = c["runs"], c["tokens"], ",".join(c["temps"])
+    if args.run_limit_s is None:
+        args.run_limit_s = RUN_LIMIT_S[args.caliber]
     args.temps = tuple(t for t in ("cold", "warm") if t in args.temps.split(","))
     return args
 
 
 def check_args(args) -> str | None:
     """One line saying what is wrong with the arguments, or ``None``."""
+    if args.report_only:
+        if args.out is None or not (args.out / "plan.json").is_file():
+            return f"--report-only needs --out DIR of an earlier run (no plan.json in {args.out})"
+        return None
     unknown = [e for e in args.engines.split(",") if e not in ENGINES]
     if unknown:
         return f"unknown engine {unknown[0]!r}; choose from: {', '.join(ENGINES)}"
@@ -496,43 +596,96 @@ def check_args(args) -> str | None:
         return "--runs >= 1, --tokens >= 2 and --prompt-tokens >= 1 are needed"
     if args.cap_gb < 0 or (args.cache_gb is not None and args.cache_gb <= 0):
         return "--cap-gb must be >= 0 and --cache-gb > 0"
+    if args.run_limit_s < 1:
+        return "--run-limit-s must be >= 1"
     return None
 
 
-def report(args, prep: Prepared, capped: bool, runs: dict, cache_gb: float, budget: int,
-           notes: list[str]) -> dict:
-    """Print the caliber, table, headline and notes; the summary keyed ``"engine | temp"``."""
-    summary = {key: summarise(rs) for key, rs in runs.items()}
+def fingerprint(args, model: Path, engines: list[str], prompt: list[int], capped: bool, cache_gb: float,
+                budget: int) -> dict:
+    """What must stay the same for runs to be pooled in one table: a rerun with another one is refused."""
+    cfg = (model / "config.json").read_bytes()
+    return {"model": str(model), "model_config_sha1": hashlib.sha1(cfg).hexdigest(),
+            "model_bytes": sum(f.stat().st_size for f in model.glob("*.safetensors")),
+            "prompt_tokens": len(prompt), "prompt_sha1": hashlib.sha1(json.dumps(prompt).encode()).hexdigest(),
+            "tokens": args.tokens, "cap_gb": args.cap_gb, "capped": capped, "caliber": args.caliber,
+            "runs": args.runs, "temps": list(args.temps), "engines": engines, "cache_gb": cache_gb,
+            "budget_bytes": budget, "tier_kernel": args.tier_kernel, "run_limit_s": args.run_limit_s}
+
+
+def plan_lines(fp: dict, plan: list, recorded: list[dict]) -> list[str]:
+    """What is left and how long it may take: runs x the limit at most; expected from the runs so far."""
+    from peers_runs import dropped, duration, estimate_s, pending
+
+    todo = pending(plan, recorded)
+    expected, at_most = estimate_s(todo, recorded, fp["run_limit_s"])
+    priming = len({s.engine for s in todo}) if fp["temps"] == ["warm"] else 0
+    gone = dropped(recorded)
+    lines = [f"plan: {len(fp['engines'])} engine(s) x {fp['runs']} rounds x {'+'.join(fp['temps'])} = {len(plan)} "
+             f"runs of {fp['tokens']} tokens; {len(recorded)} recorded, {len(todo)} to go"
+             + (f" ({', '.join(gone)} dropped)" if gone else ""),
+             f"time: at most {duration(at_most + priming * fp['run_limit_s'])} ({len(todo)} runs"
+             + (f" + {priming} priming" if priming else "") + f" x the {duration(fp['run_limit_s'])} limit); "
+             f"expected {duration(expected)} from the runs so far (the limit for engines not yet run), less as "
+             f"engines over the limit or OOM-killed in their first run drop out"]
+    return [w for line in lines for w in wrap(line, indent="")]
+
+
+def report(out: Path, tolerance: float) -> None:
+    """Print the caliber, table, headline and notes, from ``out``'s files alone."""
+    from peers_runs import dropped, load_plan, load_runs, pending
+
+    plan, recorded = load_plan(out), load_runs(out)
+    fp, meta = plan["fingerprint"], plan.get("meta")
+    gone = dropped(recorded)
+    runs: dict[tuple[str, str], list[dict]] = {(e, t): [] for e in fp["engines"] for t in fp["temps"]}
+    for r in sorted(recorded, key=lambda r: r["slot"]):
+        runs.setdefault((r["engine"], r["temp"]), []).append(r)
+    summary = {key: summarise(rs, gone.get(key[0])) for key, rs in runs.items() if rs}
     print()
-    for line in caliber_lines(args, prep, capped, runs, cache_gb, budget):
-        print(line)
-    print()
-    for line in table(summary):
-        print(line)
-    head_temp = "warm" if "warm" in args.temps else args.temps[0]
+    if meta:
+        print("\n".join(caliber_lines(fp, meta, runs)) + "\n")
+    print("\n".join(table(summary)))
+    head_temp = "warm" if "warm" in fp["temps"] else fp["temps"][0]
     head_runs = [r for (_, t), rs in runs.items() if t == head_temp for r in rs]
     loads = [x for x in map(run_load, head_runs) if x is not None]
     what = "others' runnable tasks" if all(r.get("others") is not None for r in head_runs) else "load average"
+    notes = [f"{e}: {why} in its first run, not run again" for e, why in gone.items()]
+    if any("tok_s_below" in s for s in summary.values()):
+        notes.append(f"<x: every run stopped at the {fp['run_limit_s']} s limit before its {fp['tokens']} tokens, "
+                     f"so its decode rate was below x = {fp['tokens'] - 1} tokens / the time from its first token "
+                     f"to the stop; a bound, not a completed run")
+    notes += [f"{e} {t}: {s['rate_so_far']:.2f} tok/s over the tokens it decoded before the stop"
+              for (e, t), s in summary.items() if "rate_so_far" in s]
     print()
-    for line in [headline(summary, head_temp, loads, args.load_tolerance, what), token_agreement(runs), *notes]:
-        for w in wrap(line, indent=""):
-            print(w)
-    if any("partial_tok_s" in s for s in summary.values()):
-        print("* no run completed: the rate over the tokens decoded before the timeout")
-    return {f"{e} | {t}": s for (e, t), s in summary.items()}
+    for line in [headline(summary, head_temp, loads, tolerance, what), token_agreement(runs), *notes,
+                 *(meta or {}).get("notes", [])]:
+        print("\n".join(wrap(line, indent="")))
+    todo = pending(slots_of(fp), recorded)
+    print("\n".join(wrap(f"results: {out / 'runs.jsonl'}: {len(recorded)} run(s) recorded, "
+                         + (f"{len(todo)} to go (the same command with --out continues)" if todo
+                            else "the pass is complete"), indent="")))
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    problem = check_args(args)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+def slots_of(fp: dict) -> list:
+    """The interleaved plan of the command ``fp`` describes."""
+    from peers_runs import slots
+
+    return slots(tuple(fp["engines"]), tuple(fp["temps"]), fp["runs"])
+
+
+def start(args, notes: list[str], stack: contextlib.ExitStack) -> tuple[dict, Path, object, dict, Prepared]:
+    """Everything before the first run: ``(fingerprint, out, cgroup or None, RunSpec per engine, Prepared)``.
+
+    Raises:
+        peers_runs.Mismatch: ``--out`` holds another command's runs.
+    """
     from capped import DEFAULT_CACHE_FRACTION, open_cgroup
     from make_synthetic_moe import ensure_synthetic
     from mlx_tier.demo_model import cache_dir
+    from peers_runs import open_results, save_meta
 
-    engines, notes = [], []
+    engines = []
     for e in args.engines.split(","):
         hint = install_hint(e)
         if hint:
@@ -541,25 +694,56 @@ def main(argv=None) -> int:
         else:
             engines.append(e)
     model = (args.model or ensure_synthetic()).resolve()
-    prep = prepare(model, engines, args.work or cache_dir() / "peers")
     cache_gb = args.cache_gb or round((args.cap_gb or 2.0) * DEFAULT_CACHE_FRACTION, 3)
     budget = int(args.budget_gb * 1e9) if args.budget_gb else int(cache_gb * GIB) + dense_bytes(model)
-    specs = make_specs(engines, prep, prompt_ids(model, args.prompt_tokens), args.tokens, cache_gb, budget,
-                       args.tier_kernel)
-    print(f"{len(engines)} engines x {args.runs} runs x {'+'.join(args.temps)}, {args.tokens} tokens each", flush=True)
+    prompt = prompt_ids(model, args.prompt_tokens)
+    cgroup = open_cgroup(int(args.cap_gb * GIB), notes, stack) if args.cap_gb else None
+    if not args.cap_gb:
+        notes.append("--cap-gb 0: runs are uncapped on purpose")
+    fp = fingerprint(args, model, engines, prompt, cgroup is not None, cache_gb, budget)
+    out = args.out or cache_dir() / "peers-runs" / time.strftime("%Y%m%d-%H%M%S")
+    recorded = open_results(out, fp)
+    save_meta(out, {"machine": machine_line(), "model": model_meta(model), "notes": notes})
+    print(f"results: {out} (rerun the same command with --out {out} to continue)")
+    for line in plan_lines(fp, slots_of(fp), recorded):
+        print(line)
+    prep = prepare(model, engines, args.work or cache_dir() / "peers")
+    specs = make_specs(engines, prep, prompt, args.tokens, cache_gb, budget, args.tier_kernel)
+    return fp, out, cgroup, specs, prep
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if args.report_only:
+        report(args.out, args.load_tolerance)
+        return 0
+    from peers_runs import Mismatch
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` of a nohup'd pass: as Ctrl-C, the worker killed too
+    notes: list[str] = []
     with contextlib.ExitStack() as stack:
-        cgroup = open_cgroup(int(args.cap_gb * GIB), notes, stack) if args.cap_gb else None
-        if not args.cap_gb:
-            notes.append("--cap-gb 0: runs are uncapped on purpose")
-        runs = run_rounds(specs, args.temps, args.runs, prep.files(), cgroup, args.run_timeout)
-    summary = report(args, prep, cgroup is not None, runs, cache_gb, budget, notes)
-    out = args.json or cache_dir() / f"bench-peers-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "notes": notes,
-                               "capped": cgroup is not None, "cache_gb": cache_gb, "budget_bytes": budget,
-                               "summary": summary, "runs": {f"{e} | {t}": rs for (e, t), rs in runs.items()}},
-                              indent=1, default=str))
-    print(f"results: {out}")
+        try:
+            fp, out, cgroup, specs, prep = start(args, notes, stack)
+        except Mismatch as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            run_plan(specs, slots_of(fp), out, prep.files(), cgroup, args.run_limit_s, args.temps)
+        except KeyboardInterrupt:
+            print("\n" + "\n".join(wrap(f"interrupted: the run in flight is lost, the others are in "
+                                         f"{out / 'runs.jsonl'}; the same command with --out {out} continues",
+                                         indent="")))
+            report(out, args.load_tolerance)
+            return 130
+    report(out, args.load_tolerance)
     return 0
 
 
