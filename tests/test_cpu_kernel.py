@@ -96,6 +96,29 @@ def test_4bit_row_loops_match_mlx_and_the_generic_loop(D, group_size):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("group_size, cuts", [(64, [0, 1, 127, 128, 129, 400, 640]), (32, [0, 37, 256, 383, 640]),
+                                               (128, [0, 128, 129, 130, 640])])
+def test_4bit_row_loop_shares_cut_anywhere(group_size, cuts):
+    """A thread's share [f0, f1) of the flat (pair, row) range may start and end inside a
+    pair (_parallel cuts by row count): the shares together fill exactly what one call
+    over the whole range fills, bit for bit, touching nothing outside their range."""
+    b = block("glu", D=256, H=128, bits=4, group_size=group_size)
+    q = cpu_kernel._Quant(b.up_proj, stacked=True)  # O=128 rows of I=256 per pair
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    xd, xs = q.prepare(x)
+    tok, slots = np.array([0, 1, 1, 0, 1]), np.array([5, 0, 3, 3, 1])  # 5 pairs, 640 rows
+    whole = np.full((5, 128), np.nan, np.float32)
+    cpu_kernel._qmv4(group_size, q.w, q.scales, q.biases, xd, xs, tok, slots, whole, 0, whole.size)
+    shares = np.empty(whole.size, np.float32)
+    for f0, f1 in zip(cuts[:-1], cuts[1:]):
+        one = np.full((5, 128), np.nan, np.float32)
+        cpu_kernel._qmv4(group_size, q.w, q.scales, q.biases, xd, xs, tok, slots, one, f0, f1)
+        filled = ~np.isnan(one.reshape(-1))
+        assert filled[f0:f1].all() and filled.sum() == f1 - f0  # this share's rows, no others
+        shares[f0:f1] = one.reshape(-1)[f0:f1]
+    assert np.array_equal(shares.reshape(whole.shape), whole) and not np.isnan(whole).any()
+
+
 @pytest.mark.parametrize("T, k", [(1, 2), (1, 4), (2, 3)])
 def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, monkeypatch):
     """Decode of a bias-free 4-bit SwiGLU block with the pairs split evenly among the threads
