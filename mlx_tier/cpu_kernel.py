@@ -513,9 +513,9 @@ def _by_pairs(inner: nn.Module, slots: np.ndarray) -> bool:
     among the threads: then :func:`_glu_by_pairs` serves it with one hand-off."""
     leaves = (inner.get("gate_proj"), inner.get("up_proj"), inner.get("down_proj"))
     return (isinstance(inner, SwitchGLU) and type(inner.activation) is SwiGLU and THREADS > 1
-            and len(slots) % THREADS == 0
+            and len(slots) > 0 and len(slots) % THREADS == 0
             and all(isinstance(q, QuantizedSwitchLinear) and "bias" not in q for q in leaves)
-            and all(len(p) < GEMM_MIN_ROWS for _, p in _groups(slots)))
+            and np.bincount(slots).max() < GEMM_MIN_ROWS)  # no slot takes the GEMM path
 
 
 def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
