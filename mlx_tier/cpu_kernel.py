@@ -105,7 +105,11 @@ def _dot4(wr, sr, br, gs, xd, xs):
 # 1.3-1.7x faster per thread (benches/kernel.py, README "CPU expert kernel").
 # Each is written out: variants sharing one loop with a computed scale index
 # lost most of the gain, and the same constant-length loop for 8-bit rows ran
-# 4x slower than _dot8's (measured; LLVM's choices, not a rule).
+# 4x slower than _dot8's (measured; LLVM's choices, not a rule). Also measured
+# slower here (third round, README): x' = odd x - 16 even x (one op fewer per
+# byte), 128-byte steps with the scale multiplied in per code (one reduction per
+# 4 groups), integer nibble shifts, a vector accumulator in a scratch array; and
+# AVX2 code ran as fast as AVX-512: the loop's speed does not follow its op count.
 
 
 @njit(fastmath=FM, nogil=True, cache=True)
