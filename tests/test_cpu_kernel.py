@@ -135,6 +135,25 @@ def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, monkeypatch)
     assert close(b(x, idx), got) <= BOUND
 
 
+@pytest.mark.parametrize("by_pairs", [True, False], ids=["by-pairs", "per-projection"])
+@pytest.mark.parametrize("up_quant", [dict(bits=4, group_size=32), dict(bits=8, group_size=64)], ids=["up-g32", "up-8bit"])
+def test_gate_and_up_of_different_layouts(up_quant, by_pairs, monkeypatch):
+    """Gate and up share their prepared input only when their layouts match: a block whose
+    up projection is quantized otherwise than gate (4-bit g64) still matches MLX's, on
+    both decode paths."""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    mx.random.seed(1)
+    b = SwitchGLU(128, 128, 6, bias=False)
+    nn.quantize(b, class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                and (up_quant if p == "up_proj" else dict(bits=4, group_size=64)))
+    mx.eval(b.parameters())
+    x, idx = mx.random.normal((1, 128)), mx.array([[0, 3]], dtype=mx.uint32)
+    if not by_pairs:
+        monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    assert cpu_kernel._by_pairs(b, np.array([0, 3])) == by_pairs
+    assert close(b(x, idx), cpu_kernel.expert_forward(b, x, idx)) <= BOUND
+
+
 def test_decode_by_whole_pairs_only_where_it_fits(monkeypatch):
     monkeypatch.setattr(cpu_kernel, "THREADS", 2)
     plain, biased = block("glu", bias=False, bits=4, group_size=32), block("glu", bias=True, bits=4, group_size=32)
