@@ -9,6 +9,7 @@ dequantise + BLAS GEMM for many), at 1, top-k and E slots per layer.
 """
 
 import importlib
+import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -110,7 +111,7 @@ def test_4bit_row_loop_shares_cut_anywhere(group_size, cuts):
     whole = np.full((5, 128), np.nan, np.float32)
     cpu_kernel._qmv4(group_size, q.w, q.scales, q.biases, xd, xs, tok, slots, whole, 0, whole.size)
     shares = np.empty(whole.size, np.float32)
-    for f0, f1 in zip(cuts[:-1], cuts[1:]):
+    for f0, f1 in itertools.pairwise(cuts):
         one = np.full((5, 128), np.nan, np.float32)
         cpu_kernel._qmv4(group_size, q.w, q.scales, q.biases, xd, xs, tok, slots, one, f0, f1)
         filled = ~np.isnan(one.reshape(-1))
@@ -136,7 +137,7 @@ def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, monkeypatch)
 
 
 @pytest.mark.parametrize("by_pairs", [True, False], ids=["by-pairs", "per-projection"])
-@pytest.mark.parametrize("up_quant", [dict(bits=4, group_size=32), dict(bits=8, group_size=64)], ids=["up-g32", "up-8bit"])
+@pytest.mark.parametrize("up_quant", [{"bits": 4, "group_size": 32}, {"bits": 8, "group_size": 64}], ids=["up-g32", "up-8bit"])
 def test_gate_and_up_of_different_layouts(up_quant, by_pairs, monkeypatch):
     """Gate and up share their prepared input only when their layouts match: a block whose
     up projection is quantized otherwise than gate (4-bit g64) still matches MLX's, on
@@ -145,7 +146,7 @@ def test_gate_and_up_of_different_layouts(up_quant, by_pairs, monkeypatch):
     mx.random.seed(1)
     b = SwitchGLU(128, 128, 6, bias=False)
     nn.quantize(b, class_predicate=lambda p, m: hasattr(m, "to_quantized")
-                and (up_quant if p == "up_proj" else dict(bits=4, group_size=64)))
+                and (up_quant if p == "up_proj" else {"bits": 4, "group_size": 64}))
     mx.eval(b.parameters())
     x, idx = mx.random.normal((1, 128)), mx.array([[0, 3]], dtype=mx.uint32)
     if not by_pairs:
