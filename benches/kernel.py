@@ -152,6 +152,9 @@ def main() -> None:
     for name, (t, load) in res.items():
         gbs = K * per_expert / t
         print(f"{name:28} {t * 1e3:8.2f} {gbs / 1e9:7.2f} {gbs / bw:10.1%} {mlx_t / t:7.1f}x   ({load})")
+    share = K * per_expert / res["cpu kernel (numba fused)"][0] / bw
+    print(f"target: kernel decode >= 40% of this run's streaming read: {share:.1%}, "
+          f"{'pass' if share >= 0.4 else 'missed'}")
 
     T = 512
     xp = mx.random.normal((T, D))

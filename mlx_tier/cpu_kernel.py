@@ -105,7 +105,11 @@ def _dot4(wr, sr, br, gs, xd, xs):
 # 1.3-1.7x faster per thread (benches/kernel.py, README "CPU expert kernel").
 # Each is written out: variants sharing one loop with a computed scale index
 # lost most of the gain, and the same constant-length loop for 8-bit rows ran
-# 4x slower than _dot8's (measured; LLVM's choices, not a rule).
+# 4x slower than _dot8's (measured; LLVM's choices, not a rule). Also measured
+# slower here (third round, README): x' = odd x - 16 even x (one op fewer per
+# byte), 128-byte steps with the scale multiplied in per code (one reduction per
+# 4 groups), integer nibble shifts, a vector accumulator in a scratch array; and
+# AVX2 code ran as fast as AVX-512: the loop's speed does not follow its op count.
 
 
 @njit(fastmath=FM, nogil=True, cache=True)
@@ -174,20 +178,23 @@ def _row_loop(bits: int, gs: int, mode: int, groups: int) -> int:
 @njit(nogil=True, cache=True)
 def _qmv4(gs, w, scales, biases, xd, xsum, tok, slots, out, f0, f1):
     """:func:`_qmv` through the row loop for group size ``gs`` (32, 64, 128: one loop each,
-    the branch outside it; dispatching per row inside _qmv measured 10-25% slower)."""
+    the branch outside it; dispatching per row inside _qmv measured 10-25% slower).
+    Walks pairs, then rows: a pair's slices are taken once, and no row divides f by O
+    (1.02-1.06x per thread, README "CPU expert kernel")."""
     O = out.shape[1]
-    if gs == 32:
-        for f in range(f0, f1):
-            n, o = f // O, f % O
-            out[n, o] = _dot4_g32(w[slots[n], o], scales[slots[n], o], biases[slots[n], o], xd[tok[n]], xsum[tok[n]])
-    elif gs == 64:
-        for f in range(f0, f1):
-            n, o = f // O, f % O
-            out[n, o] = _dot4_g64(w[slots[n], o], scales[slots[n], o], biases[slots[n], o], xd[tok[n]], xsum[tok[n]])
-    else:
-        for f in range(f0, f1):
-            n, o = f // O, f % O
-            out[n, o] = _dot4_g128(w[slots[n], o], scales[slots[n], o], biases[slots[n], o], xd[tok[n]], xsum[tok[n]])
+    for n in range(f0 // O, (f1 + O - 1) // O):
+        wn, sn, bn = w[slots[n]], scales[slots[n]], biases[slots[n]]
+        xn, xs = xd[tok[n]], xsum[tok[n]]
+        o0, o1 = max(f0 - n * O, 0), min(f1 - n * O, O)
+        if gs == 32:
+            for o in range(o0, o1):
+                out[n, o] = _dot4_g32(wn[o], sn[o], bn[o], xn, xs)
+        elif gs == 64:
+            for o in range(o0, o1):
+                out[n, o] = _dot4_g64(wn[o], sn[o], bn[o], xn, xs)
+        else:
+            for o in range(o0, o1):
+                out[n, o] = _dot4_g128(wn[o], sn[o], bn[o], xn, xs)
 
 
 @njit(fastmath=FM, nogil=True, cache=True)
@@ -369,13 +376,25 @@ class _Quant:
         """Output rows of a thread's least share of a matvec (:data:`SHARE_BYTES`)."""
         return max(1, SHARE_BYTES // (self.w.shape[2] + 2 * self.scales.shape[2] * self.scales.itemsize))
 
-    def matvec_job(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray):
+    def prepare(self, x: np.ndarray) -> tuple:
+        """The row loops' input for x ``[R, I]`` float32: ``(xd [R, p, I/p], xsum [R, G])``
+        (:func:`_deinterleave`, group sums); the same for every layer of the same
+        :attr:`layout`, so a block's gate and up projections prepare x once."""
+        xd = _deinterleave(x, self.bits, self.mode)
+        return xd, x.reshape(x.shape[0], -1, self.gs).sum(-1, dtype=np.float32)
+
+    @property
+    def layout(self) -> tuple:
+        """``(bits, group_size, mode)``: what :meth:`prepare`'s result depends on."""
+        return self.bits, self.gs, self.mode
+
+    def matvec_job(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray, prep: tuple | None = None):
         """:meth:`matvec`'s output ``[N, O]`` (empty) and the job ``(fn(f0, f1), N*O)`` filling
-        it, f = n*O + o, for :func:`_parallel_jobs`."""
-        xd = _deinterleave(x, self.bits, self.mode)  # [R, p, I/p]
-        xsum = x.reshape(x.shape[0], -1, self.gs).sum(-1, dtype=np.float32)  # [R, G]
+        it, f = n*O + o, for :func:`_parallel_jobs`; ``prep``: :meth:`prepare`'s result
+        for ``x`` (computed here when ``None``)."""
+        xd, xsum = self.prepare(x) if prep is None else prep  # [R, p, I/p], [R, G]
         out = np.empty((len(slots), self.out_dims), np.float32)
-        tok, slots = tok.astype(np.int64), slots.astype(np.int64)
+        tok, slots = tok.astype(np.int64, copy=False), slots.astype(np.int64, copy=False)
         w, sc, bi = self.w, self.scales, self.biases
         loop = _row_loop(self.bits, self.gs, self.mode, sc.shape[2])
         if loop:
@@ -441,13 +460,15 @@ def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarr
     groups = _groups(slots)
     small = [p for s, p in groups if len(p) < GEMM_MIN_ROWS]
     pairs = np.concatenate(small) if small else None
-    outs, jobs, grains = [], [], []
+    outs, jobs, grains, preps = [], [], [], {}
     for leaf in leaves:
         quant = _Quant(leaf, stacked=True) if isinstance(leaf, QuantizedSwitchLinear) else None
         weight = None if quant is not None else _host(leaf["weight"])  # [S, O, I]
         out = np.empty((len(slots), quant.out_dims if quant is not None else weight.shape[1]), np.float32)
         if quant is not None and pairs is not None:
-            part, job = quant.matvec_job(x, tok[pairs], slots[pairs])  # [len(pairs), O]
+            if quant.layout not in preps:
+                preps[quant.layout] = quant.prepare(x)
+            part, job = quant.matvec_job(x, tok[pairs], slots[pairs], preps[quant.layout])  # [len(pairs), O]
             jobs.append(job)
             grains.append(quant.grain)
             outs.append((out, part))
@@ -496,9 +517,9 @@ def _by_pairs(inner: nn.Module, slots: np.ndarray) -> bool:
     among the threads: then :func:`_glu_by_pairs` serves it with one hand-off."""
     leaves = (inner.get("gate_proj"), inner.get("up_proj"), inner.get("down_proj"))
     return (isinstance(inner, SwitchGLU) and type(inner.activation) is SwiGLU and THREADS > 1
-            and len(slots) % THREADS == 0
+            and len(slots) > 0 and len(slots) % THREADS == 0
             and all(isinstance(q, QuantizedSwitchLinear) and "bias" not in q for q in leaves)
-            and all(len(p) < GEMM_MIN_ROWS for _, p in _groups(slots)))
+            and np.bincount(slots).max() < GEMM_MIN_ROWS)  # no slot takes the GEMM path
 
 
 def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -509,9 +530,12 @@ def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nd
     gate, up, down = (_Quant(inner[n], stacked=True) for n in ("gate_proj", "up_proj", "down_proj"))
     y = np.empty((len(slots), down.out_dims), np.float32)
 
+    prep = gate.prepare(x)  # x once for gate and up (and for both threads)
+    uprep = prep if up.layout == gate.layout else None
+
     def share(n0, n1):
         t, s = tok[n0:n1], slots[n0:n1]
-        (g, gj), (u, uj) = gate.matvec_job(x, t, s), up.matvec_job(x, t, s)
+        (g, gj), (u, uj) = gate.matvec_job(x, t, s, prep), up.matvec_job(x, t, s, uprep)
         gj[0](0, gj[1])
         uj[0](0, uj[1])
         h, hj = down.matvec_job(_glu(inner.activation, u, g), np.arange(n1 - n0), s)

@@ -9,6 +9,7 @@ dequantise + BLAS GEMM for many), at 1, top-k and E slots per layer.
 """
 
 import importlib
+import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -96,6 +97,29 @@ def test_4bit_row_loops_match_mlx_and_the_generic_loop(D, group_size):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("group_size, cuts", [(64, [0, 1, 127, 128, 129, 400, 640]), (32, [0, 37, 256, 383, 640]),
+                                               (128, [0, 128, 129, 130, 640])])
+def test_4bit_row_loop_shares_cut_anywhere(group_size, cuts):
+    """A thread's share [f0, f1) of the flat (pair, row) range may start and end inside a
+    pair (_parallel cuts by row count): the shares together fill exactly what one call
+    over the whole range fills, bit for bit, touching nothing outside their range."""
+    b = block("glu", D=256, H=128, bits=4, group_size=group_size)
+    q = cpu_kernel._Quant(b.up_proj, stacked=True)  # O=128 rows of I=256 per pair
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    xd, xs = q.prepare(x)
+    tok, slots = np.array([0, 1, 1, 0, 1]), np.array([5, 0, 3, 3, 1])  # 5 pairs, 640 rows
+    whole = np.full((5, 128), np.nan, np.float32)
+    cpu_kernel._qmv4(group_size, q.w, q.scales, q.biases, xd, xs, tok, slots, whole, 0, whole.size)
+    shares = np.empty(whole.size, np.float32)
+    for f0, f1 in itertools.pairwise(cuts):
+        one = np.full((5, 128), np.nan, np.float32)
+        cpu_kernel._qmv4(group_size, q.w, q.scales, q.biases, xd, xs, tok, slots, one, f0, f1)
+        filled = ~np.isnan(one.reshape(-1))
+        assert filled[f0:f1].all() and filled.sum() == f1 - f0  # this share's rows, no others
+        shares[f0:f1] = one.reshape(-1)[f0:f1]
+    assert np.array_equal(shares.reshape(whole.shape), whole) and not np.isnan(whole).any()
+
+
 @pytest.mark.parametrize("T, k", [(1, 2), (1, 4), (2, 3)])
 def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, monkeypatch):
     """Decode of a bias-free 4-bit SwiGLU block with the pairs split evenly among the threads
@@ -110,6 +134,25 @@ def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, monkeypatch)
     monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
     assert mx.array_equal(got, cpu_kernel.expert_forward(b, x, idx))
     assert close(b(x, idx), got) <= BOUND
+
+
+@pytest.mark.parametrize("by_pairs", [True, False], ids=["by-pairs", "per-projection"])
+@pytest.mark.parametrize("up_quant", [{"bits": 4, "group_size": 32}, {"bits": 8, "group_size": 64}], ids=["up-g32", "up-8bit"])
+def test_gate_and_up_of_different_layouts(up_quant, by_pairs, monkeypatch):
+    """Gate and up share their prepared input only when their layouts match: a block whose
+    up projection is quantized otherwise than gate (4-bit g64) still matches MLX's, on
+    both decode paths."""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    mx.random.seed(1)
+    b = SwitchGLU(128, 128, 6, bias=False)
+    nn.quantize(b, class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                and (up_quant if p == "up_proj" else {"bits": 4, "group_size": 64}))
+    mx.eval(b.parameters())
+    x, idx = mx.random.normal((1, 128)), mx.array([[0, 3]], dtype=mx.uint32)
+    if not by_pairs:
+        monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    assert cpu_kernel._by_pairs(b, np.array([0, 3])) == by_pairs
+    assert close(b(x, idx), cpu_kernel.expert_forward(b, x, idx)) <= BOUND
 
 
 def test_decode_by_whole_pairs_only_where_it_fits(monkeypatch):
