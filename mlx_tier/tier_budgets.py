@@ -145,9 +145,9 @@ def describe_defaults(mem: FreeMemory, memory_limit: int | None = None) -> str:
     limit = f"; MLX memory limit {memory_limit / gib:.1f} GiB" if memory_limit is not None else ""
     if mem.unified:
         return (f"backend {mem.backend}: one memory, host available {mem.host_available / gib:.1f} GiB -> one tier, "
-                f"default {int(mem.host_available * DEFAULT_FRACTION) / gib:.1f} GiB{limit}")
+                f"default {default_warm_budget(mem.host_available) / gib:.1f} GiB{limit}")
     if mem.device_free is None:
-        return f"backend cuda: MLX reports no GPU memory: give --cache-gb (the hot budget){limit}"
+        return f"backend cuda: MLX reports no GPU memory: give `cache_gb` (the hot budget){limit}"
     b = tier_budgets(None, None, mem)
     return (f"backend cuda: GPU free {mem.device_free / gib:.1f} of {mem.device_total / gib:.1f} GiB, host "
             f"available {mem.host_available / gib:.1f} GiB -> default hot {b.hot / gib:.1f} GiB, warm "
@@ -170,7 +170,8 @@ def default_hot_budget(device_free: int) -> int:
 
 def default_warm_budget(host_available: int) -> int:
     """The warm (host) tier's default budget in bytes on CUDA: :data:`DEFAULT_FRACTION`
-    of ``host_available``, the host memory available in bytes."""
+    of ``host_available``, the host memory available in bytes. The same figure is
+    the one tier's default on one memory (Metal, CPU): the expert cache in host memory."""
     return int(host_available * DEFAULT_FRACTION)
 
 
@@ -203,7 +204,7 @@ def tier_budgets(cache_gb: float | None, host_cache_gb: float | None, mem: FreeM
         hot = hot if hot is not None else default_hot_budget(mem.device_free)
         warm = warm if warm is not None else default_warm_budget(mem.host_available)
         return TierBudgets(hot, warm)
-    one_tier = int(mem.host_available * DEFAULT_FRACTION)
+    one_tier = default_warm_budget(mem.host_available)
     if warm is None:
         return TierBudgets(hot if hot is not None else one_tier, None)
     if hot is None:

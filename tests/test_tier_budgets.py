@@ -11,7 +11,7 @@ CUDA cases run here with a scripted memory snapshot standing in for the probe.
 import json
 
 import pytest
-from mlx_tier.cli.main import app
+from mlx_tier.cli.main import app, as_flags
 from typer.testing import CliRunner
 
 import mlx_tier
@@ -98,7 +98,13 @@ def test_describe_defaults_on_each_kind_of_machine():
         "warm 50.0 GiB; MLX memory limit 72.0 GiB")
     assert tier_budgets.describe_defaults(CPU) == ("backend cpu: one memory, host available 20.0 GiB -> one "
                                                    "tier, default 10.0 GiB")
-    assert "give --cache-gb" in tier_budgets.describe_defaults(FreeMemory("cuda", GIB, GIB))
+    no_gpu_info = tier_budgets.describe_defaults(FreeMemory("cuda", GIB, GIB))
+    # a library text names the setting; the CLI maps it to its flag
+    assert "give `cache_gb`" in no_gpu_info and "--" not in no_gpu_info
+    assert "give --cache-gb" in as_flags(no_gpu_info)
+    assert "--" not in tier_budgets.describe_defaults(CUDA) + tier_budgets.describe_defaults(CPU)
+    odd = FreeMemory("cpu", host_available=3 * GIB + 5, host_total=4 * GIB)  # one-tier default as a run takes it
+    assert tier_budgets.tier_budgets(None, None, odd).hot == tier_budgets.default_warm_budget(3 * GIB + 5)
     assert tier_budgets.describe_defaults(tier_budgets.probe()).startswith("backend ")  # this machine, whatever it is
 
 
