@@ -163,3 +163,32 @@ def test_real_remap_kernel_equals_default_path_on_a_mac(tiny_moe):
     assert_same_run(tiny_moe, mx.array(ids)[None], kernels.remap_for("metal"))
     model, _ = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=8, kernel="metal"))
     assert all(w.remap is not None for w in wrappers(model))
+
+
+def test_reading_the_stats_evaluates_every_layers_device_sums_at_once(tiny_moe, monkeypatch):
+    """Reading the stats after a step waits for the device once: every layer's
+    pending sums (and remembered router outputs) go into one ``mx.eval``, not
+    an ``item()`` and an ``np.array`` per layer (2 x L waits)."""
+    model, _ = load_full(tiny_moe)
+    mx.eval(model(mx.array([[1, 2, 3]])))  # fills every layer
+    layers = model.expert_cache.layers
+    start = model.expert_cache.snapshot()
+    for i, layer in enumerate(layers):  # layer i: expert i used twice, expert 7 once, per call
+        for _ in range(3):
+            layer.add_device_counts(mk.slot_remap_reference(mx.array([i, i, 7], mx.uint32), layer.lut)[1])
+    layers[0].defer_count(mx.array([[4, 5]], mx.uint32))  # a router output on the host path too
+    pending = {id(a) for layer in layers for a in layer.deferred_arrays()}
+    assert len(pending) == 2 * len(layers) + 1
+    real_eval, evals = mx.eval, []
+
+    def spy(*arrays):
+        evals.append({id(a) for a in arrays})
+        return real_eval(*arrays)
+
+    monkeypatch.setattr(mx, "eval", spy)
+    end = model.expert_cache.snapshot()
+    assert evals == [pending]  # one evaluation, of all layers' pending arrays
+    assert (end - start).hits == len(layers) * 3 * 2 + 2
+    assert all(layer.deferred_arrays() == [] for layer in layers)
+    model.expert_cache.snapshot()
+    assert len(evals) == 1  # nothing left to evaluate: no further wait
