@@ -47,7 +47,7 @@ class Plan:
     dense_bytes: int  # on disk
     expert_bytes_disk: int  # one expert of one layer
     expert_bytes_resident: int  # in the compute dtype (float32 scales on CPU)
-    expert_bytes_warm: int  # in a CUDA warm tier: floating tensors float32 for the CPU kernel (mlx_tier.warm)
+    expert_bytes_warm: int  # in a CUDA warm tier: floating tensors float32 for the CPU kernel, else as stored (mlx_tier.warm)
     layer_bytes_disk: int  # all experts of one layer
     experts_per_gb: float  # resident experts per GiB of cache
     context_tokens: int
@@ -215,6 +215,26 @@ def _resident_bytes(index: dict, names: list[str], dtype) -> int:
     return total
 
 
+def _warm_bytes(index: dict, names: list[str], blocks: list) -> int:
+    """Bytes of tensors ``names`` in a CUDA run's warm pools: sized by
+    :func:`mlx_tier.warm.warm_slot_nbytes` from the checkpoint's dtypes (kept on
+    a GPU), with the CPU kernel exactly where the job runner's default kernel
+    (``auto``) picks it for ``blocks`` (:func:`mlx_tier.kernels.choose`): float32
+    scales then, else the checkpoint's dtypes (MLX's ops). A hub plan's
+    ``blocks`` are built unquantized, so there the CPU kernel is assumed."""
+    from .kernels import choose
+    from .warm import warm_slot_nbytes
+
+    host_kernel = choose("auto", blocks, host_tier=True) == "cpu"
+    return warm_slot_nbytes(((np.prod(index[n].shape), _mx_dtype(index[n])) for n in names), host_kernel)
+
+
+def _mx_dtype(info) -> mx.Dtype:
+    """The MLX dtype of a checkpoint tensor (a :class:`TensorInfo`; ``BF16`` -> ``mx.bfloat16``)."""
+    special = {"BF16": mx.bfloat16, "BOOL": mx.bool_}
+    return special.get(info.dtype) or getattr(mx, info.np_dtype.name)
+
+
 def _kv_bytes(config: dict, moe_layers: int, dtype, context_tokens: int) -> int:
     """KV cache bytes of one sequence of ``context_tokens`` (standard attention:
     K and V per layer, ``num_key_value_heads x head_dim``; fp32 on the CPU backend)."""
@@ -286,7 +306,7 @@ def make_plan(
     expert_bytes_disk = expert_disk_all // (L * num_experts)
     dtype = default_compute_dtype()
     expert_bytes_resident = _resident_bytes(index, expert_names, dtype) // (L * num_experts)
-    expert_bytes_warm = _resident_bytes(index, expert_names, mx.float32) // (L * num_experts)
+    expert_bytes_warm = _warm_bytes(index, expert_names, [b for _, b in blocks]) // (L * num_experts)
     kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
 
     vm = psutil.virtual_memory()

@@ -16,9 +16,10 @@ rules a run on CUDA applies, through the same functions:
 - the rest of each layer's experts stay cold on SSD.
 
 On a GPU the checkpoint's dtype is kept, so a hot expert takes its on-disk
-bytes; a warm expert holds its floating tensors (scales, biases) in float32
-for the CPU kernel, as the job runner's default kernel (``auto``) does
-(:mod:`mlx_tier.warm`). Slots are the same in every MoE layer (as
+bytes; a warm expert is sized as a run's pool sizes it
+(:func:`mlx_tier.warm.warm_slot_nbytes`): floating tensors (scales, biases)
+in float32 where the job runner's default kernel (``auto``) picks the CPU
+kernel, else as stored (MLX's ops, for formats the CPU kernel lacks). Slots are the same in every MoE layer (as
 ``TierConfig`` makes them).
 """
 

@@ -36,6 +36,8 @@ before the computation reading it is evaluated; the owner settles first.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import mlx.core as mx
 import numpy as np
 from mlx import nn
@@ -50,9 +52,17 @@ def pool_dtype(dtype: mx.Dtype, host_kernel: bool) -> mx.Dtype:
     return mx.float32 if host_kernel and mx.issubdtype(dtype, mx.floating) else dtype
 
 
+def warm_slot_nbytes(tensors: Iterable[tuple[int, mx.Dtype]], host_kernel: bool) -> int:
+    """Bytes of one warm slot: ``tensors`` are ``(elements of one expert, hot slab
+    dtype)`` pairs, each kept in :func:`pool_dtype`'s dtype. The one rule for a
+    run's pools (:func:`pool_slot_nbytes`) and the plan's warm expert
+    (:func:`mlx_tier.plan.make_plan`)."""
+    return sum(int(n) * pool_dtype(dtype, host_kernel).size for n, dtype in tensors)
+
+
 def pool_slot_nbytes(tensors: dict[str, SlabTensor], host_kernel: bool) -> int:
-    """Bytes of one warm slot of a layer's ``tensors`` (:func:`pool_dtype`'s dtypes)."""
-    return sum(int(np.prod(t.info.shape[1:])) * pool_dtype(t.dtype, host_kernel).size for t in tensors.values())
+    """Bytes of one warm slot of a layer's ``tensors`` (:func:`warm_slot_nbytes`)."""
+    return warm_slot_nbytes(((np.prod(t.info.shape[1:]), t.dtype) for t in tensors.values()), host_kernel)
 
 
 class WarmPool:

@@ -6,6 +6,7 @@ simulator computes, and bad values are one error line with exit code 2.
 import json
 from types import SimpleNamespace
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_tier.cli.main import app
@@ -60,31 +61,72 @@ def test_plan_cli_three_tiers(tiny_moe):
     assert r.exit_code == 2 and "--gpu-gb must be positive" in r.output
 
 
-@pytest.mark.parametrize("hot_rows,warm_rows", [(3.5, 2.5), (1.2, 9.0)])
-def test_plan_split_equals_what_a_run_chooses(tiny_moe_bf16, monkeypatch, hot_rows, warm_rows):
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp8_bf16(tmp_path_factory, tokenizer_dir):
+    """A tiny gpt_oss (experts with biases) whose experts are mxfp8, which the CPU
+    kernel cannot compute, and whose floating tensors are bf16 (the expert biases)."""
+    import importlib
+
+    from arch_configs import BASE, CONFIGS
+    from conftest import write_checkpoint
+    from mlx_lm.models.switch_layers import SwitchLinear
+    from mlx_lm.utils import quantize_model
+
+    config = {**BASE, "model_type": "gpt_oss", **CONFIGS["gpt_oss"]}
+    mx.random.seed(3)
+    gpt_oss = importlib.import_module("mlx_lm.models.gpt_oss")
+    model = gpt_oss.Model(gpt_oss.ModelArgs.from_dict(config))
+    model, config = quantize_model(model, config, 32, 8, mode="mxfp8",
+                                   quant_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    model.set_dtype(mx.bfloat16)  # floating leaves only: packed weights and E8M0 scales stay integers
+    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "gpt-oss-mxfp8-bf16", model, config, tokenizer_dir)
+
+
+def assert_plan_split_equals_run(path, monkeypatch, hot_rows, warm_rows) -> None:
     """`plan --gpu-gb` and a run on CUDA with the same memory figures choose the same hot and
-    warm slots: the run here is `load` with the probe reporting the plan's assumed memory,
-    the checkpoint's bf16 kept (as on a GPU) and the job runner's default kernel (auto)."""
+    warm slots and slot sizes: the run here is `load` with the probe reporting the plan's
+    assumed memory, the checkpoint's dtype kept (as on a GPU) and the job runner's default
+    kernel (auto)."""
     from mlx_tier import TierConfig, load, tier_budgets, tiered
     from mlx_tier.plan import make_plan
 
-    p = make_plan(tiny_moe_bf16, memory_gb=1, disk_gbps=1, compute_gbps=1)
+    p = make_plan(path, memory_gb=1, disk_gbps=1, compute_gbps=1)
     L, E = p.moe_layers, p.experts_per_layer
-    assert p.expert_bytes_warm > p.expert_bytes_disk  # bf16 scales become float32 in the warm tier
     gpu_gb = (p.dense_bytes + 2 * hot_rows * L * p.expert_bytes_disk) / 2**30  # hot = half of the free rest
     mem_gb = 2 * warm_rows * L * p.expert_bytes_warm / 2**30
-    p = make_plan(tiny_moe_bf16, memory_gb=mem_gb, disk_gbps=1, compute_gbps=1)
+    p = make_plan(path, memory_gb=mem_gb, disk_gbps=1, compute_gbps=1)
     split = three_tier_split(p, gpu_gb)
     assert (split.hot_slots, split.warm_slots) == (int(hot_rows), min(E - int(hot_rows), int(warm_rows)))
     monkeypatch.setattr(tier_budgets, "probe", lambda api=None: tier_plan.assumed_memory(p, gpu_gb))
     monkeypatch.setattr(tier_budgets, "backend_of", lambda api=None: "cuda")
     monkeypatch.setattr(tiered, "default_compute_dtype", lambda: None)  # a GPU keeps the checkpoint's dtype
-    model, _ = load(tiny_moe_bf16, config=TierConfig(kernel="auto"))
+    model, _ = load(path, config=TierConfig(kernel="auto"))
     cache = model.expert_cache
     assert cache.slots_per_layer == split.hot_slots and cache.warm_slots == (split.warm_slots,) * L
     assert (cache.budget_bytes, cache.warm_budget_bytes) == (split.hot_budget, split.host_budget)
     assert cache.layers[0].slot_nbytes == split.expert_bytes
     assert cache.tier_layers[0].warm.slot_nbytes == split.warm_expert_bytes
+
+
+@pytest.mark.parametrize("hot_rows,warm_rows", [(3.5, 2.5), (1.2, 9.0)])
+def test_plan_split_equals_what_a_run_chooses(tiny_moe_bf16, monkeypatch, hot_rows, warm_rows):
+    from mlx_tier.plan import make_plan
+
+    p = make_plan(tiny_moe_bf16, memory_gb=1, disk_gbps=1, compute_gbps=1)
+    assert p.expert_bytes_warm > p.expert_bytes_disk  # bf16 scales become float32 for the CPU kernel
+    assert_plan_split_equals_run(tiny_moe_bf16, monkeypatch, hot_rows, warm_rows)
+
+
+@pytest.mark.parametrize("hot_rows,warm_rows", [(2.5, 3.5), (1.5, 1.5)])
+def test_plan_warm_slot_keeps_the_checkpoint_dtype_without_the_cpu_kernel(gpt_oss_mxfp8_bf16, monkeypatch,
+                                                                         hot_rows, warm_rows):
+    """mxfp8 experts: `auto` falls back to MLX's ops, so the warm pool keeps the bf16
+    biases as stored (a float32 sizing would count them twice over)."""
+    from mlx_tier.plan import make_plan
+
+    p = make_plan(gpt_oss_mxfp8_bf16, memory_gb=1, disk_gbps=1, compute_gbps=1)
+    assert p.expert_bytes_warm == p.expert_bytes_disk  # as stored: packed weights, uint8 scales, bf16 biases
+    assert_plan_split_equals_run(gpt_oss_mxfp8_bf16, monkeypatch, hot_rows, warm_rows)
 
 
 def test_trace_sim_warm_slots(tmp_path):
