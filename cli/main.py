@@ -689,6 +689,8 @@ def plan(
             ("host warm tier", f"{split.host_budget / gib:.2f} GiB = {split.warm_slots} of {E} experts per layer"),
             ("SSD cold tier", f"{split.cold_experts} of {E} experts per layer"),
         ]
+        if not split.fits:
+            rows.append(("three-tier split", f"does not fit: {split.why}"))
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)

@@ -46,6 +46,10 @@ class TierSplit:
             (``device_free - hot_budget``), to set against the plan's KV estimate.
         host_budget: the warm tier's budget.
         expert_bytes / warm_expert_bytes: one expert of one layer in the hot / warm tier.
+        fits: whether a run with these figures would work: at least one hot
+            slot per layer (else a run refuses it) and ``gpu_left`` at least
+            the plan's KV cache estimate.
+        why: what does not fit, in words (empty when ``fits``).
     """
 
     gpu_bytes: int
@@ -59,6 +63,8 @@ class TierSplit:
     hot_slots: int
     warm_slots: int
     cold_experts: int
+    fits: bool
+    why: str
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -97,5 +103,20 @@ def three_tier_split(plan, gpu_gb: float, host_gb: float | None = None) -> TierS
     except BudgetError:  # below one slot per layer: a run refuses it
         hot = 0
     warm = warm_slots_for(budgets.warm, [hot] * L, [E] * L, plan.expert_bytes_warm)[0] if L else 0
-    return TierSplit(mem.device_total, mem.device_free, budgets.hot, mem.device_free - budgets.hot, budgets.warm,
-                     plan.expert_bytes_disk, plan.expert_bytes_warm, E, hot, warm, E - hot - warm)
+    left = mem.device_free - budgets.hot
+    why = _what_does_not_fit(hot, left, plan.kv_bytes)
+    return TierSplit(mem.device_total, mem.device_free, budgets.hot, left, budgets.warm, plan.expert_bytes_disk,
+                     plan.expert_bytes_warm, E, hot, warm, E - hot - warm, not why, why)
+
+
+def _what_does_not_fit(hot_slots: int, gpu_left: int, kv_bytes: int) -> str:
+    """Why a split would not run ("" when it would): no hot slot per layer (a
+    run's :func:`mlx_tier.tiered.plan_slots` raises BudgetError), or less GPU
+    memory left than the KV estimate (a run would run out of GPU memory)."""
+    why = []
+    if hot_slots == 0:
+        why.append("a run refuses it: the hot budget holds less than one expert slot per layer")
+    if gpu_left < kv_bytes:
+        why.append(f"the GPU memory left ({gpu_left / GIB:.2f} GiB) is below the KV cache estimate "
+                   f"({kv_bytes / GIB:.2f} GiB)")
+    return "; ".join(why)

@@ -45,6 +45,52 @@ def test_three_tier_split_arithmetic():
         three_tier_split(fake_plan(), gpu_gb=0)
 
 
+def test_three_tier_split_says_what_does_not_fit():
+    from mlx_tier.errors import BudgetError
+    from mlx_tier.tiered import plan_slots
+
+    # 120 MiB GPU: 10 MiB left for the 8 MiB KV estimate, 3 hot slots -> it fits
+    s = three_tier_split(fake_plan(), gpu_gb=120 / 1024, host_gb=9 / 1024)
+    assert (s.fits, s.why) == (True, "")
+    # 0.05 GiB GPU (below the dense part): no hot slot, which a run refuses; nothing left for the KV cache
+    s = three_tier_split(fake_plan(), gpu_gb=0.05, host_gb=12 / 1024)
+    assert not s.fits and s.why.startswith("a run refuses it: the hot budget holds less than one expert slot")
+    assert "below the KV cache estimate (0.01 GiB)" in s.why
+    with pytest.raises(BudgetError):  # as a run sizes its hot tier
+        plan_slots(s.hot_budget, 2, s.expert_bytes, 8)
+    # 106 MiB GPU: 6 MiB free -> 3 MiB hot = 1 slot per layer (a run takes it), 3 MiB left < 8 MiB KV
+    s = three_tier_split(fake_plan(), gpu_gb=106 / 1024)
+    assert (s.hot_slots, s.gpu_left, s.fits) == (1, 3 * MIB, False)
+    assert s.why == "the GPU memory left (0.00 GiB) is below the KV cache estimate (0.01 GiB)"
+    # the same GPU with a KV estimate that fits what is left
+    assert three_tier_split(fake_plan(kv_bytes=3 * MIB), gpu_gb=106 / 1024).fits
+
+
+def plan_tiers(path, gpu_gb: float, *more: str):
+    r = runner.invoke(app, ["plan", str(path), "--disk-gbps", "1", "--compute-gbps", "1", "--memory-gb", "1",
+                            "--gpu-gb", f"{gpu_gb!r}", *more])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output) if "--json" in more else r.output
+
+
+def test_plan_cli_says_when_the_split_does_not_fit(tiny_moe):
+    p = plan_tiers(tiny_moe, 0.5, "--json")
+    row = p["moe_layers"] * p["expert_bytes_disk"]  # one hot slot in every layer
+    assert p["tiers"]["fits"] and p["tiers"]["why"] == ""
+    cases = {  # GPU bytes -> what the table says
+        p["dense_bytes"] + row: "does not fit: a run refuses it",  # hot = half a row: no slot per layer
+        p["dense_bytes"] + 3 * row: "does not fit: the GPU memory left",  # 1 hot slot, 1.5 rows left < KV
+    }
+    assert 1.5 * row < p["kv_bytes"]
+    for gpu_bytes, says in cases.items():
+        gpu_gb = gpu_bytes / 2**30
+        tiers = plan_tiers(tiny_moe, gpu_gb, "--json")["tiers"]
+        assert not tiers["fits"] and says.removeprefix("does not fit: ") in tiers["why"]
+        out = plan_tiers(tiny_moe, gpu_gb)
+        assert says in out and max(map(len, out.splitlines())) <= 80
+    assert "does not fit" not in plan_tiers(tiny_moe, 0.5)
+
+
 def test_plan_cli_three_tiers(tiny_moe):
     r = runner.invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1",
                             "--memory-gb", "1", "--gpu-gb", "0.5"])
