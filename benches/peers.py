@@ -712,8 +712,17 @@ def start(args, notes: list[str], stack: contextlib.ExitStack) -> tuple[dict, Pa
     return fp, out, cgroup, specs, prep
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill PID``), handled as Ctrl-C but exiting 143 (128 + 15), not 130."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    """The exit code of an interrupted pass: 143 after SIGTERM, 130 after Ctrl-C."""
+    return 143 if isinstance(e, Terminated) else 130
 
 
 def main(argv=None) -> int:
@@ -725,9 +734,17 @@ def main(argv=None) -> int:
     if args.report_only:
         report(args.out, args.load_tolerance)
         return 0
+    before = signal.signal(signal.SIGTERM, _terminate)  # `kill PID` of a nohup'd pass: as Ctrl-C, the worker killed too
+    try:
+        return _pass(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _pass(args) -> int:
+    """Prepare, run the plan and report (``main`` after the checks): the exit code."""
     from peers_runs import Mismatch
 
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` of a nohup'd pass: as Ctrl-C, the worker killed too
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
         try:
@@ -735,14 +752,18 @@ def main(argv=None) -> int:
         except Mismatch as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt as e:  # e.g. while nunspark packs the model: no run started yet
+            print("\ninterrupted while preparing: no run was started; the same command starts again",
+                  file=sys.stderr)
+            return _interrupted(e)
         try:
             run_plan(specs, slots_of(fp), out, prep.files(), cgroup, args.run_limit_s, args.temps)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             print("\n" + "\n".join(wrap(f"interrupted: the run in flight is lost, the others are in "
                                          f"{out / 'runs.jsonl'}; the same command with --out {out} continues",
                                          indent="")))
             report(out, args.load_tolerance)
-            return 130
+            return _interrupted(e)
     report(out, args.load_tolerance)
     return 0
 

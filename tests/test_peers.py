@@ -400,3 +400,72 @@ def test_progress_line_says_which_run_of_how_many_and_elapsed(runs_mod):
     assert quiet.getvalue().count("\n") == 1  # a log file gets a line a minute, not one a second
     assert runs_mod.duration(42) == "42 s" and runs_mod.duration(1800) == "30 min"
     assert runs_mod.duration(81000) == "22.5 h" and runs_mod.clock(3729) == "1:02:09"
+
+
+class ScriptedPass:
+    """Stands in for main's ``start`` and ``report``: ``start`` ends as scripted
+    (``"ok"``, ``"interrupt"``: Ctrl-C, ``"sigterm"``: a real SIGTERM to this
+    process), as while nunspark packs the model; ``report`` records its calls."""
+
+    def __init__(self, out: Path, start="ok"):
+        self.out, self.how, self.reports = out, start, []
+
+    def start(self, args, notes, stack):
+        import os
+        import signal
+        from types import SimpleNamespace
+
+        if self.how == "interrupt":
+            raise KeyboardInterrupt
+        if self.how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        fp = {"engines": ["a"], "temps": ["cold"], "runs": 2}
+        return fp, self.out, None, specs_for("a"), SimpleNamespace(files=list)
+
+    def report(self, out, tolerance):
+        self.reports.append(out)
+
+
+@pytest.mark.parametrize("how,code", [("interrupt", 130), ("sigterm", 143)])
+def test_interrupted_while_preparing_is_one_line_and_its_exit_code(peers, tmp_path, monkeypatch, capsys, how,
+                                                                   code):
+    import signal
+
+    fake = ScriptedPass(tmp_path, start=how)
+    monkeypatch.setattr(peers, "start", fake.start)
+    monkeypatch.setattr(peers, "report", fake.report)
+    before = signal.getsignal(signal.SIGTERM)
+    assert peers.main(["--engines", "mlx-tier", "--cap-gb", "0"]) == code
+    out, err = capsys.readouterr()
+    assert err.strip() == "interrupted while preparing: no run was started; the same command starts again"
+    assert "Traceback" not in out + err and fake.reports == []
+    assert signal.getsignal(signal.SIGTERM) is before  # main leaves the handler as it found it
+
+
+@pytest.mark.parametrize("how,code", [("interrupt", 130), ("sigterm", 143)])
+def test_interrupted_run_exits_130_after_ctrl_c_and_143_after_sigterm(peers, tmp_path, monkeypatch, capsys,
+                                                                      how, code):
+    import os
+    import signal
+
+    calls = []
+
+    def runner(spec, cgroup, limit_s, tick):  # the first run completes; the second is interrupted
+        calls.append(spec.engine)
+        if len(calls) == 2 and how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)  # `kill PID` of the pass
+        elif len(calls) == 2:
+            raise KeyboardInterrupt
+        return {"engine": spec.engine, **run(tok_s=1.0)}
+
+    from peers_runs import load_runs
+
+    real_run_plan = peers.run_plan
+    monkeypatch.setattr(peers, "run_plan", lambda *a: real_run_plan(*a, runner=runner, drop_pages=lambda f: None))
+    fake = ScriptedPass(tmp_path)
+    monkeypatch.setattr(peers, "start", fake.start)
+    monkeypatch.setattr(peers, "report", fake.report)
+    assert peers.main(["--engines", "mlx-tier", "--cap-gb", "0"]) == code
+    out = capsys.readouterr().out
+    assert "interrupted: the run in flight is lost" in out and fake.reports == [tmp_path]
+    assert calls == ["a", "a"] and [r["slot"] for r in load_runs(tmp_path)] == [0]  # the first run is kept
