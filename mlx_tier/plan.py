@@ -226,6 +226,7 @@ def _warm_bytes(index: dict, names: list[str], blocks: list) -> int:
     from .warm import warm_slot_nbytes
 
     host_kernel = choose("auto", blocks, host_tier=True) == "cpu"
+    # whole stacked tensors at once (all experts of all layers): the caller divides by L x E
     return warm_slot_nbytes(((np.prod(index[n].shape), _mx_dtype(index[n])) for n in names), host_kernel)
 
 
