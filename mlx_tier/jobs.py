@@ -309,7 +309,7 @@ def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config:
         eta.step(info.prefill, info.generating, info.prefill_tokens, info.prefill_seconds, info.generated,
                  info.decode_seconds)
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
-                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.eta(time.monotonic()))
+                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(time.monotonic()))
         reporter.working(activity)
         progress.update(activity)
         seen = len(throttle.timeline)
