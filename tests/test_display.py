@@ -222,6 +222,9 @@ def test_every_kind_of_failure_has_a_short_reason(tmp_path):
         assert short_reason(message) == short, (short, message)
         assert len(short) <= SHORT_REASON_CHARS
     assert short_reason("MemoryError: std::bad_alloc") == "no memory"
+    # a folder swapped for a link between the check and the open (converters.convert_file)
+    assert short_reason("cannot read: now outside the input folder") == "bad link"
+    assert short_reason("cannot read: Permission denied") == "unreadable"
     assert short_reason("AVeryLongExceptionNameError: x") == "AVeryLongE…"
     assert short_reason(None) == short_reason("something odd happened") == "error"
 
