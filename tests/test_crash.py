@@ -257,3 +257,24 @@ def test_a_rerun_with_nothing_pending_clears_an_earlier_runs_progress_file(tmp_p
     s = read_status(out)
     assert (s.state, s.pending) == ("finished", 0)
     assert not list(out.glob("progress*.json"))
+
+
+@pytest.mark.parametrize("error, left", [(RuntimeError("a bug"), True), ("disk full", False)])
+def test_a_crash_leaves_the_progress_file_a_full_disk_does_not(tmp_path, small_moe, monkeypatch, error, left):
+    """README: a progress file left while no process holds the lock means a run that ended
+    mid-work (a crash: "interrupted"); a full disk is a clean stop ("stopped")."""
+    from mlx_tier import jobs
+    from mlx_tier.errors import JobError
+
+    def work_then_fail(*args):
+        progress = args[-1]
+        progress.update(jobs.Activity(["doc00"], None, [("doc00", 1)], 1.0, 1.0, 1.0, None))
+        raise error if isinstance(error, Exception) else JobError(error)
+
+    monkeypatch.setattr(jobs, "_summarise_all", work_then_fail)
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    make_docs(docs, 2)
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "3"])
+    assert r.exit_code != 0
+    assert (out / "progress.json").exists() == left
+    assert read_status(out).state == ("interrupted" if left else "stopped")
