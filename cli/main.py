@@ -196,7 +196,7 @@ class RichReporter:
         self.t0 = self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
-        print_wrapped(err, as_flags(text), "dim")
+        err.print(f"[dim]{escape(as_flags(text))}[/]", highlight=False, soft_wrap=True)
 
     def start(self, total: int, skipped: int) -> None:
         self.total, self.done = total, skipped

@@ -266,8 +266,6 @@ def test_run_output_lines_wrap_between_words_at_80_columns(monkeypatch):
     name = "constitution_preamble_and_article_1"
     reporter.finished(DocResult(name, "done", output_tokens=102, doc_seconds=36.2), {"hit_rate": 0.986})
     reporter.finished(DocResult("a_file_name_" * 8, "failed", error="empty document"), {"hit_rate": 0.9})
-    reporter.message("batch size 8 (memory left for the KV cache after the model and the expert cache), "
-                     "usable context 2048 tokens")
     lines = console.export_text().splitlines()
     assert all(len(x) <= 80 for x in lines if "a_file_name_" not in x), lines
     assert "a_file_name_" * 8 in "".join(lines)  # a word wider than the screen stays whole
