@@ -104,6 +104,19 @@ def print_with_command(console: Console, prose: str, command: str, label: str = 
     console.print(text, highlight=False, soft_wrap=True)
 
 
+def print_wrapped(console: Console, text: str, style: str = "", styled: int | None = None) -> None:
+    """``text`` (plain, no markup) word-wrapped to the console's width
+    (:func:`mlx_tier.messages.wrap_words`: between words, a long path kept whole) rather
+    than left to the terminal, which cuts one long line mid-word at its edge; ``style``
+    colours the first ``styled`` characters (all when ``None``)."""
+    from mlx_tier.messages import wrap_words
+
+    wrapped = Text(wrap_words(text, console.width))
+    if style:
+        wrapped.stylize(style, 0, len(wrapped) if styled is None else styled)
+    console.print(wrapped, highlight=False, soft_wrap=True)
+
+
 def fail(message, command: str | None = None) -> None:
     """One clear error line (settings named by their flags) and exit code 2; a command that
     fixes it (given, or an :class:`~mlx_tier.errors.MlxTierError`'s ``command``) follows
@@ -215,21 +228,17 @@ class RichReporter:
         self.activity, self.activity_at = activity, now
         if self.live is None and now - self.last_line >= HEARTBEAT_SECONDS:  # a log: a line now and then
             self.last_line = now
-            err.print(self.line(200), highlight=False, soft_wrap=True, markup=False)
+            print_wrapped(err, self.line(200))
 
     def finished(self, result, cache: dict) -> None:
         if result.status == "failed":
             self.failed += 1
-            err.print(f"[red]failed[/] {escape(result.id)}: {escape(as_flags(str(result.error)))}", highlight=False,
-                      soft_wrap=True)
+            print_wrapped(err, f"failed {result.id}: {as_flags(str(result.error))}", "red", len("failed"))
             return
         self.done += 1
         if self.live is None:  # a log file gets one line per document instead of a live line
-            err.print(
-                f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens, "
-                f"{result.doc_seconds:.1f} s of its own, hit rate so far {cache['hit_rate']:.1%}",
-                highlight=False, soft_wrap=True,
-            )
+            print_wrapped(err, f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens, "
+                          f"{result.doc_seconds:.1f} s of its own, hit rate so far {cache['hit_rate']:.1%}")
 
     def close(self) -> None:
         if self.live is not None:

@@ -37,12 +37,15 @@ until a prompt step and a decode step have been measured.
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 CHARS_PER_TOKEN = 4.0  # prior for text not measured yet (English BPE: ~4 characters a token)
 WINDOW = 64  # decode steps the step-time fit uses
 MAX_OVERHEAD = 3.0  # the wall / step time factor is clamped to [1, this]
+ETA_EVERY = 2.0  # seconds between estimates a run makes (its progress file is rewritten as often)
 
 
 @dataclass
@@ -70,13 +73,15 @@ class EtaTracker:
     batch_size: int
     started: float
     _left: dict[str, _Doc] = field(init=False)
-    _outputs: list[int] = field(default_factory=list, init=False)
+    _outputs: list[int] = field(default_factory=list, init=False)  # finished documents' lengths, sorted
+    _suffix: list[int] | None = field(default=None, init=False)  # _suffix[i] = sum(_outputs[i:]); None: stale
     _prompt_tokens: int = field(default=0, init=False)
     _prompt_seconds: float = field(default=0.0, init=False)
     _steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW), init=False)  # (batch, seconds)
     _step_seconds: float = field(default=0.0, init=False)
     _measured_chars: int = field(default=0, init=False)
     _measured_tokens: int = field(default=0, init=False)
+    _last: tuple[float, float | None] | None = field(default=None, init=False)  # (clock, eta) of :meth:`every`
 
     def __post_init__(self) -> None:
         self._left = {i: _Doc(max(int(c), 0)) for i, c in self.docs.items()}
@@ -114,23 +119,33 @@ class EtaTracker:
     def finished(self, doc_id: str, output_tokens: int | None = None) -> None:
         """A document left the run: done (``output_tokens`` generated) or failed (``None``)."""
         if self._left.pop(doc_id, None) is not None and output_tokens is not None:
-            self._outputs.append(int(output_tokens))
+            insort(self._outputs, int(output_tokens))
+            self._suffix = None
 
     def expected_output(self, written: int = 0) -> float:
         """Tokens a document that has written ``written`` is expected to generate in all: the
         mean of the documents finished this run that were longer, with ``max_tokens``
-        counted as one more (the prior while none has finished)."""
-        longer = [n for n in self._outputs if n > written]
-        return (sum(longer) + self.max_tokens) / (len(longer) + 1)
+        counted as one more (the prior while none has finished). O(log n) for n finished
+        documents: a binary search in their sorted lengths and suffix sums (rebuilt once
+        after documents finish)."""
+        if self._suffix is None:
+            self._suffix = list(accumulate(reversed(self._outputs), initial=0))[::-1]
+        i = bisect_right(self._outputs, written)  # _outputs[i:] are the longer ones
+        return (self._suffix[i] + self.max_tokens) / (len(self._outputs) - i + 1)
 
     def eta(self, now: float) -> float | None:
         """Seconds left at ``now`` (the same clock as ``started``); ``0.0`` when nothing is
-        left; ``None`` while a rate it needs has not been measured yet."""
+        left; ``None`` while a rate it needs has not been measured yet. Time linear in the
+        documents left (plus a log factor): ~10k documents take milliseconds, so callers
+        still ask only when someone reads it (:meth:`every`)."""
         if not self._left:
             return 0.0
-        prompt_left = sum(self._prompt_left(d) for d in self._left.values())
-        writes = [min(max(self.expected_output(d.written) - d.written, 1.0), max(self.max_tokens - d.written, 0.0))
-                  for d in self._left.values()]
+        left = self._left.values()
+        per_char, typical = self._prompt_rates()
+        prompt_left = sum(self._prompt_left(d, per_char, typical) for d in left)
+        expected = {0: self.expected_output(0)}  # most documents left have written nothing
+        writes = [min(max(_get(expected, d.written, self.expected_output) - d.written, 1.0),
+                      max(self.max_tokens - d.written, 0.0)) for d in left]
         if prompt_left > 0 and not self._prompt_seconds or not self._steps:
             return None
         prompt_s = prompt_left / (self._prompt_tokens / self._prompt_seconds) if prompt_left > 0 else 0.0
@@ -147,17 +162,35 @@ class EtaTracker:
         overhead = min(max(spent / self._step_seconds, 1.0), MAX_OVERHEAD) if self._step_seconds > 0 else 1.0
         return (prompt_s + decode_s) * overhead
 
-    def _prompt_left(self, d: _Doc) -> float:
+    def every(self, now: float, seconds: float = ETA_EVERY) -> float | None:
+        """:meth:`eta` at most once per ``seconds`` of the clock: in between, the last estimate
+        less the time since it was made. For a runner that reports after every engine step
+        while its readers (progress file, live line, log heartbeat) look every second or two."""
+        if self._last is None or now - self._last[0] >= seconds:
+            self._last = (now, self.eta(now))
+        at, value = self._last
+        return None if value is None else max(value - (now - at), 0.0)
+
+    def _prompt_rates(self) -> tuple[float, float]:
+        """``(prompt tokens per character, typical prompt tokens)`` for documents not read yet:
+        measured on the prompts started (1/4 a character before any), and the mean prompt
+        of the documents left whose prompt is known (for those of unknown size; 0 if none)."""
+        per_char = self._measured_tokens / self._measured_chars if self._measured_chars else 1 / CHARS_PER_TOKEN
+        known = [x.prompt for x in self._left.values() if x.prompt is not None]
+        return per_char, sum(known) / len(known) if known else 0.0
+
+    @staticmethod
+    def _prompt_left(d: _Doc, per_char: float, typical: float) -> float:
         if d.prompt is not None:
             return max(d.prompt - d.read, 0)
-        if self._measured_chars:
-            per_char = self._measured_tokens / self._measured_chars
-        else:
-            per_char = 1 / CHARS_PER_TOKEN
-        if d.chars:
-            return d.chars * per_char
-        known = [x.prompt for x in self._left.values() if x.prompt is not None]  # size unknown: a typical one
-        return sum(known) / len(known) if known else 0.0
+        return d.chars * per_char if d.chars else typical
+
+
+def _get(memo: dict, key, compute):
+    """``memo[key]``, computed once with ``compute(key)``."""
+    if key not in memo:
+        memo[key] = compute(key)
+    return memo[key]
 
 
 def step_model(steps: list[tuple[int, float]]) -> tuple[float, float] | None:

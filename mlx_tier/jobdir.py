@@ -5,7 +5,8 @@ an existing one is a writable folder), takes its run lock (a second run on the
 same folder is refused) and removes the stale temporary files of a run that
 was killed mid-write (those older than 2 minutes,
 :data:`mlx_tier.fsio.STALE_AFTER_S`: a younger one may be a live
-writer's); leaving releases the lock, whatever happened. It knows the paths
+writer's) and the progress files it left (:func:`mlx_tier.status.clear_progress`:
+a rerun with nothing pending would otherwise still read as interrupted); leaving releases the lock, whatever happened. It knows the paths
 the runner writes: each document's ``<id>.md`` and the journal (one
 name per process, so that several processes of one job can each keep
 their own; the default is the job's one journal).
@@ -27,7 +28,7 @@ from typing import Self
 from .errors import InputError
 from .fsio import remove_stale_temps
 from .journal import JOURNAL, Journal
-from .status import LOCK
+from .status import LOCK, clear_progress
 
 
 def prepare_out_dir(out_dir: Path) -> bool:
@@ -114,6 +115,7 @@ class JobDir:
             return self
         self._lock = lock_out_dir(self.path)
         remove_stale_temps(self.path)  # a killed run's half-written outputs
+        clear_progress(self.path)  # a killed run's progress: this run is not it
         return self
 
     def __exit__(self, *exc) -> None:

@@ -59,7 +59,7 @@ from .scheduler import (  # noqa: F401 - DEFAULT_PROMPT: importable from here (b
     Scheduler,
     check_context,
 )
-from .status import JobInfo, ProgressFile, write_input_list
+from .status import PROGRESS_FILE, JobInfo, ProgressFile, write_input_list
 from .stopflag import Interrupted, StopFlag  # noqa: F401 - Interrupted: importable from here (the CLI)
 from .throttle import Throttle, ThrottleConfig
 from .tiered import TierConfig
@@ -285,10 +285,11 @@ class _Loaded:
 
 
 def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config: JobConfig, loaded: _Loaded,
-                   journal: Journal, reporter: Reporter, stopping, setup: dict) -> dict:
+                   journal: Journal, reporter: Reporter, stopping, setup: dict, progress: ProgressFile) -> dict:
     """Generate every document ``docs`` yields (batched, throttled), writing and journalling each
     as it finishes; fills ``results``. ``sizes``: characters of each pending document (0:
-    unknown), for the ETA. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
+    unknown), for the ETA; ``progress``: rewritten every 2 s with the :class:`Activity`.
+    Returns the throttle's account (:meth:`Throttle.as_dict`)."""
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
@@ -298,7 +299,6 @@ def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config:
     reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
                      f"usable context {scheduler.context} tokens")
     rate, prompt_rate = _Rate(), _Rate()
-    progress = ProgressFile(config.out_dir)
     generated = [0]  # tokens generated this run, for the samples the watch page plots
     eta = EtaTracker(sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic())
 
@@ -309,7 +309,7 @@ def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config:
         eta.step(info.prefill, info.generating, info.prefill_tokens, info.prefill_seconds, info.generated,
                  info.decode_seconds)
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
-                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.eta(time.monotonic()))
+                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(time.monotonic()))
         reporter.working(activity)
         progress.update(activity)
         seen = len(throttle.timeline)
@@ -334,7 +334,6 @@ def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config:
             record["reasoning"] = outcome.reasoning
         journal.append(record)
         reporter.finished(res, loaded.cache.stats.as_dict())
-    progress.clear()
     return throttle.as_dict()
 
 
@@ -365,12 +364,15 @@ class Share:
             ``OUT_DIR``'s lock and writes the start record, ``summaries.jsonl``,
             ``report.json`` and ``report.html``: this process locks only its own
             journal (:class:`~mlx_tier.jobdir.JobDir`) and writes none of those.
+        progress_name: the progress file in ``OUT_DIR`` this process rewrites while it
+            works (:class:`~mlx_tier.status.ProgressFile`).
     """
 
     claim: Callable[[str], bool] = claim_all
     journal_name: str = JOURNAL
     order: Callable[[list[str]], Iterable[str]] = input_order
     part: bool = False
+    progress_name: str = PROGRESS_FILE  # a rank: its own (mlx_tier.status.rank_progress_name)
 
 
 def _convert_ahead(doc) -> Future:
@@ -626,7 +628,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
         _run_pending(_turns(pending, results, share), _sizes(pending), results, config, loaded, journal, reporter,
-                     report)
+                     report, ProgressFile(config.out_dir, name=share.progress_name))
     return report, loaded
 
 
@@ -659,8 +661,10 @@ def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig,
 
 
 def _run_pending(docs: Iterator, sizes: dict[str, int], results, config: JobConfig, loaded: _Loaded, journal,
-                 reporter, report) -> None:
-    """Generate ``docs`` under the stop flag (first signal: stop after the step; second: at once)."""
+                 reporter, report, progress: ProgressFile) -> None:
+    """Generate ``docs`` under the stop flag (first signal: stop after the step; second: at once).
+    ``progress`` is removed at a clean end (every document tried, a first signal, a full
+    disk); a crash or a second signal leaves it: ``mlx-tier status`` says "interrupted"."""
     from .generation import MAX_AUTO_BATCH
     from .memory import model_memory_controls
 
@@ -682,8 +686,13 @@ def _run_pending(docs: Iterator, sizes: dict[str, int], results, config: JobConf
         with StopFlag(stopping, abort) as stop, keep_awake(), model_memory_controls(
                 loaded.model, context, g.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
             report.setup["memory"] = memory
-            report.throttle = _summarise_all(docs, sizes, results, config, loaded, journal, reporter,
-                                             lambda: stop.signal is not None, report.setup)
+            try:
+                report.throttle = _summarise_all(docs, sizes, results, config, loaded, journal, reporter,
+                                                 lambda: stop.signal is not None, report.setup, progress)
+            except JobError:  # the disk is full: a clean stop, not a crash
+                progress.clear()
+                raise
+            progress.clear()
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
             report.stop_signal = stop.signal
     finally:

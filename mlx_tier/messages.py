@@ -65,11 +65,11 @@ _REASONS = (
     ("empty text", "empty text"),
     ("binary file", "binary file"),
     ("byte-order mark", "bad text"),
+    ("outside the input folder", "bad link"),  # a link found at the check, or swapped in after it
     ("cannot read", "unreadable"),
     ("need the document converters", "needs extra"),
     ("cannot convert", "conversion"),
     ("no text found", "no text"),
-    ("link leading outside", "bad link"),
     ("too long for the usable context", "too long"),
     ("no summary", "no summary"),
     ("cannot write the summary", "write error"),

@@ -127,7 +127,7 @@ def finish(config, docs, tri, plan_path: Path, started: tuple[float, float], sto
         OSError: report.json cannot be written (disk full).
     """
     from .jobs import REPORT, JobReport, doc_results, previous_runs, sum_cache
-    from .status import PROGRESS_FILE
+    from .status import clear_progress
 
     folder, plan = plan_path.parent, _read_json(plan_path)
     ranks = plan.get("ranks", 0)
@@ -145,7 +145,7 @@ def finish(config, docs, tri, plan_path: Path, started: tuple[float, float], sto
     report.cache = sum_cache(report.runs)
     if config.output_format == "jsonl":
         JsonlSummaries(config.out_dir, docs).sync(Journal(config.out_dir).records())
-    (config.out_dir / PROGRESS_FILE).unlink(missing_ok=True)
+    clear_progress(config.out_dir)  # the ranks' progress files
     shutil.rmtree(folder / CLAIMS, ignore_errors=True)  # claims hold only for their run
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
     return report

@@ -101,6 +101,7 @@ def work(plan_path: Path) -> int:
     from .distributed import config_from_json
     from .jobs import Share, run_job
     from .journal import Journal
+    from .status import rank_progress_name
 
     plan = json.loads(Path(plan_path).read_text())
     rank, size = _join_group(plan["ranks"])
@@ -111,7 +112,7 @@ def work(plan_path: Path) -> int:
     _check_documents(config, plan)
     claims = Claims(Path(plan_path).parent / CLAIMS, rank)
     share = Share(claim=claims.claim, journal_name=name, part=True,
-                  order=rank_order(plan["todo"], rank, size, claims.claimed))
+                  order=rank_order(plan["todo"], rank, size, claims.claimed), progress_name=rank_progress_name(rank))
     t0 = time.perf_counter()
     report = run_job(config, LineReporter(rank), share)
     write_atomic(Path(plan_path).parent / f"rank-{rank}.json",

@@ -29,17 +29,18 @@ PROGRESS_FILE = "progress.json"  # documents in flight and how far each has got,
 
 
 class ProgressFile:
-    """``OUT_DIR/progress.json``: what a running job is doing now (the documents in
-    flight, the prompt being read and how far, tokens written so far, rates),
-    rewritten atomically at most every ``every`` seconds and removed when the run
-    ends; ``mlx-tier status`` shows it while the run holds the lock.
+    """``OUT_DIR/progress.json`` (a rank of a distributed run: its own
+    ``progress-<k>.json``, :func:`rank_progress_name`): what a running job is doing now
+    (the documents in flight, the prompt being read and how far, tokens written so far,
+    rates), rewritten atomically at most every ``every`` seconds and removed when the
+    run ends cleanly; ``mlx-tier status`` shows it while the run holds the lock.
 
     Progress is best effort: a write that fails (disk full) is skipped, never
     fatal to the job.
     """
 
-    def __init__(self, out_dir: Path, every: float = 2.0) -> None:
-        self.path, self.every, self._last = Path(out_dir) / PROGRESS_FILE, every, float("-inf")
+    def __init__(self, out_dir: Path, every: float = 2.0, name: str = PROGRESS_FILE) -> None:
+        self.path, self.every, self._last = Path(out_dir) / name, every, float("-inf")
 
     def update(self, activity) -> None:
         """Write ``activity`` (anything with ``as_dict()``, e.g. :class:`mlx_tier.jobs.Activity`)
@@ -57,13 +58,44 @@ class ProgressFile:
         self.path.unlink(missing_ok=True)
 
 
-def read_progress(out_dir: Path) -> dict | None:
-    """The last progress snapshot of ``out_dir`` (``None`` when absent or unreadable)."""
-    try:
-        data = json.loads((Path(out_dir) / PROGRESS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+def rank_progress_name(rank: int) -> str:
+    """The progress file of rank ``rank`` of a distributed run (each rank its own: the
+    first rank to finish would otherwise remove the file the others still write)."""
+    return f"progress-{rank}.json"
+
+
+def progress_files(out_dir: Path) -> list[Path]:
+    """The progress files ``out_dir`` may hold: the run's, then its ranks'."""
+    out_dir = Path(out_dir)
+    return [out_dir / PROGRESS_FILE, *sorted(out_dir.glob("progress-*.json"))]
+
+
+def clear_progress(out_dir: Path) -> None:
+    """Remove every progress file of ``out_dir``: a run taking the folder's lock removes
+    those an earlier run left (a crash, a kill), which would read as this run's."""
+    for path in progress_files(out_dir):
+        path.unlink(missing_ok=True)
+
+
+def read_progress(out_dir: Path, since: float | None = None) -> dict | None:
+    """The last progress snapshot of ``out_dir``: the freshest of its progress files, with
+    the ``in_flight`` and ``writing`` lists of all of them (a distributed run's ranks)
+    merged. A snapshot from before ``since`` (Unix seconds: the last run's start) was left
+    by an earlier run and is ignored. ``None`` when none is left (absent, unreadable, old)."""
+    snaps = []
+    for path in progress_files(out_dir):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and (since is None or (_number(data, "time") or 0.0) >= since):
+            snaps.append(data)
+    if len(snaps) <= 1:
+        return snaps[0] if snaps else None
+    merged = dict(max(snaps, key=lambda d: _number(d, "time") or 0.0))
+    for key in ("in_flight", "writing"):
+        merged[key] = [x for d in snaps if isinstance(d.get(key), list) for x in d[key]]
+    return merged
 
 
 def describe_throttle(change: dict) -> str:
@@ -218,10 +250,11 @@ def job_state(running: bool, progress_left: bool, pending: int | None) -> str:
 
     Args:
         running: a process holds the folder's lock.
-        progress_left: ``progress.json`` exists. A run removes it when its
-            generation loop ends, so one left behind while no process holds the
-            lock was written by a run that ended mid-work: a second Ctrl-C
-            (stop at once), a kill or a crash.
+        progress_left: a progress file of the last run exists (:func:`read_progress`).
+            A run removes it when its generation loop ends (and any left behind when
+            it takes the lock), so one left while no process holds the lock was
+            written by a run that ended mid-work: a second Ctrl-C (stop at once),
+            a kill or a crash.
         pending: documents of the job neither done nor failed (``None``: unknown).
 
     Returns:
@@ -397,8 +430,10 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
     throttled = sum(r["throttled_seconds"] for r in entries if isinstance(r.get("throttled_seconds"), (int, float)))
 
     running = lock_held(out_dir)
-    progress = read_progress(out_dir)  # read after the lock probe: a run ending now removes it first
     started = info.started if info is not None else None
+    # read after the lock probe (a run ending now removes it first); one older than the last
+    # start record is an earlier run's, not this one's
+    progress = read_progress(out_dir, started)
     this_run = [r for r in latest.values() if started is not None and r.get("time", 0) >= started and "status" in r]
     elapsed, todo_left, eta = _run_timing(this_run, info, running, now, progress)
     pending = len(ids) - len(done) - len(failures) if info is not None else None

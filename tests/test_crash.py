@@ -235,3 +235,46 @@ def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch):
                                                        f"--model {tmp_path / 'docs'}")
     assert not out.exists()  # a run that never started leaves no folder
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is restored
+
+
+def test_a_rerun_with_nothing_pending_clears_an_earlier_runs_progress_file(tmp_path, small_moe):
+    """The review's case: a progress file left by a hard stop kept a finished job reading
+    "interrupted" after a later clean run that had nothing to do (it never reached the end
+    of the generation loop, where the file was removed). A run taking the folder's lock
+    removes it, a distributed run's rank files too."""
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    make_docs(docs, 2)
+    args = ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "3"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert not (out / "progress.json").exists()  # a clean end removes it
+    assert read_status(out).state == "finished"
+    for name in ("progress.json", "progress-1.json"):  # as a hard stop leaves it: after the run's start
+        (out / name).write_text(json.dumps({"time": time.time(), "in_flight": ["doc00"], "writing": []}))
+    assert read_status(out).state == "interrupted"
+    r = runner.invoke(app, args)  # nothing pending
+    assert r.exit_code == 0, r.output
+    s = read_status(out)
+    assert (s.state, s.pending) == ("finished", 0)
+    assert not list(out.glob("progress*.json"))
+
+
+@pytest.mark.parametrize("error, left", [(RuntimeError("a bug"), True), ("disk full", False)])
+def test_a_crash_leaves_the_progress_file_a_full_disk_does_not(tmp_path, small_moe, monkeypatch, error, left):
+    """README: a progress file left while no process holds the lock means a run that ended
+    mid-work (a crash: "interrupted"); a full disk is a clean stop ("stopped")."""
+    from mlx_tier import jobs
+    from mlx_tier.errors import JobError
+
+    def work_then_fail(*args):
+        progress = args[-1]
+        progress.update(jobs.Activity(["doc00"], None, [("doc00", 1)], 1.0, 1.0, 1.0, None))
+        raise error if isinstance(error, Exception) else JobError(error)
+
+    monkeypatch.setattr(jobs, "_summarise_all", work_then_fail)
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    make_docs(docs, 2)
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "3"])
+    assert r.exit_code != 0
+    assert (out / "progress.json").exists() == left
+    assert read_status(out).state == ("interrupted" if left else "stopped")

@@ -222,6 +222,9 @@ def test_every_kind_of_failure_has_a_short_reason(tmp_path):
         assert short_reason(message) == short, (short, message)
         assert len(short) <= SHORT_REASON_CHARS
     assert short_reason("MemoryError: std::bad_alloc") == "no memory"
+    # a folder swapped for a link between the check and the open (converters.convert_file)
+    assert short_reason("cannot read: now outside the input folder") == "bad link"
+    assert short_reason("cannot read: Permission denied") == "unreadable"
     assert short_reason("AVeryLongExceptionNameError: x") == "AVeryLongE…"
     assert short_reason(None) == short_reason("something odd happened") == "error"
 
@@ -245,3 +248,28 @@ def test_results_table_shows_why_each_document_failed_at_80_columns(tmp_path, mo
     for i, short in enumerate(messages):  # the row of f{i}, then the reason on the line under it
         row = next(k for k, c in enumerate(cells) if c[0] == f"f{i}")
         assert cells[row][1] == ("failed*:" if i == 0 else "failed:") and cells[row + 1][1] == short, cells[row:row + 2]
+
+
+def test_run_output_lines_wrap_between_words_at_80_columns(monkeypatch):
+    """A log's failure lines and per-document lines fit 80 columns, broken between words (a
+    soft-wrapped line is cut mid-word by the terminal); every word is kept."""
+    import mlx_tier.cli.main as cli
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(cli, "err", console)
+    reporter = cli.RichReporter()
+    reporter.total = 7
+    pdf = ("cannot convert (FileConversionException): PdfConverter threw PDFSyntaxError with message "
+           "No /Root object! - Is this really a PDF?")
+    reporter.finished(DocResult("ok", "failed", error=pdf), {"hit_rate": 0.9})
+    name = "constitution_preamble_and_article_1"
+    reporter.finished(DocResult(name, "done", output_tokens=102, doc_seconds=36.2), {"hit_rate": 0.986})
+    reporter.finished(DocResult("a_file_name_" * 8, "failed", error="empty document"), {"hit_rate": 0.9})
+    lines = console.export_text().splitlines()
+    assert all(len(x) <= 80 for x in lines if "a_file_name_" not in x), lines
+    assert "a_file_name_" * 8 in "".join(lines)  # a word wider than the screen stays whole
+    text = " ".join(lines)
+    assert f"failed ok: {pdf}" in text
+    assert f"1/7 {name}: 102 tokens, 36.2 s of its own, hit rate so far 98.6%" in text
+    assert len(lines) >= 7

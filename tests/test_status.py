@@ -166,3 +166,58 @@ def test_running_eta_is_the_runs_own_estimate_less_its_age(tmp_path):
         assert "estimating" in r.output, r.output
     finally:
         held.close()
+
+
+def test_a_progress_file_older_than_the_last_start_is_an_earlier_runs(tmp_path):
+    """A progress file from before the journal's last start record was left by an earlier
+    run (killed), not by this one: it neither makes the job "interrupted" nor shows as work."""
+    out = tmp_path / "out"
+    make_job(out)  # this run started at T0, ended cleanly with 2 pending
+    (out / "progress.json").write_text(json.dumps({"time": T0 - 60, "in_flight": ["d1"], "writing": []}))
+    s = read_status(out, now=T0 + 5000)
+    assert (s.state, s.progress, s.stopped_at) == ("stopped", None, None)
+    (out / "progress-2.json").write_text(json.dumps({"time": T0 - 1, "in_flight": ["d4"], "writing": []}))
+    assert read_status(out, now=T0 + 5000).state == "stopped"  # a rank's file alike
+    (out / "progress-2.json").write_text(json.dumps({"time": T0 + 150, "in_flight": ["d4"], "writing": []}))
+    s = read_status(out, now=T0 + 5000)  # this run's rank, killed mid-work
+    assert (s.state, s.stopped_at) == ("interrupted", T0 + 150)
+
+
+def test_ranks_progress_files_merge_into_one_view(tmp_path):
+    """Each rank rewrites its own progress-<k>.json (a shared file was removed by the first
+    rank to finish while the others worked); status shows the documents of all of them,
+    the freshest file's rates and estimate."""
+    from mlx_tier.status import progress_files, rank_progress_name, read_progress
+
+    out = tmp_path / "out"
+    make_job(out)
+    (out / rank_progress_name(0)).write_text(json.dumps({
+        "time": T0 + 190, "in_flight": ["d4"], "reading": None, "writing": [["d4", 17]], "eta_seconds": 80.0}))
+    (out / rank_progress_name(1)).write_text(json.dumps({
+        "time": T0 + 195, "in_flight": ["d5"], "reading": ["d5", 10, 300], "writing": [], "eta_seconds": 60.0}))
+    assert [p.name for p in progress_files(out)] == ["progress.json", "progress-0.json", "progress-1.json"]
+    p = read_progress(out, since=T0)
+    assert (sorted(p["in_flight"]), p["writing"], p["reading"], p["eta_seconds"]) == (
+        ["d4", "d5"], [["d4", 17]], ["d5", 10, 300], 60.0)
+    assert read_progress(out, since=T0 + 192)["in_flight"] == ["d5"]  # rank 0's is older than that start
+    held = lock_out_dir(out)
+    try:
+        r = runner.invoke(app, ["status", str(out)])
+        assert "d4: 17 tokens so far" in r.output and "d5: 10/300 prompt tokens" in r.output, r.output
+    finally:
+        held.close()
+
+
+def test_taking_the_folder_removes_earlier_progress_files_a_rank_does_not(tmp_path):
+    from mlx_tier.jobdir import JobDir
+
+    out = tmp_path / "out"
+    make_job(out)
+    names = ["progress.json", "progress-0.json", "progress-7.json"]
+    for name in names:
+        (out / name).write_text("{}")
+    (out / "ranks" / "r1").mkdir(parents=True)
+    with JobDir(out, "ranks/r1/journal-0.jsonl", part=True):  # the other ranks' files are live
+        assert all((out / n).exists() for n in names)
+    with JobDir(out):
+        assert not list(out.glob("progress*.json"))
