@@ -466,9 +466,9 @@ def _checked_run_options(cache_gb, host_cache_gb, prewarm, policy, output_format
     from mlx_tier.tier_budgets import probe
 
     if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
-        fail(f"--cache-gb must be a positive number, got {cache_gb}")
+        fail(f"--cache-gb must be a finite positive number of GiB, got {cache_gb}")
     if host_cache_gb is not None and not (math.isfinite(host_cache_gb) and host_cache_gb >= 0):
-        fail(f"--host-cache-gb must be a number >= 0, got {host_cache_gb}")
+        fail(f"--host-cache-gb must be a finite number of GiB >= 0, got {host_cache_gb}")
     mem = probe()
     if host_cache_gb is not None and mem.unified:  # one memory: a warm tier would count it twice
         fail(f"--host-cache-gb needs a CUDA GPU (hot tier in GPU memory, warm in host memory); on the "

@@ -108,7 +108,7 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
         ((docs, "--out", tmp_path / "o", "--model", tmp_path / "emptydir"), "no config.json"),
         ((docs, "--out", tmp_path / "o", "--model", tiny_dense), "not a Mixture-of-Experts checkpoint"),
         ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "1e-7"), "too small"),
-        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "-1"), "must be a positive number"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "-1"), "must be a finite positive number"),
         ((docs, "--out", tmp_path / "o", "--prompt", "@" + str(tmp_path / "none.txt")), "cannot read prompt file"),
         # --background checks before detaching
         ((docs, "--out", tmp_path / "o", "--model", tmp_path / "no-model", "--background"), "model folder not found"),
@@ -224,7 +224,8 @@ def test_ids_unique_out_dir_inside_input_and_lock(tmp_path, tiny_moe):
 
 def test_nan_budget_and_unwritable_trace_path_exit_2_with_one_line(tmp_path, tiny_moe, docs):
     for args, message in [
-        ((docs, "--out", tmp_path / "o", "--cache-gb", "nan"), "must be a positive number"),
+        ((docs, "--out", tmp_path / "o", "--cache-gb", "nan"), "must be a finite positive number"),
+        ((docs, "--out", tmp_path / "o", "--cache-gb", "inf"), "must be a finite positive number of GiB, got inf"),
         ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--trace", tmp_path / "no" / "t.npz"), "cannot write the trace"),
     ]:
         code, output = run(*args)

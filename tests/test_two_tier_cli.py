@@ -222,4 +222,4 @@ def test_run_refuses_a_bad_host_cache(tmp_path, tiny_moe):
     (docs / "one.txt").write_text("The river floods every spring.")
     r = runner.invoke(app, ["run", str(docs), "--out", str(tmp_path / "o2"), "--model", str(tiny_moe),
                             "--host-cache-gb", "-2"])
-    assert r.exit_code == 2 and "--host-cache-gb must be a number >= 0" in r.output
+    assert r.exit_code == 2 and "--host-cache-gb must be a finite number of GiB >= 0" in r.output
