@@ -154,8 +154,9 @@ def progress_line(done: int, total: int, elapsed: float, eta: float | None, acti
     ``activity`` is a :class:`mlx_tier.jobs.Activity` or ``None`` (nothing started yet);
     ``eta`` ``None`` reads "estimating" (no rate measured yet).
     """
-    left = format_duration(eta) if eta is not None else "estimating"
-    head = f"{done}/{total} done{f', {failed} failed' if failed else ''}  ETA {left}  {format_duration(elapsed)}"
+    left = ("stopping" if activity is not None and activity.stopping
+            else f"ETA {format_duration(eta)}" if eta is not None else "ETA estimating")
+    head = f"{done}/{total} done{f', {failed} failed' if failed else ''}  {left}  {format_duration(elapsed)}"
     if activity is None:
         return _clip(head, width)
     if activity.reading is not None:
@@ -616,7 +617,8 @@ def status(
         t.add_row("throttle", as_flags(describe_throttle(change)))
     for label, text in in_flight_rows(s.progress if s.running else None):
         t.add_row(label, Text(text))
-    eta = (format_duration(s.eta_seconds) if s.eta_seconds is not None
+    eta = ("none: stopping" if s.running and (s.progress or {}).get("stopping")
+           else format_duration(s.eta_seconds) if s.eta_seconds is not None
            else "estimating (until a prompt step and a decode step are measured)" if s.running else "not running")
     t.add_row("ETA", eta)
     for doc_id, error in s.failures[:5]:

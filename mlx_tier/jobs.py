@@ -167,6 +167,8 @@ class Activity:
         hit_rate: expert cache hit rate of this run so far, in [0, 1].
         eta_seconds: seconds this run has left (:class:`mlx_tier.eta.EtaTracker`), ``None``
             while still estimating (no prompt step or decode step measured yet).
+        stopping: a first Ctrl-C (or SIGTERM) asked the run to stop: it finishes the
+            summaries being written, then ends; the ETA no longer applies.
     """
 
     in_flight: list[str]
@@ -176,12 +178,14 @@ class Activity:
     prompt_tok_s: float
     hit_rate: float
     eta_seconds: float | None = None
+    stopping: bool = False
 
     def as_dict(self) -> dict:
         return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
                 "writing": [list(w) for w in self.writing], "decode_tok_s": round(self.decode_tok_s, 3),
                 "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4),
-                "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None}
+                "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None,
+                "stopping": self.stopping}
 
 
 class Reporter:
@@ -309,7 +313,8 @@ def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config:
         eta.step(info.prefill, info.generating, info.prefill_tokens, info.prefill_seconds, info.generated,
                  info.decode_seconds)
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
-                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(time.monotonic()))
+                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(time.monotonic()),
+                            stopping=stopping())
         reporter.working(activity)
         progress.update(activity)
         seen = len(throttle.timeline)

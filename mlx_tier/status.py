@@ -282,6 +282,9 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
     left = f"{status.pending} document(s) left" if status.pending is not None else "documents left"
     if status.state == RUNNING:
+        if (status.progress or {}).get("stopping"):
+            return (f"stopping (pid {status.pid}): asked to stop; finishing the summaries being written, "
+                    "then it ends")
         return f"running (pid {status.pid})"
     if status.state == INTERRUPTED:
         when = f" at {_clock(status.stopped_at, now)}" if status.stopped_at is not None else ""

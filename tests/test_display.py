@@ -42,6 +42,9 @@ def test_progress_line_cases():
     assert progress_line(0, 2, 3725.0, 60.0, writing, 80) == (
         "0/2 done  ETA 1m00s  1h02m  writing a +1 more, 12 tokens  1.0 tok/s  hit 50%")
     assert progress_line(0, 2, 1.0, None, None, 80) == "0/2 done  ETA estimating  1s"
+    # Another case: after a first Ctrl-C the job's ETA no longer applies: the line says so.
+    stopping = Activity(["a"], None, [("a", 12)], 1.0, 0.0, 0.5, 40.0, stopping=True)
+    assert progress_line(1, 2, 65.0, 40.0, stopping, 80) == "1/2 done  stopping  1m05s  writing a, 12 tokens  1.0 tok/s  hit 50%"
     assert len(progress_line(1, 2, 1.0, None, reading(), 30)) <= 30  # too narrow for any name: count first
 
 

@@ -221,3 +221,23 @@ def test_taking_the_folder_removes_earlier_progress_files_a_rank_does_not(tmp_pa
         assert all((out / n).exists() for n in names)
     with JobDir(out):
         assert not list(out.glob("progress*.json"))
+
+
+def test_a_run_asked_to_stop_reads_as_stopping_not_with_its_eta(tmp_path):
+    """After a first Ctrl-C the run finishes the summaries being written: status says it is
+    stopping and shows no ETA for the whole job (a new-user trial saw "running", "ETA 51s")."""
+    out = tmp_path / "out"
+    make_job(out)
+    progress = {"time": T0 + 160, "in_flight": ["d4"], "reading": None, "writing": [["d4", 9]],
+                "decode_tok_s": 2.0, "prompt_tok_s": 5.0, "hit_rate": 0.5, "eta_seconds": 70.0}
+    held = lock_out_dir(out)
+    try:
+        for stopping, state in ((True, "stopping (pid"), (False, "running (pid")):
+            (out / "progress.json").write_text(json.dumps({**progress, "stopping": stopping}))
+            r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "80"}, terminal_width=80)
+            assert r.exit_code == 0 and state in r.output, r.output
+            eta_line = next(x for x in r.output.splitlines() if x.strip("│ ").startswith("ETA"))
+            assert ("none: stopping" in eta_line) == stopping, r.output
+            assert max(map(len, r.output.splitlines())) <= 80
+    finally:
+        held.close()
