@@ -25,6 +25,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -193,9 +194,14 @@ def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None =
     return [_read(p, doc_id, name, inside) for p, doc_id, name in zip(files, ids, names)]
 
 
-def _walk(root: Path, exclude: Path | None, follow_links: bool) -> list[Path]:
-    """Files under ``root`` with a document suffix, in sorted order (module doc for what is skipped)."""
+def _walk(root: Path, exclude: Path | None, follow_links: bool,
+          skipped: Counter | None = None) -> list[Path]:
+    """Files under ``root`` with a document suffix, in sorted order (module doc for what is skipped).
+
+    ``skipped``, when given, counts the files and folders left out by why (:func:`_skip_note`).
+    """
     real_root, files, seen = root.resolve(), [], set()
+    skipped = Counter() if skipped is None else skipped
     for folder, dirs, names in os.walk(root, followlinks=follow_links):
         here = Path(folder)
         if follow_links:  # a link cycle would walk forever
@@ -204,28 +210,56 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool) -> list[Path]:
                 dirs[:] = []
                 continue
             seen.add(real)
-        dirs[:] = [d for d in dirs if skip_reason(d) is None
-                   and not (exclude is not None and (here / d).resolve().is_relative_to(exclude))]
+        why = {d: _folder_skip(here / d, exclude) for d in dirs}
+        skipped.update(w for w in why.values() if w is not None)
+        dirs[:] = [d for d in dirs if why[d] is None]
         for name in names:
-            p = here / name
-            if skip_reason(name) is not None or p.suffix.lower() not in SUFFIXES:
-                continue
-            target = p.resolve()
-            if exclude is not None and target.is_relative_to(exclude):
-                continue
-            if not follow_links and p.is_symlink() and not target.is_relative_to(real_root):
-                continue  # a link out of INPUT: not read unless asked
-            if p.is_file():
-                files.append(p)
+            why = _file_skip(here / name, exclude, follow_links, real_root)
+            if why is None:
+                files.append(here / name)
+            else:
+                skipped[why] += 1
     return sorted(files)
+
+
+def _folder_skip(p: Path, exclude: Path | None) -> str | None:
+    """Why the folder ``p`` is not searched, or ``None`` when it is."""
+    if skip_reason(p.name) is not None:
+        return "hidden folder" if p.name.startswith(".") else "metadata folder"
+    return "output folder" if exclude is not None and p.resolve().is_relative_to(exclude) else None
+
+
+def _file_skip(p: Path, exclude: Path | None, follow_links: bool, real_root: Path) -> str | None:
+    """Why the file ``p`` found in a folder is not read (a suffix stands for "not a kind
+    mlx-tier reads"), or ``None`` when it is a document."""
+    why = skip_reason(p.name)
+    if why is not None or p.suffix.lower() not in SUFFIXES:
+        return why or p.suffix.lower() or "no suffix"
+    target = p.resolve()
+    if exclude is not None and target.is_relative_to(exclude):
+        return "in the output folder"
+    if not follow_links and p.is_symlink() and not target.is_relative_to(real_root):
+        return "link out of INPUT"  # not read unless asked (--follow-links)
+    return None if p.is_file() else "not a regular file"
+
+
+def _skip_note(skipped: Counter, most: int = 3) -> str:
+    """``skipped`` (reason or suffix -> count) in words, most frequent first: e.g.
+    ``"skipped .csv 3, hidden folder 1"``; ``"the folder is empty"`` when none."""
+    if not skipped:
+        return "the folder is empty"
+    top = sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))[:most]  # ties: by name, not walk order
+    rest = sum(skipped.values()) - sum(n for _, n in top)
+    return "skipped " + ", ".join([f"{why} {n}" for why, n in top] + ([f"other {rest}"] if rest else []))
 
 
 def _from_folder(root: Path, exclude: Path | None, follow_links: bool,
                  previous: dict[str, str] | None) -> list[FileDocument]:
-    files = _walk(root, exclude, follow_links)
+    skipped: Counter = Counter()
+    files = _walk(root, exclude, follow_links, skipped)
     if not files:
-        kinds = ", ".join(s.lstrip(".") for s in SUFFIXES)
-        raise InputError(f"{root}: no documents found (looked for {kinds})")
+        raise InputError(f"{root}: no documents found: {_skip_note(skipped)}; "
+                         "mlx-tier run --help lists the kinds it reads")
     return _from_files(root, files, previous, inside=None if follow_links else root.resolve())
 
 

@@ -97,11 +97,33 @@ def test_jsonl_errors_name_the_line(tmp_path, content, message):
 def test_input_errors(tmp_path):
     with pytest.raises(InputError, match="no such file or folder"):
         discover(tmp_path / "missing")
-    with pytest.raises(InputError, match=r"no documents found \(looked for txt, md, .*pdf, docx"):
+    with pytest.raises(InputError, match=r"no documents found: the folder is empty; mlx-tier run --help lists"):
         discover(tmp_path)
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(InputError, match="expected a folder"):
         discover(tmp_path / "x.csv")
+
+
+def test_no_documents_says_what_was_skipped(tmp_path):
+    """An input folder with files but no document names what it skipped, most frequent first, in one line."""
+    for i in range(3):
+        (tmp_path / f"t{i}.csv").write_text("a,b")
+    (tmp_path / "run.exe").write_bytes(b"MZ")
+    (tmp_path / "NOTES").write_text("no suffix")
+    (tmp_path / ".hidden.txt").write_text("x")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD.txt").write_text("never walked")
+    (tmp_path / "a.bak").write_text("x")
+    with pytest.raises(InputError) as e:
+        discover(tmp_path)
+    assert str(e.value) == (f"{tmp_path}: no documents found: skipped .csv 3, .exe 1, hidden file 1, other 3; "
+                            "mlx-tier run --help lists the kinds it reads")
+    only_output = tmp_path / "only-output"
+    (only_output / "out").mkdir(parents=True)
+    (only_output / "out" / "summary.md").write_text("an earlier run's output")
+    (only_output / "__MACOSX").mkdir()
+    with pytest.raises(InputError, match="skipped metadata folder 1, output folder 1;"):
+        discover(only_output, exclude=only_output / "out")
 
 
 def test_safe_id():
