@@ -261,8 +261,10 @@ def status_cell(result) -> str:
 
 
 def print_summary(report, out_dir: Path) -> None:
-    table = Table(title="mlx-tier run", caption="*: by an earlier run. doc s: the document's own time, reading its "
-                  "prompt and writing its summary (decode steps are shared with the documents written alongside)")
+    table = Table(title="mlx-tier run", caption="*: by an earlier run. in tok: the document with the instruction, in "
+                  "tokens; out tok: tokens written (a long document's part summaries included). doc s: the "
+                  "document's own time, reading its prompt and writing its summary (decode steps are shared "
+                  "with the documents written alongside)")
     for col in ("document", "status", "in tok", "out tok", "doc s"):
         table.add_column(col, justify="left" if col in ("document", "status") else "right",
                          overflow="fold" if col in ("document", "status") else "ellipsis")

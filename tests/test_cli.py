@@ -58,6 +58,7 @@ def test_run_resume_and_report(docs, tmp_path, tiny_moe):
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")}
 
     assert "1/3 " in output and "3/3 " in output  # not a terminal: one line per document
+    assert "in tok: the document with the instruction, in tokens; out tok:" in " ".join(output.split())  # caption
     assert oct((out / "one.md").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
     first_run = report["runs"][0]
 
