@@ -288,23 +288,35 @@ class _Loaded:
         return self.model.expert_cache
 
 
-def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config: JobConfig, loaded: _Loaded,
-                   journal: Journal, reporter: Reporter, stopping, setup: dict, progress: ProgressFile) -> dict:
-    """Generate every document ``docs`` yields (batched, throttled), writing and journalling each
-    as it finishes; fills ``results``. ``sizes``: characters of each pending document (0:
-    unknown), for the ETA; ``progress``: rewritten every 2 s with the :class:`Activity`.
-    Returns the throttle's account (:meth:`Throttle.as_dict`)."""
+@dataclass
+class _Pass:
+    """What one run generates and where it writes, built once in :func:`_run_in` and passed down whole."""
+
+    docs: Iterator  # the pending documents, in turn (:func:`_turns`)
+    sizes: dict[str, int]  # characters of each pending document (0: unknown), for the ETA
+    results: dict  # id -> DocResult, filled as documents finish
+    journal: Journal
+    reporter: Reporter
+    report: JobReport
+    progress: ProgressFile  # rewritten every 2 s with the :class:`Activity`
+
+
+def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> dict:
+    """Generate every document ``p.docs`` yields (batched, throttled), writing and journalling
+    each as it finishes; fills ``p.results``, records the generation settings in
+    ``p.report.setup``. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
+    results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
-                          max(sizes.values(), default=0))
-    setup["generation"] = scheduler.info
+                          max(p.sizes.values(), default=0))
+    p.report.setup["generation"] = scheduler.info
     source = scheduler.info["batch_size_from"]
     reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
                      f"usable context {scheduler.context} tokens")
     rate, prompt_rate = _Rate(), _Rate()
     generated = [0]  # tokens generated this run, for the samples the watch page plots
-    eta = EtaTracker(sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic())
+    eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic())
 
     def on_step(info, in_flight):
         rate.add(info.generated, info.decode_seconds)
@@ -325,7 +337,7 @@ def _summarise_all(docs: Iterator, sizes: dict[str, int], results: dict, config:
                 reporter.message(f"throttle: {change['mode']} ({change['reason']})")
 
     throttled_before = 0.0
-    for outcome in scheduler.run(docs, should_stop=stopping, on_step=on_step):
+    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step):
         res = results[outcome.id]
         _record(outcome, res, config.out_dir)
         eta.finished(res.id, res.output_tokens if res.status == "done" else None)
@@ -632,8 +644,9 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
                          "for a plain rerun")
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
-        _run_pending(_turns(pending, results, share), _sizes(pending), results, config, loaded, journal, reporter,
-                     report, ProgressFile(config.out_dir, name=share.progress_name))
+        p = _Pass(_turns(pending, results, share), _sizes(pending), results, journal, reporter, report,
+                  ProgressFile(config.out_dir, name=share.progress_name))
+        _run_pending(p, config, loaded)
     return report, loaded
 
 
@@ -665,15 +678,14 @@ def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig,
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
 
 
-def _run_pending(docs: Iterator, sizes: dict[str, int], results, config: JobConfig, loaded: _Loaded, journal,
-                 reporter, report, progress: ProgressFile) -> None:
-    """Generate ``docs`` under the stop flag (first signal: stop after the step; second: at once).
-    ``progress`` is removed at a clean end (every document tried, a first signal, a full
+def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
+    """Generate ``p.docs`` under the stop flag (first signal: stop after the step; second: at once).
+    ``p.progress`` is removed at a clean end (every document tried, a first signal, a full
     disk); a crash or a second signal leaves it: ``mlx-tier status`` says "interrupted"."""
     from .generation import MAX_AUTO_BATCH
     from .memory import model_memory_controls
 
-    g = config.generation
+    g, reporter, report, progress = config.generation, p.reporter, p.report, p.progress
     context = min(loaded.context, g.context or loaded.context)
     notice = ("stopping: summaries being written are finished, documents still being read are left for "
               "the next run (interrupt again to stop at once)")
@@ -692,8 +704,7 @@ def _run_pending(docs: Iterator, sizes: dict[str, int], results, config: JobConf
                 loaded.model, context, g.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
             report.setup["memory"] = memory
             try:
-                report.throttle = _summarise_all(docs, sizes, results, config, loaded, journal, reporter,
-                                                 lambda: stop.signal is not None, report.setup, progress)
+                report.throttle = _summarise_all(p, config, loaded, lambda: stop.signal is not None)
             except JobError:  # the disk is full: a clean stop, not a crash
                 progress.clear()
                 raise

@@ -266,8 +266,8 @@ def test_a_crash_leaves_the_progress_file_a_full_disk_does_not(tmp_path, small_m
     from mlx_tier import jobs
     from mlx_tier.errors import JobError
 
-    def work_then_fail(*args):
-        progress = args[-1]
+    def work_then_fail(p, *args):
+        progress = p.progress
         progress.update(jobs.Activity(["doc00"], None, [("doc00", 1)], 1.0, 1.0, 1.0, None))
         raise error if isinstance(error, Exception) else JobError(error)
 
