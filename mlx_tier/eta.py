@@ -12,7 +12,8 @@ timed with rates measured in this run:
   prompt tokens read per second of prefill so far;
 - tokens still to write, each document its expected length less what it
   wrote: for one that wrote ``n`` tokens, the mean length of the documents
-  finished this run that were longer than ``n``, with ``max_tokens`` counted
+  finished (this run, and earlier runs of the same job: a resumed job starts
+  from its summaries' lengths) that were longer than ``n``, with ``max_tokens`` counted
   as one more (the prior until documents finish, and what is left for a
   document already longer than every finished one: the short ones finish
   first, so a plain mean would expect the rest to end at once),
@@ -66,12 +67,16 @@ class EtaTracker:
         max_tokens: most tokens generated per document.
         batch_size: documents decoded together.
         started: the clock (seconds) when the run began its work.
+        earlier: tokens generated for each document earlier runs of the job
+            finished in one call (a resumed job's summaries: what the next
+            ones will likely take, instead of the ``max_tokens`` prior alone).
     """
 
     docs: dict[str, int]
     max_tokens: int
     batch_size: int
     started: float
+    earlier: list[int] = field(default_factory=list)
     _left: dict[str, _Doc] = field(init=False)
     _outputs: list[int] = field(default_factory=list, init=False)  # finished documents' lengths, sorted
     _suffix: list[int] | None = field(default=None, init=False)  # _suffix[i] = sum(_outputs[i:]); None: stale
@@ -85,6 +90,7 @@ class EtaTracker:
 
     def __post_init__(self) -> None:
         self._left = {i: _Doc(max(int(c), 0)) for i, c in self.docs.items()}
+        self._outputs = sorted(int(n) for n in self.earlier)
 
     def step(self, prefill: list[tuple[str, int, int]], generating: list[tuple[str, int]], prefill_tokens: int,
              prefill_seconds: float, generated: int, decode_seconds: float) -> None:
@@ -124,7 +130,7 @@ class EtaTracker:
 
     def expected_output(self, written: int = 0) -> float:
         """Tokens a document that has written ``written`` is expected to generate in all: the
-        mean of the documents finished this run that were longer, with ``max_tokens``
+        mean of the documents finished (``earlier`` included) that were longer, with ``max_tokens``
         counted as one more (the prior while none has finished). O(log n) for n finished
         documents: a binary search in their sorted lengths and suffix sums (rebuilt once
         after documents finish)."""

@@ -316,7 +316,9 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
                      f"usable context {scheduler.context} tokens")
     rate, prompt_rate = _Rate(), _Rate()
     generated = [0]  # tokens generated this run, for the samples the watch page plots
-    eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic())
+    earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
+               if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
+    eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic(), earlier)
 
     def on_step(info, in_flight):
         rate.add(info.generated, info.decode_seconds)

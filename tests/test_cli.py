@@ -76,6 +76,29 @@ def test_run_resume_and_report(docs, tmp_path, tiny_moe):
     assert report["cache"]["misses"] == first_run["cache"]["misses"]  # summed over runs
 
 
+def test_a_resumed_job_gives_the_eta_its_earlier_summary_lengths(docs, tmp_path, tiny_moe, monkeypatch):
+    """A rerun with new documents starts the ETA from the lengths of the summaries already
+    written (mlx_tier.eta: the max_tokens prior alone made early estimates ~2x high)."""
+    from mlx_tier import jobs
+
+    out = tmp_path / "out"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "6")
+    assert code == 0, output
+    written = sorted(d["output_tokens"] for d in json.loads((out / "report.json").read_text())["documents"])
+    trackers, real = [], jobs.EtaTracker
+
+    def tracker(*args):
+        trackers.append(real(*args))
+        return trackers[-1]
+
+    monkeypatch.setattr(jobs, "EtaTracker", tracker)
+    (docs / "four.txt").write_text("A new document added after the first run.")
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "6")
+    assert code == 0, output
+    assert len(trackers) == 1 and sorted(trackers[0].earlier) == written and all(written)
+    assert list(trackers[0].docs) == ["four"]
+
+
 def test_bad_documents_fail_alone(docs, tmp_path, tiny_moe):
     (docs / "bin.txt").write_bytes(b"\x00\x00\xff")
     (docs / "long.txt").write_text("word " * 400)

@@ -96,6 +96,18 @@ def test_expected_output_starts_at_max_tokens_and_follows_finished_documents():
     assert tracker.expected_output(written=50) == 160  # longer than every finished one: the prior
 
 
+def test_a_resumed_job_expects_its_earlier_summaries_lengths():
+    """The prior is max_tokens only for a job with no summary yet: a rerun's earlier ones count
+    as finished documents (the trial's early ETA was ~2x high while it assumed max_tokens)."""
+    fresh = EtaTracker({"c": 100}, max_tokens=160, batch_size=2, started=0.0)
+    resumed = EtaTracker({"c": 100}, max_tokens=160, batch_size=2, started=0.0, earlier=[60, 20])
+    assert fresh.expected_output() == 160
+    assert resumed.expected_output() == pytest.approx((20 + 60 + 160) / 3)
+    assert resumed.expected_output(written=30) == pytest.approx((60 + 160) / 2)
+    resumed.finished("c", 40)
+    assert resumed.expected_output() == pytest.approx((20 + 40 + 60 + 160) / 4)
+
+
 def test_unknown_sizes_count_as_a_typical_prompt_and_failures_leave_the_work():
     tracker = EtaTracker({"a": 400, "pdf": 0, "empty": 0}, max_tokens=10, batch_size=1, started=0.0)
     tracker.finished("empty", None)
