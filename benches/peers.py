@@ -16,7 +16,10 @@ How:
   ``--cap-gb`` (page cache charged, swap capped too: ``benches/capped.py``'s
   ``MemoryCgroup``); an OOM kill ends only that run and is counted. Without
   cgroup v1 (macOS, cgroup v2 only, not root) runs are uncapped and the
-  caliber says so. ``--cap-gb 0``: uncapped on purpose.
+  caliber says so. ``--cap-gb 0``: uncapped on purpose. Under a cap every
+  engine's files are evicted from the page cache once before the first run
+  of an invocation, so that every page an engine reads is charged to the cap
+  (a page stays charged to the group that first read it).
 - Same prompt token ids for every engine (the checkpoint's tokenizer), exactly
   ``--tokens`` greedy tokens (no stop at EOS). Runs interleaved: round r runs
   every engine, rotated by r, each cold (the files of every engine evicted
@@ -31,8 +34,9 @@ How:
 - Load guard (issue 14: "the same pair went from 1.5x to 0.8x over three rounds
   while other jobs finished"): when the others' load (the 1-minute average
   where runnable counts are unavailable) moved by more than ``--load-tolerance``
-  across the headline runs, no headline ratio is printed, and the line says by
-  how much it moved. The table (medians, ratios) is printed either way.
+  across the headline runs (those with a rate or a bound on one: a run
+  OOM-killed while loading enters no ratio), no headline ratio is printed,
+  and the line says by how much it moved. The table (medians, ratios) is printed either way.
 - ``--caliber seed``: the seeds' acceptance caliber: 9 runs, greedy, 256
   tokens, single request, warm.
 - Resumable (``benches/peers_runs.py``): every finished run is appended at
@@ -118,6 +122,11 @@ def load_guard(loads: list[float], tolerance: float) -> tuple[bool, float]:
         return False, 0.0
     spread = max(loads) - min(loads)
     return spread <= tolerance, spread
+
+
+def has_rate(run: dict) -> bool:
+    """Whether a run gives a decode rate or a bound on one: only those enter a ratio, and the load guard."""
+    return run.get("tok_s") is not None or run.get("tok_s_below") is not None
 
 
 def run_load(run: dict) -> float | None:
@@ -430,8 +439,12 @@ def run_plan(specs: dict, plan: list, out: Path, files: list[Path], cgroup, limi
     """Run the slots of ``plan`` not yet recorded in ``out``, appending each finished run there at once.
 
     Engines dropped (``peers_runs.dropped``) are skipped, also when dropped
-    during this call. Warm-only: each engine still to run gets one untimed
-    priming run first (16 tokens, not recorded). Ctrl-C (KeyboardInterrupt)
+    during this call. Under a cap, ``files`` are first evicted from the page
+    cache: a page stays charged to the cgroup that first read it, so pages
+    cached before the cap (the GGUF just written, a previous invocation's
+    cgroup) would be outside it -- measured: llama.cpp's mmap reached a peak
+    RSS of 3.6-4.9 GiB under the 2 GiB cap before this. Warm-only: each engine
+    still to run gets one untimed priming run first (16 tokens, not recorded). Ctrl-C (KeyboardInterrupt)
     passes through; only the run in flight is lost. Returns every recorded run.
     """
     from peers_runs import Progress, append_run, dropped, load_runs, pending
@@ -439,6 +452,8 @@ def run_plan(specs: dict, plan: list, out: Path, files: list[Path], cgroup, limi
     recorded = load_runs(out)
     todo = pending(plan, recorded)
     progress = Progress()
+    if todo and cgroup is not None:  # pages cached before the cap (a file written, an earlier pass) are
+        (drop_pages or _drop_pages)(files)  # charged outside it: evict, so every page read now counts
     if temps == ("warm",):  # warm-only: prime the page cache once per engine, untimed
         for e in dict.fromkeys(s.engine for s in todo):
             progress.start(f"priming {e}")
@@ -647,7 +662,7 @@ def report(out: Path, tolerance: float) -> None:
         print("\n".join(caliber_lines(fp, meta, runs)) + "\n")
     print("\n".join(table(summary)))
     head_temp = "warm" if "warm" in fp["temps"] else fp["temps"][0]
-    head_runs = [r for (_, t), rs in runs.items() if t == head_temp for r in rs]
+    head_runs = [r for (_, t), rs in runs.items() if t == head_temp for r in rs if has_rate(r)]
     loads = [x for x in map(run_load, head_runs) if x is not None]
     what = "others' runnable tasks" if all(r.get("others") is not None for r in head_runs) else "load average"
     notes = [f"{e}: {why} in its first run, not run again" for e, why in gone.items()]

@@ -58,10 +58,10 @@ def record_demo_trace(max_tokens: int, refresh: bool) -> tuple[Trace, float]:
 
     import mlx_tier
     from mlx_tier import TierConfig
-    from mlx_tier.demo_model import cache_dir, ensure_demo_model
+    from mlx_tier.demo_model import cache_dir, demo_name, ensure_demo_model
     from mlx_tier.jobs import DEFAULT_PROMPT, build_prompt
 
-    path = cache_dir() / "traces" / f"demo-docs-{max_tokens}.npz"
+    path = cache_dir() / "traces" / f"{demo_name()}-docs-{max_tokens}.npz"  # the default demo's version
     if path.is_file() and not refresh:
         return load_trace(path), 0.0
     model_dir = ensure_demo_model(print)

@@ -3,9 +3,11 @@
 Question (issue 14, section 1): (a) side by side, the routing statistics of
 trained-like traces (:mod:`mlx_tier.trained_routing`: generated to match
 published Mixtral 8x7B and Qwen3-30B-A3B statistics, sources in that module),
-of the demo MoE (recorded while it summarises the two shortest example
-documents, greedy, 48 tokens each; ``--all-docs``: all seven, as
-``policy_targets.py``), of the synthetic random-weight checkpoint
+of the demo MoE, both versions (v1: random routers; v2, the default:
+routers fitted to Mixtral's reuse, ``mlx_tier.demo_router``; recorded while
+it summarises the two shortest example documents, greedy, 48 tokens each;
+``--all-docs``: all seven for v2, as ``policy_targets.py``; neither is the
+calibration text the fit used), of the synthetic random-weight checkpoint
 (recorded, when ``--synthetic DIR`` is given) and of the Zipf traces of
 ``benches/policy_targets.py``; (b) on the trained-like traces: lru / lfu / 2q /
 pinned vs Belady at 25/50/75% of the experts (target: the default policy
@@ -68,21 +70,22 @@ def record_synthetic(model_dir: Path) -> Trace:
     return trace
 
 
-def record_demo_docs(names: tuple[str, ...], max_tokens: int) -> Trace:
-    """Routing of the demo MoE summarising a few example documents, as
-    ``policy_targets.record_demo_trace`` does for all of them (cached)."""
+def record_demo_docs(names: tuple[str, ...], max_tokens: int, version: int) -> Trace:
+    """Routing of demo MoE ``version`` (1: random routers, 2: fitted) summarising a few
+    example documents, as ``policy_targets.record_demo_trace`` does for all of them (cached)."""
     from mlx_lm import generate as lm_generate
 
     import mlx_tier
     from mlx_tier import TierConfig
-    from mlx_tier.demo_model import cache_dir, ensure_demo_model
+    from mlx_tier.demo_model import cache_dir, demo_name, ensure_demo_model
     from mlx_tier.jobs import DEFAULT_PROMPT, build_prompt
 
-    path = cache_dir() / "traces" / f"demo-{len(names)}docs-{max_tokens}.npz"
+    path = cache_dir() / "traces" / f"{demo_name(version)}-{len(names)}docs-{max_tokens}.npz"
     if path.is_file():
         return load_trace(path)
-    model, tokenizer = mlx_tier.load(ensure_demo_model(print), config=TierConfig(slots_per_layer=8))
-    model.expert_cache.start_trace(source=f"demo MoE on {', '.join(names)}, greedy, max_tokens={max_tokens}")
+    model, tokenizer = mlx_tier.load(ensure_demo_model(print, version), config=TierConfig(slots_per_layer=8))
+    model.expert_cache.start_trace(source=f"demo MoE v{version} on {', '.join(names)}, greedy,"
+                                          f" max_tokens={max_tokens}")
     for name in names:
         prompt = build_prompt(tokenizer, DEFAULT_PROMPT, (DOCS / name).read_text(encoding="utf-8"))
         lm_generate(model, tokenizer, prompt, max_tokens=max_tokens, verbose=False)
@@ -162,11 +165,14 @@ def main() -> None:
     for stick in (0.1, 0.3, 0.5):
         trained[f"qwen3-like s={stick} ({args.qwen_layers}x128, top-8)"] = generate(
             qwen3_like(args.qwen_layers, stick), args.tokens // 2, seed=1)
-    if args.all_docs:  # as policy_targets.py (about an hour on a busy 2-core machine)
-        demo, _ = record_demo_trace(args.demo_max_tokens, refresh=False)
-    else:
-        demo = record_demo_docs(DEMO_DOCS, args.demo_max_tokens)
-    others = {"demo (30x8, top-2)": demo, "demo, decode only": by_token(demo, demo.phase == DECODE)}
+    others = {}
+    for version in (1, 2):  # 1: random routers, 2: fitted to route like a trained MoE (the default)
+        if args.all_docs and version == 2:  # as policy_targets.py (about an hour on a busy 2-core machine)
+            demo, _ = record_demo_trace(args.demo_max_tokens, refresh=False)
+        else:
+            demo = record_demo_docs(DEMO_DOCS, args.demo_max_tokens, version)
+        others |= {f"demo v{version} (30x8, top-2)": demo,
+                   f"demo v{version}, decode only": by_token(demo, demo.phase == DECODE)}
     if args.synthetic is not None:
         others["synthetic checkpoint"] = record_synthetic(args.synthetic)
     others |= {

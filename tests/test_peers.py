@@ -265,6 +265,51 @@ def test_warm_only_primes_each_engine_still_to_run(peers, runs_mod, tmp_path):
     assert len(runs_mod.load_runs(tmp_path)) == 3
 
 
+def test_under_a_cap_every_file_is_evicted_once_before_priming(peers, runs_mod, tmp_path):
+    # A page stays charged to the cgroup that first read it: a GGUF written just before the pass was
+    # outside the 2 GiB cap, and llama.cpp's mmap reached a peak RSS of 4.85 GiB under it.
+    plan = runs_mod.slots(("a", "b"), ("warm",), 1)
+    events = []
+
+    def runner(spec, cgroup, limit_s, tick):
+        events.append(("run", spec.engine, spec.max_tokens))
+        return {"engine": spec.engine, **run(tok_s=1.0)}
+
+    files = [tmp_path / "model.safetensors", tmp_path / "model.gguf"]
+    for folder, cgroup in ((tmp_path / "capped", object()), (tmp_path / "uncapped", None)):
+        runs_mod.open_results(folder, {"k": 1})
+        events.clear()
+        peers.run_plan(specs_for("a", "b", tokens=256), plan, folder, files, cgroup, 60, ("warm",), runner=runner,
+                       drop_pages=lambda fs: events.append(("evict", tuple(fs))))
+        evicted = [("evict", tuple(files))] if cgroup is not None else []
+        assert events == [*evicted, ("run", "a", 16), ("run", "b", 16), ("run", "a", 256), ("run", "b", 256)]
+    events.clear()  # the pass complete: nothing evicted, nothing run
+    peers.run_plan(specs_for("a", "b"), plan, tmp_path / "capped", files, object(), 60, ("warm",), runner=runner,
+                   drop_pages=lambda fs: events.append(("evict", tuple(fs))))
+    assert events == []
+
+
+def test_load_guard_counts_only_runs_that_give_a_rate(peers, runs_mod, tmp_path, capsys):
+    # Seed pass, 2026-12-01: mlx-lm OOM-killed while loading in 2 s (others 0.00) was the low end of the
+    # spread; a run with no rate enters no ratio. A stopped run's bound does enter one.
+    engines = ("mlx-tier", "mlx-lm", "nunspark", "llama.cpp")
+    runs_mod.open_results(tmp_path, {"engines": list(engines), "temps": ["warm"], "runs": 2, "tokens": 256,
+                                     "run_limit_s": 2400})
+    records = [("mlx-tier", run(tok_s=6.8, others=0.4)), ("mlx-lm", run("OOM-killed while loading", others=0.0)),
+               ("nunspark", run(tok_s=0.6, others=0.1)), ("llama.cpp", run(tok_s=0.25, others=0.3)),
+               ("mlx-tier", run(tok_s=6.6, others=0.5)), ("nunspark", run(tok_s=0.6, others=0.1)),
+               ("llama.cpp", run("over the 2400 s limit while generating", tok_s_below=0.1, others=0.2))]
+    for slot, (engine, r) in enumerate(records):
+        runs_mod.append_run(tmp_path, {"engine": engine, "slot": slot, "round": 0, "temp": "warm", **r})
+    assert peers.main(["--report-only", "--out", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "headline (warm, load moved 0.40 <= 0.50): mlx-tier 6.70 tok/s" in out
+    runs_mod.append_run(tmp_path, {"engine": "mlx-tier", "slot": 7, "round": 1, "temp": "warm",
+                                   **run(tok_s=7.0, others=0.7)})  # a run with a rate does move it
+    assert peers.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert "no headline ratio: the load moved by 0.60" in " ".join(capsys.readouterr().out.split())
+
+
 def test_fingerprint_mismatch_is_refused_in_one_line(runs_mod, tmp_path):
     fp = {"tokens": 256, "cap_gb": 2.0, "caliber": "seed"}
     assert runs_mod.open_results(tmp_path, fp) == []

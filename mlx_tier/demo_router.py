@@ -1,0 +1,180 @@
+"""Routers for the demo MoE fitted to route like a trained MoE (issue 14).
+
+The demo's first router (v1) was a random projection of each layer's MoE
+input. Measured on held-out example documents it is far from a trained
+router of its shape (8 experts, top-2): one expert takes ~29% of a layer's
+uses (trained: ~17%) and consecutive tokens share an expert ~78% of the time
+(Mixtral 8x7B: 48-64%, Jiang et al. 2024, arXiv 2401.04088, Table 5). Both
+come from the hidden states, not from the projection being random: their mean
+is far from zero (a constant per-expert offset: skew) and most of their
+variance lies in slowly varying directions (consecutive tokens alike: reuse).
+
+The fit, per layer, from the MoE inputs ``h_t`` of a calibration text:
+
+1. centre: the router is made orthogonal to the mean ``mu`` of ``h_t``, so no
+   expert gets a constant head start (near-uniform popularity, as a
+   load-balanced trained router);
+2. whiten in the top principal directions of ``h_t - mu`` and sort them by
+   lag-1 autocorrelation ``rho`` (eigenvectors of the symmetrised lag-1
+   covariance of the whitened states: a slow-feature analysis, Wiskott &
+   Sejnowski 2002, "Slow Feature Analysis");
+3. router = seeded Gaussian ``R [E, m]`` x ``diag(exp(-beta * rho))`` x those
+   directions, with ``beta`` chosen by bisection so that the share of
+   consecutive tokens sharing an expert on the calibration text equals
+   Mixtral's at that depth (Table 5's "first or second choice", layers
+   0/15/31 interpolated to the demo's depth). ``beta > 0`` weights fast
+   directions (less reuse), ``beta < 0`` slow ones (more).
+
+Mixtral's gate has no bias, so the fit changes only the gate's weight. Its
+scale is set so the logits have unit standard deviation on the calibration
+text (the top-k choice does not depend on it; the top-k's softmax weights do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .routing_stats import membership, popularity, reuse_stats
+from .trained_routing import MIXTRAL_OVERLAP_ANY, per_layer
+
+COMPONENTS = 64  # principal directions kept (the calibration text has a few hundred tokens)
+BETA_RANGE = (-40.0, 40.0)
+
+
+@dataclass(frozen=True)
+class FittedRouter:
+    """One layer's fitted router and what it does on the calibration text.
+
+    ``weight`` is ``[E, D]`` float32; ``overlap_any`` is P(consecutive tokens
+    share an expert) and ``top_share`` the most used expert's share, both on
+    the calibration tokens; ``target`` is the ``overlap_any`` aimed at.
+    """
+
+    weight: np.ndarray
+    beta: float
+    overlap_any: float
+    top_share: float
+    target: float
+
+
+def top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """``[T, E]`` router logits → ``[T, k]`` int64 expert ids, first choice first (as mlx-lm's gate)."""
+    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
+
+
+def overlap_any(ids: np.ndarray, num_experts: int) -> float:
+    """P(two consecutive tokens share an expert) of ``[T, k]`` ids (``routing_stats``' ``overlap_any``)."""
+    return reuse_stats(ids, membership(ids, num_experts), ordered=False)[2]
+
+
+def mixtral_overlap_targets(num_layers: int) -> tuple[float, ...]:
+    """Mixtral 8x7B's "first or second choice" repetition (Table 5 of arXiv
+    2401.04088, layers 0/15/31) interpolated to ``num_layers`` layers."""
+    mid, last = (num_layers - 1) * 15 / 31, num_layers - 1
+    return per_layer({0: MIXTRAL_OVERLAP_ANY[0], mid: MIXTRAL_OVERLAP_ANY[15], last: MIXTRAL_OVERLAP_ANY[31]},
+                     num_layers)
+
+
+def slow_directions(hidden: np.ndarray, components: int = COMPONENTS) -> tuple[np.ndarray, np.ndarray]:
+    """Whitened principal directions of ``hidden`` sorted by lag-1 autocorrelation.
+
+    Args:
+        hidden: ``[T, D]`` MoE inputs in token order (T >= 3).
+        components: principal directions kept (at most T - 1).
+    Returns:
+        ``(directions [m, D] float64, rho [m])``: ``(h - mu) @ directions.T``
+        has unit-variance, uncorrelated coordinates whose lag-1
+        autocorrelations are ``rho`` (ascending: fastest first). Every
+        direction is orthogonal to the mean ``mu``; signs are fixed (largest
+        entry positive) so the result does not depend on the LAPACK build.
+    Raises:
+        ValueError: fewer than 3 tokens.
+    """
+    h = np.asarray(hidden, dtype=np.float64)
+    if len(h) < 3:
+        raise ValueError(f"need at least 3 tokens to fit a router, got {len(h)}")
+    mu = h.mean(axis=0)
+    u = mu / (np.linalg.norm(mu) or 1.0)
+    hc = h - mu
+    hc -= np.outer(hc @ u, u)  # no direction along the mean: no constant per-expert offset
+    _, s, vt = np.linalg.svd(hc, full_matrices=False)
+    m = int(min(components, len(h) - 1, (s > s[0] * 1e-6).sum()))
+    basis = vt[:m] / (s[:m, None] / np.sqrt(len(h)))  # whitening: unit variance per coordinate
+    z = hc @ basis.T
+    lag = (z[:-1].T @ z[1:] + z[1:].T @ z[:-1]) / (2 * (len(z) - 1))
+    rho, q = np.linalg.eigh(lag)
+    q *= np.sign(q[np.abs(q).argmax(axis=0), np.arange(q.shape[1])])
+    return q.T @ basis, rho
+
+
+def fit_router(hidden: np.ndarray, rng: np.random.Generator, num_experts: int, k: int,
+               target: float) -> FittedRouter:
+    """Fit one layer's router so its calibration routing shares an expert between
+    consecutive tokens ``target`` of the time (see module doc).
+
+    Args:
+        hidden: ``[T, D]`` the layer's MoE inputs on the calibration text, in order.
+        rng: seeded generator for the Gaussian mixing ``[E, m]``.
+        num_experts, k: E and top-k.
+        target: ``overlap_any`` aimed at; out of reach, the nearest end of
+            ``BETA_RANGE`` is kept.
+    Returns:
+        :class:`FittedRouter`.
+    Raises:
+        ValueError: fewer than 3 tokens.
+    """
+    dirs, rho = slow_directions(hidden)
+    mix = rng.standard_normal((num_experts, len(rho)))
+    h = np.asarray(hidden, dtype=np.float64)
+
+    def at(beta: float) -> tuple[np.ndarray, np.ndarray]:
+        w = (mix * np.exp(-beta * (rho - rho.mean()))[None, :]) @ dirs
+        logits = h @ w.T
+        w /= logits.std() or 1.0  # logits of unit spread: the top-k's softmax weights stay moderate
+        return w, top_k(logits, k)
+
+    lo, hi = BETA_RANGE  # overlap falls as beta rises
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if overlap_any(at(mid)[1], num_experts) > target:
+            lo = mid
+        else:
+            hi = mid
+    beta = (lo + hi) / 2
+    w, ids = at(beta)
+    return FittedRouter(w.astype(np.float32), beta, overlap_any(ids, num_experts),
+                        popularity(membership(ids, num_experts))[1], target)
+
+
+def moe_inputs(model_dir, text: str | None = None) -> list[np.ndarray]:
+    """Each layer's MoE inputs (after ``post_attention_layernorm``) on ``text``, by plain mlx-lm.
+
+    Args:
+        model_dir: a Mixtral-layout checkpoint (the demo's).
+        text: the text read; default the packaged calibration text
+            (``mlx_tier/data/calibration.txt``, the Gettysburg Address).
+    Returns:
+        per layer ``[T, D]`` float32, T = the text's token count, in order.
+    """
+    from importlib import resources
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    if text is None:
+        text = resources.files("mlx_tier.data").joinpath("calibration.txt").read_text(encoding="utf-8")
+    model, tokenizer = load(str(model_dir))
+    seen: list[list[mx.array]] = []
+    for layer in model.model.layers:
+        inner, store = layer.block_sparse_moe, []
+        seen.append(store)
+
+        def capture(x, inner=inner, store=store):
+            store.append(x.astype(mx.float32))
+            return inner(x)
+
+        layer.block_sparse_moe = capture
+    mx.eval(model.model(mx.array([tokenizer.encode(text)])))
+    return [np.array(mx.concatenate(s, axis=1)[0]) for s in seen]

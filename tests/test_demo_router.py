@@ -1,0 +1,69 @@
+"""mlx_tier.demo_router: routers fitted so the demo routes like a trained MoE (issue 14).
+
+Synthetic MoE inputs with what skews the demo's v1 router: a large mean and
+most variance in slowly varying directions. The fit must remove the skew and
+hit a given share of consecutive tokens sharing an expert.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_tier.demo_router import fit_router, mixtral_overlap_targets, overlap_any, slow_directions, top_k
+from mlx_tier.routing_stats import membership, popularity
+
+
+def hidden_states(T=400, D=96, seed=0):
+    """AR(1) states: 16 slow directions (rho 0.97, large), 80 fast (white, small), plus a mean of norm 20."""
+    rng = np.random.default_rng(seed)
+    slow = np.zeros((T, 16))
+    for t in range(1, T):
+        slow[t] = 0.97 * slow[t - 1] + rng.standard_normal(16) * np.sqrt(1 - 0.97**2)
+    fast = rng.standard_normal((T, D - 16)) * 0.3
+    basis = np.linalg.qr(rng.standard_normal((D, D)))[0]
+    mean = rng.standard_normal(D)
+    return (np.hstack([3 * slow, fast]) @ basis.T + 20 * mean / np.linalg.norm(mean)).astype(np.float32)
+
+
+def test_a_random_router_on_such_states_is_skewed_and_sticky():
+    h = hidden_states()
+    ids = top_k(h @ (np.random.default_rng(1).standard_normal((8, h.shape[1])) / np.sqrt(h.shape[1])).T, 2)
+    assert popularity(membership(ids, 8))[1] > 0.3 and overlap_any(ids, 8) > 0.8
+
+
+@pytest.mark.parametrize("target", [0.48, 0.5091, 0.64])
+def test_fit_hits_the_overlap_target_with_near_uniform_use(target):
+    h = hidden_states()
+    fit = fit_router(h, np.random.default_rng(2), 8, 2, target)
+    ids = top_k(h.astype(np.float64) @ fit.weight.T.astype(np.float64), 2)
+    assert abs(overlap_any(ids, 8) - target) < 0.02 and abs(fit.overlap_any - target) < 0.02
+    assert fit.top_share < 0.22 and popularity(membership(ids, 8))[0] > 0.95  # uniform: 1/8 = 12.5%
+    mu = h.mean(axis=0).astype(np.float64)
+    logits = h.astype(np.float64) @ fit.weight.T
+    assert np.abs(fit.weight @ mu).max() < 1e-3 * np.abs(logits).max()  # no constant head start
+    assert logits.std() == pytest.approx(1.0, rel=1e-3)
+    again = fit_router(h, np.random.default_rng(2), 8, 2, target)
+    assert np.array_equal(again.weight, fit.weight)  # seeded: the same router
+
+
+def test_fit_keeps_the_end_of_the_range_when_the_target_is_out_of_reach():
+    h = hidden_states()
+    assert fit_router(h, np.random.default_rng(3), 8, 2, 1.01).beta == pytest.approx(-40.0, abs=1e-6)
+    assert fit_router(h, np.random.default_rng(3), 8, 2, 0.0).beta == pytest.approx(40.0, abs=1e-6)
+
+
+def test_slow_directions_are_white_sorted_and_need_three_tokens():
+    h = hidden_states()
+    dirs, rho = slow_directions(h)
+    z = (h - h.mean(axis=0)) @ dirs.T
+    assert np.allclose(np.cov(z.T, bias=True), np.eye(len(rho)), atol=0.05)
+    assert np.all(np.diff(rho) >= 0) and rho[-1] > 0.9 and rho[0] < 0.2
+    with pytest.raises(ValueError, match="at least 3 tokens"):
+        slow_directions(h[:2])
+
+
+def test_mixtral_targets_run_through_table_5_at_the_demos_depth():
+    t = mixtral_overlap_targets(30)
+    assert len(t) == 30 and t[0] == pytest.approx(0.4804) and t[-1] == pytest.approx(0.5091)
+    assert max(t) == pytest.approx(0.6369, abs=0.01)
