@@ -17,7 +17,8 @@ def drop_pages(files: list[Path], global_drop: bool = False) -> str:
         global_drop: first try ``echo 1 > /proc/sys/vm/drop_caches`` (root,
             Linux; drops every clean page of the machine, so other users'
             caches too). ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file
-            always follows (clean pages only; pages still mapped stay).
+            always follows, after an ``fsync`` of the file (DONTNEED drops clean
+            pages only; pages still mapped stay).
 
     Returns:
         ``"drop_caches+fadvise"`` or ``"fadvise"``.
@@ -33,6 +34,7 @@ def drop_pages(files: list[Path], global_drop: bool = False) -> str:
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
+            os.fsync(fd)  # a file just written has dirty pages, which DONTNEED leaves in the cache
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

@@ -6,7 +6,8 @@ layer? And does an adaptive per-layer split of the same total slots beat the
 uniform one?
 
 Traces:
-* ``demo-docs``: routing recorded from the SmolLM2 8-expert demo MoE while it
+* ``demo-docs``: routing recorded from the SmolLM2 8-expert demo MoE (the
+  default version, ``mlx_tier.demo_model.DEMO_VERSION``) while it
   summarises the README's example documents (``examples/docs``; chat prompt
   as ``mlx-tier run`` builds it, greedy, ``--max-tokens`` per document; one
   sequence at a time, so one trace record = one token). Cached in the
@@ -67,7 +68,8 @@ def record_demo_trace(max_tokens: int, refresh: bool) -> tuple[Trace, float]:
     model_dir = ensure_demo_model(print)
     t0 = time.perf_counter()
     model, tokenizer = mlx_tier.load(model_dir, config=TierConfig(slots_per_layer=8))  # all resident: routing only
-    model.expert_cache.start_trace(source=f"demo MoE on examples/docs, greedy, max_tokens={max_tokens}")
+    model.expert_cache.start_trace(source=f"demo MoE {model_dir.name} on examples/docs, greedy,"
+                                          f" max_tokens={max_tokens}")
     for doc in sorted(DOCS.iterdir()):
         prompt = build_prompt(tokenizer, DEFAULT_PROMPT, doc.read_text(encoding="utf-8"))
         generate(model, tokenizer, prompt, max_tokens=max_tokens, verbose=False)

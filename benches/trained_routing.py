@@ -165,9 +165,11 @@ def main() -> None:
     for stick in (0.1, 0.3, 0.5):
         trained[f"qwen3-like s={stick} ({args.qwen_layers}x128, top-8)"] = generate(
             qwen3_like(args.qwen_layers, stick), args.tokens // 2, seed=1)
+    from mlx_tier.demo_model import DEMO_VERSION, ROUTERS
+
     others = {}
-    for version in (1, 2):  # 1: random routers, 2: fitted to route like a trained MoE (the default)
-        if args.all_docs and version == 2:  # as policy_targets.py (about an hour on a busy 2-core machine)
+    for version in ROUTERS:  # 1: random routers, 2: fitted to route like a trained MoE
+        if args.all_docs and version == DEMO_VERSION:  # as policy_targets.py (~1 h on a busy 2-core machine)
             demo, _ = record_demo_trace(args.demo_max_tokens, refresh=False)
         else:
             demo = record_demo_docs(DEMO_DOCS, args.demo_max_tokens, version)

@@ -25,14 +25,16 @@ The fit, per layer, from the MoE inputs ``h_t`` of a calibration text:
    0/15/31 interpolated to the demo's depth). ``beta > 0`` weights fast
    directions (less reuse), ``beta < 0`` slow ones (more).
 
-Mixtral's gate has no bias, so the fit changes only the gate's weight. Its
-scale is set so the logits have unit standard deviation on the calibration
-text (the top-k choice does not depend on it; the top-k's softmax weights do).
+Mixtral's gate has no bias, so the fit changes only the gate's weight. Each
+expert's row is scaled so its logits have unit standard deviation on the
+calibration text: no expert wins by the scale of its row (with the centring,
+this keeps use near-uniform), and the top-k's softmax weights stay moderate.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -60,7 +62,8 @@ class FittedRouter:
 
 
 def top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """``[T, E]`` router logits → ``[T, k]`` int64 expert ids, first choice first (as mlx-lm's gate)."""
+    """``[T, E]`` router logits → ``[T, k]`` int64 expert ids, highest logit first (mlx-lm's
+    gate picks the same set, in no particular order)."""
     return np.argsort(-logits, axis=1, kind="stable")[:, :k]
 
 
@@ -72,6 +75,8 @@ def overlap_any(ids: np.ndarray, num_experts: int) -> float:
 def mixtral_overlap_targets(num_layers: int) -> tuple[float, ...]:
     """Mixtral 8x7B's "first or second choice" repetition (Table 5 of arXiv
     2401.04088, layers 0/15/31) interpolated to ``num_layers`` layers."""
+    if num_layers == 1:
+        return (MIXTRAL_OVERLAP_ANY[0],)
     mid, last = (num_layers - 1) * 15 / 31, num_layers - 1
     return per_layer({0: MIXTRAL_OVERLAP_ANY[0], mid: MIXTRAL_OVERLAP_ANY[15], last: MIXTRAL_OVERLAP_ANY[31]},
                      num_layers)
@@ -87,10 +92,11 @@ def slow_directions(hidden: np.ndarray, components: int = COMPONENTS) -> tuple[n
         ``(directions [m, D] float64, rho [m])``: ``(h - mu) @ directions.T``
         has unit-variance, uncorrelated coordinates whose lag-1
         autocorrelations are ``rho`` (ascending: fastest first). Every
-        direction is orthogonal to the mean ``mu``; signs are fixed (largest
-        entry positive) so the result does not depend on the LAPACK build.
+        direction is orthogonal to the mean ``mu``; each direction's sign is
+        fixed (its largest entry positive), so the sign choices of the SVD and
+        eigensolver (which vary with the LAPACK build) do not change it.
     Raises:
-        ValueError: fewer than 3 tokens.
+        ValueError: fewer than 3 tokens, or states that do not vary.
     """
     h = np.asarray(hidden, dtype=np.float64)
     if len(h) < 3:
@@ -100,13 +106,16 @@ def slow_directions(hidden: np.ndarray, components: int = COMPONENTS) -> tuple[n
     hc = h - mu
     hc -= np.outer(hc @ u, u)  # no direction along the mean: no constant per-expert offset
     _, s, vt = np.linalg.svd(hc, full_matrices=False)
-    m = int(min(components, len(h) - 1, (s > s[0] * 1e-6).sum()))
+    m = int(min(components, len(h) - 1, (s > s[0] * 1e-6).sum())) if s.size and s[0] > 0 else 0
+    if m == 0:
+        raise ValueError("the hidden states do not vary apart from their mean: no router can be fitted")
     basis = vt[:m] / (s[:m, None] / np.sqrt(len(h)))  # whitening: unit variance per coordinate
     z = hc @ basis.T
     lag = (z[:-1].T @ z[1:] + z[1:].T @ z[:-1]) / (2 * (len(z) - 1))
     rho, q = np.linalg.eigh(lag)
-    q *= np.sign(q[np.abs(q).argmax(axis=0), np.arange(q.shape[1])])
-    return q.T @ basis, rho
+    dirs = q.T @ basis
+    dirs *= np.sign(dirs[np.arange(len(dirs)), np.abs(dirs).argmax(axis=1)])[:, None]
+    return dirs, rho
 
 
 def fit_router(hidden: np.ndarray, rng: np.random.Generator, num_experts: int, k: int,
@@ -131,9 +140,9 @@ def fit_router(hidden: np.ndarray, rng: np.random.Generator, num_experts: int, k
 
     def at(beta: float) -> tuple[np.ndarray, np.ndarray]:
         w = (mix * np.exp(-beta * (rho - rho.mean()))[None, :]) @ dirs
-        logits = h @ w.T
-        w /= logits.std() or 1.0  # logits of unit spread: the top-k's softmax weights stay moderate
-        return w, top_k(logits, k)
+        spread = (h @ w.T).std(axis=0)  # [E]: each expert's logits to unit spread, so none wins by scale
+        w /= np.where(spread > 0, spread, 1.0)[:, None]
+        return w, top_k(h @ w.T, k)
 
     lo, hi = BETA_RANGE  # overlap falls as beta rises
     for _ in range(40):
@@ -148,8 +157,12 @@ def fit_router(hidden: np.ndarray, rng: np.random.Generator, num_experts: int, k
                         popularity(membership(ids, num_experts))[1], target)
 
 
-def moe_inputs(model_dir, text: str | None = None) -> list[np.ndarray]:
+def moe_inputs(model_dir: Path, text: str | None = None) -> list[np.ndarray]:
     """Each layer's MoE inputs (after ``post_attention_layernorm``) on ``text``, by plain mlx-lm.
+
+    The inputs are captured by replacing each decoder layer's
+    ``block_sparse_moe`` with a recording wrapper (mlx-lm's Mixtral layer calls
+    ``self.block_sparse_moe(self.post_attention_layernorm(h))``).
 
     Args:
         model_dir: a Mixtral-layout checkpoint (the demo's).
@@ -157,6 +170,9 @@ def moe_inputs(model_dir, text: str | None = None) -> list[np.ndarray]:
             (``mlx_tier/data/calibration.txt``, the Gettysburg Address).
     Returns:
         per layer ``[T, D]`` float32, T = the text's token count, in order.
+    Raises:
+        FileNotFoundError, ValueError: what ``mlx_lm.load`` raises for a missing
+            or unsupported checkpoint.
     """
     from importlib import resources
 

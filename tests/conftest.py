@@ -116,7 +116,7 @@ def tiny_dense(tmp_path_factory, tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model(session_cache) -> Path:
-    """The SmolLM2 8-expert demo MoE, built once per session (~20 s)."""
+    """The SmolLM2 8-expert demo MoE (v2, fitted routers), built once per session (~1.5 min)."""
     import os
 
     os.environ["MLX_TIER_CACHE"] = str(session_cache)

@@ -7,6 +7,7 @@ hit a given share of consecutive tokens sharing an expert.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -53,7 +54,7 @@ def test_fit_keeps_the_end_of_the_range_when_the_target_is_out_of_reach():
     assert fit_router(h, np.random.default_rng(3), 8, 2, 0.0).beta == pytest.approx(40.0, abs=1e-6)
 
 
-def test_slow_directions_are_white_sorted_and_need_three_tokens():
+def test_slow_directions_are_white_sorted_and_need_varying_states():
     h = hidden_states()
     dirs, rho = slow_directions(h)
     z = (h - h.mean(axis=0)) @ dirs.T
@@ -61,9 +62,44 @@ def test_slow_directions_are_white_sorted_and_need_three_tokens():
     assert np.all(np.diff(rho) >= 0) and rho[-1] > 0.9 and rho[0] < 0.2
     with pytest.raises(ValueError, match="at least 3 tokens"):
         slow_directions(h[:2])
+    with pytest.raises(ValueError, match="do not vary"):
+        slow_directions(np.tile(h[:1], (10, 1)))
+
+
+def test_directions_do_not_depend_on_the_solvers_sign_choices():
+    # The SVD's and eigensolver's signs vary with the LAPACK build; the fixed sign is on each final
+    # direction (largest entry positive). Reordering the coordinates reorders the solver's inputs and
+    # its sign choices, and must only reorder the directions' entries.
+    h = hidden_states()
+    dirs, rho = slow_directions(h)
+    assert np.all(dirs[np.arange(len(dirs)), np.abs(dirs).argmax(axis=1)] > 0)
+    perm = np.random.default_rng(4).permutation(h.shape[1])
+    dirs_p, rho_p = slow_directions(h[:, perm])
+    assert np.allclose(rho_p, rho, atol=1e-9) and np.allclose(dirs_p, dirs[:, perm], atol=1e-6)
 
 
 def test_mixtral_targets_run_through_table_5_at_the_demos_depth():
     t = mixtral_overlap_targets(30)
     assert len(t) == 30 and t[0] == pytest.approx(0.4804) and t[-1] == pytest.approx(0.5091)
     assert max(t) == pytest.approx(0.6369, abs=0.01)
+    assert mixtral_overlap_targets(1) == (pytest.approx(0.4804),)
+
+
+def test_moe_inputs_are_each_layers_normed_state_in_token_order(tiny_moe_fp):
+    from mlx_lm import load
+
+    from mlx_tier.demo_router import moe_inputs
+
+    text = "Four score and seven years ago our fathers brought forth"
+    got = moe_inputs(tiny_moe_fp, text)
+    model, tokenizer = load(str(tiny_moe_fp))  # the reference: the norm's own outputs, by another hook
+    ids = tokenizer.encode(text)
+    seen = []
+    for layer in model.model.layers:
+        norm = layer.post_attention_layernorm
+        layer.post_attention_layernorm = lambda x, norm=norm: seen.append(norm(x)) or seen[-1]
+    model.model(mx.array([ids]))
+    assert len(got) == len(model.model.layers) == len(seen)
+    for g, ref in zip(got, seen, strict=True):
+        assert g.dtype == np.float32 and g.shape == (len(ids), ref.shape[-1])
+        assert np.allclose(g, np.array(ref[0].astype(mx.float32)), atol=1e-6)
