@@ -99,7 +99,12 @@ def test_default_demo_routes_like_a_trained_moe_on_its_calibration_text(demo_mod
     import numpy as np
 
     from mlx_tier.demo_model import DEMO_VERSION, demo_name
-    from mlx_tier.demo_router import mixtral_overlap_targets, moe_inputs, overlap_any, top_k
+    from mlx_tier.demo_router import (
+        mixtral_overlap_targets,
+        moe_inputs,
+        overlap_any,
+        top_k,
+    )
     from mlx_tier.routing_stats import membership, popularity
 
     assert DEMO_VERSION == 2 and demo_model.name == demo_name() == "smollm2-135m-moe-8x-top2-v2"

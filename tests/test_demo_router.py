@@ -11,7 +11,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_tier.demo_router import fit_router, mixtral_overlap_targets, overlap_any, slow_directions, top_k
+from mlx_tier.demo_router import (
+    fit_router,
+    mixtral_overlap_targets,
+    overlap_any,
+    slow_directions,
+    top_k,
+)
 from mlx_tier.routing_stats import membership, popularity
 
 
