@@ -233,8 +233,8 @@ def _fit_routers(out: Path, tensors: dict[str, mx.array], config: dict, progress
     """
     from .demo_router import fit_router, mixtral_overlap_targets, moe_inputs
 
-    progress("demo model: fitting its routers on the calibration text")
-    hidden = moe_inputs(out)
+    progress("demo model: fitting its routers to a short text (once, about a minute on 2 cores)")
+    hidden = moe_inputs(out, progress=lambda done, total: progress(f"demo model: routers: {done}/{total} tokens read"))
     rng = np.random.default_rng(SEED + 1)
     fits = [fit_router(h, rng, NUM_EXPERTS, TOP_K, target)
             for h, target in zip(hidden, mixtral_overlap_targets(len(hidden)), strict=True)]

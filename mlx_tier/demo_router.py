@@ -33,6 +33,7 @@ this keeps use near-uniform), and the top-k's softmax weights stay moderate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,17 +158,25 @@ def fit_router(hidden: np.ndarray, rng: np.random.Generator, num_experts: int, k
                         popularity(membership(ids, num_experts))[1], target)
 
 
-def moe_inputs(model_dir: Path, text: str | None = None) -> list[np.ndarray]:
+CHUNK = 32  # calibration tokens per forward step: a progress line every few seconds on a slow CPU
+
+
+def moe_inputs(model_dir: Path, text: str | None = None,
+               progress: Callable[[int, int], None] = lambda done, total: None) -> list[np.ndarray]:
     """Each layer's MoE inputs (after ``post_attention_layernorm``) on ``text``, by plain mlx-lm.
 
     The inputs are captured by replacing each decoder layer's
     ``block_sparse_moe`` with a recording wrapper (mlx-lm's Mixtral layer calls
-    ``self.block_sparse_moe(self.post_attention_layernorm(h))``).
+    ``self.block_sparse_moe(self.post_attention_layernorm(h))``). The text is
+    read in steps of ``CHUNK`` tokens with a KV cache, as a prompt is, so that
+    ``progress(tokens_done, tokens_total)`` is called every few seconds (the
+    whole text in one step took ~60 s, silent, on a 2-core CPU).
 
     Args:
         model_dir: a Mixtral-layout checkpoint (the demo's).
         text: the text read; default the packaged calibration text
             (``mlx_tier/data/calibration.txt``, the Gettysburg Address).
+        progress: called after each step.
     Returns:
         per layer ``[T, D]`` float32, T = the text's token count, in order.
     Raises:
@@ -178,6 +187,7 @@ def moe_inputs(model_dir: Path, text: str | None = None) -> list[np.ndarray]:
 
     import mlx.core as mx
     from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
 
     if text is None:
         text = resources.files("mlx_tier.data").joinpath("calibration.txt").read_text(encoding="utf-8")
@@ -192,5 +202,8 @@ def moe_inputs(model_dir: Path, text: str | None = None) -> list[np.ndarray]:
             return inner(x)
 
         layer.block_sparse_moe = capture
-    mx.eval(model.model(mx.array([tokenizer.encode(text)])))
+    ids, cache = tokenizer.encode(text), make_prompt_cache(model)
+    for start in range(0, len(ids), CHUNK):
+        mx.eval(model.model(mx.array([ids[start:start + CHUNK]]), cache=cache), [s[-1] for s in seen])
+        progress(min(start + CHUNK, len(ids)), len(ids))
     return [np.array(mx.concatenate(s, axis=1)[0]) for s in seen]

@@ -91,13 +91,15 @@ def test_mixtral_targets_run_through_table_5_at_the_demos_depth():
     assert mixtral_overlap_targets(1) == (pytest.approx(0.4804),)
 
 
-def test_moe_inputs_are_each_layers_normed_state_in_token_order(tiny_moe_fp):
+def test_moe_inputs_are_each_layers_normed_state_in_token_order(tiny_moe_fp, monkeypatch):
     from mlx_lm import load
 
-    from mlx_tier.demo_router import moe_inputs
+    from mlx_tier import demo_router
 
     text = "Four score and seven years ago our fathers brought forth"
-    got = moe_inputs(tiny_moe_fp, text)
+    monkeypatch.setattr(demo_router, "CHUNK", 4)  # read in steps with a KV cache, as the build does
+    steps = []
+    got = demo_router.moe_inputs(tiny_moe_fp, text, progress=lambda done, total: steps.append((done, total)))
     model, tokenizer = load(str(tiny_moe_fp))  # the reference: the norm's own outputs, by another hook
     ids = tokenizer.encode(text)
     seen = []
@@ -106,6 +108,7 @@ def test_moe_inputs_are_each_layers_normed_state_in_token_order(tiny_moe_fp):
         layer.post_attention_layernorm = lambda x, norm=norm: seen.append(norm(x)) or seen[-1]
     model.model(mx.array([ids]))
     assert len(got) == len(model.model.layers) == len(seen)
+    assert steps == [(min(n, len(ids)), len(ids)) for n in range(4, len(ids) + 4, 4)]  # one per step
     for g, ref in zip(got, seen, strict=True):
         assert g.dtype == np.float32 and g.shape == (len(ids), ref.shape[-1])
         assert np.allclose(g, np.array(ref[0].astype(mx.float32)), atol=1e-6)
