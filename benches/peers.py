@@ -36,7 +36,8 @@ How:
   where runnable counts are unavailable) moved by more than ``--load-tolerance``
   across the headline runs (those with a rate or a bound on one: a run
   OOM-killed while loading enters no ratio), no headline ratio is printed,
-  and the line says by how much it moved. The table (medians, ratios) is printed either way.
+  and the line says by how much it moved. The table (medians, ratios) is
+  printed either way.
 - ``--caliber seed``: the seeds' acceptance caliber: 9 runs, greedy, 256
   tokens, single request, warm.
 - Resumable (``benches/peers_runs.py``): every finished run is appended at
@@ -443,9 +444,10 @@ def run_plan(specs: dict, plan: list, out: Path, files: list[Path], cgroup, limi
     cache: a page stays charged to the cgroup that first read it, so pages
     cached before the cap (the GGUF just written, a previous invocation's
     cgroup) would be outside it -- measured: llama.cpp's mmap reached a peak
-    RSS of 3.6-4.9 GiB under the 2 GiB cap before this. Warm-only: each engine
-    still to run gets one untimed priming run first (16 tokens, not recorded). Ctrl-C (KeyboardInterrupt)
-    passes through; only the run in flight is lost. Returns every recorded run.
+    RSS of 3.4-4.9 GiB under the 2 GiB cap before this. Warm-only: each
+    engine still to run gets one untimed priming run first (16 tokens, not
+    recorded). Ctrl-C (KeyboardInterrupt) passes through; only the run in
+    flight is lost. Returns every recorded run.
     """
     from peers_runs import Progress, append_run, dropped, load_runs, pending
 

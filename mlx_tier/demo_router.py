@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from .routing_stats import membership, popularity, reuse_stats
-from .trained_routing import MIXTRAL_OVERLAP_ANY, per_layer
+from .trained_routing import MIXTRAL_OVERLAP_ANY, at_mixtral_depths
 
 COMPONENTS = 64  # principal directions kept (the calibration text has a few hundred tokens)
 BETA_RANGE = (-40.0, 40.0)
@@ -76,11 +76,7 @@ def overlap_any(ids: np.ndarray, num_experts: int) -> float:
 def mixtral_overlap_targets(num_layers: int) -> tuple[float, ...]:
     """Mixtral 8x7B's "first or second choice" repetition (Table 5 of arXiv
     2401.04088, layers 0/15/31) interpolated to ``num_layers`` layers."""
-    if num_layers == 1:
-        return (MIXTRAL_OVERLAP_ANY[0],)
-    mid, last = (num_layers - 1) * 15 / 31, num_layers - 1
-    return per_layer({0: MIXTRAL_OVERLAP_ANY[0], mid: MIXTRAL_OVERLAP_ANY[15], last: MIXTRAL_OVERLAP_ANY[31]},
-                     num_layers)
+    return at_mixtral_depths(MIXTRAL_OVERLAP_ANY, num_layers)
 
 
 def slow_directions(hidden: np.ndarray, components: int = COMPONENTS) -> tuple[np.ndarray, np.ndarray]:

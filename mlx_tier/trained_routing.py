@@ -99,6 +99,15 @@ def per_layer(points: dict[int, float], num_layers: int) -> tuple[float, ...]:
     return tuple(float(np.interp(i, xs, [points[x] for x in xs])) for i in range(num_layers))
 
 
+def at_mixtral_depths(values: dict[int, float], num_layers: int) -> tuple[float, ...]:
+    """Values given at Mixtral 8x7B's layers 0 / 15 / 31 (of 32), placed at the same
+    relative depths of ``num_layers`` layers and interpolated (:func:`per_layer`)."""
+    if num_layers == 1:
+        return (values[0],)
+    mid, last = (num_layers - 1) * 15 / 31, num_layers - 1
+    return per_layer({0: values[0], mid: values[15], last: values[31]}, num_layers)
+
+
 def mixtral_like(num_layers: int = 32) -> RoutingModel:
     """8 experts, top-2, reuse and cross-layer predictability of Mixtral 8x7B
     (Table 5 of arXiv 2401.04088 at layers 0/15/31, scaled to ``num_layers``;
@@ -107,12 +116,11 @@ def mixtral_like(num_layers: int = 32) -> RoutingModel:
     those targets (tests/test_routing_stats.py checks it). Popularity: no
     published number; ``alpha`` 0.3 gives a near-uniform use (entropy 0.99),
     as Figure 7 of the paper shows."""
-    mid, last = (num_layers - 1) * 15 / 31, num_layers - 1
     return RoutingModel(
         num_layers, 8, 2,
         alpha=(0.3,) * num_layers,
-        stick_first=per_layer({0: 0.02, mid: 0.15, last: 0.11}, num_layers),
-        stick_other=per_layer({0: 0.0, mid: 0.17, last: 0.0}, num_layers),
+        stick_first=at_mixtral_depths({0: 0.02, 15: 0.15, 31: 0.11}, num_layers),
+        stick_other=at_mixtral_depths({0: 0.0, 15: 0.17, 31: 0.0}, num_layers),
         affinity=0.16, name="mixtral-like")
 
 
