@@ -9,10 +9,14 @@ float32 scales as on the CPU backend), in one process:
   all threads; the larger is the reference;
 - decode: one token, k=8 distinct random experts per call (new ones every
   call, so weights come from memory, not cache): the kept kernel (Numba fused
-  dequantise + matvec), the same with its generic row loop (before the
-  group-size-specialised ones), the other build candidate (vectorised numpy dequantise
+  dequantise + matvec; on an AVX-512 VNNI CPU its 4-bit rows run on integer
+  dot products, ``mlx_tier/cpu_vnni.py``), the same with its float32 row loops
+  (``MLX_TIER_VNNI=0``; the only path on other CPUs), the same with the generic
+  float32 row loop, the other build candidate (vectorised numpy dequantise
   + BLAS matvec) and MLX (``SwitchGLU`` -> ``gather_qmm``), in GB/s of expert
-  weights (packed weights + scales + biases) read;
+  weights (packed weights + scales + biases) read. The decode candidates and
+  the streaming read run in interleaved rounds (one call of each per round),
+  so a change in the machine's speed during the run reaches all of them;
 - prefill: 512 tokens x top-8 over the 128 experts (random routing): the
   kernel (rows grouped by expert, dequantise + numpy's BLAS GEMM), the numpy
   candidate, and MLX's sorted ``gather_qmm`` (what SwitchGLU does for >= 64 pairs).
@@ -38,31 +42,47 @@ import psutil
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlx_tier import cpu_kernel
+from mlx_tier import cpu_kernel, cpu_vnni, simd
 
 D, H, E, K, BITS, GS = 2048, 768, 128, 8, 4, 64
 
 
 def timed(fn, runs: int) -> tuple[float, str]:
     """Median seconds of ``runs`` calls (after one warm-up) and the load average at the end."""
-    fn()
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
+    return rounds({"": fn}, runs)[""]
+
+
+def rounds(fns: dict, runs: int) -> dict:
+    """``{name: (median seconds, load average at the end)}`` of ``runs`` interleaved
+    rounds, each calling every function once in turn (after one warm-up round)."""
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), "load {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+    ts = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t)
+    load = "load {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+    return {name: (statistics.median(v), load) for name, v in ts.items()}
 
 
-def stream_read(runs: int) -> tuple[float, str]:
-    """Bytes/s of a streaming read (``sum``) of 1 GiB, the better of 1 and all threads."""
+def stream_reads(pool: ThreadPoolExecutor) -> tuple[int, dict]:
+    """Bytes of a 1 GiB buffer and ``{name: read it}`` for one thread and all threads
+    (numpy's sum drops the GIL), for :func:`rounds`."""
     buf = np.ones(2**30 // 4, np.float32)
-    n = cpu_kernel.THREADS
-    parts = np.array_split(buf, n)
-    with ThreadPoolExecutor(n) as pool:  # numpy's sum drops the GIL
-        t1, load1 = timed(lambda: buf.sum(), runs)
-        tn, loadn = timed(lambda: list(pool.map(np.sum, parts)), runs)
-    return (buf.nbytes / min(t1, tn), loadn if tn < t1 else load1)
+    parts = np.array_split(buf, pool._max_workers)
+    return buf.nbytes, {"read, 1 thread": buf.sum, "read, all threads": lambda: list(pool.map(np.sum, parts))}
+
+
+def with_vnni(enabled: bool, fn):
+    """``fn()`` with the VNNI row loops on or off (:data:`cpu_vnni.ENABLED`)."""
+    keep = cpu_vnni.ENABLED
+    cpu_vnni.ENABLED = enabled and keep
+    try:
+        return fn()
+    finally:
+        cpu_vnni.ENABLED = keep
 
 
 def numpy_dequant(leaf, s: int) -> np.ndarray:
@@ -129,9 +149,8 @@ def main() -> None:
           f"({cpu_kernel.THREADS} kernel threads); numpy {np.__version__}")
     print(f"  block: SwitchGLU D={D} H={H}, {E} experts, {BITS}-bit affine g{GS}, float32 scales; "
           f"{per_expert / 2**20:.2f} MiB per expert; medians of {args.runs} runs after a warm-up")
-
-    bw, load = stream_read(args.runs)
-    print(f"\nmemory: streaming read of 1 GiB {bw / 1e9:6.1f} GB/s   ({load})")
+    print(f"  CPU: AVX-512 VNNI {'yes' if simd.AVAILABLE else 'no'}, row loops: "
+          f"{'VNNI where the layout allows' if cpu_vnni.ENABLED else 'float32'}")
 
     x = mx.random.normal((1, D))
     xs = np.asarray(x)
@@ -139,20 +158,33 @@ def main() -> None:
     def pick():
         return mx.array(rng.choice(E, K, replace=False)[None].astype(np.uint32))  # [1, k]
 
+    def kernel():
+        return cpu_kernel.expert_forward(blk, x, pick())
+
+    vnni = "kernel, VNNI int8 dots" if cpu_vnni.ENABLED else "kernel (no VNNI on this CPU)"
     decode = {
-        "cpu kernel (numba fused)": lambda: cpu_kernel.expert_forward(blk, x, pick()),
-        "  generic row loop (before)": lambda: generic_rows(lambda: cpu_kernel.expert_forward(blk, x, pick())),
+        vnni: kernel,
+        "  float32 row loops": lambda: with_vnni(False, kernel),
+        "  generic float32 row loop": lambda: with_vnni(False, lambda: generic_rows(kernel)),
         "numpy dequant + BLAS": lambda: numpy_block(blk, xs, np.asarray(pick())),
         "MLX gather_qmm": lambda: mx.eval(blk(x, pick())),
     }
+    if not cpu_vnni.ENABLED:
+        del decode["  float32 row loops"]
+    with ThreadPoolExecutor(cpu_kernel.THREADS) as pool:
+        nbytes, reads = stream_reads(pool)
+        res = rounds({**reads, **decode}, args.runs)
+    bw = max(nbytes / res[name][0] for name in reads)
+    print(f"\nmemory: streaming read of 1 GiB {bw / 1e9:6.1f} GB/s (better of 1 and {cpu_kernel.THREADS} threads, "
+          f"interleaved with the decode calls below)")
     print(f"\ndecode: 1 token x top-{K} ({K * per_expert / 2**20:.1f} MiB of experts per call)")
     print(f"{'':28} {'ms':>8} {'GB/s':>7} {'of read bw':>10} {'vs MLX':>7}")
-    res = {name: timed(fn, args.runs) for name, fn in decode.items()}
     mlx_t = res["MLX gather_qmm"][0]
-    for name, (t, load) in res.items():
+    for name in decode:
+        t, load = res[name]
         gbs = K * per_expert / t
         print(f"{name:28} {t * 1e3:8.2f} {gbs / 1e9:7.2f} {gbs / bw:10.1%} {mlx_t / t:7.1f}x   ({load})")
-    share = K * per_expert / res["cpu kernel (numba fused)"][0] / bw
+    share = K * per_expert / res[vnni][0] / bw
     print(f"target: kernel decode >= 40% of this run's streaming read: {share:.1%}, "
           f"{'pass' if share >= 0.4 else 'missed'}")
 

@@ -46,6 +46,8 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 from numba import njit
 from threadpoolctl import ThreadpoolController
 
+from mlx_tier import cpu_vnni
+
 # A slot used by at least this many pairs in one call is dequantised once and
 # multiplied with BLAS; fewer pairs use the fused matvec (benches/kernel.py).
 GEMM_MIN_ROWS = 8
@@ -255,7 +257,7 @@ def _qmv(w, scales, biases, bits, gs, mode, xd, xsum, tok, slots, out, f0, f1):
 @njit(fastmath=FM, nogil=True, cache=True)
 def _dequant4(wr, sr, br, gs, out):
     """Affine 4-bit row wr [I/2] uint8 -> out [I] float32 in *de-interleaved* column order
-    (even elements, then odd: contiguous stores vectorise; see _Quant.columns)."""
+    (even elements, then odd: contiguous stores vectorise; see _Quant.permute)."""
     bpg = gs // 2
     half = wr.shape[0]
     for g in range(sr.shape[0]):
@@ -358,12 +360,13 @@ class _Quant:
         self.in_dims = self.scales.shape[2] * self.gs
         # Column order of dense(): 4-bit affine rows come de-interleaved (even then odd
         # input features), so inputs are permuted alike; other formats: natural order.
-        i = np.arange(self.in_dims)
-        self.columns = np.concatenate([i[0::2], i[1::2]]) if (self.bits, self.mode) == (4, 0) else None
+        self.deinterleaved = (self.bits, self.mode) == (4, 0)
+        self.vnni = (cpu_vnni.usable(self.bits, self.gs, self.mode, self.in_dims) and self.w.strides[-1] == 1
+                     and self.scales.strides[-1] == self.biases.strides[-1] == 4)  # rows read as vectors
 
     def permute(self, x: np.ndarray) -> np.ndarray:
         """x ``[R, I]`` with its columns in the order of :meth:`dense`'s."""
-        return x if self.columns is None else np.ascontiguousarray(x[:, self.columns])
+        return np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1) if self.deinterleaved else x
 
     def matvec(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """``[len(slots), O]`` float32: row n = W[slots[n]] @ x[tok[n]] (x [R, I] float32)."""
@@ -377,37 +380,45 @@ class _Quant:
         return max(1, SHARE_BYTES // (self.w.shape[2] + 2 * self.scales.shape[2] * self.scales.itemsize))
 
     def prepare(self, x: np.ndarray) -> tuple:
-        """The row loops' input for x ``[R, I]`` float32: ``(xd [R, p, I/p], xsum [R, G])``
-        (:func:`_deinterleave`, group sums); the same for every layer of the same
-        :attr:`layout`, so a block's gate and up projections prepare x once."""
+        """The row loops' input for x ``[R, I]`` float32: ``("vnni", xl, ex, xs)``
+        (:func:`cpu_vnni.prepare`) where :attr:`vnni` and x is finite, else ``("f32",
+        xd [R, p, I/p], xsum [R, G])`` (:func:`_deinterleave`, group sums); the same for
+        every layer of the same :attr:`layout`, so a block's gate and up projections
+        prepare x once."""
+        digits = cpu_vnni.prepare(x, self.gs) if self.vnni else None
+        if digits is not None:
+            return ("vnni", *digits)
         xd = _deinterleave(x, self.bits, self.mode)
-        return xd, x.reshape(x.shape[0], -1, self.gs).sum(-1, dtype=np.float32)
+        return "f32", xd, x.reshape(x.shape[0], -1, self.gs).sum(-1, dtype=np.float32)
 
     @property
     def layout(self) -> tuple:
-        """``(bits, group_size, mode)``: what :meth:`prepare`'s result depends on."""
-        return self.bits, self.gs, self.mode
+        """``(bits, group_size, mode, vnni)``: what :meth:`prepare`'s result depends on."""
+        return self.bits, self.gs, self.mode, self.vnni
 
     def matvec_job(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray, prep: tuple | None = None):
         """:meth:`matvec`'s output ``[N, O]`` (empty) and the job ``(fn(f0, f1), N*O)`` filling
         it, f = n*O + o, for :func:`_parallel_jobs`; ``prep``: :meth:`prepare`'s result
         for ``x`` (computed here when ``None``)."""
-        xd, xsum = self.prepare(x) if prep is None else prep  # [R, p, I/p], [R, G]
+        kind, *xp = self.prepare(x) if prep is None else prep
         out = np.empty((len(slots), self.out_dims), np.float32)
         tok, slots = tok.astype(np.int64, copy=False), slots.astype(np.int64, copy=False)
-        w, sc, bi = self.w, self.scales, self.biases
-        loop = _row_loop(self.bits, self.gs, self.mode, sc.shape[2])
-        if loop:
+        w, sc, bi, gs = self.w, self.scales, self.biases, self.gs
+        loop = _row_loop(self.bits, gs, self.mode, sc.shape[2])
+        if kind == "vnni":
             def rows(f0, f1):
-                _qmv4(loop, w, sc, bi, xd, xsum, tok, slots, out, f0, f1)
+                cpu_vnni.qmv4(gs, w, sc, bi, *xp, tok, slots, out, f0, f1)
+        elif loop:
+            def rows(f0, f1):
+                _qmv4(loop, w, sc, bi, *xp, tok, slots, out, f0, f1)
         else:
             def rows(f0, f1):
-                _qmv(w, sc, bi, self.bits, self.gs, self.mode, xd, xsum, tok, slots, out, f0, f1)
+                _qmv(w, sc, bi, self.bits, gs, self.mode, *xp, tok, slots, out, f0, f1)
         return out, (rows, out.size)
 
     def dense(self, s: int, o0: int = 0, o1: int | None = None) -> np.ndarray:
         """``[o1 - o0, I]`` float32: rows o0..o1 of slot ``s``'s dequantised weight, columns
-        in :attr:`columns` order (one thread)."""
+        in :meth:`permute`'s order (one thread)."""
         o1 = self.out_dims if o1 is None else o1
         out = np.empty((o1 - o0, self.in_dims), np.float32)
         _dequant(self.w[:, o0:o1], self.scales[:, o0:o1], self.biases[:, o0:o1] if self.mode == 0 else self.biases,

@@ -22,7 +22,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear, SwitchMLP
 from mlx_lm.utils import load_model
 
 import mlx_tier
-from mlx_tier import TierConfig, cpu_kernel, kernels
+from mlx_tier import TierConfig, cpu_kernel, cpu_vnni, kernels
 
 BOUND = 1e-4  # max|Δ| <= BOUND * max|reference|: fp32 accumulation in another order
 
@@ -97,23 +97,30 @@ def test_4bit_row_loops_match_mlx_and_the_generic_loop(D, group_size):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("vnni", [False, True], ids=["float32", "vnni"])
 @pytest.mark.parametrize("group_size, cuts", [(64, [0, 1, 127, 128, 129, 400, 640]), (32, [0, 37, 256, 383, 640]),
                                                (128, [0, 128, 129, 130, 640])])
-def test_4bit_row_loop_shares_cut_anywhere(group_size, cuts):
+def test_4bit_row_loop_shares_cut_anywhere(group_size, cuts, vnni, monkeypatch):
     """A thread's share [f0, f1) of the flat (pair, row) range may start and end inside a
     pair (_parallel cuts by row count): the shares together fill exactly what one call
-    over the whole range fills, bit for bit, touching nothing outside their range."""
+    over the whole range fills, bit for bit, touching nothing outside their range
+    (both row loops; the VNNI one strides its four rows by a quarter of the share)."""
+    if vnni and not cpu_vnni.AVAILABLE:
+        pytest.skip("needs an x86 CPU with AVX-512 VNNI")
+    monkeypatch.setattr(cpu_vnni, "ENABLED", vnni)
     b = block("glu", D=256, H=128, bits=4, group_size=group_size)
     q = cpu_kernel._Quant(b.up_proj, stacked=True)  # O=128 rows of I=256 per pair
     x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
-    xd, xs = q.prepare(x)
+    kind, *xp = q.prepare(x)
+    assert kind == ("vnni" if vnni else "f32")
+    loop = (lambda *a: cpu_vnni.qmv4(group_size, *a)) if vnni else (lambda *a: cpu_kernel._qmv4(group_size, *a))
     tok, slots = np.array([0, 1, 1, 0, 1]), np.array([5, 0, 3, 3, 1])  # 5 pairs, 640 rows
     whole = np.full((5, 128), np.nan, np.float32)
-    cpu_kernel._qmv4(group_size, q.w, q.scales, q.biases, xd, xs, tok, slots, whole, 0, whole.size)
+    loop(q.w, q.scales, q.biases, *xp, tok, slots, whole, 0, whole.size)
     shares = np.empty(whole.size, np.float32)
     for f0, f1 in itertools.pairwise(cuts):
         one = np.full((5, 128), np.nan, np.float32)
-        cpu_kernel._qmv4(group_size, q.w, q.scales, q.biases, xd, xs, tok, slots, one, f0, f1)
+        loop(q.w, q.scales, q.biases, *xp, tok, slots, one, f0, f1)
         filled = ~np.isnan(one.reshape(-1))
         assert filled[f0:f1].all() and filled.sum() == f1 - f0  # this share's rows, no others
         shares[f0:f1] = one.reshape(-1)[f0:f1]

@@ -1,0 +1,120 @@
+"""The VNNI row loops: x's digits are exact, the integer dot products join to what the
+float32 loops compute within fp32 rounding, and everything else falls back.
+
+The digit decomposition and :func:`cpu_vnni.reference` run on any CPU; the loops
+themselves need AVX-512 VNNI and are skipped elsewhere (the marker says so).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx import nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from mlx_tier import cpu_kernel, cpu_vnni, simd
+
+needs_vnni = pytest.mark.skipif(not simd.AVAILABLE, reason="needs an x86 CPU with AVX-512 VNNI (vpdpbusd)")
+REL = 2e-6  # max|Δ| / max|exact| of one matvec, float64 exact reference (float32 loops: ~3e-7)
+
+
+def awkward_x(rng, R: int, I: int) -> np.ndarray:
+    """Rows with outliers (x100), a zero run, tiny and huge values, negatives."""
+    x = rng.standard_normal((R, I)) * np.where(rng.random((R, I)) < 0.02, 100.0, 1.0)
+    x[0, :8] = 0.0
+    x[-1, 8:16] = [1e-30, -3e-38, 5e-20, 0, 1, -1, 2e-30, 7e-31]
+    x[-1, 16:24] *= 1e30
+    return x.astype(np.float32)
+
+
+def quantized(S: int, O: int, I: int, gs: int):
+    """Random 4-bit affine slots: (w [S, O, I/2] uint8, scales, biases [S, O, G], dequantised float64)."""
+    wq, sc, bi = mx.quantize(mx.random.normal((S, O, I), key=mx.random.key(gs)), group_size=gs, bits=4)
+    deq = np.asarray(mx.dequantize(wq, sc, bi, group_size=gs, bits=4)).astype(np.float64)
+    return np.asarray(wq).view(np.uint8), np.asarray(sc), np.asarray(bi), deq
+
+
+def test_digits_are_exact_base_256_of_x_at_23_bits():
+    x = awkward_x(np.random.default_rng(0), 3, 256)
+    xl, ex, xs = cpu_vnni.prepare(x, 64)
+    d = xl.astype(np.int64)  # [R, 3, 2, I/2]
+    m = (d[:, 0] * 65536 + d[:, 1] * 256 + d[:, 2]).transpose(0, 2, 1).reshape(3, -1)  # back to input order
+    e = np.repeat(ex, 8, axis=1).astype(np.float64)  # each input's 2**e
+    assert (np.abs(m) <= cpu_vnni.LIMB_MAX).all()
+    assert np.array_equal(m, np.rint(x / e))  # the digits hold x / 2**e rounded, nothing lost
+    err = np.abs(m * e - x).reshape(3, -1, 8).max(-1)  # per run of 8 inputs
+    peak = np.abs(x).reshape(3, -1, 8).max(-1)
+    assert (err <= peak / cpu_vnni.LIMB_MAX).all()  # ~23 bits (127 * 2**16) of the run's largest |x|
+    assert np.allclose(xs, x.reshape(3, -1, 64).sum(-1, dtype=np.float64), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_reference_is_within_fp32_rounding_of_the_exact_matvec(gs):
+    """The decomposition itself (numpy, any CPU) against float64."""
+    w, sc, bi, deq = quantized(1, 24, 512, gs)
+    x = awkward_x(np.random.default_rng(gs), 1, 512)[0]
+    exact = deq[0] @ x.astype(np.float64)
+    got = cpu_vnni.reference(w[0], sc[0], bi[0], x, gs)
+    assert np.abs(got - exact).max() <= REL * np.abs(exact).max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("O", [37, 64])  # 37: tail rows after the blocks of four
+def test_vnni_rows_match_the_reference_and_the_exact_matvec(gs, O):
+    w, sc, bi, deq = quantized(3, O, 768, gs)
+    x = awkward_x(np.random.default_rng(O), 2, 768)
+    tok, slots = np.array([0, 1, 1, 0], np.int64), np.array([2, 0, 1, 2], np.int64)
+    out = np.full((4, O), np.nan, np.float32)
+    cpu_vnni.qmv4(gs, w, sc, bi, *cpu_vnni.prepare(x, gs), tok, slots, out, 0, out.size)
+    for n, (t, s) in enumerate(zip(tok, slots)):
+        exact = deq[s] @ x[t].astype(np.float64)
+        assert np.abs(out[n] - exact).max() <= REL * np.abs(exact).max()
+        ref = cpu_vnni.reference(w[s], sc[s], bi[s], x[t], gs)
+        assert np.abs(out[n] - ref).max() <= 1e-6 * np.abs(ref).max()  # same integer sums, float joins differ
+
+
+@needs_vnni
+def test_block_with_vnni_equals_mlx_within_the_kernel_bound(monkeypatch):
+    """The whole SwiGLU block at the bench's shapes (D=2048, H=768, 4-bit g64) through the
+    VNNI loops: within test_cpu_kernel's BOUND of MLX's block, and as close to it as the
+    float32 loops are, within a factor of 4."""
+    mx.random.seed(3)
+    b = SwitchGLU(2048, 768, 8, bias=False)
+    nn.quantize(b, group_size=64, bits=4)
+    x, idx = mx.random.normal((2, 2048)), mx.array([[0, 5, 7], [2, 5, 1]], dtype=mx.uint32)
+    ref = b(x, idx)
+    assert cpu_kernel._Quant(b.gate_proj, stacked=True).vnni
+    got = cpu_kernel.expert_forward(b, x, idx)
+    monkeypatch.setattr(cpu_vnni, "ENABLED", False)
+    f32 = cpu_kernel.expert_forward(b, x, idx)
+    scale = mx.abs(ref).max().item()
+    err, err32 = (mx.abs(ref - y).max().item() / scale for y in (got, f32))
+    assert err <= 1e-4 and err <= 4 * max(err32, 1e-7)
+
+
+def test_other_layouts_and_shapes_use_the_float32_loops(monkeypatch):
+    monkeypatch.setattr(cpu_vnni, "ENABLED", True)
+    assert cpu_vnni.usable(4, 64, 0, 2048)
+    assert not cpu_vnni.usable(4, 64, 0, 576)  # rows not a multiple of 128 inputs (the demo's D)
+    assert not cpu_vnni.usable(8, 64, 0, 2048) and not cpu_vnni.usable(4, 64, 1, 2048)  # 8-bit, mxfp4
+    assert not cpu_vnni.usable(4, 16, 0, 2048)
+    monkeypatch.setattr(cpu_vnni, "ENABLED", False)
+    assert not cpu_vnni.usable(4, 64, 0, 2048)  # MLX_TIER_VNNI=0, or a CPU without VNNI
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_non_finite_input_takes_the_float32_loops(bad, monkeypatch):
+    """inf/NaN cannot be written in digits: prepare says so and the block computes through
+    the float32 loops, giving what they give (NaN/inf propagated as in MLX)."""
+    mx.random.seed(4)
+    b = SwitchGLU(256, 128, 4, bias=False)
+    nn.quantize(b, group_size=64, bits=4)
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    x[0, 3] = bad
+    assert cpu_vnni.prepare(x, 64) is None
+    assert cpu_kernel._Quant(b.up_proj, stacked=True).prepare(x)[0] == "f32"
+    idx = mx.array([[0, 2]], dtype=mx.uint32)
+    got = np.asarray(cpu_kernel.expert_forward(b, mx.array(x), idx))
+    monkeypatch.setattr(cpu_vnni, "ENABLED", False)
+    want = np.asarray(cpu_kernel.expert_forward(b, mx.array(x), idx))
+    assert np.array_equal(got, want, equal_nan=True) and not np.isfinite(got).all()
