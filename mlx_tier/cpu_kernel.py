@@ -364,6 +364,11 @@ class _Quant:
         self.vnni = (cpu_vnni.usable(self.bits, self.gs, self.mode, self.in_dims) and self.w.strides[-1] == 1
                      and self.scales.strides[-1] == self.biases.strides[-1] == 4)  # rows read as vectors
 
+    @property
+    def arrays(self) -> tuple:
+        """``(group size, w, scales, biases)``: the layer as :func:`cpu_vnni.glu_pairs` takes it."""
+        return self.gs, self.w, self.scales, self.biases
+
     def permute(self, x: np.ndarray) -> np.ndarray:
         """x ``[R, I]`` with its columns in the order of :meth:`dense`'s."""
         return np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1) if self.deinterleaved else x
@@ -537,15 +542,20 @@ def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nd
     """``[N, D]`` float32: a bias-free quantized SwiGLU block, each thread computing whole
     pairs (gate, up, SwiGLU, down) — one hand-off to the threads per block instead of
     two, and no thread waits between the projections. Same row loops, same sums as
-    the per-projection path, so bit-equal to it."""
+    the per-projection path, so bit-equal to it; where all three layers take the VNNI
+    loops, a share is one GIL-free call (:func:`cpu_vnni.glu_pairs`: its SwiGLU is
+    Numba's exp, not numpy's, so equal to fp32 rounding, not bit for bit)."""
     gate, up, down = (_Quant(inner[n], stacked=True) for n in ("gate_proj", "up_proj", "down_proj"))
     y = np.empty((len(slots), down.out_dims), np.float32)
 
     prep = gate.prepare(x)  # x once for gate and up (and for both threads)
     uprep = prep if up.layout == gate.layout else None
+    fused = prep[0] == "vnni" and uprep is not None and down.vnni
 
     def share(n0, n1):
         t, s = tok[n0:n1], slots[n0:n1]
+        if fused and cpu_vnni.glu_pairs(gate.arrays, up.arrays, down.arrays, *prep[1:], t, s, y[n0:n1]):
+            return
         (g, gj), (u, uj) = gate.matvec_job(x, t, s, prep), up.matvec_job(x, t, s, uprep)
         gj[0](0, gj[1])
         uj[0](0, uj[1])

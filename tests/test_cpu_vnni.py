@@ -118,3 +118,45 @@ def test_non_finite_input_takes_the_float32_loops(bad, monkeypatch):
     monkeypatch.setattr(cpu_vnni, "ENABLED", False)
     want = np.asarray(cpu_kernel.expert_forward(b, mx.array(x), idx))
     assert np.array_equal(got, want, equal_nan=True) and not np.isfinite(got).all()
+
+
+def glu_block(seed: int = 5):
+    mx.random.seed(seed)
+    b = SwitchGLU(256, 128, 6, bias=False)
+    nn.quantize(b, group_size=64, bits=4)
+    mx.eval(b.parameters())
+    return b
+
+
+@needs_vnni
+@pytest.mark.parametrize("T, k", [(1, 2), (1, 4), (2, 3)])
+def test_fused_share_equals_the_per_projection_path_to_fp32_rounding(T, k, monkeypatch):
+    """Each thread's share as one GIL-free call (glu_pairs) against the same block through
+    the per-projection path: the same integer sums; only the SwiGLU's exp differs."""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    b = glu_block()
+    x = mx.random.normal((T, 256))
+    idx = mx.array(np.random.default_rng(T * k).choice(6, (T, k)).astype(np.uint32))
+    calls = []
+    fused = cpu_vnni.glu_pairs
+    monkeypatch.setattr(cpu_vnni, "glu_pairs", lambda *a: calls.append(1) or fused(*a))
+    got = cpu_kernel.expert_forward(b, x, idx)
+    assert len(calls) == 2  # one call per thread's share
+    monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    want = cpu_kernel.expert_forward(b, x, idx)
+    assert mx.abs(got - want).max().item() <= 1e-6 * mx.abs(want).max().item()
+    assert mx.abs(got - b(x, idx)).max().item() <= 1e-4 * mx.abs(want).max().item()
+
+
+@needs_vnni
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the float32 path's sums of inf
+def test_fused_share_hands_overflowing_hidden_rows_to_the_float32_loops(monkeypatch):
+    """Finite x whose hidden rows overflow (h = inf): glu_pairs declines, and the share is
+    computed as the per-projection path computes it."""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    b = glu_block()
+    x, idx = mx.random.normal((1, 256)) * 1e20, mx.array([[0, 3]], dtype=mx.uint32)
+    got = np.asarray(cpu_kernel.expert_forward(b, x, idx))
+    monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    want = np.asarray(cpu_kernel.expert_forward(b, x, idx))
+    assert not np.isfinite(want).all() and np.array_equal(got, want, equal_nan=True)
