@@ -160,3 +160,33 @@ def test_fused_share_hands_overflowing_hidden_rows_to_the_float32_loops(monkeypa
     monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
     want = np.asarray(cpu_kernel.expert_forward(b, x, idx))
     assert not np.isfinite(want).all() and np.array_equal(got, want, equal_nan=True)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name, gs", [("mixtral", 64), ("qwen3_moe", 128), ("gpt_oss", 32)])
+def test_whole_models_through_the_vnni_loops_keep_mlx_lms_greedy_tokens(name, gs, tmp_path, tokenizer_dir,
+                                                                         monkeypatch):
+    """Invariant 1 on own kernels with the VNNI loops doing the experts' matvecs (dims of
+    128, so every projection qualifies): logits within BOUND of mlx-lm's, greedy tokens
+    equal, at 1, top-k and E slots. gpt_oss: per-expert biases and its own activation."""
+    import importlib
+
+    from arch_configs import BASE, CONFIGS
+    from conftest import write_checkpoint
+    from mlx_lm.models.switch_layers import SwitchLinear
+    from test_cpu_kernel import E, K, assert_cpu_kernel_agrees
+
+    wide = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=32)
+    config = {**BASE, "model_type": name, **CONFIGS[name], **wide}
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(6)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    nn.quantize(model, group_size=gs, bits=4, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    path = write_checkpoint(tmp_path / "q4", model, {**config, "quantization": {"group_size": gs, "bits": 4}},
+                            tokenizer_dir)
+    calls = []
+    for fn in ("qmv4", "glu_pairs"):
+        real = getattr(cpu_vnni, fn)
+        monkeypatch.setattr(cpu_vnni, fn, lambda *a, real=real, fn=fn: calls.append(fn) or real(*a))
+    assert_cpu_kernel_agrees(path, (1, K, E))
+    assert calls  # the VNNI loops computed experts
