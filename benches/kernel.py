@@ -67,11 +67,11 @@ def rounds(fns: dict, runs: int) -> dict:
     return {name: (statistics.median(v), load) for name, v in ts.items()}
 
 
-def stream_reads(pool: ThreadPoolExecutor) -> tuple[int, dict]:
+def stream_reads(pool: ThreadPoolExecutor, threads: int) -> tuple[int, dict]:
     """Bytes of a 1 GiB buffer and ``{name: read it}`` for one thread and all threads
     (numpy's sum drops the GIL), for :func:`rounds`."""
     buf = np.ones(2**30 // 4, np.float32)
-    parts = np.array_split(buf, pool._max_workers)
+    parts = np.array_split(buf, threads)
     return buf.nbytes, {"read, 1 thread": buf.sum, "read, all threads": lambda: list(pool.map(np.sum, parts))}
 
 
@@ -161,7 +161,7 @@ def main() -> None:
     def kernel():
         return cpu_kernel.expert_forward(blk, x, pick())
 
-    vnni = "kernel, VNNI int8 dots" if cpu_vnni.ENABLED else "kernel (no VNNI on this CPU)"
+    vnni = "kernel, VNNI integer dots" if cpu_vnni.ENABLED else "kernel (no VNNI on this CPU)"
     decode = {
         vnni: kernel,
         "  float32 row loops": lambda: with_vnni(False, kernel),
@@ -172,7 +172,7 @@ def main() -> None:
     if not cpu_vnni.ENABLED:
         del decode["  float32 row loops"]
     with ThreadPoolExecutor(cpu_kernel.THREADS) as pool:
-        nbytes, reads = stream_reads(pool)
+        nbytes, reads = stream_reads(pool, cpu_kernel.THREADS)
         res = rounds({**reads, **decode}, args.runs)
     bw = max(nbytes / res[name][0] for name in reads)
     print(f"\nmemory: streaming read of 1 GiB {bw / 1e9:6.1f} GB/s (better of 1 and {cpu_kernel.THREADS} threads, "

@@ -15,7 +15,10 @@ pairs, S slots, O output features, I input features, G = I / group_size.
   (the standard trick of llama.cpp's q4_1 dot products); 4-bit rows have a
   loop per group size whose inner trip count is a compile-time constant. A
   bias-free SwiGLU block whose pairs split evenly among the threads is
-  computed by whole pairs per thread (one hand-off per block).
+  computed by whole pairs per thread (one hand-off per block). On an AVX-512
+  VNNI CPU, 4-bit affine rows of 128-multiple length run on integer dot
+  products instead (:mod:`mlx_tier.cpu_vnni`), and such a block's share is one
+  GIL-free call.
 - Prefill (many rows per expert): pairs grouped by slot; each slot's weight
   is dequantised once to float32 and fed to numpy's optimized BLAS GEMM.
 

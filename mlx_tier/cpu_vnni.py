@@ -17,9 +17,11 @@ groups plus ``bias_g * sum(x_g)``. The only rounding beyond float32 sums is x's
 to 23 bits of its run's largest value (tests/test_cpu_vnni.py bounds both).
 
 Loop: 64 bytes of a row (128 codes, 1-4 groups) per step; four rows at a time
-share the loads of x's digits (4 rows: 1.5x the float loop per thread, 1 row
-1.3x: measured, README). Needs the row length ``I`` a multiple of 128;
-other shapes, other bit widths and non-finite x use the float32 loops.
+share the loads of x's digits, the four a quarter of the share's rows apart
+(long sequential streams for the hardware prefetcher: README "VNNI row
+loops"). Needs the row length ``I`` a multiple of 128; other shapes, other
+bit widths, non-finite x and rows whose largest |x| is below 2**-80 (their
+2**e would leave float32's normal range) use the float32 loops.
 
 Off switch: ``MLX_TIER_VNNI=0`` in the environment (or :data:`ENABLED` = False).
 """
@@ -32,10 +34,24 @@ import os
 import numpy as np
 from numba import njit
 
-from mlx_tier.simd import AVAILABLE, dpbusd, fma, fzero, hsum, izero, limbs_to_float, load_f, load_i, mul, nibbles, spread
+from mlx_tier.simd import (
+    AVAILABLE,
+    dpbusd,
+    fma,
+    fzero,
+    hsum,
+    izero,
+    limbs_to_float,
+    load_f,
+    load_i,
+    mul,
+    nibbles,
+    spread,
+)
 
 ENABLED = AVAILABLE and os.environ.get("MLX_TIER_VNNI", "1") != "0"
 LIMB_MAX = 127 * 2**16  # the largest |m|: its top digit stays within int8
+TINY = 2.0**-80  # a row's largest |x| below this (and not 0) takes the float32 loops
 CHUNK = 64  # bytes of a packed row per step (128 4-bit codes)
 GROUP_SIZES = (32, 64, 128)
 FM = {"reassoc", "contract"}
@@ -44,7 +60,23 @@ FM = {"reassoc", "contract"}
 def usable(bits: int, gs: int, mode: int, in_dims: int) -> bool:
     """Whether :func:`qmv4` serves this layout (affine ``mode`` 0, 4-bit, group size
     32/64/128, ``in_dims`` a multiple of 128) on this machine."""
-    return ENABLED and (bits, mode) == (4, 0) and gs in GROUP_SIZES and in_dims % (2 * CHUNK) == 0
+    return AVAILABLE and ENABLED and (bits, mode) == (4, 0) and gs in GROUP_SIZES and in_dims % (2 * CHUNK) == 0
+
+
+@njit(nogil=True, cache=True)
+def _fits(x):
+    """x [R, I] can be written in digits: finite, and each row's largest |x| is 0 or at
+    least :data:`TINY` (so every 2**e and scale * 2**e stays a normal float32)."""
+    for r in range(x.shape[0]):
+        m = 0.0
+        for i in range(x.shape[1]):
+            v = abs(np.float64(x[r, i]))
+            if not np.isfinite(v):
+                return False
+            m = max(m, v)
+        if 0.0 < m < TINY:
+            return False
+    return True
 
 
 @njit(nogil=True, cache=True)
@@ -79,14 +111,16 @@ def _digits(x, gs, xl, ex, xs):
 def prepare(x: np.ndarray, gs: int) -> tuple | None:
     """:func:`qmv4`'s input for x ``[R, I]`` float32: ``(xl [R, 3, 2, I/2] int8, ex
     [R, I/8] float32, xs [R, G] float32)`` (see :func:`_digits`), or ``None`` when x
-    holds inf/NaN (the float32 loops then propagate them as MLX does)."""
-    if not np.isfinite(x).all():
+    holds inf/NaN (the float32 loops then propagate them as MLX does) or a row too
+    small for float32 exponents (:func:`_fits`)."""
+    x = np.ascontiguousarray(x, np.float32)
+    if not _fits(x):
         return None
     R, I = x.shape
     xl = np.empty((R, 3, 2, I // 2), np.int8)
     ex = np.empty((R, I // 8), np.float32)
     xs = np.empty((R, I // gs), np.float32)
-    _digits(np.ascontiguousarray(x, np.float32), gs, xl, ex, xs)
+    _digits(x, gs, xl, ex, xs)
     return xl, ex, xs
 
 
@@ -162,6 +196,8 @@ def qmv4(gs, w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1):
     float32; xl, ex, xs: :func:`prepare`'s arrays; tok, slots [N] int64; out [N, O]
     float32. Call only where :func:`usable` (an AVX-512 VNNI CPU).
     """
+    if gs != 32 and gs != 64 and gs != 128:
+        raise ValueError("qmv4: group size must be 32, 64 or 128")
     if gs == 32:
         _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 4, 4)
     elif gs == 64:
@@ -178,8 +214,9 @@ def glu_pairs(gate, up, down, xl, ex, xs, tok, slots, y):
 
     gate, up, down: ``(group size, w [S, O, I/2] uint8, scales, biases [S, O, G])``;
     xl, ex, xs: :func:`prepare`'s arrays of x; tok, slots [N] int64; y [N, D] float32.
-    Returns False, leaving y unfinished, when the hidden rows are not finite (the
-    caller then takes the float32 loops).
+    Returns False, leaving y unfinished, when the hidden rows cannot be written in
+    digits (:func:`_fits`: overflow, or all tiny); the caller then takes the float32
+    loops.
     """
     N, H = slots.shape[0], gate[1].shape[1]
     g = np.empty((N, H), np.float32)
@@ -187,7 +224,7 @@ def glu_pairs(gate, up, down, xl, ex, xs, tok, slots, y):
     qmv4(gate[0], gate[1], gate[2], gate[3], xl, ex, xs, tok, slots, g, 0, N * H)
     qmv4(up[0], up[1], up[2], up[3], xl, ex, xs, tok, slots, u, 0, N * H)
     h = g / (np.float32(1.0) + np.exp(-g)) * u  # mlx-lm's SwiGLU: silu(gate) * up
-    if not np.isfinite(h).all():
+    if not _fits(h):
         return False
     gs = down[0]
     hl = np.empty((N, 3, 2, H // 2), np.int8)

@@ -10,6 +10,11 @@ numba docs "Low-level extension API").
 
 Only call these where :data:`AVAILABLE` is true: LLVM cannot lower the VNNI
 intrinsic for a CPU without AVX-512 VNNI, and its error ends the process.
+The loads take contiguous 1-D arrays only (the typing refuses others).
+
+Numba's cache (``cache=True`` in cpu_vnni) is invalidated by its own file's
+changes only: after editing this file, touch ``cpu_vnni.py`` (or clear its
+``__pycache__``) so the loops are compiled again with the new intrinsics.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from numba.extending import intrinsic, models, register_model
 def _host_has_vnni() -> bool:
     """AVX-512 F/BW/VNNI on this CPU, and Numba compiling for this CPU (``NUMBA_CPU_NAME``
     set to a generic target would leave the instructions out)."""
-    if config.CPU_NAME not in (None, "host") or config.CPU_FEATURES:
+    if config.CPU_NAME not in (None, "host") or config.CPU_FEATURES or config.DISABLE_JIT:
         return False
     try:
         feats = llvm.get_host_cpu_features()
@@ -65,6 +70,11 @@ def _at(context, builder, aty, arr, idx):
     return builder.gep(context.make_array(aty)(context, builder, arr).data, [idx])
 
 
+def _row(arr, dtypes) -> bool:
+    """``arr`` types as a contiguous 1-D array of one of ``dtypes`` (what the loads read)."""
+    return isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and arr.dtype in dtypes
+
+
 def _fn(builder, name: str, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
@@ -72,6 +82,9 @@ def _fn(builder, name: str, ret, args):
 @intrinsic
 def load_i(typingctx, arr, idx):
     """64 bytes of a contiguous 1-D uint8/int8 array from element ``idx`` (unaligned)."""
+    if not _row(arr, (types.uint8, types.int8)):
+        return None
+
     def codegen(context, builder, sig, args):
         p = _at(context, builder, sig.args[0], *args)
         return builder.load(builder.bitcast(p, _LI.as_pointer()), align=1)
@@ -81,6 +94,9 @@ def load_i(typingctx, arr, idx):
 @intrinsic
 def load_f(typingctx, arr, idx):
     """16 float32 of a contiguous 1-D float32 array from element ``idx``."""
+    if not _row(arr, (types.float32,)):
+        return None
+
     def codegen(context, builder, sig, args):
         p = _at(context, builder, sig.args[0], *args)
         return builder.load(builder.bitcast(p, _LF.as_pointer()), align=4)
@@ -150,6 +166,8 @@ def spread(typingctx, arr, g0, lanes):
     """``arr[g0 + j // lanes]`` for lanes j = 0..15 of a float32 array: one value per
     run of ``lanes`` lanes (``lanes``: a compile-time 4, 8 or 16; reads 16 / lanes
     elements)."""
+    if not _row(arr, (types.float32,)):
+        return None
     if not isinstance(lanes, types.IntegerLiteral):
         return None  # Numba retries with the literal
     n = lanes.literal_value

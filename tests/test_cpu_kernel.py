@@ -131,7 +131,8 @@ def test_4bit_row_loop_shares_cut_anywhere(group_size, cuts, vnni, monkeypatch):
 def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, monkeypatch):
     """Decode of a bias-free 4-bit SwiGLU block with the pairs split evenly among the threads
     runs each pair whole on one thread: bit-equal to the per-projection path (same row
-    loops), within the bound of MLX's block."""
+    loops), within the bound of MLX's block. (H=64 keeps down off the VNNI loops, so no
+    share is fused: test_cpu_vnni checks the fused share, equal to fp32 rounding.)"""
     monkeypatch.setattr(cpu_kernel, "THREADS", 2)
     b = block("glu", D=128, H=64, bias=False, bits=4, group_size=32)
     x = mx.random.normal((T, 128))

@@ -23,6 +23,7 @@ def awkward_x(rng, R: int, I: int) -> np.ndarray:
     x[0, :8] = 0.0
     x[-1, 8:16] = [1e-30, -3e-38, 5e-20, 0, 1, -1, 2e-30, 7e-31]
     x[-1, 16:24] *= 1e30
+    x[-1, 24:32] = [8323071, -8323071, 8323072, 1, -8323071.5, 0.5, 4161535.5, -4161536]  # at LIMB_MAX
     return x.astype(np.float32)
 
 
@@ -102,6 +103,50 @@ def test_other_layouts_and_shapes_use_the_float32_loops(monkeypatch):
     assert not cpu_vnni.usable(4, 64, 0, 2048)  # MLX_TIER_VNNI=0, or a CPU without VNNI
 
 
+@pytest.mark.parametrize("scale", [1e-33, 1e-38])
+def test_rows_of_only_tiny_values_take_the_float32_loops(scale):
+    """Below 2**-80 a row's 2**e (and scale * 2**e) would leave float32's normal range
+    and lose precision: such rows are declined, where a row mixing tiny and normal
+    values is not (its tiny runs add nothing that float32 could show)."""
+    x = awkward_x(np.random.default_rng(7), 2, 256)
+    assert cpu_vnni.prepare(x, 64) is not None
+    x[1] = np.random.default_rng(8).standard_normal(256) * scale
+    assert cpu_vnni.prepare(x, 64) is None
+    assert cpu_vnni.prepare(np.zeros((1, 256), np.float32), 64) is not None  # zeros are exact
+
+
+@needs_vnni
+def test_dense_quantized_layer_through_the_vnni_loops():
+    """A dense 4-bit layer (one always-resident expert, ``stacked=False``) for a decode
+    position: within the kernel bound of MLX's op."""
+    mx.random.seed(9)
+    layer = nn.QuantizedLinear(256, 96, bias=False, group_size=64, bits=4)
+    mx.eval(layer.parameters())
+    assert cpu_kernel._Quant(layer, stacked=False).vnni
+    x = mx.random.normal((1, 1, 256))
+    ref = layer(x)
+    got = cpu_kernel.quantized_matmul(layer, x)
+    assert got.shape == ref.shape and mx.abs(got - ref).max().item() <= 1e-5 * mx.abs(ref).max().item()
+
+
+@needs_vnni
+def test_fused_share_with_down_in_another_group_size(monkeypatch):
+    """gate/up 4-bit g64, down 4-bit g128: glu_pairs prepares the hidden rows for down's."""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    mx.random.seed(10)
+    b = SwitchGLU(256, 256, 6, bias=False)
+    nn.quantize(b, class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                and {"bits": 4, "group_size": 128 if p == "down_proj" else 64})
+    mx.eval(b.parameters())
+    x, idx = mx.random.normal((1, 256)), mx.array([[1, 4]], dtype=mx.uint32)
+    calls = []
+    fused = cpu_vnni.glu_pairs
+    monkeypatch.setattr(cpu_vnni, "glu_pairs", lambda *a: calls.append(1) or fused(*a))
+    got = cpu_kernel.expert_forward(b, x, idx)
+    assert len(calls) == 2
+    assert mx.abs(got - b(x, idx)).max().item() <= 1e-4 * mx.abs(got).max().item()
+
+
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_non_finite_input_takes_the_float32_loops(bad, monkeypatch):
     """inf/NaN cannot be written in digits: prepare says so and the block computes through
@@ -176,7 +221,7 @@ def test_whole_models_through_the_vnni_loops_keep_mlx_lms_greedy_tokens(name, gs
     from mlx_lm.models.switch_layers import SwitchLinear
     from test_cpu_kernel import E, K, assert_cpu_kernel_agrees
 
-    wide = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=32)
+    wide = {"hidden_size": 128, "intermediate_size": 128, "moe_intermediate_size": 128, "head_dim": 32}
     config = {**BASE, "model_type": name, **CONFIGS[name], **wide}
     module = importlib.import_module(f"mlx_lm.models.{name}")
     mx.random.seed(6)
