@@ -79,28 +79,28 @@ def _fn(builder, name: str, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
-@intrinsic
-def load_i(typingctx, arr, idx):
-    """64 bytes of a contiguous 1-D uint8/int8 array from element ``idx`` (unaligned)."""
-    if not _row(arr, (types.uint8, types.int8)):
+def _load(arr, idx, dtypes, vec: ir.VectorType, ret: Vec16, align: int):
+    """Signature and codegen of a vector load from a 1-D array of ``dtypes`` (or None:
+    Numba then reports no matching implementation)."""
+    if not _row(arr, dtypes):
         return None
 
     def codegen(context, builder, sig, args):
         p = _at(context, builder, sig.args[0], *args)
-        return builder.load(builder.bitcast(p, _LI.as_pointer()), align=1)
-    return I16(arr, idx), codegen
+        return builder.load(builder.bitcast(p, vec.as_pointer()), align=align)
+    return ret(arr, idx), codegen
+
+
+@intrinsic
+def load_i(typingctx, arr, idx):
+    """64 bytes of a contiguous 1-D uint8/int8 array from element ``idx`` (unaligned)."""
+    return _load(arr, idx, (types.uint8, types.int8), _LI, I16, 1)
 
 
 @intrinsic
 def load_f(typingctx, arr, idx):
     """16 float32 of a contiguous 1-D float32 array from element ``idx``."""
-    if not _row(arr, (types.float32,)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _at(context, builder, sig.args[0], *args)
-        return builder.load(builder.bitcast(p, _LF.as_pointer()), align=4)
-    return F16(arr, idx), codegen
+    return _load(arr, idx, (types.float32,), _LF, F16, 4)
 
 
 @intrinsic
