@@ -10,7 +10,7 @@ Also: what does reusing the shared instruction prefix's KV cache save?
 
 Each configuration runs the same documents (the first ``--chars`` characters
 of each file in examples/docs, cycled to ``--docs`` documents) through
-:class:`mlx_tier.scheduler.Scheduler`, greedy, repetition penalty 1.1, the
+:class:`mlx_tier.job.scheduler.Scheduler`, greedy, repetition penalty 1.1, the
 same model load (cache counters reset between runs). The page cache is warm
 (the checkpoint was just read). Prints the caliber and ratios to batch 1.
 """
@@ -28,11 +28,13 @@ import psutil
 
 import mlx_tier
 from mlx_tier import TierConfig
-from mlx_tier.checkpoint import context_length
-from mlx_tier.demo_model import ensure_demo_model
-from mlx_tier.documents import Document
-from mlx_tier.jobs import DEFAULT_PROMPT, FALLBACK_CONTEXT, backend_name
-from mlx_tier.scheduler import GenerationConfig, Scheduler
+from mlx_tier.defaults import DEFAULT_PROMPT
+from mlx_tier.engine.checkpoint import context_length
+from mlx_tier.job.documents import Document
+from mlx_tier.job.report import backend_name
+from mlx_tier.job.run import FALLBACK_CONTEXT
+from mlx_tier.job.scheduler import GenerationConfig, Scheduler
+from mlx_tier.tools.demo_model import ensure_demo_model
 
 
 def documents(n: int, chars: int) -> list[Document]:

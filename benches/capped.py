@@ -1,6 +1,6 @@
 """A model larger than memory, for real: decode under a memory cap, cold and warm.
 
-Question (issue 4, "The benchmark"): under a memory cap smaller than the
+Question: under a memory cap smaller than the
 checkpoint, how fast does mlx-tier decode compared with the I/O + compute
 roofline at the hit rate it reaches, and does it stay within the cap? Plain
 mlx-lm runs under the same cap on the same model (it is expected to be
@@ -38,14 +38,14 @@ How:
   ("... Patrick Patrick Patrick"), so the same experts are routed every step
   and ~93% of them hit even with 24 of 128 slots: a flattering, unrealistic
   cache workload. Forced text keeps routing as varied as the text is.
-- Roofline (DESIGN.md): ``1 / (missed_bytes_per_token / disk_bw +
+- Roofline (docs/architecture.md): ``1 / (missed_bytes_per_token / disk_bw +
   active_bytes_per_token / compute_bw)`` with the run's own bytes read per
-  decoded token and disk bandwidth measured here (``mlx_tier.plan``: random
+  decoded token and disk bandwidth measured here (``mlx_tier.tools.plan``: random
   4 MiB reads, pages dropped; sampled before and after every round since the
   machine may be shared, median used). Compute bandwidth: active bytes per
   token / TPOT of plain mlx-lm fully resident (uncapped) on the same model in
   the same bench, i.e. measured on the model's own kernels; the 4-bit matvec
-  microbench of ``mlx_tier.plan`` is the fallback (``--no-reference``) and is
+  microbench of ``mlx_tier.tools.plan`` is the fallback (``--no-reference``) and is
   printed beside it (on the shared 2-core machine it ranged 0.15-0.52 GB/s
   and under-stated the model's rate, giving efficiencies above 100%).
   Efficiency = measured / roofline. With prefetch on, the bytes read
@@ -54,7 +54,7 @@ How:
 - Targets, printed pass/miss with the margin: decode tok/s >= 80% of the
   roofline; memory: no OOM kill, peak RSS <= cap, no swap.
 
-Run on a quiet machine for headline numbers (>= 9 runs, DESIGN.md):
+Run on a quiet machine for headline numbers (>= 9 runs, docs/architecture.md):
 
     MLX_TIER_CACHE=/tmp/mtcache python benches/capped.py --runs 9 --json capped.json
 
@@ -179,7 +179,7 @@ class Engine:
     cache_gb: float = 0.0
     read_method: str = "pread"
     page_cache: str = "keep"
-    kernel: str = "mlx"  # TierConfig.kernel: what computes the experts (mlx_tier.kernels)
+    kernel: str = "mlx"  # TierConfig.kernel: what computes the experts (mlx_tier.kernels.registry)
 
     @property
     def name(self) -> str:
@@ -321,7 +321,7 @@ def open_cgroup(cap: int, notes: list[str], stack: contextlib.ExitStack) -> Memo
 
 
 def roofline(run: dict, active: int, disk_gbps: float, compute_gbps: float) -> float:
-    """DESIGN.md roofline at the run's own bytes read per token, tok/s (``active``: bytes per token)."""
+    """docs/architecture.md roofline at the run's own bytes read per token, tok/s (``active``: bytes per token)."""
     t = run["bytes_per_token"] / (disk_gbps * 1e9) + active / (compute_gbps * 1e9)
     return 1 / t
 
@@ -376,8 +376,8 @@ def main() -> None:
         return
 
     from mlx_tier import TierConfig
-    from mlx_tier.jobs import backend_name
-    from mlx_tier.plan import make_plan, measure_compute_gbps, measure_disk_gbps
+    from mlx_tier.job.report import backend_name
+    from mlx_tier.tools.plan import make_plan, measure_compute_gbps, measure_disk_gbps
 
     args.model = (args.model or ensure_synthetic()).resolve()
     cap = int(args.cap_gb * GIB)
@@ -517,7 +517,7 @@ def main() -> None:
                   if "tok_s" in s and "tok_s" in ref else "")
         print(f"  {key:36} speed {speed}; memory {mem}{vs_ref}")
 
-    from mlx_tier.demo_model import cache_dir
+    from mlx_tier.fsio import user_cache_dir as cache_dir
 
     out = args.json or cache_dir() / f"bench-capped-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

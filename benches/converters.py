@@ -3,10 +3,10 @@
 Question: for the formats `mlx-tier run` reads (PDF, DOCX, PPTX, XLSX, HTML,
 EPUB), what text does each library give, how long does it take, and does it
 work offline (no model downloads)? Install weight is measured separately
-(README: a scratch venv per library, `du -sh`).
+(benches/results/converters/NOTES.md: a scratch venv per library, `du -sh`).
 
 Run it in a venv that has the library (the documents are generated here with
-tests/docmaker.py, which needs python-pptx and openpyxl):
+tests/support/docmaker.py, which needs python-pptx and openpyxl):
 
     python benches/converters.py markitdown
     python benches/converters.py docling

@@ -12,7 +12,7 @@ dense quantized layers (kernel) and the rest (MLX: attention, norms, ...).
 
     python benches/decode_speed.py [--runs 9] [--max-tokens 32] [--prompt-runs 1]
 
-Prints the caliber (DESIGN.md "Measuring"), the load average, and ratios to
+Prints the caliber (docs/architecture.md "Measuring"), the load average, and ratios to
 plain mlx-lm. The page cache is warm (the checkpoint was just read).
 """
 
@@ -32,10 +32,11 @@ from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 
 import mlx_tier
-from mlx_tier import TierConfig, cpu_kernel
-from mlx_tier.demo_model import ensure_demo_model
-from mlx_tier.jobs import backend_name
-from mlx_tier.tiered import TieredExperts
+from mlx_tier import TierConfig
+from mlx_tier.engine.load import TieredExperts
+from mlx_tier.job.report import backend_name
+from mlx_tier.kernels import cpu as cpu_kernel
+from mlx_tier.tools.demo_model import ensure_demo_model
 
 PROMPT = "The history of the city of Paris begins"
 DOCUMENT = Path(__file__).resolve().parent.parent / "examples" / "docs" / "constitution_preamble_and_article_1.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA path's device check (issue 13): under 10 minutes on a Linux machine
+# The CUDA path's device check: under 10 minutes on a Linux machine
 # with an NVIDIA GPU. Installs the project with mlx[cuda], runs the exactness,
 # placement and budget tests on the GPU, prints the default budgets (from free
 # GPU and host memory) and MLX's memory limit, then benchmarks the synthetic MoE with a GPU budget smaller than its
@@ -46,14 +46,14 @@ raise SystemExit(0 if ok else "MLX does not run on a CUDA GPU here: nothing belo
 PY
 
 step "exactness on the GPU: tiered and two-tier greedy tokens equal mlx-lm fully resident"
-# On CUDA a warm tier is on by default, so test_tiered.py runs two tiers here
+# On CUDA a warm tier is on by default, so test_tiered_equals_resident.py runs two tiers here
 # too: its misses land warm and are computed on the CPU (a failure here means
-# CPU and GPU rounding changed a greedy token: see README, "CUDA path").
-timeout 200 python -m pytest -q -x tests/test_tiered.py tests/test_two_tier.py tests/test_tiers.py \
-  tests/test_tier_budgets.py
+# CPU and GPU rounding changed a greedy token: see docs/cuda.md).
+timeout 200 python -m pytest -q -x tests/engine/test_tiered_equals_resident.py tests/engine/test_two_tier.py \
+  tests/policy/test_placement.py tests/engine/test_budgets.py
 
 step "default budgets: hot from free GPU memory, warm from available host memory"
-python -c 'import mlx.core as mx; from mlx_tier.tier_budgets import describe_defaults, probe
+python -c 'import mlx.core as mx; from mlx_tier.engine.budgets import describe_defaults, probe
 print(describe_defaults(probe(), mx.get_memory_limit()))'
 
 step "synthetic MoE ($SIZE_GB GiB, float32 scales: the CPU stream computes warm experts, and bf16 is slow there)"

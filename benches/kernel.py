@@ -10,7 +10,7 @@ float32 scales as on the CPU backend), in one process:
 - decode: one token, k=8 distinct random experts per call (new ones every
   call, so weights come from memory, not cache): the kept kernel (Numba fused
   dequantise + matvec; on an AVX-512 VNNI CPU its 4-bit rows run on integer
-  dot products, ``mlx_tier/cpu_vnni.py``), the same with its float32 row loops
+  dot products, ``mlx_tier/kernels/cpu_vnni.py``), the same with its float32 row loops
   (``MLX_TIER_VNNI=0``; the only path on other CPUs), the same with the generic
   float32 row loop, the other build candidate (vectorised numpy dequantise
   + BLAS matvec) and MLX (``SwitchGLU`` -> ``gather_qmm``), in GB/s of expert
@@ -42,7 +42,8 @@ import psutil
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlx_tier import cpu_kernel, cpu_vnni, simd
+from mlx_tier.kernels import cpu as cpu_kernel
+from mlx_tier.kernels import cpu_vnni, simd
 
 D, H, E, K, BITS, GS = 2048, 768, 128, 8, 4, 64
 

@@ -134,8 +134,8 @@ def _save_tokenizer(out: Path, tokenizer_dir: Path | None) -> None:
     if tokenizer_dir is not None:
         shutil.copytree(tokenizer_dir, out, dirs_exist_ok=True)
         return
-    from mlx_tier.demo_model import _save_tokenizer as from_gguf
-    from mlx_tier.demo_model import gguf_path
+    from mlx_tier.tools.demo_model import _save_tokenizer as from_gguf
+    from mlx_tier.tools.demo_model import gguf_path
 
     _, meta = mx.load(str(gguf_path()), return_metadata=True)
     from_gguf(meta, out)
@@ -213,7 +213,7 @@ def make_synthetic_moe(out: Path, spec: SyntheticSpec = SyntheticSpec(), tokeniz
 
 def default_path(spec: SyntheticSpec = SyntheticSpec()) -> Path:
     """``$MLX_TIER_CACHE/synthetic-qwen3moe-<size>g`` (the user cache dir without the variable)."""
-    from mlx_tier.demo_model import cache_dir
+    from mlx_tier.fsio import user_cache_dir as cache_dir
 
     return cache_dir() / f"synthetic-qwen3moe-{spec.size_gb:g}g-e{spec.num_experts}-k{spec.top_k}"
 

@@ -1,6 +1,6 @@
 """mlx-tier's Metal expert kernels vs mlx-lm's expert block (gather_qmm), side by side.
 
-Question: does the fused decode kernel (kernels_metal/expert_gate_up.metal +
+Question: does the fused decode kernel (mlx_tier/kernels/msl/expert_gate_up.metal +
 expert_down.metal) beat mlx-lm's SwitchGLU (three gather_qmm + SwiGLU) on one
 decode token, and the device slot remap beat ``lut[indices]``? Published MLX
 kernel kits report +2-12% for fused MoE decode; this script is how a Mac
@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlx_tier import metal_kernels as mk
+from mlx_tier.kernels import metal as mk
 
 
 def timed(fn, iters: int) -> float:

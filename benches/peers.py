@@ -1,6 +1,6 @@
 """mlx-tier against its peers: same checkpoint, prompt, tokens and memory cap.
 
-Question (issue 14, section 2): a user who would otherwise run plain mlx-lm,
+Question: a user who would otherwise run plain mlx-lm,
 nunspark (an MLX expert-streaming engine) or llama.cpp -- how does mlx-tier
 compare, on the same MoE model, under the same memory cap?
 
@@ -31,7 +31,7 @@ How:
   load: the 1-minute load average at start and end, and the mean number of
   runnable tasks that are not the run's own (``/proc/loadavg``'s running count
   sampled each second, minus the worker's runnable threads and the sampler).
-- Load guard (issue 14: "the same pair went from 1.5x to 0.8x over three rounds
+- Load guard ("the same pair went from 1.5x to 0.8x over three rounds
   while other jobs finished"): when the others' load (the 1-minute average
   where runnable counts are unavailable) moved by more than ``--load-tolerance``
   across the headline runs (those with a rate or a bound on one: a run
@@ -91,7 +91,7 @@ NEEDS = {
 }
 NEEDS["llama.cpp repack"] = NEEDS["llama.cpp"]
 CALIBERS = {"seed": {"runs": 9, "tokens": 256, "temps": ("warm",)}}
-# per-run limit, s, by caliber. Seed, 256 tokens under the 2 GiB cap (README, 16-token runs scaled): mlx-tier
+# per-run limit, s, by caliber. Seed, 256 tokens under the 2 GiB cap (benches/results/peers-seed/NOTES.md, 16-token runs scaled): mlx-tier
 # ~3.5 min, nunspark ~24 min (0.2 tok/s + 2 min TTFT; 40 min still lets it finish at 0.13 tok/s on a busier
 # machine), llama.cpp with mmap ~1 h at 0.07 tok/s (stopped in its first run, then dropped)
 RUN_LIMIT_S = {"seed": 2400, None: 900}
@@ -502,7 +502,7 @@ def model_meta(model: Path) -> dict:
 
 
 def machine_line() -> str:
-    from mlx_tier.jobs import backend_name
+    from mlx_tier.job.report import backend_name
 
     return (f"{platform.machine()} {platform.system()}, {psutil.cpu_count()} cores, "
             f"{psutil.virtual_memory().total / GIB:.0f} GiB, MLX {backend_name()}")
@@ -699,8 +699,9 @@ def start(args, notes: list[str], stack: contextlib.ExitStack) -> tuple[dict, Pa
     """
     from capped import DEFAULT_CACHE_FRACTION, open_cgroup
     from make_synthetic_moe import ensure_synthetic
-    from mlx_tier.demo_model import cache_dir
     from peers_runs import open_results, save_meta
+
+    from mlx_tier.fsio import user_cache_dir as cache_dir
 
     engines = []
     for e in args.engines.split(","):

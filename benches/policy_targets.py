@@ -1,20 +1,20 @@
 """Eviction policies vs Belady's optimum on recorded and synthetic routing traces.
 
-Question (issue 4 target): is the default policy's hit rate within 5
+Question: is the default policy's hit rate within 5
 percentage points of Belady's at cache = 25%, 50% and 75% of the experts per
 layer? And does an adaptive per-layer split of the same total slots beat the
 uniform one?
 
 Traces:
 * ``demo-docs``: routing recorded from the SmolLM2 8-expert demo MoE (the
-  default version, ``mlx_tier.demo_model.DEMO_VERSION``) while it
+  default version, ``mlx_tier.tools.demo_model.DEMO_VERSION``) while it
   summarises the README's example documents (``examples/docs``; chat prompt
   as ``mlx-tier run`` builds it, greedy, ``--max-tokens`` per document; one
   sequence at a time, so one trace record = one token). Cached in the
   mlx-tier cache dir (``--refresh`` re-records). The demo's router is a
   *random* matrix (not trained): routing follows the hidden states, so it is
   not uniform, but there is none of the topic locality of a trained router.
-* ``zipf-*``: :func:`mlx_tier.simulate.zipf_trace`, Zipf expert popularity
+* ``zipf-*``: :func:`mlx_tier.routing.simulate.zipf_trace`, Zipf expert popularity
   per layer plus temporal reuse of the previous token's experts (seeded).
 
 Table 1 replays the whole trace, every layer with the same slots. ``pinned``
@@ -24,7 +24,7 @@ the tokens and scored on the second half; pre-warm fills each layer with the
 first half's most used experts.
 
 Hit rates come from the simulator, which replays exactly what the live cache
-counts (tests/test_trace.py, tests/test_profile.py); they are deterministic,
+counts (tests/routing/test_trace.py, tests/routing/test_profile.py); they are deterministic,
 so one run each. No timing is measured here.
 
     python benches/policy_targets.py [--max-tokens 48] [--zipf-tokens 2000] [--refresh] [--json]
@@ -39,17 +39,20 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_tier.profile import from_trace
-from mlx_tier.simulate import miss_curves, simulate, split_by_curves, zipf_trace
-from mlx_tier.trace import DECODE, Trace
-from mlx_tier.trace import load as load_trace
-from mlx_tier.trace import save as save_trace
+from mlx_tier.routing.profile import from_trace
+from mlx_tier.routing.simulate import miss_curves, simulate, split_by_curves, zipf_trace
+from mlx_tier.routing.trace import DECODE, Trace
+from mlx_tier.routing.trace import load as load_trace
+from mlx_tier.routing.trace import save as save_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "examples" / "docs"
 FRACTIONS = (0.25, 0.5, 0.75)
 TARGET_PP = 5.0
-from mlx_tier.policy import DEFAULT_POLICY  # the one default (TierConfig, JobConfig, CLI)
+from mlx_tier.policy.eviction import (
+    DEFAULT_POLICY,  # the one default (TierConfig, JobConfig, CLI)
+)
+
 ONLINE = ("lru", "lfu", "2q", "pinned")
 
 
@@ -59,8 +62,10 @@ def record_demo_trace(max_tokens: int, refresh: bool) -> tuple[Trace, float]:
 
     import mlx_tier
     from mlx_tier import TierConfig
-    from mlx_tier.demo_model import cache_dir, demo_name, ensure_demo_model
-    from mlx_tier.jobs import DEFAULT_PROMPT, build_prompt
+    from mlx_tier.defaults import DEFAULT_PROMPT
+    from mlx_tier.fsio import user_cache_dir as cache_dir
+    from mlx_tier.job.prompts import build_prompt
+    from mlx_tier.tools.demo_model import demo_name, ensure_demo_model
 
     path = cache_dir() / "traces" / f"{demo_name()}-docs-{max_tokens}.npz"  # the default demo's version
     if path.is_file() and not refresh:
@@ -152,7 +157,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print every row as JSON")
     args = ap.parse_args()
 
-    from mlx_tier.jobs import machine_info
+    from mlx_tier.job.report import machine_info
 
     demo, rec_s = record_demo_trace(args.max_tokens, args.refresh)
     traces = {
@@ -165,7 +170,7 @@ def main() -> None:
     }
     info = machine_info()
     print("caliber:", json.dumps(info["machine"]), f"backend={info['backend']} mlx={info['mlx']} mlx-lm={info['mlx_lm']}")
-    print("method: trace replay in mlx_tier.simulate (exact mirror of the live cache's hit/miss counts);"
+    print("method: trace replay in mlx_tier.routing.simulate (exact mirror of the live cache's hit/miss counts);"
           " deterministic, 1 run each; no timing; cache size = slots per layer / experts per layer")
     for name, t in traces.items():
         n_pre = int((t.phase == 0).sum()) // max(t.num_layers, 1)

@@ -1,8 +1,8 @@
 """Does prefetching the next layer's experts pay on this machine?
 
-Question (issue 4, "Cold path"): with prefetch (layer l+1's router applied to
+Question (cold path): with prefetch (layer l+1's router applied to
 layer l's expert input, predicted experts read in the background while layer
-l computes; mlx_tier.prefetch) vs without, what are decode tok/s, the
+l computes; mlx_tier.engine.prefetch) vs without, what are decode tok/s, the
 prediction's precision and recall, and the fraction of decode time the
 forward pass stalls on reads? Tiered SmolLM2 demo MoE (8 experts, top-2) at a
 few cache sizes, prefetch off and on, all engines in one process and runs
@@ -27,8 +27,8 @@ from mlx_lm import stream_generate
 
 import mlx_tier
 from mlx_tier import TierConfig
-from mlx_tier.demo_model import ensure_demo_model
-from mlx_tier.jobs import backend_name
+from mlx_tier.job.report import backend_name
+from mlx_tier.tools.demo_model import ensure_demo_model
 
 PROMPT = "The history of the city of Paris begins"
 DELTAS = ("hits", "misses", "bytes_read", "read_seconds", "stall_seconds", "prefetch_predicted",

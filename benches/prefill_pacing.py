@@ -9,7 +9,7 @@ fixed ``--prefill-step`` token steps?
                                      [--step-seconds 4] [--runs 1]
 
 One prompt of ``--tokens`` tokens (the example documents, concatenated) is
-read by :class:`mlx_tier.generation.BatchEngine` twice per run — paced, and
+read by :class:`mlx_tier.job.batch_engine.BatchEngine` twice per run — paced, and
 fixed (``step_seconds=None``: every step is ``--prefill-step`` tokens) — on one model load, alternating which goes first. Page cache warm.
 Prints the caliber, each run, and the ratios paced / fixed.
 """
@@ -27,9 +27,9 @@ import psutil
 
 import mlx_tier
 from mlx_tier import TierConfig
-from mlx_tier.demo_model import ensure_demo_model
-from mlx_tier.generation import BatchEngine, Task, stop_token_ids
-from mlx_tier.jobs import backend_name
+from mlx_tier.job.batch_engine import BatchEngine, Task, stop_token_ids
+from mlx_tier.job.report import backend_name
+from mlx_tier.tools.demo_model import ensure_demo_model
 
 
 def read_prompt(model, tokenizer, prompt: list[int], prefill_step: int, step_seconds: float | None) -> dict:

@@ -1,4 +1,4 @@
-"""Question: how much sooner does a job finish on 2 ranks than on 1 (issue 16)?
+"""Question: how much sooner does a job finish on 2 ranks than on 1?
 
 Runs the same job, side by side in one invocation, as ``mlx-tier run --ranks 1``
 and ``--ranks 2`` (both through mlx.launch, so the launch overhead is in both),

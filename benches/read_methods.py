@@ -1,6 +1,6 @@
 """How should the cold tier read an expert? Read method x page-cache mode, cold and warm.
 
-Questions (issue 4, "Cold path: Reads"):
+Questions (cold path, reads):
 1. ``pread`` vs ``mmap``, each with the page cache kept / dropped after the read
    / bypassed (``O_DIRECT``, pread only): time per expert, cold (the shards'
    pages evicted first) and warm (the same experts read again at once).
@@ -42,7 +42,8 @@ import psutil
 from make_synthetic_moe import ensure_synthetic
 from pagecache import drop_pages
 
-from mlx_tier.store import ExpertStore, TensorInfo, index_checkpoint
+from mlx_tier.engine.checkpoint import TensorInfo, index_checkpoint
+from mlx_tier.engine.store import ExpertStore
 
 SETTINGS = [("pread", "keep"), ("pread", "drop"), ("pread", "direct"), ("mmap", "keep"), ("mmap", "drop")]
 BASE = ("pread", "keep")

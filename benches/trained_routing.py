@@ -1,10 +1,10 @@
 """How far is the demo's routing from a trained MoE's, and do the policy targets hold on trained-like routing?
 
-Question (issue 14, section 1): (a) side by side, the routing statistics of
-trained-like traces (:mod:`mlx_tier.trained_routing`: generated to match
+Question: (a) side by side, the routing statistics of
+trained-like traces (:mod:`mlx_tier.routing.synthetic`: generated to match
 published Mixtral 8x7B and Qwen3-30B-A3B statistics, sources in that module),
 of the demo MoE, both versions (v1: random routers; v2, the default:
-routers fitted to Mixtral's reuse, ``mlx_tier.demo_router``; recorded while
+routers fitted to Mixtral's reuse, ``mlx_tier.tools.demo_router``; recorded while
 it summarises the two shortest example documents, greedy, 48 tokens each;
 ``--all-docs``: all seven for v2, as ``policy_targets.py``; neither is the
 calibration text the fit used), of the synthetic random-weight checkpoint
@@ -16,8 +16,8 @@ on the second): pre-warm from the profile, pinned, the adaptive split; and
 (c) the recall of a next-layer predictor (a count table from layer l's
 experts, held out), i.e. what prefetching k experts of layer l+1 would catch.
 
-Statistics are defined in :mod:`mlx_tier.routing_stats`. Hit rates come
-from :mod:`mlx_tier.simulate` (the live cache's own policy objects and rules).
+Statistics are defined in :mod:`mlx_tier.routing.stats`. Hit rates come
+from :mod:`mlx_tier.routing.simulate` (the live cache's own policy objects and rules).
 Everything is deterministic (seeded generator, recorded traces cached), so
 one run each; no timing is measured.
 
@@ -32,17 +32,27 @@ import time
 from pathlib import Path
 
 import numpy as np
-from policy_targets import ONLINE, by_token, mixed_zipf, record_demo_trace, table1, table2
+from policy_targets import (
+    ONLINE,
+    by_token,
+    mixed_zipf,
+    record_demo_trace,
+    table1,
+    table2,
+)
 
-from mlx_tier.routing_stats import RoutingStats, routing_stats
-from mlx_tier.simulate import zipf_trace
-from mlx_tier.trace import DECODE, Trace
-from mlx_tier.trace import load as load_trace
-from mlx_tier.trace import save as save_trace
-from mlx_tier.trained_routing import generate, mixtral_like, qwen3_like
+from mlx_tier.routing.simulate import zipf_trace
+from mlx_tier.routing.stats import RoutingStats, routing_stats
+from mlx_tier.routing.synthetic import generate, mixtral_like, qwen3_like
+from mlx_tier.routing.trace import DECODE, Trace
+from mlx_tier.routing.trace import load as load_trace
+from mlx_tier.routing.trace import save as save_trace
 
 TARGET_PP = 3.0
-from mlx_tier.policy import DEFAULT_POLICY  # the one default (TierConfig, JobConfig, CLI)
+from mlx_tier.policy.eviction import (
+    DEFAULT_POLICY,  # the one default (TierConfig, JobConfig, CLI)
+)
+
 DOCS = Path(__file__).resolve().parent.parent / "examples" / "docs"
 SYNTH_TEXT = DOCS / "gettysburg_address.txt"
 DEMO_DOCS = ("the_new_colossus.md", "second_inaugural_address_closing.txt")  # the two shortest
@@ -77,8 +87,10 @@ def record_demo_docs(names: tuple[str, ...], max_tokens: int, version: int) -> T
 
     import mlx_tier
     from mlx_tier import TierConfig
-    from mlx_tier.demo_model import cache_dir, demo_name, ensure_demo_model
-    from mlx_tier.jobs import DEFAULT_PROMPT, build_prompt
+    from mlx_tier.defaults import DEFAULT_PROMPT
+    from mlx_tier.fsio import user_cache_dir as cache_dir
+    from mlx_tier.job.prompts import build_prompt
+    from mlx_tier.tools.demo_model import demo_name, ensure_demo_model
 
     path = cache_dir() / "traces" / f"{demo_name(version)}-{len(names)}docs-{max_tokens}.npz"
     if path.is_file():
@@ -106,7 +118,7 @@ def stats_row(name: str, s: RoutingStats) -> str:
 
 
 def print_stats(traces: dict[str, Trace]) -> dict:
-    print("\nTable A: routing statistics (means over layers; % unless said; mlx_tier.routing_stats)")
+    print("\nTable A: routing statistics (means over layers; % unless said; mlx_tier.routing.stats)")
     print(f"{'trace':34s} {'E/k':6s} {'tok':>5s}  {'ent':4s} {'top':>4s} {'c90':>4s} | {'reus':>4s} {'ind':>4s}"
           f" {'unif':>4s} {'any':>4s} {'unif':>4s} {'1st':>4s} | {'xrec':>4s} {'stat':>4s} {'xtop':>4s}")
     out = {}
@@ -159,13 +171,13 @@ def main() -> None:
                     " two shortest)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from mlx_tier.jobs import machine_info
+    from mlx_tier.job.report import machine_info
 
     trained = {"mixtral-like (32x8, top-2)": generate(mixtral_like(), args.tokens, seed=0)}
     for stick in (0.1, 0.3, 0.5):
         trained[f"qwen3-like s={stick} ({args.qwen_layers}x128, top-8)"] = generate(
             qwen3_like(args.qwen_layers, stick), args.tokens // 2, seed=1)
-    from mlx_tier.demo_model import DEMO_VERSION, ROUTERS
+    from mlx_tier.tools.demo_model import DEMO_VERSION, ROUTERS
 
     others = {}
     for version in ROUTERS:  # 1: random routers, 2: fitted to route like a trained MoE
@@ -185,7 +197,7 @@ def main() -> None:
     }
     info = machine_info()
     print("caliber:", json.dumps(info["machine"]), f"backend={info['backend']} mlx={info['mlx']}")
-    print("method: deterministic trace statistics and replays (mlx_tier.routing_stats, mlx_tier.simulate);"
+    print("method: deterministic trace statistics and replays (mlx_tier.routing.stats, mlx_tier.routing.simulate);"
           " 1 run each; no timing")
     for name, t in (trained | others).items():
         print(f"  {name}: {t.num_layers} layers x {t.num_experts} experts, top-{t.experts.shape[1]},"

@@ -46,9 +46,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_tier
 from mlx_tier import TierConfig
-from mlx_tier.cost_model import TransferCosts
-from mlx_tier.jobs import backend_name
-from mlx_tier.warm import pool_slot_nbytes
+from mlx_tier.engine.warm_pool import pool_slot_nbytes
+from mlx_tier.job.report import backend_name
+from mlx_tier.policy.cost_model import TransferCosts
 
 TEXT = ("The committee met on Tuesday to review the budget for the new library, the repairs to the bridge "
         "over the river, and a proposal to extend the bus line to the hospital. After a long discussion the "

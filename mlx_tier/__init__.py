@@ -11,14 +11,14 @@ mlx-lm and transformers.
 import importlib
 
 _EXPORTS = {
-    "BudgetError": ".errors",
-    "CacheStats": ".cache",
-    "CheckpointError": ".errors",
-    "ExpertCache": ".cache",
-    "TierConfig": ".tiered",
-    "TieredExperts": ".tiered",
-    "cache_stats": ".tiered",
-    "load": ".tiered",
+    "BudgetError": "mlx_tier.errors",
+    "CacheStats": "mlx_tier.engine.cache",
+    "CheckpointError": "mlx_tier.errors",
+    "ExpertCache": "mlx_tier.engine.cache",
+    "TierConfig": "mlx_tier.engine.load",
+    "TieredExperts": "mlx_tier.engine.load",
+    "cache_stats": "mlx_tier.engine.load",
+    "load": "mlx_tier.engine.load",
 }
 __all__ = ["BudgetError", "CacheStats", "CheckpointError", "ExpertCache", "TierConfig", "TieredExperts",
            "cache_stats", "load"]  # = _EXPORTS
@@ -27,5 +27,5 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The job's default settings, each defined once, in a module that imports
 nothing: the CLI shows them in ``--help`` without loading MLX, and the configs
-(:class:`mlx_tier.scheduler.GenerationConfig`, :class:`mlx_tier.jobs.JobConfig`)
+(:class:`mlx_tier.job.scheduler.GenerationConfig`, :class:`mlx_tier.job.run.JobConfig`)
 take them from here; ``policy``, ``process`` and ``tiered`` re-export theirs.
 """
 
@@ -21,12 +21,12 @@ JOB_KERNEL = "auto"
 
 # The cache policy: LFU with dynamic aging. On every trace replayed (the demo's,
 # Zipf, and routing generated to match published statistics of trained MoEs:
-# README, "Routing like a trained MoE") it is at least as good as LRU, and
-# 0.2-5 points better where they differ; live decode speed is the same (README,
-# capped bench).
+# benches/results/policies/NOTES.md) it is at least as good as LRU, and
+# 0.2-5 points better where they differ; live decode speed is the same
+# (benches/results/capped/NOTES.md).
 DEFAULT_POLICY = "lfu"
 # A job's CPU priority decrement (nice).
 DEFAULT_NICE = 10
 # Prefetch off by default: measured on the build machine by benches/prefetch.py
-# (README, "Prefetch").
+# (benches/results/prefetch/NOTES.md).
 DEFAULT_PREFETCH = False

@@ -2,7 +2,7 @@
 (temp file, fsync, rename), fsync'ed line appends cut back on failure, reads
 and appends that never follow a link, stale temp clean-up.
 
-Used by :mod:`mlx_tier.journal` (the job's journal and outputs) and by every
+Used by :mod:`mlx_tier.outdir.journal` (the job's journal and outputs) and by every
 module that writes a file the user keeps (traces, profiles, reports).
 """
 
@@ -160,11 +160,25 @@ def read_nofollow(path: Path) -> bytes:
         return f.read()
 
 
+def _last_line_end(fd: int, size: int, block: int = 1 << 16) -> int:
+    """Offset just past the last newline of the open file ``fd`` of ``size`` bytes (0: none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - block)
+        cut = os.pread(fd, end - start, start).rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        end = start
+    return 0
+
+
 def _append_line(path: Path, line: bytes) -> None:
-    """Append one line and fsync; a torn last line (no newline) is closed first.
+    """Append one line and fsync; a torn last line (no newline: a crash or power
+    cut mid-append) is cut off first, so the file holds whole lines only and
+    every reader (``jq`` included) reads all of it.
 
     Never follows a link at ``path`` (``O_NOFOLLOW``); if the write fails (disk
-    full) the file is cut back to its old length, so it holds whole lines only.
+    full) the file is cut back to its old length.
 
     Raises:
         OSError: with ``filename`` set; ``ELOOP`` for a link.
@@ -175,8 +189,9 @@ def _append_line(path: Path, line: bytes) -> None:
         raise named(e, path) from None
     try:
         size = os.fstat(fd).st_size
-        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":  # a torn line: start a fresh one
-            line = b"\n" + line
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":  # a torn line: cut it off
+            size = _last_line_end(fd, size)
+            os.ftruncate(fd, size)
         try:
             view = memoryview(line)
             while view:
@@ -190,3 +205,14 @@ def _append_line(path: Path, line: bytes) -> None:
             raise named(e, path) from None
     finally:
         os.close(fd)
+
+
+def user_cache_dir() -> Path:
+    """Where mlx-tier keeps what it builds (the demo model, profiles of models in
+    read-only folders): ``$MLX_TIER_CACHE``, else the platform's user cache folder."""
+    env = os.environ.get("MLX_TIER_CACHE")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("mlx-tier"))

@@ -59,7 +59,7 @@ def with_command(prose: str, command: str, width: int = DEFAULT_WIDTH) -> str:
 
 
 # (a substring of the full error, its short form), first match wins. Each full
-# message comes from mlx_tier.converters, documents, scheduler or jobs.
+# message comes from mlx_tier.job.doc_text, documents, scheduler or jobs.
 _REASONS = (
     ("empty document", "empty file"),
     ("empty text", "empty text"),

@@ -1,33 +1,20 @@
 """Shared fixtures: tiny checkpoints written by mlx-lm's own classes, the demo model.
 
+Helpers that tests import live in ``tests/support/`` (on ``sys.path`` through
+pytest's ``pythonpath`` setting).
+
 Nothing here touches the network or the user's cache directory: an autouse
 fixture points ``MLX_TIER_CACHE`` at a per-session temporary folder.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx import nn
-from mlx_lm.models import llama, mixtral
-from mlx_lm.utils import save_config, save_model
-
-TINY_MIXTRAL = dict(
-    model_type="mixtral",
-    vocab_size=49152,  # the SmolLM2 tokenizer's
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+from mlx_lm.models import llama
+from support.checkpoints import make_mixtral, write_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -43,43 +30,12 @@ def _isolated_cache(session_cache, monkeypatch):
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer files (from the GGUF metadata), built once."""
-    from mlx_tier.demo_model import _save_tokenizer, gguf_path
+    from mlx_tier.tools.demo_model import _save_tokenizer, gguf_path
 
     out = tmp_path_factory.mktemp("tokenizer")
     _, meta = mx.load(str(gguf_path()), return_metadata=True)
     _save_tokenizer(meta, out)
     return out
-
-
-def write_checkpoint(path: Path, model: nn.Module, config: dict, tokenizer_dir: Path) -> Path:
-    mx.eval(model.parameters())
-    save_model(path, model)
-    save_config(dict(config), path / "config.json")
-    shutil.copytree(tokenizer_dir, path, dirs_exist_ok=True)
-    return path
-
-
-def make_mixtral(path: Path, tokenizer_dir: Path, *, quantized: bool, seed: int = 0, **overrides) -> Path:
-    """A tiny random Mixtral-layout MoE in mlx-lm format (float32 weights).
-
-    Quantised: experts and attention at 4 bits (group 32), router left in float
-    (mlx-lm's own rule for routers is to keep them at high precision).
-    """
-    config = {**TINY_MIXTRAL, **overrides}
-    mx.random.seed(seed)
-    model = mixtral.Model(mixtral.ModelArgs.from_dict(config))
-    # Larger router logits than the default init: routing then varies by token.
-    for layer in model.layers:
-        layer.block_sparse_moe.gate.weight = layer.block_sparse_moe.gate.weight * 8
-    if quantized:
-        nn.quantize(
-            model,
-            group_size=32,
-            bits=4,
-            class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.endswith(".gate"),
-        )
-        config["quantization"] = {"group_size": 32, "bits": 4}
-    return write_checkpoint(path, model, config, tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
@@ -120,20 +76,6 @@ def demo_model(session_cache) -> Path:
     import os
 
     os.environ["MLX_TIER_CACHE"] = str(session_cache)
-    from mlx_tier.demo_model import ensure_demo_model
+    from mlx_tier.tools.demo_model import ensure_demo_model
 
     return ensure_demo_model()
-
-
-def command_after(output: str, label: str) -> str:
-    """The command a message gives after ``label`` (e.g. ``"Resume with:"``): the line
-    after the word-wrapped prose that ends with it (:func:`mlx_tier.messages.with_command`).
-
-    Raises:
-        AssertionError: no line ends the label.
-    """
-    lines = output.splitlines()
-    for i, line in enumerate(lines[:-1]):
-        if " ".join(" ".join(lines[: i + 1]).split()).endswith(label) and line.rstrip().endswith(label.split()[-1]):
-            return lines[i + 1]
-    raise AssertionError(f"no {label!r} followed by a command in:\n{output}")

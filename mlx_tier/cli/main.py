@@ -1,0 +1,62 @@
+"""``mlx-tier``: the command line. One module per command group, each parsing its
+options, building one config, calling one library function and printing
+(:mod:`~mlx_tier.cli.render`); here only the Typer app and the list of commands.
+
+Modules: ``run_cmd`` (run; ``ranks_cmd`` for --ranks/--hosts), ``status_cmd``
+(status, thermal), ``watch_cmd`` (watch), ``plan_cmd`` (plan, convert),
+``trace_cmd`` (trace-sim, trace-stats, profile); ``render`` (what is printed) and
+``exits`` (exit codes, one-line errors). Nothing imports this module back.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from mlx_tier.cli import plan_cmd, run_cmd, status_cmd, trace_cmd, watch_cmd
+from mlx_tier.cli.exits import OneLineErrors
+from mlx_tier.cli.render import out
+
+app = typer.Typer(
+    help="Run Mixture-of-Experts models larger than memory: experts stream from disk into a bounded cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    cls=OneLineErrors,
+    rich_markup_mode=None,  # click's plain help: wraps to the terminal, never cuts an option name
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from mlx_tier import __version__
+
+        out.print(f"mlx-tier {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Print the version and exit."),
+) -> None:
+    """mlx-tier: Mixture-of-Experts models larger than memory, on MLX."""
+
+
+# In this order in `mlx-tier --help`.
+app.command()(run_cmd.run)
+app.command()(status_cmd.status)
+app.command()(watch_cmd.watch)
+app.command()(plan_cmd.plan)
+app.command()(plan_cmd.convert)
+app.command("trace-sim")(trace_cmd.trace_sim)
+app.command("trace-stats")(trace_cmd.trace_stats)
+app.command("profile")(trace_cmd.profile_cmd)
+app.command()(status_cmd.thermal)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""``mlx-tier plan`` (will MODEL fit, how fast might it decode) and ``mlx-tier convert``
+(a Hugging Face checkpoint to mlx-lm, router-safe): :mod:`mlx_tier.tools.plan` and
+:mod:`mlx_tier.tools.convert`, their choices listed from :mod:`mlx_tier.tools`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from mlx_tier.cli.exits import fail
+from mlx_tier.cli.render import choices, out
+from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
+from mlx_tier.units import GIB, MIB
+
+
+def plan(
+    model: str = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id (read from the local cache, else only its config and safetensors headers are fetched: nothing large is downloaded)."),
+    memory_gb: float | None = typer.Option(None, "--memory-gb", help="Plan for this much memory (GiB) instead of this machine's."),
+    context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
+    disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
+    compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
+    gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
+) -> None:
+    """Capacity worksheet for MODEL from its config and shard headers (no weights loaded).
+
+    Will it fit, and how fast might it decode: dense part, KV cache, expert
+    sizes, the cache mlx-tier would choose and a decode range from the
+    disk/compute roofline. Works on a hub repo id before downloading it.
+    """
+    from mlx_tier import CheckpointError
+    from mlx_tier.tools.plan import make_plan
+
+    if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
+        fail(f"--memory-gb must be positive, got {memory_gb}")
+    try:
+        p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps, compute_gbps=compute_gbps)
+    except CheckpointError as e:
+        fail(str(e))
+    if gpu_gb is not None and not (math.isfinite(gpu_gb) and gpu_gb > 0):
+        fail(f"--gpu-gb must be positive, got {gpu_gb}")
+    from mlx_tier.tools.plan_gpu import three_tier_split
+
+    split = three_tier_split(p, gpu_gb) if gpu_gb is not None else None
+    if as_json:
+        out.print_json(json.dumps({**p.as_dict(), **({"tiers": split.as_dict()} if split else {})}))
+        return
+    t = Table(title=f"mlx-tier plan: {p.model}", show_header=False)
+    for k, v in _plan_rows(p) + (_split_rows(p, split, gpu_gb) if split is not None else []):
+        t.add_row(k, v)
+    out.print(t)
+
+
+def _plan_rows(p) -> list[tuple[str, str]]:
+    """The worksheet of a :class:`mlx_tier.tools.plan.Plan`, one (label, value) per row."""
+    return [
+        ("model type", p.model_type),
+        ("MoE layers x experts, top-k", f"{p.moe_layers} x {p.experts_per_layer}, top-{p.top_k}"),
+        ("total parameters", f"{p.total_params / 1e9:.3f} B"),
+        ("active parameters per token", f"{p.active_params / 1e9:.3f} B"),
+        ("dense part (always resident)", f"{p.dense_bytes / GIB:.3f} GiB"),
+        (f"KV cache at {p.context_tokens} tokens (estimate)", f"{p.kv_bytes / GIB:.3f} GiB"),
+        ("one expert: disk / resident", f"{p.expert_bytes_disk / MIB:.2f} / {p.expert_bytes_resident / MIB:.2f} MiB"),
+        ("one layer's experts (disk)", f"{p.layer_bytes_disk / GIB:.3f} GiB"),
+        ("experts per GiB of cache", f"{p.experts_per_gb:.0f}"),
+        ("memory: total / available", f"{p.memory_total / GIB:.1f} / {p.memory_available / GIB:.1f} GiB"),
+        ("cache budget mlx-tier would choose", f"{p.cache_budget / GIB:.2f} GiB = {p.slots_per_layer} of {p.experts_per_layer} slots per layer"),
+        ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({'measured, random 4 MiB reads' if p.disk_measured else 'given'})"),
+        ("expert compute", f"{p.compute_gbps:.2f} GB/s of weights"),
+        ("predicted decode", f"{p.tok_s_low:.2f}-{p.tok_s_high:.2f} tok/s (hit rate {p.hit_rate_low:.0%}-{p.hit_rate_high:.0%})"
+         if p.slots_per_layer else "does not fit: the budget holds less than one expert slot per layer"),
+    ]
+
+
+def _split_rows(p, split, gpu_gb: float) -> list[tuple[str, str]]:
+    """`plan --gpu-gb`: the three-tier split's rows (:mod:`mlx_tier.tools.plan_gpu`)."""
+    E = split.experts_per_layer
+    rows = [
+        ("GPU free after the dense part", f"{split.device_free / GIB:.2f} GiB (assumed: {gpu_gb:g} GiB - dense)"),
+        ("GPU hot tier (half of it, as a run)", f"{split.hot_budget / GIB:.2f} GiB = {split.hot_slots} of {E} experts per layer"),
+        ("GPU left for KV cache, activations", f"{split.gpu_left / GIB:.2f} GiB (KV estimate {p.kv_bytes / GIB:.2f} GiB)"),
+        ("host warm tier", f"{split.host_budget / GIB:.2f} GiB = {split.warm_slots} of {E} experts per layer"),
+        ("SSD cold tier", f"{split.cold_experts} of {E} experts per layer"),
+    ]
+    if not split.fits:
+        rows.append(("three-tier split", f"does not fit: {split.why}"))
+    return rows
+
+
+def convert(
+    hf_dir: str = typer.Argument(..., metavar="HF_DIR", help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer), or a repo id (local cache first, else downloaded)."),
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="New folder for the mlx-lm checkpoint (must not exist)."),
+    bits: int = typer.Option(4, "--bits", metavar=choices(QUANT_BITS), help="Bits of the routed experts."),
+    group_size: int | None = typer.Option(None, "--group-size", help="Quantisation group size (default: 64 affine, 32 mxfp4)."),
+    mode: str = typer.Option("affine", "--mode", metavar=choices(QUANT_MODES), help="Quantisation mode (mxfp4: 4 bits only)."),
+    router_bits: int = typer.Option(8, "--router-bits", metavar=choices(ROUTER_BITS), help="Routers/gates: 8, or 16 to keep them unquantised."),
+    shared_expert_bits: int | None = typer.Option(None, "--shared-expert-bits", help="Shared experts (default: max(8, --bits); 16 = unquantised)."),
+    calib: Path | None = typer.Option(None, "--calib", help="Calibration text for the router-agreement check (default: a shipped text)."),
+) -> None:
+    """Convert a Hugging Face MoE checkpoint to mlx-lm format, router-safe.
+
+    Routed experts at --bits; routers and shared experts at 8 bits or more (a
+    quantised router flips the top-k choice). Checks every MoE layer holds all
+    experts and reports router agreement with the unquantised model.
+    """
+    from mlx_tier import CheckpointError
+    from mlx_tier.engine.hub import resolve_model
+    from mlx_tier.tools.convert import ConvertConfig
+    from mlx_tier.tools.convert import convert as do_convert
+
+    if router_bits not in ROUTER_BITS:
+        fail(f"--router-bits must be {' or '.join(map(str, ROUTER_BITS))}, got {router_bits}")
+    cfg = ConvertConfig(bits=bits, group_size=group_size, mode=mode, router_bits=router_bits, shared_expert_bits=shared_expert_bits)
+    try:
+        report = do_convert(resolve_model(hf_dir), out_dir, cfg, calib)
+    except (CheckpointError, FileExistsError) as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{out_dir}: cannot write ({e.strerror or e}); nothing was left behind")
+    out.print(
+        f"converted {hf_dir} -> {report.out_dir}: {report.moe_layers} MoE layers x {report.experts_per_layer} experts; "
+        f"router agreement {report.router_agreement:.1%} of (token, layer) top-k sets on {report.calibration_tokens} calibration tokens",
+        highlight=False,
+    )

@@ -1,0 +1,257 @@
+"""What the CLI prints: the two consoles, a job's live progress and final table,
+the rows of ``mlx-tier status``, and messages that carry a command.
+
+Rendering only: nothing here parses an option, runs a job or decides an exit
+code (:mod:`mlx_tier.cli.exits`). Each command module lays out its own tables
+with these helpers.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+err = Console(stderr=True)
+out = Console()
+
+HEARTBEAT_SECONDS = 60  # how often a log file gets a progress line between documents
+
+# The library names a setting `like_this` in its messages (mlx_tier.errors: the
+# error's ``field``); the CLI shows the flag that sets it.
+FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--max-temp",
+         "min_battery": "--min-battery", "max_tok_s": "--max-tok-s", "bits": "--bits", "mode": "--mode",
+         "cache_gb": "--cache-gb", "batch_size": "--batch-size",
+         "slots": "--slots", "retry_failed": "--retry-failed", "pause_on_battery": "--pause-on-battery",
+         "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt"}
+
+
+def as_flags(message: str) -> str:
+    """``message`` with each library setting name (`max_tokens`) as its flag (--max-tokens)."""
+    for name, flag in FLAGS.items():
+        message = message.replace(f"`{name}`", flag)
+    return message
+
+
+def print_with_command(console: Console, prose: str, command: str, label: str = "") -> None:
+    """``prose`` word-wrapped to the console's width, then ``command`` alone on its own line
+    (:func:`mlx_tier.messages.with_command`: copyable, never cut mid-word); ``label``
+    (``"error:"``) starts the first line in bold red."""
+    from mlx_tier.messages import with_command
+
+    text = Text(with_command(f"{label} {prose}" if label else prose, command, console.width))
+    if label:
+        text.stylize("bold red", 0, len(label))
+    console.print(text, highlight=False, soft_wrap=True)
+
+
+def print_wrapped(console: Console, text: str, style: str = "", styled: int | None = None) -> None:
+    """``text`` (plain, no markup) word-wrapped to the console's width
+    (:func:`mlx_tier.messages.wrap_words`: between words, a long path kept whole) rather
+    than left to the terminal, which cuts one long line mid-word at its edge; ``style``
+    colours the first ``styled`` characters (all when ``None``)."""
+    from mlx_tier.messages import wrap_words
+
+    wrapped = Text(wrap_words(text, console.width))
+    if style:
+        wrapped.stylize(style, 0, len(wrapped) if styled is None else styled)
+    console.print(wrapped, highlight=False, soft_wrap=True)
+
+
+def print_error(text: str) -> None:
+    """One ``error:`` line on stderr (``text`` plain: brackets are not markup)."""
+    err.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
+def choices(names) -> str:
+    """An option's metavar listing its choices, as click shows a ``Choice``: ``[md|jsonl]``."""
+    return "[" + "|".join(map(str, names)) + "]"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def format_duration(seconds: float | None) -> str:
+    """``"1h02m"``, ``"12m05s"``, ``"45s"``; ``"?"`` when unknown."""
+    if seconds is None:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def progress_line(done: int, total: int, elapsed: float, eta: float | None, activity, width: int,
+                  failed: int = 0) -> str:
+    """One status line that fits ``width`` columns: done/total and ETA first, then elapsed
+    time, what is being read or written (the document name cut to what fits) and the rates,
+    which are dropped first when the line is too narrow.
+
+    ``activity`` is a :class:`mlx_tier.job.run.Activity` or ``None`` (nothing started yet);
+    ``eta`` ``None`` reads "estimating" (no rate measured yet).
+    """
+    left = ("stopping" if activity is not None and activity.stopping
+            else f"ETA {format_duration(eta)}" if eta is not None else "ETA estimating")
+    head = f"{done}/{total} done{f', {failed} failed' if failed else ''}  {left}  {format_duration(elapsed)}"
+    if activity is None:
+        return _clip(head, width)
+    if activity.reading is not None:
+        name, read, length = activity.reading
+        what, details = "reading ", (f" {read:,}/{length:,} prompt tokens", f" {read:,}/{length:,}")
+    elif activity.writing:
+        name, tokens = activity.writing[0]
+        more = f" +{len(activity.writing) - 1} more" if len(activity.writing) > 1 else ""
+        what, details = "writing ", (f"{more}, {tokens} tokens", more)
+    else:
+        return _clip(head, width)
+    rates = f"  {activity.decode_tok_s:.1f} tok/s  hit {activity.hit_rate:.0%}"
+    for detail, tail in ((details[0], rates), (details[0], ""), (details[1], "")):
+        room = width - len(head) - 2 - len(what) - len(detail) - len(tail)
+        if room >= min(len(name), 8):
+            return f"{head}  {what}{_clip(name, room)}{detail}{tail}"
+    return _clip(head, width)
+
+
+class _Line:
+    """The live progress line, rendered at the console's current width on every refresh."""
+
+    def __init__(self, reporter: RichReporter) -> None:
+        self.r = reporter
+
+    def __rich__(self) -> Text:
+        return Text(self.r.line(err.width - 1), no_wrap=True, overflow="ellipsis")
+
+
+class RichReporter:
+    """Progress: a live line on a terminal (refreshed every second, new data after every
+    engine step), one line per document and a heartbeat each minute in a log file."""
+
+    def __init__(self) -> None:
+        self.live = None
+        self.activity, self.activity_at = None, 0.0
+        self.total = self.done = self.failed = 0
+        self.t0 = self.last_line = time.monotonic()
+
+    def message(self, text: str) -> None:
+        err.print(f"[dim]{escape(as_flags(text))}[/]", highlight=False, soft_wrap=True)
+
+    def start(self, total: int, skipped: int) -> None:
+        self.total, self.done = total, skipped
+        self.t0 = self.last_line = time.monotonic()
+        if skipped:
+            err.print(f"skipping {skipped} document(s) already done (journal)", soft_wrap=True)
+        if skipped == total or not err.is_terminal:
+            return
+        from rich.live import Live
+
+        self.live = Live(_Line(self), console=err, refresh_per_second=1, transient=False)
+        self.live.start()
+
+    def eta(self) -> float | None:
+        """Seconds left: the runner's estimate (:mod:`mlx_tier.job.eta`, from tokens left and the
+        rates measured) less the time since it came; ``None`` while it is estimating."""
+        if self.done + self.failed >= self.total:
+            return 0.0
+        if self.activity is None or self.activity.eta_seconds is None:
+            return None
+        return max(self.activity.eta_seconds - (time.monotonic() - self.activity_at), 0.0)
+
+    def line(self, width: int) -> str:
+        return progress_line(self.done, self.total, time.monotonic() - self.t0, self.eta(), self.activity, width,
+                             self.failed)
+
+    def working(self, activity) -> None:
+        now = time.monotonic()
+        self.activity, self.activity_at = activity, now
+        if self.live is None and now - self.last_line >= HEARTBEAT_SECONDS:  # a log: a line now and then
+            self.last_line = now
+            print_wrapped(err, self.line(200))
+
+    def finished(self, result, cache: dict) -> None:
+        if result.status == "failed":
+            self.failed += 1
+            print_wrapped(err, f"failed {result.id}: {as_flags(str(result.error))}", "red", len("failed"))
+            return
+        self.done += 1
+        if self.live is None:  # a log file gets one line per document instead of a live line
+            print_wrapped(err, f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens, "
+                          f"{result.doc_seconds:.1f} s of its own, hit rate so far {cache['hit_rate']:.1%}")
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+
+def status_cell(result) -> str:
+    """A document's status for the results table: ``done``, ``pending``, or ``failed:`` and
+    the reason in a few words below it (``failed:\\nempty file``,
+    :func:`mlx_tier.messages.short_reason`: the column stays narrow, so the names keep
+    their width at 80 columns); ``*`` marks one done or failed by an earlier run."""
+    from mlx_tier.messages import short_reason
+
+    mark = "*" if result.earlier_run else ""
+    if result.status == "failed":
+        return f"failed{mark}:\n{short_reason(result.error)}"
+    return f"{result.status}{mark}"
+
+
+def print_summary(report, out_dir: Path) -> None:
+    """A job's results table (one row per document), then :func:`summary_line` in paragraphs."""
+    table = Table(title="mlx-tier run", caption="*: by an earlier run. in tok: the document with the instruction, in "
+                  "tokens; out tok: tokens written (a long document's part summaries included). doc s: the "
+                  "document's own time, reading its prompt and writing its summary (decode steps are shared "
+                  "with the documents written alongside)")
+    for col in ("document", "status", "in tok", "out tok", "doc s"):
+        table.add_column(col, justify="left" if col in ("document", "status") else "right",
+                         overflow="fold" if col in ("document", "status") else "ellipsis")
+    for r in report.results:
+        status = status_cell(r)
+        style = {"failed": "red", "pending": "yellow"}.get(r.status, "dim" if r.earlier_run else "")
+        table.add_row(r.id, status, str(r.input_tokens), str(r.output_tokens), f"{r.doc_seconds:.1f}", style=style)
+    out.print(table)
+    for part in summary_line(report, out_dir).split(" | "):  # one paragraph each, wrapped between words
+        out.print(part, highlight=False, markup=False)
+
+
+def summary_line(report, out_dir: Path) -> str:
+    """The final line: the job's totals, then this run's own figures, then where the report is."""
+    run = report.runs[-1]
+    chunked = sum(r.parts > 0 for r in report.results)
+    line = (f"job: {report.count('done')} done ({run['already_done']} by earlier runs), "
+            f"{report.count('failed')} failed, {report.count('pending')} pending"
+            + (f" ({chunked} long, summarised in parts)" if chunked else ""))
+    if not run.get("loaded_model"):
+        return line + f" | this run: nothing to do (model not loaded) | report: {out_dir / 'report.json'}"
+    c = run["cache"]
+    read = c["bytes_read"]
+    experts = report.setup.get("expert_bytes_on_disk") or 0
+    reread = (f" = {read / experts:.1f}x the experts' {experts / 2**20:.0f} MiB on disk: experts evicted "
+              "from the cache are read again when next needed" if experts and read > experts else "")
+    return (line + f" | this run: {run['output_tok_per_s']:.2f} output tok/s over its wall time (prompt reading "
+            f"included), hit rate {c['hit_rate']:.1%}, read {read / 2**20:.0f} MiB{reread}, "
+            f"throttled {run.get('throttled_seconds', 0.0):.0f} s | report: {out_dir / 'report.json'}")
+
+
+def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
+    """Rows for ``mlx-tier status``: the documents in flight from a running job's progress file."""
+    if not progress:
+        return []
+    age = time.time() - progress.get("time", time.time())
+    rows = []
+    if progress.get("reading"):
+        name, read, length = progress["reading"]
+        rows.append(("reading", f"{name}: {read:,}/{length:,} prompt tokens "
+                                f"({progress.get('prompt_tok_s', 0):.1f} prompt tok/s)"))
+    for name, tokens in progress.get("writing") or []:
+        rows.append(("writing", f"{name}: {tokens} tokens so far"))
+    waiting = [i for i in progress.get("in_flight") or []
+               if i not in {w[0] for w in progress.get("writing") or []} | {(progress.get("reading") or [None])[0]}]
+    if waiting:
+        rows.append(("waiting", ", ".join(waiting)))
+    rows.append(("rates", f"decode {progress.get('decode_tok_s', 0):.1f} tok/s, hit rate "
+                          f"{progress.get('hit_rate', 0):.1%} (as of {age:.0f} s ago)"))
+    return rows

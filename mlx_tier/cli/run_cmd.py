@@ -1,0 +1,319 @@
+"""``mlx-tier run``: options in, one :class:`~mlx_tier.job.run.JobConfig`, then the job
+in this process (:func:`mlx_tier.job.run.run_job`), detached (``--background``) or over
+several ranks (:mod:`mlx_tier.cli.ranks_cmd`); its ends mapped to exit codes.
+
+The lists in ``--help`` come from the library: document suffixes from
+:mod:`mlx_tier.job.doc_text`, policies from :mod:`mlx_tier.policy.eviction`, kernels
+from :mod:`mlx_tier.kernels`, output formats from :mod:`mlx_tier.outdir.layout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+import typer
+
+from mlx_tier.cli import ranks_cmd
+from mlx_tier.cli.exits import (
+    EXIT_FAILED_DOCS,
+    EXIT_INTERRUPTED,
+    EXIT_JOB_ERROR,
+    EXIT_TERMINATED,
+    fail,
+)
+from mlx_tier.cli.render import (
+    RichReporter,
+    choices,
+    err,
+    out,
+    print_summary,
+    print_with_command,
+)
+from mlx_tier.defaults import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_NICE,
+    DEFAULT_POLICY,
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_PROMPT,
+    DEFAULT_REPETITION_PENALTY,
+    JOB_KERNEL,
+)
+from mlx_tier.job.doc_text import CONVERTED_SUFFIXES, TEXT_SUFFIXES
+from mlx_tier.kernels import KERNELS
+from mlx_tier.outdir.layout import OUTPUT_FORMATS, SUMMARIES
+from mlx_tier.policy.eviction import POLICIES, PolicySpec
+
+INPUT_HELP = (f"Folder of documents (searched recursively: {'/'.join(TEXT_SUFFIXES)} in any text encoding, "
+              f"{', '.join(CONVERTED_SUFFIXES)}), a JSONL file with custom_id (or id) and text (or an OpenAI batch "
+              "request body) per line, or - for a list of file paths on stdin.")
+FORMAT_HELP = (f"md: one OUT_DIR/<id>.md per document; jsonl: also OUT_DIR/{SUMMARIES}, one line per finished "
+               "document with its custom_id/id and summary.")
+POLICY_HELP = ("Expert cache eviction policy: lfu is LFU with dynamic aging; pinned keeps the saved profile's most "
+               "used experts (see --save-profile).")
+KERNEL_HELP = ("What computes the experts: cpu, own kernel (within fp32 rounding of MLX; many times faster on MLX's "
+               "CPU backend); mlx, MLX's ops (tokens exactly as mlx-lm); metal; auto, cpu on the CPU backend, "
+               "else mlx.")
+
+
+# run() is ~90 lines only by its 30 declared options and their --help text; the body
+# (checks, one JobConfig, dispatch) is ~30. Typer reads options from the signature.
+def run(
+    input: Path = typer.Argument(..., metavar="INPUT", help=INPUT_HELP),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
+    model: str | None = typer.Option(None, "--model", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id such as mlx-community/Qwen3-30B-A3B-4bit (local cache first, else downloaded; HF_HUB_OFFLINE=1 forbids downloads). Default: the built-in demo, SmolLM2-135M as an 8-expert MoE: a toy that shows the machinery, not good summaries."),
+    cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB (on CUDA: GPU memory, the hot tier). Default: half the memory free after loading the dense part (on CUDA: free GPU memory)."),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=1, help="Most tokens generated per summary."),
+    prompt: str | None = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
+    repetition_penalty: float = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
+    trace: Path | None = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
+    output_format: str = typer.Option("md", "--format", metavar=choices(OUTPUT_FORMATS), help=FORMAT_HELP),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed)."),
+    background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
+    batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
+    context: int | None = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
+    prefill_step: int = typer.Option(DEFAULT_PREFILL_STEP, "--prefill-step", min=1, help="Most prompt tokens per step while reading a document's prompt (one document at a time). Steps are paced to about 4 s from the measured speed, up to this many tokens; smaller: less memory."),
+    max_temp: float | None = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
+    pause_on_battery: bool = typer.Option(False, "--pause-on-battery", help="Pause while the machine runs on battery; resume on AC."),
+    min_battery: float | None = typer.Option(None, "--min-battery", min=0, max=100, help="Pause on battery below this charge (percent)."),
+    max_tok_s: float | None = typer.Option(None, "--max-tok-s", help="Hard cap on generated tokens per second (all documents together)."),
+    nice: int = typer.Option(DEFAULT_NICE, "--nice", min=0, max=19, help="Lower the job's CPU priority by this much (0: unchanged), so the machine stays responsive."),
+    policy: str = typer.Option(DEFAULT_POLICY, "--policy", metavar=choices(POLICIES), help=POLICY_HELP),
+    prewarm: bool | None = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
+    save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA only: the warm tier, this many GiB of host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"); 0 turns it off. Default: half the available host memory. Refused elsewhere (one memory: use --cache-gb)."),
+    prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
+    follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
+    kernel: str = typer.Option(JOB_KERNEL, "--kernel", metavar=choices(KERNELS), help=KERNEL_HELP),
+    background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
+    ranks: int | None = typer.Option(None, "--ranks", min=1, help="Spread the job over this many processes on this machine, started by MLX's launcher (mlx.launch, ring backend); each loads the model and takes documents no other rank has started (README, \"Several ranks or Macs\")."),
+    hosts: Path | None = typer.Option(None, "--hosts", help="Spread the job over the machines of this mlx.launch hosts file (JSON, one rank per entry: ssh name and IPs); INPUT and --out must be the same shared paths on every machine (README, \"Several ranks or Macs\")."),
+    ctx: typer.Context = None,  # filled in by Typer
+) -> None:
+    """Summarise every document in INPUT into OUT_DIR, resumably.
+
+    INPUT `-` reads file paths from stdin, one a line. Rerunning the same
+    command skips finished documents and leaves failed ones failed
+    (--retry-failed reruns only those). Documents are decoded in batches;
+    the job slows down or pauses when the machine is hot or on battery
+    (see `mlx-tier thermal`) and keeps a Mac awake while it runs. Ctrl-C or
+    SIGTERM finishes the summaries being written and stops (a second one
+    stops at once); everything finished is kept and the command to resume
+    is printed.
+
+    Skipped in a folder: dot-files and dot-folders, macOS ._ files and
+    __MACOSX, editor lock and backup files (~$x.docx, .#x, x~, #x#, .swp,
+    .bak, .tmp), and links that lead outside INPUT (--follow-links reads
+    them). PDF, Office, HTML and EPUB files are converted by MarkItDown
+    (the `documents` extra of mlx-tier).
+
+    Exit codes: 0 all done, 1 some documents failed, 2 bad input, 3 the job
+    stopped early (disk full, checkpoint unreadable; rerun to resume), 130
+    interrupted (SIGINT), 143 terminated (SIGTERM).
+    """
+    from mlx_tier.engine.load import DEFAULT_PREFETCH, TierConfig
+    from mlx_tier.errors import MlxTierError
+    from mlx_tier.job.run import JobConfig, read_prompt
+    from mlx_tier.job.scheduler import GenerationConfig
+
+    throttle = _checked_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
+                                max_temp, pause_on_battery, min_battery, max_tok_s)
+    from_stdin = str(input) == "-"
+    paths = _stdin_paths() if from_stdin else None
+    command = resume_command(ctx, out_dir, from_stdin)
+    distributed = ranks is not None or hosts is not None
+    if distributed:
+        ranks_cmd.check(ranks, hosts, background, trace, save_profile)
+    try:
+        config = JobConfig(
+            input=input, out_dir=out_dir, model=model,
+            tier=TierConfig(cache_gb=cache_gb, policy=PolicySpec(policy), prewarm=prewarm,
+                            prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch,
+                            host_cache_gb=host_cache_gb, kernel=kernel),
+            generation=GenerationConfig(
+                instruction=DEFAULT_PROMPT if prompt is None else read_prompt(prompt), max_tokens=max_tokens,
+                repetition_penalty=repetition_penalty, batch_size=batch_size, context=context,
+                prefill_step_size=prefill_step),
+            throttle=throttle, trace=trace, input_paths=paths,
+            output_format=output_format, retry_failed=retry_failed, command=command, nice=nice,
+            background_qos=background_qos, save_profile=save_profile, follow_links=follow_links,
+        )
+    except MlxTierError as e:  # an empty --prompt, an unreadable --prompt @FILE
+        fail(str(e))
+    if background:
+        _start_background(config, [sys.executable, "-m", "mlx_tier.cli.main", "run",
+                                   *command_args(ctx, drop=("background",))])
+    elif distributed:
+        ranks_cmd.run_ranks(config, ranks, hosts, command)
+    else:
+        _run_job_and_exit(config, out_dir, command)
+
+
+def _stdin_paths() -> tuple[str, ...]:
+    """``mlx-tier run -``: the file paths on stdin, one a line. Read as bytes, split on
+    newlines only, decoded as the file system does (a name that is not valid UTF-8
+    survives as surrogates)."""
+    return tuple(os.fsdecode(b.rstrip(b"\r")) for b in sys.stdin.buffer.read().split(b"\n"))
+
+
+def _checked_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
+                     max_temp, pause_on_battery, min_battery, max_tok_s):
+    """Check `run`'s options before any work (each bad one: one line, exit 2);
+    returns the throttle's config."""
+    from mlx_tier.errors import MlxTierError
+    from mlx_tier.job.throttle import ThrottleConfig
+    from mlx_tier.kernels.registry import kernel_for
+
+    _check_memory(cache_gb, host_cache_gb)
+    if output_format not in OUTPUT_FORMATS:
+        fail(f"--format must be {' or '.join(OUTPUT_FORMATS)}, got {output_format!r}")
+    if policy not in POLICIES:
+        fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if host_cache_gb is not None and (prewarm or PolicySpec(policy).needs_profile):
+        fail("--host-cache-gb: pre-warm (and --policy pinned) are not implemented for the two-tier cache yet")
+    try:
+        kernel_for(kernel)  # an unknown name, or metal without Metal
+    except ValueError as e:
+        fail(f"--kernel: {e}")
+    try:
+        throttle = ThrottleConfig(max_temp=max_temp, pause_on_battery=pause_on_battery, min_battery=min_battery,
+                                  max_tok_s=max_tok_s)
+    except ValueError as e:
+        fail(str(e))
+    if model is not None:
+        from mlx_tier.engine.hub import check_name
+
+        try:
+            check_name(model)
+        except MlxTierError as e:
+            fail(str(e))
+    return throttle
+
+
+def _check_memory(cache_gb: float | None, host_cache_gb: float | None) -> None:
+    """--cache-gb and --host-cache-gb against this machine's memories (one line, exit 2)."""
+    from mlx_tier.engine.budgets import probe
+
+    if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
+        fail(f"--cache-gb must be a finite positive number of GiB, got {cache_gb}")
+    if host_cache_gb is not None and not (math.isfinite(host_cache_gb) and host_cache_gb >= 0):
+        fail(f"--host-cache-gb must be a finite number of GiB >= 0, got {host_cache_gb}")
+    mem = probe()
+    if host_cache_gb is not None and mem.unified:  # one memory: a warm tier would count it twice
+        fail(f"--host-cache-gb needs a CUDA GPU (hot tier in GPU memory, warm in host memory); on the "
+             f"{mem.backend} backend experts live in one memory: size it with --cache-gb alone")
+    where, memory = ("the GPU's memory", mem.device_total) if not mem.unified else ("this machine's memory",
+                                                                                    mem.host_total)
+    if cache_gb is not None and memory is not None and cache_gb > memory / 2**30:
+        fail(f"--cache-gb {cache_gb:g} is more than {where} ({memory / 2**30:.1f} GiB)")
+
+
+def command_args(ctx: typer.Context, drop: tuple[str, ...] = ()) -> list[str]:
+    """The arguments that repeat this command: every parameter given on the command line
+    (not defaults), as parsed, except those named in ``drop``."""
+    args: list[str] = []
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name)  # click's ParameterSource (Typer may bring its own copy)
+        if p.name in drop or source is None or source.name in ("DEFAULT", "DEFAULT_MAP"):
+            continue
+        value = ctx.params[p.name]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if p.param_type_name == "argument":
+            args += [str(v) for v in values]
+        elif getattr(p, "is_flag", False) and isinstance(value, bool):
+            if value or p.secondary_opts:
+                args.append(p.opts[0] if value else p.secondary_opts[0])
+        else:
+            for v in values:
+                args += [p.opts[0], str(v)]
+    return args
+
+
+def resume_command(ctx: typer.Context, out_dir: Path, from_stdin: bool) -> str:
+    """The exact shell command that resumes this run (a stdin list is read back from OUT_DIR/inputs.txt)."""
+    import shlex
+
+    from mlx_tier.outdir.layout import INPUT_LIST
+
+    line = shlex.join(["mlx-tier", ctx.info_name or "run", *command_args(ctx, drop=("background",))])
+    return line + (f" < {shlex.quote(str(out_dir / INPUT_LIST))}" if from_stdin else "")
+
+
+def _raise_interrupted(signum, frame) -> None:
+    from mlx_tier.job.stopflag import Interrupted
+
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises ``Interrupted`` (until the job installs its own stop handler), so a
+    run terminated while loading its model also exits 143 with the resume line."""
+    try:
+        old = signal.signal(signal.SIGTERM, _raise_interrupted)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
+    """Run the job with the live display; map its ends to one line and an exit code
+    (2 bad input, 3 job error, 130/143 signals, 1 failed documents)."""
+    from mlx_tier.errors import JobError, MlxTierError
+    from mlx_tier.job.run import run_job
+
+    reporter = RichReporter()
+    try:
+        with _sigterm_interrupts():
+            report = run_job(config, reporter)
+    except MlxTierError as e:  # bad input, checkpoint, budget, profile, setting: one line, exit 2
+        reporter.close()
+        fail(e)
+    except (JobError, OSError) as e:  # disk full, checkpoint unreadable: finished work is kept
+        reporter.close()
+        reason = str(e) if isinstance(e, JobError) else f"{e.filename or out_dir}: {e.strerror or e}"
+        print_with_command(err, f"{reason}. Finished summaries are kept; resume with:", command, label="error:")
+        raise typer.Exit(EXIT_JOB_ERROR)
+    except KeyboardInterrupt as e:
+        reporter.close()
+        term = getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
+        print_with_command(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
+                                "Resume with:", command)
+        raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
+    print_summary(report, out_dir)
+    if report.interrupted:
+        term = report.stop_signal == signal.SIGTERM
+        print_with_command(err, f"stopped ({'SIGTERM' if term else 'SIGINT'}); summaries being written were "
+                                "finished. Resume with:", command)
+        raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
+    if report.count("failed"):
+        raise typer.Exit(EXIT_FAILED_DOCS)
+
+
+def _start_background(config, argv: list[str]) -> None:
+    """Start the run detached (:func:`mlx_tier.job.run.start_detached`: bad input exits 2 now,
+    not in a log) and say where to watch it."""
+    import shlex
+
+    from mlx_tier.errors import InputError
+    from mlx_tier.job.run import start_detached
+    from mlx_tier.outdir.layout import LOG_FILE, PID_FILE
+
+    out_dir = config.out_dir
+    try:
+        pid = start_detached(config, argv)
+    except InputError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{out_dir}: cannot start the background run ({e.strerror or e})")
+    out.print(f"started in the background: pid {pid} (also in {out_dir / PID_FILE}), log {out_dir / LOG_FILE}",
+              highlight=False, soft_wrap=True)
+    print_with_command(out, "watch it with:", f"mlx-tier status {shlex.quote(str(out_dir))}")

@@ -1,0 +1,570 @@
+"""Hot tier: per-layer slabs of expert slots, an expert -> slot table, counters.
+
+For each MoE layer and each stacked expert tensor (``weight``, ``scales``,
+``biases``, per-expert ``bias``) the cache owns a slab ``[S, ...]`` holding S
+experts. The expert blocks then run mlx-lm's own ``gather_qmm``/``gather_mm``
+on the slab with *slot* indices instead of expert indices: identical math to
+the fully resident model.
+
+Mechanism only: which expert leaves a slot is the policy's choice
+(:mod:`mlx_tier.policy.eviction`); what is read and how is the store's
+(:mod:`mlx_tier.engine.store`).
+
+Lazy-graph hazard: MLX evaluates lazily, so a slot must not be overwritten
+before the computation that reads its old contents is evaluated. Every write
+first evaluates the layer's last pending output (:meth:`LayerCache.settle`).
+In-place slot writes stay cheap only while no other array references the slab,
+so nothing outside this module holds a slab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields, replace
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from mlx_tier.engine.checkpoint import TensorInfo
+from mlx_tier.engine.store import ExpertStore, ReadStats
+from mlx_tier.errors import BudgetError
+from mlx_tier.policy.eviction import DEFAULT_POLICY, PolicySpec
+
+
+@dataclass
+class CacheStats:
+    """Counters over all MoE layers; read them outside the decode loop.
+
+    A *hit* or *miss* is counted once per distinct expert needed by one layer
+    in one forward call (one decode step, or one prefill chunk): that is the
+    unit that costs a read.
+    """
+
+    hits: int = 0
+    misses: int = 0  # experts read from the cold tier
+    evictions: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # wall time of the store's reads (with prefetch, background ones too)
+    rounds: int = 0  # extra expert-block passes when a layer needed more experts than slots
+    prewarmed: int = 0  # experts read at load from a profile (not misses; their bytes are not in bytes_read)
+    prewarm_bytes: int = 0
+    prewarm_seconds: float = 0.0
+    # Prefetch (mlx_tier.engine.prefetch). A prefetched expert that serves a miss is
+    # still a miss (read from the cold tier, only earlier); with prefetch,
+    # read_seconds also holds the background reads' wall time.
+    prefetch_predicted: int = 0  # predicted non-resident experts whose read was issued
+    prefetch_used: int = 0  # of those, experts that then served a miss
+    prefetch_wasted_bytes: int = 0  # bytes prefetched and dropped unused
+    # Wall time the forward pass blocked on reads (its own, and waiting for
+    # in-flight prefetches), as opposed to read_seconds, the reads' total.
+    stall_seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def prefetch_precision(self) -> float:
+        """Prefetched experts that served a miss / prefetched experts."""
+        return self.prefetch_used / self.prefetch_predicted if self.prefetch_predicted else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Misses served by a prefetch / all misses."""
+        return self.prefetch_used / self.misses if self.misses else 0.0
+
+    def __sub__(self, earlier: CacheStats) -> CacheStats:
+        """Counters of the phase between two snapshots: ``later - earlier``."""
+        return CacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        d["prefetch_precision"] = self.prefetch_precision
+        d["prefetch_recall"] = self.prefetch_recall
+        return d
+
+
+@dataclass(frozen=True)
+class SlabTensor:
+    """One stacked expert tensor of one layer and where its slab lives.
+
+    Attributes:
+        module: the mlx-lm (Quantized)SwitchLinear that reads the slab.
+        attr: its attribute name (``"weight"``, ``"scales"``, ``"biases"``, ``"bias"``).
+        info: the stacked tensor on disk, shape ``[E, ...]``.
+        dtype: dtype of the slab (the compute dtype for floating tensors).
+    """
+
+    module: nn.Module
+    attr: str
+    info: TensorInfo
+    dtype: mx.Dtype
+
+    def slot_nbytes(self) -> int:
+        return int(np.prod(self.info.shape[1:])) * self.dtype.size
+
+
+def _to_mx(buf: np.ndarray, info: TensorInfo, dtype: mx.Dtype) -> mx.array:
+    a = mx.array(buf)
+    if info.dtype == "BF16":
+        a = a.view(mx.bfloat16)
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
+class LayerCache:
+    """The resident experts of one MoE layer.
+
+    Args:
+        layer: index among the model's MoE layers (for reporting).
+        tensors: name on disk -> SlabTensor, every stacked tensor of the layer.
+        num_experts: E.
+        num_slots: S, 1 <= S <= E.
+        store: the cold tier.
+        stats: shared counters.
+        policy: how this layer's eviction policy is made (:class:`mlx_tier.policy.eviction.PolicySpec`).
+    """
+
+    def __init__(
+        self,
+        layer: int,
+        tensors: dict[str, SlabTensor],
+        num_experts: int,
+        num_slots: int,
+        store: ExpertStore,
+        stats: CacheStats,
+        policy: PolicySpec | None = None,
+    ):
+        if not 1 <= num_slots <= num_experts:
+            raise ValueError(f"slots must be in [1, {num_experts}], got {num_slots}")
+        self.layer = layer
+        self.tensors = tensors
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.store = store
+        self.policy_spec = policy or PolicySpec(DEFAULT_POLICY)
+        self.policy = self.policy_spec.make(layer, num_slots)
+        # Uses of each expert, one per (token, k) entry routed to it: the unit
+        # of a profile (mlx_tier.routing.profile). Counted per call, off the slab path.
+        self.counts = np.zeros(num_experts, dtype=np.int64)
+        self.stats = stats
+        self.slot_of = np.full(num_experts, -1, dtype=np.int64)  # expert -> slot
+        self.free = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self.pending: mx.array | None = None  # last output that read the slabs
+        # Once every expert is resident nothing can miss: the expert -> slot
+        # remap then runs lazily on the device (no host sync per layer), and
+        # the router outputs are kept to count hits later, off the hot path --
+        # or, with a device-side remap (mlx_tier.kernels.registry.remap_for), only its
+        # per-call [E] counts, summed on the device (add_device_counts).
+        self.lut: mx.array | None = None  # [E] uint32 slot of each expert
+        self.recorder = None  # a TraceRecorder while a routing trace is recorded
+        self._uncounted: list[mx.array] = []
+        self._device_uses: mx.array | None = None  # [E] uint32 uses summed over calls, lazy
+        self._device_hits: mx.array | None = None  # [] uint32 sum over calls of experts used
+        self._device_calls = 0  # calls summed since the last count_deferred
+        # Prefetch (mlx_tier.engine.prefetch): a background read of predicted experts
+        # started by the previous layer, then, once waited for, its rows not
+        # yet used: (raw arrays, expert -> row, raw bytes of one expert).
+        self.incoming = None  # a PrefetchedRead or None
+        self._prefetched: tuple[dict[str, np.ndarray], dict[int, int], int] | None = None
+        for t in tensors.values():
+            # Lazy zeros: memory is taken at the first write, not at load.
+            setattr(t.module, t.attr, mx.zeros((num_slots, *t.info.shape[1:]), dtype=t.dtype))
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Resident bytes of one expert (all its tensors, compute dtype)."""
+        return sum(t.slot_nbytes() for t in self.tensors.values())
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.num_slots * self.slot_nbytes
+
+    def resident_experts(self) -> list[int]:
+        return [int(e) for e in np.flatnonzero(self.slot_of >= 0)]
+
+    def all_resident(self) -> bool:
+        return self.lut is not None and self.recorder is None
+
+    def defer_count(self, indices: mx.array) -> None:
+        """Remember a fully-resident call's router output; counted in :meth:`count_deferred`."""
+        self._uncounted.append(indices)
+        if len(self._uncounted) >= 256:
+            self.count_deferred()
+
+    def add_device_counts(self, uses: mx.array) -> None:
+        """Remember a fully-resident call's per-expert uses without a host sync.
+
+        Args:
+            uses: ``[E]`` uint32, entries of this call routed to each expert
+                (the ``counts`` output of :func:`mlx_tier.kernels.metal.slot_remap`).
+
+        Two lazy device arrays hold the running sums: the uses, and the hits
+        (experts used by each call, summed over calls: the unit of
+        :class:`CacheStats`, as :meth:`count_deferred` counts router outputs).
+        Every 256 calls their graph is handed to ``mx.async_eval``, which
+        evaluates it without waiting, so it stays short. uint32 sums: exact
+        until 2**32 entries of one layer between two reads of the stats.
+        """
+        hits = (uses > 0).astype(mx.uint32).sum()  # [] experts this call used
+        if self._device_uses is None:
+            self._device_uses, self._device_hits = uses, hits
+        else:
+            self._device_uses, self._device_hits = self._device_uses + uses, self._device_hits + hits
+        self._device_calls += 1
+        if self._device_calls % 256 == 0:
+            mx.async_eval(self._device_uses, self._device_hits)
+
+    def deferred_arrays(self) -> list[mx.array]:
+        """The lazy arrays :meth:`count_deferred` would read: remembered router
+        outputs and the device-side sums. Evaluating every layer's in one
+        ``mx.eval`` (:attr:`ExpertCache.stats`) waits for the device once, not
+        twice per layer."""
+        device = [self._device_uses, self._device_hits] if self._device_uses is not None else []
+        return [*self._uncounted, *device]
+
+    def count_deferred(self) -> None:
+        """Count the hits and uses of remembered fully-resident calls (router
+        outputs and device-side counts; evaluates them unless already
+        evaluated: see :meth:`deferred_arrays`)."""
+        for a in self._uncounted:
+            uses = np.bincount(np.array(a).reshape(-1), minlength=self.num_experts)
+            self.stats.hits += int(np.count_nonzero(uses))
+            self.counts += uses
+        self._uncounted.clear()
+        if self._device_uses is not None:
+            self.stats.hits += int(self._device_hits.item())
+            self.counts += np.array(self._device_uses).astype(np.int64)
+            self._device_uses = self._device_hits = None
+            self._device_calls = 0
+
+    def accept_prefetch(self, read) -> None:
+        """Hand this layer an in-flight background read of predicted experts
+        (a :class:`mlx_tier.engine.prefetch.PrefetchedRead`); its rows serve the next
+        call's misses. Any earlier unused batch is dropped first."""
+        self.end_call()
+        self.stats.prefetch_predicted += len(read.experts)
+        self.incoming = read
+
+    def discard_pending(self) -> None:
+        """Forget the last output that read the slabs without evaluating it
+        (after a failed step: evaluating it would fail again)."""
+        self.pending = None
+
+    def settle(self) -> None:
+        """Evaluate the last computation that read the slabs (see module doc)."""
+        if self.pending is not None:
+            mx.eval(self.pending)
+            self.pending = None
+
+    def _ensure(self, group: list[int]) -> None:
+        """Make every expert in ``group`` resident (``len(group) <= S``).
+
+        The experts are read before any bookkeeping changes, so a failed read
+        leaves the table as it was; a failed write resets the layer (nothing
+        is ever marked resident over stale slot contents).
+        """
+        missing = []
+        for e in group:
+            if self.slot_of[e] >= 0:
+                self.stats.hits += 1
+                self.policy.access(e)
+            else:
+                missing.append(e)
+        if not missing:
+            return
+        if self.num_slots == self.num_experts:
+            # Room for every expert: read the whole layer now, in one batch, so
+            # the layer turns fully resident (lazy remap, no host sync) at once.
+            missing = [e for e in range(self.num_experts) if self.slot_of[e] < 0]
+        batches = self._read(missing)
+        self.settle()
+        slots = []
+        for e in missing:
+            if self.free:
+                s = self.free.pop()
+            else:
+                victim = self.policy.evict(protected=group)
+                s = int(self.slot_of[victim])
+                self.slot_of[victim] = -1
+                self.stats.evictions += 1
+            self.slot_of[e] = s
+            self.policy.insert(e)
+            slots.append(s)
+        self.stats.misses += len(missing)
+        self._write(batches, dict(zip(missing, slots)))
+        self._update_lut()
+
+    def _write(self, batches, slot_of_new: dict[int, int]) -> None:
+        """Copy read experts into their slots: ``batches`` as :meth:`_read` returns
+        them, ``slot_of_new`` expert -> slot. A failed write resets the layer."""
+        try:
+            written = []
+            for name, t in self.tensors.items():
+                slab = t.module[t.attr]
+                for raw, rows in batches:
+                    new = _to_mx(raw[name], t.info, t.dtype)  # [rows in raw, ...]
+                    for i, e in rows:
+                        s = slot_of_new[e]
+                        # In place (the module holds `slab`); a slice write is ~10x
+                        # cheaper than a scatter with an index array on the CPU backend.
+                        slab[s : s + 1] = new[i : i + 1]
+                written.append(slab)
+            mx.eval(written)
+        except BaseException:
+            self.reset()
+            raise
+
+    def _update_lut(self) -> None:
+        """Once every expert is resident, switch to the lazy device-side remap."""
+        if not self.free and self.num_slots == self.num_experts:
+            self.lut = mx.array(self.slot_of.astype(np.uint32))
+
+    def _read(self, missing: list[int]) -> list[tuple[dict[str, np.ndarray], list[tuple[int, int]]]]:
+        """Raw bytes of ``missing``: from the prefetched batch where it holds
+        them (waiting for it if in flight), the rest read now. The wait and the
+        read are the forward pass's stall (``stats.stall_seconds``).
+
+        Returns:
+            ``[(name -> raw array [R, ...], [(row, expert), ...])]``: which row
+            of which batch holds each missing expert.
+
+        Raises:
+            CheckpointError, OSError: the store's read failed (a failed
+            prefetch is not an error: those experts are read now).
+        """
+        t0 = time.perf_counter()
+        if self.incoming is not None:
+            self._take_incoming()
+        batches = []
+        rest = missing
+        if self._prefetched is not None:
+            raw, row_of, _ = self._prefetched
+            used = [(row_of.pop(e), e) for e in missing if e in row_of]  # a row serves one miss
+            if used:
+                batches.append((raw, used))
+                self.stats.prefetch_used += len(used)
+                taken = {e for _, e in used}
+                rest = [e for e in missing if e not in taken]
+        if rest:
+            batches.append((self.store.read_experts(list(self.tensors), rest), list(enumerate(rest))))
+        self.stats.stall_seconds += time.perf_counter() - t0
+        return batches
+
+    def _take_incoming(self) -> None:
+        """Wait for the in-flight prefetch; keep its rows (none if it failed)."""
+        pending, self.incoming = self.incoming, None
+        raw = pending.result()
+        if raw is not None:
+            self._prefetched = (raw, {e: i for i, e in enumerate(pending.experts)}, pending.expert_nbytes)
+
+    def end_call(self) -> None:
+        """Drop the prefetched experts this layer call did not use.
+
+        Counts their bytes in ``stats.prefetch_wasted_bytes``; a read still in
+        flight is waited for first (counted as stall), so that at most one
+        batch is ever in flight (see :class:`mlx_tier.engine.prefetch.BackgroundReader`).
+        """
+        if self.incoming is not None:
+            t0 = time.perf_counter()
+            self._take_incoming()
+            self.stats.stall_seconds += time.perf_counter() - t0
+        if self._prefetched is not None:
+            _, row_of, expert_nbytes = self._prefetched
+            self.stats.prefetch_wasted_bytes += len(row_of) * expert_nbytes
+            self._prefetched = None
+
+    def reset(self) -> None:
+        """Forget every resident expert (slab contents are then unused)."""
+        self.slot_of[:] = -1
+        self.free = list(range(self.num_slots - 1, -1, -1))
+        self.policy = self.policy_spec.make(self.layer, self.num_slots)
+        self.lut = None
+
+    def prewarm(self, experts: list[int]) -> int:
+        """Read ``experts`` (hottest first) into free slots before any use.
+
+        Only experts not yet resident, and at most as many as there are free
+        slots, are read; they enter the policy coldest first, so the hottest
+        is the most recently used. :func:`mlx_tier.routing.simulate.simulate_layer`
+        mirrors this (its ``prewarm``). Not hits nor misses. Returns how many
+        experts were read.
+
+        Raises:
+            CheckpointError, OSError: a failed read (nothing is marked resident).
+        """
+        experts = [int(e) for e in experts if self.slot_of[e] < 0][: len(self.free)]
+        if not experts:
+            return 0
+        raw = self.store.read_experts(list(self.tensors), experts)
+        self.settle()
+        slots = [self.free.pop() for _ in experts]
+        self._write([(raw, list(enumerate(experts)))], dict(zip(experts, slots)))
+        for e, s in zip(experts, slots):
+            self.slot_of[e] = s
+        for e in reversed(experts):
+            self.policy.insert(e)
+        self._update_lut()
+        return len(experts)
+
+    def assign(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """Make the experts in ``idx`` resident and yield slot indices.
+
+        Args:
+            idx: router top-k expert ids, any shape ``[..., k]``, integer.
+
+        Yields:
+            ``(slots, mask)``: ``slots`` has ``idx``'s shape and dtype and gives
+            each entry's slot. ``mask`` is ``None`` when every needed expert fit
+            at once (one pass). Otherwise the needed experts exceed S and are
+            served in rounds: ``mask`` marks the entries valid in this round
+            (other entries point at an arbitrary slot). The caller must use the
+            round's result, and set :attr:`pending`, before asking for the next.
+        """
+        if self.recorder is not None:
+            self.recorder.add(self.layer, idx)
+        uses = np.bincount(idx.reshape(-1), minlength=self.num_experts)  # [E] uses in this call
+        self.counts += uses
+        need = np.flatnonzero(uses).tolist()  # distinct experts, ascending (as np.unique gave)
+        if len(need) <= self.num_slots:
+            self._ensure(need)
+            yield self.slot_of[idx].astype(idx.dtype), None
+            return
+        # Resident experts first, so the first round reads nothing.
+        order = [e for e in need if self.slot_of[e] >= 0] + [e for e in need if self.slot_of[e] < 0]
+        for i in range(0, len(order), self.num_slots):
+            group = order[i : i + self.num_slots]
+            self._ensure(group)
+            self.stats.rounds += 1
+            mask = np.isin(idx, group)
+            yield np.where(mask, self.slot_of[idx], 0).astype(idx.dtype), mask
+
+
+class ExpertCache:
+    """All layers' caches of one model, their budget and shared counters.
+
+    Attributes:
+        layers: one LayerCache per MoE layer, in model order.
+        stats: counters summed over layers.
+        budget_bytes: the configured budget; resident expert bytes never exceed it.
+    """
+
+    def __init__(self, layers: list[LayerCache], stats: CacheStats, budget_bytes: int, store: ExpertStore):
+        self.layers = layers
+        self._stats = stats
+        self.budget_bytes = budget_bytes
+        self.store = store
+        if self.resident_bytes > budget_bytes:  # invariant 2 (docs/architecture.md): checked, not assumed
+            raise BudgetError(
+                f"slabs of {self.resident_bytes} bytes exceed the cache budget of {budget_bytes} bytes"
+            )
+
+    @property
+    def stats(self) -> CacheStats:
+        """The live counters (mutated as the model runs), with every deferred
+        hit counted and the store's read totals (the store serves only this
+        cache). Counting deferred hits reads router outputs that the step that
+        made them has already evaluated. For a value that does not move, take
+        :meth:`snapshot`."""
+        self._count_deferred()
+        self._stats.bytes_read = self.store.stats.bytes_read
+        self._stats.read_seconds = self.store.stats.read_seconds
+        return self._stats
+
+    def _count_deferred(self) -> None:
+        """Every layer's deferred counts, their lazy arrays evaluated in one
+        ``mx.eval`` (with kernel ``metal``: one wait for the device per read of
+        the stats instead of two per MoE layer)."""
+        pending = [a for layer in self.layers for a in layer.deferred_arrays()]
+        if pending:
+            mx.eval(*pending)
+        for layer in self.layers:
+            layer.count_deferred()
+
+    def snapshot(self) -> CacheStats:
+        """A copy of the counters now; ``later - earlier`` measures a phase."""
+        return replace(self.stats)
+
+    @property
+    def slots_per_layer(self) -> int | None:
+        """Slots of every layer when they are all equal, else ``None`` (an
+        adaptive split or per-layer counts: see :attr:`layer_slots`)."""
+        counts = set(self.layer_slots)
+        return counts.pop() if len(counts) == 1 else None
+
+    @property
+    def layer_slots(self) -> tuple[int, ...]:
+        """Slots of each layer (they differ under an adaptive split)."""
+        return tuple(layer.num_slots for layer in self.layers)
+
+    @property
+    def num_experts(self) -> int:
+        return self.layers[0].num_experts
+
+    def profile_counts(self) -> np.ndarray:
+        """Expert uses since load, ``[L, E]`` int64 (a copy): one per (token, k)
+        entry routed to the expert, prefill and decode — the unit of a
+        :class:`~mlx_tier.routing.profile.Profile` (``mlx_tier.routing.profile.from_counts``).
+        Layers with fewer experts than the widest are zero-padded."""
+        out = np.zeros((len(self.layers), max(layer.num_experts for layer in self.layers)), np.int64)
+        self._count_deferred()
+        for i, layer in enumerate(self.layers):
+            out[i, : layer.num_experts] = layer.counts
+        return out
+
+    def prewarm(self, profile) -> int:
+        """Fill each layer's free slots with ``profile``'s most used experts
+        (:meth:`LayerCache.prewarm`). The reads are counted in
+        ``stats.prewarmed``/``prewarm_bytes``/``prewarm_seconds``, not in
+        ``bytes_read``. Returns the number of experts read.
+
+        Args:
+            profile: a :class:`~mlx_tier.routing.profile.Profile` of this model's shape.
+        """
+        before, self.store.stats = self.store.stats, ReadStats()
+        try:
+            n = sum(self._prewarm_layer(i, profile) for i in range(len(self.layers)))
+            self._stats.prewarmed += n
+            self._stats.prewarm_bytes += self.store.stats.bytes_read
+            self._stats.prewarm_seconds += self.store.stats.read_seconds
+        finally:
+            self.store.stats = before  # prewarm reads are never counted as bytes_read
+        return n
+
+    def _prewarm_layer(self, i: int, profile) -> int:
+        layer = self.layers[i]
+        return layer.prewarm(profile.hottest(i, layer.num_slots))
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of all slabs once allocated (the most the cache can hold)."""
+        return sum(layer.resident_bytes for layer in self.layers)
+
+    def start_trace(self, source: str = ""):
+        """Record the router's top-k of every layer call until :meth:`stop_trace`.
+
+        Recording needs the expert ids on the host, so fully resident layers
+        leave their lazy path meanwhile (one sync per layer per step).
+        """
+        from mlx_tier.routing.trace import TraceRecorder
+
+        rec = TraceRecorder(len(self.layers), self.num_experts, source=source)
+        for layer in self.layers:
+            layer.recorder = rec
+        return rec
+
+    def stop_trace(self):
+        """Stop recording; returns the :class:`~mlx_tier.routing.trace.Trace`."""
+        rec = self.layers[0].recorder
+        for layer in self.layers:
+            layer.recorder = None
+        return rec.trace() if rec is not None else None
+
+    def reset_stats(self) -> None:
+        stats = self.stats
+        for k, v in asdict(CacheStats()).items():
+            setattr(stats, k, v)
+        self.store.stats = ReadStats()

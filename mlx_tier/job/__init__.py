@@ -1,0 +1,1 @@
+"""The overnight job: documents in, summaries out; scheduling, batched generation, journal-backed resume, throttle."""

@@ -1,0 +1,218 @@
+"""Document text from a file: plain text in any common encoding, other formats
+through MarkItDown.
+
+- Text files (:data:`TEXT_SUFFIXES`): a byte-order mark decides (UTF-8, UTF-16,
+  UTF-32; the mark itself is dropped); else strict UTF-8; else the encoding
+  charset-normalizer finds (cp1252, Latin-1, Shift-JIS, …). Only bytes that no
+  text encoding explains are refused, as binary.
+- PDF, Word, PowerPoint, Excel, HTML, EPUB, Jupyter and Outlook files
+  (:data:`CONVERTED_SUFFIXES`): Microsoft's MarkItDown
+  (https://github.com/microsoft/markitdown) turns them into Markdown text.
+  Its format libraries come with the ``documents`` extra
+  (``pip install 'mlx-tier[documents]'``); without them such a file fails
+  alone with a message naming the extra.
+
+MarkItDown was chosen over docling on install weight and on needing no model
+downloads at run time (docs/documents.md).
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from mlx_tier.fsio import open_inside
+
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text", ".rst")
+# Suffix -> the MarkItDown converter for it. Only that one is tried: MarkItDown's
+# own dispatch falls back to reading a file it failed to convert as plain text.
+CONVERTED_SUFFIXES = {
+    ".pdf": "PdfConverter", ".docx": "DocxConverter", ".pptx": "PptxConverter", ".xlsx": "XlsxConverter",
+    ".xls": "XlsConverter", ".html": "HtmlConverter", ".htm": "HtmlConverter", ".xhtml": "HtmlConverter",
+    ".epub": "EpubConverter", ".ipynb": "IpynbConverter", ".msg": "OutlookMsgConverter",
+}
+SUFFIXES = TEXT_SUFFIXES + tuple(CONVERTED_SUFFIXES)
+# What converting one file may raise and fail that file alone (the caller catches it:
+# mlx_tier.job.documents.FileDocument): any Exception, since third-party converters raise
+# RuntimeError, ValueError or their own classes; MemoryError is re-raised there, and
+# KeyboardInterrupt and SystemExit are not Exceptions, so they still stop the job.
+CONVERSION_ERRORS: tuple[type[BaseException], ...] = (Exception,)
+EXTRA_HINT = "pip install 'mlx-tier[documents]'"
+# Longest BOM first: UTF-32-LE's mark starts with UTF-16-LE's.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+
+
+@dataclass(frozen=True)
+class Converted:
+    """A file's text, or why there is none.
+
+    Attributes:
+        text: the document's text (``str``), ``None`` when unusable.
+        error: why it cannot be summarised, ``None`` when ``text`` is set.
+        converter: how the text was obtained: ``text (utf-8)``,
+            ``text (cp1252)``, ``markitdown 0.1.3``…; ``None`` when nothing fit.
+    """
+
+    text: str | None
+    error: str | None = None
+    converter: str | None = None
+
+
+def _binary(text: str) -> bool:
+    """Whether decoded text is mostly control characters (a binary file some 8-bit table accepts)."""
+    bad = sum(1 for c in text if c < " " and c not in "\t\n\r\f\v" or c == "\x7f")
+    return bad > max(2, len(text) // 100)
+
+
+def decode_text(data: bytes) -> Converted:
+    """The text of ``data`` (a text file's bytes) in whatever common encoding it is.
+
+    Order: a byte-order mark (dropped from the text); strict UTF-8; the best
+    match of charset-normalizer (https://github.com/jawah/charset_normalizer).
+    The result is refused as binary when no encoding explains the bytes or the
+    text is mostly control characters; ``"empty document"`` when it is blank.
+    """
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return _checked(data[len(bom):].decode(encoding), f"text ({encoding}, BOM)")
+            except UnicodeDecodeError as e:
+                return Converted(None, f"not valid {encoding} text after its byte-order mark (byte {e.start + len(bom)})")
+    if b"\x00" not in data:
+        try:
+            return _checked(data.decode("utf-8"), "text (utf-8)")
+        except UnicodeDecodeError:
+            pass
+    from charset_normalizer import from_bytes
+
+    matches = from_bytes(data)
+    best = matches.best()
+    if best is None:
+        return Converted(None, "binary file, not text (no text encoding fits its bytes)")
+    # Short Western texts fit many 8-bit tables equally well; among the equally
+    # good ones, Windows' Western default (cp1252, a superset of Latin-1's printable
+    # range) is the likely one.
+    tied = {enc for m in matches if m.chaos <= best.chaos + 0.01 for enc in m.could_be_from_charset}
+    if "cp1252" in tied and best.encoding != "cp1252":
+        try:
+            return _checked(data.decode("cp1252"), "text (cp1252)")
+        except UnicodeDecodeError:
+            pass
+    return _checked(str(best), f"text ({best.encoding})")
+
+
+def _checked(text: str, converter: str) -> Converted:
+    if _binary(text):
+        return Converted(None, "binary file, not text (mostly control characters)")
+    if not text.strip():
+        return Converted(None, "empty document", converter)
+    return Converted(text, None, converter)
+
+
+@functools.cache
+def _markitdown(kind: str):
+    """A MarkItDown that knows only the converter class ``kind`` (no plugins, no fallbacks)."""
+    import markitdown.converters
+    from markitdown import MarkItDown
+
+    md = MarkItDown(enable_builtins=False, enable_plugins=False)
+    md.register_converter(getattr(markitdown.converters, kind)())
+    return md
+
+
+def _markitdown_version() -> str:
+    from importlib.metadata import version
+
+    return version("markitdown")
+
+
+def _escaped(path: Path, inside: Path) -> str | None:
+    """Why ``path`` may no longer be read as a file of the folder ``inside``, or ``None``."""
+    real = path.resolve()
+    if not real.is_relative_to(inside):
+        return (f"now a link leading outside the input folder (to {real}); not read "
+                "(set `follow_links` to read such links)")
+    return None
+
+
+def convert_file(path: Path, inside: Path | None = None) -> Converted:
+    """The text of the file at ``path``, chosen by its suffix (module doc).
+
+    Args:
+        path: the file.
+        inside: the real folder the file must lie in (the job's INPUT): a file
+            replaced since by a link leading out of it is refused, not read,
+            and the file is opened through its resolved path one folder at a
+            time without following a link (:func:`mlx_tier.fsio.open_inside`),
+            so that nothing outside is read even if a folder is swapped for a
+            link meanwhile. ``None``: links are followed (``follow_links``, a
+            single file).
+
+    Returns a :class:`Converted` with ``error`` set (never raises for the
+    file's content): unreadable, binary, empty, a link out of ``inside``, a
+    converter that failed, or the ``documents`` extra missing (the message
+    says what to install).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if inside is not None:
+        if (escaped := _escaped(path, inside)) is not None:
+            return Converted(None, escaped)
+        path = path.resolve()  # its real path: no link left to follow (open_inside refuses one)
+    try:
+        fd = open_inside(inside, path) if inside is not None else os.open(path, os.O_RDONLY)
+    except ValueError:  # resolved through a link swapped in since the check
+        return Converted(None, "cannot read: now outside the input folder")
+    except OSError as e:
+        return Converted(None, f"cannot read: {e.strerror}")
+    with os.fdopen(fd, "rb") as f:
+        if suffix not in CONVERTED_SUFFIXES:
+            try:
+                return decode_text(f.read())
+            except OSError as e:
+                return Converted(None, f"cannot read: {e.strerror}")
+        return _convert_markitdown(f, path, suffix)
+
+
+# An Office Open XML file (.docx, .pptx, .xlsx) saved with a password is not a zip
+# but an OLE compound file holding the encrypted package (MS-OFFCRYPTO).
+_OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"
+_OOXML = (".docx", ".pptx", ".xlsx")
+
+
+def _convert_markitdown(stream: BinaryIO, path: Path, suffix: str) -> Converted:
+    """The text of a :data:`CONVERTED_SUFFIXES` file, open as ``stream``, through
+    MarkItDown (errors as :func:`convert_file`; ``path`` names it)."""
+    kind = CONVERTED_SUFFIXES[suffix]
+    if suffix in _OOXML and stream.read(len(_OLE_MAGIC)) == _OLE_MAGIC:
+        return Converted(None, "password-protected (encrypted): save it without a password to summarise it")
+    stream.seek(0)
+    try:
+        converter = _markitdown(kind)
+    except ImportError:
+        return Converted(None, f"{suffix} files need the document converters: {EXTRA_HINT}")
+    name = f"markitdown {_markitdown_version()} {kind}"
+    try:
+        from markitdown import StreamInfo
+
+        result = converter.convert_stream(stream, stream_info=StreamInfo(extension=suffix, filename=path.name))
+    except Exception as e:  # noqa: BLE001 - any converter failure fails this document alone
+        if type(e).__name__ == "MissingDependencyException":
+            return Converted(None, f"{suffix} files need the document converters: {EXTRA_HINT}", name)
+        if isinstance(e, OSError):
+            return Converted(None, f"cannot read: {e.strerror or e}", name)
+        lines = str(e).strip().splitlines()  # MarkItDown lists its attempts, one a line
+        reason = lines[-1].strip().lstrip("- ") if lines else type(e).__name__
+        return Converted(None, f"cannot convert ({type(e).__name__}): {reason}", name)
+    text = result.markdown or ""
+    if not text.strip():
+        return Converted(None, "no text found (a scanned PDF needs OCR first)" if suffix == ".pdf"
+                         else "empty document", name)
+    return Converted(text, None, name)

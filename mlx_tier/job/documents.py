@@ -1,0 +1,429 @@
+"""Job input: documents from a folder (recursive, by suffix), a JSONL file, or
+a list of file paths (``mlx-tier run -`` reads it from stdin).
+
+A *document* has a ``name`` (what the user knows it by: its path relative to
+INPUT, or its JSONL ``custom_id``/``id`` as text), an ``id`` (the stem of its
+output ``OUT_DIR/<id>.md``: the name made file-name safe and unique,
+:mod:`mlx_tier.job.naming`) and either its text or the reason it cannot be read.
+Text comes from :mod:`mlx_tier.job.doc_text` (any common text encoding; PDF,
+Word, PowerPoint, Excel, HTML, EPUB… through MarkItDown).
+
+A folder walk skips what is not a document (:func:`skip_reason`: dot-files
+and dot-folders, macOS ``._`` AppleDouble files, editor lock/backup files) and,
+unless ``follow_links``, links that lead outside the folder.
+JSONL lines name themselves with ``custom_id`` (OpenAI batch style, with the
+text in ``text`` or in the user messages of ``body.messages``) or ``id``; the
+value is kept as given (numbers as their literal text) in
+:attr:`Document.key` so JSONL output can echo it back.
+Input-level problems (missing path, nothing to read, malformed JSONL) raise
+:class:`InputError`; a single unreadable document (binary, empty, a failed
+conversion) is returned with ``error`` set so the rest of the job continues.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from mlx_tier.errors import InputError
+from mlx_tier.job.doc_text import (
+    CONVERSION_ERRORS,
+    SUFFIXES,
+    TEXT_SUFFIXES,
+    Converted,
+    convert_file,
+    decode_text,
+)
+from mlx_tier.job.naming import MAX_ID_BYTES, assign, fold, safe_id
+
+__all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "decode_text", "discover",
+           "discover_list", "safe_id", "skip_reason"]
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a job.
+
+    Attributes:
+        id: unique, file-name safe identifier (output ``<id>.md``).
+        source: where it came from (path, or ``FILE:LINE`` for JSONL).
+        text: the document's text, ``None`` when unreadable.
+        error: why it cannot be summarised, ``None`` when readable.
+        key: JSONL input only: ``("custom_id", value)`` or ``("id", value)``,
+            the value a string as the line gave it (a number as its literal
+            text, e.g. ``"1e400"``), for ``summaries.jsonl``; ``None`` for files.
+        name: the original identifier (relative path, or the key's value);
+            ``id`` is derived from it. Defaults to ``id``.
+        converter: how the text was obtained (``text (utf-8)``,
+            ``markitdown 0.1.3``…), ``None`` for JSONL text.
+    """
+
+    id: str
+    source: str
+    text: str | None = None
+    error: str | None = None
+    key: tuple[str, str] | None = None
+    name: str | None = None
+    converter: str | None = None
+
+    def __post_init__(self):
+        if self.name is None:
+            object.__setattr__(self, "name", self.id)
+
+
+# Folders that hold no documents of the user's: zip tools' macOS metadata.
+_SKIP_FOLDERS = {"__MACOSX"}
+_SKIP_SUFFIXES = {".swp", ".swo", ".swx", ".tmp", ".bak", ".crdownload", ".part"}
+
+
+def skip_reason(name: str) -> str | None:
+    """Why a file or folder named ``name`` is not a document, or ``None`` when it may be one.
+
+    Skipped: macOS AppleDouble metadata (``._x``), other dot-files and
+    dot-folders (``.DS_Store``, ``.git``, Emacs ``.#x`` locks, Vim ``.x.swp``),
+    Office lock files (``~$x.docx``), backups (``x~``, ``x.bak``), Emacs
+    autosaves (``#x#``), partial downloads, ``__MACOSX`` folders.
+    """
+    if name.startswith("._"):
+        return "macOS metadata (AppleDouble)"
+    if name.startswith("."):
+        return "hidden file"
+    if name.startswith("~$"):
+        return "Office lock file"
+    if name.endswith("~") or (name.startswith("#") and name.endswith("#")):
+        return "editor backup file"
+    if os.path.splitext(name)[1].lower() in _SKIP_SUFFIXES:
+        return "temporary or backup file"
+    if name in _SKIP_FOLDERS:
+        return "macOS metadata folder"
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class FileDocument:
+    """A document of a file, converted when first used.
+
+    Same attributes as :class:`Document`; reading ``text``, ``error`` or
+    ``converter`` converts the file (:func:`mlx_tier.job.doc_text.convert_file`)
+    once and keeps the result. Finding a job's documents therefore converts
+    nothing: the job runner triages them by id first and converts only the
+    pending ones, each when its turn comes (a rerun never converts the
+    documents already done).
+
+    A conversion that raises (a converter library's bug, a broken PDF) fails
+    this document alone: ``error`` says why
+    (:data:`~mlx_tier.job.doc_text.CONVERSION_ERRORS`; a MemoryError still stops the job).
+
+    Attributes:
+        id, source, name: as for :class:`Document` (``source``: the file's path).
+        path: the file.
+        inside: the real INPUT folder the file must still lie in when it is
+            converted (a link planted there after discovery is refused);
+            ``None``: not checked (``follow_links``, or a list of paths).
+    """
+
+    id: str
+    source: str
+    path: Path
+    name: str | None = None
+    inside: Path | None = None
+    key = None  # files have no JSONL key
+
+    @cached_property
+    def _converted(self) -> Converted:
+        try:
+            return convert_file(self.path, inside=self.inside)
+        except MemoryError:
+            raise
+        except CONVERSION_ERRORS as e:  # one document's failure must not stop the job
+            return Converted(None, f"cannot convert ({type(e).__name__}): {e}")
+
+    @property
+    def text(self) -> str | None:
+        return self._converted.text
+
+    @property
+    def error(self) -> str | None:
+        return self._converted.error
+
+    @property
+    def converter(self) -> str | None:
+        return self._converted.converter
+
+    def size_hint(self, convert: bool = True) -> int:
+        """Characters its text may have, erring long; used to size batches.
+
+        A plain-text file (:data:`~mlx_tier.job.doc_text.TEXT_SUFFIXES`): its
+        size in bytes, without reading it (an upper bound: no encoding takes
+        less than a byte a character). A converted kind (PDF, Word...): its
+        bytes are mostly not text (a PDF's can be 10-100x its text), so it is
+        converted (once: the result is kept) and its text's length counted;
+        with ``convert`` false, 0 (not sized). 0 when unreadable.
+        """
+        if self.path.suffix.lower() not in TEXT_SUFFIXES:
+            return len(self.text or "") if convert else 0
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+
+def size_hint(doc, convert: bool = True) -> int:
+    """Characters a document's text may have, erring long (:meth:`FileDocument.size_hint`:
+    ``convert`` false never converts; a :class:`Document`'s own text length)."""
+    return doc.size_hint(convert) if isinstance(doc, FileDocument) else len(doc.text or "")
+
+
+def _read(path: Path, doc_id: str, name: str, inside: Path | None = None) -> FileDocument:
+    return FileDocument(doc_id, str(path), path, name=name, inside=inside)
+
+
+def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None = None,
+                absolute_names: bool = False, inside: Path | None = None) -> list[FileDocument]:
+    """Documents for ``files`` (all under ``root``), named by their paths relative to
+    ``root`` (``absolute_names``: by their absolute paths, for lists whose common
+    folder changes from run to run; ids still come from the relative paths).
+    ``inside``: as for :class:`FileDocument`."""
+    rel = [p.relative_to(root) for p in files]
+    names = [p.as_posix() for p in files] if absolute_names else [r.as_posix() for r in rel]
+    stems = [safe_id(str(r.with_suffix(""))) for r in rel]
+    counts: dict[str, int] = {}
+    for s in stems:
+        counts[fold(s)] = counts.get(fold(s), 0) + 1
+    # The output name drops the suffix, except where two files would share it (a.txt, a.md).
+    wished = [s if counts[fold(s)] == 1 else safe_id(str(r)) for s, r in zip(stems, rel)]
+    ids = assign(names, wished, previous)
+    return [_read(p, doc_id, name, inside) for p, doc_id, name in zip(files, ids, names)]
+
+
+def _walk(root: Path, exclude: Path | None, follow_links: bool,
+          skipped: Counter | None = None) -> list[Path]:
+    """Files under ``root`` with a document suffix, in sorted order (module doc for what is skipped).
+
+    ``skipped``, when given, counts the files and folders left out by why (:func:`_skip_note`).
+    """
+    real_root, files, seen = root.resolve(), [], set()
+    skipped = Counter() if skipped is None else skipped
+    for folder, dirs, names in os.walk(root, followlinks=follow_links):
+        here = Path(folder)
+        if follow_links:  # a link cycle would walk forever
+            real = here.resolve()
+            if real in seen:
+                dirs[:] = []
+                continue
+            seen.add(real)
+        why = {d: _folder_skip(here / d, exclude) for d in dirs}
+        skipped.update(w for w in why.values() if w is not None)
+        dirs[:] = [d for d in dirs if why[d] is None]
+        for name in names:
+            why = _file_skip(here / name, exclude, follow_links, real_root)
+            if why is None:
+                files.append(here / name)
+            else:
+                skipped[why] += 1
+    return sorted(files)
+
+
+def _folder_skip(p: Path, exclude: Path | None) -> str | None:
+    """Why the folder ``p`` is not searched, or ``None`` when it is."""
+    if skip_reason(p.name) is not None:
+        return "hidden folder" if p.name.startswith(".") else "metadata folder"
+    return "output folder" if exclude is not None and p.resolve().is_relative_to(exclude) else None
+
+
+def _file_skip(p: Path, exclude: Path | None, follow_links: bool, real_root: Path) -> str | None:
+    """Why the file ``p`` found in a folder is not read (a suffix stands for "not a kind
+    mlx-tier reads"), or ``None`` when it is a document."""
+    why = skip_reason(p.name)
+    if why is not None or p.suffix.lower() not in SUFFIXES:
+        return why or p.suffix.lower() or "no suffix"
+    target = p.resolve()
+    if exclude is not None and target.is_relative_to(exclude):
+        return "in the output folder"
+    if not follow_links and p.is_symlink() and not target.is_relative_to(real_root):
+        return "link out of INPUT"  # not read unless asked (--follow-links)
+    return None if p.is_file() else "not a regular file"
+
+
+def _skip_note(skipped: Counter, most: int = 3) -> str:
+    """``skipped`` (reason or suffix -> count) in words, most frequent first: e.g.
+    ``"skipped .csv 3, hidden folder 1"``; ``"the folder is empty"`` when none."""
+    if not skipped:
+        return "the folder is empty"
+    top = sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))[:most]  # ties: by name, not walk order
+    rest = sum(skipped.values()) - sum(n for _, n in top)
+    return "skipped " + ", ".join([f"{why} {n}" for why, n in top] + ([f"other {rest}"] if rest else []))
+
+
+def _from_folder(root: Path, exclude: Path | None, follow_links: bool,
+                 previous: dict[str, str] | None) -> list[FileDocument]:
+    skipped: Counter = Counter()
+    files = _walk(root, exclude, follow_links, skipped)
+    if not files:
+        raise InputError(f"{root}: no documents found: {_skip_note(skipped)}; "
+                         "mlx-tier run --help lists the kinds it reads")
+    return _from_files(root, files, previous, inside=None if follow_links else root.resolve())
+
+
+def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = None, source: str = "stdin",
+                  previous: dict[str, str] | None = None) -> list[FileDocument]:
+    """Documents for a list of file paths (converted when first used, :class:`FileDocument`), one per entry (``mlx-tier run -`` reads them from stdin).
+
+    Any suffix is taken (the caller chose the file): known formats are
+    converted, others read as text; a binary one fails alone, as in a folder.
+    Blank entries, non-documents (:func:`skip_reason`: AppleDouble, lock and
+    backup files a ``find`` lists) and files inside ``exclude`` (the job's
+    output folder, so that ``find . -name '*.md'`` does not feed earlier
+    summaries back in) are skipped. Ids come from each path relative
+    to the files' common folder, made unique as for a folder.
+
+    Args:
+        lines: file paths (relative to the working directory, or absolute).
+        exclude: the job's output folder.
+        source: how errors name the list (``stdin:3: ...``).
+        previous: as for :func:`discover`.
+
+    Raises:
+        InputError: a path is missing or a folder, the same file is listed
+            twice, or the list is empty.
+    """
+    files, seen = [], {}
+    excluded = Path(exclude).resolve() if exclude is not None else None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        path = Path(line.strip()).resolve()
+        if path.is_dir():
+            raise InputError(f"{source}:{n}: {line.strip()} is a folder; list files (or pass the folder as INPUT)")
+        if not path.is_file():
+            raise InputError(f"{source}:{n}: {line.strip()}: no such file")
+        if path in seen:
+            raise InputError(f"{source}:{n}: {line.strip()} is listed twice (first on line {seen[path]})")
+        seen[path] = n
+        if skip_reason(path.name) is None and (excluded is None or not path.is_relative_to(excluded)):
+            files.append(path)
+    if not files:
+        raise InputError(f"{source}: no file paths given")
+    root = Path(os.path.commonpath([p.parent for p in files]))
+    # Named by absolute path: a later list with another common folder must not
+    # take an earlier run's output for a different file of the same relative name.
+    return _from_files(root, files, previous, absolute_names=True, inside=root)
+
+
+def _jsonl_lines(path: Path) -> list[str]:
+    """The lines of a JSONL file: UTF-8 (a leading BOM dropped), split on ``\\n`` only
+    (JSON strings may hold U+2028 and other characters ``str.splitlines`` splits at)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    raw = raw.removeprefix(codecs.BOM_UTF8)
+    try:
+        return raw.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def _user_text(obj: dict) -> str | None:
+    """The text of an OpenAI batch request line: its ``body.messages`` user contents
+    (strings, or ``{"type": "text", "text": ...}`` parts), joined by blank lines."""
+    body = obj.get("body")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return None
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") != "user":
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str)]
+    return "\n\n".join(parts) if parts else None
+
+
+def _jsonl_record(line: str, where: str) -> tuple[str, str, str]:
+    """``(key name, key value as text, document text)`` of one JSONL line.
+
+    Raises:
+        InputError: malformed JSON, or no usable id or text.
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: malformed JSON ({e.msg})") from None
+    name = "custom_id" if isinstance(obj, dict) and "custom_id" in obj else "id"
+    if not isinstance(obj, dict) or name not in obj or ("text" not in obj and "body" not in obj):
+        raise InputError(f'{where}: each line needs an object with "custom_id" (or "id") and "text" '
+                         '(or an OpenAI batch request\'s "body")')
+    text = obj["text"] if "text" in obj else _user_text(obj)
+    if "text" in obj and not isinstance(text, str):
+        raise InputError(f'{where}: "text" must be a string')
+    if text is None:
+        raise InputError(f'{where}: no user message with text in "body.messages"')
+    value = obj[name]
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise InputError(f'{where}: "{name}" must be a string or a number')
+    if not isinstance(value, str):  # a number: keep its literal text (1e400 is not "inf")
+        value = json.loads(line, parse_int=str, parse_float=str, parse_constant=str)[name]
+    return name, value, text
+
+
+def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
+    records, seen = [], {}
+    for n, line in enumerate(_jsonl_lines(path), 1):
+        if not line.strip():
+            continue
+        name, value, text = _jsonl_record(line, f"{path}:{n}")
+        if value in seen:
+            raise InputError(f"{path}:{n}: duplicate {name} {value!r} (first on line {seen[value]})")
+        seen[value] = n
+        records.append((n, name, value, text))
+    if not records:
+        raise InputError(f"{path}: no documents (empty JSONL file)")
+    ids = assign([value for _, _, value, _ in records], previous=previous)
+    return [
+        Document(doc_id, f"{path}:{n}", text if text.strip() else None, None if text.strip() else "empty text",
+                 (name, value), name=value)
+        for doc_id, (n, name, value, text) in zip(ids, records)
+    ]
+
+
+def discover(path: Path, exclude: Path | None = None, follow_links: bool = False,
+             previous: dict[str, str] | None = None) -> list[Document | FileDocument]:
+    """All documents of a job input; files of a folder are converted when first
+    used (:class:`FileDocument`), a single document file at once (its failure is
+    the input's: :class:`InputError`).
+
+    Args:
+        path: a folder (recursive, files with a suffix in :data:`SUFFIXES`;
+            non-documents skipped, :func:`skip_reason`), a ``.jsonl`` file with
+            one ``{"custom_id": ..., "text": ...}`` (or ``"id"``, or an OpenAI
+            batch request) per line, or one document file.
+        exclude: a folder inside ``path`` to skip (the job's output folder).
+        follow_links: read links in the folder that lead outside it (default: skipped).
+        previous: ``name -> id`` an earlier run of the job recorded (its
+            journal): each name keeps its id (:func:`mlx_tier.job.naming.assign`).
+
+    Raises:
+        InputError: path missing, nothing to read, malformed/duplicate JSONL line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder")
+    if path.is_dir():
+        return _from_folder(path, Path(exclude).resolve() if exclude is not None else None, follow_links, previous)
+    if path.suffix.lower() == ".jsonl":
+        return _from_jsonl(path, previous)
+    if path.suffix.lower() in SUFFIXES:
+        got = FileDocument(safe_id(path.stem), str(path), path, name=path.name)  # a converter's raise: an error
+        if got.error:
+            raise InputError(f"{path}: {got.error}")
+        return [Document(got.id, got.source, got.text, name=got.name, converter=got.converter)]
+    raise InputError(f"{path}: expected a folder of documents, a document file or a .jsonl file")

@@ -1,0 +1,159 @@
+"""Prompts for one document, and map-reduce summarisation of documents longer than the context.
+
+A document whose prompt plus output would not fit the usable context is never
+truncated: its text is split at paragraph, then sentence, then word
+boundaries into parts that fit (token counts by the model's tokenizer); each
+part is summarised (map), then the part summaries, in order, are combined
+into one (reduce). When the part summaries together are still too long, they
+are combined in groups first, level by level, until one summary remains.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from mlx_tier.errors import TooLong
+from mlx_tier.job.prompts import build_prompt, encode_data
+
+MAP_NOTE = "The text below is part {i} of {n} of a longer document; work on this part only. "
+REDUCE_NOTE = (
+    "The texts below are results for consecutive parts of one longer document, in order. "
+    "Combine them into one result for the whole document. "
+)
+# Tokens a part keeps free for what the tokenizer merges across a join.
+JOIN_SLACK = 8
+
+
+def _pieces(text: str, level: int) -> list[str]:
+    if level == 0:
+        return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    if level == 1:
+        return [p for p in re.split(r"(?<=[.!?])\s+", text) if p.strip()]
+    return text.split()
+
+
+def split_text(text: str, count, limit: int, _level: int = 0) -> list[str]:
+    """Split ``text`` into parts of at most ``limit`` tokens, in order.
+
+    Args:
+        count: text -> token count (the model's tokenizer, no special tokens).
+        limit: most tokens per part, >= 1.
+
+    Returns:
+        parts joined back with blank lines (paragraphs) or spaces; no text is
+        dropped except whitespace at the cuts. A single word longer than
+        ``limit`` is cut by characters.
+    """
+    if count(text) <= limit:
+        return [text.strip()]
+    if _level > 2:  # one word longer than the limit: cut it by characters
+        step = max(1, len(text) * limit // (2 * count(text)))
+        return [text[i : i + step] for i in range(0, len(text), step)]
+    sep = "\n\n" if _level == 0 else " "
+    parts, current, used = [], [], 0
+    for piece in _pieces(text, _level):
+        n = count(piece)
+        if n > limit:
+            if current:
+                parts.append(sep.join(current))
+                current, used = [], 0
+            parts += split_text(piece, count, limit, _level + 1)
+            continue
+        if current and used + n + JOIN_SLACK > limit:
+            parts.append(sep.join(current))
+            current, used = [], 0
+        current.append(piece.strip())
+        used += n + (JOIN_SLACK if len(current) > 1 else 0)
+    if current:
+        parts.append(sep.join(current))
+    # The sums above are estimates; re-split any part that is still too long.
+    return [q for p in parts for q in (split_text(p, count, limit, _level + 1) if count(p) > limit else [p])]
+
+
+@dataclass
+class MapReduce:
+    """The state of one long document's map-reduce summary.
+
+    Level 0 summarises the document's parts; each further level combines the
+    previous level's results in groups that fit. :meth:`prompts` gives the
+    current level's prompts; :meth:`add` records one result and, when the
+    level is complete, starts the next. :attr:`summary` is set at the end.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        instruction: the user's instruction (the final reduce answers it).
+        text: the document.
+        prompt_limit: most prompt tokens one call may take.
+
+    Raises:
+        TooLong: the instruction alone leaves no room for text.
+    """
+
+    tokenizer: object
+    instruction: str
+    text: str
+    prompt_limit: int
+    level: int = 0
+    parts: int = 0  # level-0 parts (reported)
+    summary: str | None = None
+    _prompts: list[list[int]] = field(default_factory=list)
+    _results: list[str | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        chunks = self._split(self.text, MAP_NOTE.format(i=999, n=999))
+        self.parts = len(chunks)
+        n = len(chunks)
+        self._start([build_prompt(self.tokenizer, MAP_NOTE.format(i=i + 1, n=n) + self.instruction, c)
+                     for i, c in enumerate(chunks)])
+
+    def _count(self, text: str) -> int:
+        return len(encode_data(self.tokenizer, text))
+
+    def _split(self, text: str, note: str) -> list[str]:
+        overhead = len(build_prompt(self.tokenizer, note + self.instruction, ""))
+        room = self.prompt_limit - overhead - JOIN_SLACK
+        if room < 16:
+            raise TooLong(
+                f"the usable context ({self.prompt_limit} prompt tokens) leaves no room for text after "
+                f"the instruction ({overhead} tokens)"
+            )
+        return split_text(text, self._count, room)
+
+    def _start(self, prompts: list[list[int]]) -> None:
+        self._prompts, self._results = prompts, [None] * len(prompts)
+
+    def prompts(self) -> list[tuple[int, list[int]]]:
+        """``(index, prompt)`` of every call of the current level."""
+        return list(enumerate(self._prompts))
+
+    def add(self, index: int, result: str) -> list[tuple[int, list[int]]]:
+        """Record the result of call ``index`` of the current level.
+
+        Returns:
+            the next level's ``(index, prompt)`` calls when this completed the
+            level and more combining is needed; ``[]`` otherwise (check
+            :attr:`summary`).
+        """
+        self._results[index] = result.strip()
+        if any(r is None for r in self._results):
+            return []
+        results = self._results
+        joined = "\n\n".join(f"Part {i + 1}: {r}" for i, r in enumerate(results))
+        final = build_prompt(self.tokenizer, REDUCE_NOTE + self.instruction, joined)
+        if self.level > 0 and len(results) == 1:
+            self.summary = results[0]  # the previous level combined everything
+            return []
+        self.level += 1
+        if len(final) <= self.prompt_limit:
+            self._start([final])
+            return self.prompts()
+        # Too long for one call: combine groups of consecutive results first.
+        groups = self._split(joined, REDUCE_NOTE)
+        if len(groups) >= len(results):
+            raise TooLong(
+                f"part results do not shrink: {len(results)} results need {len(groups)} groups "
+                f"within {self.prompt_limit} prompt tokens"
+            )
+        self._start([build_prompt(self.tokenizer, REDUCE_NOTE + self.instruction, g) for g in groups])
+        return self.prompts()

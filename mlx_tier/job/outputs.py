@@ -1,0 +1,93 @@
+"""Per-document outputs beside the ``<id>.md`` summaries: ``summaries.jsonl`` (``--format jsonl``).
+
+The ``<id>.md`` file stays the durable unit the journal
+(:mod:`mlx_tier.outdir.journal`) recovers from; these lines are derived from
+it, appended and fsync'ed before the document's journal record, one line per
+document id, never two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from mlx_tier.fsio import _NOFOLLOW, _append_line, named, read_nofollow
+from mlx_tier.job.documents import Document
+from mlx_tier.outdir.layout import SUMMARIES
+
+
+class JsonlSummaries:
+    """``OUT_DIR/summaries.jsonl``: one line per finished document (``--format jsonl``).
+
+    Each line: the document's key as the input gave it (``"custom_id"`` or
+    ``"id"`` from JSONL; ``"id"`` and ``"source"`` for files), ``"summary"``
+    (the text of ``OUT_DIR/<id>.md``, which stays the durable unit the journal
+    recovers from), ``"output"`` and the token counts when known. Lines are
+    appended and fsync'ed; an id already present is never written again, and
+    a torn last line (crash mid-append) is cut off when the file is opened.
+    Order is completion order; match lines by key.
+
+    Args:
+        out_dir: the job's output folder.
+        docs: the job's documents (for their keys).
+
+    Raises:
+        OSError: the file cannot be read or repaired.
+    """
+
+    FIELDS = ("input_tokens", "output_tokens", "finish_reason")
+
+    def __init__(self, out_dir: Path, docs: list[Document]):
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / SUMMARIES
+        self.docs: Mapping[str, Document] = {d.id: d for d in docs}
+        self.ids: set[str] = set()  # document ids (file stems) already in the file
+        try:
+            fd = os.open(self.path, os.O_RDWR | _NOFOLLOW)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise named(e, self.path) from None
+        with os.fdopen(fd, "r+b") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):  # torn last line: cut it off (its document gets its line again)
+                f.truncate(end)
+                os.fsync(f.fileno())
+        for line in data[:end].split(b"\n"):
+            try:
+                self.ids.add(json.loads(line)["output"].removesuffix(".md"))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+
+    def add(self, record: dict) -> None:
+        """Append the line of the finished document ``record["id"]`` unless it is there already.
+
+        Raises:
+            OSError: its ``<id>.md`` cannot be read, or the disk is full.
+        """
+        doc_id = record["id"]
+        if doc_id in self.ids:
+            return
+        name = f"{doc_id}.md"
+        summary = read_nofollow(self.out_dir / name).decode("utf-8").removesuffix("\n")  # bytes: no newline translation
+        doc = self.docs.get(doc_id)
+        if doc is not None and doc.key is not None:
+            line = {doc.key[0]: doc.key[1]}
+        else:
+            line = {"id": doc_id, "source": doc.source if doc is not None else None}
+            if doc is not None and doc.name != doc_id:  # the output name differs from the original
+                line["name"] = doc.name
+        line |= {"summary": summary, "output": name} | {k: record[k] for k in self.FIELDS if k in record}
+        _append_line(self.path, (json.dumps(line) + "\n").encode("ascii"))  # as Journal.append
+        self.ids.add(doc_id)
+
+    def sync(self, records: Mapping[str, dict]) -> None:
+        """Add every job document that is ``done`` in ``records`` and has its ``.md`` but no line yet
+        (a crash between the two, or an earlier run without ``--format jsonl``)."""
+        for doc_id in self.docs:
+            rec = records.get(doc_id)
+            if rec is not None and rec.get("status") == "done" and (self.out_dir / f"{doc_id}.md").exists():
+                self.add({**rec, "id": doc_id})

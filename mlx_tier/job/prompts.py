@@ -1,0 +1,220 @@
+"""Prompts built from documents, and the text taken back from the model.
+
+Document text is data, never control. A document may contain strings that
+are the tokenizer's special tokens (``<|im_end|>``, ``<|im_start|>assistant``,
+``<|endoftext|>``, ``</s>``, ``<think>``): tokenised as such they would end
+the user's turn or inject a role. So a prompt is assembled from two kinds of
+pieces: the chat template's own text (its role headers and turn ends),
+tokenised with special tokens; and the message content (instruction and
+document), tokenised by the tokenizer's normalizer, pre-tokenizer and model
+only, with no added token matched — the way ``split_special_tokens`` works in
+Hugging Face tokenizers, extended to added tokens that are not marked special
+(Qwen3's ``<think>``).
+
+The model's output is read back by two rules: the reasoning rule (only for
+models whose chat template or config says they reason) and the sentence rule
+(a summary cut by the token limit ends at its last complete sentence, found
+by the ``sentencex`` sentence segmenter).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+# Stands for the message content while the chat template is rendered;
+# private-use characters, so no template or tokenizer gives them meaning.
+_SLOT = "\ue000mlx-tier-content\ue000"
+
+
+def encode_data(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as plain text: no special or added token is matched.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer, or mlx-lm's ``TokenizerWrapper``
+            around one.
+
+    Returns:
+        ids ``[T]`` that decode back to ``text``. For text without added-token
+        strings they equal ``tokenizer.encode(text, add_special_tokens=False)``.
+
+    Fast tokenizers run the backend's pipeline (normalizer, pre-tokenizer,
+    model) directly, skipping its added-token matcher; slow tokenizers use
+    ``split_special_tokens=True``.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    pieces = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer else [text]
+    return [t.id for p in pieces for t in backend.model.tokenize(p)]
+
+
+def _specials_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids ``encode`` adds before and after a text (e.g. ``[<s>]``, ``[]``)."""
+    full = list(tokenizer.encode("a"))
+    plain = list(tokenizer.encode("a", add_special_tokens=False))
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain) :]
+    return [], []
+
+
+def build_prompt(tokenizer, instruction: str, text: str) -> list[int]:
+    """Token ids ``[T]`` of the prompt for one text: the instruction, a blank
+    line, the text; in the model's chat template as the user's message, else
+    followed by ``Summary:``.
+
+    The template's own parts are tokenised with special tokens, the message
+    (instruction and text) as data (:func:`encode_data`).
+
+    Raises:
+        ValueError: the chat template does not keep the message verbatim.
+    """
+    content = f"{instruction}\n\n{text.strip()}"
+    if not getattr(tokenizer, "chat_template", None):
+        before, after = _specials_around(tokenizer)
+        return before + encode_data(tokenizer, content + "\n\nSummary:") + after
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SLOT}], add_generation_prompt=True, tokenize=False
+    )
+    template_parts = rendered.split(_SLOT)  # around each place the message goes (once, in every known template)
+    if len(template_parts) < 2:
+        raise ValueError("the chat template does not place the user's message verbatim in the prompt")
+    message = encode_data(tokenizer, content)
+    ids = []
+    for i, part in enumerate(template_parts):
+        ids += ([] if i == 0 else message) + (list(tokenizer.encode(part, add_special_tokens=False)) if part else [])
+    return ids
+
+
+# Reasoning formats: "think" (``<think>…</think>`` blocks) and "harmony"
+# (GPT-OSS channels). Model types that reason whatever their template says:
+REASONING_MODEL_TYPES = {"gpt_oss": "harmony"}
+
+
+def reasoning_format(tokenizer, model_dir: Path | None = None) -> str | None:
+    """How the model marks its reasoning: ``"harmony"``, ``"think"`` or ``None``.
+
+    From the chat template (one that writes ``<|channel|>`` is harmony, one
+    that writes ``<think>`` or ``</think>`` is think) and ``config.json``'s
+    ``model_type`` (:data:`REASONING_MODEL_TYPES`). ``None``: the model does
+    not reason, and its output is taken as it is.
+    """
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates
+        template = "\n".join(str(t) for t in template.values())
+    template = str(template)
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError, TypeError):
+        model_type = None
+    if "<|channel|>" in template or REASONING_MODEL_TYPES.get(model_type) == "harmony":
+        return "harmony"
+    if "<think>" in template or "</think>" in template:
+        return "think"
+    return None
+
+
+# Reasoning rule (documented in docs/cli.md), for a model of format "think":
+# (1) ``<think>…</think>`` blocks are removed; an unclosed ``<think>`` runs to
+# the end of the text. (2) A ``</think>`` without an opening tag (the chat
+# template opened it) ends the reasoning: everything before it is reasoning.
+# Format "harmony" (GPT-OSS): the text of the last ``final`` channel message
+# is the summary; ``analysis`` messages are reasoning.
+_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
+_HARMONY = re.compile(r"<\|channel\|>(\w+)(?:[^<]*)<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|start\|>|$)", re.DOTALL)
+
+
+def strip_reasoning(text: str, fmt: str | None = "think") -> tuple[str, str]:
+    """Split generated text into ``(summary, reasoning)`` by the rule above.
+
+    Args:
+        fmt: the model's :func:`reasoning_format`; ``None`` takes the whole
+            text as the summary (a lone ``</think>`` in it is ordinary text).
+            For ``"think"``, harmony channels are recognised too.
+
+    Both parts are stripped of surrounding whitespace; ``reasoning`` is ``""``
+    when the text holds none.
+    """
+    if fmt is None:
+        return text.strip(), ""
+    if "<|channel|>" in text:
+        messages = _HARMONY.findall(text)
+        finals = [m for ch, m in messages if ch == "final"]
+        reasoning = "\n\n".join(m.strip() for ch, m in messages if ch != "final")
+        return (finals[-1].strip() if finals else ""), reasoning
+    reasoning = []
+    if "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
+        head, text = text.split("</think>", 1)
+        reasoning.append(head.strip())
+    reasoning += [m.strip() for m in _THINK.findall(text)]
+    summary = _THINK.sub("", text)
+    return summary.strip(), "\n\n".join(r for r in reasoning if r)
+
+
+# A sentence is complete when it ends with one of these marks, possibly
+# followed by closing quotes or brackets.
+_SENTENCE_END = re.compile(r"[.!?。！？…‼⁇⁈⁉][\"'”’»」』)\]）】]*\s*$")
+
+
+def trim_to_sentence(text: str, language: str = "en") -> str:
+    """Drop a trailing unfinished sentence of an output cut by the token limit.
+
+    Sentences are found by ``sentencex`` (Wikimedia's rule-based segmenter,
+    ~300 languages via fallbacks; abbreviations such as "e.g.", "Dr.", "U.S."
+    and decimal numbers such as "4.81" do not end a sentence; 。！？ do).
+    A cut text may stop right after a dot that the next token would have
+    continued: ``Costs fell 2.`` of ``2.5``, ``It costs approx.``, ``The U.S.``.
+    So a last sentence whose final dot follows a number or an abbreviation
+    (:func:`_ambiguous_end`) counts as unfinished: it is dropped, or, when it is
+    the only sentence, its dangling dot is (a figure is never shown cut as if
+    it were whole).
+
+    Args:
+        text: the model's output, cut by the token limit.
+        language: ISO 639 code of the text's language (abbreviation lists).
+
+    Returns:
+        ``text`` up to the end of its last complete sentence; ``text``
+        unchanged when its last sentence is complete, or (without a dangling
+        dot) when no sentence ended.
+    """
+    import sentencex
+
+    sentences = [s for s in sentencex.segment(language, text) if s.strip()]
+    if not sentences:
+        return text
+    last = sentences[-1]
+    if _SENTENCE_END.search(last) and not _ambiguous_end(last):
+        return text
+    cut = text.rstrip().rfind(last.strip())
+    if len(sentences) >= 2 and cut > 0:
+        return text[:cut].rstrip()
+    return _DANGLING_DOT.sub("", text.rstrip()) if _ambiguous_end(last) else text
+
+
+# Words that end with a dot without ending a sentence (case-insensitive), beyond
+# what the number and initials rules of _ambiguous_end catch.
+_ABBREVIATIONS = frozenset("""
+    approx etc vs cf ca no nos fig figs eq eqs vol p pp ch sec sect ed eds est min max incl excl
+    misc dept inc ltd co corp mr mrs ms dr prof st jr sr gen col lt sgt rev mt ft ave al
+    jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun
+    bzw usw ggf evtl nr ca mme mlle env sr sra
+""".split())
+_LAST_WORD = re.compile(r"(\S+)\.[\"'”’»」』)\]）】]*\s*$")
+_DANGLING_DOT = re.compile(r"\.(?=[\"'”’»」』)\]）】]*$)")
+
+
+def _ambiguous_end(sentence: str) -> bool:
+    """Whether ``sentence`` ends with a dot that need not end it: after a number
+    (``2.``, ``4.81.``), initials or a dotted abbreviation (``U.S.``, ``e.g.``,
+    ``B.``) or a common abbreviation (``approx.``, ``Dr.``, ``no.``)."""
+    m = _LAST_WORD.search(sentence)
+    if m is None:
+        return False
+    word = m.group(1).lstrip("\"'“‘«「『([（【")
+    return (word[-1:].isdigit() or "." in word or (len(word) == 1 and word.isalpha())
+            or word.lower() in _ABBREVIATIONS)

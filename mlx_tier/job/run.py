@@ -1,0 +1,753 @@
+"""The main job: summarise every document of an input with a tiered model.
+
+Resumable (journal), atomic (outputs appear only complete), interruptible
+(SIGINT/SIGTERM stop after the documents in progress). The CLI is a thin layer
+over :func:`run_job`; progress goes to a :class:`Reporter`.
+
+The control path, in vLLM v1's manner (plain data between small parts):
+:class:`~mlx_tier.outdir.jobdir.JobDir` holds the output folder (prepare, lock,
+clean, release); :func:`~mlx_tier.job.triage.triage` decides from the journal
+which documents run (pure); the :class:`~mlx_tier.job.scheduler.Scheduler`
+decides which prompts run next and the engine executes them; each run leaves
+a :class:`RunRecord`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from mlx_tier.defaults import JOB_KERNEL
+from mlx_tier.engine.checkpoint import context_length
+from mlx_tier.engine.load import TierConfig
+from mlx_tier.errors import InputError, JobError
+from mlx_tier.fsio import DISK_FULL, write_atomic
+from mlx_tier.job.documents import discover, discover_list, size_hint
+from mlx_tier.job.eta import EtaTracker
+from mlx_tier.job.outputs import JsonlSummaries
+from mlx_tier.job.process import DEFAULT_NICE, keep_awake, lower_priority
+from mlx_tier.job.report import (
+    DocResult,
+    JobReport,
+    RunRecord,
+    machine_info,
+    previous_runs,
+    sum_cache,
+)
+from mlx_tier.job.scheduler import GenerationConfig, Outcome, Scheduler, check_context
+from mlx_tier.job.stopflag import StopFlag
+from mlx_tier.job.throttle import Throttle, ThrottleConfig
+from mlx_tier.job.triage import (
+    DONE_KEEPS,
+    FAILED_KEEPS,
+    OutputState,
+    Triage,
+    attempted_ids,
+    foreign_outputs,
+    triage,
+)
+from mlx_tier.messages import terminal_width, with_command, wrap_words
+from mlx_tier.monitor.view import progress_sample
+from mlx_tier.outdir.jobdir import JobDir, ProgressFile, write_input_list
+from mlx_tier.outdir.journal import JobInfo, Journal
+from mlx_tier.outdir.layout import JOURNAL, PROGRESS_FILE, REPORT, check_out_dir
+
+# When the checkpoint states no context length.
+FALLBACK_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What to summarise, where, and with which model. Built once (by the CLI)
+    and passed down whole: its parts reach the layers that use them unchanged.
+
+    Attributes:
+        input: what to summarise: a folder (recursive; every file with a suffix in
+            :data:`mlx_tier.job.documents.SUFFIXES`: text in any common encoding,
+            PDF, Word, PowerPoint, Excel, HTML, EPUB... converted by
+            :mod:`mlx_tier.job.doc_text`; hidden, lock and backup files skipped),
+            a single document file, or a ``.jsonl`` file (one ``{"custom_id"
+            or "id", "text"}`` object or OpenAI batch request per line). With
+            ``input_paths`` (``mlx-tier run -``: paths read from stdin) it only
+            names the input in the journal (:func:`mlx_tier.job.documents.discover`).
+        out_dir: summaries go to ``out_dir/<id>.md``; journal and report beside them.
+        model: mlx-lm MoE checkpoint directory or hub repo id; ``None``: the built-in demo model.
+        tier: how the model is tiered (cache budget, policy, prefetch, kernel...):
+            given to :func:`mlx_tier.engine.load.load` as it is. Its ``kernel``
+            left ``None`` (TierConfig's default: "the caller's default") is
+            the job's default, :data:`~mlx_tier.defaults.JOB_KERNEL`, set here
+            once (``load()`` alone would use ``"mlx"``).
+        generation: how summaries are generated (prompt, max tokens, batch size,
+            context...): given to the :class:`~mlx_tier.job.scheduler.Scheduler` as it is.
+        throttle: the thermal-aware throttle's settings (:mod:`mlx_tier.job.throttle`).
+        trace: write this run's routing trace (:mod:`mlx_tier.routing.trace`) here.
+        input_paths: a list of file paths to summarise instead of ``input``
+            (``mlx-tier run -`` reads it from stdin; kept in ``OUT_DIR/inputs.txt``).
+        output_format: ``md`` (``<id>.md`` files) or ``jsonl`` (also
+            ``OUT_DIR/summaries.jsonl``, one line per finished document).
+        retry_failed: run only the documents that failed in an earlier run
+            (a plain rerun runs pending documents and keeps failed ones failed).
+        command: the command line that resumes this job, recorded in
+            the journal's ``start`` record for ``mlx-tier status``.
+        nice: CPU priority decrease (``os.nice`` increment; 0 = unchanged).
+        background_qos: macOS background QoS (slows Metal ~8x; off by default).
+        save_profile: after the run, add its expert use counts to the
+            checkpoint's saved profile (next to it, or in the user cache).
+        follow_links: read links in an INPUT folder that lead outside it.
+    """
+
+    input: Path
+    out_dir: Path
+    model: Path | str | None = None
+    tier: TierConfig = field(default_factory=TierConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
+    trace: Path | None = None
+    input_paths: tuple[str, ...] | None = None
+    output_format: str = "md"
+    retry_failed: bool = False
+    command: str | None = None
+    nice: int = DEFAULT_NICE
+    background_qos: bool = False
+    save_profile: bool = False
+    follow_links: bool = False
+
+    def __post_init__(self):
+        if self.tier.kernel is None:  # the one place the job's kernel default is applied
+            object.__setattr__(self, "tier", replace(self.tier, kernel=JOB_KERNEL))
+
+
+def _earlier_setup(config: JobConfig) -> tuple[dict, dict]:
+    """``(setup, throttle)`` of the job's last report.json (a rerun that loads no
+    model keeps them), with this machine's facts; minimal if there is none."""
+    try:
+        earlier = json.loads((config.out_dir / REPORT).read_text())
+        earlier = earlier if isinstance(earlier, dict) else {}
+    except (OSError, ValueError):
+        earlier = {}
+    own = ("documents", "totals", "cache", "throttle", "runs")
+    setup = {k: v for k, v in earlier.items() if k not in own}
+    setup |= {**machine_info(), "model": setup.get("model") or (str(config.model) if config.model is not None else "demo")}
+    throttle = earlier.get("throttle")
+    return setup, throttle if isinstance(throttle, dict) else {}
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What the job is doing, after an engine step (for progress displays and ``mlx-tier status``).
+
+    Attributes:
+        in_flight: ids of the documents started and not finished.
+        reading: ``(id, prompt tokens read, prompt length)`` of the prompt being read, or ``None``.
+        writing: ``(id, tokens generated so far)`` of each document being written.
+        decode_tok_s: generated tokens per second over recent decode steps (all documents).
+        prompt_tok_s: prompt tokens read per second over recent steps.
+        hit_rate: expert cache hit rate of this run so far, in [0, 1].
+        eta_seconds: seconds this run has left (:class:`mlx_tier.job.eta.EtaTracker`), ``None``
+            while still estimating (no prompt step or decode step measured yet).
+        stopping: a first Ctrl-C (or SIGTERM) asked the run to stop: it finishes the
+            summaries being written, then ends; the ETA no longer applies.
+    """
+
+    in_flight: list[str]
+    reading: tuple[str, int, int] | None
+    writing: list[tuple[str, int]]
+    decode_tok_s: float
+    prompt_tok_s: float
+    hit_rate: float
+    eta_seconds: float | None = None
+    stopping: bool = False
+
+    def as_dict(self) -> dict:
+        return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
+                "writing": [list(w) for w in self.writing], "decode_tok_s": round(self.decode_tok_s, 3),
+                "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4),
+                "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None,
+                "stopping": self.stopping}
+
+
+class Reporter:
+    """Receives progress events; the CLI shows them with Rich. Default: silent."""
+
+    def message(self, text: str) -> None: ...
+    def start(self, total: int, skipped: int) -> None:
+        """``total`` documents in the job, ``skipped`` of them done by earlier runs."""
+    def working(self, activity: Activity) -> None:
+        """After each engine step (a few seconds apart at most: :data:`~mlx_tier.job.batch_engine.STEP_SECONDS`).
+        Documents are converted one ahead in a worker thread, beside the steps; only when
+        a document's turn comes before its conversion ended (a large PDF behind a short
+        text) do the steps wait for it."""
+    def finished(self, result: DocResult, cache: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+def read_prompt(value: str) -> str:
+    """The instruction from its given value: literal text, or ``@FILE`` to read it from a file.
+
+    Raises:
+        InputError: the text is blank, or the file is missing, unreadable or
+            empty (``field``: ``instruction``).
+    """
+    if not value.startswith("@"):
+        if not value.strip():
+            raise InputError("`instruction` is empty: give the instruction's text, or @FILE", "instruction")
+        return value
+    path = Path(value[1:])
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read prompt file ({e})", "instruction") from None
+    if not text:
+        raise InputError(f"{path}: prompt file is empty", "instruction")
+    return text
+
+
+# What fails one document without stopping the job. MLX's out-of-memory errors
+# surface as RuntimeError ("[metal::malloc] ...", "[malloc] ...") or, from a
+# C++ std::bad_alloc, as MemoryError; tokenizer and disk-full errors vary. So
+# any Exception; KeyboardInterrupt/SystemExit (BaseException) still stop the job.
+DOCUMENT_ERRORS: tuple[type[BaseException], ...] = (Exception,)
+
+
+class _Rate:
+    """Generated tokens per second over the recent decode steps (exponential average)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.value, self._w = 0.0, weight
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens and seconds > 0:
+            now = tokens / seconds
+            self.value = now if not self.value else (1 - self._w) * self.value + self._w * now
+
+
+def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
+    """Write a finished summary (atomically) and fill ``res``; a write error fails the document.
+
+    Raises:
+        JobError: the disk is full (the document stays pending: no later one could be written either).
+    """
+    res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
+    res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
+    if outcome.status != "done":
+        res.status, res.error = "failed", outcome.error
+        return
+    try:
+        write_atomic(out_dir / f"{res.id}.md", outcome.summary + "\n")
+        res.status, res.output = "done", f"{res.id}.md"
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise JobError(f"{e.filename}: {e.strerror}; the job stopped (finished summaries are kept)") from None
+        res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
+    except DOCUMENT_ERRORS as e:
+        res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
+
+
+def _lower_priority(config: JobConfig, reporter: Reporter) -> None:
+    try:
+        warning = lower_priority(config.nice, config.background_qos)
+    except (OSError, subprocess.SubprocessError) as e:  # e.g. taskpolicy missing or refused
+        warning = f"could not lower the job's priority: {e}"
+    if warning:
+        reporter.message(warning)
+
+
+@dataclass
+class _Loaded:
+    """The model of this run and what was decided at its load."""
+
+    model: object
+    tokenizer: object
+    model_dir: Path
+    context: int  # the model's context length, tokens
+
+    @property
+    def cache(self):
+        return self.model.expert_cache
+
+
+@dataclass
+class _Pass:
+    """What one run generates and where it writes, built once in :func:`_run_in` and passed down whole."""
+
+    docs: Iterator  # the pending documents, in turn (:func:`_turns`)
+    sizes: dict[str, int]  # characters of each pending document (0: unknown), for the ETA
+    results: dict  # id -> DocResult, filled as documents finish
+    journal: Journal
+    reporter: Reporter
+    report: JobReport
+    progress: ProgressFile  # rewritten every 2 s with the :class:`Activity`
+
+
+def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> dict:
+    """Generate every document ``p.docs`` yields (batched, throttled), writing and journalling
+    each as it finishes; fills ``p.results``, records the generation settings in
+    ``p.report.setup``. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
+    results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
+    _lower_priority(config, reporter)
+    throttle = Throttle(config.throttle, should_stop=stopping)
+    scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
+                          max(p.sizes.values(), default=0))
+    p.report.setup["generation"] = scheduler.info
+    source = scheduler.info["batch_size_from"]
+    reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
+                     f"usable context {scheduler.context} tokens")
+    rate, prompt_rate = _Rate(), _Rate()
+    generated = [0]  # tokens generated this run, for the samples the watch page plots
+    earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
+               if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
+    eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic(), earlier)
+
+    def on_step(info, in_flight):
+        rate.add(info.generated, info.decode_seconds)
+        prompt_rate.add(info.prefill_tokens, info.prefill_seconds)
+        generated[0] += info.generated
+        eta.step(info.prefill, info.generating, info.prefill_tokens, info.prefill_seconds, info.generated,
+                 info.decode_seconds)
+        activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
+                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(time.monotonic()),
+                            stopping=stopping())
+        reporter.working(activity)
+        progress.update(activity)
+        seen = len(throttle.timeline)
+        throttle.step(info.generated)
+        for change in throttle.timeline[seen:]:  # thermal state changes: durable, for `mlx-tier status`
+            journal.append({"event": "thermal", **change})
+            if change["mode"] != "full":
+                reporter.message(f"throttle: {change['mode']} ({change['reason']})")
+
+    throttled_before = 0.0
+    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step):
+        res = results[outcome.id]
+        _record(outcome, res, config.out_dir)
+        eta.finished(res.id, res.output_tokens if res.status == "done" else None)
+        spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
+        record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
+        # Per-record increment: `mlx-tier status` adds them up.
+        record["throttled_seconds"] = round(spent - throttled_before, 3)
+        throttled_before = spent
+        record["sample"] = progress_sample(loaded.cache, rate.value, generated[0])
+        if outcome.reasoning:
+            record["reasoning"] = outcome.reasoning
+        journal.append(record)
+        reporter.finished(res, loaded.cache.stats.as_dict())
+    return throttle.as_dict()
+
+
+def claim_all(doc_id: str) -> bool:
+    """The default share of a job: every pending document."""
+    return True
+
+
+def input_order(pending: list[str]) -> Iterable[str]:
+    """The default order of a job's pending documents: the input's."""
+    return pending
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which part of the job this process does (default: all of it, one journal).
+
+    Attributes:
+        claim: asked with each pending document's id just before it would start;
+            ``False`` leaves it pending here (another process's document).
+        journal_name: the file in ``OUT_DIR`` this process journals to
+            (:class:`~mlx_tier.outdir.jobdir.JobDir`); every process triages from the
+            job's view (:meth:`~mlx_tier.outdir.jobdir.JobDir.view`).
+        order: pending ids (input order) -> the ids to try, in turn; pulled one
+            at a time as the scheduler has room, so it may decide late (a rank
+            of a distributed run steals then: :func:`mlx_tier.ranks.stealing.rank_order`).
+        part: one rank of a distributed run (docs/distributed.md), whose launcher holds
+            ``OUT_DIR``'s lock and writes the start record, ``summaries.jsonl``,
+            ``report.json`` and ``report.html``: this process locks only its own
+            journal (:class:`~mlx_tier.outdir.jobdir.JobDir`) and writes none of those.
+        progress_name: the progress file in ``OUT_DIR`` this process rewrites while it
+            works (:class:`~mlx_tier.outdir.jobdir.ProgressFile`).
+    """
+
+    claim: Callable[[str], bool] = claim_all
+    journal_name: str = JOURNAL
+    order: Callable[[list[str]], Iterable[str]] = input_order
+    part: bool = False
+    progress_name: str = PROGRESS_FILE  # a rank: its own (mlx_tier.outdir.layout.rank_progress_name)
+
+
+def _convert_ahead(doc) -> Future:
+    """Start converting ``doc`` in a worker thread (a :class:`~mlx_tier.job.documents.FileDocument`
+    converts when first read; a conversion failure fails that document alone, never raises).
+    Returns a future of its ``converter``.
+
+    A daemon thread, not a ThreadPoolExecutor: the executor's workers are joined at
+    interpreter exit, so a stopped job would wait there for a large PDF's conversion."""
+    future: Future = Future()
+
+    def work() -> None:
+        try:
+            future.set_result(doc.converter)
+        except BaseException as e:  # noqa: BLE001 - MemoryError: raised where the result is taken
+            future.set_exception(e)
+
+    threading.Thread(target=work, name=f"mlx-tier-convert {doc.id}", daemon=True).start()
+    return future
+
+
+def _turns(pending: list, results: dict, share: Share) -> Iterator:
+    """The pending documents this process claims, in the share's order, each converted one
+    document ahead in a worker thread: while one document is read and written, the next
+    one's conversion (a large PDF may take minutes) runs beside it, so it stalls neither the
+    engine's steps nor a stop. One conversion runs at a time; ``share.claim`` is asked for a
+    document when the one before it starts."""
+    by_id = {d.id: d for d in pending}
+
+    def claimed() -> Iterator:
+        for i in share.order(list(by_id)):
+            if i in by_id and share.claim(i):  # else another process's share: stays pending here
+                yield by_id.pop(i)  # tried once
+
+    ahead = claimed()
+    d = next(ahead, None)
+    converting = _convert_ahead(d) if d is not None else None
+    while d is not None:
+        results[d.id].converter = converting.result()
+        following = next(ahead, None)
+        converting = _convert_ahead(following) if following is not None else None
+        yield d
+        d = following
+
+
+def _outputs(job: JobDir, docs) -> dict[str, OutputState]:
+    return {d.id: OutputState.of(job.output(d.id)) for d in docs}
+
+
+def doc_results(docs, tri: Triage) -> dict[str, DocResult]:
+    """Each document's result as the triage leaves it (earlier runs' figures from their records)."""
+    results = {}
+    for d in docs:
+        base = {"id": d.id, "source": d.source, "name": d.name}
+        if d.id in tri.done:
+            rec = tri.done[d.id]
+            keep = {k: rec[k] for k in DONE_KEEPS if k in rec}
+            results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base, **keep)
+        elif d.id in tri.recovered:
+            results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base)
+        elif d.id in tri.failed:
+            rec = tri.failed[d.id]
+            keep = {k: rec[k] for k in FAILED_KEEPS if k in rec}
+            results[d.id] = DocResult(status="failed", error=rec.get("error"), earlier_run=True, **base, **keep)
+        else:
+            results[d.id] = DocResult(status="pending", **base)
+    return results
+
+
+def find_documents(config: JobConfig) -> list:
+    """The job's documents (not converted), each keeping the output name an earlier run gave it.
+
+    Raises:
+        InputError: bad input or output folder, or a trace path that cannot be written.
+    """
+    check_out_dir(config.out_dir, config.input if config.input_paths is None else None)
+    earlier = Journal(config.out_dir) if config.out_dir.is_dir() else None
+    attempted = attempted_ids(earlier.entries() if earlier is not None else ())
+    # Each document keeps its output name; a user's own <name>.md in OUT_DIR is never taken.
+    previous = {**(earlier.names() if earlier is not None else {}), **foreign_outputs(config.out_dir, attempted)}
+    docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous)
+            if config.input_paths is not None
+            else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous))
+    if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
+        raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
+    return docs
+
+
+def start_detached(config: JobConfig, argv: list[str]) -> int:
+    """Start the job detached (``mlx-tier run --background``), after checking its input
+    here so that bad input is refused now, not in the log. Converts nothing.
+
+    Args:
+        config: the job, as the detached run will build it again from ``argv``.
+        argv: the command the detached process runs (:func:`mlx_tier.outdir.jobdir.start_background`).
+
+    Returns:
+        the detached process's id.
+    Raises:
+        InputError: bad input or output folder, or another run active there.
+        OSError: the folder is not writable or the command cannot start.
+    """
+    from mlx_tier.outdir.jobdir import start_background
+    from mlx_tier.outdir.layout import lock_held
+
+    docs = find_documents(config)
+    stdin = None
+    if config.input_paths is not None:
+        if lock_held(config.out_dir):  # never replace a running job's resume list
+            raise InputError(f"{config.out_dir}: another mlx-tier run is using this output folder")
+        config.out_dir.mkdir(parents=True, exist_ok=True)
+        stdin = write_input_list(config.out_dir, docs)
+    return start_background(argv, config.out_dir, stdin)
+
+
+def _load_model(config: JobConfig, reporter: Reporter) -> _Loaded:
+    """The tiered model, with the context checked before any document."""
+    from mlx_tier.engine.hub import resolve_model
+    from mlx_tier.engine.load import load
+    from mlx_tier.tools.demo_model import ensure_demo_model
+
+    model_dir = resolve_model(config.model) if config.model is not None else ensure_demo_model(reporter.message)
+    reporter.message(f"loading {model_dir}")
+    model, tokenizer = load(model_dir, config=config.tier)
+    loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT))
+    g = config.generation
+    check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
+    return loaded
+
+
+def _model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir) -> _Loaded | None:
+    """The model when there is work, else ``None``: a rerun with nothing to do never loads
+    it. A failed load frees the folder (and removes it when this run created it and left
+    nothing else there)."""
+    if not pending:
+        return None
+    try:
+        return _load_model(config, reporter)
+    except BaseException:
+        job.discard_if_unused()  # leave no trace of a run that never started
+        raise
+
+
+def _setup(loaded: _Loaded, config: JobConfig) -> dict:
+    """The run's settings for report.json."""
+    cache, g = loaded.cache, config.generation
+    return {
+        **machine_info(),
+        "model": str(loaded.model_dir),
+        "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
+        "slots_per_layer": cache.slots_per_layer,
+        "layer_slots": list(cache.layer_slots),
+        "experts_per_layer": cache.num_experts,
+        # all experts of all layers as stored: bytes_read beyond this are re-reads of evicted experts
+        "expert_bytes_on_disk": sum(t.info.nbytes for layer in cache.layers for t in layer.tensors.values()),
+        "policy": config.tier.policy.name,
+        "prefetch": config.tier.prefetch,
+        "kernel": getattr(cache, "kernel", config.tier.kernel),  # as chosen for this model (mlx_tier.kernels.registry.choose)
+        "max_tokens": g.max_tokens,
+        "repetition_penalty": g.repetition_penalty,
+        "prompt": g.instruction,
+    }
+
+
+def write_report_page(out_dir: Path, reporter: Reporter) -> None:
+    """``OUT_DIR/report.html`` (:mod:`mlx_tier.monitor.page`); a failure to write it only warns."""
+    from mlx_tier.monitor.page import write_report_html
+
+    try:
+        write_report_html(out_dir)
+    except (OSError, ValueError) as e:
+        reporter.message(f"could not write report.html: {e}")
+
+
+def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = Share()) -> JobReport:
+    """Summarise every document of ``config.input`` not already done.
+
+    With nothing left to do (every document done, or failed without
+    ``retry_failed``), the model is not loaded: report.json is rewritten
+    with the job's totals and a run record that did nothing. Documents are
+    converted only when their turn comes, never those done already.
+
+    Args:
+        config: the job (:class:`JobConfig`).
+        reporter: receives progress (default: silent).
+        share: the documents this process takes and the journal it keeps
+            (:class:`Share`; default: every document, the job's journal).
+
+    Raises:
+        InputError: bad input or output folder (nothing is generated).
+        mlx_tier.CheckpointError, mlx_tier.BudgetError: unusable model or budget.
+        KeyboardInterrupt: a second interrupt; finished outputs are kept.
+    """
+    reporter = reporter or Reporter()
+    t_start, t_wall = time.perf_counter(), time.time()
+    docs = find_documents(config)
+    with JobDir(config.out_dir, share.journal_name, part=share.part) as job:
+        report, loaded = _run_in(job, docs, config, reporter, share)
+        report.seconds = time.perf_counter() - t_start
+        _finish_report(report, loaded, config, t_wall, reporter, write=not share.part)
+    if not share.part:
+        write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
+    reporter.close()
+    return report
+
+
+def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bool = False):
+    """Journal, triage (from the job's view) and results of this run, with the earlier runs'
+    recovered outputs recorded (not by a ``part``: its launcher did; one found now is
+    another rank's, its record on the way). Returns ``(journal, records, triage)``."""
+    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part else None
+    journal = job.journal(on_done=summaries.add if summaries is not None else None)
+    view = job.view()
+    records = view.records()
+    for warning in view.warnings.values():
+        reporter.message(f"journal: {warning}")
+    tri = triage([d.id for d in docs], records, _outputs(job, docs), attempted_ids(view.entries()),
+                 config.retry_failed)
+    if part:
+        return journal, records, tri
+    names = {d.id: d.name for d in docs}
+    for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
+        journal.append({"id": i, "status": "done", "output": f"{i}.md", "recovered": True, "name": names[i]})
+    if summaries is not None:
+        summaries.sync(journal.records())
+    return journal, records, tri
+
+
+def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share) -> tuple[JobReport, _Loaded | None]:
+    """The run inside the held job folder: triage, load, generate. Returns the report and the
+    model (``None`` when nothing was to do), kept apart: the report never holds the model."""
+    journal, records, tri = start_run(job, docs, config, reporter, share.part)
+    results = doc_results(docs, tri)
+    report = JobReport(results=list(results.values()))
+    by_id = {d.id: d for d in docs}
+    pending = [by_id[i] for i in tri.pending]
+    loaded = _model_for(pending, config, reporter, job)
+    report.run = RunStart(len(tri.done) + len(tri.recovered), len(tri.failed), loaded is not None)
+    if loaded is not None:
+        report.setup = _setup(loaded, config)
+    else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
+        report.setup, report.throttle = _earlier_setup(config)
+    if (pending or not records) and not share.part:  # a rerun with nothing to do starts no run
+        JobInfo(input=str(config.input), ids=list(by_id), todo=tri.pending, started=time.time(), pid=os.getpid(),
+                command=config.command, output_format=config.output_format).write(journal)
+    if config.input_paths is not None and not share.part:
+        write_input_list(config.out_dir, docs)
+    if tri.failed:
+        reporter.message(f"{len(tri.failed)} document(s) failed in an earlier run; not retried "
+                         "(rerun with `retry_failed` to retry only those)")
+    if config.retry_failed:
+        reporter.message(f"`retry_failed`: retrying {len(pending)} failed document(s); pending ones are left "
+                         "for a plain rerun")
+    reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
+    if pending:
+        p = _Pass(_turns(pending, results, share), _sizes(pending), results, journal, reporter, report,
+                  ProgressFile(config.out_dir, name=share.progress_name))
+        _run_pending(p, config, loaded)
+    return report, loaded
+
+
+def _sizes(pending: list) -> dict[str, int]:
+    """Characters of each pending document (:func:`mlx_tier.job.documents.size_hint`), to size
+    the batch by the longest and for the ETA. Documents that need converting (PDF...)
+    are sized by converting them, only those of the first batch (the conversion is
+    kept, not repeated), the others 0 (unknown); a later one that does not fit the
+    memory left when it starts is split into parts (:class:`~mlx_tier.job.scheduler.Scheduler`)."""
+    from mlx_tier.job.batch_engine import MAX_AUTO_BATCH
+
+    return {d.id: size_hint(d, convert=i < MAX_AUTO_BATCH) for i, d in enumerate(pending)}
+
+
+def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig, t_wall: float,
+                   reporter: Reporter, write: bool = True) -> None:
+    """This run's record, the summed cache counters, and (``write``) the profile and report.json
+    (atomically)."""
+    cache = loaded.cache if loaded is not None else None
+    record = RunRecord.of(report, t_wall, cache, report.run.skipped, report.run.left_failed)
+    report.runs = previous_runs(config.out_dir / REPORT) + [record.as_dict()]
+    report.cache = sum_cache(report.runs)
+    if cache is not None:
+        report.cache |= {"resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}
+    if not write:  # a rank's: its launcher writes the job's report
+        return
+    if config.save_profile and report.output_tokens:
+        _save_profile(config, loaded, report, reporter)
+    write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
+
+
+def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
+    """Generate ``p.docs`` under the stop flag (first signal: stop after the step; second: at once).
+    ``p.progress`` is removed at a clean end (every document tried, a first signal, a full
+    disk); a crash or a second signal leaves it: ``mlx-tier status`` says "interrupted"."""
+    from mlx_tier.engine.memory import model_memory_controls
+    from mlx_tier.job.batch_engine import MAX_AUTO_BATCH
+
+    g, reporter, report, progress = config.generation, p.reporter, p.report, p.progress
+    context = min(loaded.context, g.context or loaded.context)
+    notice = ("stopping: summaries being written are finished, documents still being read are left for "
+              "the next run (interrupt again to stop at once)")
+
+    def stopping() -> None:  # the Ctrl-C notice, word-wrapped now (runner messages are soft-wrapped)
+        reporter.message(wrap_words(notice, terminal_width(2)))
+
+    def abort(signum: int) -> None:  # from the watchdog thread, just before the process ends
+        reporter.close()
+        os.write(2, f"\n{hard_stop_message(signum, config.command, terminal_width(2))}\n".encode())
+
+    if config.trace is not None:
+        loaded.cache.start_trace(source=str(loaded.model_dir))
+    try:
+        with StopFlag(stopping, abort) as stop, keep_awake(), model_memory_controls(
+                loaded.model, context, g.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
+            report.setup["memory"] = memory
+            try:
+                report.throttle = _summarise_all(p, config, loaded, lambda: stop.signal is not None)
+            except JobError:  # the disk is full: a clean stop, not a crash
+                progress.clear()
+                raise
+            progress.clear()
+            report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
+            report.stop_signal = stop.signal
+    finally:
+        if config.trace is not None:
+            _save_trace(loaded.cache, config.trace, reporter)
+
+
+def hard_stop_message(signum: int, command: str | None, width: int) -> str:
+    """What a second SIGINT/SIGTERM prints as the process ends at once: the prose
+    word-wrapped to ``width`` columns, then the resume command alone on its line
+    (:func:`mlx_tier.messages.with_command`)."""
+    prose = f"stopped at once ({signal.Signals(signum).name}); finished summaries are kept."
+    if not command:
+        return wrap_words(prose, width)
+    return with_command(f"{prose} Resume with:", command, width)
+
+
+def _save_trace(cache, path: Path, reporter: Reporter) -> None:
+    from mlx_tier.routing.trace import save as save_trace
+
+    try:
+        save_trace(cache.stop_trace(), path)
+    except OSError as e:
+        reporter.message(f"could not write the trace {path}: {e.strerror or e}")
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What the triage and load left for this run's record.
+
+    Attributes:
+        skipped: documents done by earlier runs (recovered outputs included), not regenerated.
+        left_failed: documents failed earlier and not retried (no ``retry_failed``).
+        loaded_model: whether the model was loaded (``False``: nothing to do). The
+            model itself is never kept here: a caller holding the report must
+            not keep the model, its slabs and store threads alive.
+    """
+
+    skipped: int
+    left_failed: int
+    loaded_model: bool
+
+
+def _save_profile(config: JobConfig, loaded: _Loaded, report: JobReport, reporter: Reporter) -> None:
+    from mlx_tier.routing import profile
+
+    try:
+        counts = profile.from_counts(loaded.cache.profile_counts(), source=str(config.input))
+        where = profile.record(loaded.model_dir, counts)
+        report.setup["profile_saved"] = str(where)
+        reporter.message(f"expert use profile saved to {where}")
+    except (OSError, profile.ProfileError) as e:
+        reporter.message(f"could not save the expert use profile: {e}")

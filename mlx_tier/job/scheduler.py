@@ -1,0 +1,398 @@
+"""Which prompts run next: documents in, summaries out, through one batched engine.
+
+The job runner hands over the documents to do; this module turns each into
+one prompt (or, when too long for the usable context, a map-reduce of parts,
+:mod:`mlx_tier.job.longdoc`), keeps the batch full, and yields one
+:class:`Outcome` per document as soon as it is finished — the runner then
+writes and journals it. The thermal throttle and progress run between steps
+through ``on_step``; nothing here sleeps or runs inside a forward pass.
+
+Failures: an exception inside a batched step cannot be pinned on one
+sequence, so every document in flight is retried alone; a document that
+fails alone is reported failed with its error and the job goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import psutil
+
+from mlx_tier.defaults import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_PROMPT,
+    DEFAULT_REPETITION_PENALTY,
+)
+from mlx_tier.errors import CheckpointError, InputError, JobError, TooLong
+from mlx_tier.job.batch_engine import (
+    HEADROOM_BYTES,
+    BatchEngine,
+    PrefixCache,
+    StepInfo,
+    Task,
+    common_prefix,
+    estimate_memory,
+    stop_token_ids,
+)
+from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
+from mlx_tier.job.prompts import (
+    build_prompt,
+    reasoning_format,
+    strip_reasoning,
+    trim_to_sentence,
+)
+
+# Fewest tokens of document text one call must have room for.
+MIN_TEXT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How summaries are generated.
+
+    Attributes:
+        instruction: placed before each document's text.
+        max_tokens: most tokens per generated summary (and per part summary).
+        repetition_penalty: mlx-lm's repetition penalty, 1.0 = plain greedy.
+        batch_size: sequences decoded together; ``None``: from memory
+            headroom (:class:`~mlx_tier.job.batch_engine.MemoryPlan`), at most 8.
+        context: usable context in tokens (prompt + output); ``None``: the
+            model's. Documents longer than this are summarised by map-reduce.
+        prefill_step_size: prompt tokens per forward call during prefill.
+        reuse_prefix: prefill the instruction prefix shared by every prompt
+            once and copy its KV cache into each sequence.
+    """
+
+    instruction: str = DEFAULT_PROMPT
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
+    batch_size: int | None = None
+    context: int | None = None
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
+    reuse_prefix: bool = True
+
+
+@dataclass
+class Outcome:
+    """One finished (or failed) document.
+
+    ``parts`` > 0 marks a document summarised by map-reduce (its level-0 part
+    count); ``reasoning`` holds any thinking the model did (kept in the
+    journal, not in the summary).
+    """
+
+    id: str
+    status: str  # done | failed
+    summary: str = ""
+    reasoning: str = ""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    parts: int = 0
+    levels: int = 0
+    seconds: float = 0.0  # the document's own time: its prompt-reading steps plus the decode steps it took part in
+    error: str | None = None
+
+
+def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "a context of"):
+    """Refuse a context with no room for text in one call: the context less the
+    output and the instruction with its part note (:mod:`mlx_tier.job.longdoc`).
+
+    Raises:
+        InputError: fewer than :data:`MIN_TEXT_TOKENS` tokens would be left
+            (``field``: ``context``; settings named `like_this` in the message).
+    """
+    overhead = len(build_prompt(tokenizer, MAP_NOTE.format(i=99, n=99) + instruction, ""))
+    if context - max_tokens - overhead < MIN_TEXT_TOKENS:
+        raise InputError(
+            f"{what} {context} tokens is not enough for `max_tokens` {max_tokens} plus the instruction "
+            f"({overhead} tokens) plus text; raise `context` or lower `max_tokens`", "context"
+        )
+
+
+@dataclass(eq=False)
+class _Doc:
+    doc: object  # documents.Document
+    started: float
+    mr: MapReduce | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning: list[str] = field(default_factory=list)
+    context: int = 0  # the usable context when it started
+    finished: bool = False
+    seconds: float = 0.0  # prompt reading + decode steps it was in (decode steps are shared with the batch)
+
+
+class _Pulled:
+    """Documents taken one at a time from an iterable: truth-testing pulls the next
+    one (at most one ahead), so a generator runs each document's preparation
+    only when the scheduler is about to start it."""
+
+    def __init__(self, docs: Iterable) -> None:
+        self._docs, self._head = iter(docs), deque()
+
+    def __bool__(self) -> bool:
+        if not self._head:
+            self._head.extend(itertools.islice(self._docs, 1))
+        return bool(self._head)
+
+    def popleft(self):
+        if not self:
+            raise IndexError("no document left")
+        return self._head.popleft()
+
+
+@dataclass(eq=False)
+class _Queues:
+    """What waits for a place in the engine, in the order it gets one.
+
+    Attributes:
+        waiting: documents not started, pulled one at a time.
+        ready: calls of started documents (a map-reduce document's next parts): first.
+        solo: documents in flight when a batched step failed: retried one at a time.
+        alone: the document being retried; nothing else runs meanwhile.
+    """
+
+    waiting: _Pulled
+    ready: deque = field(default_factory=deque)
+    solo: deque = field(default_factory=deque)
+    alone: _Doc | None = None
+
+    def empty(self) -> bool:
+        return not (self.ready or self.solo or self.waiting)
+
+
+def _charge_time(info: StepInfo) -> None:
+    """Add this step's time to each document's own: the prompt-reading part to the one being
+    read, the decode part to each document decoding (once per document, whatever its calls)."""
+    for d in dict.fromkeys(key[0] for key, *_ in info.prefill):
+        d.seconds += info.prefill_seconds
+    for d in dict.fromkeys([key[0] for key, _ in info.generating] + [f.key[0] for f in info.finished]):
+        d.seconds += info.decode_seconds
+
+
+class Scheduler:
+    """Keeps one :class:`~mlx_tier.job.batch_engine.BatchEngine` full of documents' prompts.
+
+    Args:
+        model, tokenizer: from :func:`mlx_tier.load` (or ``mlx_lm.load``).
+        model_dir: the checkpoint (its config gives extra stop ids).
+        model_context: the model's context length in tokens.
+        config: :class:`GenerationConfig`.
+        longest_chars: characters of the longest document to run, erring long
+            (:func:`mlx_tier.job.documents.size_hint`); ``None``: as long as the
+            usable context. Sizes the batch when ``config.batch_size`` is
+            ``None``: once, here, from the memory plan.
+
+    Attributes:
+        batch_size: sequences decoded together (fixed for the scheduler's life).
+        info: what was decided at start (batch size, usable context, shared
+            prefix tokens and its prefill seconds, KV bytes per token), for the report.
+    """
+
+    def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
+                 longest_chars: int | None = None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.stop_ids = stop_token_ids(tokenizer, model_dir)
+        self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
+        probes = [build_prompt(tokenizer, config.instruction, t) for t in ("alpha beta", "zulu 9")]
+        n = max(0, common_prefix(probes) - 1)  # the last shared token may merge with the text
+        # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
+        self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
+        context = min(model_context, config.context or model_context)
+        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), config.prefill_step_size)
+        self.context = min(context, self.plan.max_tokens())
+        check_context(tokenizer, config.instruction, config.max_tokens, self.context,
+                      "the memory left allows only a context of" if self.context < context else "a context of")
+        self.batch_size = config.batch_size or self._memory_batch(longest_chars)
+        self.info = {
+            "batch_size": self.batch_size,
+            "batch_size_from": "batch_size" if config.batch_size else "memory headroom",  # the setting, or why
+            "usable_context": self.context,
+            "context_limited_by_memory": self.context < context,
+            "shared_prefix_tokens": len(self.prefix) if self._prefix() else 0,
+            "shared_prefix_prefill_seconds": round(self.prefix.seconds, 3),
+            "kv_bytes_per_token": round(self.plan.kv_per_token),
+            "prefill_step_size": config.prefill_step_size,
+            "stop_token_ids": sorted(self.stop_ids),
+        }
+
+    def _prefix(self) -> PrefixCache | None:
+        return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
+
+    def _memory_batch(self, longest_chars: int | None) -> int:
+        """The batch memory allows for sequences as long as the documents need: the
+        longest prompt (estimated at 3 characters a token, erring long) plus
+        ``max_tokens``, at most the usable context."""
+        if longest_chars is None:
+            return self.plan.batch_size(self.context)
+        longest = longest_chars // 3 + len(self.prefix) + 16
+        return self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
+
+    def _new_engine(self, batch_size: int) -> BatchEngine:
+        c = self.config
+        return BatchEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
+                           repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
+                           prefix=self._prefix())
+
+    def _tasks(self, d: _Doc) -> list[Task]:
+        """The first calls of a document (raises TooLong, or the tokenizer's errors)."""
+        c = self.config
+        prompt = build_prompt(self.tokenizer, c.instruction, d.doc.text)
+        d.input_tokens = len(prompt)
+        # Memory now (sequences in flight already hold theirs): a document that
+        # would not fit is split smaller instead of failing the process.
+        now = replace(self.plan, free_bytes=psutil.virtual_memory().available - HEADROOM_BYTES)
+        context = min(self.context, now.max_tokens())
+        d.context = context
+        if len(prompt) + c.max_tokens <= context:
+            return [Task((d, 0), prompt, c.max_tokens)]
+        d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, context - c.max_tokens)
+        return [Task((d, i), p, c.max_tokens) for i, p in d.mr.prompts()]
+
+    def _failed(self, d: _Doc, error: str) -> Outcome:
+        d.finished = True
+        return Outcome(d.doc.id, "failed", input_tokens=d.input_tokens, parts=d.mr.parts if d.mr else 0,
+                       seconds=d.seconds, error=error)
+
+    def _finish(self, d: _Doc, text: str, reason: str) -> Outcome:
+        summary = (trim_to_sentence(text) if reason == "length" else text).strip()
+        if not summary:
+            return self._failed(d, f"no summary{' outside the reasoning' if any(d.reasoning) else ''} within "
+                                   f"`max_tokens` {self.config.max_tokens}; retry with a larger `max_tokens` "
+                                   "and `retry_failed`")
+        d.finished = True
+        return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
+                       d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
+                       d.seconds)
+
+    def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
+            on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
+        """Summarise ``docs`` (:class:`~mlx_tier.job.documents.Document` or
+        :class:`~mlx_tier.job.documents.FileDocument`: anything with ``id``, ``text``
+        and ``error``), yielding each outcome when final.
+
+        ``docs`` is pulled one document at a time, when a batch place is free
+        (the job runner converts each document then, and may pass a generator).
+
+        Once ``should_stop()`` is true no new document starts, calls still
+        reading their prompt are dropped, and the calls already generating
+        finish (a map-reduce document not yet complete stays undone).
+        ``on_step(info, ids in flight)`` runs after every engine step
+        (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
+        """
+        q = _Queues(_Pulled(docs))
+        engine = self._new_engine(self.batch_size)
+        abandoned = False
+        while True:
+            stopping = should_stop()
+            if stopping and not abandoned:
+                # Documents still reading their prompt are left for the next run
+                # (a long prefill would delay the stop); those already writing finish.
+                engine.cancel_unstarted()
+                abandoned = True
+            if q.alone is not None and q.alone.finished:
+                q.alone = None
+            if not stopping:
+                yield from self._admit(engine, q)
+            if not engine.active:
+                if stopping or q.empty():
+                    break
+                continue
+            in_flight = [t.key[0] for t in engine.tasks()]
+            try:
+                info = engine.step()
+            except (CheckpointError, OSError) as e:  # expert reads: no later document could run either
+                raise JobError(f"the checkpoint became unreadable ({e}); the job stopped, documents not "
+                               "finished stay pending") from e
+            except Exception as e:  # noqa: BLE001 - e.g. MLX out of memory inside a batched step
+                engine = yield from self._after_failed_step(engine, e, in_flight, q)
+                continue
+            _charge_time(info)
+            info.prefill = [(key[0].doc.id, done, total) for key, done, total in info.prefill]
+            info.generating = [(key[0].doc.id, n) for key, n in info.generating]
+            on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
+            yield from self._take_finished(info.finished, q.ready)
+        engine.close()
+
+    def _admit(self, engine: BatchEngine, q: _Queues) -> Iterator[Outcome]:
+        """Fill the engine's free places: calls of started documents first, then the next
+        document (a retried one alone, nothing else beside it); yields documents that fail
+        as they start."""
+        while engine.free:
+            if q.ready:
+                engine.add(q.ready.popleft())
+                continue
+            source = q.solo if q.solo else q.waiting
+            if not source or q.alone is not None or (q.solo and engine.active):
+                return
+            d = _Doc(source.popleft(), time.perf_counter())
+            if source is q.solo:
+                q.alone = d
+            started = self._start(d)
+            if isinstance(started, Outcome):
+                yield started
+            else:
+                q.ready.extend(started)
+
+    def _start(self, d: _Doc) -> list[Task] | Outcome:
+        """A document's first calls, or its failed outcome (unreadable, too long, tokenizer error)."""
+        if d.doc.error is not None:
+            return self._failed(d, d.doc.error)
+        try:
+            return self._tasks(d)
+        except TooLong as e:
+            return self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
+        except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
+            return self._failed(d, f"{type(e).__name__}: {e}")
+
+    def _after_failed_step(self, engine: BatchEngine, error: Exception, in_flight: list, q: _Queues):
+        """A batched step raised: the error cannot be pinned on one sequence, so every document
+        in flight is retried alone (one alone fails with the error). Yields that failure;
+        returns a fresh engine (the failed one's state is unknown)."""
+        docs_in_flight = list(dict.fromkeys(in_flight + [t.key[0] for t in q.ready]))
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
+        q.ready.clear()
+        self._clear_pending()
+        engine = self._new_engine(self.batch_size)
+        if len(docs_in_flight) == 1:
+            yield self._failed(docs_in_flight[0], f"{type(error).__name__}: {error}")
+        else:
+            q.solo.extend(d.doc for d in docs_in_flight)
+        return engine
+
+    def _take_finished(self, finished, ready: deque) -> Iterator[Outcome]:
+        """Outcomes of the calls that finished in a step: a document's summary, or
+        for a map-reduce document its next calls (queued first in ``ready``)."""
+        for f in finished:
+            d, index = f.key
+            d.output_tokens += len(f.tokens)
+            summary, reasoning = strip_reasoning(f.text, self.reasoning)
+            d.reasoning.append(reasoning)
+            if d.mr is None:
+                yield self._finish(d, summary, f.finish_reason)
+                continue
+            try:
+                more = d.mr.add(index, trim_to_sentence(summary) if f.finish_reason == "length" else summary)
+            except TooLong as e:
+                yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
+                continue
+            if d.mr.summary is not None:
+                yield self._finish(d, d.mr.summary, f.finish_reason)
+            elif more:
+                ready.extendleft(reversed([Task((d, i), p, self.config.max_tokens) for i, p in more]))
+
+    def _clear_pending(self) -> None:
+        """Forget lazy expert outputs of a failed step (they would fail again when evaluated)."""
+        cache = getattr(self.model, "expert_cache", None)
+        for layer in getattr(cache, "layers", []):
+            layer.discard_pending()

@@ -1,0 +1,255 @@
+"""4-bit affine matvec rows on AVX-512 VNNI integer dot products (decode path).
+
+Why: the float32 row loops of :mod:`mlx_tier.kernels.cpu` spend ~3.5 vector ops
+per 8 weights (widen, convert, FMA...) and run at the FP pipes' limit, ~40% of
+this machine's streaming read (benches/kernel.py, docs/kernels.md).
+``vpdpbusd`` multiplies 64 unsigned bytes by 64 signed bytes and sums them by
+fours into 16 int32 lanes in one instruction, so the 4-bit codes are used as
+bytes and never converted to float one by one.
+
+How (the decomposition of llama.cpp's q4/q8 dot products, made exact): x is
+written per run of 8 inputs (one int32 lane's) as ``2**e * m`` with integers
+``|m| <= 127 * 2**16`` (23 bits relative to the run's largest |x|), and ``m``
+as three signed base-256 digits ``m = d0 2**16 + d1 2**8 + d2``. Then a lane's
+``q . x = 2**e (2**16 (q.d0) + 2**8 (q.d1) + q.d2)``: three exact integer dot
+products, joined in float32. Each row sums ``scale_g * (q . x)_g`` over its
+groups plus ``bias_g * sum(x_g)``. The only rounding beyond float32 sums is x's
+to 23 bits of its run's largest value (tests/kernels/test_cpu_vnni.py bounds both).
+
+Loop: 64 bytes of a row (128 codes, 1-4 groups) per step; four rows at a time
+share the loads of x's digits, the four a quarter of the share's rows apart
+(long sequential streams for the hardware prefetcher: docs/kernels.md). Needs the row length ``I`` a multiple of 128; other shapes, other
+bit widths, non-finite x and rows whose largest |x| is below 2**-80 (their
+2**e would leave float32's normal range) use the float32 loops.
+
+Off switch: ``MLX_TIER_VNNI=0`` in the environment (or :data:`ENABLED` = False).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+from numba import njit
+
+from mlx_tier.kernels.simd import (
+    AVAILABLE,
+    dpbusd,
+    fma,
+    fzero,
+    hsum,
+    izero,
+    limbs_to_float,
+    load_f,
+    load_i,
+    mul,
+    nibbles,
+    spread,
+)
+
+ENABLED = AVAILABLE and os.environ.get("MLX_TIER_VNNI", "1") != "0"
+LIMB_MAX = 127 * 2**16  # the largest |m|: its top digit stays within int8
+TINY = 2.0**-80  # a row's largest |x| below this (and not 0) takes the float32 loops
+CHUNK = 64  # bytes of a packed row per step (128 4-bit codes)
+GROUP_SIZES = (32, 64, 128)
+FM = {"reassoc", "contract"}
+
+
+def layout_fits(bits: int, gs: int, mode: int, in_dims: int) -> bool:
+    """Whether :func:`qmv4`'s loops can serve this layout on a CPU that has them: affine
+    ``mode`` 0, 4-bit, group size 32/64/128, ``in_dims`` a multiple of 128. The same
+    answer on every machine."""
+    return (bits, mode) == (4, 0) and gs in GROUP_SIZES and in_dims % (2 * CHUNK) == 0
+
+
+def usable(bits: int, gs: int, mode: int, in_dims: int) -> bool:
+    """Whether :func:`qmv4` serves this layout on this machine: the layout fits
+    (:func:`layout_fits`), the CPU has AVX-512 VNNI (:data:`AVAILABLE`) and the loops
+    are not switched off (:data:`ENABLED`)."""
+    return AVAILABLE and ENABLED and layout_fits(bits, gs, mode, in_dims)
+
+
+@njit(nogil=True, cache=True)
+def _fits(x):
+    """x [R, I] can be written in digits: finite, and each row's largest |x| is 0 or at
+    least :data:`TINY` (so every 2**e and scale * 2**e stays a normal float32)."""
+    for r in range(x.shape[0]):
+        m = 0.0
+        for i in range(x.shape[1]):
+            v = abs(np.float64(x[r, i]))
+            if not np.isfinite(v):
+                return False
+            m = max(m, v)
+        if 0.0 < m < TINY:
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _digits(x, gs, xl, ex, xs):
+    """Fill xl [R, 3, 2, I/2] int8 (digit, parity, i // 2), ex [R, I/8] float32 (2**e of
+    each run of 8 inputs: one vector lane's) and xs [R, G] float32 (group sums) from
+    x [R, I] float32."""
+    R, I = x.shape
+    for r in range(R):
+        for g in range(I // gs):
+            s = 0.0
+            for i in range(g * gs, (g + 1) * gs):
+                s += x[r, i]
+            xs[r, g] = s
+        for j in range(I // 8):
+            m = 0.0
+            for i in range(8 * j, 8 * j + 8):
+                m = max(m, abs(np.float64(x[r, i])))
+            e = 0 if m == 0.0 else math.frexp(m / LIMB_MAX)[1]  # m * 2**-e < LIMB_MAX
+            ex[r, j] = math.ldexp(1.0, e)
+            scale = math.ldexp(1.0, -e)
+            for i in range(8 * j, 8 * j + 8):
+                q = np.int64(np.rint(np.float64(x[r, i]) * scale))
+                d2 = ((q + 128) & 255) - 128
+                q = (q - d2) >> 8
+                d1 = ((q + 128) & 255) - 128
+                xl[r, 0, i & 1, i >> 1] = (q - d1) >> 8
+                xl[r, 1, i & 1, i >> 1] = d1
+                xl[r, 2, i & 1, i >> 1] = d2
+
+
+def prepare(x: np.ndarray, gs: int) -> tuple | None:
+    """:func:`qmv4`'s input for x ``[R, I]`` float32: ``(xl [R, 3, 2, I/2] int8, ex
+    [R, I/8] float32, xs [R, G] float32)`` (see :func:`_digits`), or ``None`` when x
+    holds inf/NaN (the float32 loops then propagate them as MLX does) or a row too
+    small for float32 exponents (:func:`_fits`)."""
+    x = np.ascontiguousarray(x, np.float32)
+    if not _fits(x):
+        return None
+    R, I = x.shape
+    xl = np.empty((R, 3, 2, I // 2), np.int8)
+    ex = np.empty((R, I // 8), np.float32)
+    xs = np.empty((R, I // gs), np.float32)
+    _digits(x, gs, xl, ex, xs)
+    return xl, ex, xs
+
+
+@njit(nogil=True, inline="always")
+def _chunk(w, b, xr):
+    """Lanes of one 64-byte step of row ``w`` at byte ``b`` against x's digits ``xr``
+    [3, 2, I/2]: 16 float32, each lane the exact sum of 8 codes x digits, joined."""
+    lo, hi = nibbles(load_i(w, b))  # even inputs' codes, odd inputs' codes
+    a0 = dpbusd(dpbusd(izero(), lo, load_i(xr[0, 0], b)), hi, load_i(xr[0, 1], b))
+    a1 = dpbusd(dpbusd(izero(), lo, load_i(xr[1, 0], b)), hi, load_i(xr[1, 1], b))
+    a2 = dpbusd(dpbusd(izero(), lo, load_i(xr[2, 0], b)), hi, load_i(xr[2, 1], b))
+    return limbs_to_float(a0, a1, a2)
+
+
+@njit(nogil=True, inline="always")
+def _bias(br, xs):
+    """sum_g bias_g * sum(x_g) of one row."""
+    acc = np.float32(0.0)
+    for g in range(xs.shape[0]):
+        acc += br[g] * xs[g]
+    return acc
+
+
+@njit(nogil=True, inline="always")
+def _rows4(w, s, bi, xr, er, xsr, out, o, q, per, lanes):
+    """out[o + i*q] for i = 0..3: four rows of one slot, ``q`` rows apart (four long
+    sequential streams through the slot, which the hardware prefetcher follows; four
+    adjacent rows read 1 KiB runs and ran at half the speed from memory, benches/results/kernel-vnni/NOTES.md)."""
+    acc0, acc1, acc2, acc3 = fzero(), fzero(), fzero(), fzero()
+    w0, w1, w2, w3 = w[o], w[o + q], w[o + 2 * q], w[o + 3 * q]
+    s0, s1, s2, s3 = s[o], s[o + q], s[o + 2 * q], s[o + 3 * q]
+    for c in range(w0.shape[0] // CHUNK):
+        b, g0 = c * CHUNK, c * per
+        e = load_f(er, c * 16)
+        acc0 = fma(_chunk(w0, b, xr), mul(spread(s0, g0, lanes), e), acc0)
+        acc1 = fma(_chunk(w1, b, xr), mul(spread(s1, g0, lanes), e), acc1)
+        acc2 = fma(_chunk(w2, b, xr), mul(spread(s2, g0, lanes), e), acc2)
+        acc3 = fma(_chunk(w3, b, xr), mul(spread(s3, g0, lanes), e), acc3)
+    out[o] = hsum(acc0) + _bias(bi[o], xsr)
+    out[o + q] = hsum(acc1) + _bias(bi[o + q], xsr)
+    out[o + 2 * q] = hsum(acc2) + _bias(bi[o + 2 * q], xsr)
+    out[o + 3 * q] = hsum(acc3) + _bias(bi[o + 3 * q], xsr)
+
+
+@njit(nogil=True, inline="always")
+def _row(w, s, bi, xr, er, xsr, out, o, per, lanes):
+    """out[o] for row o alone (the rows left after the blocks of four)."""
+    acc = fzero()
+    for c in range(w.shape[1] // CHUNK):
+        acc = fma(_chunk(w[o], c * CHUNK, xr), mul(spread(s[o], c * per, lanes), load_f(er, c * 16)), acc)
+    out[o] = hsum(acc) + _bias(bi[o], xsr)
+
+
+@njit(nogil=True, inline="always")
+def _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, per, lanes):
+    O = out.shape[1]
+    for n in range(f0 // O, (f1 + O - 1) // O):
+        sw, ss, sb = w[slots[n]], scales[slots[n]], biases[slots[n]]
+        xr, er, xsr, on = xl[tok[n]], ex[tok[n]], xs[tok[n]], out[n]
+        o0, o1 = max(f0 - n * O, 0), min(f1 - n * O, O)
+        q = (o1 - o0) // 4
+        for o in range(o0, o0 + q):
+            _rows4(sw, ss, sb, xr, er, xsr, on, o, q, per, lanes)
+        for o in range(o0 + 4 * q, o1):
+            _row(sw, ss, sb, xr, er, xsr, on, o, per, lanes)
+
+
+@njit(fastmath=FM, nogil=True, cache=True)
+def qmv4(gs, w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1):
+    """out[n, o] = dequant(w[slots[n], o]) . x[tok[n]] for flat f = n*O + o in [f0, f1).
+
+    w [S, O, I/2] uint8 (4-bit affine codes, rows contiguous); scales, biases [S, O, G]
+    float32; xl, ex, xs: :func:`prepare`'s arrays; tok, slots [N] int64; out [N, O]
+    float32. Call only where :func:`usable` (an AVX-512 VNNI CPU).
+    """
+    if gs != 32 and gs != 64 and gs != 128:
+        raise ValueError("qmv4: group size must be 32, 64 or 128")
+    if gs == 32:
+        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 4, 4)
+    elif gs == 64:
+        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 2, 8)
+    else:
+        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 1, 16)
+
+
+@njit(fastmath=FM, nogil=True, cache=True)
+def glu_pairs(gate, up, down, xl, ex, xs, tok, slots, y):
+    """y[n] = down(silu(gate x) * up x) for the pairs of a bias-free 4-bit SwiGLU block, in
+    one call without the GIL: a thread's whole share of the block's decode (gate and up
+    of one layout, so x's digits serve both).
+
+    gate, up, down: ``(group size, w [S, O, I/2] uint8, scales, biases [S, O, G])``;
+    xl, ex, xs: :func:`prepare`'s arrays of x; tok, slots [N] int64; y [N, D] float32.
+    Returns False, leaving y unfinished, when the hidden rows cannot be written in
+    digits (:func:`_fits`: overflow, or all tiny); the caller then takes the float32
+    loops.
+    """
+    N, H = slots.shape[0], gate[1].shape[1]
+    g = np.empty((N, H), np.float32)
+    u = np.empty((N, H), np.float32)
+    qmv4(gate[0], gate[1], gate[2], gate[3], xl, ex, xs, tok, slots, g, 0, N * H)
+    qmv4(up[0], up[1], up[2], up[3], xl, ex, xs, tok, slots, u, 0, N * H)
+    h = g / (np.float32(1.0) + np.exp(-g)) * u  # mlx-lm's SwiGLU: silu(gate) * up
+    if not _fits(h):
+        return False
+    gs = down[0]
+    hl = np.empty((N, 3, 2, H // 2), np.int8)
+    he = np.empty((N, H // 8), np.float32)
+    hs = np.empty((N, H // gs), np.float32)
+    _digits(h, gs, hl, he, hs)
+    qmv4(gs, down[1], down[2], down[3], hl, he, hs, np.arange(N), slots, y, 0, N * y.shape[1])
+    return True
+
+
+def reference(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.ndarray, gs: int) -> np.ndarray:
+    """What :func:`qmv4` computes, in numpy (float64 sums of the same exact integer dot
+    products): rows w [O, I/2] uint8, scales/biases [O, G], x [I] -> [O]. Tests the
+    digit decomposition on any CPU."""
+    xl, ex, xs = prepare(x[None], gs)
+    q = np.stack([w & 15, w >> 4], axis=1).astype(np.int64)  # [O, 2, I/2]: even, odd codes
+    d = xl[0].astype(np.int64)  # [3, 2, I/2]
+    runs = [(q * d[k][None]).reshape(w.shape[0], 2, -1, 4).sum((1, 3)) for k in range(3)]  # [O, I/8]
+    lanes = (runs[0] * 65536.0 + runs[1] * 256.0 + runs[2]) * ex[0]  # each run of 8 inputs
+    dots = lanes.reshape(w.shape[0], -1, gs // 8).sum(-1)  # [O, G]
+    return (dots * scales + biases * xs[0]).sum(-1)

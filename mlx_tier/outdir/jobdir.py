@@ -1,0 +1,247 @@
+"""The job's output folder as one resource: prepared, locked, cleaned, released;
+and the writes that belong to the folder rather than to a document (progress,
+the stdin path list, a detached start).
+
+:class:`JobDir` is a context manager: entering creates ``OUT_DIR`` (or checks
+an existing one is a writable folder), takes its run lock (a second run on the
+same folder is refused) and removes the stale temporary files of a run that
+was killed mid-write (those older than 2 minutes,
+:data:`mlx_tier.fsio.STALE_AFTER_S`: a younger one may be a live
+writer's) and the progress files it left (:func:`clear_progress`:
+a rerun with nothing pending would otherwise still read as interrupted); leaving releases the lock, whatever happened. It knows the paths
+the runner writes: each document's ``<id>.md`` and the journal (one
+name per process, so that several processes of one job can each keep
+their own; the default is the job's one journal).
+
+A ``part`` (one rank of a distributed run, docs/distributed.md) holds the folder
+otherwise: its launcher has taken the run lock and cleaned up before any rank
+started, so a part locks only its own journal (``<journal>.lock``, against a
+second process taking the same rank) and removes nothing (the other ranks'
+temporary files are live).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Self
+
+from mlx_tier.errors import InputError
+from mlx_tier.fsio import remove_stale_temps, write_atomic
+from mlx_tier.outdir.journal import Journal
+from mlx_tier.outdir.layout import (
+    INPUT_LIST,
+    JOURNAL,
+    LOCK,
+    LOG_FILE,
+    PID_FILE,
+    PROGRESS_FILE,
+    lock_held,
+    progress_files,
+)
+
+if TYPE_CHECKING:
+    from mlx_tier.job.documents import Document
+
+
+def prepare_out_dir(out_dir: Path) -> bool:
+    """Create ``out_dir`` and check it is writable.
+
+    Returns:
+        whether it was created now.
+    Raises:
+        InputError: it cannot be created or written.
+    """
+    created = not out_dir.exists()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"{out_dir}: is a file; the output must be a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir) as probe:  # a fresh name: no planted link is followed
+            probe.write(b"ok")
+    except OSError as e:
+        raise InputError(f"{out_dir}: output folder not writable ({e.strerror or e})") from None
+    return created
+
+
+def lock_out_dir(out_dir: Path):
+    """An exclusive lock on ``OUT_DIR`` (``flock``): a second run on the same
+    folder while one is active is refused. Released when the file is closed
+    or the process ends (even by SIGKILL).
+
+    Raises:
+        InputError: another run holds it.
+    """
+    return lock_file(out_dir / LOCK, "another mlx-tier run is using this output folder", out_dir)
+
+
+def lock_file(path: Path, holder: str, name: Path | None = None):
+    """An open file holding an exclusive ``flock`` on ``path`` (created if missing, never
+    through a link); released when closed or when the process ends (even by SIGKILL).
+
+    Raises:
+        InputError: ``"<name or path>: <holder>"`` when another process holds it.
+    """
+    f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), 0o666), "a")
+    try:
+        import fcntl
+
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # no flock (Windows): no protection
+        pass
+    except OSError:
+        f.close()
+        raise InputError(f"{name or path}: {holder}") from None
+    return f
+
+
+class JobDir:
+    """``OUT_DIR`` held for one run (module doc).
+
+    Args:
+        path: the output folder.
+        journal_name: the journal's file name inside it (default: the job's
+            journal); a relative path for a rank's (``ranks/<run id>/journal-<k>.jsonl``).
+        part: one rank of a distributed run (module doc).
+
+    Attributes:
+        path: the folder.
+        created: whether this run created it (set on entering).
+        journal_path: where this process journals its documents.
+
+    Raises (on entering):
+        InputError: not a folder, not writable, or another run holds it.
+    """
+
+    def __init__(self, path: Path, journal_name: str = JOURNAL, part: bool = False) -> None:
+        self.path = Path(path)
+        self.journal_name = journal_name
+        self.journal_path = self.path / journal_name
+        self.part = part
+        self.created = False
+        self._lock = None
+
+    def __enter__(self) -> Self:
+        self.created = prepare_out_dir(self.path)
+        if self.part:
+            self._lock = lock_file(self.journal_path.with_suffix(".lock"), "another process runs this rank")
+            return self
+        self._lock = lock_out_dir(self.path)
+        remove_stale_temps(self.path)  # a killed run's half-written outputs
+        clear_progress(self.path)  # a killed run's progress: this run is not it
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Free the folder for the next run (idempotent)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def discard_if_unused(self) -> None:
+        """Release, and remove the folder when this run created it and left nothing
+        in it but its lock: a run that never started leaves no trace."""
+        self.release()
+        if self.created and [p.name for p in self.path.iterdir()] == [LOCK]:
+            (self.path / LOCK).unlink()
+            self.path.rmdir()
+
+    def journal(self, on_done=None) -> Journal:
+        """The journal this process appends to (:class:`mlx_tier.outdir.journal.Journal`)."""
+        return Journal(self.path, on_done=on_done, name=self.journal_name)
+
+    def view(self) -> Journal:
+        """The job's journal as every reader sees it (``journal.jsonl`` with the rank
+        journals of distributed runs merged in): what a run triages from."""
+        return Journal(self.path)
+
+    def output(self, doc_id: str) -> Path:
+        """Where the summary of document ``doc_id`` goes."""
+        return self.path / f"{doc_id}.md"
+
+
+class ProgressFile:
+    """``OUT_DIR/progress.json`` (a rank of a distributed run: its own
+    ``progress-<k>.json``, :func:`rank_progress_name`): what a running job is doing now
+    (the documents in flight, the prompt being read and how far, tokens written so far,
+    rates), rewritten atomically at most every ``every`` seconds and removed when the
+    run ends cleanly; ``mlx-tier status`` shows it while the run holds the lock.
+
+    Progress is best effort: a write that fails (disk full) is skipped, never
+    fatal to the job.
+    """
+
+    def __init__(self, out_dir: Path, every: float = 2.0, name: str = PROGRESS_FILE) -> None:
+        self.path, self.every, self._last = Path(out_dir) / name, every, float("-inf")
+
+    def update(self, activity) -> None:
+        """Write ``activity`` (anything with ``as_dict()``, e.g. :class:`mlx_tier.job.run.Activity`)
+        if ``every`` seconds have passed since the last write."""
+        now = time.monotonic()
+        if now - self._last < self.every:
+            return
+        self._last = now
+        try:
+            write_atomic(self.path, json.dumps({"time": time.time(), **activity.as_dict()}) + "\n")
+        except OSError:
+            pass
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def clear_progress(out_dir: Path) -> None:
+    """Remove every progress file of ``out_dir``: a run taking the folder's lock removes
+    those an earlier run left (a crash, a kill), which would read as this run's."""
+    for path in progress_files(out_dir):
+        path.unlink(missing_ok=True)
+
+
+def write_input_list(out_dir: Path, docs: list[Document]) -> Path:
+    """Keep the file paths of a stdin list in ``out_dir/inputs.txt`` (one absolute path a line)
+    so the job can be resumed with ``mlx-tier run - ... < OUT_DIR/inputs.txt``.
+
+    Raises:
+        OSError: not writable, disk full.
+    """
+    path = Path(out_dir) / INPUT_LIST
+    write_atomic(path, "".join(f"{d.source}\n" for d in docs))
+    return path
+
+
+def start_background(argv: list[str], out_dir: Path, stdin: Path | None = None) -> int:
+    """Start a run detached from this terminal and return at once.
+
+    The process gets its own session (no SIGHUP when the terminal closes, no
+    Ctrl-C from it), its stdout and stderr are appended to ``OUT_DIR/run.log``
+    and its pid is written to ``OUT_DIR/run.pid``. The run itself takes the
+    folder's lock, so a second run there is refused while it is active.
+
+    Args:
+        argv: the full command, e.g. ``[sys.executable, "-m",
+            "mlx_tier.cli.main", "run", ...]`` (without ``--background``).
+        out_dir: the job's output folder (created if missing).
+        stdin: a file to give the process as its standard input (a path list).
+
+    Returns:
+        the process id.
+
+    Raises:
+        InputError: another run is active in ``out_dir``.
+        OSError: ``out_dir`` not writable, or ``argv`` cannot be started.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if lock_held(out_dir):
+        raise InputError(f"{out_dir}: another mlx-tier run is using this output folder")
+    log_fd = os.open(out_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(log_fd, "ab") as log, open(stdin if stdin is not None else os.devnull, "rb") as inp:
+        proc = subprocess.Popen(argv, stdin=inp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    write_atomic(out_dir / PID_FILE, f"{proc.pid}\n")
+    return proc.pid

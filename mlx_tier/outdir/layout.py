@@ -1,0 +1,169 @@
+"""Every file name in a job's output folder, and the probes that read them.
+
+The one owner of OUT_DIR's layout: the job (writer), the monitor (reader) and
+the ranks of a distributed run take their names from here::
+
+    OUT_DIR/<id>.md                           one summary per document
+    OUT_DIR/journal.jsonl                     the job's durable record (outdir.journal)
+    OUT_DIR/summaries.jsonl                   --format jsonl: every summary, one line each
+    OUT_DIR/report.json, report.html          the job's report and page, rewritten per run
+    OUT_DIR/progress.json                     a running job's documents in flight
+    OUT_DIR/progress-<k>.json                 the same, of rank k of a distributed run
+    OUT_DIR/.mlx-tier.lock                    the run lock (outdir.jobdir takes it)
+    OUT_DIR/run.pid, run.log                  --background: the process and its output
+    OUT_DIR/inputs.txt                        `mlx-tier run -`: the paths read from stdin
+    OUT_DIR/ranks/<run_id>/plan.json          what a distributed run's launcher decided
+    OUT_DIR/ranks/<run_id>/journal-<k>.jsonl  rank k's journal (only rank k appends to it)
+    OUT_DIR/ranks/<run_id>/claims/<id>        which rank took document <id>
+    OUT_DIR/ranks/<run_id>/rank-<k>.json      rank k's own account, written when it ends
+    OUT_DIR/ranks/<run_id>/exit-<k>.json      how rank k's process ended
+
+Nothing here writes a file: probes only (is the lock held, which pid, is the
+folder safe to write in). Writing is :mod:`mlx_tier.outdir.jobdir`'s and
+:mod:`mlx_tier.outdir.journal`'s.
+
+Invariant (docs/architecture.md): nothing is written outside OUT_DIR. A link
+planted in OUT_DIR under a name the job writes (``journal.jsonl`` ->
+``~/.bashrc``) would make an append land elsewhere, so such a folder is refused
+whole, with one line. OUT_DIR equal to INPUT, or holding it, would mix
+summaries with documents.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mlx_tier.errors import InputError
+
+JOURNAL = "journal.jsonl"
+SUMMARIES = "summaries.jsonl"
+REPORT = "report.json"
+REPORT_HTML = "report.html"
+PROGRESS_FILE = "progress.json"
+LOCK = ".mlx-tier.lock"
+PID_FILE = "run.pid"
+LOG_FILE = "run.log"
+INPUT_LIST = "inputs.txt"
+RANKS_DIR = "ranks"
+PLAN = "plan.json"
+CLAIMS = "claims"
+
+# What a job writes per document (run --format): md, one <id>.md each; jsonl, also every
+# summary as a line of SUMMARIES.
+OUTPUT_FORMATS = ("md", "jsonl")
+
+# Files a run writes in OUT_DIR besides the <id>.md summaries.
+JOB_FILES = (JOURNAL, SUMMARIES, LOCK, REPORT, REPORT_HTML, PROGRESS_FILE, PID_FILE, LOG_FILE, INPUT_LIST)
+
+
+def run_dir(out_dir: Path, run_id: str) -> Path:
+    """``OUT_DIR/ranks/<run_id>``: the files of one distributed run."""
+    return Path(out_dir) / RANKS_DIR / run_id
+
+
+def rank_journal_name(run_id: str, rank: int) -> str:
+    """Rank ``rank``'s journal of run ``run_id``, relative to OUT_DIR (a journal name for
+    :class:`~mlx_tier.outdir.jobdir.JobDir` and :class:`~mlx_tier.outdir.journal.Journal`)."""
+    return f"{RANKS_DIR}/{run_id}/journal-{rank}.jsonl"
+
+
+def rank_account_name(rank: int) -> str:
+    """Rank ``rank``'s own account in its run folder, written when the rank ends."""
+    return f"rank-{rank}.json"
+
+
+def rank_exit_name(rank: int) -> str:
+    """How rank ``rank``'s process ended, in its run folder (its supervisor writes it)."""
+    return f"exit-{rank}.json"
+
+
+def rank_journals(out_dir: Path) -> list[Path]:
+    """Every rank journal of every distributed run of the job (none for a one-process job)."""
+    root = Path(out_dir) / RANKS_DIR
+    if not root.is_dir() or root.is_symlink():
+        return []
+    return sorted(p for p in root.glob("*/journal-*.jsonl") if p.is_file() and not p.is_symlink())
+
+
+def rank_progress_name(rank: int) -> str:
+    """The progress file of rank ``rank`` of a distributed run (each rank its own: the
+    first rank to finish would otherwise remove the file the others still write)."""
+    return f"progress-{rank}.json"
+
+
+def progress_files(out_dir: Path) -> list[Path]:
+    """The progress files ``out_dir`` may hold: the run's, then its ranks'."""
+    out_dir = Path(out_dir)
+    return [out_dir / PROGRESS_FILE, *sorted(out_dir.glob("progress-*.json"))]
+
+
+def lock_held(out_dir: Path) -> bool:
+    """Whether another process holds ``out_dir``'s run lock (a run is active).
+
+    Probed with a non-blocking shared ``flock``, released at once, so the probe
+    never blocks a run (a run starting in the same microseconds may find it
+    held and refuse). Without ``flock`` (not POSIX) falls back to whether the
+    process in ``run.pid`` is alive.
+    """
+    path = Path(out_dir) / LOCK
+    try:
+        import fcntl
+    except ImportError:
+        return _pid_alive(out_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # no lock file: no run ever started here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def pid_file_pid(out_dir: Path) -> int | None:
+    """The pid in ``OUT_DIR/run.pid`` (``--background``), ``None`` without one."""
+    try:
+        return int((Path(out_dir) / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(out_dir: Path) -> bool:
+    import psutil
+
+    pid = pid_file_pid(out_dir)
+    return pid is not None and psutil.pid_exists(pid)
+
+
+def check_out_dir(out_dir: Path, input: Path | None = None) -> None:
+    """Refuse an output folder the job must not write in.
+
+    Args:
+        out_dir: the job's output folder (it need not exist yet).
+        input: the job's INPUT when it is a folder or file (``None`` for a path list).
+
+    Raises:
+        InputError: ``out_dir`` is the input folder or contains it, or a job
+            file or a ``.md`` output in it is a symbolic link.
+    """
+    out_dir = Path(out_dir)
+    if input is not None and Path(input).is_dir():
+        out, inp = out_dir.resolve(), Path(input).resolve()
+        if out == inp:
+            raise InputError(f"{out_dir}: the output folder is the input folder; summaries would mix "
+                             "with the documents (choose another folder)")
+        if inp.is_relative_to(out):
+            raise InputError(f"{out_dir}: the output folder contains the input folder {input}; "
+                             "choose a folder outside it")
+    if not out_dir.is_dir():
+        return
+    for entry in sorted(out_dir.iterdir()):
+        if entry.is_symlink() and (entry.name in JOB_FILES or entry.suffix == ".md"):
+            raise InputError(f"{entry}: is a symbolic link; refusing to write through it "
+                             "(remove it, or choose another output folder)")

@@ -1,0 +1,1 @@
+"""One job over several ranks (processes or Macs): launcher, worker, their files, work stealing, the merged report."""

@@ -1,0 +1,298 @@
+"""One job over several ranks (processes, or Macs) with MLX's own launcher.
+
+``mlx-tier run INPUT --out OUT --ranks N`` (N processes here) or ``--hosts
+hosts.json`` (mlx.launch's hosts file: one rank per entry, over ssh) calls
+:func:`run_distributed`, which
+
+1. holds OUT_DIR as a one-process run does (:class:`~mlx_tier.outdir.jobdir.JobDir`:
+   its lock, a killed run's temporary files removed), triages the documents
+   from the job's journal (:func:`mlx_tier.job.run.start_run`) and writes the
+   plan (``OUT/ranks/<run_id>/plan.json``: the settings and the documents to
+   do, in order);
+2. runs ``mlx.launch`` (ring backend over TCP unless the hosts file names
+   another) with :mod:`mlx_tier.ranks.worker` as the command: each rank joins
+   the group with ``mx.distributed.init`` and runs the normal job runner
+   (:func:`mlx_tier.job.run.run_job`) on its part of the job: its own share
+   first, then the other ranks' unstarted documents, each taken by an
+   exclusive claim file (:func:`mlx_tier.ranks.stealing.rank_order`), writing
+   summaries into OUT_DIR and records into its own journal;
+3. when mlx.launch returns (every rank finished, died or was stopped), writes
+   ``report.json`` (:mod:`mlx_tier.ranks.report`): the job's documents, and
+   this run's record with one entry per rank.
+
+No collective runs after ``init``: a rank that dies stops nobody. What it had
+started stays pending for the next run, with any number of ranks (its claims
+belong to the old run id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import types
+import typing
+from dataclasses import dataclass, fields, is_dataclass, replace
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_tier.errors import InputError
+from mlx_tier.outdir.layout import CLAIMS, PLAN, RANKS_DIR, run_dir
+from mlx_tier.policy.eviction import PolicySpec
+
+RANK_COMMAND = ["-m", "mlx_tier.ranks.worker", "supervise"]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where the ranks run.
+
+    Attributes:
+        ranks: processes on this machine (``hosts`` is ``None``), at least 1.
+        hosts: an mlx.launch hosts file (JSON: ``[{"ssh": NAME, "ips": [IP]}, ...]``
+            or ``{"backend": ..., "envs": [...], "hosts": [...]}``); one rank per entry.
+    """
+
+    ranks: int = 1
+    hosts: Path | None = None
+
+
+def read_hosts(path: Path) -> list[str]:
+    """The ssh names of an mlx.launch hosts file, checked.
+
+    Raises:
+        InputError: unreadable, not JSON, no hosts, an entry without ``ssh``, or
+            (ring backend) without ``ips``.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: not a readable hosts file ({e})") from None
+    hosts = data.get("hosts") if isinstance(data, dict) else data
+    backend = data.get("backend", "ring") if isinstance(data, dict) else "ring"
+    if not isinstance(hosts, list) or not hosts:
+        raise InputError(f"{path}: expected a list of hosts ([{{\"ssh\": \"mac1\", \"ips\": [\"192.168.1.2\"]}}, ...])")
+    for i, h in enumerate(hosts):
+        if not isinstance(h, dict) or not isinstance(h.get("ssh"), str) or not h["ssh"]:
+            raise InputError(f"{path}: host {i} needs an \"ssh\" name")
+        ips = h.get("ips")
+        if backend == "ring" and not (isinstance(ips, list) and ips and all(isinstance(x, str) for x in ips)):
+            raise InputError(f"{path}: host {h['ssh']} needs \"ips\" (the ring backend connects by IP address)")
+    return [h["ssh"] for h in hosts]
+
+
+def config_to_json(config) -> object:
+    """A :class:`~mlx_tier.job.run.JobConfig` (nested frozen dataclasses) as JSON data for the
+    plan: dataclasses as objects, paths as strings, tuples as lists, an MLX dtype by name,
+    a :class:`~mlx_tier.policy.eviction.PolicySpec` by name.
+
+    Raises:
+        InputError: a policy with a profile bound in Python (ranks bind theirs at load).
+    """
+    if isinstance(config, PolicySpec):
+        if config.profile is not None:
+            raise InputError("a policy with a profile object cannot be sent to ranks; give its name")
+        return config.name
+    if is_dataclass(config):
+        return {f.name: config_to_json(getattr(config, f.name)) for f in fields(config) if f.init}
+    if isinstance(config, Path):
+        return str(config)
+    if isinstance(config, tuple):
+        return [config_to_json(x) for x in config]
+    if isinstance(config, mx.Dtype):
+        return str(config).removeprefix("mlx.core.")
+    return config  # str, int, float, bool, None
+
+
+def config_from_json(data: dict):
+    """The :class:`~mlx_tier.job.run.JobConfig` of :func:`config_to_json`, rebuilt by its
+    fields' declared types (settings unknown to this version are ignored)."""
+    from mlx_tier.job.run import JobConfig
+
+    return _decode(JobConfig, data)
+
+
+def _decode(tp, value):
+    """``value`` (JSON data) as the declared type ``tp``."""
+    if value is None:
+        return None
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if isinstance(value, str) and str in options:
+            return value  # a name stays a name (TierConfig makes a policy name a spec)
+        kind = next((a for a in options if is_dataclass(a)), options[0]) if isinstance(value, dict) else options[0]
+        return _decode(kind, value)
+    if tp is PolicySpec:
+        return PolicySpec(value)
+    if is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return tp(**{f.name: _decode(hints[f.name], value[f.name]) for f in fields(tp) if f.init and f.name in value})
+    if typing.get_origin(tp) is tuple:
+        return tuple(_decode(typing.get_args(tp)[0], x) for x in value)
+    if tp is Path:
+        return Path(value)
+    if tp is mx.Dtype:
+        return getattr(mx, value)
+    return float(value) if tp is float else value
+
+
+def _absolute(config):
+    """``config`` with INPUT, OUT_DIR and a model folder as absolute paths (the same on every host)."""
+    model = config.model
+    if model is not None and Path(model).exists():  # a folder here, not a repo id
+        model = str(Path(model).absolute())
+    return replace(config, input=config.input if config.input_paths is not None and str(config.input) == "-"
+                   else Path(config.input).absolute(), out_dir=Path(config.out_dir).absolute(), model=model)
+
+
+def _free_ports(n: int) -> int:
+    """A first port of ``n`` consecutive free TCP ports on 127.0.0.1 (for the ring backend)."""
+    for _ in range(50):
+        base = 20000 + secrets.randbelow(30000)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError("no free ports for the ranks")
+
+
+def launcher() -> str:
+    """The ``mlx.launch`` script of this Python environment (or on PATH).
+
+    Raises:
+        InputError: not found (MLX is too old or not installed with its scripts).
+    """
+    here = Path(sys.executable).parent / "mlx.launch"
+    found = str(here) if here.exists() else shutil.which("mlx.launch")
+    if found is None:
+        raise InputError("mlx.launch not found: --ranks and --hosts need MLX's launcher; install it with:",
+                         command="pip install 'mlx>=0.29'")
+    return found
+
+
+def launch_command(launch: Launch, plan_path: Path) -> list[str]:
+    """The mlx.launch command line that starts every rank on ``plan_path``."""
+    rank = [sys.executable, *RANK_COMMAND, str(plan_path)]
+    if launch.hosts is not None:
+        data = json.loads(Path(launch.hosts).read_text())
+        backend = (data.get("backend") if isinstance(data, dict) else None) or "ring"
+        return [launcher(), "--backend", backend, "--hostfile", str(launch.hosts), "--", *rank]
+    return [launcher(), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(launch.ranks),
+            "--starting-port", str(_free_ports(launch.ranks)), "--", *rank]
+
+
+def _write_plan(config, docs, todo: list[str], launch: Launch, ranks: int) -> Path:
+    """``OUT/ranks/<run_id>/plan.json`` (and the run's ``claims`` folder); returns its path."""
+    from mlx_tier.fsio import write_atomic
+
+    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
+    folder = run_dir(config.out_dir, run_id)
+    (folder / CLAIMS).mkdir(parents=True)
+    names = {d.id: d.name for d in docs}
+    plan = {"run_id": run_id, "ranks": ranks, "hosts": str(launch.hosts) if launch.hosts else None,
+            "started": time.time(), "config": config_to_json(config), "todo": todo,
+            "names": {i: names[i] for i in todo}}
+    write_atomic(folder / PLAN, json.dumps(plan) + "\n")
+    return folder / PLAN
+
+
+def _wait(proc: subprocess.Popen, reporter) -> int | None:
+    """Wait for mlx.launch; after a Ctrl-C (which the local ranks get too: they finish the
+    summaries being written) wait on; after a second, end mlx.launch (the local ranks got it
+    too and stop at once). Returns the signal that stopped the run, if any."""
+    import signal
+
+    stopped = None
+    while True:
+        try:
+            proc.wait()
+            return stopped
+        except KeyboardInterrupt:
+            if stopped is not None:
+                proc.terminate()
+            stopped = signal.SIGINT
+            reporter.message("stopping: the ranks finish the summaries being written (interrupt again to stop now)")
+
+
+def run_distributed(config, launch: Launch, reporter=None):
+    """Run the job over ``launch``'s ranks; returns its :class:`~mlx_tier.job.run.JobReport`
+    (``runs[-1]["ranks"]``: one account per rank).
+
+    Raises:
+        InputError: bad input or output folder, a bad hosts file, a setting ranks
+            cannot share (``trace``, ``save_profile``), mlx.launch missing.
+        mlx_tier.CheckpointError: the demo or hub model cannot be prepared here.
+    """
+    from mlx_tier.job.run import (
+        Reporter,
+        find_documents,
+        run_job,
+        start_run,
+        write_report_page,
+    )
+    from mlx_tier.outdir.jobdir import JobDir
+
+    reporter = reporter or Reporter()
+    if config.trace is not None or config.save_profile:
+        raise InputError("--trace and --save-profile record one process's cache; run them without --ranks/--hosts")
+    ranks = len(read_hosts(launch.hosts)) if launch.hosts is not None else launch.ranks
+    config = _absolute(config)
+    launcher()  # fail now, before OUT_DIR is touched, when mlx.launch is missing
+    docs = find_documents(config)
+    if (config.out_dir / RANKS_DIR).is_symlink():  # invariant 3: nothing written outside OUT_DIR
+        raise InputError(f"{config.out_dir / RANKS_DIR}: is a link; remove it (ranks write their files there)")
+    started = time.perf_counter(), time.time()
+    with JobDir(config.out_dir) as job:
+        _, _, tri = start_run(job, docs, config, reporter)
+        report = _launch(config, launch, ranks, job, docs, tri, reporter, started) if tri.pending else None
+    if report is None:  # nothing to do: the one-process path writes the job's report, loading no model
+        return run_job(config, reporter)
+    write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
+    return report
+
+
+def _launch(config, launch: Launch, ranks: int, job, docs, tri, reporter, started: tuple[float, float]):
+    """Under OUT_DIR's lock: record the run's start, write the plan, run the ranks, write the report."""
+    from mlx_tier.outdir.jobdir import write_input_list
+    from mlx_tier.outdir.journal import JobInfo
+    from mlx_tier.ranks.report import finish
+
+    if launch.hosts is None:
+        try:
+            _ensure_model(config, reporter)  # one build or download here, not one per rank at once
+        except BaseException:
+            job.discard_if_unused()
+            raise
+    JobInfo(input=str(config.input), ids=[d.id for d in docs], todo=tri.pending, started=time.time(),
+            pid=os.getpid(), command=config.command, output_format=config.output_format).write(job.journal())
+    if config.input_paths is not None:
+        write_input_list(config.out_dir, docs)
+    plan_path = _write_plan(config, docs, tri.pending, launch, ranks)
+    reporter.message(f"{ranks} rank(s), {len(tri.pending)} document(s) to do; run {plan_path.parent.name}")
+    proc = subprocess.Popen(launch_command(launch, plan_path), stdin=subprocess.DEVNULL)
+    stopped = _wait(proc, reporter)
+    return finish(config, docs, tri, plan_path, started, stopped)
+
+
+def _ensure_model(config, reporter) -> None:
+    from mlx_tier.engine.hub import resolve_model
+    from mlx_tier.tools.demo_model import ensure_demo_model
+
+    if config.model is None:
+        ensure_demo_model(reporter.message)
+    else:
+        resolve_model(config.model)

@@ -1,0 +1,369 @@
+"""Capacity worksheet for a checkpoint, from its config and safetensors headers.
+
+No weight is read: the model is built lazily with mlx-lm only to locate its
+expert blocks, and sizes come from the shard headers. The decode-speed range
+uses the bandwidth model of docs/architecture.md:
+
+    tok/s = 1 / (bytes_missed_per_token / disk_bw + bytes_active_per_token / compute_bw)
+
+with bytes_missed_per_token = (1 - hit_rate) x top_k x MoE layers x bytes per
+expert, over a range of hit rates: uniform random routing (hit = S / E, the
+floor for an LRU cache of S slots) up to strong locality (hit = 0.98, the
+published 97.8-99.7%; or S / E when higher).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import psutil
+
+from mlx_tier.engine.checkpoint import find_expert_blocks, open_checkpoint
+from mlx_tier.engine.load import DEFAULT_BUDGET_FRACTION, default_compute_dtype
+from mlx_tier.errors import CheckpointError
+from mlx_tier.units import GIB
+
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_activated_experts", "n_activated_experts")
+LOCALITY_HIT_RATE = 0.98
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The worksheet (all sizes in bytes, parameters as counts)."""
+
+    model: str
+    model_type: str
+    moe_layers: int
+    experts_per_layer: int
+    top_k: int
+    total_params: int
+    active_params: int  # per token: dense + top_k experts per MoE layer
+    dense_params: int
+    expert_params: int  # one expert of one layer
+    dense_bytes: int  # on disk
+    expert_bytes_disk: int  # one expert of one layer
+    expert_bytes_resident: int  # in the compute dtype (float32 scales on CPU)
+    expert_bytes_warm: int  # in a CUDA warm tier: floating tensors float32 for the CPU kernel, else as stored (mlx_tier.engine.warm_pool)
+    layer_bytes_disk: int  # all experts of one layer
+    experts_per_gb: float  # resident experts per GiB of cache
+    context_tokens: int
+    kv_bytes: int  # estimate for context_tokens, standard attention (upper bound)
+    memory_total: int
+    memory_available: int
+    cache_budget: int  # what mlx-tier would choose now
+    slots_per_layer: int
+    disk_gbps: float
+    disk_measured: bool
+    compute_gbps: float
+    tok_s_low: float  # hit rate = S / E
+    tok_s_high: float  # hit rate = max(0.98, S / E)
+    hit_rate_low: float
+    hit_rate_high: float
+    source: str = "local"  # local: a checkpoint folder; hub: config and headers read remotely, nothing downloaded
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _params(index: dict, name: str, group_size: int | None) -> int:
+    """Logical parameter count of a tensor; quantised weights are unpacked via their scales."""
+    info = index[name]
+    base = name.rsplit(".", 1)[0]
+    scales = index.get(f"{base}.scales")
+    if name.endswith(".weight") and scales is not None and info.dtype == "U32":
+        in_features = scales.shape[-1] * (group_size or 64)
+        return int(np.prod(info.shape[:-1])) * in_features
+    return int(np.prod(info.shape))
+
+
+def _group_size(config: dict, tensor: str, default: int | None) -> int | None:
+    q = config.get("quantization") or {}
+    layer = q.get(tensor.rsplit(".", 1)[0])
+    if isinstance(layer, dict) and "group_size" in layer:
+        return layer["group_size"]
+    if q.get("mode") in ("mxfp4", "mxfp8"):
+        return 32
+    if q.get("mode") == "nvfp4":
+        return 16
+    return default
+
+
+def measure_disk_gbps(files: list[Path], total_mb: int = 64, chunk_mb: int = 4) -> float:
+    """Random positioned reads of ``chunk_mb`` MiB from the shards, in GB/s.
+
+    On Linux the pages are dropped from the page cache first
+    (``posix_fadvise(DONTNEED)``) so the figure is the disk's, not memory's.
+    """
+    chunk = chunk_mb * 2**20
+    files = [f for f in files if f.stat().st_size >= chunk]
+    if not files:
+        return 0.0
+    rng = random.Random(0)
+    buf = bytearray(chunk)
+    done, t = 0, 0.0
+    while done < total_mb * 2**20:
+        f = rng.choice(files)
+        size = f.stat().st_size
+        off = rng.randrange(0, size - chunk + 1) // 4096 * 4096
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, off, chunk, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            n = os.preadv(fd, [buf], off)
+            t += time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        done += n
+    return done / t / 1e9 if t else 0.0
+
+
+def measure_compute_gbps(out_dim: int = 1536, in_dim: int = 1024, bits: int = 4, reps: int = 20) -> float:
+    """Weights streamed per second by a 4-bit matvec on the default device, in GB/s."""
+    w = mx.random.normal((out_dim, in_dim))
+    qw, s, b = mx.quantize(w, group_size=32, bits=bits)
+    x = mx.random.normal((1, in_dim))
+    mx.eval(qw, s, b, x)
+    mx.eval(mx.quantized_matmul(x, qw, s, b, group_size=32, bits=bits))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(mx.quantized_matmul(x, qw, s, b, group_size=32, bits=bits))
+    dt = (time.perf_counter() - t0) / reps
+    return (qw.nbytes + s.nbytes + b.nbytes) / dt / 1e9
+
+
+def predicted_tok_s(hit_rate: float, missed_bytes_at_zero: float, active_bytes: float, disk_gbps: float, compute_gbps: float) -> float:
+    """The docs/architecture.md roofline for one hit rate (bytes per token, GB/s)."""
+    t = (1 - hit_rate) * missed_bytes_at_zero / (disk_gbps * 1e9) + active_bytes / (compute_gbps * 1e9)
+    return 1 / t if t > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A checkpoint's config, tensor headers and expert block paths, local or on the hub."""
+
+    name: str
+    kind: str  # "local" or "hub"
+    config: dict
+    index: dict
+    blocks: list
+    files: list  # local shards (for the disk probe); empty for the hub
+
+
+def _open(model: str | Path) -> _Source:
+    """Read what the plan needs: a local folder (or a cached hub snapshot), else the hub's headers."""
+    from mlx_tier.engine.hub import (
+        cached_snapshot,
+        check_name,
+        is_repo_id,
+        remote_metadata,
+    )
+
+    check_name(model)
+    path = Path(model).expanduser()
+    if not path.exists() and is_repo_id(model):
+        path = cached_snapshot(str(model)) or path
+    if path.exists():
+        return _open_local(path)
+    config, index = remote_metadata(str(model))
+    return _Source(str(model), "hub", config, index, _blocks_from_config(str(model), config), [])
+
+
+def _open_local(model_dir: Path) -> _Source:
+    ckpt = open_checkpoint(model_dir)  # builds the graph; reads no weight
+    return _Source(str(model_dir), "local", ckpt.config, ckpt.index, ckpt.blocks,
+                   sorted({i.file for i in ckpt.index.values()}))
+
+
+def _blocks_from_config(name: str, config: dict) -> list:
+    """Expert blocks of the model mlx-lm builds from ``config`` (lazy arrays: nothing is computed)."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{name}: cannot build the model with mlx-lm: {e}") from None
+    return find_expert_blocks(model)
+
+
+def measure_scratch_disk_gbps(folder: Path | None = None, total_mb: int = 64) -> float:
+    """Disk bandwidth where a download would go (``HF_HUB_CACHE`` or the temp folder), in GB/s:
+    a ``total_mb`` MiB scratch file is written, synced, read back as :func:`measure_disk_gbps`
+    does (page cache dropped first on Linux), then removed."""
+    import tempfile
+
+    folder = Path(folder or os.environ.get("HF_HUB_CACHE") or tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".mlx-tier-disk-probe-") as f:
+        block = os.urandom(2**20)
+        for _ in range(total_mb):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        return measure_disk_gbps([Path(f.name)], total_mb=total_mb)
+
+
+def _resident_bytes(index: dict, names: list[str], dtype) -> int:
+    """Bytes of tensors ``names`` once resident: floating ones in the compute
+    ``dtype`` (``None``: as stored), packed quantized ones as stored."""
+    total = 0
+    for n in names:
+        info = index[n]
+        floating = info.dtype in ("F16", "BF16", "F32", "F64")
+        itemsize = dtype.size if (dtype is not None and floating) else info.np_dtype.itemsize
+        total += int(np.prod(info.shape)) * itemsize
+    return total
+
+
+def _warm_bytes(index: dict, names: list[str], blocks: list) -> int:
+    """Bytes of tensors ``names`` in a CUDA run's warm pools: sized by
+    :func:`mlx_tier.engine.warm_pool.warm_slot_nbytes` from the checkpoint's dtypes (kept on
+    a GPU), with the CPU kernel exactly where the job runner's default kernel
+    (``auto``) picks it for ``blocks`` (:func:`mlx_tier.kernels.registry.choose`): float32
+    scales then, else the checkpoint's dtypes (MLX's ops). A hub plan's
+    ``blocks`` are built unquantized, so there the CPU kernel is assumed."""
+    from mlx_tier.engine.warm_pool import warm_slot_nbytes
+    from mlx_tier.kernels.registry import choose
+
+    host_kernel = choose("auto", blocks, host_tier=True) == "cpu"
+    # whole stacked tensors at once (all experts of all layers): the caller divides by L x E
+    return warm_slot_nbytes(((np.prod(index[n].shape), _mx_dtype(index[n])) for n in names), host_kernel)
+
+
+def _mx_dtype(info) -> mx.Dtype:
+    """The MLX dtype of a checkpoint tensor (a :class:`TensorInfo`; ``BF16`` -> ``mx.bfloat16``)."""
+    special = {"BF16": mx.bfloat16, "BOOL": mx.bool_}
+    return special.get(info.dtype) or getattr(mx, info.np_dtype.name)
+
+
+def _kv_bytes(config: dict, moe_layers: int, dtype, context_tokens: int) -> int:
+    """KV cache bytes of one sequence of ``context_tokens`` (standard attention:
+    K and V per layer, ``num_key_value_heads x head_dim``; fp32 on the CPU backend)."""
+    n_layers = config.get("num_hidden_layers") or moe_layers
+    heads = config.get("num_attention_heads") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
+    kv_itemsize = 4 if dtype == mx.float32 else 2
+    return 2 * n_layers * kv_heads * head_dim * kv_itemsize * context_tokens
+
+
+def _expert_layout(model_dir, config: dict, index: dict, blocks: list) -> tuple[tuple[str, ...], list[str], int, int]:
+    """``(block prefixes, stacked expert tensor names, E, top-k)`` of a checkpoint.
+
+    Raises:
+        CheckpointError: no expert block, experts not stacked ``[E, ...]``, or no top-k in the config.
+    """
+    if not blocks:
+        raise CheckpointError(f"{model_dir}: not a Mixture-of-Experts checkpoint")
+    prefixes = tuple(path + "." for path, _ in blocks)
+    expert_names = [n for n in index if n.startswith(prefixes)]
+    if not expert_names:
+        raise CheckpointError(f"{model_dir}: experts are not stored stacked [E, ...] (Hugging Face layout?): "
+                              "run `mlx-tier convert` first")
+    top_k = next((config[k] for k in TOP_K_KEYS if isinstance(config.get(k), int)), None)
+    if top_k is None:
+        raise CheckpointError(f"{model_dir}: config states no experts-per-token ({', '.join(TOP_K_KEYS)})")
+    return prefixes, expert_names, index[expert_names[0]].shape[0], top_k
+
+
+def make_plan(
+    model_dir: str | Path,
+    memory_gb: float | None = None,
+    context_tokens: int = 8192,
+    disk_gbps: float | None = None,
+    compute_gbps: float | None = None,
+) -> Plan:  # 94 lines only by the Plan's 30 fields, set in one constructor call; the arithmetic lives in helpers above
+    """Capacity worksheet for ``model_dir`` (no weights loaded).
+
+    Args:
+        model_dir: an mlx-lm checkpoint folder, or a Hugging Face repo id: from
+            the local hub cache when there, else from the repo's ``config.json``
+            and safetensors headers over HTTP (:func:`mlx_tier.engine.hub.remote_metadata`;
+            nothing large is downloaded, and the disk is probed with a scratch file).
+        memory_gb: memory to plan for (default: this machine's total).
+        context_tokens: context length for the KV cache estimate.
+        disk_gbps / compute_gbps: bandwidths; measured briefly when ``None``.
+
+    Raises:
+        CheckpointError: not an mlx-lm MoE checkpoint; not found; hub unreachable.
+    """
+    source = _open(model_dir)
+    model_dir, config, index, blocks = source.name, source.config, source.index, source.blocks
+    prefixes, expert_names, num_experts, top_k = _expert_layout(model_dir, config, index, blocks)
+    default_gs = (config.get("quantization") or {}).get("group_size")
+
+    params = {n: _params(index, n, _group_size(config, n, default_gs)) for n in index}
+    is_param = {n: not n.endswith((".scales", ".biases")) for n in index}
+    expert_params_all = sum(p for n, p in params.items() if n.startswith(prefixes) and is_param[n])
+    total = sum(p for n, p in params.items() if is_param[n])
+    dense_params = total - expert_params_all
+    L = len(blocks)
+    expert_params = expert_params_all // (L * num_experts)
+    active = dense_params + L * top_k * expert_params
+
+    expert_set = set(expert_names)
+    expert_disk_all = sum(index[n].nbytes for n in expert_names)
+    dense_bytes = sum(i.nbytes for n, i in index.items() if n not in expert_set)
+    expert_bytes_disk = expert_disk_all // (L * num_experts)
+    dtype = default_compute_dtype()
+    expert_bytes_resident = _resident_bytes(index, expert_names, dtype) // (L * num_experts)
+    expert_bytes_warm = _warm_bytes(index, expert_names, [b for _, b in blocks]) // (L * num_experts)
+    kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
+
+    vm = psutil.virtual_memory()
+    memory_total = int(memory_gb * GIB) if memory_gb is not None else vm.total
+    memory_available = int(memory_gb * GIB) if memory_gb is not None else vm.available
+    budget = max(0, int((memory_available - dense_bytes - kv_bytes) * DEFAULT_BUDGET_FRACTION))
+    slots = min(num_experts, budget // (L * expert_bytes_resident)) if expert_bytes_resident else 0
+
+    disk_measured = disk_gbps is None
+    if disk_gbps is None:
+        disk_gbps = measure_disk_gbps(source.files) if source.files else measure_scratch_disk_gbps()
+    if compute_gbps is None:
+        compute_gbps = measure_compute_gbps()
+    miss_bytes_at_zero = L * top_k * expert_bytes_disk
+    active_bytes = dense_bytes + L * top_k * expert_bytes_disk
+    hit_low = slots / num_experts
+    hit_high = max(LOCALITY_HIT_RATE, hit_low) if slots else 0.0
+    runnable = slots >= 1 and disk_gbps > 0 and compute_gbps > 0  # else below one slot per layer
+    low = predicted_tok_s(hit_low, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
+    high = predicted_tok_s(hit_high, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
+
+    return Plan(
+        model=str(model_dir),
+        source=source.kind,
+        model_type=config.get("model_type", "?"),
+        moe_layers=L,
+        experts_per_layer=num_experts,
+        top_k=top_k,
+        total_params=total,
+        active_params=active,
+        dense_params=dense_params,
+        expert_params=expert_params,
+        dense_bytes=dense_bytes,
+        expert_bytes_disk=expert_bytes_disk,
+        expert_bytes_resident=expert_bytes_resident,
+        expert_bytes_warm=expert_bytes_warm,
+        layer_bytes_disk=expert_bytes_disk * num_experts,
+        experts_per_gb=GIB / expert_bytes_resident if expert_bytes_resident else 0.0,
+        context_tokens=context_tokens,
+        kv_bytes=kv_bytes,
+        memory_total=memory_total,
+        memory_available=memory_available,
+        cache_budget=budget,
+        slots_per_layer=int(slots),
+        disk_gbps=round(disk_gbps, 3),
+        disk_measured=disk_measured,
+        compute_gbps=round(compute_gbps, 3),
+        tok_s_low=round(low, 3),
+        tok_s_high=round(high, 3),
+        hit_rate_low=round(hit_low, 4),
+        hit_rate_high=round(hit_high, 4),
+    )

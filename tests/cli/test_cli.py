@@ -1,0 +1,315 @@
+"""``mlx-tier run`` end to end on tiny checkpoints: outputs, resume, report, and
+bad input -> one clear error line and exit code 2, losing nothing already done.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+from typer.testing import CliRunner
+
+from mlx_tier.cli.main import app
+from mlx_tier.job.run import JobConfig, Reporter, run_job
+from mlx_tier.job.scheduler import GenerationConfig
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def docs(tmp_path):
+    d = tmp_path / "docs"
+    (d / "more").mkdir(parents=True)
+    (d / "one.txt").write_text("The river floods every spring and the farmers plant after it recedes.")
+    (d / "two.md").write_text("# Notes\nThe library opens at nine and closes at five on weekdays.")
+    (d / "more" / "three.txt").write_text("Bees carry pollen between flowers, which helps fruit to form.")
+    return d
+
+
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def run(*args):
+    result = runner.invoke(app, ["run", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def error_lines(output):
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+def test_run_resume_and_report(docs, tmp_path, tiny_moe):
+    out = tmp_path / "out"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--cache-gb", "0.0001", "--max-tokens", "6")
+    assert code == 0, output
+    names = sorted(p.name for p in out.iterdir() if p.name != ".mlx-tier.lock")
+    assert names == ["journal.jsonl", "more__three.md", "one.md", "report.html", "report.json", "two.md"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["done"] == 3 and report["totals"]["failed"] == 0
+    assert report["slots_per_layer"] < report["experts_per_layer"]  # cache smaller than the experts
+    assert report["cache"]["misses"] > 0 and 0 <= report["cache"]["hit_rate"] <= 1
+    assert report["cache"]["resident_bytes_max"] <= report["cache"]["budget_bytes"]
+    assert {"machine", "backend", "model", "cache_budget_gib"} <= set(report)
+    doc = report["documents"][0]
+    assert doc["input_tokens"] > 10 and 1 <= doc["output_tokens"] <= 6 and doc["doc_seconds"] > 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")}
+
+    assert "1/3 " in output and "3/3 " in output  # not a terminal: one line per document
+    assert "in tok: the document with the instruction, in tokens; out tok:" in " ".join(output.split())  # caption
+    assert oct((out / "one.md").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
+    first_run = report["runs"][0]
+
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--cache-gb", "0.0001", "--max-tokens", "6")
+    assert code == 0, output
+    assert "skipping 3 document(s) already done" in output
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")} == before  # never rewritten
+    report = json.loads((out / "report.json").read_text())
+    # The job's truth survives the rerun: every document done (by the earlier run), this run did nothing.
+    assert report["totals"]["done"] == report["totals"]["documents"] == 3 and report["totals"]["output_tokens"] > 0
+    assert all(d["status"] == "done" and d["earlier_run"] for d in report["documents"])
+    assert report["documents"][0]["doc_seconds"] == doc["doc_seconds"]  # figures kept from the journal
+    assert report["runs"][1]["done"] == 0 and report["runs"][1]["already_done"] == 3
+    assert len(report["runs"]) == 2 and report["runs"][0] == first_run  # the first run's figures survive
+    assert report["cache"]["misses"] == first_run["cache"]["misses"]  # summed over runs
+
+
+def test_a_resumed_job_gives_the_eta_its_earlier_summary_lengths(docs, tmp_path, tiny_moe, monkeypatch):
+    """A rerun with new documents starts the ETA from the lengths of the summaries already
+    written (mlx_tier.job.eta: the max_tokens prior alone made early estimates ~2x high)."""
+    from mlx_tier.job import run as jobs
+
+    out = tmp_path / "out"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "6")
+    assert code == 0, output
+    written = sorted(d["output_tokens"] for d in json.loads((out / "report.json").read_text())["documents"])
+    trackers, real = [], jobs.EtaTracker
+
+    def tracker(*args):
+        trackers.append(real(*args))
+        return trackers[-1]
+
+    monkeypatch.setattr(jobs, "EtaTracker", tracker)
+    (docs / "four.txt").write_text("A new document added after the first run.")
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "6")
+    assert code == 0, output
+    assert len(trackers) == 1 and sorted(trackers[0].earlier) == written and all(written)
+    assert list(trackers[0].docs) == ["four"]
+
+
+def test_bad_documents_fail_alone(docs, tmp_path, tiny_moe):
+    (docs / "bin.txt").write_bytes(b"\x00\x00\xff")
+    (docs / "long.txt").write_text("word " * 400)
+    out = tmp_path / "out"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4")
+    assert code == 1, output
+    assert not (out / "bin.md").exists()
+    assert (out / "one.md").exists() and (out / "two.md").exists() and (out / "long.md").exists()
+    full = json.loads((out / "report.json").read_text())
+    report = {d["id"]: d for d in full["documents"]}
+    assert "binary" in report["bin"]["error"]
+    # Longer than the 256-token context: summarised in parts, never truncated.
+    assert report["long"]["status"] == "done" and report["long"]["parts"] >= 2
+    assert report["long"]["input_tokens"] > 256 and full["totals"]["chunked"] == 1
+    assert "1 long, summarised in parts" in " ".join(output.split())  # the end-of-run lines wrap between words
+
+
+@pytest.fixture(autouse=True)
+def _short_context(request, monkeypatch):
+    # The tiny checkpoints state no context length; give them a small one so
+    # that a long document (map-reduce) is reachable with a short file.
+    monkeypatch.setattr("mlx_tier.job.run.FALLBACK_CONTEXT", 256)
+
+
+def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
+    cases = [
+        ((tmp_path / "nope", "--out", tmp_path / "o"), "no such file or folder"),
+        ((tmp_path / "emptydir", "--out", tmp_path / "o"), "no documents found"),
+        ((docs, "--out", docs / "one.txt" / "sub"), "output folder not writable"),
+        ((docs, "--out", tmp_path / "o", "--model", tmp_path / "no-model"), "model folder not found"),
+        ((docs, "--out", tmp_path / "o", "--model", tmp_path / "emptydir"), "no config.json"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_dense), "not a Mixture-of-Experts checkpoint"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "1e-7"), "too small"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "-1"), "must be a finite positive number"),
+        ((docs, "--out", tmp_path / "o", "--prompt", "@" + str(tmp_path / "none.txt")), "cannot read prompt file"),
+        # --background checks before detaching
+        ((docs, "--out", tmp_path / "o", "--model", tmp_path / "no-model", "--background"), "model folder not found"),
+        ((docs, "--out", tmp_path / "o", "--max-tok-s", "0", "--background"), "--max-tok-s must be a positive"),
+        # a context too small for --max-tokens and the instruction: refused before any document
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--context", "100"), "raise --context"),
+    ]
+    (tmp_path / "emptydir").mkdir()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "text": "fine"}\n{oops}\n')
+    cases.append(((bad, "--out", tmp_path / "o", "--model", tiny_moe), "bad.jsonl:2: malformed JSON"))
+    for args, message in cases:
+        code, output = run(*args)
+        assert code == 2, (args, output)
+        lines = error_lines(output)
+        assert len(lines) == 1 and message in lines[0], (args, output)
+        assert not (tmp_path / "o").exists(), args  # a run that never started leaves no folder
+
+
+def test_prompt_from_file_and_jsonl(tmp_path, tiny_moe):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "q1", "text": "Cats sleep a lot."}) + "\n")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("List the nouns.")
+    out = tmp_path / "out"
+    code, output = run(inp, "--out", out, "--model", tiny_moe, "--prompt", f"@{prompt}", "--max-tokens", "3")
+    assert code == 0, output
+    assert json.loads((out / "report.json").read_text())["prompt"] == "List the nouns."
+    assert (out / "q1.md").exists()
+
+
+class InterruptAfterFirst(Reporter):
+    """Sends this process SIGINT when the first document finishes, as Ctrl-C would."""
+
+    def finished(self, result, cache):
+        if not getattr(self, "sent", False):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_ctrl_c_stops_after_documents_in_progress_and_resume_finishes(docs, tmp_path, tiny_moe, batch):
+    out = tmp_path / "out"
+    config = JobConfig(input=docs, out_dir=out, model=tiny_moe,
+                       generation=GenerationConfig(max_tokens=4, batch_size=batch))
+    report = run_job(config, InterruptAfterFirst())
+    assert report.interrupted
+    # Those in flight at the signal finish (one, or the batch of two); the rest never start.
+    assert [r.status for r in report.results].count("done") == batch
+    assert [r.status for r in report.results].count("pending") == 3 - batch
+    assert len(list(out.glob("*.md"))) == batch
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    report = run_job(config)
+    assert not report.interrupted
+    assert sorted(r.status for r in report.results) == ["done"] * 3
+    assert sum(r.earlier_run for r in report.results) == batch  # the first run's, not regenerated
+
+
+def test_crash_after_output_before_journal_is_recovered(docs, tmp_path, tiny_moe):
+    from mlx_tier.outdir.journal import JobInfo, Journal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    # The killed run had journalled its start (which names "one"), written
+    # one.md atomically, and died before journalling it as done.
+    JobInfo(input=str(docs), ids=["one", "two"], todo=["one", "two"], started=0.0, pid=1).write(Journal(out))
+    (out / "one.md").write_text("finished before the crash\n")
+    report = run_job(JobConfig(input=docs, out_dir=out, model=tiny_moe, generation=GenerationConfig(max_tokens=3)))
+    assert (out / "one.md").read_text() == "finished before the crash\n"
+    one = {r.id: r for r in report.results}["one"]
+    assert one.status == "done" and one.earlier_run
+
+
+def test_trim_to_sentence():
+    from mlx_tier.job.prompts import trim_to_sentence
+
+    assert trim_to_sentence("One. Two! Three is cut") == "One. Two!"
+    assert trim_to_sentence("no sentence end") == "no sentence end"
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("mlx-tier ")
+
+
+def test_ids_unique_out_dir_inside_input_and_lock(tmp_path, tiny_moe):
+    from mlx_tier.job.documents import discover
+    from mlx_tier.outdir.jobdir import lock_out_dir
+    from mlx_tier.outdir.layout import LOCK
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a b.txt").write_text("first")
+    (docs / "a_b.txt").write_text("second")
+    (docs / "Notes.txt").write_text("third")
+    (docs / "notes.md").write_text("fourth")
+    ids = [d.id for d in discover(docs)]
+    assert len({i.casefold() for i in ids}) == 4, ids
+    out = docs / "summaries"  # the output folder inside the input folder
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "2")
+    assert code == 0, output
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "2")
+    assert "skipping 4 document(s)" in output  # its summaries were not taken as new input
+    held = lock_out_dir(out)
+    try:
+        code, output = run(docs, "--out", out, "--model", tiny_moe)
+        assert code == 2 and "another mlx-tier run is using this output folder" in output
+    finally:
+        held.close()
+    assert (out / LOCK).exists()
+
+
+def test_nan_budget_and_unwritable_trace_path_exit_2_with_one_line(tmp_path, tiny_moe, docs):
+    for args, message in [
+        ((docs, "--out", tmp_path / "o", "--cache-gb", "nan"), "must be a finite positive number"),
+        ((docs, "--out", tmp_path / "o", "--cache-gb", "inf"), "must be a finite positive number of GiB, got inf"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--trace", tmp_path / "no" / "t.npz"), "cannot write the trace"),
+    ]:
+        code, output = run(*args)
+        assert code == 2 and message in output, output
+
+
+def test_policy_profile_round_trip(docs, tmp_path, tiny_moe):
+    """--policy pinned needs a saved profile (exit 2 saying how to make one);
+    --save-profile records one next to the checkpoint; then pinned runs, pre-warmed."""
+    import shutil
+
+    model = shutil.copytree(tiny_moe, tmp_path / "model")
+    code, output = run(docs, "--out", tmp_path / "o1", "--model", model, "--policy", "pinned")
+    assert code == 2 and len(error_lines(output)) == 1 and "profile" in error_lines(output)[0]
+    code, output = run(docs, "--out", tmp_path / "o1", "--model", model, "--policy", "nope")
+    assert code == 2 and "--policy must be one of" in output
+    code, output = run(docs, "--out", tmp_path / "o2", "--model", model, "--max-tokens", "3", "--cache-gb", "0.0001",
+                       "--save-profile")
+    assert code == 0, output
+    assert (model / "mlx-tier-profile.json").exists()
+    code, output = run(docs, "--out", tmp_path / "o3", "--model", model, "--max-tokens", "3", "--cache-gb", "0.0001",
+                       "--policy", "pinned")
+    assert code == 0, output
+    report = json.loads((tmp_path / "o3" / "report.json").read_text())
+    assert report["policy"] == "pinned" and report["cache"]["prewarmed"] > 0
+
+
+def test_max_tok_s_caps_the_job_and_status_shows_throttle_time(docs, tmp_path, tiny_moe):
+    from mlx_tier.job.throttle import ThrottleConfig
+    from mlx_tier.monitor.status import read_status
+
+    out = tmp_path / "out"
+    config = JobConfig(input=docs, out_dir=out, model=tiny_moe, generation=GenerationConfig(max_tokens=4, batch_size=3),
+                       throttle=ThrottleConfig(max_tok_s=20.0))
+    report = run_job(config)
+    tokens = report.output_tokens
+    assert tokens >= 6 and report.throttle["capped_seconds"] > 0
+    assert report.throttle["tokens"] == tokens
+    # paced to the cap: the decode steps cannot have produced tokens faster than 20/s
+    assert report.throttle["elapsed_seconds"] >= (tokens - 3) / 20.0
+    st = read_status(out)
+    assert st.throttled_seconds == pytest.approx(report.runs[-1]["throttled_seconds"], abs=0.01)
+    assert st.thermal and st.thermal[0]["mode"] == "full"  # the throttle's state at start, journalled
+    result = runner.invoke(app, ["status", str(out)])
+    assert result.exit_code == 0 and "full speed from 0 s into the run" in result.output, result.output
+
+
+def test_kernel_option(docs, tmp_path, tiny_moe):
+    """--kernel: bad names and metal without Metal exit 2 with one line; cpu and mlx write the same summaries."""
+    import mlx.core as mx
+
+    code, output = run(docs, "--out", tmp_path / "o0", "--model", tiny_moe, "--kernel", "gpu")
+    assert code == 2 and "--kernel: kernel must be one of mlx, cpu, metal, auto; got 'gpu'" in output
+    if not mx.metal.is_available():
+        code, output = run(docs, "--out", tmp_path / "o0", "--model", tiny_moe, "--kernel", "metal")
+        assert code == 2 and len(error_lines(output)) == 1 and "needs Apple Metal" in output
+    texts = []
+    for kernel in ("cpu", "mlx"):
+        out = tmp_path / kernel
+        code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4", "--kernel", kernel)
+        assert code == 0, output
+        texts.append(sorted((p.name, p.read_text()) for p in out.glob("*.md")))
+        assert json.loads((out / "report.json").read_text())["kernel"] == kernel
+    assert texts[0] == texts[1] and texts[0]

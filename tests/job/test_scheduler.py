@@ -1,0 +1,119 @@
+"""The scheduler: batched documents equal documents alone; map-reduce for long ones; a failing
+document fails alone while the others finish; a stop request starts nothing new."""
+
+from __future__ import annotations
+
+import pytest
+
+import mlx_tier
+from mlx_tier.job.documents import Document
+from mlx_tier.job.scheduler import GenerationConfig, Scheduler
+
+TEXTS = {
+    "a": "The cat sat on the mat and looked at the garden.",
+    "b": "Rivers run to the sea. Mountains stand. Boats float on the water near the harbour.",
+    "c": "Numbers: one, two, three, four, five, six.",
+}
+LONG = "\n\n".join(f"Paragraph {i}: the {i}th bridge crosses the river at mile {i * 7}." for i in range(40))
+
+
+def docs(texts):
+    return [Document(k, k, t) for k, t in texts.items()]
+
+
+@pytest.fixture(scope="module")
+def tiered(tiny_moe):
+    return mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2))
+
+
+def run(model, tokenizer, path, texts, *, batch, model_context=4096, **kw):
+    config = GenerationConfig("Summarise this.", max_tokens=8, batch_size=batch, **kw)
+    sched = Scheduler(model, tokenizer, path, model_context, config)
+    return {o.id: o for o in sched.run(docs(texts))}, sched
+
+
+def test_batched_documents_equal_documents_alone(tiered, tiny_moe):
+    model, tokenizer = tiered
+    alone, _ = run(model, tokenizer, tiny_moe, TEXTS, batch=1, reuse_prefix=False)
+    batched, sched = run(model, tokenizer, tiny_moe, TEXTS, batch=2)
+    assert sched.info["batch_size"] == 2 and sched.info["shared_prefix_tokens"] > 0
+    assert all(o.status == "done" and o.output_tokens > 0 for o in batched.values())
+    assert {k: o.summary for k, o in batched.items()} == {k: o.summary for k, o in alone.items()}
+    assert len({o.summary for o in alone.values()}) == 3
+
+
+def test_long_document_is_summarised_by_map_reduce(tiered, tiny_moe):
+    model, tokenizer = tiered
+    out, sched = run(model, tokenizer, tiny_moe, {"long": LONG, "a": TEXTS["a"]}, batch=2, model_context=180)
+    assert sched.context == 180
+    long, short = out["long"], out["a"]
+    assert long.status == "done" and long.parts >= 3 and long.levels >= 2
+    assert long.input_tokens > 180  # the whole document's prompt: never truncated
+    assert long.output_tokens > 8  # every part's tokens count
+    assert short.status == "done" and short.parts == 0
+
+
+class Poisoned:
+    """The model, failing like an MLX out-of-memory error whenever a batch holds ``token``."""
+
+    def __init__(self, model, token: int):
+        self._model, self._token = model, token
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, inputs, *args, **kwargs):
+        if (inputs == self._token).any().item():
+            raise RuntimeError("[malloc] Unable to allocate 1234 bytes")
+        return self._model(inputs, *args, **kwargs)
+
+
+def test_a_failing_document_fails_alone(tiered, tiny_moe):
+    model, tokenizer = tiered
+    texts = {**TEXTS, "bad": "zebraquokka " * 3}
+    token = tokenizer.encode(" zebraquokka", add_special_tokens=False)[0]
+    assert all(token not in tokenizer.encode(t) for t in TEXTS.values())
+    clean, _ = run(model, tokenizer, tiny_moe, TEXTS, batch=4)
+    out, _ = run(Poisoned(model, token), tokenizer, tiny_moe, texts, batch=4)
+    assert out["bad"].status == "failed" and "Unable to allocate" in out["bad"].error
+    assert {k: out[k].summary for k in TEXTS} == {k: o.summary for k, o in clean.items()}
+
+
+def test_stop_request_starts_nothing_new(tiered, tiny_moe):
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=2))
+    generated = []
+
+    def on_step(info, ids):
+        generated.append(info.generated)
+
+    # Stop once a token is out: the documents already writing finish; b was still
+    # being read (prefill runs one prompt at a time) and c never started.
+    out = list(sched.run(docs(TEXTS), should_stop=lambda: sum(generated) > 0, on_step=on_step))
+    assert [o.id for o in out] == ["a"] and out[0].status == "done"
+    # Stop while the first prompt is still being read: nothing finishes.
+    generated.clear()
+    out = list(sched.run(docs(TEXTS), should_stop=lambda: len(generated) > 0, on_step=on_step))
+    assert out == [] and sum(generated) == 0
+
+
+def test_impossible_context_is_refused_before_any_document(tiered, tiny_moe):
+    from mlx_tier.errors import InputError
+
+    model, tokenizer = tiered
+    with pytest.raises(InputError, match="raise `context` or lower `max_tokens`") as e:
+        Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 160, context=100))
+    assert e.value.field == "context"  # the CLI names its flag (test_cli: "raise --context")
+
+
+def test_nothing_outside_the_reasoning_fails_the_document(tiered, tiny_moe):
+    from mlx_tier.cli.render import as_flags
+    from mlx_tier.job.scheduler import _Doc
+
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8))
+    d = _Doc(Document("t", "t", "text"), 0.0, reasoning=["thinking, cut by the limit"])
+    out = sched._finish(d, "", "length")
+    assert out.status == "failed" and "outside the reasoning" in out.error and "`retry_failed`" in out.error
+    assert "--" not in out.error and "--retry-failed" in as_flags(out.error)  # the CLI renders the flags
+    assert sched._finish(_Doc(Document("u", "u", "x"), 0.0), "A summary.", "stop").status == "done"

@@ -1,0 +1,97 @@
+"""Stops within seconds, in a real process: a first SIGINT/SIGTERM acts at the next
+step boundary (steps are bounded in time, so a slow prompt does not delay it), and
+a second signal stops at once even inside a long MLX call, where Python cannot run
+its handler (the signals are counted where they arrive, by a watchdog thread).
+
+Timings are asserted loosely (15 s) for a shared 2-core machine; without the
+fixes the stops take tens of seconds to minutes here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.output import command_after
+
+DRIVER = Path(__file__).parents[1] / "support" / "slow_run.py"
+WORDS = "the river floods every spring and the farmers plant after it recedes".split()
+pytestmark = pytest.mark.slow
+
+
+def start(tmp_path, model, kind, *extra):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "long.txt").write_text(" ".join(WORDS[i % len(WORDS)] for i in range(1200)) + ".")
+    (docs / "short.txt").write_text("Bees carry pollen between flowers, which helps fruit to form.")
+    out = tmp_path / "out"
+    env = {**os.environ, "SLOW_KIND": kind, "SLOW_MARKER": str(tmp_path / "long-call-started")}
+    proc = subprocess.Popen([sys.executable, str(DRIVER), "run", str(docs), "--out", str(out), "--model", str(model),
+                             "--max-tokens", "4", "--batch-size", "1", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def wait_for(proc, condition, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"never happened; output:\n{proc.communicate()[0]}")
+        time.sleep(0.1)
+
+
+def finish(proc, timeout=15):
+    """Exit code, output and seconds taken to exit."""
+    t0 = time.monotonic()
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running {timeout} s after the signal:\n{proc.communicate()[0]}")
+    return proc.returncode, output, time.monotonic() - t0
+
+
+def reading(out: Path) -> bool:
+    try:
+        return json.loads((out / "progress.json").read_text()).get("reading") is not None
+    except (OSError, ValueError):
+        return False
+
+
+def test_first_signal_stops_at_the_next_step_while_a_long_prompt_is_read(tmp_path, tiny_moe):
+    # 25 prompt tokens/s: one --prefill-step 512 step would take 20 s; steps paced to ~4 s do not.
+    proc, out = start(tmp_path, tiny_moe, "sleep")
+    wait_for(proc, lambda: reading(out))
+    proc.send_signal(signal.SIGINT)
+    code, output, seconds = finish(proc)
+    assert code == 130, output
+    assert "stopping:" in output and command_after(output, "Resume with:").startswith("mlx-tier run ")
+    lines = output.splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("stopping:"))
+    last = next(i for i in range(first, len(lines)) if lines[i].endswith("stop at once)"))
+    assert all(len(x) <= 80 for x in lines[first:last + 1]), lines[first:last + 1]  # wrapped between words
+    assert seconds < 15
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["pending"] >= 1  # the document being read is left for the next run
+
+
+def test_second_signal_stops_at_once_inside_a_long_mlx_call(tmp_path, tiny_moe):
+    proc, out = start(tmp_path, tiny_moe, "mlx")
+    wait_for(proc, lambda: (tmp_path / "long-call-started").exists())
+    time.sleep(0.5)  # well inside mx.eval
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # two quick signals: Python alone would run its handler once, after the call
+    proc.send_signal(signal.SIGTERM)
+    code, output, seconds = finish(proc)
+    assert code == 143, output
+    assert "stopped at once (SIGTERM); finished summaries are kept." in " ".join(output.split())
+    assert command_after(output, "Resume with:").startswith("mlx-tier run ")
+    assert seconds < 15
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]

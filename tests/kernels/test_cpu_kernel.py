@@ -1,0 +1,327 @@
+"""The CPU expert kernel computes what MLX computes, to fp32 rounding.
+
+Invariant 1 on own kernels (docs/architecture.md): outputs and logits stay within
+``max|Δ| <= BOUND * max|reference|`` of the MLX path, and greedy tokens equal
+mlx-lm's, for every expert format (affine 2-8 bits at group sizes 32/64/128,
+mxfp4, float experts, per-expert biases), both block kinds (SwitchGLU,
+SwitchMLP) and both kernel paths (fused matvec for few rows per expert,
+dequantise + BLAS GEMM for many), at 1, top-k and E slots per layer.
+"""
+
+import importlib
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx import nn
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear, SwitchMLP
+from support.arch_configs import BASE, CONFIGS, E, K
+from support.checkpoints import write_checkpoint
+from support.exactness import BOUND, assert_cpu_kernel_agrees, close, greedy_ids
+
+import mlx_tier
+from mlx_tier import TierConfig
+from mlx_tier.kernels import cpu as cpu_kernel
+from mlx_tier.kernels import cpu_vnni
+from mlx_tier.kernels import registry as kernels
+
+
+def block(kind, D=64, H=32, experts=6, bias=True, **quant):
+    """A random expert block with nonzero per-expert biases, quantized when ``quant`` is given."""
+    mx.random.seed(1)
+    b = (SwitchGLU if kind == "glu" else SwitchMLP)(D, H, experts, bias=bias)
+    if bias:
+        for leaf in b.children().values():
+            if isinstance(leaf, SwitchLinear):
+                leaf.bias = mx.random.normal(leaf.bias.shape) * 0.1
+    if quant:
+        nn.quantize(b, **quant)
+    mx.eval(b.parameters())
+    return b
+
+
+def check_block(b, T, k=3, D=64, experts=6):
+    x = mx.random.normal((T, D))
+    idx = mx.random.randint(0, experts, (T, k)).astype(mx.uint32)
+    ref = b(x, idx)
+    got = cpu_kernel.expert_forward(b, x, idx)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert close(ref, got) <= BOUND
+
+
+# T=1: decode (fused matvec); T=40 with 3 of 6 experts: ~20 rows per expert (GEMM path).
+@pytest.mark.parametrize("T", [1, 40])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_affine_glu_block_matches_mlx(bits, group_size, T, row_loops):
+    b = block("glu", D=128, H=128, bits=bits, group_size=group_size)
+    check_block(b, T, D=128)
+
+
+@pytest.mark.parametrize("T", [1, 40])
+@pytest.mark.parametrize(
+    "kind, quant",
+    [("mlp", dict(bits=4, group_size=32)), ("glu", dict(mode="mxfp4", bits=4, group_size=32)),
+     ("glu", {}), ("mlp", {})],
+    ids=["mlp-q4", "glu-mxfp4", "glu-float", "mlp-float"],
+)
+def test_other_formats_match_mlx(kind, quant, T):
+    check_block(block(kind, **quant), T)
+
+
+@pytest.mark.parametrize("D, group_size", [(128, 32), (96, 32), (192, 64), (384, 128), (160, 32)],
+                         ids=["g32-even", "g32-odd-groups", "g64-odd-groups", "g128-odd-groups", "g32-5-groups"])
+def test_4bit_row_loops_match_mlx_and_the_generic_loop(D, group_size):
+    """Decode's group-size-specialised 4-bit row loops (an odd group count at g32 takes the
+    generic loop): the block matches MLX, and each specialised loop equals the generic one
+    to fp32 rounding on the same rows."""
+    b = block("glu", D=D, H=max(64, group_size), bits=4, group_size=group_size)
+    check_block(b, 1, D=D)
+    q = cpu_kernel._Quant(b.gate_proj, stacked=True)
+    loop = cpu_kernel._row_loop(4, group_size, 0, D // group_size)
+    assert (loop == 0) == (group_size == 32 and (D // group_size) % 2 == 1)
+    if not loop:
+        return
+    x = np.random.default_rng(0).standard_normal((1, D)).astype(np.float32)
+    xd, xs = cpu_kernel._deinterleave(x, 4, 0), x.reshape(1, -1, group_size).sum(-1)
+    tok, slots = np.zeros(3, np.int64), np.array([0, 4, 2])
+    want, got = np.empty((3, q.out_dims), np.float32), np.empty((3, q.out_dims), np.float32)
+    cpu_kernel._qmv(q.w, q.scales, q.biases, 4, group_size, 0, xd, xs, tok, slots, want, 0, want.size)
+    cpu_kernel._qmv4(loop, q.w, q.scales, q.biases, xd, xs, tok, slots, got, 0, got.size)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("group_size, cuts", [(64, [0, 1, 127, 128, 129, 400, 640]), (32, [0, 37, 256, 383, 640]),
+                                               (128, [0, 128, 129, 130, 640])])
+def test_4bit_row_loop_shares_cut_anywhere(group_size, cuts, row_loops):
+    """A thread's share [f0, f1) of the flat (pair, row) range may start and end inside a
+    pair (_parallel cuts by row count): the shares together fill exactly what one call
+    over the whole range fills, bit for bit, touching nothing outside their range
+    (both row loops; the VNNI one strides its four rows by a quarter of the share)."""
+    vnni = row_loops == "vnni"
+    b = block("glu", D=256, H=128, bits=4, group_size=group_size)
+    q = cpu_kernel._Quant(b.up_proj, stacked=True)  # O=128 rows of I=256 per pair
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    kind, *xp = q.prepare(x)
+    assert kind == ("vnni" if vnni else "f32")
+    loop = (lambda *a: cpu_vnni.qmv4(group_size, *a)) if vnni else (lambda *a: cpu_kernel._qmv4(group_size, *a))
+    tok, slots = np.array([0, 1, 1, 0, 1]), np.array([5, 0, 3, 3, 1])  # 5 pairs, 640 rows
+    whole = np.full((5, 128), np.nan, np.float32)
+    loop(q.w, q.scales, q.biases, *xp, tok, slots, whole, 0, whole.size)
+    shares = np.empty(whole.size, np.float32)
+    for f0, f1 in itertools.pairwise(cuts):
+        one = np.full((5, 128), np.nan, np.float32)
+        loop(q.w, q.scales, q.biases, *xp, tok, slots, one, f0, f1)
+        filled = ~np.isnan(one.reshape(-1))
+        assert filled[f0:f1].all() and filled.sum() == f1 - f0  # this share's rows, no others
+        shares[f0:f1] = one.reshape(-1)[f0:f1]
+    assert np.array_equal(shares.reshape(whole.shape), whole) and not np.isnan(whole).any()
+
+
+@pytest.mark.parametrize("T, k", [(1, 2), (1, 4), (2, 3)])
+def test_decode_by_whole_pairs_equals_the_per_projection_path(T, k, row_loops, monkeypatch):
+    """Decode of a bias-free 4-bit SwiGLU block with the pairs split evenly among the threads
+    runs each pair whole on one thread: bit-equal to the per-projection path (same row
+    loops), within the bound of MLX's block. (H=64 keeps down off the VNNI loops, so no
+    share is fused: test_cpu_vnni checks the fused share, equal to fp32 rounding.)"""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    b = block("glu", D=128, H=64, bias=False, bits=4, group_size=32)
+    x = mx.random.normal((T, 128))
+    idx = mx.array(np.random.default_rng(T * k).choice(6, (T, k)).astype(np.uint32))
+    assert cpu_kernel._by_pairs(b, np.asarray(idx).reshape(-1))
+    got = cpu_kernel.expert_forward(b, x, idx)
+    monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    assert mx.array_equal(got, cpu_kernel.expert_forward(b, x, idx))
+    assert close(b(x, idx), got) <= BOUND
+
+
+@pytest.mark.parametrize("by_pairs", [True, False], ids=["by-pairs", "per-projection"])
+@pytest.mark.parametrize("up_quant", [{"bits": 4, "group_size": 32}, {"bits": 8, "group_size": 64}], ids=["up-g32", "up-8bit"])
+def test_gate_and_up_of_different_layouts(up_quant, by_pairs, monkeypatch):
+    """Gate and up share their prepared input only when their layouts match: a block whose
+    up projection is quantized otherwise than gate (4-bit g64) still matches MLX's, on
+    both decode paths."""
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    mx.random.seed(1)
+    b = SwitchGLU(128, 128, 6, bias=False)
+    nn.quantize(b, class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                and (up_quant if p == "up_proj" else {"bits": 4, "group_size": 64}))
+    mx.eval(b.parameters())
+    x, idx = mx.random.normal((1, 128)), mx.array([[0, 3]], dtype=mx.uint32)
+    if not by_pairs:
+        monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    assert cpu_kernel._by_pairs(b, np.array([0, 3])) == by_pairs
+    assert close(b(x, idx), cpu_kernel.expert_forward(b, x, idx)) <= BOUND
+
+
+def test_decode_by_whole_pairs_only_where_it_fits(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    plain, biased = block("glu", bias=False, bits=4, group_size=32), block("glu", bias=True, bits=4, group_size=32)
+    assert cpu_kernel._by_pairs(plain, np.array([0, 3]))
+    assert not cpu_kernel._by_pairs(plain, np.array([0, 3, 5]))  # 3 pairs on 2 threads: rows instead
+    assert not cpu_kernel._by_pairs(biased, np.array([0, 3]))  # up/gate biases come before the activation
+    assert not cpu_kernel._by_pairs(plain, np.zeros(8, np.int64))  # 8 rows of one expert: the GEMM path
+    assert not cpu_kernel._by_pairs(block("mlp", bias=False, bits=4, group_size=32), np.array([0, 3]))
+
+
+def test_qwen3_30b_expert_shape_one_token():
+    """The bench's shapes (Qwen3-30B-A3B): 4-bit g64, D=2048, H=768, k=8, one token."""
+    b = block("glu", D=2048, H=768, experts=8, bias=False, bits=4, group_size=64)
+    check_block(b, 1, k=8, D=2048, experts=8)
+
+
+def test_bfloat16_slabs_compute_in_float32():
+    b = block("glu", bits=4, group_size=32)
+    b.set_dtype(mx.bfloat16)
+    x = mx.random.normal((2, 64)).astype(mx.bfloat16)
+    idx = mx.array([[0, 5, 2], [1, 1, 3]], dtype=mx.uint32)
+    got = cpu_kernel.expert_forward(b, x, idx)
+    assert got.dtype == mx.bfloat16
+    b.set_dtype(mx.float32)  # the same (bf16-representable) values, computed in float32
+    assert close(b(x.astype(mx.float32), idx), got) <= 2**-7  # only the bf16 rounding of the output
+
+
+@pytest.mark.parametrize("mode, bits, group_size", [("affine", 4, 32), ("affine", 8, 64), ("mxfp4", 4, 32)])
+@pytest.mark.parametrize("T", [1, 12])
+def test_dense_quantized_layers_served(mode, bits, group_size, T):
+    mx.random.seed(2)
+    lin = nn.QuantizedLinear(128, 96, bias=True, group_size=group_size, bits=bits, mode=mode)
+    lin.bias = mx.random.normal((96,))
+    emb = nn.QuantizedEmbedding(96, 128, group_size=group_size, bits=bits, mode=mode)
+    x = mx.random.normal((2, T, 128))
+    want = lin(x), emb.as_linear(x), emb(mx.array([3, 7]))
+    model = nn.Sequential(lin, emb)
+    keys = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
+    assert cpu_kernel.serve_dense(model) == 2
+    assert isinstance(lin, cpu_kernel.CpuQuantizedLinear)
+    assert [k for k, _ in nn.utils.tree_flatten(model.parameters())] == keys
+    got = lin(x), emb.as_linear(x), emb(mx.array([3, 7]))
+    assert close(want[0], got[0]) <= BOUND and close(want[1], got[1]) <= BOUND
+    assert mx.array_equal(want[2], got[2])  # lookups stay MLX's
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-embedding", "lm_head"])
+def test_output_layer_leaves_prompt_positions_to_mlx(tied, monkeypatch):
+    """The output layer computes one position per sequence (decode, a batch of 3) with the
+    kernel and a prompt's positions with MLX's lazy op (mlx-lm never evaluates prefill
+    logits, so they cost nothing); other dense layers use the kernel for both."""
+    mx.random.seed(5)
+    model = nn.Module()
+    model.embed = nn.QuantizedEmbedding(96, 128, group_size=32, bits=8)
+    model.lm_head = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+    model.q_proj = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+    out = (lambda x: model.embed.as_linear(x)) if tied else (lambda x: model.lm_head(x))
+    prompt, step = mx.random.normal((3, 7, 128)), mx.random.normal((3, 1, 128))
+    want = out(prompt), out(step), model.q_proj(prompt)
+    assert cpu_kernel.serve_dense(model) == 3
+    assert type(model.lm_head) is cpu_kernel.CpuOutputLinear
+    assert type(model.q_proj) is cpu_kernel.CpuQuantizedLinear
+    calls = []
+    kernel = cpu_kernel.quantized_matmul
+    monkeypatch.setattr(cpu_kernel, "quantized_matmul", lambda layer, x: calls.append(x.shape) or kernel(layer, x))
+    assert mx.array_equal(out(prompt), want[0]) and calls == []  # MLX's op: bit-equal, no kernel call
+    assert close(want[1], out(step)) <= BOUND and calls == [(3, 1, 128)]
+    assert close(want[2], model.q_proj(prompt)) <= BOUND and calls[-1] == (3, 7, 128)
+
+
+def test_wrong_slot_is_detected():
+    """The comparison can fail: reading another slot's weights breaks the bound."""
+    b = block("glu", bits=4, group_size=32)
+    x = mx.random.normal((1, 64))
+    idx = mx.array([[0, 1, 2]], dtype=mx.uint32)
+    assert close(b(x, idx), cpu_kernel.expert_forward(b, x, idx + 1)) > 0.01
+
+
+def test_kernel_names():
+    assert kernels.kernel_for("mlx") is kernels.kernel_for("mlx")
+    assert kernels.kernel_for("cpu") is cpu_kernel.expert_forward
+    assert kernels.resolve("auto") == ("cpu" if mx.default_device() == mx.cpu else "mlx")
+    with pytest.raises(ValueError, match="kernel must be one of mlx, cpu, metal, auto; got 'gpu'"):
+        kernels.kernel_for("gpu")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        TierConfig(kernel="fast")
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="checks the refusal without Metal")
+def test_metal_kernel_refused_without_metal():
+    with pytest.raises(ValueError, match="kernel 'metal' needs Apple Metal"):
+        kernels.kernel_for("metal")
+
+
+# --- tiered models: logits within the bound, greedy tokens equal ---------------------------
+
+# One model per block kind and bias style runs by default; the whole matrix is slow.
+DEFAULT_ARCHS = ["mixtral", "gpt_oss", "phixtral", "qwen3_moe"]
+ARCHS = [a if a in DEFAULT_ARCHS else pytest.param(a, marks=pytest.mark.slow) for a in sorted(CONFIGS)]
+
+
+
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_architecture_matrix_on_cpu_kernel(name, tmp_path, tokenizer_dir):
+    """Each mlx-lm MoE type, 4-bit g32 experts at 1, top-k and E slots; float experts at 1 (default subset)."""
+    config = {**BASE, "model_type": name, **CONFIGS[name]}
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    fp = write_checkpoint(tmp_path / "fp32", model, config, tokenizer_dir)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    q4 = write_checkpoint(tmp_path / "q4", model, {**config, "quantization": {"group_size": 32, "bits": 4}},
+                          tokenizer_dir)
+    assert_cpu_kernel_agrees(q4, (1, K, E))
+    if name in DEFAULT_ARCHS:  # float experts: the same SwitchLinear code in every architecture
+        assert_cpu_kernel_agrees(fp, (1,))
+
+
+QUANTS = [dict(mode="affine", bits=b, group_size=g) for b, g in ((2, 64), (3, 32), (5, 64), (6, 64), (8, 32))]
+
+
+@pytest.mark.parametrize("quant", [*QUANTS, dict(mode="mxfp4", bits=4, group_size=32)],
+                         ids=lambda q: f"{q['mode']}{q['bits']}g{q['group_size']}")
+def test_expert_formats_on_cpu_kernel(quant, tmp_path, tokenizer_dir):
+    config = {**BASE, "model_type": "gpt_oss", **CONFIGS["gpt_oss"]}
+    module = importlib.import_module("mlx_lm.models.gpt_oss")
+    mx.random.seed(4)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    nn.quantize(model, **quant, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    path = write_checkpoint(tmp_path / "ckpt", model, {**config, "quantization": dict(quant)}, tokenizer_dir)
+    assert_cpu_kernel_agrees(path, (1, E))
+
+
+@pytest.mark.slow
+def test_demo_model_on_cpu_kernel(demo_model):
+    """SmolLM2 demo MoE, dense 4-bit layers served too: logits within the bound, same greedy text."""
+    prompts = ([1, 1812, 314, 253], list(range(100, 140)))  # the long one takes the GEMM path
+    ref, _ = mlx_tier.load(demo_model, config=TierConfig(slots_per_layer=8))
+    want_logits = ref(mx.array(prompts[1])[None])
+    want = [greedy_ids(ref, p, n=12) for p in prompts]
+    for slots in (1, 2, 8):  # 1, top-k, E
+        model, _ = mlx_tier.load(demo_model, config=TierConfig(slots_per_layer=slots, kernel="cpu"))
+        assert close(want_logits, model(mx.array(prompts[1])[None])) <= BOUND
+        assert [greedy_ids(model, p, n=12) for p in prompts] == want
+
+
+def test_auto_kernel_falls_back_where_the_cpu_kernel_cannot_serve_and_cpu_is_refused():
+    """`auto` must never pick the CPU kernel for experts it cannot compute (every
+    document would fail mid-job); an explicit `cpu` is one error at load."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_tier.errors import CheckpointError, ConfigError
+    from mlx_tier.kernels.registry import choose
+
+    affine, mxfp8 = SwitchGLU(32, 64, 4), SwitchGLU(32, 64, 4)
+    nn.quantize(affine, group_size=32, bits=4)
+    nn.quantize(mxfp8, group_size=32, bits=8, mode="mxfp8")
+    assert choose("auto", [affine]) == "cpu"
+    assert choose("auto", [affine, mxfp8]) == "mlx"
+    # Two tiers: the name is the warm tier's kernel (computed on the CPU on every backend).
+    assert choose("auto", [affine], host_tier=True) == "cpu"
+    assert choose("cpu", [affine], host_tier=True) == "cpu"
+    assert choose("auto", [mxfp8], host_tier=True) == "mlx"
+    with pytest.raises(CheckpointError, match="mxfp8"):
+        choose("cpu", [mxfp8])
+    with pytest.raises(ConfigError, match="two-tier"):
+        choose("metal", [affine], host_tier=True)
+    assert choose("mlx", [mxfp8]) == "mlx"

@@ -1,0 +1,245 @@
+"""`mlx-tier status` reads a job's files only: counts, throughput, throttle time and
+ETA come from the journal (its run ``start`` record and document records); "running" means another open file holds
+the folder's lock (the lock every `mlx-tier run` takes).
+"""
+
+import json
+
+from typer.testing import CliRunner
+
+from mlx_tier.cli.main import app
+from mlx_tier.monitor.status import read_status
+from mlx_tier.outdir.jobdir import lock_out_dir
+from mlx_tier.outdir.journal import JobInfo, Journal
+from mlx_tier.outdir.layout import lock_held
+
+runner = CliRunner()
+T0 = 1_700_000_000.0
+
+
+def make_job(out, started=T0):
+    """Six documents: an earlier run finished d0 and failed d1; this run (started at
+    ``started``) set out to do d2..d5 and has finished d2 and d3 by ``started + 100``."""
+    out.mkdir()
+    JobInfo(input="docs", ids=[f"d{i}" for i in range(6)], todo=["d2", "d3", "d4", "d5"], started=started,
+            pid=4321, command="mlx-tier run docs --out out").write(Journal(out))
+    lines = [
+        {"id": "d0", "status": "done", "output_tokens": 40, "seconds": 10.0, "time": started - 500},
+        {"id": "d1", "status": "failed", "error": "RuntimeError: [metal::malloc] out of memory", "time": started - 400},
+        {"event": "throttle", "throttled_seconds": 12.5, "time": started + 10},  # no id: counted, not a document
+        {"id": "d2", "status": "done", "output_tokens": 60, "seconds": 20.0, "throttled_seconds": 3.0, "time": started + 50},
+        {"id": "d3", "status": "done", "output_tokens": 20, "seconds": 10.0, "time": started + 100},
+    ]
+    with open(out / "journal.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines) + '{"id": "d4", "sta')  # torn
+
+
+def test_finished_job(tmp_path):
+    out = tmp_path / "out"
+    make_job(out)
+    s = read_status(out, now=T0 + 5000)
+    assert not s.running and s.pid == 4321
+    assert (s.total, s.done, s.failed, s.pending, s.todo_left) == (6, 3, 1, 2, 2)
+    # this run: d2 + d3 = 80 tokens over 100 s of wall clock (batched documents overlap)
+    assert s.output_tokens == 120 and s.run_output_tokens == 80 and s.output_tok_per_s == 0.8
+    assert s.throttled_seconds == 15.5
+    assert s.finished_this_run == 2 and s.elapsed_seconds == 100  # up to its last record, not to "now"
+    assert s.documents_per_hour == 72.0 and s.eta_seconds is None  # not running: no ETA
+    assert s.failures == [("d1", "RuntimeError: [metal::malloc] out of memory")]
+
+
+def test_running_job_eta_and_cli(tmp_path):
+    out = tmp_path / "out"
+    make_job(out)
+    assert not lock_held(out)
+    held = lock_out_dir(out)  # what a run holds while it works
+    try:
+        assert lock_held(out)
+        s = read_status(out, now=T0 + 200)
+        assert s.running and s.elapsed_seconds == 200 and s.eta_seconds == 200.0  # 2 left at 2 per 200 s
+        r = runner.invoke(app, ["status", str(out)])
+        assert r.exit_code == 0, r.output
+        assert "running (pid 4321)" in r.output and "3 done, 1 failed, 2 pending" in r.output
+        assert "15.5 s" in r.output  # throttled
+        r = runner.invoke(app, ["status", str(out), "--json"])
+        assert json.loads(r.output)["eta_seconds"] > 0
+        # the documents in flight, from the progress file the run rewrites every few seconds
+        (out / "progress.json").write_text(json.dumps({
+            "time": T0 + 198, "in_flight": ["d4", "d5"], "reading": ["d5", 312, 1204], "writing": [["d4", 17]],
+            "decode_tok_s": 2.5, "prompt_tok_s": 3.9, "hit_rate": 0.9}))
+        assert read_status(out).progress["reading"] == ["d5", 312, 1204]
+        r = runner.invoke(app, ["status", str(out)])
+        assert "d5: 312/1,204 prompt tokens" in r.output and "d4: 17 tokens so far" in r.output, r.output
+    finally:
+        held.close()
+    assert not lock_held(out)  # released: the probe itself never keeps it
+    lock_out_dir(out).close()  # and a new run can take it
+    # the lock is free but the run's progress file is left: its process ended mid-work
+    s = read_status(out)
+    assert (s.running, s.state, s.stopped_at, s.eta_seconds) == (False, "interrupted", T0 + 198, None)
+    r = runner.invoke(app, ["status", str(out)])
+    assert "interrupted at" in r.output and "running (pid" not in r.output, r.output
+    assert "d5: 312/1,204" not in r.output  # what it was doing is not shown as going on
+    lines = r.output.splitlines()
+    assert lines[lines.index("resume with:") + 1] == "mlx-tier run docs --out out"
+    assert lines[lines.index("retry the failed ones with:") + 1] == "mlx-tier run docs --out out --retry-failed"
+    (out / "progress.json").unlink()  # a run that ended cleanly removes it
+    assert read_status(out).state == "stopped"
+
+
+def test_status_bad_folder_exit_2(tmp_path):
+    for path, message in [(tmp_path / "nope", "no such folder"), (tmp_path, "not an mlx-tier output folder (no journal.jsonl)")]:
+        r = runner.invoke(app, ["status", str(path)])
+        lines = [x for x in r.output.splitlines() if x.startswith("error:")]
+        assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.output
+
+
+def test_journal_without_start_record(tmp_path):
+    Journal(tmp_path).append({"id": "a", "status": "done", "output_tokens": 5, "seconds": 1.0})
+    s = read_status(tmp_path)
+    assert (s.total, s.done, s.pending, s.eta_seconds) == (None, 1, None, None)
+
+
+def test_run_still_loading_its_model(tmp_path):
+    (tmp_path / "run.pid").write_text("999999\n")  # --background started it; no journal yet
+    held = lock_out_dir(tmp_path)
+    try:
+        s = read_status(tmp_path)
+        assert s.running and s.pid == 999999 and (s.total, s.done) == (None, 0)
+    finally:
+        held.close()
+
+
+def test_job_state_from_the_lock_the_progress_file_and_what_is_left():
+    from mlx_tier.monitor.status import job_state
+
+    assert job_state(True, True, 3) == job_state(True, False, None) == "running"
+    assert job_state(False, True, 3) == job_state(False, True, 0) == "interrupted"  # its writer is gone
+    assert job_state(False, False, 3) == job_state(False, False, None) == "stopped"
+    assert job_state(False, False, 0) == "finished"
+
+
+def test_hard_stopped_run_reads_as_interrupted_with_its_real_time_and_the_resume_command(tmp_path):
+    """What a second Ctrl-C leaves: journal records up to the stop, progress.json as the killed
+    process last wrote it, no lock held. Status says interrupted (not running), when, how long the
+    run really worked (to its last progress, not to its last finished document), and how to resume."""
+    out = tmp_path / "out"
+    make_job(out)
+    (out / "progress.json").write_text(json.dumps({
+        "time": T0 + 160, "in_flight": ["d4"], "reading": None, "writing": [["d4", 9]], "decode_tok_s": 2.0,
+        "prompt_tok_s": 5.0, "hit_rate": 0.5, "eta_seconds": 70.0}))
+    s = read_status(out, now=T0 + 5000)
+    assert (s.state, s.running, s.elapsed_seconds, s.eta_seconds) == ("interrupted", False, 160, None)
+    r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "80"}, terminal_width=80)
+    assert r.exit_code == 0 and "interrupted at" in r.output and "in 160 s" in r.output, r.output
+    assert max(map(len, r.output.splitlines())) <= 80
+    r = runner.invoke(app, ["status", str(out), "--json"])
+    assert json.loads(r.output)["state"] == "interrupted"
+
+
+def test_status_html_of_a_hard_stopped_run_says_interrupted_and_how_to_resume(tmp_path):
+    import re
+
+    from mlx_tier.monitor.page import write_report_html
+
+    out = tmp_path / "out"
+    make_job(out)
+    (out / "progress.json").write_text(json.dumps({"time": T0 + 160, "in_flight": ["d4"], "reading": None,
+                                                   "writing": [], "decode_tok_s": 0, "prompt_tok_s": 0,
+                                                   "hit_rate": 0}))
+    page = write_report_html(out).read_text()
+    assert re.search(r'id="n-state" data-value="interrupted"', page)
+    assert re.search(r'<p id="state-note">interrupted at [^<]*2 document\(s\) left\. Resume with:</p>', page)
+    assert '<pre id="resume-command">mlx-tier run docs --out out</pre>' in page
+    assert 'data-value="running' not in page
+
+
+def test_running_eta_is_the_runs_own_estimate_less_its_age(tmp_path):
+    out = tmp_path / "out"
+    make_job(out)
+    held = lock_out_dir(out)
+    try:
+        (out / "progress.json").write_text(json.dumps({"time": T0 + 190, "eta_seconds": 70.0, "in_flight": []}))
+        assert read_status(out, now=T0 + 200).eta_seconds == 60.0  # written 10 s ago
+        (out / "progress.json").write_text(json.dumps({"time": T0 + 190, "eta_seconds": None, "in_flight": []}))
+        assert read_status(out, now=T0 + 200).eta_seconds is None  # the run is still estimating
+        r = runner.invoke(app, ["status", str(out)])
+        assert "estimating" in r.output, r.output
+    finally:
+        held.close()
+
+
+def test_a_progress_file_older_than_the_last_start_is_an_earlier_runs(tmp_path):
+    """A progress file from before the journal's last start record was left by an earlier
+    run (killed), not by this one: it neither makes the job "interrupted" nor shows as work."""
+    out = tmp_path / "out"
+    make_job(out)  # this run started at T0, ended cleanly with 2 pending
+    (out / "progress.json").write_text(json.dumps({"time": T0 - 60, "in_flight": ["d1"], "writing": []}))
+    s = read_status(out, now=T0 + 5000)
+    assert (s.state, s.progress, s.stopped_at) == ("stopped", None, None)
+    (out / "progress-2.json").write_text(json.dumps({"time": T0 - 1, "in_flight": ["d4"], "writing": []}))
+    assert read_status(out, now=T0 + 5000).state == "stopped"  # a rank's file alike
+    (out / "progress-2.json").write_text(json.dumps({"time": T0 + 150, "in_flight": ["d4"], "writing": []}))
+    s = read_status(out, now=T0 + 5000)  # this run's rank, killed mid-work
+    assert (s.state, s.stopped_at) == ("interrupted", T0 + 150)
+
+
+def test_ranks_progress_files_merge_into_one_view(tmp_path):
+    """Each rank rewrites its own progress-<k>.json (a shared file was removed by the first
+    rank to finish while the others worked); status shows the documents of all of them,
+    the freshest file's rates and estimate."""
+    from mlx_tier.monitor.status import read_progress
+    from mlx_tier.outdir.layout import progress_files, rank_progress_name
+
+    out = tmp_path / "out"
+    make_job(out)
+    (out / rank_progress_name(0)).write_text(json.dumps({
+        "time": T0 + 190, "in_flight": ["d4"], "reading": None, "writing": [["d4", 17]], "eta_seconds": 80.0}))
+    (out / rank_progress_name(1)).write_text(json.dumps({
+        "time": T0 + 195, "in_flight": ["d5"], "reading": ["d5", 10, 300], "writing": [], "eta_seconds": 60.0}))
+    assert [p.name for p in progress_files(out)] == ["progress.json", "progress-0.json", "progress-1.json"]
+    p = read_progress(out, since=T0)
+    assert (sorted(p["in_flight"]), p["writing"], p["reading"], p["eta_seconds"]) == (
+        ["d4", "d5"], [["d4", 17]], ["d5", 10, 300], 60.0)
+    assert read_progress(out, since=T0 + 192)["in_flight"] == ["d5"]  # rank 0's is older than that start
+    held = lock_out_dir(out)
+    try:
+        r = runner.invoke(app, ["status", str(out)])
+        assert "d4: 17 tokens so far" in r.output and "d5: 10/300 prompt tokens" in r.output, r.output
+    finally:
+        held.close()
+
+
+def test_taking_the_folder_removes_earlier_progress_files_a_rank_does_not(tmp_path):
+    from mlx_tier.outdir.jobdir import JobDir
+
+    out = tmp_path / "out"
+    make_job(out)
+    names = ["progress.json", "progress-0.json", "progress-7.json"]
+    for name in names:
+        (out / name).write_text("{}")
+    (out / "ranks" / "r1").mkdir(parents=True)
+    with JobDir(out, "ranks/r1/journal-0.jsonl", part=True):  # the other ranks' files are live
+        assert all((out / n).exists() for n in names)
+    with JobDir(out):
+        assert not list(out.glob("progress*.json"))
+
+
+def test_a_run_asked_to_stop_reads_as_stopping_not_with_its_eta(tmp_path):
+    """After a first Ctrl-C the run finishes the summaries being written: status says it is
+    stopping and shows no ETA for the whole job (a new-user trial saw "running", "ETA 51s")."""
+    out = tmp_path / "out"
+    make_job(out)
+    progress = {"time": T0 + 160, "in_flight": ["d4"], "reading": None, "writing": [["d4", 9]],
+                "decode_tok_s": 2.0, "prompt_tok_s": 5.0, "hit_rate": 0.5, "eta_seconds": 70.0}
+    held = lock_out_dir(out)
+    try:
+        for stopping, state in ((True, "stopping (pid"), (False, "running (pid")):
+            (out / "progress.json").write_text(json.dumps({**progress, "stopping": stopping}))
+            r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "80"}, terminal_width=80)
+            assert r.exit_code == 0 and state in r.output, r.output
+            eta_line = next(x for x in r.output.splitlines() if x.strip("│ ").startswith("ETA"))
+            assert ("none: stopping" in eta_line) == stopping, r.output
+            assert max(map(len, r.output.splitlines())) <= 80
+    finally:
+        held.close()

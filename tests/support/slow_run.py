@@ -1,0 +1,50 @@
+"""``mlx-tier`` with its model made slow on purpose, run in a subprocess by
+tests/job/test_signals.py (not a test module itself).
+
+``SLOW_KIND=sleep``: every prompt call sleeps 0.04 s per token (25 prompt
+tokens/s, as slow as a big MoE on a 2-core CPU). ``SLOW_KIND=mlx``: the first
+prompt call after the shared prefix runs one long MLX computation (a chain
+of 2048x2048 matmuls, minutes on this CPU) inside ``mx.eval``, where Python
+cannot run signal handlers; ``SLOW_MARKER`` is created when it starts.
+"""
+
+import os
+import sys
+import time
+
+import mlx.core as mx
+
+import mlx_tier.engine.load as tiered
+
+_load = tiered.load
+
+
+def load(*args, **kwargs):
+    model, tokenizer = _load(*args, **kwargs)
+    cls, calls = type(model), [0]
+
+    def call(self, inputs, *a, **k):
+        if inputs.shape[1] > 1:
+            calls[0] += 1
+            if os.environ["SLOW_KIND"] == "sleep":
+                time.sleep(0.04 * inputs.shape[1])
+            elif calls[0] > 1:
+                open(os.environ["SLOW_MARKER"], "w").close()
+                x = mx.random.normal((2048, 2048))
+                y = x
+                for _ in range(40):
+                    y = y @ x
+                mx.eval(y)
+        return cls.__call__(self, inputs, *a, **k)
+
+    model.__class__ = type("SlowModel", (cls,), {"__call__": call})
+    return model, tokenizer
+
+
+tiered.load = load
+
+if __name__ == "__main__":
+    from mlx_tier.cli.main import main
+
+    sys.argv = ["mlx-tier", *sys.argv[1:]]
+    main()

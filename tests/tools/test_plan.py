@@ -1,0 +1,60 @@
+"""`mlx-tier plan`: the worksheet's figures equal the test's own arithmetic."""
+
+import json
+
+import pytest
+from support.checkpoints import TINY_MIXTRAL
+from typer.testing import CliRunner
+
+from mlx_tier.cli.main import app
+from mlx_tier.tools.plan import make_plan, predicted_tok_s
+
+
+def expected(cfg):
+    D, I, E, K, L, V = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_local_experts", "num_experts_per_tok", "num_hidden_layers", "vocab_size"))
+    head = D // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * head
+    expert = 3 * D * I  # gate, up, down
+    attn = 2 * D * D + 2 * D * kv  # q, o, k, v
+    per_layer_dense = attn + E * D + 2 * D  # + router + two norms
+    dense = L * per_layer_dense + 2 * V * D + D  # + embedding, lm_head, final norm
+    return dict(total=dense + L * E * expert, active=dense + L * K * expert, expert=expert, L=L, E=E, K=K)
+
+
+@pytest.mark.parametrize("which", ["tiny_moe", "tiny_moe_fp"])
+def test_plan_matches_arithmetic(which, request):
+    path = request.getfixturevalue(which)
+    want = expected(TINY_MIXTRAL)
+    p = make_plan(path, memory_gb=1.0, context_tokens=1000, disk_gbps=2.0, compute_gbps=1.0)
+    assert (p.total_params, p.active_params, p.expert_params) == (want["total"], want["active"], want["expert"])
+    assert (p.moe_layers, p.experts_per_layer, p.top_k) == (want["L"], want["E"], want["K"])
+    if which == "tiny_moe_fp":  # float32 on disk: 4 bytes a parameter
+        assert p.expert_bytes_disk == 4 * want["expert"] == p.expert_bytes_resident
+    else:  # 4-bit, group 32, float32 scales and biases
+        assert p.expert_bytes_disk == want["expert"] // 2 + 2 * 4 * want["expert"] // 32
+    assert p.kv_bytes == 2 * 2 * 2 * 16 * 4 * 1000  # K and V, layers, kv heads, head dim, float32, tokens
+    assert p.memory_total == 2**30 and p.slots_per_layer == p.experts_per_layer
+    miss0 = p.moe_layers * p.top_k * p.expert_bytes_disk
+    active = p.dense_bytes + miss0
+    assert p.tok_s_low == pytest.approx(1 / (0 * miss0 / 2e9 + active / 1e9), rel=1e-3)
+    assert predicted_tok_s(0.5, miss0, active, 2.0, 1.0) == pytest.approx(1 / (0.5 * miss0 / 2e9 + active / 1e9))
+
+
+def test_plan_cli_json_and_errors(tiny_moe, tiny_dense, tmp_path):
+    r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1", "--memory-gb", "0.001"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["total_params"] == expected(TINY_MIXTRAL)["total"] and "active_params" in data
+    assert data["slots_per_layer"] == 0 and data["tok_s_high"] == 0.0  # 1 MiB holds no slot row
+    r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1"])
+    assert r.exit_code == 0 and "active parameters per token" in r.output
+    for bad, msg in [(tiny_dense, "not a Mixture-of-Experts"), (tmp_path, "no config.json")]:
+        r = CliRunner().invoke(app, ["plan", str(bad)])
+        assert r.exit_code == 2 and msg in r.output
+
+
+def test_bandwidth_probes_measure_something(tiny_moe_fp):
+    from mlx_tier.tools.plan import measure_compute_gbps, measure_disk_gbps
+
+    assert measure_disk_gbps(sorted(tiny_moe_fp.glob("*.safetensors")), total_mb=8) > 0
+    assert measure_compute_gbps(out_dim=256, in_dim=256, reps=3) > 0
