@@ -10,6 +10,7 @@ Modules: ``run_cmd`` (run; ``ranks_cmd`` for --ranks/--hosts), ``status_cmd``
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import typer
@@ -17,6 +18,29 @@ import typer
 from mlx_tier.cli import plan_cmd, run_cmd, status_cmd, trace_cmd, watch_cmd
 from mlx_tier.cli.exits import OneLineErrors
 from mlx_tier.cli.render import out
+
+
+def _wrap_between_words() -> None:
+    """Make the help wrapper break lines only between words: its default also breaks
+    after a hyphen, which cut ``--retry-`` / ``failed`` and ``mlx-`` /
+    ``community/Qwen3...`` apart, so neither reads nor pastes as one name. The
+    wrapper is click's (``click._textwrap``; Typer 0.29+ vendors it as
+    ``typer._click._textwrap``); ``wrap_text`` looks the class up on each call.
+    tests/cli/test_display.py checks every command's help for such a cut."""
+    for name in ("typer._click._textwrap", "click._textwrap"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        base = module.TextWrapper
+        if not getattr(base, "whole_words", False):
+            module.TextWrapper = type("TextWrapper", (base,), {
+                "whole_words": True,
+                "__init__": lambda self, *a, _base=base, **k: _base.__init__(self, *a, break_on_hyphens=False, **k),
+            })
+
+
+_wrap_between_words()
 
 app = typer.Typer(
     help="Run Mixture-of-Experts models larger than memory: experts stream from disk into a bounded cache.",

@@ -13,13 +13,13 @@ import typer
 from rich.table import Table
 
 from mlx_tier.cli.exits import fail
-from mlx_tier.cli.render import choices, out
+from mlx_tier.cli.render import choices, err, out, print_wrapped
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
 from mlx_tier.units import GIB, MIB
 
 
 def plan(
-    model: str = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id (read from the local cache, else only its config and safetensors headers are fetched: nothing large is downloaded)."),
+    model: str = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder, a Hugging Face repo id (read from the local cache, else only its config and safetensors headers are fetched: nothing large is downloaded), or demo for the built-in demo model."),
     memory_gb: float | None = typer.Option(None, "--memory-gb", help="Plan for this much memory (GiB) instead of this machine's."),
     context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
     disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
@@ -34,8 +34,11 @@ def plan(
     disk/compute roofline. Works on a hub repo id before downloading it.
     """
     from mlx_tier import CheckpointError
+    from mlx_tier.tools.demo_model import is_demo, resolve
     from mlx_tier.tools.plan import make_plan
 
+    if is_demo(model):  # the built-in demo (built on first use): plan its local folder
+        model = str(resolve(model, lambda text: print_wrapped(err, text, style="dim")))
     if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
         fail(f"--memory-gb must be positive, got {memory_gb}")
     try:

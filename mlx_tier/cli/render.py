@@ -136,7 +136,8 @@ class RichReporter:
         self.t0 = self.last_line = time.monotonic()
 
     def message(self, text: str) -> None:
-        err.print(f"[dim]{escape(as_flags(text))}[/]", highlight=False, soft_wrap=True)
+        """A runner's message, dim, wrapped between words (a long path kept whole)."""
+        print_wrapped(err, as_flags(text), style="dim")
 
     def start(self, total: int, skipped: int) -> None:
         self.total, self.done = total, skipped
@@ -201,7 +202,8 @@ def status_cell(result) -> str:
 
 def print_summary(report, out_dir: Path) -> None:
     """A job's results table (one row per document), then :func:`summary_line` in paragraphs."""
-    table = Table(title="mlx-tier run", caption="*: by an earlier run. in tok: the document with the instruction, in "
+    earlier = "*: by an earlier run. " if any(r.earlier_run for r in report.results) else ""
+    table = Table(title="mlx-tier run", caption=earlier + "in tok: the document with the instruction, in "
                   "tokens; out tok: tokens written (a long document's part summaries included). doc s: the "
                   "document's own time, reading its prompt and writing its summary (decode steps are shared "
                   "with the documents written alongside)")

@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from mlx_tier.cli.exits import fail
-from mlx_tier.cli.render import out
+from mlx_tier.cli.render import err, out, print_wrapped
 from mlx_tier.policy.eviction import OFFLINE_POLICIES, POLICIES
 
 SIM_POLICIES = (*POLICIES, *OFFLINE_POLICIES)  # live policies, then the offline ceiling
@@ -203,13 +203,13 @@ def profile_cmd(
     """
     from mlx_tier import CheckpointError
     from mlx_tier.engine.checkpoint import model_shape
-    from mlx_tier.engine.hub import resolve_model
     from mlx_tier.errors import ProfileError, TraceError
     from mlx_tier.routing.profile import from_trace, record
     from mlx_tier.routing.trace import load as load_trace
+    from mlx_tier.tools.demo_model import resolve
 
     try:
-        model = resolve_model(model)
+        model = resolve(model, lambda text: print_wrapped(err, text, style="dim"))
         L, E = model_shape(model)
         merged = None
         for path in traces:

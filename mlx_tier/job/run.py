@@ -495,11 +495,10 @@ def start_detached(config: JobConfig, argv: list[str]) -> int:
 
 def _load_model(config: JobConfig, reporter: Reporter) -> _Loaded:
     """The tiered model, with the context checked before any document."""
-    from mlx_tier.engine.hub import resolve_model
     from mlx_tier.engine.load import load
-    from mlx_tier.tools.demo_model import ensure_demo_model
+    from mlx_tier.tools.demo_model import resolve
 
-    model_dir = resolve_model(config.model) if config.model is not None else ensure_demo_model(reporter.message)
+    model_dir = resolve(config.model, reporter.message)
     reporter.message(f"loading {model_dir}")
     model, tokenizer = load(model_dir, config=config.tier)
     loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT))

@@ -289,10 +289,6 @@ def _launch(config, launch: Launch, ranks: int, job, docs, tri, reporter, starte
 
 
 def _ensure_model(config, reporter) -> None:
-    from mlx_tier.engine.hub import resolve_model
-    from mlx_tier.tools.demo_model import ensure_demo_model
+    from mlx_tier.tools.demo_model import resolve
 
-    if config.model is None:
-        ensure_demo_model(reporter.message)
-    else:
-        resolve_model(config.model)
+    resolve(config.model, reporter.message)

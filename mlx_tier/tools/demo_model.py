@@ -231,7 +231,7 @@ def _fit_routers(out: Path, tensors: dict[str, mx.array], config: dict, progress
         moe_inputs,
     )
 
-    progress("demo model: fitting its routers to a short text (once, about a minute on 2 cores)")
+    progress("demo model: fitting its routers (once; about a minute on 2 cores)")
     hidden = moe_inputs(out, progress=lambda done, total: progress(f"demo model: routers: {done}/{total} tokens read"))
     rng = np.random.default_rng(SEED + 1)
     fits = [fit_router(h, rng, NUM_EXPERTS, TOP_K, target)
@@ -250,7 +250,8 @@ def _fit_routers(out: Path, tensors: dict[str, mx.array], config: dict, progress
 
 
 def ensure_demo_model(progress: Callable[[str], None] = lambda msg: None, version: int = DEMO_VERSION) -> Path:
-    """Path of the demo checkpoint ``version``, building it once into :func:`cache_dir`.
+    """Path of the demo checkpoint ``version``, building it once into the user cache
+    folder (:func:`mlx_tier.fsio.user_cache_dir`).
 
     The build goes to a temporary directory beside the target and is renamed
     into place when complete; an interrupted build leaves nothing usable behind.
@@ -264,7 +265,7 @@ def ensure_demo_model(progress: Callable[[str], None] = lambda msg: None, versio
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    progress(f"building the demo model (SmolLM2-135M as an {NUM_EXPERTS}-expert MoE) in {target}")
+    progress(f"building the demo model (SmolLM2-135M, {NUM_EXPERTS}-expert MoE) in {target}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         build(tmp / "model", progress, version)
@@ -276,3 +277,26 @@ def ensure_demo_model(progress: Callable[[str], None] = lambda msg: None, versio
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+DEMO = "demo"  # the name `--model` and `plan` take for the built-in demo model
+
+
+def is_demo(model: str | Path | None) -> bool:
+    """Whether ``model`` names the built-in demo: ``None`` (the default) or ``"demo"``
+    (unless a folder called ``demo`` is in the working directory: a path wins)."""
+    return model is None or (str(model) == DEMO and not Path(DEMO).exists())
+
+
+def resolve(model: str | Path | None, progress: Callable[[str], None] = lambda msg: None) -> Path:
+    """The local checkpoint folder ``model`` names: the demo (:func:`is_demo`, built on
+    first use, ``progress`` told), else :func:`mlx_tier.engine.hub.resolve_model`.
+
+    Raises:
+        CheckpointError: as :func:`~mlx_tier.engine.hub.resolve_model`.
+    """
+    if is_demo(model):
+        return ensure_demo_model(progress)
+    from mlx_tier.engine.hub import resolve_model
+
+    return resolve_model(model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -60,12 +61,15 @@ def test_format_duration():
                                                                             "2h02m"]
 
 
-@pytest.mark.parametrize("command", ["run", "plan", "status", "convert", "trace-sim", "profile", "thermal"])
+@pytest.mark.parametrize("command", ["run", "plan", "status", "watch", "convert", "trace-sim", "trace-stats",
+                                     "profile", "thermal"])
 def test_help_reads_at_80_columns(command):
     r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert max(len(x) for x in lines) <= 80, max(lines, key=len)
+    # never cut after a hyphen inside a word (`--retry-` / `failed`, `mlx-` / `community/...`)
+    assert not [x for x in lines if re.search(r"[A-Za-z]-$", x)], [x for x in lines if re.search(r"[A-Za-z]-$", x)]
     assert "…" not in r.output and "╭" not in r.output
     import typer.main
 
@@ -148,6 +152,48 @@ def test_a_rerun_table_keeps_document_names_whole_at_80_columns(monkeypatch):
     text = console.export_text()
     assert name in text and "done*" in text and "*: by an earlier run" in " ".join(text.split())
     assert max(len(x) for x in text.splitlines()) <= 80
+
+
+def test_runner_messages_wrap_between_words_keeping_a_path_whole(monkeypatch):
+    from rich.console import Console
+
+    import mlx_tier.cli.render as render
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(render, "err", console)
+    path = "/home/someone/.cache/mlx-tier/smollm2-135m-moe-8x-top2-v2"
+    render.RichReporter().message(f"building the demo model (SmolLM2-135M, 8-expert MoE) in {path}")
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines)) <= 80 and lines[-1] == path, lines
+
+
+def test_the_legend_explains_a_star_only_when_a_row_has_one(monkeypatch):
+    from rich.console import Console
+
+    import mlx_tier.cli.render as render
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(render, "out", console)
+    report = report_with(0)
+    report.results = [r for r in report.results if not r.earlier_run]
+    render.print_summary(report, Path("out"))
+    text = " ".join(console.export_text().split())
+    assert "*" not in text and "in tok: the document with the instruction" in text
+
+
+def test_the_demo_build_lines_fit_80_columns(monkeypatch):
+    """Each line the demo build prints (routers, layers) is at most 80 characters, with
+    its counts at four digits (the line naming the cache folder is wrapped before the
+    path: see the next test)."""
+    import inspect
+
+    from mlx_tier.tools import demo_model
+
+    typical = {"{NUM_EXPERTS}": str(demo_model.NUM_EXPERTS), "{target}": ""}
+    source = inspect.getsource(demo_model)
+    lines = [re.sub(r"\{[^}]*\}", lambda m: typical.get(m.group(), "9999"), literal)
+             for literal in re.findall(r'progress\(f?"([^"]*)"', source)]
+    assert len(lines) >= 3 and all(len(x) <= 80 for x in lines), [x for x in lines if len(x) > 80]
 
 
 def test_throttle_and_in_flight_in_plain_words():

@@ -58,3 +58,23 @@ def test_bandwidth_probes_measure_something(tiny_moe_fp):
 
     assert measure_disk_gbps(sorted(tiny_moe_fp.glob("*.safetensors")), total_mb=8) > 0
     assert measure_compute_gbps(out_dim=256, in_dim=256, reps=3) > 0
+
+
+@pytest.mark.slow
+def test_plan_names_the_demo_as_run_does(demo_model):
+    """`run` uses the demo by default, so `plan demo` plans it (building it on first use)."""
+    r = CliRunner().invoke(app, ["plan", "demo", "--json", "--disk-gbps", "1", "--compute-gbps", "1"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output[r.output.index("{"):])
+    assert data["model"] == str(demo_model) and data["total_params"] > 0
+
+
+def test_a_folder_called_demo_is_a_path_first(tiny_moe, tmp_path, monkeypatch):
+    import shutil
+
+    from mlx_tier.tools.demo_model import is_demo, resolve
+
+    monkeypatch.chdir(tmp_path)
+    assert is_demo(None) and is_demo("demo")
+    shutil.copytree(tiny_moe, tmp_path / "demo")
+    assert not is_demo("demo") and resolve("demo").resolve() == tmp_path / "demo"
