@@ -160,6 +160,26 @@ def demo_name(version: int = DEMO_VERSION) -> str:
     return f"smollm2-135m-moe-{NUM_EXPERTS}x-top{TOP_K}-v{version}"
 
 
+def build_fingerprint() -> str:
+    """A hash of what a demo build depends on: the code that builds it (this module, the
+    router fit and the routing statistics it targets) and the source GGUF's name and size.
+    Two builds with equal fingerprints are the same model (the build is seeded)."""
+    import hashlib
+
+    from mlx_tier.routing import stats, synthetic
+    from mlx_tier.tools import demo_router
+
+    h = hashlib.sha256()
+    for module in (__import__(__name__, fromlist=["_"]), demo_router, stats, synthetic):
+        h.update(Path(module.__file__).read_bytes())
+    try:
+        src = gguf_path()
+        h.update(f"{src.name}:{src.stat().st_size}".encode())
+    except (DemoModelError, OSError):
+        pass
+    return h.hexdigest()[:16]
+
+
 def build(out: Path, progress: Callable[[str], None] = lambda msg: None, version: int = DEMO_VERSION) -> Path:
     """Write the demo MoE checkpoint to ``out`` (which must not exist).
 
@@ -179,6 +199,7 @@ def build(out: Path, progress: Callable[[str], None] = lambda msg: None, version
     weights, meta = mx.load(str(src), return_metadata=True)
     config = _config(meta)
     config["mlx_tier_demo"]["routers"] = ROUTERS[version]
+    config["mlx_tier_demo"]["build"] = build_fingerprint()
     rng = np.random.default_rng(SEED)
     out.mkdir(parents=True)
     tensors = {
