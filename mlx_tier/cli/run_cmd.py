@@ -85,13 +85,13 @@ def run(
     policy: str = typer.Option(DEFAULT_POLICY, "--policy", metavar=choices(POLICIES), help=POLICY_HELP),
     prewarm: bool | None = typer.Option(None, "--prewarm/--no-prewarm", help="Fill the expert cache at load with the saved profile's most used experts. Default: only with --policy pinned."),
     save_profile: bool = typer.Option(False, "--save-profile", help="After the run, add its expert use counts to the model's saved profile (next to the checkpoint, or in the user cache if that folder is read-only), for --policy pinned and --prewarm."),
-    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA only: the warm tier, this many GiB of host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (README, \"CUDA path\"); 0 turns it off. Default: half the available host memory. Refused elsewhere (one memory: use --cache-gb)."),
-    prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (README); try it on a slow disk."),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA only: the warm tier, this many GiB of host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (docs/cuda.md); 0 turns it off. Default: half the available host memory. Refused elsewhere (one memory: use --cache-gb)."),
+    prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (benches/results/prefetch); try it on a slow disk."),
     follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
     kernel: str = typer.Option(JOB_KERNEL, "--kernel", metavar=choices(KERNELS), help=KERNEL_HELP),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
-    ranks: int | None = typer.Option(None, "--ranks", min=1, help="Spread the job over this many processes on this machine, started by MLX's launcher (mlx.launch, ring backend); each loads the model and takes documents no other rank has started (README, \"Several ranks or Macs\")."),
-    hosts: Path | None = typer.Option(None, "--hosts", help="Spread the job over the machines of this mlx.launch hosts file (JSON, one rank per entry: ssh name and IPs); INPUT and --out must be the same shared paths on every machine (README, \"Several ranks or Macs\")."),
+    ranks: int | None = typer.Option(None, "--ranks", min=1, help="Spread the job over this many processes on this machine, started by MLX's launcher (mlx.launch, ring backend); each loads the model and takes documents no other rank has started (docs/distributed.md)."),
+    hosts: Path | None = typer.Option(None, "--hosts", help="Spread the job over the machines of this mlx.launch hosts file (JSON, one rank per entry: ssh name and IPs); INPUT and --out must be the same shared paths on every machine (docs/distributed.md)."),
     ctx: typer.Context = None,  # filled in by Typer
 ) -> None:
     """Summarise every document in INPUT into OUT_DIR, resumably.
