@@ -142,7 +142,7 @@ def test_long_ids_are_cut_with_a_hash_and_stay_unique():
     assert safe_id("short name.txt") == "short_name.txt"
 
 
-# --- Issue 10: documents people have; ids and output names -----------------------------------
+# --- Documents people have; ids and output names -----------------------------------
 
 import codecs
 

@@ -1,4 +1,4 @@
-"""Issue 10 end to end: `mlx-tier run` on the documents people have gives one summary per
+"""End to end: `mlx-tier run` on the documents people have gives one summary per
 real document (converted or decoded, AppleDouble and lock files skipped), distinct outputs
 for distinct documents with their original ids recorded, and the same output names on resume.
 Uses the tiny MoE of test_crash (byte-level tokenizer: any text tokenises).

@@ -1,4 +1,4 @@
-"""Issue 16, one job over several ranks: every document is written by exactly one rank
+"""One job over several ranks: every document is written by exactly one rank
 (disjoint shares, exclusive claims), the job's journal view merges every rank's, a rank
 killed with SIGKILL stops nobody and a rerun with another number of ranks completes
 the job, and greedy outputs equal those of a one-process run.
