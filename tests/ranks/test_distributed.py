@@ -320,6 +320,10 @@ def test_two_ranks_write_every_document_once_and_match_one_process(tmp_path, sma
     assert report["distributed"]["ranks"] == 2
     st = read_status(out)
     assert (st.running, st.done, st.pending) == (False, 6, 0)
+    # the run's records are its ranks' (by the launcher's run id), timed on the ranks' monotonic clocks
+    assert st.finished_this_run == 6 and st.elapsed_seconds > 0 and st.documents_per_hour > 0
+    run = report["runs"][-1]
+    assert run["generation_seconds"] == max(a["generation_seconds"] for a in ranks) > 0
     assert "rank 0 (" in two.stdout and "rank 1 (" in two.stdout
     assert not list((out / "ranks").glob("*/claims"))  # claims are dropped with their run
     plain = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), *common])  # one process now
