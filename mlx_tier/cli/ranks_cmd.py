@@ -39,10 +39,12 @@ class _Lines:
 
 
 def rank_lines(run: dict) -> list[str]:
-    """One line per rank of a run record: documents, tokens, tok/s, how it ended."""
+    """One line per rank of a run record: documents, tokens, tok/s over its generation time
+    (:mod:`mlx_tier.rates`), how it ended."""
     return [f"rank {a['rank']} ({a.get('host') or '?'}): {a['done']} done, {a['failed']} failed"
             + (f" ({a['stolen']} taken from other ranks)" if a.get("stolen") else "")
-            + f", {a['output_tokens']} tokens in {a['seconds']:.0f} s = {a['output_tok_per_s']:.2f} tok/s; {a['ended']}"
+            + f", {a['output_tokens']} tokens in {a.get('generation_seconds', a['seconds']):.0f} s of generation = "
+            f"{a['output_tok_per_s']:.2f} tok/s; {a['ended']}"
             for a in run.get("ranks", [])]
 
 

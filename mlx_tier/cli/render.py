@@ -27,7 +27,8 @@ FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--ma
          "min_battery": "--min-battery", "max_tok_s": "--max-tok-s", "bits": "--bits", "mode": "--mode",
          "cache_gb": "--cache-gb", "batch_size": "--batch-size",
          "slots": "--slots", "retry_failed": "--retry-failed", "pause_on_battery": "--pause-on-battery",
-         "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt"}
+         "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt",
+         "redo_changed": "--redo-changed"}
 
 
 def as_flags(message: str) -> str:
@@ -233,9 +234,38 @@ def summary_line(report, out_dir: Path) -> str:
     experts = report.setup.get("expert_bytes_on_disk") or 0
     reread = (f" = {read / experts:.1f}x the experts' {experts / 2**20:.0f} MiB on disk: experts evicted "
               "from the cache are read again when next needed" if experts and read > experts else "")
-    return (line + f" | this run: {run['output_tok_per_s']:.2f} output tok/s over its wall time (prompt reading "
-            f"included), hit rate {c['hit_rate']:.1%}, read {read / 2**20:.0f} MiB{reread}, "
+    redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0))
+    loading = f" (loading {run['load_seconds']:.0f} s apart)" if run.get("load_seconds") is not None else ""
+    return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} documents/hour, "
+            f"{run.get('output_tok_per_s', 0.0):.2f} output tok/s over "
+            f"{run.get('generation_seconds', run.get('seconds', 0.0)):.0f} s of generation{loading}"
+            + (f", redone {redone}" if redone else "")
+            + f", hit rate {c['hit_rate']:.1%}, read {read / 2**20:.0f} MiB{reread}, "
             f"throttled {run.get('throttled_seconds', 0.0):.0f} s | report: {out_dir / 'report.json'}")
+
+
+def redone_text(stale: int, changed: int) -> str:
+    """How many summaries a run rewrote and why, e.g. ``"2 stale (document changed)"``; ``""`` when none."""
+    parts = [f"{stale} stale (document changed)" if stale else "",
+             f"{changed} with another model or prompt" if changed else ""]
+    return ", ".join(p for p in parts if p)
+
+
+def mix_lines(written: list[dict], prompts: dict[str, str], width: int = 40) -> list[str]:
+    """One line per model and prompt the job's summaries were written with (report.json
+    ``written_by``), e.g. ``"3 by demo [3f2a…], prompt 9c1d…: Summarise the…"``; an older
+    version's summaries, which record neither, as ``"2 by an earlier version (not recorded)"``."""
+    lines = []
+    for w in written:
+        if w.get("model") is None and w.get("prompt") is None:
+            lines.append(f"{w['documents']} by an earlier version (not recorded)")
+            continue
+        weights = f" [{w['weights'][:8]}]" if w.get("weights") else ""
+        text = prompts.get(w.get("prompt") or "", "")
+        said = f": {_clip(' '.join(text.split()), width)}" if text else ""
+        prompt = (w.get("prompt") or "?")[:8]
+        lines.append(f"{w['documents']} by {w.get('model') or '?'}{weights}, prompt {prompt}{said}")
+    return lines
 
 
 def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:

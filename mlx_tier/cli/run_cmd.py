@@ -73,6 +73,7 @@ def run(
     trace: Path | None = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
     output_format: str = typer.Option("md", "--format", metavar=choices(OUTPUT_FORMATS), help=FORMAT_HELP),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed)."),
+    redo_changed: bool = typer.Option(False, "--redo-changed", help="Also redo the summaries written with another --model or --prompt (kept by default). A document changed since its summary is redone in any case."),
     background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Documents decoded together (each expert read serves all of them). Default: what memory allows, at most 8."),
     context: int | None = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
@@ -97,8 +98,9 @@ def run(
     """Summarise every document in INPUT into OUT_DIR, resumably.
 
     INPUT `-` reads file paths from stdin, one a line. Rerunning the same
-    command skips finished documents and leaves failed ones failed
-    (--retry-failed reruns only those). Documents are decoded in batches;
+    command skips finished documents, redoes those changed since their
+    summary, and leaves failed ones failed (--retry-failed reruns only
+    those). Documents are decoded in batches;
     the job slows down or pauses when the machine is hot or on battery
     (see `mlx-tier thermal`) and keeps a Mac awake while it runs. Ctrl-C or
     SIGTERM finishes the summaries being written and stops (a second one
@@ -139,7 +141,8 @@ def run(
                 repetition_penalty=repetition_penalty, batch_size=batch_size, context=context,
                 prefill_step_size=prefill_step),
             throttle=throttle, trace=trace, input_paths=paths,
-            output_format=output_format, retry_failed=retry_failed, command=command, nice=nice,
+            output_format=output_format, retry_failed=retry_failed, redo_changed=redo_changed, command=command,
+            nice=nice,
             background_qos=background_qos, save_profile=save_profile, follow_links=follow_links,
         )
     except MlxTierError as e:  # an empty --prompt, an unreadable --prompt @FILE

@@ -19,8 +19,10 @@ from mlx_tier.cli.render import (
     err,
     format_duration,
     in_flight_rows,
+    mix_lines,
     out,
     print_with_command,
+    redone_text,
 )
 
 
@@ -63,10 +65,16 @@ def _status_table(s, out_dir: Path) -> Table:
                            f"{s.pending if s.pending is not None else '?'} pending")
     if s.started is not None:
         left = f", {s.todo_left} left" if s.todo_left is not None else ""
-        t.add_row("this run", f"{s.finished_this_run} finished or failed in {s.elapsed_seconds:.0f} s "
-                              f"({s.documents_per_hour:.1f} documents/hour, wall clock){left}")
-    t.add_row("throughput", f"{s.output_tok_per_s:.2f} output tok/s this run (wall clock, prompt processing "
-                            f"included); {s.output_tokens} tokens in all")
+        loading = f"; loading {s.load_seconds:.0f} s apart" if s.load_seconds is not None else ""
+        t.add_row("this run", f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
+                              f"{s.elapsed_seconds:.0f} s of generation{loading}{left}")
+    t.add_row("speed", f"{s.documents_per_hour:.1f} documents/hour, {s.output_tok_per_s:.2f} output tok/s this "
+                       f"run (over its generation time); {s.output_tokens} tokens in all")
+    if s.redone_stale or s.redone_changed:
+        t.add_row("redone", redone_text(s.redone_stale, s.redone_changed))
+    if len(s.written_by) > 1:  # summaries of more than one model or prompt
+        for line in mix_lines(s.written_by, s.prompts):
+            t.add_row("written by", Text(line))
     t.add_row("throttled", f"{s.throttled_seconds:.1f} s")
     for change in s.thermal[-5:]:  # the latest throttle state changes of this run
         t.add_row("throttle", as_flags(describe_throttle(change)))

@@ -142,6 +142,31 @@ def _escaped(path: Path, inside: Path) -> str | None:
     return None
 
 
+def open_document(path: Path, inside: Path | None = None) -> int | str:
+    """A read-only descriptor of the document file ``path``, or why it cannot be read.
+
+    Args:
+        path: the file.
+        inside: as for :func:`convert_file`: the real folder it must still lie
+            in, opened one folder at a time without following a link; ``None``:
+            links are followed.
+
+    Returns:
+        the descriptor (the caller closes it), or the reason as text
+        (``"cannot read: Permission denied"``, a link now leading outside).
+    """
+    if inside is not None:
+        if (escaped := _escaped(path, inside)) is not None:
+            return escaped
+        path = path.resolve()  # its real path: no link left to follow (open_inside refuses one)
+    try:
+        return open_inside(inside, path) if inside is not None else os.open(path, os.O_RDONLY)
+    except ValueError:  # resolved through a link swapped in since the check
+        return "cannot read: now outside the input folder"
+    except OSError as e:
+        return f"cannot read: {e.strerror}"
+
+
 def convert_file(path: Path, inside: Path | None = None) -> Converted:
     """The text of the file at ``path``, chosen by its suffix (module doc).
 
@@ -162,16 +187,9 @@ def convert_file(path: Path, inside: Path | None = None) -> Converted:
     """
     path = Path(path)
     suffix = path.suffix.lower()
-    if inside is not None:
-        if (escaped := _escaped(path, inside)) is not None:
-            return Converted(None, escaped)
-        path = path.resolve()  # its real path: no link left to follow (open_inside refuses one)
-    try:
-        fd = open_inside(inside, path) if inside is not None else os.open(path, os.O_RDONLY)
-    except ValueError:  # resolved through a link swapped in since the check
-        return Converted(None, "cannot read: now outside the input folder")
-    except OSError as e:
-        return Converted(None, f"cannot read: {e.strerror}")
+    fd = open_document(path, inside)
+    if isinstance(fd, str):
+        return Converted(None, fd)
     with os.fdopen(fd, "rb") as f:
         if suffix not in CONVERTED_SUFFIXES:
             try:

@@ -40,6 +40,7 @@ from mlx_tier.job.doc_text import (
     decode_text,
 )
 from mlx_tier.job.naming import MAX_ID_BYTES, assign, fold, safe_id
+from mlx_tier.job.provenance import SourceStamp, file_stamp, text_stamp
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "decode_text", "discover",
            "discover_list", "safe_id", "skip_reason"]
@@ -61,6 +62,8 @@ class Document:
             ``id`` is derived from it. Defaults to ``id``.
         converter: how the text was obtained (``text (utf-8)``,
             ``markitdown 0.1.3``…), ``None`` for JSONL text.
+        stamp: what its summary is made from (:mod:`mlx_tier.job.provenance`):
+            a single document file's bytes; by default, its text's.
     """
 
     id: str
@@ -70,10 +73,13 @@ class Document:
     key: tuple[str, str] | None = None
     name: str | None = None
     converter: str | None = None
+    stamp: SourceStamp | None = None
 
     def __post_init__(self):
         if self.name is None:
             object.__setattr__(self, "name", self.id)
+        if self.stamp is None and self.text is not None:
+            object.__setattr__(self, "stamp", text_stamp(self.text))
 
 
 # Folders that hold no documents of the user's: zip tools' macOS metadata.
@@ -135,7 +141,15 @@ class FileDocument:
     key = None  # files have no JSONL key
 
     @cached_property
+    def stamp(self) -> SourceStamp | None:
+        """The file's bytes as its summary is made from them (:func:`mlx_tier.job.provenance.file_stamp`),
+        hashed once, before the conversion (a file changed in between is found stale next
+        time, never taken as current); ``None`` when it cannot be read."""
+        return file_stamp(self.path, self.inside)
+
+    @cached_property
     def _converted(self) -> Converted:
+        self.stamp  # noqa: B018 - hashed before converting (see stamp)
         try:
             return convert_file(self.path, inside=self.inside)
         except MemoryError:
@@ -425,5 +439,5 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
         got = FileDocument(safe_id(path.stem), str(path), path, name=path.name)  # a converter's raise: an error
         if got.error:
             raise InputError(f"{path}: {got.error}")
-        return [Document(got.id, got.source, got.text, name=got.name, converter=got.converter)]
+        return [Document(got.id, got.source, got.text, name=got.name, converter=got.converter, stamp=got.stamp)]
     raise InputError(f"{path}: expected a folder of documents, a document file or a .jsonl file")

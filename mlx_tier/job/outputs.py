@@ -3,7 +3,9 @@
 The ``<id>.md`` file stays the durable unit the journal
 (:mod:`mlx_tier.outdir.journal`) recovers from; these lines are derived from
 it, appended and fsync'ed before the document's journal record, one line per
-document id, never two.
+document id, never two. A summary redone (its document changed, or its model
+or prompt with ``redo_changed``) replaces its line: the file is rewritten
+whole, atomically, so the old line stays until the new one is in.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from mlx_tier.fsio import _NOFOLLOW, _append_line, named, read_nofollow
+from mlx_tier.fsio import _NOFOLLOW, _append_line, named, read_nofollow, write_atomic
 from mlx_tier.job.documents import Document
 from mlx_tier.outdir.layout import SUMMARIES
 
@@ -63,13 +65,14 @@ class JsonlSummaries:
                 continue
 
     def add(self, record: dict) -> None:
-        """Append the line of the finished document ``record["id"]`` unless it is there already.
+        """Append the line of the finished document ``record["id"]`` unless it is there already;
+        a redone one's (``record["redo"]``) replaces its line.
 
         Raises:
             OSError: its ``<id>.md`` cannot be read, or the disk is full.
         """
         doc_id = record["id"]
-        if doc_id in self.ids:
+        if doc_id in self.ids and not record.get("redo"):
             return
         name = f"{doc_id}.md"
         summary = read_nofollow(self.out_dir / name).decode("utf-8").removesuffix("\n")  # bytes: no newline translation
@@ -81,8 +84,24 @@ class JsonlSummaries:
             if doc is not None and doc.name != doc_id:  # the output name differs from the original
                 line["name"] = doc.name
         line |= {"summary": summary, "output": name} | {k: record[k] for k in self.FIELDS if k in record}
-        _append_line(self.path, (json.dumps(line) + "\n").encode("ascii"))  # as Journal.append
+        data = (json.dumps(line) + "\n").encode("ascii")  # as Journal.append
+        if doc_id in self.ids:
+            self._replace(name, data)
+        else:
+            _append_line(self.path, data)
         self.ids.add(doc_id)
+
+    def _replace(self, name: str, data: bytes) -> None:
+        """Rewrite the file (atomically) with the line of output ``name`` replaced by ``data``."""
+        kept = []
+        for line in read_nofollow(self.path).splitlines(keepends=True):
+            try:
+                if json.loads(line)["output"] == name:
+                    continue
+            except (ValueError, KeyError, TypeError):
+                pass
+            kept.append(line)
+        write_atomic(self.path, b"".join(kept) + data)
 
     def sync(self, records: Mapping[str, dict]) -> None:
         """Add every job document that is ``done`` in ``records`` and has its ``.md`` but no line yet

@@ -1,7 +1,9 @@
 """What report.json holds: each document's result, the job's totals, one record per run.
 
 Plain data (dataclasses) filled by the job runner (:mod:`mlx_tier.job.run`) and
-read back by ``mlx-tier status``, the job page and the CLI's summary.
+read back by ``mlx-tier status``, the job page and the CLI's summary. A run's
+speeds (output tok/s, documents/hour) are :mod:`mlx_tier.rates`'s, over its
+generation time; loading is counted apart.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import psutil
+
+from mlx_tier.outdir.journal import written_by
+from mlx_tier.rates import RunSpeed
 
 
 @dataclass
@@ -35,6 +40,12 @@ class DocResult:
     earlier_run: bool = False  # done or failed by an earlier run (its figures from the journal)
     name: str | None = None  # the original id (relative path, JSONL custom_id/id) the output name came from
     converter: str | None = None  # how the text was read: "text (cp1252)", "markitdown 0.1.9 PdfConverter"...
+    # What the summary was made from and with (mlx_tier.job.provenance); None: not recorded (an older version).
+    made_from: dict | None = None  # {"sha256", "size", "mtime", "hashed"} of the source
+    model: dict | None = None  # {"name", "weights"}: the model that wrote it
+    prompt: str | None = None  # the instruction's hash (its text: report.json "prompts")
+    redo: str | None = None  # this run redoes it: "stale" (its source changed) or "changed" (model or prompt)
+    reused: str | None = None  # the id whose summary it got (the same content under another name)
 
 
 @dataclass
@@ -57,6 +68,9 @@ class JobReport:
     setup: dict = field(default_factory=dict)
     throttle: dict = field(default_factory=dict)  # Throttle.as_dict(): time throttled/paused, timeline
     runs: list[dict] = field(default_factory=list)
+    prompts: dict[str, str] = field(default_factory=dict)  # prompt hash -> instruction text, every run's
+    load_seconds: float | None = None  # this run: from its start to its model loaded (monotonic)
+    generation_seconds: float = 0.0  # this run: from its model loaded to its last document (mlx_tier.rates)
     # The runner's own state of this run (mlx_tier.job.run.RunStart: triage counts, whether the
     # model was loaded; never the model itself), for its RunRecord; not in report.json.
     run: object = field(default=None, repr=False, compare=False)
@@ -75,28 +89,54 @@ class JobReport:
 
     def as_dict(self) -> dict:
         finished = [r for r in self.results if r.status == "done"]
-        out_tokens = sum(r.output_tokens for r in finished)
-        # Documents of a batch overlap in time: throughput is over the runs' wall time.
-        run_tokens = sum(r.get("output_tokens", 0) for r in self.runs)
-        run_seconds = sum(r.get("seconds", 0.0) for r in self.runs)
         totals = {s: self.count(s) for s in ("done", "failed", "pending")}
         totals |= {
             "documents": len(self.results),
             "chunked": sum(r.parts > 0 for r in self.results),
             "input_tokens": sum(r.input_tokens for r in finished),
-            "output_tokens": out_tokens,
-            "run_seconds": round(run_seconds, 3),
-            "output_tok_per_s": round(run_tokens / run_seconds, 3) if run_seconds else 0.0,
+            "output_tokens": sum(r.output_tokens for r in finished),
+            "run_seconds": round(sum(r.get("seconds", 0.0) for r in self.runs), 3),
+            **self.speed().as_dict(),
             "interrupted": self.interrupted,
         }
         return {
             "documents": [asdict(r) for r in self.results],
             "totals": totals,
+            "written_by": written_by(asdict(r) for r in finished),
+            "prompts": self.prompts,
             "cache": self.cache,
             "throttle": self.throttle,
             "runs": self.runs,
             **self.setup,
         }
+
+    def speed(self) -> RunSpeed:
+        """Every run's speed together (:mod:`mlx_tier.rates`): tokens and documents over the sum
+        of the runs' generation times (documents of a batch overlap: over time, not per document).
+        A run recorded before generation time was (an older version) counts its whole time."""
+        return RunSpeed(sum(r.get("output_tokens", 0) for r in self.runs), sum(r.get("done", 0) for r in self.runs),
+                        sum(r.get("generation_seconds", r.get("seconds", 0.0)) for r in self.runs),
+                        sum(r.get("load_seconds") or 0.0 for r in self.runs))
+
+
+def rerun_account(results: list[DocResult], found: dict) -> dict:
+    """What a run did with earlier summaries (:class:`RunRecord` ``rerun``).
+
+    Args:
+        results: the job's documents after the run.
+        found: the triage's counts (:func:`mlx_tier.job.rerun.rerun_counts`).
+
+    Returns:
+        ``redone_stale`` / ``redone_changed``: summaries the run rewrote because their
+        document changed, or (asked to) their model or prompt; ``stale_left``: stale ones
+        not redone (a stop, ``retry_failed``, a failure); ``kept_changed``, ``reused``,
+        ``unstamped``: as found.
+    """
+    mine = [r for r in results if r.status == "done" and not r.earlier_run]
+    stale = sum(r.redo == "stale" for r in mine)
+    return {"redone_stale": stale, "redone_changed": sum(r.redo == "changed" for r in mine),
+            "stale_left": found.get("stale", 0) - stale,
+            **{k: found.get(k, 0) for k in ("kept_changed", "reused", "unstamped")}}
 
 
 # CacheStats counters that add up across runs (ratios are recomputed).
@@ -189,13 +229,21 @@ class RunRecord:
 
     Attributes:
         started: local start time, ISO 8601.
-        seconds: the run's wall time.
+        seconds: the run's whole time, loading included (monotonic).
+        load_seconds, generation_seconds: its two phases (:mod:`mlx_tier.rates`);
+            the speeds are over ``generation_seconds``.
         done, failed: documents this run finished or failed.
         already_done: done by earlier runs, not regenerated.
         left_failed: failed earlier, not retried (no ``retry_failed``).
         output_tokens: tokens generated this run.
         throttled_seconds: time slowed, paused or capped by the throttle.
         cache: the cache's figures; ``None``: nothing to do, the model was not loaded.
+        settings: ``{"model": {"name", "weights"}, "prompt": hash}`` of the run
+            (``{}``: the model was not loaded).
+        rerun: what it did with earlier summaries: ``redone_stale``, ``redone_changed``
+            (summaries it rewrote because their source, or their model or prompt,
+            changed), ``kept_changed`` (written with another model or prompt, kept),
+            ``reused`` (copied under a new name), ``unstamped`` (older records taken as current).
     """
 
     started: str
@@ -207,20 +255,28 @@ class RunRecord:
     output_tokens: int
     throttled_seconds: float
     cache: CacheRecord | None = None
+    load_seconds: float | None = None
+    generation_seconds: float = 0.0
+    settings: dict = field(default_factory=dict)
+    rerun: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, report: JobReport, t_wall: float, cache, skipped: int, left_failed: int) -> RunRecord:
+    def of(cls, report: JobReport, t_wall: float, cache, skipped: int, left_failed: int,
+           settings: dict | None = None, rerun: dict | None = None) -> RunRecord:
         t = report.throttle
         return cls(time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_wall)), round(report.seconds, 3),
                    report.this_run("done"), report.this_run("failed"), skipped, left_failed, report.output_tokens,
                    t.get("throttled_seconds", 0.0) + t.get("paused_seconds", 0.0) + t.get("capped_seconds", 0.0),
-                   CacheRecord.of(cache) if cache is not None else None)
+                   CacheRecord.of(cache) if cache is not None else None, report.load_seconds,
+                   report.generation_seconds, settings or {}, rerun or {})
+
+    def speed(self) -> RunSpeed:
+        return RunSpeed(self.output_tokens, self.done, self.generation_seconds, self.load_seconds)
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("started", "seconds", "done", "failed", "already_done", "left_failed")}
-        d |= {"loaded_model": self.cache is not None, "output_tokens": self.output_tokens,
-              "output_tok_per_s": round(self.output_tokens / self.seconds, 3) if self.seconds else 0.0,
-              "throttled_seconds": self.throttled_seconds}
+        d |= {"loaded_model": self.cache is not None, "output_tokens": self.output_tokens, **self.speed().as_dict(),
+              "throttled_seconds": self.throttled_seconds, **self.settings, **self.rerun}
         if self.cache is not None:
             c = self.cache
             d |= {"slots_per_layer": c.slots_per_layer, "cache_budget_gib": c.cache_budget_gib}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -34,13 +35,23 @@ from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.outputs import JsonlSummaries
 from mlx_tier.job.process import DEFAULT_NICE, keep_awake, lower_priority
+from mlx_tier.job.provenance import Settings
 from mlx_tier.job.report import (
     DocResult,
     JobReport,
     RunRecord,
     machine_info,
     previous_runs,
+    rerun_account,
     sum_cache,
+)
+from mlx_tier.job.rerun import (
+    copy_reused,
+    current_hashes,
+    locate_model,
+    rerun_counts,
+    rerun_notes,
+    run_settings,
 )
 from mlx_tier.job.scheduler import GenerationConfig, Outcome, Scheduler, check_context
 from mlx_tier.job.stopflag import StopFlag
@@ -57,7 +68,7 @@ from mlx_tier.job.triage import (
 from mlx_tier.messages import terminal_width, with_command, wrap_words
 from mlx_tier.monitor.view import progress_sample
 from mlx_tier.outdir.jobdir import JobDir, ProgressFile, write_input_list
-from mlx_tier.outdir.journal import JobInfo, Journal
+from mlx_tier.outdir.journal import JobInfo, Journal, RunClock, new_run_id, prompt_texts
 from mlx_tier.outdir.layout import JOURNAL, PROGRESS_FILE, REPORT, check_out_dir
 
 # When the checkpoint states no context length.
@@ -95,6 +106,10 @@ class JobConfig:
             ``OUT_DIR/summaries.jsonl``, one line per finished document).
         retry_failed: run only the documents that failed in an earlier run
             (a plain rerun runs pending documents and keeps failed ones failed).
+        redo_changed: also redo the summaries an earlier run wrote with another
+            model or prompt (kept by default, and said so). A summary whose
+            document changed since is redone in any case
+            (:mod:`mlx_tier.job.provenance`).
         command: the command line that resumes this job, recorded in
             the journal's ``start`` record for ``mlx-tier status``.
         nice: CPU priority decrease (``os.nice`` increment; 0 = unchanged).
@@ -114,6 +129,7 @@ class JobConfig:
     input_paths: tuple[str, ...] | None = None
     output_format: str = "md"
     retry_failed: bool = False
+    redo_changed: bool = False
     command: str | None = None
     nice: int = DEFAULT_NICE
     background_qos: bool = False
@@ -133,7 +149,7 @@ def _earlier_setup(config: JobConfig) -> tuple[dict, dict]:
         earlier = earlier if isinstance(earlier, dict) else {}
     except (OSError, ValueError):
         earlier = {}
-    own = ("documents", "totals", "cache", "throttle", "runs")
+    own = ("documents", "totals", "cache", "throttle", "runs", "written_by", "prompts")
     setup = {k: v for k, v in earlier.items() if k not in own}
     setup |= {**machine_info(), "model": setup.get("model") or (str(config.model) if config.model is not None else "demo")}
     throttle = earlier.get("throttle")
@@ -285,6 +301,8 @@ class _Pass:
     reporter: Reporter
     report: JobReport
     progress: ProgressFile  # rewritten every 2 s with the :class:`Activity`
+    settings: Settings  # this run's model and prompt, recorded with each summary
+    last_t: float | None = None  # the run's clock at its last document record (mlx_tier.rates)
 
 
 def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> dict:
@@ -330,6 +348,8 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
         _record(outcome, res, config.out_dir)
         eta.finished(res.id, res.output_tokens if res.status == "done" else None)
         spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
+        if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
+            res.model, res.prompt = p.settings.fields()["model"], p.settings.prompt
         record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
         # Per-record increment: `mlx-tier status` adds them up.
         record["throttled_seconds"] = round(spent - throttled_before, 3)
@@ -337,7 +357,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
         record["sample"] = progress_sample(loaded.cache, rate.value, generated[0])
         if outcome.reasoning:
             record["reasoning"] = outcome.reasoning
-        journal.append(record)
+        p.last_t = journal.append(record)["run_t"]
         reporter.finished(res, loaded.cache.stats.as_dict())
     return throttle.as_dict()
 
@@ -371,6 +391,8 @@ class Share:
             journal (:class:`~mlx_tier.outdir.jobdir.JobDir`) and writes none of those.
         progress_name: the progress file in ``OUT_DIR`` this process rewrites while it
             works (:class:`~mlx_tier.outdir.jobdir.ProgressFile`).
+        run_id: the run's id (:class:`~mlx_tier.outdir.journal.RunClock`): the ranks of a
+            distributed run take their launcher's; ``None``: a fresh one.
     """
 
     claim: Callable[[str], bool] = claim_all
@@ -378,6 +400,7 @@ class Share:
     order: Callable[[list[str]], Iterable[str]] = input_order
     part: bool = False
     progress_name: str = PROGRESS_FILE  # a rank: its own (mlx_tier.outdir.layout.rank_progress_name)
+    run_id: str | None = None
 
 
 def _convert_ahead(doc) -> Future:
@@ -417,18 +440,23 @@ def _turns(pending: list, results: dict, share: Share) -> Iterator:
     converting = _convert_ahead(d) if d is not None else None
     while d is not None:
         results[d.id].converter = converting.result()
+        results[d.id].made_from = d.stamp.as_dict() if d.stamp is not None else None  # hashed before converting
         following = next(ahead, None)
         converting = _convert_ahead(following) if following is not None else None
         yield d
         d = following
 
 
-def _outputs(job: JobDir, docs) -> dict[str, OutputState]:
-    return {d.id: OutputState.of(job.output(d.id)) for d in docs}
+def _outputs(job: JobDir, docs, records: dict[str, dict]) -> dict[str, OutputState]:
+    """The output of each document, and of each id summarised earlier (a renamed one's old name)."""
+    ids = [d.id for d in docs] + [i for i, rec in records.items() if rec.get("status") == "done"]
+    return {i: OutputState.of(job.output(i)) for i in ids}
 
 
-def doc_results(docs, tri: Triage) -> dict[str, DocResult]:
-    """Each document's result as the triage leaves it (earlier runs' figures from their records)."""
+def doc_results(docs, tri: Triage, records: dict[str, dict] | None = None) -> dict[str, DocResult]:
+    """Each document's result as the triage leaves it (earlier runs' figures from their records;
+    ``records``: the journal's, for the summaries reused under a new name)."""
+    records = records or {}
     results = {}
     for d in docs:
         base = {"id": d.id, "source": d.source, "name": d.name}
@@ -438,12 +466,17 @@ def doc_results(docs, tri: Triage) -> dict[str, DocResult]:
             results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base, **keep)
         elif d.id in tri.recovered:
             results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base)
+        elif d.id in tri.reused:  # its summary written earlier, under the name its content had
+            rec = records.get(tri.reused[d.id], {})
+            keep = {k: rec[k] for k in DONE_KEEPS if k in rec} | {"reused": tri.reused[d.id]}
+            results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base, **keep)
         elif d.id in tri.failed:
             rec = tri.failed[d.id]
             keep = {k: rec[k] for k in FAILED_KEEPS if k in rec}
             results[d.id] = DocResult(status="failed", error=rec.get("error"), earlier_run=True, **base, **keep)
         else:
-            results[d.id] = DocResult(status="pending", **base)
+            redo = "stale" if d.id in tri.stale else "changed" if d.id in tri.changed else None
+            results[d.id] = DocResult(status="pending", redo=redo, **base)
     return results
 
 
@@ -493,12 +526,14 @@ def start_detached(config: JobConfig, argv: list[str]) -> int:
     return start_background(argv, config.out_dir, stdin)
 
 
-def _load_model(config: JobConfig, reporter: Reporter) -> _Loaded:
-    """The tiered model, with the context checked before any document."""
+def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None) -> _Loaded:
+    """The tiered model (from ``model_dir`` when it was found already), with the context
+    checked before any document."""
     from mlx_tier.engine.load import load
     from mlx_tier.tools.demo_model import resolve
 
-    model_dir = resolve(config.model, reporter.message)
+    if model_dir is None:
+        model_dir = resolve(config.model, reporter.message)
     reporter.message(f"loading {model_dir}")
     model, tokenizer = load(model_dir, config=config.tier)
     loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT))
@@ -507,14 +542,15 @@ def _load_model(config: JobConfig, reporter: Reporter) -> _Loaded:
     return loaded
 
 
-def _model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir) -> _Loaded | None:
+def _model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir,
+               model_dir: Path | None = None) -> _Loaded | None:
     """The model when there is work, else ``None``: a rerun with nothing to do never loads
     it. A failed load frees the folder (and removes it when this run created it and left
     nothing else there)."""
     if not pending:
         return None
     try:
-        return _load_model(config, reporter)
+        return _load_model(config, reporter, model_dir)
     except BaseException:
         job.discard_if_unused()  # leave no trace of a run that never started
         raise
@@ -557,7 +593,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     With nothing left to do (every document done, or failed without
     ``retry_failed``), the model is not loaded: report.json is rewritten
     with the job's totals and a run record that did nothing. Documents are
-    converted only when their turn comes, never those done already.
+    converted only when their turn comes, never those done already. A
+    document changed since its summary is redone (:mod:`mlx_tier.job.provenance`).
 
     Args:
         config: the job (:class:`JobConfig`).
@@ -571,11 +608,11 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
         KeyboardInterrupt: a second interrupt; finished outputs are kept.
     """
     reporter = reporter or Reporter()
-    t_start, t_wall = time.perf_counter(), time.time()
+    clock, t_wall = RunClock(share.run_id or new_run_id()), time.time()  # the run starts now
     docs = find_documents(config)
     with JobDir(config.out_dir, share.journal_name, part=share.part) as job:
-        report, loaded = _run_in(job, docs, config, reporter, share)
-        report.seconds = time.perf_counter() - t_start
+        report, loaded = _run_in(job, docs, config, reporter, share, clock)
+        report.seconds = clock.t()
         _finish_report(report, loaded, config, t_wall, reporter, write=not share.part)
     if not share.part:
         write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
@@ -583,45 +620,62 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     return report
 
 
-def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bool = False):
+def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bool = False,
+              clock: RunClock | None = None, settings: Settings | None = None):
     """Journal, triage (from the job's view) and results of this run, with the earlier runs'
-    recovered outputs recorded (not by a ``part``: its launcher did; one found now is
-    another rank's, its record on the way). Returns ``(journal, records, triage)``."""
+    recovered outputs recorded and reused summaries copied (not by a ``part``: its launcher
+    did; one found now is another rank's, its record on the way). ``settings``: this run's
+    model and prompt, against which earlier summaries are judged (with each document's
+    source hash now). Returns ``(journal, records, triage)``."""
     summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part else None
-    journal = job.journal(on_done=summaries.add if summaries is not None else None)
+    journal = job.journal(on_done=summaries.add if summaries is not None else None, clock=clock)
     view = job.view()
     records = view.records()
     for warning in view.warnings.values():
         reporter.message(f"journal: {warning}")
-    tri = triage([d.id for d in docs], records, _outputs(job, docs), attempted_ids(view.entries()),
-                 config.retry_failed)
+    current = current_hashes(docs, records) if settings is not None else {}
+    tri = triage([d.id for d in docs], records, _outputs(job, docs, records), attempted_ids(view.entries()),
+                 config.retry_failed, current, settings, config.redo_changed)
     if part:
         return journal, records, tri
-    names = {d.id: d.name for d in docs}
+    by_id = {d.id: d for d in docs}
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
-        journal.append({"id": i, "status": "done", "output": f"{i}.md", "recovered": True, "name": names[i]})
+        made = {"made_from": by_id[i].stamp.as_dict()} if by_id[i].stamp is not None else {}  # its source now
+        journal.append({"id": i, "status": "done", "output": f"{i}.md", "recovered": True, "name": by_id[i].name,
+                        **made})
+    for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
+        del tri.reused[i]
+        tri.pending.append(i)
     if summaries is not None:
         summaries.sync(journal.records())
     return journal, records, tri
 
 
-def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share) -> tuple[JobReport, _Loaded | None]:
+def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share,
+            clock: RunClock) -> tuple[JobReport, _Loaded | None]:
     """The run inside the held job folder: triage, load, generate. Returns the report and the
     model (``None`` when nothing was to do), kept apart: the report never holds the model."""
-    journal, records, tri = start_run(job, docs, config, reporter, share.part)
-    results = doc_results(docs, tri)
-    report = JobReport(results=list(results.values()))
+    model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
+    settings = run_settings(config.model, config.generation.instruction, model_dir)
+    journal, records, tri = start_run(job, docs, config, reporter, share.part, clock, settings)
+    if not share.part:
+        for note in rerun_notes(tri, records, settings, config.retry_failed):
+            reporter.message(note)
+    results = doc_results(docs, tri, records)
+    report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))
     by_id = {d.id: d for d in docs}
     pending = [by_id[i] for i in tri.pending]
-    loaded = _model_for(pending, config, reporter, job)
-    report.run = RunStart(len(tri.done) + len(tri.recovered), len(tri.failed), loaded is not None)
+    loaded = _model_for(pending, config, reporter, job, model_dir)
+    if loaded is not None and settings.weights is None:  # downloaded or built just now
+        settings = run_settings(config.model, config.generation.instruction, loaded.model_dir)
+    report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
+                          settings.fields() if loaded is not None else {}, rerun_counts(tri))
     if loaded is not None:
         report.setup = _setup(loaded, config)
+        report.prompts[settings.prompt] = config.generation.instruction
     else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
         report.setup, report.throttle = _earlier_setup(config)
-    if (pending or not records) and not share.part:  # a rerun with nothing to do starts no run
-        JobInfo(input=str(config.input), ids=list(by_id), todo=tri.pending, started=time.time(), pid=os.getpid(),
-                command=config.command, output_format=config.output_format).write(journal)
+    _mark_start(journal, report, config, share, tri, list(by_id), settings, loaded is not None, bool(records))
     if config.input_paths is not None and not share.part:
         write_input_list(config.out_dir, docs)
     if tri.failed:
@@ -633,9 +687,31 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
         p = _Pass(_turns(pending, results, share), _sizes(pending), results, journal, reporter, report,
-                  ProgressFile(config.out_dir, name=share.progress_name))
+                  ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings)
         _run_pending(p, config, loaded)
+        end = p.last_t if p.last_t is not None else clock.t()  # the last document, else the end
+        report.generation_seconds = max(end - (report.load_seconds or 0.0), 0.0)
     return report, loaded
+
+
+def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: Share, tri: Triage, ids: list[str],
+                settings: Settings, loaded: bool, earlier: bool) -> None:
+    """Journal this run's start, once its model is loaded (a rerun with nothing to do starts no
+    run): the ``start`` record (a rank's: a ``loaded`` one), whose clock reading ``run_t`` is the
+    run's loading time (:mod:`mlx_tier.rates`), put in ``report.load_seconds``."""
+    if share.part:
+        if loaded:
+            report.load_seconds = journal.append({"event": "loaded"})["run_t"]
+        return
+    if not tri.pending and earlier:
+        return
+    model = settings.fields()["model"] if loaded else None
+    rec = JobInfo(input=str(config.input), ids=ids, todo=tri.pending, started=time.time(), pid=os.getpid(),
+                  command=config.command, output_format=config.output_format, mono=time.monotonic(),
+                  host=socket.gethostname(), model=model, prompt=settings.prompt if loaded else None,
+                  prompt_text=config.generation.instruction if loaded else None).write(journal)
+    if loaded:
+        report.load_seconds = rec.get("run_t")
 
 
 def _sizes(pending: list) -> dict[str, int]:
@@ -654,7 +730,9 @@ def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig,
     """This run's record, the summed cache counters, and (``write``) the profile and report.json
     (atomically)."""
     cache = loaded.cache if loaded is not None else None
-    record = RunRecord.of(report, t_wall, cache, report.run.skipped, report.run.left_failed)
+    run = report.run
+    record = RunRecord.of(report, t_wall, cache, run.skipped, run.left_failed, run.settings,
+                          rerun_account(report.results, run.rerun))
     report.runs = previous_runs(config.out_dir / REPORT) + [record.as_dict()]
     report.cache = sum_cache(report.runs)
     if cache is not None:
@@ -733,11 +811,15 @@ class RunStart:
         loaded_model: whether the model was loaded (``False``: nothing to do). The
             model itself is never kept here: a caller holding the report must
             not keep the model, its slabs and store threads alive.
+        settings: the run's model and prompt as records name them (``{}``: not loaded).
+        rerun: the triage's counts of earlier summaries (:func:`~mlx_tier.job.rerun.rerun_counts`).
     """
 
     skipped: int
     left_failed: int
     loaded_model: bool
+    settings: dict = field(default_factory=dict)
+    rerun: dict = field(default_factory=dict)
 
 
 def _save_profile(config: JobConfig, loaded: _Loaded, report: JobReport, reporter: Reporter) -> None:

@@ -1,11 +1,13 @@
 """Which of a job's documents this run does: a pure decision over plain data.
 
 The runner gathers the facts (the journal's last record per id, which ids an
-earlier run named, which outputs exist) and :func:`triage` sorts the
-documents into done / recovered / failed / pending without touching a file
-or converting a document (vLLM v1's split: the scheduler decides from plain
+earlier run named, which outputs exist, the hash of each document's source
+now, this run's model and prompt) and :func:`triage` sorts the documents into
+done / recovered / reused / failed / pending without touching a file or
+converting a document (vLLM v1's split: the scheduler decides from plain
 data, the runner executes). Pending ids come back in input order; the
-runner converts each only when its turn comes.
+runner converts each only when its turn comes. What a summary's record keeps
+of its source, model and prompt, and why: :mod:`mlx_tier.job.provenance`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_tier.job.provenance import Settings, recorded_hash
+
 # What a done / failed record of an earlier run keeps in this run's results.
-DONE_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter")
+DONE_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter", "made_from",
+              "model", "prompt", "reused")
 FAILED_KEEPS = ("input_tokens", "doc_seconds", "converter")
 
 
@@ -46,8 +51,17 @@ class Triage:
         recovered: ids whose output is complete but unrecorded (a crash after
             the rename): done; the runner records them, never regenerates them.
         failed: ``id -> journal record`` failed earlier and not retried now.
-        pending: ids to run now, in input order.
+        pending: ids to run now, in input order (the ``stale`` and ``changed`` ones among them).
         left: ids neither done nor failed that ``retry_failed`` leaves for a plain rerun.
+        stale: done ids whose source changed since their summary: pending (redone),
+            or left done with ``retry_failed``.
+        changed: done ids written with another model or prompt, pending because
+            ``redo_changed`` asked for them.
+        kept_changed: done ids written with another model or prompt, kept (no ``redo_changed``).
+        unstamped: done ids whose record keeps no source hash (an older version): taken as current.
+        reused: ``id -> done id`` whose summary this document gets as its own (the same
+            content under another name: a rename or a copy; same model and prompt):
+            copied by the runner, not generated again.
     """
 
     done: dict[str, dict] = field(default_factory=dict)
@@ -55,27 +69,40 @@ class Triage:
     failed: dict[str, dict] = field(default_factory=dict)
     pending: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    kept_changed: list[str] = field(default_factory=list)
+    unstamped: list[str] = field(default_factory=list)
+    reused: dict[str, str] = field(default_factory=dict)
 
 
 def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str, OutputState],
-           attempted: set[str] = frozenset(), retry_failed: bool = False) -> Triage:
+           attempted: set[str] = frozenset(), retry_failed: bool = False,
+           current: Mapping[str, str | None] | None = None, settings: Settings | None = None,
+           redo_changed: bool = False) -> Triage:
     """Sort a job's documents by their journal state and outputs (pure).
 
     Args:
         ids: every document of the job, in input order.
-        records: the journal's last record per id (:meth:`mlx_tier.outdir.journal.Journal.records`).
+        records: the journal's last record per id (:meth:`mlx_tier.outdir.journal.Journal.records`),
+            ids no longer in the job included (a renamed document's old name).
         outputs: the state of each id's output file (missing ids: no output).
         attempted: ids an earlier run of this job named or recorded; only
             their unrecorded outputs are adopted (a user's own file never is).
         retry_failed: run only the documents that failed earlier.
+        current: the sha256 of each document's source now
+            (:class:`~mlx_tier.job.provenance.SourceStamp`; ``None`` or missing:
+            unknown, the summary is taken as current).
+        settings: this run's model and prompt (``None``: not compared).
+        redo_changed: also redo summaries written with another model or prompt.
     """
-    t = Triage()
+    t, current = Triage(), current or {}
     for i in ids:
         rec, out = records.get(i) or {}, outputs.get(i, OutputState())
         status = rec.get("status")
         if status == "done" and out.exists:
-            t.done[i] = rec
-        elif i in attempted and out.regular:
+            _sort_done(t, i, rec, current.get(i), settings, redo_changed, retry_failed)
+        elif i in attempted and out.regular and status != "failed":  # failed: a redo's old summary is left
             t.recovered.append(i)
         elif status == "failed" and not retry_failed:
             t.failed[i] = rec  # stays failed until --retry-failed
@@ -83,7 +110,49 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
             t.left.append(i)
         else:
             t.pending.append(i)
+    if settings is not None and not retry_failed:
+        _reuse(t, records, outputs, current, settings)
     return t
+
+
+def _sort_done(t: Triage, i: str, rec: dict, now: str | None, settings: Settings | None, redo_changed: bool,
+               retry_failed: bool) -> None:
+    """File the done document ``i`` (record ``rec``, source hash ``now``) in ``t``: kept, or
+    redone because its source changed or (``redo_changed``) its model or prompt did."""
+    was = recorded_hash(rec)
+    other = settings is not None and settings.differs(rec)
+    if was is None:
+        t.unstamped.append(i)
+    if was is not None and now is not None and now != was:
+        t.stale.append(i)
+    elif other and redo_changed:
+        t.changed.append(i)
+    else:
+        if other:
+            t.kept_changed.append(i)
+        t.done[i] = rec
+        return
+    if retry_failed:  # left as it is for a plain rerun
+        t.done[i] = rec
+    else:
+        t.pending.append(i)
+
+
+def _reuse(t: Triage, records: Mapping[str, dict], outputs: Mapping[str, OutputState],
+           current: Mapping[str, str | None], settings: Settings) -> None:
+    """Move to ``t.reused`` the pending documents whose source hash equals that of a summary
+    written with these settings whose output is there (a rename, a copy)."""
+    by_hash = {}
+    for j, rec in records.items():
+        h = recorded_hash(rec)
+        if rec.get("status") == "done" and h is not None and outputs.get(j, OutputState()).regular \
+                and not settings.differs(rec) and current.get(j, h) == h:
+            by_hash.setdefault(h, j)
+    for i in list(t.pending):
+        j = by_hash.get(current.get(i) or "")
+        if j is not None and j != i and i not in t.changed:
+            t.pending.remove(i)
+            t.reused[i] = j
 
 
 def attempted_ids(entries) -> set[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from mlx_tier.fsio import write_atomic
 from mlx_tier.monitor.view import build_view
 from mlx_tier.outdir.layout import REPORT_HTML
+from mlx_tier.rates import DEFINITION
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1a1a1a;background:#fafafa;line-height:1.4}
@@ -84,12 +85,16 @@ def numbers_section(view: dict) -> str:
         ("pending", "Pending", unknown if s["pending"] is None else str(s["pending"])),
         ("eta", "ETA", eta),
         ("docs-per-hour", "Documents / hour", f"{s['documents_per_hour']:.1f}"),
-        ("tok-s", "Output tok/s (wall)", f"{s['output_tok_per_s']:.2f}"),
+        ("tok-s", "Output tok/s", f"{s['output_tok_per_s']:.2f}"),
+        ("generation", "Generation time", fmt_seconds(s["elapsed_seconds"])),
+        ("loading", "Loading time", fmt_seconds(s["load_seconds"])),
+        ("redone-stale", "Redone: document changed", str(s["redone_stale"])),
         ("throttled", "Throttled or paused", fmt_seconds(s["throttled_seconds"])),
     ]
+    if s["redone_changed"]:
+        items.insert(-1, ("redone-changed", "Redone: model or prompt", str(s["redone_changed"])))
     cells = "".join(_number(*item) for item in items)
-    note = ("This run's rates: documents finished per wall-clock hour and output tokens per second, "
-            "prompt reading and throttle pauses included.")
+    note = f"This run's rates: documents summarised per hour and output tokens per second, {DEFINITION}."
     resume = ""
     if view.get("resume_command"):  # not running, documents left: how to go on
         resume = (f'<p id="state-note">{_e(view["state_text"])}. Resume with:</p>'
@@ -259,8 +264,9 @@ def failures_section(view: dict) -> str:
 
 
 def documents_section(view: dict) -> str:
-    """Each document beside its summary (``<details>``, open to read in place)."""
-    items = []
+    """Each document beside its summary (``<details>``, open to read in place); which model
+    and prompt wrote it when the job's summaries are a mix."""
+    items, mixed = [], len(view.get("written_by") or []) > 1
     for i, d in enumerate(view["documents"]):
         facts = [_MARK[d["status"]]]
         if d["output_tokens"] is not None:
@@ -269,11 +275,38 @@ def documents_section(view: dict) -> str:
             facts.append(fmt_seconds(d["seconds"]))
         if d["finish_reason"] == "length":
             facts.append("cut at --max-tokens")
+        if mixed and d["status"] == "done":
+            facts.append(_writer(d))
+        if d["redo"] == "stale" and d["status"] == "done":
+            facts.append("redone: its document changed")
         body = (f'<pre class="summary">{_e(d["summary"])}</pre>' if d["summary"] is not None
                 else f'<p class="note">{_e(d["error"] or "not summarised yet")}</p>')
         items.append(f'<details id="doc-{i}" class="doc"><summary><strong>{_e(d["source"])}</strong> '
                      f'<span class="{d["status"]}">{_e(" · ".join(facts))}</span></summary>{body}</details>')
     return f'<section id="documents"><h2>Documents and summaries</h2>{"".join(items)}</section>'
+
+
+def _writer(d: dict) -> str:
+    """``"by demo [3f2a9c1d], prompt 9c1d20aa"``: what wrote a document's summary."""
+    if d.get("model") is None and d.get("prompt") is None:
+        return "by an earlier version (not recorded)"
+    weights = f" [{d['weights'][:8]}]" if d.get("weights") else ""
+    return f"by {d.get('model') or '?'}{weights}, prompt {(d.get('prompt') or '?')[:8]}"
+
+
+def written_section(view: dict) -> str:
+    """The models and prompts the job's summaries were written with, when more than one."""
+    written = view.get("written_by") or []
+    if len(written) < 2:
+        return ""
+    prompts = view.get("prompts") or {}
+    rows = "".join(
+        f'<tr><td>{w["documents"]}</td><td class="name">{_e(_writer(w))}</td>'
+        f'<td class="name">{_e(prompts.get(w.get("prompt") or "", ""))}</td></tr>' for w in written)
+    return ('<section id="written-by"><h2>Written by more than one model or prompt</h2><p class="note">'
+            'Summaries kept from earlier runs with other settings; <code>--redo-changed</code> rewrites them '
+            'with this run\'s.</p><div class="scroll"><table><tr><th>documents</th><th class="name">model, '
+            f'prompt</th><th class="name">instruction</th></tr>{rows}</table></div></section>')
 
 
 def shown(text: str) -> str:
@@ -294,7 +327,7 @@ def render_body(view: dict) -> str:
     """The page's ``<main>`` content (the live page swaps this in on each change),
     valid UTF-8 whatever the file names (:func:`shown`)."""
     return shown("".join((numbers_section(view), charts_section(view), experts_section(view),
-                          failures_section(view), documents_section(view))))
+                          failures_section(view), written_section(view), documents_section(view))))
 
 
 def render_page(view: dict, live: dict | None = None) -> str:

@@ -7,17 +7,23 @@ with its figures and any ``throttled_seconds``), ``run.pid`` (``--background``)
 and the output folder's lock. A run is *running* while another process holds the lock: probed with a
 non-blocking shared ``flock``, released at once, so the probe never blocks a
 run (a run starting in the same microseconds may find it held and refuse).
+
+A run's records are found by its id (``run``), its durations and rates taken
+on its monotonic clock (``run_t``; :mod:`mlx_tier.rates` defines the speeds), so a
+step of the wall clock changes neither. Journals of older versions (no run
+ids) are read as before: the run's records by wall time.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlx_tier.errors import InputError
-from mlx_tier.outdir.journal import JobInfo, Journal
+from mlx_tier.outdir.journal import JobInfo, Journal, prompt_texts, written_by
 from mlx_tier.outdir.layout import (
     LOCK,
     PID_FILE,
@@ -25,20 +31,23 @@ from mlx_tier.outdir.layout import (
     pid_file_pid,
     progress_files,
 )
+from mlx_tier.rates import RunSpeed
 
 
-def read_progress(out_dir: Path, since: float | None = None) -> dict | None:
+def read_progress(out_dir: Path, since: float | None = None, run: str | None = None) -> dict | None:
     """The last progress snapshot of ``out_dir``: the freshest of its progress files, with
     the ``in_flight`` and ``writing`` lists of all of them (a distributed run's ranks)
-    merged. A snapshot from before ``since`` (Unix seconds: the last run's start) was left
-    by an earlier run and is ignored. ``None`` when none is left (absent, unreadable, old)."""
+    merged. A snapshot of another run than ``run`` (the last run's id) was left by an
+    earlier run and is ignored; one without a run id (an older version), when from before
+    ``since`` (Unix seconds: the last run's start). ``None`` when none is left (absent,
+    unreadable, an earlier run's)."""
     snaps = []
     for path in progress_files(out_dir):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and (since is None or (_number(data, "time") or 0.0) >= since):
+        if isinstance(data, dict) and _of_run(data, since, run):
             snaps.append(data)
     if len(snaps) <= 1:
         return snaps[0] if snaps else None
@@ -46,6 +55,22 @@ def read_progress(out_dir: Path, since: float | None = None) -> dict | None:
     for key in ("in_flight", "writing"):
         merged[key] = [x for d in snaps if isinstance(d.get(key), list) for x in d[key]]
     return merged
+
+
+def _of_run(snapshot: dict, since: float | None, run: str | None) -> bool:
+    """Whether a progress snapshot is the run's: by its id when both have one, else by wall time."""
+    if run is not None and isinstance(snapshot.get("run"), str):
+        return snapshot["run"] == run
+    return since is None or (_number(snapshot, "time") or 0.0) >= since
+
+
+def snapshot_age(snapshot: dict, now: float, now_mono: float) -> float:
+    """Seconds since a progress snapshot was written: on the monotonic clock when it was
+    written on this machine (``mono``, ``host``), else by wall time, never negative."""
+    mono = _number(snapshot, "mono")
+    if mono is not None and snapshot.get("host") == socket.gethostname() and now_mono >= mono:
+        return now_mono - mono
+    return max(now - (_number(snapshot, "time") or now), 0.0)
 
 
 def describe_throttle(change: dict) -> str:
@@ -143,17 +168,26 @@ class JobStatus:
         throttled_seconds: sum of ``throttled_seconds`` over all journal records (0 if none).
         thermal: the (last) run's throttle state changes, ``{"t", "thermal", "mode",
             "duty", "reason", "time"}`` records, oldest first.
-        started: Unix seconds the (last) run started generating.
-        elapsed_seconds: from ``started`` to now (running), to when it was last
-            seen working (interrupted) or to its last record.
-        finished_this_run: documents finished or failed since ``started``.
+        started: Unix seconds the (last) run started generating (for people).
+        elapsed_seconds: the run's generation time (:mod:`mlx_tier.rates`): from its
+            model loaded to now (running), to when it was last seen working
+            (interrupted) or to its last document; monotonic (a journal of an older
+            version: by wall time).
+        load_seconds: the run's loading time (``None``: not recorded).
+        finished_this_run: documents finished or failed by the (last) run.
+        done_this_run: documents it finished (the documents/hour count these).
+        redone_stale, redone_changed: summaries it rewrote because their document
+            changed, or (asked to) because they were written with another model or prompt.
         eta_seconds: while running, the run's own estimate in ``progress.json``
             (:mod:`mlx_tier.job.eta`, from tokens left and rates measured) less the
-            snapshot's age; without one (a run of an older version), ``todo_left``
-            at this run's wall-clock rate; ``None`` when not running or not
-            measured yet.
+            snapshot's age (:func:`snapshot_age`); without one (a run of an older
+            version), ``todo_left`` at this run's pace; ``None`` when not running or
+            not measured yet.
         command: the command that resumes the job (from the ``start`` record).
         failures: ``(id, error)`` of failed documents.
+        written_by: the models and prompts the job's summaries were written with
+            (:func:`mlx_tier.outdir.journal.written_by`); more than one: a mix.
+        prompts: prompt hash -> instruction text (the runs' start records).
         progress: while running (and, for an interrupted run, as it was last
             written), ``progress.json``: ``in_flight`` ids, ``reading``
             ``[id, prompt tokens read, prompt length]`` or ``None``, ``writing``
@@ -184,16 +218,27 @@ class JobStatus:
     thermal: list[dict] = field(default_factory=list)
     progress: dict | None = None  # the running job's last progress snapshot (:class:`ProgressFile`)
     warnings: list[str] = field(default_factory=list)
+    load_seconds: float | None = None
+    done_this_run: int = 0
+    redone_stale: int = 0
+    redone_changed: int = 0
+    written_by: list[dict] = field(default_factory=list)
+    prompts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def speed(self) -> RunSpeed:
+        """This run's speeds (:mod:`mlx_tier.rates`)."""
+        return RunSpeed(self.run_output_tokens, self.done_this_run, self.elapsed_seconds, self.load_seconds)
 
     @property
     def output_tok_per_s(self) -> float:
-        """This run's output tokens per second of wall clock (documents of a batch overlap; 0 when none)."""
-        return self.run_output_tokens / self.elapsed_seconds if self.elapsed_seconds else 0.0
+        """This run's output tokens per second of generation (:mod:`mlx_tier.rates`; 0 when none)."""
+        return self.speed.output_tok_per_s
 
     @property
     def documents_per_hour(self) -> float:
-        """This run's wall-clock rate, throttle pauses included (0 when none)."""
-        return self.finished_this_run / self.elapsed_seconds * 3600 if self.elapsed_seconds else 0.0
+        """This run's documents summarised per hour of generation (:mod:`mlx_tier.rates`; 0 when none)."""
+        return self.speed.documents_per_hour
 
     def as_dict(self) -> dict:
         """JSON-ready fields (``mlx-tier status --json``), rates included."""
@@ -204,28 +249,77 @@ class JobStatus:
                     "documents_per_hour": round(self.documents_per_hour, 3)}
 
 
-def _run_timing(this_run: list[dict], info: JobInfo | None, running: bool, now: float,
-                progress: dict | None):
-    """``(elapsed seconds, documents of its list left, ETA seconds or None)`` of the last run,
-    from its finished or failed records ``this_run`` and its last ``progress`` snapshot."""
-    started = info.started if info is not None else None
-    seen = _number(progress, "time")  # when the run last reported its work
-    if started is None:
-        elapsed = 0.0
-    elif running:
-        elapsed = max(now - started, 0.0)
+@dataclass(frozen=True)
+class _Clocks:
+    """When status is read: wall (Unix seconds) and monotonic (this machine's ``time.monotonic()``)."""
+
+    wall: float
+    mono: float
+
+
+def _this_run(latest: dict[str, dict], info: JobInfo | None) -> list[dict]:
+    """The document records the last run wrote itself (not the summaries it recovered or
+    reused): by its id; in a journal of an older version (no run ids), by wall time."""
+    if info is None:
+        return []
+    if info.run is not None:
+        return [r for r in latest.values() if r.get("run") == info.run and "status" in r
+                and not r.get("recovered") and "reused" not in r]
+    return [r for r in latest.values() if r.get("time", 0) >= info.started and "status" in r]
+
+
+def _run_clock_now(info: JobInfo, progress: dict | None, clocks: _Clocks) -> float | None:
+    """The run's clock (seconds since it started) now: from its start record's monotonic
+    reading when read on the same machine, else from its last progress snapshot."""
+    if info.mono is not None and info.run_t is not None and info.host == socket.gethostname() \
+            and clocks.mono >= info.mono:
+        return info.run_t + clocks.mono - info.mono
+    t = _number(progress, "run_t")
+    return t + snapshot_age(progress, clocks.wall, clocks.mono) if t is not None else None
+
+
+def _generation_seconds(this_run: list[dict], entries: list[dict], info: JobInfo, running: bool,
+                        progress: dict | None, clocks: _Clocks) -> float:
+    """The run's generation time (:mod:`mlx_tier.rates`) on its monotonic clock ``run_t``: from its
+    model loaded (its start record, or its ranks' ``loaded`` records) to now (running), to
+    its last progress (interrupted) or to its last document."""
+    loaded = [r["run_t"] for r in entries if r.get("event") == "loaded" and r.get("run") == info.run
+              and isinstance(r.get("run_t"), (int, float))]
+    load_t = min(loaded) if loaded else info.run_t
+    if running:
+        now = _run_clock_now(info, progress, clocks)
     else:
-        last = max([r["time"] for r in this_run] + [seen or started, started])
-        elapsed = max(last - started, 0.0)
-    todo_left = None
-    if info is not None:
-        finished_ids = {r["id"] for r in this_run}
-        todo_left = sum(i not in finished_ids for i in info.todo)
+        now = max([r["run_t"] for r in this_run if isinstance(r.get("run_t"), (int, float))]
+                  + [_number(progress, "run_t") or load_t])
+    return max((now if now is not None else load_t) - load_t, 0.0)
+
+
+def _wall_seconds(this_run: list[dict], info: JobInfo, running: bool, progress: dict | None, now: float) -> float:
+    """A run of an older version (no monotonic clock in its records): its time by wall clock."""
+    seen = _number(progress, "time")  # when the run last reported its work
+    if running:
+        return max(now - info.started, 0.0)
+    last = max([r["time"] for r in this_run] + [seen or info.started, info.started])
+    return max(last - info.started, 0.0)
+
+
+def _run_timing(this_run: list[dict], entries: list[dict], info: JobInfo | None, running: bool,
+                progress: dict | None, clocks: _Clocks):
+    """``(generation seconds, documents of its list left, ETA seconds or None)`` of the last run,
+    from its finished or failed records ``this_run`` and its last ``progress`` snapshot."""
+    if info is None:
+        return 0.0, None, None
+    if info.run is not None and info.run_t is not None:
+        elapsed = _generation_seconds(this_run, entries, info, running, progress, clocks)
+    else:
+        elapsed = _wall_seconds(this_run, info, running, progress, clocks.wall)
+    finished_ids = {r["id"] for r in this_run}
+    todo_left = sum(i not in finished_ids for i in info.todo)
     eta = None
     if running and progress is not None and "eta_seconds" in progress:  # the run's own estimate
         left = _number(progress, "eta_seconds")
-        eta = max(left - max(now - (seen or now), 0.0), 0.0) if left is not None else None
-    elif running and this_run and elapsed > 0 and todo_left is not None:  # an older run: documents' pace
+        eta = max(left - snapshot_age(progress, clocks.wall, clocks.mono), 0.0) if left is not None else None
+    elif running and this_run and elapsed > 0:  # an older run: documents' pace
         eta = todo_left / (len(this_run) / elapsed)
     return elapsed, todo_left, eta
 
@@ -235,12 +329,15 @@ def _number(d: dict | None, key: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
+def read_status(out_dir: Path, now: float | None = None, now_mono: float | None = None) -> JobStatus:
     """The status of the job in ``out_dir``.
 
     Args:
         out_dir: a ``mlx-tier run`` output folder.
-        now: Unix seconds to measure elapsed time against (default: the clock).
+        now: Unix seconds now (default: the clock), for the age of what only wall
+            times date.
+        now_mono: ``time.monotonic()`` now (default: the clock): a run on this machine
+            is timed on it.
 
     Raises:
         InputError: ``out_dir`` is missing or holds no ``journal.jsonl`` (nor the
@@ -252,7 +349,7 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
     journal = Journal(out_dir)
     if not any((out_dir / name).exists() for name in (journal.path.name, LOCK, PID_FILE)):
         raise InputError(f"{out_dir}: not an mlx-tier output folder (no journal.jsonl)")
-    now = time.time() if now is None else now
+    clocks = _Clocks(time.time() if now is None else now, time.monotonic() if now_mono is None else now_mono)
     entries = list(journal.entries())
     info = JobInfo.last(entries)
     latest = {rec["id"]: rec for rec in entries if "id" in rec}
@@ -264,11 +361,11 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
 
     running = lock_held(out_dir)
     started = info.started if info is not None else None
-    # read after the lock probe (a run ending now removes it first); one older than the last
-    # start record is an earlier run's, not this one's
-    progress = read_progress(out_dir, started)
-    this_run = [r for r in latest.values() if started is not None and r.get("time", 0) >= started and "status" in r]
-    elapsed, todo_left, eta = _run_timing(this_run, info, running, now, progress)
+    # read after the lock probe (a run ending now removes it first); one of an earlier run is not this one's
+    progress = read_progress(out_dir, started, info.run if info is not None else None)
+    this_run = _this_run(latest, info)
+    mine = [r for r in this_run if r.get("status") == "done"]
+    elapsed, todo_left, eta = _run_timing(this_run, entries, info, running, progress, clocks)
     pending = len(ids) - len(done) - len(failures) if info is not None else None
     state = job_state(running, progress is not None, pending)
     return JobStatus(
@@ -283,9 +380,9 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
         pending=pending,
         todo_left=todo_left,
         output_tokens=sum(int(r.get("output_tokens", 0)) for r in done),
-        run_output_tokens=sum(int(r.get("output_tokens", 0)) for r in this_run if r.get("status") == "done"),
+        run_output_tokens=sum(int(r.get("output_tokens", 0)) for r in mine),
         throttled_seconds=round(float(throttled), 3),
-        thermal=[r for r in entries if r.get("event") == "thermal" and r.get("time", 0) >= (started or 0)],
+        thermal=_thermal(entries, info),
         started=started,
         elapsed_seconds=round(elapsed, 3),
         finished_this_run=len(this_run),
@@ -294,4 +391,18 @@ def read_status(out_dir: Path, now: float | None = None) -> JobStatus:
         failures=failures,
         progress=progress if running or state == INTERRUPTED else None,
         warnings=list(journal.warnings.values()),
+        load_seconds=info.run_t if info is not None and info.run is not None else None,
+        done_this_run=len(mine),
+        redone_stale=sum(r.get("redo") == "stale" for r in mine),
+        redone_changed=sum(r.get("redo") == "changed" for r in mine),
+        written_by=written_by(done),
+        prompts=prompt_texts(entries),
     )
+
+
+def _thermal(entries: list[dict], info: JobInfo | None) -> list[dict]:
+    """The last run's throttle state changes: by its id (an older journal: by wall time)."""
+    if info is not None and info.run is not None:
+        return [r for r in entries if r.get("event") == "thermal" and r.get("run") == info.run]
+    started = info.started if info is not None else 0
+    return [r for r in entries if r.get("event") == "thermal" and r.get("time", 0) >= started]

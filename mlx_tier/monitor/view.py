@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mlx_tier.fsio import read_nofollow
 from mlx_tier.monitor.status import describe_state, read_status
-from mlx_tier.outdir.journal import Journal
+from mlx_tier.outdir.journal import Journal, written_with
 from mlx_tier.outdir.layout import REPORT
 
 SUMMARY_CHARS = 20_000  # longest summary text shown in place (a summary is a few sentences)
@@ -148,7 +148,9 @@ def _summary_text(out_dir: Path, rec: dict) -> str | None:
 
 def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: dict) -> list[dict]:
     """Each document of the job in input order: ``id``, ``source`` (from report.json, else the id),
-    ``status`` (``done``/``failed``/``pending``), tokens, seconds, ``error`` and the ``summary`` text."""
+    ``status`` (``done``/``failed``/``pending``), tokens, seconds, ``error``, the ``summary`` text,
+    and what wrote it: ``model`` (name), ``weights``, ``prompt`` (hash), ``redo`` (``stale``,
+    ``changed``: why its run rewrote it), ``reused`` (the id whose summary it got)."""
     sources = {d.get("id"): d.get("source") for d in report.get("documents", []) if isinstance(d, dict)}
     out = []
     for doc_id in ids:
@@ -159,8 +161,16 @@ def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: di
             "input_tokens": rec.get("input_tokens"), "output_tokens": rec.get("output_tokens"),
             "seconds": rec.get("doc_seconds", rec.get("seconds")), "finish_reason": rec.get("finish_reason"), "error": rec.get("error"),
             "summary": _summary_text(out_dir, rec) if status == "done" else None,
+            **_written(rec, status),
         })
     return out
+
+
+def _written(rec: dict, status: str) -> dict:
+    """What wrote a ``done`` record's summary (:func:`mlx_tier.outdir.journal.written_with`)."""
+    model, weights, prompt = written_with(rec) if status == "done" else (None, None, None)
+    return {"model": model, "weights": weights, "prompt": prompt, "redo": rec.get("redo"),
+            "reused": rec.get("reused")}
 
 
 def build_view(out_dir: Path, now: float | None = None) -> dict:
@@ -193,4 +203,6 @@ def build_view(out_dir: Path, now: float | None = None) -> dict:
         "report_written": bool(report),
         "expert_use": expert_use(report),
         "documents": documents(out_dir, ids, latest, report),
+        "written_by": status.written_by,
+        "prompts": status.prompts,
     }

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import tempfile
 import time
@@ -152,9 +153,10 @@ class JobDir:
             (self.path / LOCK).unlink()
             self.path.rmdir()
 
-    def journal(self, on_done=None) -> Journal:
-        """The journal this process appends to (:class:`mlx_tier.outdir.journal.Journal`)."""
-        return Journal(self.path, on_done=on_done, name=self.journal_name)
+    def journal(self, on_done=None, clock=None) -> Journal:
+        """The journal this process appends to (:class:`mlx_tier.outdir.journal.Journal`;
+        ``clock``: the run's :class:`~mlx_tier.outdir.journal.RunClock`, stamped on each record)."""
+        return Journal(self.path, on_done=on_done, name=self.journal_name, clock=clock)
 
     def view(self) -> Journal:
         """The job's journal as every reader sees it (``journal.jsonl`` with the rank
@@ -177,18 +179,26 @@ class ProgressFile:
     fatal to the job.
     """
 
-    def __init__(self, out_dir: Path, every: float = 2.0, name: str = PROGRESS_FILE) -> None:
+    def __init__(self, out_dir: Path, every: float = 2.0, name: str = PROGRESS_FILE, clock=None) -> None:
         self.path, self.every, self._last = Path(out_dir) / name, every, float("-inf")
+        self.clock = clock  # the run's RunClock: its id and clock go with each snapshot
 
     def update(self, activity) -> None:
         """Write ``activity`` (anything with ``as_dict()``, e.g. :class:`mlx_tier.job.run.Activity`)
-        if ``every`` seconds have passed since the last write."""
+        if ``every`` seconds have passed since the last write, with ``time`` (Unix
+        seconds, for people) and, given a clock, the run's id (``run``), its clock
+        (``run_t``) and this machine's monotonic clock (``mono`` on ``host``), by which a
+        reader on the same machine ages the snapshot whatever the wall clock does."""
         now = time.monotonic()
         if now - self._last < self.every:
             return
         self._last = now
+        stamp = {"time": time.time()}
+        if self.clock is not None:
+            stamp |= {"run": self.clock.id, "run_t": round(self.clock.t(), 3), "mono": now,
+                      "host": socket.gethostname()}
         try:
-            write_atomic(self.path, json.dumps({"time": time.time(), **activity.as_dict()}) + "\n")
+            write_atomic(self.path, json.dumps({**stamp, **activity.as_dict()}) + "\n")
         except OSError:
             pass
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlx_tier.fsio import _NOFOLLOW, _append_line, named
@@ -34,6 +36,10 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "error": (str, type(None)), "output": (str, type(None)), "finish_reason": (str, type(None)),
     "started": _NUMBER, "pid": (int,), "ids": (list,), "todo": (list,), "command": (str, type(None)),
     "input": (str,), "output_format": (str,),
+    # a run's identity and clock (RunClock), what a summary was made from and with
+    "run": (str,), "run_t": _NUMBER, "mono": _NUMBER, "host": (str,), "made_from": (dict,),
+    "model": (dict, type(None)), "prompt": (str, type(None)), "prompt_text": (str,), "redo": (str,),
+    "reused": (str,),
 }
 
 
@@ -60,13 +66,43 @@ def record_problem(rec: object) -> str | None:
     return None
 
 
+def new_run_id() -> str:
+    """A fresh run id: the local start time, for people, and 6 random hex digits, so
+    that two runs never share one (whatever the clocks say)."""
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
+
+
+@dataclass
+class RunClock:
+    """One run's identity and its clock.
+
+    Every record a run appends carries ``run`` (its id) and ``run_t``: seconds since
+    the run started, on the monotonic clock, so durations and rates never depend
+    on the wall clock (``time`` stays on each record, for people). A run's
+    records are found by its id, never by comparing wall times.
+
+    Attributes:
+        id: the run's id (:func:`new_run_id`); the ranks of a distributed run
+            share their launcher's.
+        origin: ``time.monotonic()`` when the run started.
+    """
+
+    id: str = field(default_factory=new_run_id)
+    origin: float = field(default_factory=time.monotonic)
+
+    def t(self) -> float:
+        """Seconds since the run started (monotonic)."""
+        return time.monotonic() - self.origin
+
+
 class Journal:
     """Append-only record of document states in ``OUT_DIR/journal.jsonl``.
 
     Each line is one JSON object with at least ``id``, ``status`` (``done`` or
-    ``failed``) and ``time`` (Unix seconds). The last record of an id wins. A
-    torn last line (crash mid-append) is ignored. Records without an ``id``
-    (e.g. throttle events) are kept for :meth:`entries` only.
+    ``failed``) and ``time`` (Unix seconds, for people). The last record of an
+    id in file order wins. A torn last line (crash mid-append) is ignored.
+    Records without an ``id`` (e.g. throttle events) are kept for
+    :meth:`entries` only.
 
     Args:
         out_dir: the job's output folder.
@@ -74,11 +110,15 @@ class Journal:
             JSONL export, :meth:`JsonlSummaries.add`); if it raises, the
             record is not appended.
         name: the journal's file name in ``out_dir`` (default: the job's one journal).
+        clock: the run appending (:class:`RunClock`): each record gets its
+            ``run`` and ``run_t``; ``None``: neither (a reader).
     """
 
-    def __init__(self, out_dir: Path, on_done: Callable[[dict], None] | None = None, name: str = JOURNAL):
+    def __init__(self, out_dir: Path, on_done: Callable[[dict], None] | None = None, name: str = JOURNAL,
+                 clock: RunClock | None = None):
         self.path = Path(out_dir) / name
         self.on_done = on_done
+        self.clock = clock
         self.warnings: dict[int | str, str] = {}  # line number (a rank journal's: path:line) -> why skipped
 
     def entries(self) -> Iterator[dict]:
@@ -87,13 +127,16 @@ class Journal:
         (:func:`record_problem`) is skipped with a warning in :attr:`warnings`.
 
         The job's ``journal.jsonl`` also brings the rank journals of its
-        distributed runs, all in time order (:mod:`mlx_tier.ranks.stealing`)."""
+        distributed runs, each run's right after its start record (:func:`merged`)."""
         # A distributed run's ranks each append to their own journal; readers see them merged.
         extra = rank_journals(self.path.parent) if self.path.name == JOURNAL else []
         if not extra:
             yield from self._read(self.path)
             return
-        yield from merged([self._read(self.path), *(self._read(p) for p in extra)])
+        runs: dict[str, list[Iterator[dict]]] = {}
+        for path in extra:  # OUT_DIR/ranks/<run id>/journal-<k>.jsonl
+            runs.setdefault(path.parent.name, []).append(self._read(path))
+        yield from merged(self._read(self.path), runs)
 
     def _read(self, path: Path) -> Iterator[dict]:
         """The usable records of one journal file (see :meth:`entries`)."""
@@ -127,22 +170,80 @@ class Journal:
         so a rerun gives each document the same output name (:mod:`mlx_tier.job.naming`)."""
         return {rec["name"]: rec["id"] for rec in self.entries() if "id" in rec and "name" in rec}
 
-    def append(self, record: dict) -> None:
-        """Durably append one record (``time`` is added); the state change is on disk when this returns."""
+    def append(self, record: dict) -> dict:
+        """Durably append one record (``time`` is added, and the clock's ``run`` and ``run_t``);
+        the state change is on disk when this returns. Returns the record as appended."""
         record = {**record, "time": round(time.time(), 3)}
+        if self.clock is not None:
+            record.setdefault("run", self.clock.id)
+            record["run_t"] = round(self.clock.t(), 3)
         if self.on_done is not None and record.get("status") == "done":
             self.on_done(record)
         # ASCII JSON: a file name that is not valid UTF-8 (a lone surrogate
         # after decoding) round-trips as \udcXX instead of failing the append.
         _append_line(self.path, (json.dumps(record) + "\n").encode("ascii"))
+        return record
 
 
-def merged(streams: Iterable[Iterable[dict]]) -> Iterator[dict]:
-    """Journal records of several files as one stream, ordered by their ``time``
-    (Unix seconds; stable, so records of one file keep their order at equal times)."""
-    everything = [rec for stream in streams for rec in stream]
-    everything.sort(key=lambda rec: rec.get("time", 0.0))
-    return iter(everything)
+def _t(rec: dict) -> float:
+    t = rec.get("run_t")
+    return float(t) if isinstance(t, (int, float)) else 0.0
+
+
+def merged(main: Iterable[dict], runs: dict[str, list[Iterable[dict]]]) -> Iterator[dict]:
+    """The job's journal with its distributed runs' rank journals spliced in, ordered
+    without the wall clock.
+
+    ``main`` (``journal.jsonl``) is read in file order; right after the start record
+    of a distributed run (its ``run`` names the folder ``ranks/<run>/``) come that
+    run's rank journals, ordered by their ``run_t`` (each rank's monotonic seconds since it
+    started; the ranks start together). The ranks of one run write disjoint documents
+    (:mod:`mlx_tier.ranks.stealing`), so how their records interleave orders only the
+    page's samples, never which record of a document wins. Rank journals of a run that
+    no start record names (written before runs had ids) are merged with the whole
+    journal by wall ``time``, as they were then.
+
+    Args:
+        main: the records of ``journal.jsonl``, in file order.
+        runs: run id -> the record streams of its rank journals.
+    """
+    main = list(main)
+    groups = {run: [rec for stream in streams for rec in stream] for run, streams in runs.items()}
+    named_runs = {rec.get("run") for rec in main if rec.get("event") == "start"}
+    if any(run not in named_runs for run in groups):  # an older journal: by wall time, stable
+        everything = main + [rec for group in groups.values() for rec in group]
+        everything.sort(key=lambda rec: rec.get("time", 0.0))
+        yield from everything
+        return
+    for rec in main:
+        yield rec
+        if rec.get("event") == "start" and rec.get("run") in groups:
+            yield from sorted(groups.pop(rec["run"]), key=_t)
+
+
+def written_with(rec: dict) -> tuple[str | None, str | None, str | None]:
+    """``(model name, weights fingerprint, prompt hash)`` a ``done`` record says wrote its
+    summary; each ``None`` when not recorded (a summary of a version before they were)."""
+    model = rec.get("model") if isinstance(rec.get("model"), dict) else {}
+    name, weights = model.get("name"), model.get("weights")
+    return (name if isinstance(name, str) else None, weights if isinstance(weights, str) else None,
+            rec.get("prompt") if isinstance(rec.get("prompt"), str) else None)
+
+
+def written_by(records: Iterable[dict]) -> list[dict]:
+    """The settings the given ``done`` records were written with, counted:
+    ``[{"model", "weights", "prompt", "documents"}]``, most documents first
+    (``None`` values: not recorded, a summary of an older version)."""
+    counts = Counter(written_with(rec) for rec in records)
+    return [{"model": m, "weights": w, "prompt": p, "documents": n}
+            for (m, w, p), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
+
+
+def prompt_texts(entries: Iterable[dict]) -> dict[str, str]:
+    """``prompt hash -> instruction text`` from the journal's start records (each run's, once)."""
+    return {rec["prompt"]: rec["prompt_text"] for rec in entries
+            if rec.get("event") == "start" and isinstance(rec.get("prompt"), str)
+            and isinstance(rec.get("prompt_text"), str)}
 
 
 @dataclass(frozen=True)
@@ -154,10 +255,22 @@ class JobInfo:
         input: the job's INPUT as given (``-`` for a list on stdin).
         ids: every document id of the job, in input order.
         todo: the ids this run will try (pending, or failed with ``--retry-failed``).
-        started: Unix seconds when this run began generating (model loaded).
+        started: Unix seconds when this run began generating (model loaded), for people.
         pid: the process running it.
         command: the command line that resumes it, when the CLI gave one.
         output_format: ``md`` or ``jsonl``.
+        run: the run's id (:class:`RunClock`); its records carry it. ``None``:
+            a journal written before runs had ids.
+        run_t: seconds from the run's start to this record, i.e. to its model
+            loaded (the loading time, :mod:`mlx_tier.rates`); monotonic.
+        mono, host: ``time.monotonic()`` on ``host`` when the record was written,
+            so that a reader on the same machine times the run's generation on
+            the same monotonic clock.
+        model: ``{"name", "weights"}``: the model as given (path, repo id, or
+            ``demo``) and its weights' fingerprint
+            (:func:`mlx_tier.engine.checkpoint.weights_fingerprint`).
+        prompt, prompt_text: the instruction's hash (what each summary records)
+            and its text (here once).
     """
 
     input: str
@@ -167,14 +280,23 @@ class JobInfo:
     pid: int
     command: str | None = None
     output_format: str = "md"
+    run: str | None = None
+    run_t: float | None = None
+    mono: float | None = None
+    host: str | None = None
+    model: dict | None = None
+    prompt: str | None = None
+    prompt_text: str | None = None
 
-    def write(self, journal: Journal) -> None:
-        """Durably append this run's ``start`` record to ``journal``.
+    def write(self, journal: Journal) -> dict:
+        """Durably append this run's ``start`` record to ``journal`` (its ``run`` and
+        ``run_t`` from the journal's clock when not given) and return it.
 
         Raises:
             OSError: not writable, disk full.
         """
-        journal.append({"event": "start", **asdict(self)})
+        fields = {k: v for k, v in asdict(self).items() if v is not None or k in ("command",)}
+        return journal.append({"event": "start", **fields})
 
     @classmethod
     def last(cls, entries: list[dict]) -> JobInfo | None:

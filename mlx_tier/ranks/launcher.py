@@ -195,11 +195,11 @@ def launch_command(launch: Launch, plan_path: Path) -> list[str]:
             "--starting-port", str(_free_ports(launch.ranks)), "--", *rank]
 
 
-def _write_plan(config, docs, todo: list[str], launch: Launch, ranks: int) -> Path:
-    """``OUT/ranks/<run_id>/plan.json`` (and the run's ``claims`` folder); returns its path."""
+def _write_plan(config, docs, todo: list[str], launch: Launch, ranks: int, run_id: str) -> Path:
+    """``OUT/ranks/<run_id>/plan.json`` (and the run's ``claims`` folder); returns its path.
+    ``run_id``: the run's (:class:`~mlx_tier.outdir.journal.RunClock`), which its ranks take."""
     from mlx_tier.fsio import write_atomic
 
-    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
     folder = run_dir(config.out_dir, run_id)
     (folder / CLAIMS).mkdir(parents=True)
     names = {d.id: d.name for d in docs}
@@ -237,6 +237,7 @@ def run_distributed(config, launch: Launch, reporter=None):
             cannot share (``trace``, ``save_profile``), mlx.launch missing.
         mlx_tier.CheckpointError: the demo or hub model cannot be prepared here.
     """
+    from mlx_tier.job.rerun import locate_model, rerun_notes, run_settings
     from mlx_tier.job.run import (
         Reporter,
         find_documents,
@@ -245,6 +246,7 @@ def run_distributed(config, launch: Launch, reporter=None):
         write_report_page,
     )
     from mlx_tier.outdir.jobdir import JobDir
+    from mlx_tier.outdir.journal import RunClock
 
     reporter = reporter or Reporter()
     if config.trace is not None or config.save_profile:
@@ -255,37 +257,50 @@ def run_distributed(config, launch: Launch, reporter=None):
     docs = find_documents(config)
     if (config.out_dir / RANKS_DIR).is_symlink():  # invariant 3: nothing written outside OUT_DIR
         raise InputError(f"{config.out_dir / RANKS_DIR}: is a link; remove it (ranks write their files there)")
-    started = time.perf_counter(), time.time()
+    started, clock = (time.perf_counter(), time.time()), RunClock()
     with JobDir(config.out_dir) as job:
-        _, _, tri = start_run(job, docs, config, reporter)
-        report = _launch(config, launch, ranks, job, docs, tri, reporter, started) if tri.pending else None
+        settings = run_settings(config.model, config.generation.instruction, locate_model(config.model))
+        _, records, tri = start_run(job, docs, config, reporter, clock=clock, settings=settings)
+        for note in rerun_notes(tri, records, settings, config.retry_failed):
+            reporter.message(note)
+        report = (_launch(config, launch, ranks, job, docs, (tri, records), reporter, started, clock)
+                  if tri.pending else None)
     if report is None:  # nothing to do: the one-process path writes the job's report, loading no model
         return run_job(config, reporter)
     write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     return report
 
 
-def _launch(config, launch: Launch, ranks: int, job, docs, tri, reporter, started: tuple[float, float]):
-    """Under OUT_DIR's lock: record the run's start, write the plan, run the ranks, write the report."""
+def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, started: tuple[float, float], clock):
+    """Under OUT_DIR's lock: record the run's start (under the run id ``clock.id``, the
+    ranks' too), write the plan, run the ranks, write the report. ``triaged``: the
+    launcher's ``(triage, journal records)``."""
+    import socket
+
+    from mlx_tier.job.provenance import prompt_hash
     from mlx_tier.outdir.jobdir import write_input_list
     from mlx_tier.outdir.journal import JobInfo
     from mlx_tier.ranks.report import finish
 
+    tri, _ = triaged
     if launch.hosts is None:
         try:
             _ensure_model(config, reporter)  # one build or download here, not one per rank at once
         except BaseException:
             job.discard_if_unused()
             raise
+    instruction = config.generation.instruction
     JobInfo(input=str(config.input), ids=[d.id for d in docs], todo=tri.pending, started=time.time(),
-            pid=os.getpid(), command=config.command, output_format=config.output_format).write(job.journal())
+            pid=os.getpid(), command=config.command, output_format=config.output_format, mono=time.monotonic(),
+            host=socket.gethostname(), prompt=prompt_hash(instruction),
+            prompt_text=instruction).write(job.journal(clock=clock))
     if config.input_paths is not None:
         write_input_list(config.out_dir, docs)
-    plan_path = _write_plan(config, docs, tri.pending, launch, ranks)
+    plan_path = _write_plan(config, docs, tri.pending, launch, ranks, clock.id)
     reporter.message(f"{ranks} rank(s), {len(tri.pending)} document(s) to do; run {plan_path.parent.name}")
     proc = subprocess.Popen(launch_command(launch, plan_path), stdin=subprocess.DEVNULL)
     stopped = _wait(proc, reporter)
-    return finish(config, docs, tri, plan_path, started, stopped)
+    return finish(config, docs, triaged, plan_path, started, stopped)
 
 
 def _ensure_model(config, reporter) -> None:

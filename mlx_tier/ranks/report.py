@@ -22,7 +22,7 @@ from mlx_tier.outdir.layout import CLAIMS
 
 # Per-document fields a journal record gives a DocResult.
 _DOC_FIELDS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "error", "output",
-               "converter")
+               "converter", "made_from", "model", "prompt")
 
 
 def _read_json(path: Path) -> dict:
@@ -50,7 +50,11 @@ def _rank_journal(folder: Path, rank: int) -> Journal:
 
 def rank_account(folder: Path, rank: int) -> dict:
     """What rank ``rank`` of the run in ``folder`` did: documents done and failed, output tokens,
-    seconds from start to end, output tok/s over them, documents stolen, how it ended, its cache."""
+    seconds from start to end, its loading and generation time and its speeds over the
+    latter (:mod:`mlx_tier.rates`; a rank that wrote no account: over its whole time),
+    documents stolen, how it ended, its cache."""
+    from mlx_tier.rates import RunSpeed
+
     record, end = _read_json(folder / f"rank-{rank}.json"), _read_json(folder / f"exit-{rank}.json")
     entries = list(_rank_journal(folder, rank).entries())
     docs = [e for e in entries if "id" in e]
@@ -60,12 +64,13 @@ def rank_account(folder: Path, rank: int) -> dict:
     seconds = record.get("seconds") or (end["ended"] - end["started"] if end.get("ended") else
                                         (max(times) - min(times) if times else 0.0))
     head = next((e for e in entries if e.get("event") == "rank"), {})
+    done = sum(e.get("status") == "done" for e in docs)
+    speed = RunSpeed(tokens, done, record.get("generation_seconds", seconds), record.get("load_seconds"))
     return {
         "rank": rank, "host": record.get("host") or end.get("host") or head.get("host"),
         "pid": head.get("pid", end.get("pid")), "seconds": round(seconds, 3),
-        "done": sum(e.get("status") == "done" for e in docs), "failed": sum(e.get("status") == "failed" for e in docs),
-        "stolen": record.get("stolen"), "output_tokens": tokens,
-        "output_tok_per_s": round(tokens / seconds, 3) if seconds else 0.0,
+        "done": done, "failed": sum(e.get("status") == "failed" for e in docs),
+        "stolen": record.get("stolen"), "output_tokens": tokens, **speed.as_dict(),
         "throttled_seconds": round(throttled, 3), "ended": _ending(end, record), "cache": record.get("cache", {}),
     }
 
@@ -87,16 +92,28 @@ def _this_run(results: dict, todo: list[str], config, folder: Path, ranks: int) 
 
 def _run_record(report, accounts: list[dict], t_wall: float, tri) -> dict:
     """This run's entry of ``runs``: a :class:`~mlx_tier.job.report.RunRecord` with every rank's
-    account (``ranks``), their cache counters added up and their throttled time."""
-    from mlx_tier.job.report import COUNTERS, RunRecord
+    account (``ranks``), their cache counters added up and their throttled time. The ranks
+    load and generate side by side: the run's loading and generation times are their longest."""
+    from mlx_tier.job.report import COUNTERS, RunRecord, rerun_account
+    from mlx_tier.job.rerun import rerun_counts
 
-    record = RunRecord.of(report, t_wall, None, len(tri.done) + len(tri.recovered), len(tri.failed)).as_dict()
+    report.load_seconds = max((a["load_seconds"] for a in accounts if a.get("load_seconds") is not None),
+                              default=None)
+    report.generation_seconds = max((a["generation_seconds"] for a in accounts), default=0.0)
+    settings = next((s for s in (_settings_of(a) for a in accounts) if s), {})
+    record = RunRecord.of(report, t_wall, None, len(tri.done) + len(tri.recovered) + len(tri.reused),
+                          len(tri.failed), settings, rerun_account(report.results, rerun_counts(tri))).as_dict()
     return record | {
         "loaded_model": True,
         "throttled_seconds": round(sum(a["throttled_seconds"] for a in accounts), 3),  # all ranks' together
         "ranks": accounts,
         "cache": _summed(accounts, COUNTERS),
     }
+
+
+def _settings_of(account: dict) -> dict:
+    """``{"model", "prompt"}`` a rank recorded for its run (its report's last run), ``{}`` if none."""
+    return {k: account[k] for k in ("model", "prompt") if k in account}
 
 
 def _summed(accounts: list[dict], counters) -> dict:
@@ -116,12 +133,12 @@ def _setup(folder: Path, ranks: int, plan: dict, config) -> dict:
             "distributed": {"ranks": ranks, "hosts": plan.get("hosts"), "run_id": plan.get("run_id")}}
 
 
-def finish(config, docs, tri, plan_path: Path, started: tuple[float, float], stopped):
+def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float], stopped):
     """Write report.json (and sync summaries.jsonl) after the ranks ended; returns the JobReport.
 
     Args:
-        config, docs, tri: the job, its documents and the launcher's triage
-            (:func:`mlx_tier.job.run.start_run`).
+        config, docs: the job and its documents.
+        triaged: the launcher's ``(triage, journal records)`` (:func:`mlx_tier.job.run.start_run`).
         plan_path: the run's plan (its folder holds the ranks' files).
         started: ``(perf_counter, Unix time)`` at the run's start.
         stopped: the signal the launcher saw (Ctrl-C), if any.
@@ -131,13 +148,15 @@ def finish(config, docs, tri, plan_path: Path, started: tuple[float, float], sto
     from mlx_tier.job.report import JobReport, previous_runs, sum_cache
     from mlx_tier.job.run import doc_results
     from mlx_tier.outdir.jobdir import clear_progress
+    from mlx_tier.outdir.journal import prompt_texts
     from mlx_tier.outdir.layout import REPORT
 
     folder, plan = plan_path.parent, _read_json(plan_path)
-    ranks = plan.get("ranks", 0)
-    results = doc_results(docs, tri)
+    ranks, (tri, records) = plan.get("ranks", 0), triaged
+    results = doc_results(docs, tri, records)
     _this_run(results, tri.pending, config, folder, ranks)
-    report = JobReport(results=list(results.values()), seconds=time.perf_counter() - started[0])
+    report = JobReport(results=list(results.values()), seconds=time.perf_counter() - started[0],
+                       prompts=prompt_texts(Journal(config.out_dir).entries()))
     accounts = [rank_account(folder, k) for k in range(ranks)]
     report.setup = _setup(folder, ranks, plan, config)
     # the launcher's own Ctrl-C, else a signal a rank was stopped by (SIGINT to its group, SIGTERM from mlx.launch)

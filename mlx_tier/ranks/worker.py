@@ -109,10 +109,10 @@ def work(plan_path: Path) -> int:
     config = config_from_json(plan["config"])
     name = rank_journal_name(plan["run_id"], rank)
     Journal(config.out_dir, name=name).append({"event": "rank", "rank": rank, "ranks": size, "pid": os.getpid(),
-                                               "host": socket.gethostname()})
+                                               "host": socket.gethostname(), "run": plan["run_id"]})
     _check_documents(config, plan)
     claims = Claims(Path(plan_path).parent / CLAIMS, rank)
-    share = Share(claim=claims.claim, journal_name=name, part=True,
+    share = Share(claim=claims.claim, journal_name=name, part=True, run_id=plan["run_id"],
                   order=rank_order(plan["todo"], rank, size, claims.claimed), progress_name=rank_progress_name(rank))
     t0 = time.perf_counter()
     report = run_job(config, LineReporter(rank), share)
@@ -148,7 +148,9 @@ def _account(rank: int, plan: dict, claims: Claims, report, seconds: float) -> d
         "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "seconds": round(seconds, 3),
         "claimed": len(claims.taken), "stolen": sum(i not in own for i in claims.taken),
         "done": sum(r.status == "done" for r in mine), "failed": sum(r.status == "failed" for r in mine),
-        "output_tokens": tokens, "output_tok_per_s": round(tokens / seconds, 3) if seconds else 0.0,
+        "output_tokens": tokens, "load_seconds": run.get("load_seconds"),
+        "generation_seconds": run.get("generation_seconds", seconds), "model": run.get("model"),
+        "prompt": run.get("prompt"), "output_tok_per_s": run.get("output_tok_per_s", 0.0),
         "interrupted": report.interrupted, "stop_signal": report.stop_signal, "cache": run.get("cache", {}),
         "throttle": report.throttle, "setup": report.setup,
     }

@@ -270,6 +270,16 @@ def _fit_routers(out: Path, tensors: dict[str, mx.array], config: dict, progress
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def built_demo_model(version: int = DEMO_VERSION) -> Path | None:
+    """Path of the demo checkpoint ``version`` when it is built already, else ``None`` (builds nothing).
+
+    Raises:
+        ValueError: unknown version.
+    """
+    target = user_cache_dir() / demo_name(version)
+    return target if (target / "config.json").is_file() else None
+
+
 def ensure_demo_model(progress: Callable[[str], None] = lambda msg: None, version: int = DEMO_VERSION) -> Path:
     """Path of the demo checkpoint ``version``, building it once into the user cache
     folder (:func:`mlx_tier.fsio.user_cache_dir`).
@@ -283,7 +293,7 @@ def ensure_demo_model(progress: Callable[[str], None] = lambda msg: None, versio
     """
     name = demo_name(version)
     target = user_cache_dir() / name
-    if (target / "config.json").is_file():
+    if built_demo_model(version) is not None:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     progress(f"building the demo model (SmolLM2-135M, {NUM_EXPERTS}-expert MoE) in {target}")

@@ -265,7 +265,7 @@ def test_the_plan_carries_every_setting_to_the_ranks(tmp_path):
                   tier=TierConfig(cache_gb=1.5, slots_per_layer=4, prefetch=True, split="adaptive",
                                   profile=tmp_path / "p.json", prewarm=False),
                   generation=GenerationConfig("Say it \u00e9", batch_size=2, context=512, reuse_prefix=False),
-                  retry_failed=True, follow_links=True),
+                  retry_failed=True, follow_links=True, redo_changed=True),
     ]
     default = JobConfig(input=Path("x"), out_dir=Path("y"))
     changed = _settings(configs[0], default) | _settings(configs[1], default)
@@ -320,6 +320,10 @@ def test_two_ranks_write_every_document_once_and_match_one_process(tmp_path, sma
     assert report["distributed"]["ranks"] == 2
     st = read_status(out)
     assert (st.running, st.done, st.pending) == (False, 6, 0)
+    # the run's records are its ranks' (by the launcher's run id), timed on the ranks' monotonic clocks
+    assert st.finished_this_run == 6 and st.elapsed_seconds > 0 and st.documents_per_hour > 0
+    run = report["runs"][-1]
+    assert run["generation_seconds"] == max(a["generation_seconds"] for a in ranks) > 0
     assert "rank 0 (" in two.stdout and "rank 1 (" in two.stdout
     assert not list((out / "ranks").glob("*/claims"))  # claims are dropped with their run
     plain = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), *common])  # one process now

@@ -1,0 +1,160 @@
+"""What a rerun does with the summaries earlier runs left, decided before any model loads.
+
+The facts :func:`~mlx_tier.job.triage.triage` needs beyond the journal: the hash
+of each document's source now, and this run's model and prompt
+(:mod:`mlx_tier.job.provenance`), the model found where it already is (nothing
+downloaded or built to answer); and the runner's part after the decision:
+copying a reused summary under its new name, and the lines that say what the
+run does with stale summaries and with summaries written under other settings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+
+from mlx_tier.errors import CheckpointError
+from mlx_tier.fsio import read_nofollow, write_atomic
+from mlx_tier.job.provenance import Settings, prompt_hash, recorded_hash
+from mlx_tier.job.triage import Triage
+from mlx_tier.outdir.journal import Journal
+
+# What a reused summary's record takes from the record of the summary it copies.
+_REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter", "model",
+                 "prompt")
+
+
+def current_hashes(docs, records: Mapping[str, dict]) -> dict[str, str | None]:
+    """``id -> sha256`` of each document's source now (:attr:`~mlx_tier.job.documents.FileDocument.stamp`:
+    a file is read once, not converted), or ``{}`` when no earlier summary recorded a hash
+    (a first run, or a journal of an older version: nothing to compare with).
+
+    Hashed: every document with a summary (is it stale?), and a pending one only when its
+    size equals a summarised source's (could it be one renamed or copied?); the others
+    are ``None``, so that a rerun of a large job reads only what it compares."""
+    stamped = [r for r in records.values() if r.get("status") == "done" and recorded_hash(r)]
+    if not stamped:
+        return {}
+    sizes = {r["made_from"].get("size") for r in stamped}
+    out = {}
+    for d in docs:
+        rec = records.get(d.id) or {}
+        if (rec.get("status") == "done" and recorded_hash(rec)) or _size(d) in sizes:
+            out[d.id] = d.stamp.sha256 if d.stamp is not None else None
+        else:
+            out[d.id] = None
+    return out
+
+
+def _size(doc) -> int | None:
+    """A document's size in bytes as its stamp would count them, without reading it (``None``: unknown)."""
+    path = getattr(doc, "path", None)
+    if path is None:
+        return doc.stamp.size if doc.stamp is not None else None
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def model_name(model: Path | str | None) -> str:
+    """The model as summaries name it: the folder or repo id as given, ``demo`` for the built-in one."""
+    from mlx_tier.tools.demo_model import DEMO, is_demo
+
+    return DEMO if is_demo(model) else str(model)
+
+
+def locate_model(model: Path | str | None) -> Path | None:
+    """The model's folder when it is on this machine already: a folder, a repo in the local
+    hub cache, the demo built; ``None`` otherwise (nothing is downloaded or built here)."""
+    from mlx_tier.engine.hub import cached_snapshot, is_repo_id
+    from mlx_tier.tools.demo_model import built_demo_model, is_demo
+
+    if is_demo(model):
+        return built_demo_model()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    return cached_snapshot(str(model)) if is_repo_id(model) else None
+
+
+def run_settings(model: Path | str | None, instruction: str, model_dir: Path | None) -> Settings:
+    """This run's :class:`~mlx_tier.job.provenance.Settings`; the weights' fingerprint when
+    ``model_dir`` is known and readable (else ``None``: compared by name; the load says
+    what is wrong with an unreadable one)."""
+    from mlx_tier.engine.checkpoint import weights_fingerprint
+
+    weights = None
+    if model_dir is not None:
+        try:
+            weights = weights_fingerprint(model_dir)
+        except CheckpointError:
+            pass
+    return Settings(model_name(model), weights, prompt_hash(instruction))
+
+
+def copy_reused(tri: Triage, records: Mapping[str, dict], docs, out_dir: Path, journal: Journal) -> list[str]:
+    """Give each of ``tri.reused`` the summary of the document with its content: the output
+    copied (atomically) under its own name and journalled ``done`` with ``reused``.
+
+    Returns:
+        the ids whose copy failed (the source output unreadable, the disk full...): the
+        caller runs them as pending.
+    """
+    by_id, failed = {d.id: d for d in docs}, []
+    for i, j in tri.reused.items():
+        try:
+            write_atomic(Path(out_dir) / f"{i}.md", read_nofollow(Path(out_dir) / f"{j}.md"))
+        except OSError:
+            failed.append(i)
+            continue
+        doc, rec = by_id[i], records[j]
+        journal.append({"id": i, "status": "done", "output": f"{i}.md", "name": doc.name, "reused": j,
+                        "made_from": doc.stamp.as_dict(), **{k: rec[k] for k in _REUSED_KEEPS if k in rec}})
+    return failed
+
+
+def rerun_counts(tri: Triage) -> dict:
+    """What the triage found of earlier summaries, for the run's record
+    (:func:`mlx_tier.job.report.rerun_account`)."""
+    return {"stale": len(tri.stale), "kept_changed": len(tri.kept_changed), "reused": len(tri.reused),
+            "unstamped": len(tri.unstamped)}
+
+
+def _some(n: int, noun: str) -> str:
+    """``"1 summary"``, ``"2 summaries"``, ``"3 documents"``."""
+    return f"{n} {noun if n == 1 else noun[:-1] + 'ies' if noun.endswith('y') else noun + 's'}"
+
+
+def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, retry_failed: bool) -> list[str]:
+    """One line for each thing this run does with earlier summaries (``[]``: nothing to say).
+    Library setting names are in backquotes (the CLI shows them as flags)."""
+    notes = []
+    if tri.stale:
+        one = len(tri.stale) == 1
+        notes.append(f"{_some(len(tri.stale), 'document')} changed since summarised (stale): "
+                     + (f"left for a plain rerun, which redoes {'it' if one else 'them'}" if retry_failed else
+                        f"redoing {'it; its' if one else 'them; each'} old summary stays until the new one is "
+                        "complete"))
+    if tri.reused:
+        notes.append(f"{_some(len(tri.reused), 'document')} renamed or copied: the summary of the same content "
+                     "copied under the new name, not written again")
+    if tri.changed:
+        notes.append(f"`redo_changed`: redoing {_some(len(tri.changed), 'summary')} written with another "
+                     f"{_what(tri.changed, records, settings)}")
+    if tri.kept_changed:
+        notes.append(f"keeping {_some(len(tri.kept_changed), 'summary')} written with another "
+                     f"{_what(tri.kept_changed, records, settings)}; redo "
+                     f"{'it' if len(tri.kept_changed) == 1 else 'them'} with `redo_changed`")
+    if tri.unstamped:
+        notes.append(f"{_some(len(tri.unstamped), 'summary')} from an older mlx-tier record no source hash, "
+                     "model or prompt: taken as current (delete one's .md to redo it)")
+    return notes
+
+
+def _what(ids: list[str], records: Mapping[str, dict], settings: Settings) -> str:
+    """``model``, ``prompt`` or ``model or prompt``: what the summaries ``ids`` were written with otherwise."""
+    seen = Counter(x for i in ids for x in settings.differences(records[i]))
+    return " or ".join(x for x in ("model", "prompt") if seen[x]) or "model or prompt"

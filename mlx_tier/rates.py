@@ -1,0 +1,62 @@
+"""A run's speeds, defined once: what "output tok/s" and "documents/hour" mean in
+the terminal's summary, report.json, report.html (the watch page) and
+``mlx-tier status``. Everything that shows a run's speed computes it here.
+
+A run has two phases, timed on a monotonic clock (a step of the wall clock, by
+NTP or by hand, changes neither):
+
+- **loading**: from the run's start to its model loaded (building the demo
+  model, reading a checkpoint from the hub cache, loading it), reported apart;
+- **generation**: from the model loaded to the run's last document finished
+  or failed (to now, while it runs). Prompt reading, document conversion and
+  throttle pauses happen inside it and count.
+
+Output tok/s is the tokens the run generated over its generation time;
+documents/hour is the documents it summarised (``done``) over the same time.
+Documents of a batch are written together, so neither is a sum of per-document
+figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# One sentence, shown beside the figures (the page, `status`).
+DEFINITION = ("over the run's generation time: from its model loaded to its last document finished "
+              "(now, while it runs); loading is counted apart; prompt reading and throttle pauses count")
+
+
+@dataclass(frozen=True)
+class RunSpeed:
+    """One run's speeds (module doc).
+
+    Attributes:
+        output_tokens: tokens the run generated.
+        documents: documents the run summarised (done; failures excluded).
+        generation_seconds: seconds from the model loaded to the last document
+            finished or failed (to now while running); monotonic.
+        load_seconds: seconds from the run's start to its model loaded
+            (``None``: unknown, e.g. a journal written before it was recorded).
+    """
+
+    output_tokens: int
+    documents: int
+    generation_seconds: float
+    load_seconds: float | None = None
+
+    @property
+    def output_tok_per_s(self) -> float:
+        """Output tokens per second of generation (0 when no time was measured)."""
+        return self.output_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+    @property
+    def documents_per_hour(self) -> float:
+        """Documents summarised per hour of generation (0 when no time was measured)."""
+        return self.documents / self.generation_seconds * 3600 if self.generation_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """JSON-ready figures, rounded: seconds to ms, rates to 3 decimals."""
+        return {"load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
+                "generation_seconds": round(self.generation_seconds, 3),
+                "output_tok_per_s": round(self.output_tok_per_s, 3),
+                "documents_per_hour": round(self.documents_per_hour, 3)}

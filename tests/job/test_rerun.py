@@ -1,0 +1,280 @@
+"""Every summary matches the document, model and prompt it claims: a rerun notices a
+document changed since its summary and redoes it (the old summary kept until the new
+one is complete), takes a ``touch`` or a rename for what they are (no change), keeps
+summaries written with another model or prompt and says so in one line (or redoes
+them with ``--redo-changed``), and the report, ``mlx-tier status`` and the page show
+what was redone and which model and prompt wrote each summary.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+from collections import Counter
+
+import pytest
+from support.checkpoints import make_mixtral
+from support.jobs import _short_context, done_lines, small_moe  # noqa: F401 - fixtures
+from typer.testing import CliRunner
+
+import mlx_tier.cli.render as render
+from mlx_tier.cli.main import app
+from mlx_tier.job.provenance import Settings, prompt_hash
+from mlx_tier.job.triage import OutputState, triage
+from mlx_tier.monitor.status import read_status
+from mlx_tier.outdir.journal import Journal
+
+runner = CliRunner()
+OLD_A = "The board approved the merger. Revenue grew in spring and the farmers planted seed."
+NEW_A = "REJECTED: the board voted the merger down and fired the CFO after the river flood."
+FRENCH = "Translate the text below into French."
+
+
+@pytest.fixture
+def s1(tmp_path):
+    folder = tmp_path / "s1"
+    folder.mkdir()
+    (folder / "a.txt").write_text(OLD_A)
+    (folder / "b.txt").write_text("The library opens at nine; bees carry pollen to the flower and fruit.")
+    return folder
+
+
+def run(*args):
+    r = runner.invoke(app, ["run", *map(str, args)])
+    return r.exit_code, " ".join(r.output.split())  # words, whatever the wrapping
+
+
+def last_record(out, doc_id):
+    return [r for r in Journal(out).entries() if r.get("id") == doc_id][-1]
+
+
+def report(out):
+    return json.loads((out / "report.json").read_text())
+
+
+def test_a_rewritten_document_is_redone_and_every_view_says_so(s1, tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """The issue's example: a.txt rewritten after its summary; the same command again used to
+    skip it ("skipping 2 document(s) already done") and keep the old summary."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5", "--batch-size", "1")
+    code, output = run(*args)
+    assert code == 0, output
+    old_a, b_mtime = (out / "a.md").read_text(), (out / "b.md").stat().st_mtime_ns
+    made = last_record(out, "a")["made_from"]
+    assert made == {"sha256": hashlib.sha256(OLD_A.encode()).hexdigest(), "size": len(OLD_A),
+                    "mtime": round((s1 / "a.txt").stat().st_mtime, 3), "hashed": "bytes"}
+
+    (s1 / "a.txt").write_text(NEW_A)
+    seen = []  # a.md as each engine step of the redo finds it
+    working = render.RichReporter.working
+    monkeypatch.setattr(render.RichReporter, "working",
+                        lambda self, activity: (seen.append((out / "a.md").read_text()), working(self, activity)))
+    code, output = run(*args)
+    assert code == 0, output
+    assert "skipping 1 document(s) already done" in output
+    assert "1 document changed since summarised (stale): redoing it; its old summary stays until the new" in output
+    assert seen and set(seen) == {old_a}  # the old summary stays until the new one is complete
+    assert done_lines(out) == Counter({"a": 2, "b": 1})  # a redone, b untouched
+    assert (out / "b.md").stat().st_mtime_ns == b_mtime
+    assert last_record(out, "a")["made_from"]["sha256"] == hashlib.sha256(NEW_A.encode()).hexdigest()
+    assert last_record(out, "a")["redo"] == "stale"
+    assert "redone 1 stale (document changed)" in output  # the terminal's last lines
+
+    rep = report(out)
+    assert rep["runs"][-1]["redone_stale"] == 1 and rep["runs"][-1]["stale_left"] == 0
+    docs = {d["id"]: d for d in rep["documents"]}
+    assert docs["a"]["redo"] == "stale" and not docs["a"]["earlier_run"] and docs["b"]["earlier_run"]
+    st = read_status(out)
+    assert (st.redone_stale, st.done, st.done_this_run) == (1, 2, 1)
+    r = runner.invoke(app, ["status", str(out)])
+    assert "1 stale (document changed)" in " ".join(r.output.split()), r.output
+    page = (out / "report.html").read_text()
+    assert 'id="n-redone-stale" data-value="1"' in page and "redone: its document changed" in page
+
+    code, output = run(*args)  # now current: nothing to do
+    assert code == 0 and "stale" not in output and done_lines(out)["a"] == 2, output
+
+
+def test_a_touch_or_a_rename_is_not_a_change(s1, tmp_path, small_moe):  # noqa: F811
+    """Only the content decides: a touch changes nothing; a renamed document gets the summary
+    of its content under its new name, copied, not generated again; the old output stays."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    before = {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in out.glob("*.md")}
+
+    os.utime(s1 / "b.txt", (1e9, 1e9))  # touched (to another time)
+    code, output = run(*args)
+    assert code == 0 and "skipping 2 document(s) already done" in output and "stale" not in output, output
+    assert not report(out)["runs"][-1]["loaded_model"]  # nothing to do: no model loaded
+
+    (s1 / "a.txt").rename(s1 / "c.txt")
+    code, output = run(*args)
+    assert code == 0, output
+    assert "1 document renamed or copied: the summary of the same content copied under the new name" in output
+    assert not report(out)["runs"][-1]["loaded_model"]  # nothing generated
+    assert (out / "c.md").read_text() == before["a.md"][0]
+    assert {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in out.glob("[ab].md")} == before  # a.md kept
+    rec = last_record(out, "c")
+    assert rec["reused"] == "a" and rec["name"] == "c.txt" and rec["made_from"] == last_record(out, "a")["made_from"]
+    docs = {d["id"]: d for d in report(out)["documents"]}
+    assert set(docs) == {"b", "c"} and docs["c"]["reused"] == "a" and docs["c"]["status"] == "done"
+    st = read_status(out)
+    assert (st.total, st.done, st.pending) == (2, 2, 0)
+
+    shutil.copy(s1 / "b.txt", s1 / "d.txt")  # a copy beside its original: the same content, twice
+    code, output = run(*args)
+    assert code == 0 and (out / "d.md").read_text() == before["b.md"][0], output
+    assert last_record(out, "d")["reused"] == "b" and not report(out)["runs"][-1]["loaded_model"]
+
+
+def test_same_size_rewrite_with_the_old_mtime_put_back_is_still_noticed(s1, tmp_path, small_moe):  # noqa: F811
+    """The hash decides, not size and mtime: a rewrite of the same length whose mtime is
+    set back to the old one (as `cp -p` or an editor restoring times would) is redone."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    st = (s1 / "b.txt").stat()
+    text = (s1 / "b.txt").read_text()
+    (s1 / "b.txt").write_text(text.replace("nine", "ten!"))  # same size
+    os.utime(s1 / "b.txt", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (s1 / "b.txt").stat().st_size == st.st_size and (s1 / "b.txt").stat().st_mtime_ns == st.st_mtime_ns
+    code, output = run(*args)
+    assert code == 0 and "1 document changed since summarised (stale)" in output, output
+    assert done_lines(out) == Counter({"a": 1, "b": 2})
+
+
+def test_a_failed_redo_keeps_the_old_summary_and_is_not_taken_back_as_current(s1, tmp_path, small_moe):  # noqa: F811
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    old_a = (out / "a.md").read_text()
+    (s1 / "a.txt").write_bytes(b"\x00\x01binary now\xff")  # unreadable: its redo fails
+    code, output = run(*args)
+    assert code == 1 and "failed a" in output, output
+    assert (out / "a.md").read_text() == old_a  # never lost: the redo failed before writing
+    assert last_record(out, "a")["status"] == "failed"
+    code, output = run(*args)  # a plain rerun leaves it failed (not recovered from the old output)
+    assert code == 1 and "1 document(s) failed in an earlier run" in output, output
+    assert last_record(out, "a")["status"] == "failed" and read_status(out).failed == 1
+
+
+def test_a_journal_of_an_older_version_keeps_working(s1, tmp_path, small_moe):  # noqa: F811
+    """Records written before summaries recorded their source, model and prompt are taken
+    as current, with one note; nothing is regenerated."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    old = ("made_from", "model", "prompt", "prompt_text", "run", "run_t", "mono", "host")
+    lines = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
+    (out / "journal.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k not in old}) + "\n"
+                                               for r in lines))
+    (s1 / "a.txt").write_text(NEW_A)  # unknowable now: no hash was recorded
+    code, output = run(*args)
+    assert code == 0, output
+    assert "2 summaries from an older mlx-tier record no source hash, model or prompt: taken as current" in output
+    assert done_lines(out) == Counter({"a": 1, "b": 1}) and report(out)["runs"][-1]["unstamped"] == 2
+    st = read_status(out)
+    assert (st.done, st.pending) == (2, 0)
+
+
+def test_jsonl_output_replaces_the_line_of_a_redone_summary(s1, tmp_path, small_moe):  # noqa: F811
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5", "--format", "jsonl")
+    assert run(*args)[0] == 0
+    (s1 / "a.txt").write_text(NEW_A)
+    assert run(*args)[0] == 0
+    lines = [json.loads(x) for x in (out / "summaries.jsonl").read_text().splitlines()]
+    assert sorted(x["id"] for x in lines) == ["a", "b"]  # one line each, never two
+    assert {x["id"]: x["summary"] for x in lines}["a"] == (out / "a.md").read_text().removesuffix("\n")
+
+
+@pytest.fixture(scope="module")
+def other_moe(small_moe, tmp_path_factory):  # noqa: F811
+    """Another model of the same shapes (another seed): same safetensors headers, other weights."""
+    return make_mixtral(tmp_path_factory.mktemp("other") / "moe", small_moe.parent / "tokenizer", quantized=True,
+                        vocab_size=320, seed=1)
+
+
+def test_another_prompt_keeps_the_old_summaries_and_the_report_shows_the_mix(s1, tmp_path, small_moe):  # noqa: F811
+    """The issue's example: the same OUT_DIR rerun with another --prompt and a new document."""
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0
+    (s1 / "new.txt").write_text("A new document: the river floods and the farmer plants seed.")
+    code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5", "--prompt", FRENCH)
+    assert code == 0, output
+    assert "keeping 2 summaries written with another prompt; redo them with --redo-changed" in output
+    rep = report(out)
+    docs = {d["id"]: d for d in rep["documents"]}
+    assert docs["new"]["prompt"] == prompt_hash(FRENCH) != docs["a"]["prompt"] == docs["b"]["prompt"]
+    assert {d["model"]["name"] for d in docs.values()} == {str(small_moe)}
+    assert rep["prompts"][prompt_hash(FRENCH)] == FRENCH and rep["prompts"][docs["a"]["prompt"]].startswith("Summar")
+    assert sorted(w["documents"] for w in rep["written_by"]) == [1, 2]
+    assert rep["runs"][-1]["prompt"] == prompt_hash(FRENCH) and rep["runs"][-1]["kept_changed"] == 2
+    assert rep["runs"][0]["prompt"] == docs["a"]["prompt"]
+    r = runner.invoke(app, ["status", str(out)])
+    words = " ".join(r.output.split())
+    assert "written by" in words and "Translate the text below" in words, r.output
+    page = (out / "report.html").read_text()
+    assert 'id="written-by"' in page and FRENCH in page
+
+
+def test_another_model_is_kept_then_redone_with_redo_changed(s1, tmp_path, small_moe, other_moe):  # noqa: F811
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")}
+    code, output = run(s1, "--out", out, "--model", other_moe, "--max-tokens", "5")
+    assert code == 0 and "keeping 2 summaries written with another model; redo them with --redo-changed" in output
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")} == before
+
+    code, output = run(s1, "--out", out, "--model", other_moe, "--max-tokens", "5", "--redo-changed")
+    assert code == 0 and "--redo-changed: redoing 2 summaries written with another model" in output, output
+    rep = report(out)
+    assert rep["runs"][-1]["redone_changed"] == 2 and "redone 2 with another model or prompt" in output
+    weights = {d["model"]["weights"] for d in rep["documents"]}
+    assert weights == {rep["runs"][-1]["model"]["weights"]} and len(rep["written_by"]) == 1
+    assert read_status(out).redone_changed == 2
+    code, output = run(s1, "--out", out, "--model", other_moe, "--max-tokens", "5", "--redo-changed")
+    assert code == 0 and "redoing" not in output  # once redone, they are current
+
+
+def test_the_same_weights_elsewhere_are_the_same_model(s1, tmp_path, small_moe, other_moe):  # noqa: F811
+    """The model is told by its weights' fingerprint, not by where it lies: a copy is the
+    same model; another seed of the same shapes (identical headers) is not."""
+    from mlx_tier.engine.checkpoint import weights_fingerprint
+
+    copy = tmp_path / "copy"
+    shutil.copytree(small_moe, copy)
+    assert weights_fingerprint(copy) == weights_fingerprint(small_moe) != weights_fingerprint(other_moe)
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0
+    code, output = run(s1, "--out", out, "--model", copy, "--max-tokens", "5")
+    assert code == 0 and "keeping" not in output and "skipping 2 document(s)" in output, output
+
+
+def test_triage_of_earlier_summaries_from_plain_data():
+    """The decision alone: stale (hash changed) is redone, or left done with retry_failed;
+    another model or prompt is kept unless redo_changed; an unstamped record is current;
+    a pending document with a summarised content reuses that summary (same settings only)."""
+    here = Settings("m", "w1", "p1")
+    made = lambda h: {"sha256": h, "size": 1, "mtime": 0.0, "hashed": "bytes"}  # noqa: E731
+    records = {
+        "stale": {"status": "done", "made_from": made("h0"), "model": {"name": "m", "weights": "w1"}, "prompt": "p1"},
+        "prompt": {"status": "done", "made_from": made("h2"), "model": {"name": "m", "weights": "w1"}, "prompt": "p0"},
+        "model": {"status": "done", "made_from": made("h3"), "model": {"name": "m", "weights": "w0"}, "prompt": "p1"},
+        "old": {"status": "done"},
+        "gone": {"status": "done", "made_from": made("h5"), "model": {"name": "m", "weights": "w1"}, "prompt": "p1"},
+    }
+    ids = ["stale", "prompt", "model", "old", "new", "twin"]
+    outputs = {i: OutputState(True, True) for i in records}
+    current = {"stale": "h1", "prompt": "h2", "model": "h3", "old": "h4", "new": "h5", "twin": "h3"}
+    t = triage(ids, records, outputs, current=current, settings=here)
+    assert (t.stale, t.kept_changed, t.unstamped, t.changed) == (["stale"], ["prompt", "model"], ["old"], [])
+    assert t.pending == ["stale", "twin"] and sorted(t.done) == ["model", "old", "prompt"]
+    assert t.reused == {"new": "gone"}  # "twin" has model's content, but model was written with other weights
+    t = triage(ids, records, outputs, current=current, settings=here, redo_changed=True)
+    assert t.changed == ["prompt", "model"] and t.pending == ["stale", "prompt", "model", "twin"]
+    t = triage(ids, records, outputs, current=current, settings=here, retry_failed=True)
+    assert t.stale == ["stale"] and "stale" in t.done and t.pending == [] and t.reused == {}
+    by_name = Settings("m", None, "p1")  # the model not on this machine yet: compared by name
+    assert not by_name.differs(records["model"]) and Settings("x", None, "p1").differences(records["model"]) == ["model"]

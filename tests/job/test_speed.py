@@ -1,0 +1,84 @@
+"""One definition of a run's speed (:mod:`mlx_tier.rates`): output tok/s and documents/hour
+over the run's generation time (from its model loaded to its last document), loading
+counted apart, the same figure in the terminal, report.json, report.html and
+``mlx-tier status``.
+"""
+
+import json
+import re
+import time
+
+import pytest
+from support.jobs import _short_context, make_docs, small_moe  # noqa: F401 - fixtures
+from typer.testing import CliRunner
+
+from mlx_tier.cli.main import app
+from mlx_tier.job.report import JobReport
+from mlx_tier.monitor.status import read_status
+from mlx_tier.rates import RunSpeed
+
+runner = CliRunner()
+BUILD_SECONDS = 1.5
+
+
+def page_number(page: str, key: str) -> str:
+    return re.search(rf'id="n-{key}" data-value="([^"]*)"', page).group(1)
+
+
+def test_terminal_report_page_and_status_give_one_speed(tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """The issue's example: the terminal and report.json said 3.30 output tok/s over the run's
+    whole time (the demo model's build counted), report.html and status 5.07 over the time
+    after loading. A slow load (a demo build, a download) stands in for the build here."""
+    from mlx_tier.engine import load as tiered
+
+    load = tiered.load
+
+    def slow_load(path, cache_gb=None, **kw):
+        time.sleep(BUILD_SECONDS)  # the demo model's build
+        return load(path, cache_gb=cache_gb, **kw)
+
+    monkeypatch.setattr(tiered, "load", slow_load)
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    make_docs(docs, 4)
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "5",
+                            "--batch-size", "2"])
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "report.json").read_text())
+    run, totals = report["runs"][-1], report["totals"]
+    assert run["load_seconds"] >= BUILD_SECONDS and run["seconds"] >= run["load_seconds"] + run["generation_seconds"]
+    speed = RunSpeed(run["output_tokens"], run["done"], run["generation_seconds"])
+    assert run["output_tok_per_s"] == round(speed.output_tok_per_s, 3) > 0
+    assert run["documents_per_hour"] == round(speed.documents_per_hour, 3) > 0
+    for key in ("output_tok_per_s", "documents_per_hour", "generation_seconds", "load_seconds"):
+        assert totals[key] == run[key], key  # one run: the job's figures are its own
+
+    st = read_status(out)
+    assert st.elapsed_seconds == pytest.approx(run["generation_seconds"], abs=2e-3)
+    assert st.load_seconds == pytest.approx(run["load_seconds"], abs=2e-3)
+    assert st.output_tok_per_s == pytest.approx(run["output_tok_per_s"], rel=2e-3)
+    assert st.documents_per_hour == pytest.approx(run["documents_per_hour"], rel=2e-3)
+
+    tok_s, per_hour = f"{run['output_tok_per_s']:.2f}", f"{run['documents_per_hour']:.1f}"
+    terminal = " ".join(r.output.split())
+    assert f"{per_hour} documents/hour, {tok_s} output tok/s over" in terminal, terminal
+    status = " ".join(runner.invoke(app, ["status", str(out)]).output.split())
+    assert f"{per_hour} documents/hour, {tok_s} output tok/s" in status, status
+    page = (out / "report.html").read_text()
+    assert page_number(page, "tok-s") == tok_s and page_number(page, "docs-per-hour") == per_hour
+    assert "from its model loaded to its last document finished" in page  # the definition, stated
+
+
+def test_the_jobs_speed_adds_up_its_runs_generation_times():
+    """Over several runs: tokens and documents over the sum of the generation times; a run
+    that loaded no model adds nothing; a run recorded by an older version (no generation
+    time) counts its whole time."""
+    runs = [{"output_tokens": 100, "done": 4, "seconds": 80.0, "load_seconds": 30.0, "generation_seconds": 50.0},
+            {"output_tokens": 0, "done": 0, "seconds": 0.2, "load_seconds": None, "generation_seconds": 0.0},
+            {"output_tokens": 60, "done": 2, "seconds": 30.0}]  # an older version's record
+    speed = JobReport(runs=runs).speed()
+    assert (speed.generation_seconds, speed.load_seconds) == (80.0, 30.0)
+    assert speed.output_tok_per_s == 2.0 and speed.documents_per_hour == 6 / 80 * 3600
+    totals = JobReport(runs=runs).as_dict()["totals"]
+    assert (totals["output_tok_per_s"], totals["generation_seconds"], totals["run_seconds"]) == (2.0, 80.0, 110.2)
+    assert RunSpeed(5, 1, 0.0).as_dict() == {"load_seconds": None, "generation_seconds": 0.0, "output_tok_per_s": 0.0,
+                                             "documents_per_hour": 0.0}
