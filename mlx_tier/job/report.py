@@ -35,6 +35,8 @@ class DocResult:
     earlier_run: bool = False  # done or failed by an earlier run (its figures from the journal)
     name: str | None = None  # the original id (relative path, JSONL custom_id/id) the output name came from
     converter: str | None = None  # how the text was read: "text (cp1252)", "markitdown 0.1.9 PdfConverter"...
+    error_code: str | None = None  # a failed batch request: the API's error code ("server_error": generating failed)
+    error_param: str | None = None  # ... and the body parameter at fault, if one is
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The main job: summarise every document of an input with a tiered model.
+"""The main job: summarise every document of an input with a tiered model (or run
+every request of an OpenAI batch request file as written, :mod:`mlx_tier.job.batch_api`).
 
 Resumable (journal), atomic (outputs appear only complete), interruptible
 (SIGINT/SIGTERM stop after the documents in progress). The CLI is a thin layer
@@ -25,14 +26,15 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from mlx_tier.defaults import JOB_KERNEL
+from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY, JOB_KERNEL
 from mlx_tier.engine.checkpoint import context_length
 from mlx_tier.engine.load import TierConfig
 from mlx_tier.errors import InputError, JobError
 from mlx_tier.fsio import DISK_FULL, write_atomic
+from mlx_tier.job import batch_api
 from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
-from mlx_tier.job.outputs import JsonlSummaries
+from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
 from mlx_tier.job.process import DEFAULT_NICE, keep_awake, lower_priority
 from mlx_tier.job.report import (
     DocResult,
@@ -58,7 +60,14 @@ from mlx_tier.messages import terminal_width, with_command, wrap_words
 from mlx_tier.monitor.view import progress_sample
 from mlx_tier.outdir.jobdir import JobDir, ProgressFile, write_input_list
 from mlx_tier.outdir.journal import JobInfo, Journal
-from mlx_tier.outdir.layout import JOURNAL, PROGRESS_FILE, REPORT, check_out_dir
+from mlx_tier.outdir.layout import (
+    BATCH_ERRORS,
+    BATCH_OUTPUT,
+    JOURNAL,
+    PROGRESS_FILE,
+    REPORT,
+    check_out_dir,
+)
 
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
@@ -75,7 +84,8 @@ class JobConfig:
             PDF, Word, PowerPoint, Excel, HTML, EPUB... converted by
             :mod:`mlx_tier.job.doc_text`; hidden, lock and backup files skipped),
             a single document file, or a ``.jsonl`` file (one ``{"custom_id"
-            or "id", "text"}`` object or OpenAI batch request per line). With
+            or "id", "text"}`` object per line, or one OpenAI batch request per
+            line: run as written, answers in ``out_dir/output.jsonl``). With
             ``input_paths`` (``mlx-tier run -``: paths read from stdin) it only
             names the input in the journal (:func:`mlx_tier.job.documents.discover`).
         out_dir: summaries go to ``out_dir/<id>.md``; journal and report beside them.
@@ -229,14 +239,18 @@ class _Rate:
             self.value = now if not self.value else (1 - self._w) * self.value + self._w * now
 
 
+def _figures(outcome: Outcome, res: DocResult) -> None:
+    res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
+    res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
+
+
 def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
     """Write a finished summary (atomically) and fill ``res``; a write error fails the document.
 
     Raises:
         JobError: the disk is full (the document stays pending: no later one could be written either).
     """
-    res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
-    res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
+    _figures(outcome, res)
     if outcome.status != "done":
         res.status, res.error = "failed", outcome.error
         return
@@ -249,6 +263,30 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
         res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
     except DOCUMENT_ERRORS as e:
         res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
+
+
+def _record_request(outcome: Outcome, res: DocResult, p: _Pass) -> None:
+    """Append a finished request's line to ``output.jsonl`` or a failed one's to
+    ``errors.jsonl`` (fsync'ed, before its journal record) and fill ``res``.
+
+    Raises:
+        JobError: the line cannot be written (disk full, a read-only folder): no
+            later request could be written either; the request stays pending.
+    """
+    req, batch = p.requests[res.id], p.batch
+    _figures(outcome, res)
+    try:
+        if outcome.status == "done":
+            body = batch_api.response_body(req, outcome.choices, outcome.input_tokens, p.model_name, int(time.time()))
+            batch.add_output(req.custom_id, batch_api.output_line(req.custom_id, body))
+            res.status, res.output = "done", BATCH_OUTPUT
+            return
+        code = outcome.error_code or batch_api.SERVER_ERROR
+        batch.add_error(req.custom_id, batch_api.error_line(req.custom_id, outcome.error, code, outcome.error_param,
+                                                            req.line))
+        res.status, res.error, res.error_code, res.error_param = "failed", outcome.error, code, outcome.error_param
+    except OSError as e:
+        raise JobError(f"{e.filename}: {e.strerror or e}; the job stopped (finished answers are kept)") from None
 
 
 def _lower_priority(config: JobConfig, reporter: Reporter) -> None:
@@ -285,6 +323,9 @@ class _Pass:
     reporter: Reporter
     report: JobReport
     progress: ProgressFile  # rewritten every 2 s with the :class:`Activity`
+    batch: BatchOutputs | None = None  # a batch request file's output.jsonl and errors.jsonl
+    requests: dict = field(default_factory=dict)  # id -> BatchRequest of each pending request, in input order
+    model_name: str = ""  # the model that answers, as each response names it
 
 
 def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> dict:
@@ -294,8 +335,9 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
     results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
+    probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
-                          max(p.sizes.values(), default=0))
+                          max(p.sizes.values(), default=0), probes)
     p.report.setup["generation"] = scheduler.info
     source = scheduler.info["batch_size_from"]
     reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
@@ -327,7 +369,10 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
     throttled_before = 0.0
     for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step):
         res = results[outcome.id]
-        _record(outcome, res, config.out_dir)
+        if p.batch is not None:
+            _record_request(outcome, res, p)
+        else:
+            _record(outcome, res, config.out_dir)
         eta.finished(res.id, res.output_tokens if res.status == "done" else None)
         spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
         record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
@@ -423,8 +468,21 @@ def _turns(pending: list, results: dict, share: Share) -> Iterator:
         d = following
 
 
-def _outputs(job: JobDir, docs) -> dict[str, OutputState]:
+def _outputs(job: JobDir, docs, batch: BatchOutputs | None) -> dict[str, OutputState]:
+    """Each document's output now: its ``<id>.md``, or a request's line in ``output.jsonl``."""
+    if batch is not None:
+        return {d.id: OutputState(d.request.custom_id in batch.done, d.request.custom_id in batch.done) for d in docs}
     return {d.id: OutputState.of(job.output(d.id)) for d in docs}
+
+
+def output_name(doc) -> str:
+    """Where a document's finished output is: ``<id>.md``, or a request's ``output.jsonl``."""
+    return BATCH_OUTPUT if doc.request is not None else f"{doc.id}.md"
+
+
+def is_batch(docs) -> bool:
+    """Whether a job's documents are the requests of a batch request file."""
+    return bool(docs) and docs[0].request is not None
 
 
 def doc_results(docs, tri: Triage) -> dict[str, DocResult]:
@@ -435,9 +493,9 @@ def doc_results(docs, tri: Triage) -> dict[str, DocResult]:
         if d.id in tri.done:
             rec = tri.done[d.id]
             keep = {k: rec[k] for k in DONE_KEEPS if k in rec}
-            results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base, **keep)
+            results[d.id] = DocResult(status="done", output=output_name(d), earlier_run=True, **base, **keep)
         elif d.id in tri.recovered:
-            results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base)
+            results[d.id] = DocResult(status="done", output=output_name(d), earlier_run=True, **base)
         elif d.id in tri.failed:
             rec = tri.failed[d.id]
             keep = {k: rec[k] for k in FAILED_KEEPS if k in rec}
@@ -587,22 +645,37 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     """Journal, triage (from the job's view) and results of this run, with the earlier runs'
     recovered outputs recorded (not by a ``part``: its launcher did; one found now is
     another rank's, its record on the way). Returns ``(journal, records, triage)``."""
-    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part else None
+    batch = BatchOutputs(config.out_dir) if is_batch(docs) else None
+    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part \
+        and batch is None else None
     journal = job.journal(on_done=summaries.add if summaries is not None else None)
     view = job.view()
     records = view.records()
     for warning in view.warnings.values():
         reporter.message(f"journal: {warning}")
-    tri = triage([d.id for d in docs], records, _outputs(job, docs), attempted_ids(view.entries()),
+    tri = triage([d.id for d in docs], records, _outputs(job, docs, batch), attempted_ids(view.entries()),
                  config.retry_failed)
     if part:
         return journal, records, tri
-    names = {d.id: d.name for d in docs}
+    by_id = {d.id: d for d in docs}
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
-        journal.append({"id": i, "status": "done", "output": f"{i}.md", "recovered": True, "name": names[i]})
+        journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
+                        "name": by_id[i].name})
     if summaries is not None:
         summaries.sync(journal.records())
+    if batch is not None:
+        _keep_errors(batch, [by_id[i] for i in tri.failed], tri.failed)
     return journal, records, tri
+
+
+def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:
+    """``errors.jsonl`` as this run starts: a line for each request that stays failed (made
+    from its journal record when missing), none for the others (:meth:`BatchOutputs.keep_errors`)."""
+    def line(doc, rec: dict):
+        return lambda: batch_api.error_line(doc.request.custom_id, rec.get("error") or "failed", rec.get("error_code"),
+                                            rec.get("error_param"), doc.request.line)
+
+    batch.keep_errors({d.request.custom_id: line(d, records[d.id]) for d in failed})
 
 
 def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share) -> tuple[JobReport, _Loaded | None]:
@@ -634,8 +707,26 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if pending:
         p = _Pass(_turns(pending, results, share), _sizes(pending), results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name))
+        if is_batch(docs):
+            _batch_pass(p, pending, config, reporter)
         _run_pending(p, config, loaded)
     return report, loaded
+
+
+def _batch_pass(p: _Pass, pending: list, config: JobConfig, reporter: Reporter) -> None:
+    """Set ``p`` up to run batch requests: their output files, the model's name for the
+    responses; says which settings apply to summaries only, when they were changed."""
+    from mlx_tier.tools.demo_model import is_demo
+
+    p.batch, p.requests = BatchOutputs(config.out_dir), {d.id: d.request for d in pending}
+    p.model_name = "demo" if is_demo(config.model) else str(config.model)
+    g = config.generation
+    unused = [name for name, changed in (("`instruction`", g.instruction != DEFAULT_PROMPT),
+                                          ("`repetition_penalty`", g.repetition_penalty != DEFAULT_REPETITION_PENALTY),
+                                          ("`output_format` jsonl", config.output_format == "jsonl")) if changed]
+    if unused:
+        reporter.message(f"batch requests run as written: {', '.join(unused)} apply to documents only (answers "
+                         f"go to {BATCH_OUTPUT}, failures to {BATCH_ERRORS})")
 
 
 def _sizes(pending: list) -> dict[str, int]:
