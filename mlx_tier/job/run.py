@@ -692,6 +692,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         report.setup = _setup(loaded, config)
     else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
         report.setup, report.throttle = _earlier_setup(config)
+    if is_batch(docs):  # the answers are in output.jsonl and errors.jsonl, not <id>.md
+        report.setup["batch_requests"] = True
     if (pending or not records) and not share.part:  # a rerun with nothing to do starts no run
         JobInfo(input=str(config.input), ids=list(by_id), todo=tri.pending, started=time.time(), pid=os.getpid(),
                 command=config.command, output_format=config.output_format).write(journal)
