@@ -224,8 +224,9 @@ def summary_line(report, out_dir: Path) -> str:
     (and a batch request file's answers) are."""
     from mlx_tier.outdir.layout import BATCH_ERRORS, BATCH_OUTPUT
 
-    where = (f" | answers: {out_dir / BATCH_OUTPUT}, failures: {out_dir / BATCH_ERRORS}"
-             if report.setup.get("batch_requests") else "") + f" | report: {out_dir / 'report.json'}"
+    failures = f", failures: {out_dir / BATCH_ERRORS}" if report.count("failed") else ""
+    where = (f" | answers: {out_dir / BATCH_OUTPUT}{failures}" if report.setup.get("batch_requests") else "") \
+        + f" | report: {out_dir / 'report.json'}"
     run = report.runs[-1]
     chunked = sum(r.parts > 0 for r in report.results)
     line = (f"job: {report.count('done')} done ({run['already_done']} by earlier runs), "

@@ -727,8 +727,9 @@ def _batch_pass(p: _Pass, pending: list, config: JobConfig, reporter: Reporter) 
                                           ("`repetition_penalty`", g.repetition_penalty != DEFAULT_REPETITION_PENALTY),
                                           ("`output_format` jsonl", config.output_format == "jsonl")) if changed]
     if unused:
-        reporter.message(f"batch requests run as written: {', '.join(unused)} apply to documents only (answers "
-                         f"go to {BATCH_OUTPUT}, failures to {BATCH_ERRORS})")
+        reporter.message(f"batch requests run as written: {', '.join(unused)} "
+                         f"{'applies' if len(unused) == 1 else 'apply'} to documents only (answers go to "
+                         f"{BATCH_OUTPUT}, failures to {BATCH_ERRORS})")
 
 
 def _sizes(pending: list) -> dict[str, int]:

@@ -15,6 +15,9 @@ batch unchanged.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import typing
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from openai.types.chat.completion_create_params import (
 from openai.types.completion_create_params import (
     CompletionCreateParamsNonStreaming as TextParams,
 )
+from support.jobs import WORDS, done_lines, small_moe  # noqa: F401 - fixture
 from typer.testing import CliRunner
 
 import mlx_tier
@@ -46,6 +50,7 @@ from mlx_tier.job.outputs import BatchOutputs
 from mlx_tier.job.prompts import build_chat_prompt
 from mlx_tier.job.sampling import Sampling
 from mlx_tier.outdir.journal import JobInfo, Journal
+from mlx_tier.outdir.layout import lock_held
 
 runner = CliRunner()
 SYSTEM = "You translate English to French. Reply with the French only."
@@ -352,11 +357,46 @@ def test_an_answer_written_before_a_crash_is_recorded_not_regenerated(tmp_path, 
     JobInfo(input=str(inp), ids=["sampled", "text"], todo=["sampled", "text"], started=0.0, pid=1).write(Journal(out))
     answer = batch_api.output_line("text", {"object": "text_completion", "choices": []})
     (out / "output.jsonl").write_text(json.dumps(answer) + "\n")
-    r = runner.invoke(app, ["run", str(inp), "--out", str(out), "--model", str(tiny_moe)])
+    r = runner.invoke(app, ["run", str(inp), "--out", str(out), "--model", str(tiny_moe), "--repetition-penalty", "1.3"])
     assert r.exit_code == 0, r.output
+    assert "`repetition_penalty` applies to documents only" in " ".join(r.output.split())  # said, not ignored
     lines = lines_of(out / "output.jsonl")
     assert [x["custom_id"] for x in lines] == ["text", "sampled"] and lines[0] == answer
     assert Journal(out).records()["text"]["recovered"]
+
+
+def test_sigkill_mid_batch_then_rerun_answers_each_request_once(tmp_path, small_moe):  # noqa: F811
+    """A run killed mid-job and rerun: every request answered once, none answered before the kill again."""
+    ids = [f"r{i}" for i in range(6)]
+    inp = write_jsonl(tmp_path / "requests.jsonl", [request(i, {"prompt": " ".join(WORDS[k:k + 4]), "max_tokens": 24,
+                                                                 "temperature": 0}, COMPLETIONS)
+                                                    for k, i in enumerate(ids)])
+    out = tmp_path / "out"
+    args = ["run", str(inp), "--out", str(out), "--model", str(small_moe), "--batch-size", "1"]
+    r = runner.invoke(app, [*args, "--background"])
+    assert r.exit_code == 0, r.output
+    pid = int((out / "run.pid").read_text())
+    deadline = time.monotonic() + 120
+    try:
+        while not (lock_held(out) and done_lines(out)):
+            assert os.waitpid(pid, os.WNOHANG)[0] != pid and time.monotonic() < deadline, (out / "run.log").read_text()
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    before = (out / "output.jsonl").read_bytes()
+    before = before[: before.rfind(b"\n") + 1]  # whole lines (a kill mid-append leaves a torn one, cut off later)
+    answered = [x["custom_id"] for x in lines_of(out / "output.jsonl")]
+    assert 0 < len(answered) < len(ids), "the kill did not land mid-run"
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert (out / "output.jsonl").read_bytes().startswith(before)  # answers written before the kill: kept as they were
+    assert sorted(x["custom_id"] for x in lines_of(out / "output.jsonl")) == ids  # one line each
+    assert all(n == 1 for n in done_lines(out).values()) and not (out / "errors.jsonl").exists()
 
 
 def test_a_whole_file_problem_exits_2_before_any_work(tmp_path, tiny_moe):
