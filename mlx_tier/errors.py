@@ -50,6 +50,19 @@ class TooLong(MlxTierError):
     """Even one part cannot fit: the usable context is too small for the instruction."""
 
 
+class RequestError(MlxTierError):
+    """One batch request cannot run as written: its line goes to ``errors.jsonl``
+    and the other requests run (never the whole job's error).
+
+    ``field``: the body parameter at fault (the API's ``param``), ``None`` when
+    none is; ``code``: the API's error code (``unsupported_parameter``,
+    ``invalid_value``, ``context_length_exceeded``...)."""
+
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid_value"):
+        super().__init__(message, field)
+        self.code = code
+
+
 class DemoModelError(MlxTierError):
     """The demo model cannot be built (source package missing, disk full...)."""
 

@@ -221,14 +221,20 @@ def print_summary(report, out_dir: Path) -> None:
 
 
 def summary_line(report, out_dir: Path) -> str:
-    """The final line: the job's totals, then this run's own figures, then where the report is."""
+    """The final line: the job's totals, then this run's own figures, then where the report
+    (and a batch request file's answers) are."""
+    from mlx_tier.outdir.layout import BATCH_ERRORS, BATCH_OUTPUT
+
+    failures = f", failures: {out_dir / BATCH_ERRORS}" if report.count("failed") else ""
+    where = (f" | answers: {out_dir / BATCH_OUTPUT}{failures}" if report.setup.get("batch_requests") else "") \
+        + f" | report: {out_dir / 'report.json'}"
     run = report.runs[-1]
     chunked = sum(r.parts > 0 for r in report.results)
     line = (f"job: {report.count('done')} done ({run['already_done']} by earlier runs), "
             f"{report.count('failed')} failed, {report.count('pending')} pending"
             + (f" ({chunked} long, summarised in parts)" if chunked else ""))
     if not run.get("loaded_model"):
-        return line + f" | this run: nothing to do (model not loaded) | report: {out_dir / 'report.json'}"
+        return line + " | this run: nothing to do (model not loaded)" + where
     c = run["cache"]
     read = c["bytes_read"]
     experts = report.setup.get("expert_bytes_on_disk") or 0
@@ -241,7 +247,7 @@ def summary_line(report, out_dir: Path) -> str:
             f"{run.get('generation_seconds', run.get('seconds', 0.0)):.0f} s of generation{loading}"
             + (f", redone {redone}" if redone else "")
             + f", hit rate {c['hit_rate']:.1%}, read {read / 2**20:.0f} MiB{reread}, "
-            f"throttled {run.get('throttled_seconds', 0.0):.0f} s | report: {out_dir / 'report.json'}")
+            f"throttled {run.get('throttled_seconds', 0.0):.0f} s" + where)
 
 
 def redone_text(stale: int, changed: int) -> str:

@@ -45,12 +45,13 @@ from mlx_tier.defaults import (
 )
 from mlx_tier.job.doc_text import CONVERTED_SUFFIXES, TEXT_SUFFIXES
 from mlx_tier.kernels import KERNELS
-from mlx_tier.outdir.layout import OUTPUT_FORMATS, SUMMARIES
+from mlx_tier.outdir.layout import BATCH_ERRORS, BATCH_OUTPUT, OUTPUT_FORMATS, SUMMARIES
 from mlx_tier.policy.eviction import POLICIES, PolicySpec
 
 INPUT_HELP = (f"Folder of documents (searched recursively: {'/'.join(TEXT_SUFFIXES)} in any text encoding, "
-              f"{', '.join(CONVERTED_SUFFIXES)}), a JSONL file with custom_id (or id) and text (or an OpenAI batch "
-              "request body) per line, or - for a list of file paths on stdin.")
+              f"{', '.join(CONVERTED_SUFFIXES)}), a JSONL file with custom_id (or id) and text per line, an OpenAI "
+              f"Batch API file (run as written; answers in OUT_DIR/{BATCH_OUTPUT}, failures in "
+              f"OUT_DIR/{BATCH_ERRORS}), or - for a list of file paths on stdin.")
 FORMAT_HELP = (f"md: one OUT_DIR/<id>.md per document; jsonl: also OUT_DIR/{SUMMARIES}, one line per finished "
                "document with its custom_id/id and summary.")
 POLICY_HELP = ("Expert cache eviction policy: lfu is LFU with dynamic aging; pinned keeps the saved profile's most "
@@ -96,6 +97,10 @@ def run(
     ctx: typer.Context = None,  # filled in by Typer
 ) -> None:
     """Summarise every document in INPUT into OUT_DIR, resumably.
+
+    A JSONL file of OpenAI Batch API requests runs as written instead (its own
+    messages, max_tokens, temperature, stop...): answers in OUT_DIR/output.jsonl,
+    failed requests in OUT_DIR/errors.jsonl, in the Batch API's format.
 
     INPUT `-` reads file paths from stdin, one a line. Rerunning the same
     command skips finished documents, redoes those changed since their

@@ -1,11 +1,13 @@
-"""Batched greedy generation for the job runner, on mlx-lm's ``BatchGenerator``.
+"""Batched generation for the job runner, on mlx-lm's ``BatchGenerator``.
 
 Several prompts decode together (continuous batching: a finished sequence's
 place is refilled at once), so each expert read from disk serves every
 sequence in the batch. The shared instruction prefix of every prompt is
 prefilled once and its KV cache copied into each sequence (mlx-lm prompt
-caches). Everything here is mlx-lm's; this module only feeds it and collects
-the results, between decode steps — never inside a forward pass.
+caches). Decoding is greedy unless a task brings its own :class:`Sampling`
+(a batch request's temperature, top_p, seed, stop strings: mlx-lm's
+per-sequence samplers). Everything here is mlx-lm's; this module only feeds it
+and collects the results, between decode steps — never inside a forward pass.
 
 Also here: the stop-token set and the memory
 estimates that pick a batch size and a usable context.
@@ -24,6 +26,7 @@ import mlx.core as mx
 import psutil
 
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
+from mlx_tier.job.sampling import Sampling
 from mlx_tier.units import GIB
 
 # Batch size when memory allows more: on a 2-core CPU more sequences add
@@ -186,11 +189,14 @@ class Task:
         key: the caller's handle, returned with the result.
         prompt: token ids, ``[T]``.
         max_tokens: most tokens to generate.
+        sampling: how its tokens are picked; ``None``: the engine's default
+            (greedy, with the engine's repetition penalty).
     """
 
     key: object
     prompt: list[int]
     max_tokens: int
+    sampling: Sampling | None = None
 
 
 @dataclass
@@ -199,11 +205,13 @@ class Finished:
 
     Attributes:
         tokens: generated ids (a final stop token excluded).
-        text: ``tokens`` decoded, untrimmed.
-        finish_reason: ``"stop"`` (a stop token) or ``"length"`` (``max_tokens``).
+        text: ``tokens`` decoded, untrimmed; cut before a stop string that ended it.
+        finish_reason: ``"stop"`` (a stop token or string) or ``"length"`` (``max_tokens``).
         seconds: wall time from insertion to completion (shared with the
             batch's other sequences).
         prefix_tokens: prompt tokens served from the shared prefix cache.
+        stop_reason: what stopped it: the stop token's id, the stop string
+            (:attr:`Sampling.stop`), or ``None`` (``max_tokens``).
     """
 
     key: object
@@ -212,6 +220,7 @@ class Finished:
     finish_reason: str
     seconds: float
     prefix_tokens: int = 0
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -296,18 +305,39 @@ class PrefillPacer:
         return int(min(self.max_tokens, max(self.min_tokens, n)))
 
 
+@dataclass(eq=False)
+class _Seq:
+    """A task in flight: its tokens so far, when it started, the prefix it reused, and
+    how much of its text was searched for stop strings."""
+
+    task: Task
+    tokens: list[int] = field(default_factory=list)
+    started: float = 0.0
+    prefix_tokens: int = 0
+    searched: int = 0  # characters of the decoded text already searched for stop strings
+
+
+def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
+    """``(index, stop)`` of the earliest stop string in ``text`` at or after ``start``, or ``None``."""
+    found = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+    return min(found) if found else None
+
+
 class BatchEngine:
     """Continuous batching of :class:`Task` s through mlx-lm's ``BatchGenerator``.
 
-    Greedy (argmax) decoding; an optional repetition penalty (mlx-lm's
-    ``make_logits_processors``), whose context includes the prompt as in
-    ``stream_generate``. At most ``batch_size`` sequences are in flight;
-    call :meth:`add` while :attr:`free` is positive, then :meth:`step`.
+    Greedy (argmax) decoding with an optional repetition penalty (mlx-lm's
+    ``make_logits_processors``, whose context includes the prompt as in
+    ``stream_generate``), unless a task brings its own :class:`Sampling`
+    (mlx-lm's per-sequence samplers; stop strings are searched here, in the
+    decoded text, after each step). At most ``batch_size`` sequences are in
+    flight; call :meth:`add` while :attr:`free` is positive, then :meth:`step`.
 
     Args:
         model, tokenizer: as returned by :func:`mlx_tier.load` (or ``mlx_lm.load``).
         stop_ids: end-of-sequence token ids (:func:`stop_token_ids`).
         batch_size: sequences decoded together, >= 1.
+        repetition_penalty: for tasks without their own :class:`Sampling`.
         prefill_step_size: most prompt tokens per step (the step size follows
             the measured rate: :class:`PrefillPacer`).
         prefix: a shared prefix's cache; prompts starting with it reuse it
@@ -325,7 +355,7 @@ class BatchEngine:
             raise ValueError(f"batch size must be >= 1, got {batch_size}")
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self.repetition_penalty = repetition_penalty
+        self.default = Sampling(repetition_penalty=repetition_penalty)
         self.prefix = prefix
         self._gen = BatchGenerator(
             model,
@@ -338,7 +368,7 @@ class BatchEngine:
             prefill_batch_size=1,
             prefill_step_size=prefill_step_size,
         )
-        self._active: dict[int, tuple[Task, list[int], float, int]] = {}  # uid -> (task, tokens, t0, prefix)
+        self._active: dict[int, _Seq] = {}  # uid -> sequence
         seed = (len(prefix), prefix.seconds) if prefix is not None else None
         self.pacer = PrefillPacer(prefill_step_size, step_seconds, seed) if step_seconds is not None else None
         self._decode_seconds = 0.0  # the last decode step's duration
@@ -357,21 +387,18 @@ class BatchEngine:
         Raises:
             ValueError: no free place, or an empty prompt.
         """
-        from mlx_lm.sample_utils import make_logits_processors
-
         if self.free <= 0:
             raise ValueError("batch is full")
         if not task.prompt:
             raise ValueError("empty prompt")
-        processors = make_logits_processors(repetition_penalty=self.repetition_penalty) \
-            if self.repetition_penalty != 1.0 else []
+        sampling = task.sampling or self.default
         prompt, caches, seen, used = task.prompt, None, None, 0
         if self.prefix is not None and self.prefix.applies(task.prompt):
             used = len(self.prefix)
             prompt, caches, seen = task.prompt[used:], [self.prefix.copy()], [list(self.prefix.tokens)]
         (uid,) = self._gen.insert([prompt], [task.max_tokens], caches=caches, all_tokens=seen,
-                                  logits_processors=[processors])
-        self._active[uid] = (task, [], time.perf_counter(), used)
+                                  samplers=[sampling.sampler()], logits_processors=[sampling.processors()])
+        self._active[uid] = _Seq(task, started=time.perf_counter(), prefix_tokens=used)
 
     def step(self) -> StepInfo:
         """One step of mlx-lm's batch generator: a decode step for the running
@@ -389,35 +416,52 @@ class BatchEngine:
             self.pacer.observe(stats.prompt_tokens, stats.prompt_time)
         if responses:
             self._decode_seconds = stats.decode_time
-        info.prefill = [(self._active[p.uid][0].key, *p.progress) for p in prompt_responses if p.uid in self._active]
+        info.prefill = [(self._active[p.uid].task.key, *p.progress) for p in prompt_responses if p.uid in self._active]
         info.generated = len(responses)
         for r in responses:
-            task, tokens, started, used = self._active[r.uid]
-            if r.finish_reason != "stop":
-                tokens.append(r.token)
-            if r.finish_reason is not None:
-                del self._active[r.uid]
-                info.finished.append(Finished(task.key, tokens, self.tokenizer.decode(tokens), r.finish_reason,
-                                              time.perf_counter() - started, used))
-            else:
-                info.generating.append((task.key, len(tokens)))
+            self._take(r, info)
         return info
+
+    def _take(self, r, info: StepInfo) -> None:
+        """One sequence's token of this step: kept, and the sequence finished when a stop
+        token, a stop string or ``max_tokens`` ends it (a stop string ends it here: it is
+        removed from the generator)."""
+        seq = self._active[r.uid]
+        if r.finish_reason != "stop":
+            seq.tokens.append(r.token)
+        text, reason, why = None, r.finish_reason, (r.token if r.finish_reason == "stop" else None)
+        stops = (seq.task.sampling or self.default).stop
+        if stops:
+            text = self.tokenizer.decode(seq.tokens)
+            hit = find_stop(text, stops, max(0, seq.searched - max(map(len, stops)) + 1))
+            seq.searched = len(text)
+            if hit is not None:
+                text, reason, why = text[: hit[0]], "stop", hit[1]
+                if r.finish_reason is None:
+                    self._gen.remove([r.uid])
+        if reason is None:
+            info.generating.append((seq.task.key, len(seq.tokens)))
+            return
+        del self._active[r.uid]
+        text = self.tokenizer.decode(seq.tokens) if text is None else text
+        info.finished.append(Finished(seq.task.key, seq.tokens, text, reason, time.perf_counter() - seq.started,
+                                      seq.prefix_tokens, why))
 
     def tasks(self) -> list[Task]:
         """The tasks in flight."""
-        return [t for t, *_ in self._active.values()]
+        return [seq.task for seq in self._active.values()]
 
     def cancel_unstarted(self) -> list[Task]:
         """Drop the sequences that have not produced a token yet (still reading
         their prompt); returns their tasks."""
-        uids = [uid for uid, (_, tokens, *_) in self._active.items() if not tokens]
+        uids = [uid for uid, seq in self._active.items() if not seq.tokens]
         if uids:
             self._gen.remove(uids)
-        return [self._active.pop(uid)[0] for uid in uids]
+        return [self._active.pop(uid).task for uid in uids]
 
     def cancel(self) -> list[Task]:
         """Drop every sequence in flight; returns their tasks."""
-        tasks = [t for t, *_ in self._active.values()]
+        tasks = self.tasks()
         if self._active:
             self._gen.remove(list(self._active))
         self._active.clear()

@@ -11,10 +11,11 @@ Word, PowerPoint, Excel, HTML, EPUB… through MarkItDown).
 A folder walk skips what is not a document (:func:`skip_reason`: dot-files
 and dot-folders, macOS ``._`` AppleDouble files, editor lock/backup files) and,
 unless ``follow_links``, links that lead outside the folder.
-JSONL lines name themselves with ``custom_id`` (OpenAI batch style, with the
-text in ``text`` or in the user messages of ``body.messages``) or ``id``; the
-value is kept as given (numbers as their literal text) in
-:attr:`Document.key` so JSONL output can echo it back.
+JSONL lines are either documents, ``{"custom_id" or "id", "text"}``, named by
+that key (kept as given, numbers as their literal text, in :attr:`Document.key`
+so JSONL output can echo it back), or, in a file of their own, OpenAI Batch API
+requests (:mod:`mlx_tier.job.batch_api`): each becomes a document that carries
+its :attr:`Document.request` and is run as written, not summarised.
 Input-level problems (missing path, nothing to read, malformed JSONL) raise
 :class:`InputError`; a single unreadable document (binary, empty, a failed
 conversion) is returned with ``error`` set so the rest of the job continues.
@@ -31,6 +32,7 @@ from functools import cached_property
 from pathlib import Path
 
 from mlx_tier.errors import InputError
+from mlx_tier.job.batch_api import BatchRequest, is_request, read_requests
 from mlx_tier.job.doc_text import (
     CONVERSION_ERRORS,
     SUFFIXES,
@@ -64,6 +66,9 @@ class Document:
             ``markitdown 0.1.3``…), ``None`` for JSONL text.
         stamp: what its summary is made from (:mod:`mlx_tier.job.provenance`):
             a single document file's bytes; by default, its text's.
+        request: a batch request line's request, run as written
+            (``text`` is then its message contents, to size batches); ``None``
+            for a document to summarise.
     """
 
     id: str
@@ -74,6 +79,7 @@ class Document:
     name: str | None = None
     converter: str | None = None
     stamp: SourceStamp | None = None
+    request: BatchRequest | None = None
 
     def __post_init__(self):
         if self.name is None:
@@ -139,6 +145,7 @@ class FileDocument:
     name: str | None = None
     inside: Path | None = None
     key = None  # files have no JSONL key
+    request = None  # nor a batch request
 
     @cached_property
     def stamp(self) -> SourceStamp | None:
@@ -343,44 +350,19 @@ def _jsonl_lines(path: Path) -> list[str]:
         raise InputError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
 
 
-def _user_text(obj: dict) -> str | None:
-    """The text of an OpenAI batch request line: its ``body.messages`` user contents
-    (strings, or ``{"type": "text", "text": ...}`` parts), joined by blank lines."""
-    body = obj.get("body")
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list):
-        return None
-    parts = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") != "user":
-            continue
-        content = m.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts += [c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str)]
-    return "\n\n".join(parts) if parts else None
-
-
-def _jsonl_record(line: str, where: str) -> tuple[str, str, str]:
-    """``(key name, key value as text, document text)`` of one JSONL line.
+def _jsonl_record(obj: object, line: str, where: str) -> tuple[str, str, str]:
+    """``(key name, key value as text, document text)`` of one parsed JSONL document line.
 
     Raises:
-        InputError: malformed JSON, or no usable id or text.
+        InputError: no usable id or text.
     """
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{where}: malformed JSON ({e.msg})") from None
     name = "custom_id" if isinstance(obj, dict) and "custom_id" in obj else "id"
-    if not isinstance(obj, dict) or name not in obj or ("text" not in obj and "body" not in obj):
+    if not isinstance(obj, dict) or name not in obj or "text" not in obj:
         raise InputError(f'{where}: each line needs an object with "custom_id" (or "id") and "text" '
-                         '(or an OpenAI batch request\'s "body")')
-    text = obj["text"] if "text" in obj else _user_text(obj)
-    if "text" in obj and not isinstance(text, str):
+                         '(or, in a file of its own, an OpenAI batch request)')
+    text = obj["text"]
+    if not isinstance(text, str):
         raise InputError(f'{where}: "text" must be a string')
-    if text is None:
-        raise InputError(f'{where}: no user message with text in "body.messages"')
     value = obj[name]
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         raise InputError(f'{where}: "{name}" must be a string or a number')
@@ -389,24 +371,55 @@ def _jsonl_record(line: str, where: str) -> tuple[str, str, str]:
     return name, value, text
 
 
-def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
-    records, seen = [], {}
+def _parsed(path: Path) -> list[tuple[int, str, object]]:
+    """``(line number, line, parsed JSON)`` of each non-blank line of a JSONL file.
+
+    Raises:
+        InputError: unreadable, not UTF-8, a malformed line, or no line at all.
+    """
+    parsed = []
     for n, line in enumerate(_jsonl_lines(path), 1):
         if not line.strip():
             continue
-        name, value, text = _jsonl_record(line, f"{path}:{n}")
+        try:
+            parsed.append((n, line, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+    if not parsed:
+        raise InputError(f"{path}: no documents (empty JSONL file)")
+    return parsed
+
+
+def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
+    parsed = _parsed(path)
+    requests = [n for n, _, obj in parsed if is_request(obj)]
+    if requests and len(requests) < len(parsed):
+        n = next(n for n, _, obj in parsed if not is_request(obj))
+        raise InputError(f"{path}:{n}: not an OpenAI batch request, in a file of them (line {requests[0]} is "
+                         "one); give documents to summarise and batch requests as separate inputs")
+    if requests:
+        return _from_requests(path, parsed, previous)
+    records, seen = [], {}
+    for n, line, obj in parsed:
+        name, value, text = _jsonl_record(obj, line, f"{path}:{n}")
         if value in seen:
             raise InputError(f"{path}:{n}: duplicate {name} {value!r} (first on line {seen[value]})")
         seen[value] = n
         records.append((n, name, value, text))
-    if not records:
-        raise InputError(f"{path}: no documents (empty JSONL file)")
     ids = assign([value for _, _, value, _ in records], previous=previous)
     return [
         Document(doc_id, f"{path}:{n}", text if text.strip() else None, None if text.strip() else "empty text",
                  (name, value), name=value)
         for doc_id, (n, name, value, text) in zip(ids, records)
     ]
+
+
+def _from_requests(path: Path, parsed: list, previous: dict[str, str] | None) -> list[Document]:
+    """One document per batch request line (:func:`mlx_tier.job.batch_api.read_requests`)."""
+    requests = read_requests([(n, obj) for n, _, obj in parsed], str(path))
+    ids = assign([r.custom_id for r in requests], previous=previous)
+    return [Document(doc_id, f"{path}:{r.line}", r.text, key=("custom_id", r.custom_id), name=r.custom_id,
+                     request=r) for doc_id, r in zip(ids, requests)]
 
 
 def discover(path: Path, exclude: Path | None = None, follow_links: bool = False,
@@ -418,15 +431,17 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
     Args:
         path: a folder (recursive, files with a suffix in :data:`SUFFIXES`;
             non-documents skipped, :func:`skip_reason`), a ``.jsonl`` file with
-            one ``{"custom_id": ..., "text": ...}`` (or ``"id"``, or an OpenAI
-            batch request) per line, or one document file.
+            one ``{"custom_id": ..., "text": ...}`` (or ``"id"``) per line, or one
+            OpenAI batch request per line (:mod:`mlx_tier.job.batch_api`), or one
+            document file.
         exclude: a folder inside ``path`` to skip (the job's output folder).
         follow_links: read links in the folder that lead outside it (default: skipped).
         previous: ``name -> id`` an earlier run of the job recorded (its
             journal): each name keeps its id (:func:`mlx_tier.job.naming.assign`).
 
     Raises:
-        InputError: path missing, nothing to read, malformed/duplicate JSONL line.
+        InputError: path missing, nothing to read, malformed/duplicate JSONL line,
+            a batch request file that fails the Batch API's checks.
     """
     path = Path(path)
     if not path.exists():

@@ -1,23 +1,25 @@
-"""Per-document outputs beside the ``<id>.md`` summaries: ``summaries.jsonl`` (``--format jsonl``).
+"""Output files of a job beside the ``<id>.md`` summaries: ``summaries.jsonl``
+(``--format jsonl``), and a batch request file's ``output.jsonl`` and ``errors.jsonl``.
 
 The ``<id>.md`` file stays the durable unit the journal
-(:mod:`mlx_tier.outdir.journal`) recovers from; these lines are derived from
-it, appended and fsync'ed before the document's journal record, one line per
+(:mod:`mlx_tier.outdir.journal`) recovers from; ``summaries.jsonl`` lines are derived
+from it, appended and fsync'ed before the document's journal record, one line per
 document id, never two. A summary redone (its document changed, or its model
 or prompt with ``redo_changed``) replaces its line: the file is rewritten
-whole, atomically, so the old line stays until the new one is in.
+whole, atomically, so the old line stays until the new one is in. A batch
+request's durable unit is its ``output.jsonl`` line (:class:`BatchOutputs`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from mlx_tier.fsio import _NOFOLLOW, _append_line, named, read_nofollow, write_atomic
 from mlx_tier.job.documents import Document
-from mlx_tier.outdir.layout import SUMMARIES
+from mlx_tier.outdir.layout import BATCH_ERRORS, BATCH_OUTPUT, SUMMARIES
 
 
 class JsonlSummaries:
@@ -110,3 +112,97 @@ class JsonlSummaries:
             rec = records.get(doc_id)
             if rec is not None and rec.get("status") == "done" and (self.out_dir / f"{doc_id}.md").exists():
                 self.add({**rec, "id": doc_id})
+
+
+def _whole_lines(path: Path) -> list[bytes]:
+    """The complete lines of a JSONL file, without their newlines; a torn last line (a
+    crash mid-append) is left out (the next append cuts it off). ``[]`` when the file
+    is missing. Never read through a link.
+
+    Raises:
+        OSError: unreadable, or a link (``ELOOP``), naming the file.
+    """
+    try:
+        data = read_nofollow(path)
+    except FileNotFoundError:
+        return []
+    return data[: data.rfind(b"\n") + 1].split(b"\n")[:-1]
+
+
+def _custom_id(line: bytes) -> str | None:
+    try:
+        value = json.loads(line)["custom_id"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _encode(line: dict) -> bytes:
+    return json.dumps(line).encode("ascii")  # ASCII JSON, as the journal: any text survives
+
+
+class BatchOutputs:
+    """``OUT_DIR/output.jsonl`` and ``OUT_DIR/errors.jsonl``: the Batch API's output and
+    error files of a batch request file (lines from :mod:`mlx_tier.job.batch_api`).
+
+    An ``output.jsonl`` line is the durable unit of a finished request, as ``<id>.md``
+    is of a summary: appended and fsync'ed before the journal's ``done`` record, never
+    rewritten; a rerun that finds a line whose record was lost (a crash between the
+    two) records it instead of running the request again. ``errors.jsonl`` holds one
+    line per request that stays failed: a failure's line is appended before its
+    ``failed`` record, and when a run starts :meth:`keep_errors` makes the file hold
+    exactly the failures that stand (a request retried by ``retry_failed`` loses its
+    line until it fails again; a line whose record was lost is dropped and the
+    request runs again). So a ``custom_id`` is in one line of the two files at most,
+    whatever crashes and reruns come between. Lines are in completion order; match
+    them by ``custom_id``.
+
+    Args:
+        out_dir: the job's output folder.
+
+    Raises:
+        OSError: a file cannot be read (a link is refused).
+    """
+
+    def __init__(self, out_dir: Path):
+        self.output_path, self.errors_path = Path(out_dir) / BATCH_OUTPUT, Path(out_dir) / BATCH_ERRORS
+        self.done: set[str] = {c for line in _whole_lines(self.output_path) if (c := _custom_id(line)) is not None}
+        self.errors: dict[str, bytes] = {c: line for line in _whole_lines(self.errors_path)
+                                         if (c := _custom_id(line)) is not None}
+
+    def add_output(self, custom_id: str, line: dict) -> None:
+        """Append a finished request's line (:func:`~mlx_tier.job.batch_api.output_line`)
+        unless its ``custom_id`` has one already.
+
+        Raises:
+            OSError: the disk is full, or the file cannot be written.
+        """
+        if custom_id not in self.done:
+            _append_line(self.output_path, _encode(line) + b"\n")
+            self.done.add(custom_id)
+
+    def add_error(self, custom_id: str, line: dict) -> None:
+        """Append a failed request's line (:func:`~mlx_tier.job.batch_api.error_line`) unless
+        its ``custom_id`` has a line in either file already.
+
+        Raises:
+            OSError: the disk is full, or the file cannot be written.
+        """
+        if custom_id not in self.done and custom_id not in self.errors:
+            data = _encode(line)
+            _append_line(self.errors_path, data + b"\n")
+            self.errors[custom_id] = data
+
+    def keep_errors(self, standing: Mapping[str, Callable[[], dict]]) -> None:
+        """Make ``errors.jsonl`` hold one line for each ``custom_id`` of ``standing`` and no
+        other: a line already there is kept as it is, a missing one is made by
+        ``standing[custom_id]()``. Rewritten atomically, only when that changes it.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        if set(standing) == set(self.errors):
+            return
+        lines = {c: self.errors[c] if c in self.errors else _encode(make()) for c, make in standing.items()}
+        write_atomic(self.errors_path, b"".join(v + b"\n" for v in lines.values()))
+        self.errors = lines

@@ -23,8 +23,9 @@ import json
 import re
 from pathlib import Path
 
-# Stands for the message content while the chat template is rendered;
-# private-use characters, so no template or tokenizer gives them meaning.
+# Marks where a message's content goes while the chat template is rendered
+# (around the message's index); private-use characters, so no template or
+# tokenizer gives them meaning.
 _SLOT = "\ue000mlx-tier-content\ue000"
 
 
@@ -77,16 +78,50 @@ def build_prompt(tokenizer, instruction: str, text: str) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         before, after = _specials_around(tokenizer)
         return before + encode_data(tokenizer, content + "\n\nSummary:") + after
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _SLOT}], add_generation_prompt=True, tokenize=False
-    )
-    template_parts = rendered.split(_SLOT)  # around each place the message goes (once, in every known template)
-    if len(template_parts) < 2:
-        raise ValueError("the chat template does not place the user's message verbatim in the prompt")
-    message = encode_data(tokenizer, content)
+    return build_chat_prompt(tokenizer, [{"role": "user", "content": content}])
+
+
+def _slot(i: int) -> str:
+    return f"{_SLOT}{i}{_SLOT}"
+
+
+_SLOTS = re.compile(re.escape(_SLOT) + r"(\d+)" + re.escape(_SLOT))
+
+
+def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids ``[T]`` of a conversation in the model's chat template, ending with the
+    assistant's turn opened (``add_generation_prompt``).
+
+    Each message's content goes in as written and is tokenised as data
+    (:func:`encode_data`): the template is rendered with a placeholder for each
+    content, its own parts are tokenised with special tokens.
+
+    Args:
+        messages: ``{"role": ..., "content": str}`` each (``system``, ``user``,
+            ``assistant``: whatever roles the template accepts).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, the template refuses
+            the conversation (its own error, e.g. roles that do not alternate),
+            or drops or alters a message's content.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model has no chat template")
+    slotted = [{**m, "content": _slot(i)} for i, m in enumerate(messages)]
+    rendered = tokenizer.apply_chat_template(slotted, add_generation_prompt=True, tokenize=False)
+    pieces = _SLOTS.split(rendered)  # template text, slot index, template text, ...
+    placed = {int(i) for i in pieces[1::2]}
+    if placed != set(range(len(messages))) or _SLOT in "".join(pieces[::2]):
+        missing = sorted(set(range(len(messages))) - placed)
+        raise ValueError("the chat template does not place every message verbatim in the prompt"
+                         + (f" (message {missing[0]} is dropped)" if missing else ""))
+    contents = [encode_data(tokenizer, m["content"]) if m["content"] else [] for m in messages]
     ids = []
-    for i, part in enumerate(template_parts):
-        ids += ([] if i == 0 else message) + (list(tokenizer.encode(part, add_special_tokens=False)) if part else [])
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            ids += contents[int(piece)]
+        elif piece:
+            ids += list(tokenizer.encode(piece, add_special_tokens=False))
     return ids
 
 

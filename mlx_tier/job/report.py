@@ -46,6 +46,8 @@ class DocResult:
     prompt: str | None = None  # the instruction's hash (its text: report.json "prompts")
     redo: str | None = None  # this run redoes it: "stale" (its source changed) or "changed" (model or prompt)
     reused: str | None = None  # the id whose summary it got (the same content under another name)
+    error_code: str | None = None  # a failed batch request: the API's error code ("server_error": generating failed)
+    error_param: str | None = None  # ... and the body parameter at fault, if one is
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The main job: summarise every document of an input with a tiered model.
+"""The main job: summarise every document of an input with a tiered model (or run
+every request of an OpenAI batch request file as written, :mod:`mlx_tier.job.batch_api`).
 
 Resumable (journal), atomic (outputs appear only complete), interruptible
 (SIGINT/SIGTERM stop after the documents in progress). The CLI is a thin layer
@@ -26,14 +27,15 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from mlx_tier.defaults import JOB_KERNEL
+from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY, JOB_KERNEL
 from mlx_tier.engine.checkpoint import context_length
 from mlx_tier.engine.load import TierConfig
 from mlx_tier.errors import InputError, JobError
 from mlx_tier.fsio import DISK_FULL, write_atomic
+from mlx_tier.job import batch_api
 from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
-from mlx_tier.job.outputs import JsonlSummaries
+from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
 from mlx_tier.job.process import DEFAULT_NICE, keep_awake, lower_priority
 from mlx_tier.job.provenance import Settings
 from mlx_tier.job.report import (
@@ -69,7 +71,14 @@ from mlx_tier.messages import terminal_width, with_command, wrap_words
 from mlx_tier.monitor.view import progress_sample
 from mlx_tier.outdir.jobdir import JobDir, ProgressFile, write_input_list
 from mlx_tier.outdir.journal import JobInfo, Journal, RunClock, new_run_id, prompt_texts
-from mlx_tier.outdir.layout import JOURNAL, PROGRESS_FILE, REPORT, check_out_dir
+from mlx_tier.outdir.layout import (
+    BATCH_ERRORS,
+    BATCH_OUTPUT,
+    JOURNAL,
+    PROGRESS_FILE,
+    REPORT,
+    check_out_dir,
+)
 
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
@@ -86,7 +95,8 @@ class JobConfig:
             PDF, Word, PowerPoint, Excel, HTML, EPUB... converted by
             :mod:`mlx_tier.job.doc_text`; hidden, lock and backup files skipped),
             a single document file, or a ``.jsonl`` file (one ``{"custom_id"
-            or "id", "text"}`` object or OpenAI batch request per line). With
+            or "id", "text"}`` object per line, or one OpenAI batch request per
+            line: run as written, answers in ``out_dir/output.jsonl``). With
             ``input_paths`` (``mlx-tier run -``: paths read from stdin) it only
             names the input in the journal (:func:`mlx_tier.job.documents.discover`).
         out_dir: summaries go to ``out_dir/<id>.md``; journal and report beside them.
@@ -245,14 +255,18 @@ class _Rate:
             self.value = now if not self.value else (1 - self._w) * self.value + self._w * now
 
 
+def _figures(outcome: Outcome, res: DocResult) -> None:
+    res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
+    res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
+
+
 def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
     """Write a finished summary (atomically) and fill ``res``; a write error fails the document.
 
     Raises:
         JobError: the disk is full (the document stays pending: no later one could be written either).
     """
-    res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
-    res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
+    _figures(outcome, res)
     if outcome.status != "done":
         res.status, res.error = "failed", outcome.error
         return
@@ -265,6 +279,30 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
         res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
     except DOCUMENT_ERRORS as e:
         res.status, res.error = "failed", f"cannot write the summary: {type(e).__name__}: {e}"
+
+
+def _record_request(outcome: Outcome, res: DocResult, p: _Pass) -> None:
+    """Append a finished request's line to ``output.jsonl`` or a failed one's to
+    ``errors.jsonl`` (fsync'ed, before its journal record) and fill ``res``.
+
+    Raises:
+        JobError: the line cannot be written (disk full, a read-only folder): no
+            later request could be written either; the request stays pending.
+    """
+    req, batch = p.requests[res.id], p.batch
+    _figures(outcome, res)
+    try:
+        if outcome.status == "done":
+            body = batch_api.response_body(req, outcome.choices, outcome.input_tokens, p.model_name, int(time.time()))
+            batch.add_output(req.custom_id, batch_api.output_line(req.custom_id, body))
+            res.status, res.output = "done", BATCH_OUTPUT
+            return
+        code = outcome.error_code or batch_api.SERVER_ERROR
+        batch.add_error(req.custom_id, batch_api.error_line(req.custom_id, outcome.error, code, outcome.error_param,
+                                                            req.line))
+        res.status, res.error, res.error_code, res.error_param = "failed", outcome.error, code, outcome.error_param
+    except OSError as e:
+        raise JobError(f"{e.filename}: {e.strerror or e}; the job stopped (finished answers are kept)") from None
 
 
 def _lower_priority(config: JobConfig, reporter: Reporter) -> None:
@@ -303,6 +341,9 @@ class _Pass:
     progress: ProgressFile  # rewritten every 2 s with the :class:`Activity`
     settings: Settings  # this run's model and prompt, recorded with each summary
     last_t: float | None = None  # the run's clock at its last document record (mlx_tier.rates)
+    batch: BatchOutputs | None = None  # a batch request file's output.jsonl and errors.jsonl
+    requests: dict = field(default_factory=dict)  # id -> BatchRequest of each pending request, in input order
+    model_name: str = ""  # the model that answers, as each response names it
 
 
 def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> dict:
@@ -312,8 +353,9 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
     results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
+    probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
-                          max(p.sizes.values(), default=0))
+                          max(p.sizes.values(), default=0), probes)
     p.report.setup["generation"] = scheduler.info
     source = scheduler.info["batch_size_from"]
     reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
@@ -345,7 +387,10 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
     throttled_before = 0.0
     for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step):
         res = results[outcome.id]
-        _record(outcome, res, config.out_dir)
+        if p.batch is not None:
+            _record_request(outcome, res, p)
+        else:
+            _record(outcome, res, config.out_dir)
         eta.finished(res.id, res.output_tokens if res.status == "done" else None)
         spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
         if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
@@ -447,10 +492,23 @@ def _turns(pending: list, results: dict, share: Share) -> Iterator:
         d = following
 
 
-def _outputs(job: JobDir, docs, records: dict[str, dict]) -> dict[str, OutputState]:
-    """The output of each document, and of each id summarised earlier (a renamed one's old name)."""
+def _outputs(job: JobDir, docs, records: dict[str, dict], batch: BatchOutputs | None) -> dict[str, OutputState]:
+    """The output of each document now: its ``<id>.md`` (and of each id summarised earlier: a
+    renamed one's old name), or a batch request's line in ``output.jsonl``."""
+    if batch is not None:
+        return {d.id: OutputState(d.request.custom_id in batch.done, d.request.custom_id in batch.done) for d in docs}
     ids = [d.id for d in docs] + [i for i, rec in records.items() if rec.get("status") == "done"]
     return {i: OutputState.of(job.output(i)) for i in ids}
+
+
+def output_name(doc) -> str:
+    """Where a document's finished output is: ``<id>.md``, or a request's ``output.jsonl``."""
+    return BATCH_OUTPUT if doc.request is not None else f"{doc.id}.md"
+
+
+def is_batch(docs) -> bool:
+    """Whether a job's documents are the requests of a batch request file."""
+    return bool(docs) and docs[0].request is not None
 
 
 def doc_results(docs, tri: Triage, records: dict[str, dict] | None = None) -> dict[str, DocResult]:
@@ -463,13 +521,13 @@ def doc_results(docs, tri: Triage, records: dict[str, dict] | None = None) -> di
         if d.id in tri.done:
             rec = tri.done[d.id]
             keep = {k: rec[k] for k in DONE_KEEPS if k in rec}
-            results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base, **keep)
+            results[d.id] = DocResult(status="done", output=output_name(d), earlier_run=True, **base, **keep)
         elif d.id in tri.recovered:
-            results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base)
+            results[d.id] = DocResult(status="done", output=output_name(d), earlier_run=True, **base)
         elif d.id in tri.reused:  # its summary written earlier, under the name its content had
             rec = records.get(tri.reused[d.id], {})
             keep = {k: rec[k] for k in DONE_KEEPS if k in rec} | {"reused": tri.reused[d.id]}
-            results[d.id] = DocResult(status="done", output=f"{d.id}.md", earlier_run=True, **base, **keep)
+            results[d.id] = DocResult(status="done", output=output_name(d), earlier_run=True, **base, **keep)
         elif d.id in tri.failed:
             rec = tri.failed[d.id]
             keep = {k: rec[k] for k in FAILED_KEEPS if k in rec}
@@ -626,29 +684,44 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     recovered outputs recorded and reused summaries copied (not by a ``part``: its launcher
     did; one found now is another rank's, its record on the way). ``settings``: this run's
     model and prompt, against which earlier summaries are judged (with each document's
-    source hash now). Returns ``(journal, records, triage)``."""
-    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part else None
+    source hash now; ``None`` for batch requests, whose answers are never redone). Returns
+    ``(journal, records, triage)``."""
+    batch = BatchOutputs(config.out_dir) if is_batch(docs) else None
+    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part \
+        and batch is None else None
     journal = job.journal(on_done=summaries.add if summaries is not None else None, clock=clock)
     view = job.view()
     records = view.records()
     for warning in view.warnings.values():
         reporter.message(f"journal: {warning}")
     current = current_hashes(docs, records) if settings is not None else {}
-    tri = triage([d.id for d in docs], records, _outputs(job, docs, records), attempted_ids(view.entries()),
+    tri = triage([d.id for d in docs], records, _outputs(job, docs, records, batch), attempted_ids(view.entries()),
                  config.retry_failed, current, settings, config.redo_changed)
     if part:
         return journal, records, tri
     by_id = {d.id: d for d in docs}
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
-        made = {"made_from": by_id[i].stamp.as_dict()} if by_id[i].stamp is not None else {}  # its source now
-        journal.append({"id": i, "status": "done", "output": f"{i}.md", "recovered": True, "name": by_id[i].name,
-                        **made})
+        made = {"made_from": by_id[i].stamp.as_dict()} if by_id[i].stamp is not None and batch is None else {}
+        journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
+                        "name": by_id[i].name, **made})
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
         del tri.reused[i]
         tri.pending.append(i)
     if summaries is not None:
         summaries.sync(journal.records())
+    if batch is not None:
+        _keep_errors(batch, [by_id[i] for i in tri.failed], tri.failed)
     return journal, records, tri
+
+
+def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:
+    """``errors.jsonl`` as this run starts: a line for each request that stays failed (made
+    from its journal record when missing), none for the others (:meth:`BatchOutputs.keep_errors`)."""
+    def line(doc, rec: dict):
+        return lambda: batch_api.error_line(doc.request.custom_id, rec.get("error") or "failed", rec.get("error_code"),
+                                            rec.get("error_param"), doc.request.line)
+
+    batch.keep_errors({d.request.custom_id: line(d, records[d.id]) for d in failed})
 
 
 def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share,
@@ -657,7 +730,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     model (``None`` when nothing was to do), kept apart: the report never holds the model."""
     model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
     settings = run_settings(config.model, config.generation.instruction, model_dir)
-    journal, records, tri = start_run(job, docs, config, reporter, share.part, clock, settings)
+    journal, records, tri = start_run(job, docs, config, reporter, share.part, clock,
+                                      None if is_batch(docs) else settings)
     if not share.part:
         for note in rerun_notes(tri, records, settings, config.retry_failed):
             reporter.message(note)
@@ -675,6 +749,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         report.prompts[settings.prompt] = config.generation.instruction
     else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
         report.setup, report.throttle = _earlier_setup(config)
+    if is_batch(docs):  # the answers are in output.jsonl and errors.jsonl, not <id>.md
+        report.setup["batch_requests"] = True
     _mark_start(journal, report, config, share, tri, list(by_id), settings, loaded is not None, bool(records))
     if config.input_paths is not None and not share.part:
         write_input_list(config.out_dir, docs)
@@ -688,6 +764,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if pending:
         p = _Pass(_turns(pending, results, share), _sizes(pending), results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings)
+        if is_batch(docs):
+            _batch_pass(p, pending, config, reporter)
         _run_pending(p, config, loaded)
         end = p.last_t if p.last_t is not None else clock.t()  # the last document, else the end
         report.generation_seconds = max(end - (report.load_seconds or 0.0), 0.0)
@@ -712,6 +790,23 @@ def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: S
                   prompt_text=config.generation.instruction if loaded else None).write(journal)
     if loaded:
         report.load_seconds = rec.get("run_t")
+
+
+def _batch_pass(p: _Pass, pending: list, config: JobConfig, reporter: Reporter) -> None:
+    """Set ``p`` up to run batch requests: their output files, the model's name for the
+    responses; says which settings apply to summaries only, when they were changed."""
+    from mlx_tier.tools.demo_model import is_demo
+
+    p.batch, p.requests = BatchOutputs(config.out_dir), {d.id: d.request for d in pending}
+    p.model_name = "demo" if is_demo(config.model) else str(config.model)
+    g = config.generation
+    unused = [name for name, changed in (("`instruction`", g.instruction != DEFAULT_PROMPT),
+                                          ("`repetition_penalty`", g.repetition_penalty != DEFAULT_REPETITION_PENALTY),
+                                          ("`output_format` jsonl", config.output_format == "jsonl")) if changed]
+    if unused:
+        reporter.message(f"batch requests run as written: {', '.join(unused)} "
+                         f"{'applies' if len(unused) == 1 else 'apply'} to documents only (answers go to "
+                         f"{BATCH_OUTPUT}, failures to {BATCH_ERRORS})")
 
 
 def _sizes(pending: list) -> dict[str, int]:

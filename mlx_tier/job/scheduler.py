@@ -4,7 +4,9 @@ The job runner hands over the documents to do; this module turns each into
 one prompt (or, when too long for the usable context, a map-reduce of parts,
 :mod:`mlx_tier.job.longdoc`), keeps the batch full, and yields one
 :class:`Outcome` per document as soon as it is finished — the runner then
-writes and journals it. The thermal throttle and progress run between steps
+writes and journals it. A batch request (a document with a ``request``,
+:mod:`mlx_tier.job.batch_api`) runs as written instead: its own prompt, token
+limit and sampling, one sequence per choice, in the same batches. The thermal throttle and progress run between steps
 through ``on_step``; nothing here sleeps or runs inside a forward pass.
 
 Failures: an exception inside a batched step cannot be pinned on one
@@ -29,7 +31,8 @@ from mlx_tier.defaults import (
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
 )
-from mlx_tier.errors import CheckpointError, InputError, JobError, TooLong
+from mlx_tier.errors import CheckpointError, InputError, JobError, RequestError, TooLong
+from mlx_tier.job.batch_api import CHAT, Choice, prompt_tokens
 from mlx_tier.job.batch_engine import (
     HEADROOM_BYTES,
     BatchEngine,
@@ -84,7 +87,9 @@ class Outcome:
 
     ``parts`` > 0 marks a document summarised by map-reduce (its level-0 part
     count); ``reasoning`` holds any thinking the model did (kept in the
-    journal, not in the summary).
+    journal, not in the summary). A batch request's answer is in ``choices``
+    (``summary`` stays empty); a failed one's ``error_code`` and ``error_param``
+    are the API's ``code`` and ``param`` (``None``: a failure while generating).
     """
 
     id: str
@@ -98,6 +103,9 @@ class Outcome:
     levels: int = 0
     seconds: float = 0.0  # the document's own time: its prompt-reading steps plus the decode steps it took part in
     error: str | None = None
+    choices: list[Choice] | None = None
+    error_code: str | None = None
+    error_param: str | None = None
 
 
 def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "a context of"):
@@ -127,6 +135,7 @@ class _Doc:
     context: int = 0  # the usable context when it started
     finished: bool = False
     seconds: float = 0.0  # prompt reading + decode steps it was in (decode steps are shared with the batch)
+    choices: list[Choice | None] | None = None  # a batch request's, by index, as they finish
 
 
 class _Pulled:
@@ -189,6 +198,9 @@ class Scheduler:
             (:func:`mlx_tier.job.documents.size_hint`); ``None``: as long as the
             usable context. Sizes the batch when ``config.batch_size`` is
             ``None``: once, here, from the memory plan.
+        probes: token ids of a few of the prompts to come, whose common prefix is
+            prefilled once and shared (batch requests with one system prompt);
+            ``None``: the summarising instruction's prompts.
 
     Attributes:
         batch_size: sequences decoded together (fixed for the scheduler's life).
@@ -197,11 +209,13 @@ class Scheduler:
     """
 
     def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
-                 longest_chars: int | None = None):
+                 longest_chars: int | None = None, probes: list[list[int]] | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
-        probes = [build_prompt(tokenizer, config.instruction, t) for t in ("alpha beta", "zulu 9")]
+        self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+        if not probes or len(probes) < 2:
+            probes = [build_prompt(tokenizer, config.instruction, t) for t in ("alpha beta", "zulu 9")]
         n = max(0, common_prefix(probes) - 1)  # the last shared token may merge with the text
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
         self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
@@ -241,25 +255,62 @@ class Scheduler:
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
                            prefix=self._prefix())
 
+    def _context_now(self) -> int:
+        """The usable context for a sequence starting now: memory now (sequences in
+        flight already hold theirs), so a document that would not fit is split
+        smaller, a request refused, instead of failing the process."""
+        now = replace(self.plan, free_bytes=psutil.virtual_memory().available - HEADROOM_BYTES)
+        return min(self.context, now.max_tokens())
+
     def _tasks(self, d: _Doc) -> list[Task]:
-        """The first calls of a document (raises TooLong, or the tokenizer's errors)."""
+        """The first calls of a document (raises TooLong, RequestError, or the tokenizer's errors)."""
+        if d.doc.request is not None:
+            return self._request_tasks(d)
         c = self.config
         prompt = build_prompt(self.tokenizer, c.instruction, d.doc.text)
         d.input_tokens = len(prompt)
-        # Memory now (sequences in flight already hold theirs): a document that
-        # would not fit is split smaller instead of failing the process.
-        now = replace(self.plan, free_bytes=psutil.virtual_memory().available - HEADROOM_BYTES)
-        context = min(self.context, now.max_tokens())
-        d.context = context
+        context = d.context = self._context_now()
         if len(prompt) + c.max_tokens <= context:
             return [Task((d, 0), prompt, c.max_tokens)]
         d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, context - c.max_tokens)
         return [Task((d, i), p, c.max_tokens) for i, p in d.mr.prompts()]
 
-    def _failed(self, d: _Doc, error: str) -> Outcome:
+    def _request_tasks(self, d: _Doc) -> list[Task]:
+        """A batch request's calls, one per choice, as written: its prompt, its token limit
+        (else ``config.max_tokens``, at most what the context leaves), its sampling.
+
+        Raises:
+            RequestError: the request's own problem, a prompt that cannot be built, or
+                prompt and token limit beyond the usable context.
+        """
+        req = d.doc.request
+        prompt = prompt_tokens(self.tokenizer, req, self.vocab_size)
+        d.input_tokens, d.context = len(prompt), self._context_now()
+        room, limit = d.context - len(prompt), req.plan.max_tokens
+        if room < (limit or 1):
+            raise RequestError(f"the prompt ({len(prompt)} tokens) plus the token limit ({limit or 1}) exceed the "
+                               f"usable context of {d.context} tokens", "max_tokens" if limit else "messages",
+                               "context_length_exceeded")
+        d.choices = [None] * req.plan.n
+        return [Task((d, i), prompt, limit or min(self.config.max_tokens, room), replace(req.plan.sampling, stream=i))
+                for i in range(req.plan.n)]
+
+    def _failed(self, d: _Doc, error: str, code: str | None = None, param: str | None = None) -> Outcome:
         d.finished = True
         return Outcome(d.doc.id, "failed", input_tokens=d.input_tokens, parts=d.mr.parts if d.mr else 0,
-                       seconds=d.seconds, error=error)
+                       seconds=d.seconds, error=error, error_code=code, error_param=param)
+
+    def _answered(self, d: _Doc, f, index: int) -> Outcome | None:
+        """A batch request's choice ``index`` finished (``f``); its outcome once every choice has."""
+        d.output_tokens += len(f.tokens)
+        text, reasoning = strip_reasoning(f.text, self.reasoning) if d.doc.request.url == CHAT else (f.text, "")
+        counted = len(f.tokens) + isinstance(f.stop_reason, int)  # a stop token counts, as the API counts it
+        d.choices[index] = Choice(text, f.finish_reason, counted, f.stop_reason, reasoning)
+        if any(c is None for c in d.choices):
+            return None
+        d.finished = True
+        return Outcome(d.doc.id, "done", input_tokens=d.input_tokens, output_tokens=d.output_tokens,
+                       finish_reason=d.choices[0].finish_reason, seconds=d.seconds, choices=list(d.choices))
 
     def _finish(self, d: _Doc, text: str, reason: str) -> Outcome:
         summary = (trim_to_sentence(text) if reason == "length" else text).strip()
@@ -347,6 +398,8 @@ class Scheduler:
             return self._failed(d, d.doc.error)
         try:
             return self._tasks(d)
+        except RequestError as e:
+            return self._failed(d, e.prose, e.code, e.field)
         except TooLong as e:
             return self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
         except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
@@ -375,6 +428,11 @@ class Scheduler:
         for a map-reduce document its next calls (queued first in ``ready``)."""
         for f in finished:
             d, index = f.key
+            if d.choices is not None:
+                done = self._answered(d, f, index)
+                if done is not None:
+                    yield done
+                continue
             d.output_tokens += len(f.tokens)
             summary, reasoning = strip_reasoning(f.text, self.reasoning)
             d.reasoning.append(reasoning)

@@ -136,9 +136,10 @@ def expert_use(report: dict) -> list[list[int]] | None:
 
 
 def _summary_text(out_dir: Path, rec: dict) -> str | None:
-    """The finished summary of a ``done`` record, read from OUT_DIR only (never a path outside)."""
+    """The finished summary of a ``done`` record, read from OUT_DIR only (never a path outside);
+    ``None`` for a batch request's answer (a line of ``output.jsonl``, not a summary file)."""
     name = rec.get("output") or f"{rec.get('id')}.md"
-    if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+    if not isinstance(name, str) or Path(name).name != name or name.startswith(".") or not name.endswith(".md"):
         return None
     try:  # never through a link: a planted <id>.md -> /elsewhere must not be served
         return read_nofollow(Path(out_dir) / name)[: 4 * SUMMARY_CHARS].decode("utf-8", "replace")[:SUMMARY_CHARS].rstrip("\n")

@@ -35,7 +35,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "throttled_seconds": _NUMBER, "input_tokens": (int,), "output_tokens": (int,), "parts": (int,),
     "error": (str, type(None)), "output": (str, type(None)), "finish_reason": (str, type(None)),
     "started": _NUMBER, "pid": (int,), "ids": (list,), "todo": (list,), "command": (str, type(None)),
-    "input": (str,), "output_format": (str,),
+    "input": (str,), "output_format": (str,), "error_code": (str, type(None)), "error_param": (str, type(None)),
     # a run's identity and clock (RunClock), what a summary was made from and with
     "run": (str,), "run_t": _NUMBER, "mono": _NUMBER, "host": (str,), "made_from": (dict,),
     "model": (dict, type(None)), "prompt": (str, type(None)), "prompt_text": (str,), "redo": (str,),

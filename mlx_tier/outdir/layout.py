@@ -6,6 +6,8 @@ the ranks of a distributed run take their names from here::
     OUT_DIR/<id>.md                           one summary per document
     OUT_DIR/journal.jsonl                     the job's durable record (outdir.journal)
     OUT_DIR/summaries.jsonl                   --format jsonl: every summary, one line each
+    OUT_DIR/output.jsonl                      a batch request file's answers (Batch API output lines)
+    OUT_DIR/errors.jsonl                      its requests that failed (Batch API error lines)
     OUT_DIR/report.json, report.html          the job's report and page, rewritten per run
     OUT_DIR/progress.json                     a running job's documents in flight
     OUT_DIR/progress-<k>.json                 the same, of rank k of a distributed run
@@ -38,6 +40,8 @@ from mlx_tier.errors import InputError
 
 JOURNAL = "journal.jsonl"
 SUMMARIES = "summaries.jsonl"
+BATCH_OUTPUT = "output.jsonl"
+BATCH_ERRORS = "errors.jsonl"
 REPORT = "report.json"
 REPORT_HTML = "report.html"
 PROGRESS_FILE = "progress.json"
@@ -54,7 +58,8 @@ CLAIMS = "claims"
 OUTPUT_FORMATS = ("md", "jsonl")
 
 # Files a run writes in OUT_DIR besides the <id>.md summaries.
-JOB_FILES = (JOURNAL, SUMMARIES, LOCK, REPORT, REPORT_HTML, PROGRESS_FILE, PID_FILE, LOG_FILE, INPUT_LIST)
+JOB_FILES = (JOURNAL, SUMMARIES, BATCH_OUTPUT, BATCH_ERRORS, LOCK, REPORT, REPORT_HTML, PROGRESS_FILE, PID_FILE,
+             LOG_FILE, INPUT_LIST)
 
 
 def run_dir(out_dir: Path, run_id: str) -> Path:

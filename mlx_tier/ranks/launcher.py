@@ -234,7 +234,7 @@ def run_distributed(config, launch: Launch, reporter=None):
 
     Raises:
         InputError: bad input or output folder, a bad hosts file, a setting ranks
-            cannot share (``trace``, ``save_profile``), mlx.launch missing.
+            cannot share (``trace``, ``save_profile``), a batch request file, mlx.launch missing.
         mlx_tier.CheckpointError: the demo or hub model cannot be prepared here.
     """
     from mlx_tier.job.rerun import locate_model, rerun_notes, run_settings
@@ -255,6 +255,8 @@ def run_distributed(config, launch: Launch, reporter=None):
     config = _absolute(config)
     launcher()  # fail now, before OUT_DIR is touched, when mlx.launch is missing
     docs = find_documents(config)
+    if docs and docs[0].request is not None:  # one process appends output.jsonl and errors.jsonl
+        raise InputError(f"{config.input}: a batch request file runs in one process; run it without --ranks/--hosts")
     if (config.out_dir / RANKS_DIR).is_symlink():  # invariant 3: nothing written outside OUT_DIR
         raise InputError(f"{config.out_dir / RANKS_DIR}: is a link; remove it (ranks write their files there)")
     started, clock = (time.perf_counter(), time.time()), RunClock()

@@ -84,7 +84,7 @@ def test_path_list(tmp_path, monkeypatch):
         ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "in.jsonl:2: duplicate id 'a' (first on line 1)"),
         ('{"custom_id": "r/1", "text": "x"}\n{"custom_id": "r/1", "text": "y"}\n', "in.jsonl:2: duplicate custom_id 'r/1' (first on line 1)"),
         ('{"custom_id": 7, "text": "x"}\n{"custom_id": "7", "text": "y"}\n', "in.jsonl:2: duplicate custom_id '7' (first on line 1)"),
-        ('{"custom_id": "a", "body": {"messages": [{"role": "system", "content": "x"}]}}\n', "in.jsonl:1: no user message"),
+        ('{"custom_id": "a", "body": {"messages": [{"role": "system", "content": "x"}]}}\n', 'in.jsonl:1: the request has no "method"'),
         ('{"custom_id": ["a"], "text": "x"}\n', 'in.jsonl:1: "custom_id" must be a string or a number'),
         ("", "no documents"),
     ],
@@ -264,22 +264,16 @@ def test_links_out_of_input_are_not_followed_unless_asked(tmp_path):
     assert followed == {"alias.txt": "mine", "own.txt": "mine", "passwd.txt": "root:x:0:0", "dir/deep.txt": "deep secret"}
 
 
-def test_jsonl_bom_line_separators_and_openai_batch_shape(tmp_path):
+def test_jsonl_bom_and_line_separators(tmp_path):
     f = tmp_path / "batch.jsonl"
     lines = [
         json.dumps({"custom_id": "a", "text": "one\u2028two\u2029three\x85four"}, ensure_ascii=False),
-        json.dumps({"custom_id": "req-2", "method": "POST", "url": "/v1/chat/completions", "body": {
-            "model": "gpt-4o-mini", "messages": [{"role": "system", "content": "Be brief."},
-                                                 {"role": "user", "content": "Summarise: the sky is blue."}]}}),
-        json.dumps({"custom_id": "req-3", "body": {"messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Part one."}, {"type": "image_url"},
-                                         {"type": "text", "text": "Part two."}]}]}}),
+        json.dumps({"custom_id": "b", "text": "Summarise: the sky is blue."}),
     ]
     f.write_bytes(codecs.BOM_UTF8 + "\r\n".join(lines).encode() + b"\r\n")
     docs = discover(f)
-    assert [(d.id, d.text) for d in docs] == [
-        ("a", "one\u2028two\u2029three\x85four"), ("req-2", "Summarise: the sky is blue."),
-        ("req-3", "Part one.\n\nPart two."),
+    assert [(d.id, d.text, d.request) for d in docs] == [
+        ("a", "one\u2028two\u2029three\x85four", None), ("b", "Summarise: the sky is blue.", None),
     ]
 
 

@@ -118,7 +118,7 @@ def test_a_template_that_places_the_message_twice_gets_it_as_data_twice():
 
 
 def test_a_template_that_drops_the_message_is_refused():
-    with pytest.raises(ValueError, match="does not place the user's message"):
+    with pytest.raises(ValueError, match="does not place every message verbatim"):
         build_prompt(_spm_tokenizer("{{ bos_token }}[INST] [/INST]"), "Summarise:", "text")
 
 
