@@ -28,7 +28,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import docmaker
+from support import docmaker  # noqa: E402 - after the path above
 
 HTML = ("<html><head><title>T</title><script>var tracking = 1;</script><style>p{color:red}</style></head>"
         "<body><nav>Home | About</nav><h1>News</h1><p>Rain in <b>Paris</b> on Monday; 4.81 mm fell.</p>"
