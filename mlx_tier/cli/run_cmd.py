@@ -53,8 +53,8 @@ INPUT_HELP = (f"Folder of documents (searched recursively: {'/'.join(TEXT_SUFFIX
               "request body) per line, or - for a list of file paths on stdin.")
 FORMAT_HELP = (f"md: one OUT_DIR/<id>.md per document; jsonl: also OUT_DIR/{SUMMARIES}, one line per finished "
                "document with its custom_id/id and summary.")
-POLICY_HELP = ("Expert cache eviction policy: lfu is LFU with dynamic aging; pinned keeps the saved profile's most "
-               "used experts (see --save-profile).")
+POLICY_HELP = ("Expert cache eviction policy: tinylfu (W-TinyLFU: scan-resistant, frequency-based), lfu is LFU "
+               "with dynamic aging; pinned keeps the saved profile's most used experts (see --save-profile).")
 KERNEL_HELP = ("What computes the experts: cpu, own kernel (within fp32 rounding of MLX; many times faster on MLX's "
                "CPU backend); mlx, MLX's ops (tokens exactly as mlx-lm); metal; auto, cpu on the CPU backend, "
                "else mlx.")
