@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -118,7 +119,7 @@ def main() -> None:
     if args.save:
         args.save.mkdir(parents=True, exist_ok=True)
         for name, n, t in jobs:
-            stem = name.split(" (")[0].replace(" ", "_").replace("+", "_").replace("=", "") + f"-{t.num_experts}"
+            stem = re.sub(r"[^\w.-]+", "_", name.split(" (")[0]) + f"-{t.num_experts}"
             stem += f"-n{n}" if name.startswith(("cyclic", "hot")) else ""
             save_trace(t, args.save / f"{stem}.npz")
         print(f"traces written to {args.save}")
