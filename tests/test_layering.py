@@ -22,10 +22,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_tier"
 ORDER = ["", "policy", "routing", "kernels", "engine", "tools", "outdir", "monitor", "job", "ranks", "cli"]
-# Deciders and readers: plain Python/numpy, so that they run (and are tested) without MLX.
+# Deciders and readers: plain Python/numpy, so that they run (and are tested) without MLX;
+# and the document converter process (convert_sandbox and what it runs), which must stay light.
 NO_MLX = ("mlx_tier.policy", "mlx_tier.routing", "mlx_tier.outdir", "mlx_tier.monitor",
           "mlx_tier.job.triage", "mlx_tier.job.eta", "mlx_tier.job.naming", "mlx_tier.job.sensors",
-          "mlx_tier.job.throttle", "mlx_tier.ranks.stealing")
+          "mlx_tier.job.throttle", "mlx_tier.ranks.stealing", "mlx_tier.job.convert_sandbox",
+          "mlx_tier.job.convert_limits", "mlx_tier.job.doc_text")
 # What the read-only side may use of the output folder: names, probes, the journal's reader.
 MONITOR_MAY_READ = {"mlx_tier.outdir.layout", "mlx_tier.outdir.journal"}
 

@@ -28,7 +28,8 @@ FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--ma
          "cache_gb": "--cache-gb", "batch_size": "--batch-size",
          "slots": "--slots", "retry_failed": "--retry-failed", "pause_on_battery": "--pause-on-battery",
          "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt",
-         "redo_changed": "--redo-changed"}
+         "redo_changed": "--redo-changed",
+         "convert_seconds": "--convert-seconds", "convert_memory_mb": "--convert-memory-mb"}
 
 
 def as_flags(message: str) -> str:

@@ -43,6 +43,11 @@ from mlx_tier.defaults import (
     DEFAULT_REPETITION_PENALTY,
     JOB_KERNEL,
 )
+from mlx_tier.job.convert_limits import (
+    DEFAULT_MEMORY_MB,
+    DEFAULT_SECONDS,
+    DEFAULT_SECONDS_PER_MB,
+)
 from mlx_tier.job.doc_text import CONVERTED_SUFFIXES, TEXT_SUFFIXES
 from mlx_tier.kernels import KERNELS
 from mlx_tier.outdir.layout import BATCH_ERRORS, BATCH_OUTPUT, OUTPUT_FORMATS, SUMMARIES
@@ -54,8 +59,8 @@ INPUT_HELP = (f"Folder of documents (searched recursively: {'/'.join(TEXT_SUFFIX
               f"OUT_DIR/{BATCH_ERRORS}), or - for a list of file paths on stdin.")
 FORMAT_HELP = (f"md: one OUT_DIR/<id>.md per document; jsonl: also OUT_DIR/{SUMMARIES}, one line per finished "
                "document with its custom_id/id and summary.")
-POLICY_HELP = ("Expert cache eviction policy: lfu is LFU with dynamic aging; pinned keeps the saved profile's most "
-               "used experts (see --save-profile).")
+POLICY_HELP = ("Expert cache eviction policy: tinylfu (W-TinyLFU: scan-resistant, frequency-based), lfu is LFU "
+               "with dynamic aging; pinned keeps the saved profile's most used experts (see --save-profile).")
 KERNEL_HELP = ("What computes the experts: cpu, own kernel (within fp32 rounding of MLX; many times faster on MLX's "
                "CPU backend); mlx, MLX's ops (tokens exactly as mlx-lm); metal; auto, cpu on the CPU backend, "
                "else mlx.")
@@ -90,6 +95,8 @@ def run(
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="CUDA only: the warm tier, this many GiB of host memory under the GPU's --cache-gb; warm experts are computed on the CPU where they lie (docs/cuda.md); 0 turns it off. Default: half the available host memory. Refused elsewhere (one memory: use --cache-gb)."),
     prefetch: bool | None = typer.Option(None, "--prefetch/--no-prefetch", help="Predict each next layer's experts with its router and read them in the background. Default off: measured not to pay on a 2-core CPU with a warm page cache (benches/results/prefetch); try it on a slow disk."),
     follow_links: bool = typer.Option(False, "--follow-links", help="Also read links in INPUT that lead outside it (skipped by default)."),
+    convert_seconds: float = typer.Option(DEFAULT_SECONDS, "--convert-seconds", min=1, help=f"Most seconds converting one PDF, Office, HTML or EPUB file may take, plus {DEFAULT_SECONDS_PER_MB:.0f} s per MB of the file; over it, that document fails alone."),
+    convert_memory_mb: int = typer.Option(DEFAULT_MEMORY_MB, "--convert-memory-mb", min=64, help="Most memory (MiB) converting one such file may use; over it, that document fails alone (files that would unpack to far more than any real document are refused before converting)."),
     kernel: str = typer.Option(JOB_KERNEL, "--kernel", metavar=choices(KERNELS), help=KERNEL_HELP),
     background_qos: bool = typer.Option(False, "--background-qos", help="macOS: run at background QoS (lowest priority). Warning: reported to slow Metal decoding about 8x."),
     ranks: int | None = typer.Option(None, "--ranks", min=1, help="Spread the job over this many processes on this machine, started by MLX's launcher (mlx.launch, ring backend); each loads the model and takes documents no other rank has started (docs/distributed.md)."),
@@ -124,6 +131,7 @@ def run(
     """
     from mlx_tier.engine.load import DEFAULT_PREFETCH, TierConfig
     from mlx_tier.errors import MlxTierError
+    from mlx_tier.job.convert_limits import ConversionLimits
     from mlx_tier.job.run import JobConfig, read_prompt
     from mlx_tier.job.scheduler import GenerationConfig
 
@@ -149,6 +157,7 @@ def run(
             output_format=output_format, retry_failed=retry_failed, redo_changed=redo_changed, command=command,
             nice=nice,
             background_qos=background_qos, save_profile=save_profile, follow_links=follow_links,
+            conversion=ConversionLimits(memory_mb=convert_memory_mb, seconds=convert_seconds),
         )
     except MlxTierError as e:  # an empty --prompt, an unreadable --prompt @FILE
         fail(str(e))

@@ -12,6 +12,12 @@ through MarkItDown.
   (``pip install 'mlx-tier[documents]'``); without them such a file fails
   alone with a message naming the extra.
 
+Converted kinds are bounded (:mod:`mlx_tier.job.convert_limits`): a zip-based
+file whose parts would unpack to far more than any normal document is refused
+before conversion, and each conversion runs in a child process killed past its
+memory or time limit (:mod:`mlx_tier.job.convert_sandbox`); either way that
+document fails alone, with the reason.
+
 MarkItDown was chosen over docling on install weight and on needing no model
 downloads at run time (docs/documents.md).
 """
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from mlx_tier.fsio import open_inside
+from mlx_tier.job.convert_limits import ConversionLimits, check_zip, is_zip
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text", ".rst")
 # Suffix -> the MarkItDown converter for it. Only that one is tried: MarkItDown's
@@ -167,7 +174,7 @@ def open_document(path: Path, inside: Path | None = None) -> int | str:
         return f"cannot read: {e.strerror}"
 
 
-def convert_file(path: Path, inside: Path | None = None) -> Converted:
+def convert_file(path: Path, inside: Path | None = None, limits: ConversionLimits = ConversionLimits()) -> Converted:
     """The text of the file at ``path``, chosen by its suffix (module doc).
 
     Args:
@@ -179,11 +186,12 @@ def convert_file(path: Path, inside: Path | None = None) -> Converted:
             so that nothing outside is read even if a folder is swapped for a
             link meanwhile. ``None``: links are followed (``follow_links``, a
             single file).
+        limits: how large and how long a converted kind's conversion may get.
 
     Returns a :class:`Converted` with ``error`` set (never raises for the
     file's content): unreadable, binary, empty, a link out of ``inside``, a
-    converter that failed, or the ``documents`` extra missing (the message
-    says what to install).
+    converter that failed, too large when unpacked, over the memory or time
+    limit, or the ``documents`` extra missing (the message says what to install).
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -196,7 +204,23 @@ def convert_file(path: Path, inside: Path | None = None) -> Converted:
                 return decode_text(f.read())
             except OSError as e:
                 return Converted(None, f"cannot read: {e.strerror}")
-        return _convert_markitdown(f, path, suffix)
+        return _convert_bounded(f, path.name, suffix, limits)
+
+
+def _convert_bounded(stream: BinaryIO, name: str, suffix: str, limits: ConversionLimits) -> Converted:
+    """A converted kind's text within ``limits`` (module doc): the zip check, then
+    the conversion in the child process (or here when ``limits.isolate`` is off)."""
+    if not _converters_installed():
+        return Converted(None, f"{suffix} files need the document converters: {EXTRA_HINT}")
+    if is_zip(stream) and (why := check_zip(stream)) is not None:
+        return Converted(None, why)
+    if not limits.isolate:
+        return convert_stream(stream, name, suffix)
+    from mlx_tier.job import convert_sandbox
+
+    size = os.fstat(stream.fileno()).st_size
+    got = convert_sandbox.convert(stream.fileno(), name, suffix, size, limits)
+    return Converted(got.get("text"), got.get("error"), got.get("converter"))
 
 
 # An Office Open XML file (.docx, .pptx, .xlsx) saved with a password is not a zip
@@ -205,9 +229,32 @@ _OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"
 _OOXML = (".docx", ".pptx", ".xlsx")
 
 
-def _convert_markitdown(stream: BinaryIO, path: Path, suffix: str) -> Converted:
+def _converters_installed() -> bool:
+    """Whether MarkItDown is installed (the ``documents`` extra), without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("markitdown") is not None
+
+
+def load_converters() -> None:
+    """Import MarkItDown and its converters now (the converter process does this
+    before its first time limit starts); without the ``documents`` extra, nothing."""
+    for kind in dict.fromkeys(CONVERTED_SUFFIXES.values()):
+        try:
+            _markitdown(kind)
+        except ImportError:
+            return
+
+
+def convert_stream(stream: BinaryIO, name: str, suffix: str) -> Converted:
     """The text of a :data:`CONVERTED_SUFFIXES` file, open as ``stream``, through
-    MarkItDown (errors as :func:`convert_file`; ``path`` names it)."""
+    MarkItDown, in this process and without limits (errors as :func:`convert_file`;
+    ``name`` is the file's name).
+
+    Raises:
+        MemoryError: the converter ran out of memory (also when MarkItDown
+            wrapped it in its own exception): the caller decides what that stops.
+    """
     kind = CONVERTED_SUFFIXES[suffix]
     if suffix in _OOXML and stream.read(len(_OLE_MAGIC)) == _OLE_MAGIC:
         return Converted(None, "password-protected (encrypted): save it without a password to summarise it")
@@ -216,21 +263,35 @@ def _convert_markitdown(stream: BinaryIO, path: Path, suffix: str) -> Converted:
         converter = _markitdown(kind)
     except ImportError:
         return Converted(None, f"{suffix} files need the document converters: {EXTRA_HINT}")
-    name = f"markitdown {_markitdown_version()} {kind}"
+    label = f"markitdown {_markitdown_version()} {kind}"
     try:
         from markitdown import StreamInfo
 
-        result = converter.convert_stream(stream, stream_info=StreamInfo(extension=suffix, filename=path.name))
+        result = converter.convert_stream(stream, stream_info=StreamInfo(extension=suffix, filename=name))
     except Exception as e:  # noqa: BLE001 - any converter failure fails this document alone
-        if type(e).__name__ == "MissingDependencyException":
-            return Converted(None, f"{suffix} files need the document converters: {EXTRA_HINT}", name)
-        if isinstance(e, OSError):
-            return Converted(None, f"cannot read: {e.strerror or e}", name)
-        lines = str(e).strip().splitlines()  # MarkItDown lists its attempts, one a line
-        reason = lines[-1].strip().lstrip("- ") if lines else type(e).__name__
-        return Converted(None, f"cannot convert ({type(e).__name__}): {reason}", name)
+        _reraise_memory_error(e)
+        return Converted(None, _failure(e, suffix), label)
     text = result.markdown or ""
     if not text.strip():
         return Converted(None, "no text found (a scanned PDF needs OCR first)" if suffix == ".pdf"
-                         else "empty document", name)
-    return Converted(text, None, name)
+                         else "empty document", label)
+    return Converted(text, None, label)
+
+
+def _reraise_memory_error(e: Exception) -> None:
+    """Raise MemoryError when ``e`` is MarkItDown's wrapping of one (its ``attempts``)."""
+    for attempt in getattr(e, "attempts", None) or ():
+        info = getattr(attempt, "exc_info", None)
+        if info is not None and issubclass(info[0], MemoryError):
+            raise MemoryError(str(info[1])) from e
+
+
+def _failure(e: Exception, suffix: str) -> str:
+    """Why converting failed with ``e``, in one line."""
+    if type(e).__name__ == "MissingDependencyException":
+        return f"{suffix} files need the document converters: {EXTRA_HINT}"
+    if isinstance(e, OSError):
+        return f"cannot read: {e.strerror or e}"
+    lines = str(e).strip().splitlines()  # MarkItDown lists its attempts, one a line
+    reason = lines[-1].strip().lstrip("- ") if lines else type(e).__name__
+    return f"cannot convert ({type(e).__name__}): {reason}"

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from mlx_tier.errors import InputError
 from mlx_tier.job.batch_api import BatchRequest, is_request, read_requests
+from mlx_tier.job.convert_limits import ConversionLimits
 from mlx_tier.job.doc_text import (
     CONVERSION_ERRORS,
     SUFFIXES,
@@ -137,6 +138,8 @@ class FileDocument:
         inside: the real INPUT folder the file must still lie in when it is
             converted (a link planted there after discovery is refused);
             ``None``: not checked (``follow_links``, or a list of paths).
+        limits: how large and how long its conversion may get
+            (:class:`~mlx_tier.job.convert_limits.ConversionLimits`; over them it fails alone).
     """
 
     id: str
@@ -144,6 +147,7 @@ class FileDocument:
     path: Path
     name: str | None = None
     inside: Path | None = None
+    limits: ConversionLimits = ConversionLimits()
     key = None  # files have no JSONL key
     request = None  # nor a batch request
 
@@ -158,7 +162,7 @@ class FileDocument:
     def _converted(self) -> Converted:
         self.stamp  # noqa: B018 - hashed before converting (see stamp)
         try:
-            return convert_file(self.path, inside=self.inside)
+            return convert_file(self.path, inside=self.inside, limits=self.limits)
         except MemoryError:
             raise
         except CONVERSION_ERRORS as e:  # one document's failure must not stop the job
@@ -200,16 +204,13 @@ def size_hint(doc, convert: bool = True) -> int:
     return doc.size_hint(convert) if isinstance(doc, FileDocument) else len(doc.text or "")
 
 
-def _read(path: Path, doc_id: str, name: str, inside: Path | None = None) -> FileDocument:
-    return FileDocument(doc_id, str(path), path, name=name, inside=inside)
-
-
 def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None = None,
-                absolute_names: bool = False, inside: Path | None = None) -> list[FileDocument]:
+                absolute_names: bool = False, inside: Path | None = None,
+                limits: ConversionLimits = ConversionLimits()) -> list[FileDocument]:
     """Documents for ``files`` (all under ``root``), named by their paths relative to
     ``root`` (``absolute_names``: by their absolute paths, for lists whose common
     folder changes from run to run; ids still come from the relative paths).
-    ``inside``: as for :class:`FileDocument`."""
+    ``inside``, ``limits``: as for :class:`FileDocument`."""
     rel = [p.relative_to(root) for p in files]
     names = [p.as_posix() for p in files] if absolute_names else [r.as_posix() for r in rel]
     stems = [safe_id(str(r.with_suffix(""))) for r in rel]
@@ -219,7 +220,8 @@ def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None =
     # The output name drops the suffix, except where two files would share it (a.txt, a.md).
     wished = [s if counts[fold(s)] == 1 else safe_id(str(r)) for s, r in zip(stems, rel)]
     ids = assign(names, wished, previous)
-    return [_read(p, doc_id, name, inside) for p, doc_id, name in zip(files, ids, names)]
+    return [FileDocument(doc_id, str(p), p, name=name, inside=inside, limits=limits)
+            for p, doc_id, name in zip(files, ids, names)]
 
 
 def _walk(root: Path, exclude: Path | None, follow_links: bool,
@@ -282,17 +284,18 @@ def _skip_note(skipped: Counter, most: int = 3) -> str:
 
 
 def _from_folder(root: Path, exclude: Path | None, follow_links: bool,
-                 previous: dict[str, str] | None) -> list[FileDocument]:
+                 previous: dict[str, str] | None, limits: ConversionLimits) -> list[FileDocument]:
     skipped: Counter = Counter()
     files = _walk(root, exclude, follow_links, skipped)
     if not files:
         raise InputError(f"{root}: no documents found: {_skip_note(skipped)}; "
                          "mlx-tier run --help lists the kinds it reads")
-    return _from_files(root, files, previous, inside=None if follow_links else root.resolve())
+    return _from_files(root, files, previous, inside=None if follow_links else root.resolve(), limits=limits)
 
 
 def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = None, source: str = "stdin",
-                  previous: dict[str, str] | None = None) -> list[FileDocument]:
+                  previous: dict[str, str] | None = None,
+                  limits: ConversionLimits = ConversionLimits()) -> list[FileDocument]:
     """Documents for a list of file paths (converted when first used, :class:`FileDocument`), one per entry (``mlx-tier run -`` reads them from stdin).
 
     Any suffix is taken (the caller chose the file): known formats are
@@ -307,7 +310,7 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
         lines: file paths (relative to the working directory, or absolute).
         exclude: the job's output folder.
         source: how errors name the list (``stdin:3: ...``).
-        previous: as for :func:`discover`.
+        previous, limits: as for :func:`discover`.
 
     Raises:
         InputError: a path is missing or a folder, the same file is listed
@@ -333,7 +336,7 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
     root = Path(os.path.commonpath([p.parent for p in files]))
     # Named by absolute path: a later list with another common folder must not
     # take an earlier run's output for a different file of the same relative name.
-    return _from_files(root, files, previous, absolute_names=True, inside=root)
+    return _from_files(root, files, previous, absolute_names=True, inside=root, limits=limits)
 
 
 def _jsonl_lines(path: Path) -> list[str]:
@@ -423,7 +426,8 @@ def _from_requests(path: Path, parsed: list, previous: dict[str, str] | None) ->
 
 
 def discover(path: Path, exclude: Path | None = None, follow_links: bool = False,
-             previous: dict[str, str] | None = None) -> list[Document | FileDocument]:
+             previous: dict[str, str] | None = None,
+             limits: ConversionLimits = ConversionLimits()) -> list[Document | FileDocument]:
     """All documents of a job input; files of a folder are converted when first
     used (:class:`FileDocument`), a single document file at once (its failure is
     the input's: :class:`InputError`).
@@ -438,6 +442,8 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
         follow_links: read links in the folder that lead outside it (default: skipped).
         previous: ``name -> id`` an earlier run of the job recorded (its
             journal): each name keeps its id (:func:`mlx_tier.job.naming.assign`).
+        limits: how large and how long each file's conversion may get
+            (:class:`~mlx_tier.job.convert_limits.ConversionLimits`).
 
     Raises:
         InputError: path missing, nothing to read, malformed/duplicate JSONL line,
@@ -447,11 +453,12 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
     if not path.exists():
         raise InputError(f"{path}: no such file or folder")
     if path.is_dir():
-        return _from_folder(path, Path(exclude).resolve() if exclude is not None else None, follow_links, previous)
+        return _from_folder(path, Path(exclude).resolve() if exclude is not None else None, follow_links, previous,
+                            limits)
     if path.suffix.lower() == ".jsonl":
         return _from_jsonl(path, previous)
     if path.suffix.lower() in SUFFIXES:
-        got = FileDocument(safe_id(path.stem), str(path), path, name=path.name)  # a converter's raise: an error
+        got = FileDocument(safe_id(path.stem), str(path), path, name=path.name, limits=limits)  # a raise: an error
         if got.error:
             raise InputError(f"{path}: {got.error}")
         return [Document(got.id, got.source, got.text, name=got.name, converter=got.converter, stamp=got.stamp)]

@@ -33,6 +33,7 @@ from mlx_tier.engine.load import TierConfig
 from mlx_tier.errors import InputError, JobError
 from mlx_tier.fsio import DISK_FULL, write_atomic
 from mlx_tier.job import batch_api
+from mlx_tier.job.convert_limits import ConversionLimits
 from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
@@ -127,6 +128,9 @@ class JobConfig:
         save_profile: after the run, add its expert use counts to the
             checkpoint's saved profile (next to it, or in the user cache).
         follow_links: read links in an INPUT folder that lead outside it.
+        conversion: how large and how long converting one document (PDF,
+            Word...) may get; over it, that document fails alone
+            (:class:`~mlx_tier.job.convert_limits.ConversionLimits`).
     """
 
     input: Path
@@ -145,6 +149,7 @@ class JobConfig:
     background_qos: bool = False
     save_profile: bool = False
     follow_links: bool = False
+    conversion: ConversionLimits = field(default_factory=ConversionLimits)
 
     def __post_init__(self):
         if self.tier.kernel is None:  # the one place the job's kernel default is applied
@@ -549,9 +554,10 @@ def find_documents(config: JobConfig) -> list:
     attempted = attempted_ids(earlier.entries() if earlier is not None else ())
     # Each document keeps its output name; a user's own <name>.md in OUT_DIR is never taken.
     previous = {**(earlier.names() if earlier is not None else {}), **foreign_outputs(config.out_dir, attempted)}
-    docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous)
+    docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous, limits=config.conversion)
             if config.input_paths is not None
-            else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous))
+            else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous,
+                          limits=config.conversion))
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
         raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
     return docs

@@ -11,12 +11,17 @@ Interface, one object per layer, keyed by expert id:
     remove(e)           forget e without choosing it (it moved to another tier,
                         :mod:`mlx_tier.policy.placement`); no aging or ghost-list side effect
 
-Policies (docs/architecture.md, "Hot tier"): LRU is the baseline and was strong in
-published measurements; LFU with dynamic aging closed ~24% of the LRU->Belady
-gap there; a scan-resistant 2Q keeps one-off experts from flushing the hot
-set; frequency pinning keeps the experts a saved profile says are hot;
-Belady's optimal (evict the expert used farthest in the future) needs the
-whole trace and is the simulator's ceiling.
+Policies (docs/architecture.md, "Hot tier"): W-TinyLFU, the default, admits an
+expert into its main area only when it was used more than the one it would
+replace, so scans and loops larger than the cache do not flush it; LRU is the
+baseline and was strong in published measurements; LFU with dynamic aging
+closed ~24% of the LRU->Belady gap there, but a loop over more experts than
+slots, or a hot set beside short bursts of other experts, defeats it; a
+scan-resistant 2Q keeps one-off experts from flushing the hot set; frequency
+pinning keeps the experts a saved profile says are hot; Belady's optimal
+(evict the expert used farthest in the future) needs the whole trace and is
+the simulator's ceiling. Measured against each other:
+benches/results/policies/NOTES.md.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def _evictable(resident: Iterable[int], protected: Iterable[int]) -> list[int]:
     if not candidates:
         raise _no_victim()
     return candidates
+
+
+def _oldest(segment: OrderedDict[int, None], protected: set[int]) -> int | None:
+    """The oldest expert of ``segment`` not in ``protected``, or ``None``."""
+    return next((e for e in segment if e not in protected), None)
 
 
 class LRUPolicy:
@@ -168,6 +178,120 @@ class TwoQPolicy:
         (self._am if expert in self._am else self._a1in).pop(expert)  # not remembered in A1out
 
 
+class WTinyLFUPolicy:
+    """W-TinyLFU: a small LRU window in front of a main area that admits by use counts.
+
+    A new expert enters the window. When a slot is needed and the window is
+    full, the window's oldest expert (the candidate) competes with the main
+    area's victim: the one used more often in the recent past stays, a tie
+    keeps the resident one. So experts seen once (a scan) or a loop larger than
+    the cache cannot flush the main area, while an expert that comes back often
+    gets in. The main area is a segmented LRU: an expert used again while on
+    probation moves to the protected segment (:data:`PROTECTED_SHARE` of the
+    main area); the victim is probation's oldest.
+
+    Sizes, in slots: the window holds :data:`WINDOW_SHARE` of the slots, and at
+    least as many as the caller protects at once (one token's experts, or a
+    prefill round's), so that a token's own new experts never go untested into
+    the main area. Counts are exact per expert (a layer has at most a few hundred),
+    halved every :data:`SAMPLE_FACTOR` x slots counted uses (TinyLFU's reset),
+    so popularity that changes is followed.
+
+    Source: Einziger, Friedman & Manes, "TinyLFU: A Highly Efficient Cache
+    Admission Policy", ACM Transactions on Storage 13(4), 2017 (W-TinyLFU, the
+    1% window, the segmented main area, the reset); the sizes are theirs and
+    Caffeine's defaults. Measured against LRU, LFU and Belady on trained-like,
+    cyclic and hot-plus-scan routing: benches/results/policies/NOTES.md.
+    """
+
+    WINDOW_SHARE = 0.01
+    PROTECTED_SHARE = 0.8
+    SAMPLE_FACTOR = 10
+
+    def __init__(self, slots: int = 1) -> None:
+        self.slots = max(1, slots)
+        self._min_window = max(1, round(self.WINDOW_SHARE * self.slots))
+        self._window_size = self._min_window  # grows to the protected group (evict)
+        self._period = self.SAMPLE_FACTOR * self.slots  # counted uses between halvings
+        self._uses: dict[int, int] = {}
+        self._counted = 0
+        self._window: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._probation: OrderedDict[int, None] = OrderedDict()
+        self._protected: OrderedDict[int, None] = OrderedDict()
+
+    def _count(self, expert: int) -> None:
+        self._uses[expert] = self._uses.get(expert, 0) + 1
+        self._counted += 1
+        if self._counted >= self._period:  # TinyLFU's reset: halve every count
+            self._counted //= 2
+            self._uses = {e: n // 2 for e, n in self._uses.items() if n >= 2}
+
+    def _main_size(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def access(self, expert: int) -> None:
+        self._count(expert)
+        if expert in self._window:
+            self._window.move_to_end(expert)
+        elif expert in self._probation:
+            del self._probation[expert]
+            self._protected[expert] = None
+            limit = round(self.PROTECTED_SHARE * (self.slots - self._window_size))
+            while len(self._protected) > max(limit, 0):  # the oldest protected goes back on probation
+                self._probation[self._protected.popitem(last=False)[0]] = None
+        else:
+            self._protected.move_to_end(expert)
+
+    def insert(self, expert: int) -> None:
+        self._count(expert)
+        self._window[expert] = None
+        # While the main area has room (filling up, or after remove), the window's
+        # oldest moves there freely; otherwise evict() tests it for admission.
+        while len(self._window) > self._window_size and self._main_size() < self.slots - self._window_size:
+            self._probation[self._window.popitem(last=False)[0]] = None
+
+    def _contenders(self, protected: set[int]) -> tuple[int | None, int | None]:
+        """``(candidate, victim)``: the window's oldest when the window is full, and
+        the main area's victim (probation's oldest, else protected's), unprotected."""
+        self._window_size = max(1, min(self.slots - 1, max(self._min_window, len(protected))))
+        candidate = _oldest(self._window, protected) if len(self._window) >= self._window_size else None
+        victim = _oldest(self._probation, protected)
+        if victim is None:
+            victim = _oldest(self._protected, protected)
+        if candidate is None and victim is None:
+            candidate = _oldest(self._window, protected)
+        return candidate, victim
+
+    def evict(self, protected: Iterable[int] = ()) -> int:
+        """Remove and return the candidate or the main victim, whichever was used less
+        (class doc); a candidate that wins moves to probation.
+
+        Raises:
+            RuntimeError: every resident expert is protected.
+        """
+        candidate, victim = self._contenders(set(protected))
+        if candidate is None and victim is None:
+            raise _no_victim()
+        if victim is None or (candidate is not None and self._uses.get(candidate, 0) <= self._uses.get(victim, 0)):
+            del self._window[candidate]
+            return candidate
+        (self._probation if victim in self._probation else self._protected).pop(victim)
+        if candidate is not None:  # admitted
+            del self._window[candidate]
+            self._probation[candidate] = None
+        return victim
+
+    def remove(self, expert: int) -> None:
+        for segment in (self._window, self._probation, self._protected):
+            if expert in segment:
+                del segment[expert]
+                return
+        raise KeyError(expert)
+
+    def __len__(self) -> int:
+        return len(self._window) + self._main_size()
+
+
 class PinnedPolicy:
     """Frequency pinning from a saved profile: evict the expert the profile
     says is least used (ties: least recently used). The profile's hottest
@@ -240,15 +364,17 @@ class BeladyPolicy:
         self._resident.remove(expert)
 
 
-POLICIES = {"lru": LRUPolicy, "lfu": LFUAgingPolicy, "2q": TwoQPolicy, "pinned": PinnedPolicy}
+POLICIES = {"tinylfu": WTinyLFUPolicy, "lru": LRUPolicy, "lfu": LFUAgingPolicy, "2q": TwoQPolicy,
+            "pinned": PinnedPolicy}
 # The one default (TierConfig, JobConfig, the CLI), and why: mlx_tier.defaults.
 DEFAULT_POLICY = defaults.DEFAULT_POLICY
 OFFLINE_POLICIES = {"belady": BeladyPolicy}
 
 
 def make_policy(name: str, slots: int = 1, **kwargs) -> EvictionPolicy:
-    """A fresh policy object by name: ``lru``, ``lfu`` (with aging), ``2q``,
-    ``pinned`` (``frequencies=``), or ``belady`` (``future=``; offline only).
+    """A fresh policy object by name: ``tinylfu`` (W-TinyLFU), ``lru``, ``lfu``
+    (with aging), ``2q``, ``pinned`` (``frequencies=``), or ``belady``
+    (``future=``; offline only).
 
     Raises:
         ValueError: unknown name.
@@ -265,7 +391,7 @@ class PolicySpec:
     passed down whole: the one place that knows what each policy needs.
 
     Attributes:
-        name: ``lru``, ``lfu``, ``2q``, ``pinned`` (live) or ``belady`` (offline).
+        name: ``tinylfu``, ``lru``, ``lfu``, ``2q``, ``pinned`` (live) or ``belady`` (offline).
         profile: for ``pinned``: any object with ``frequencies(layer) ->
             {expert: count}`` (a :class:`mlx_tier.routing.profile.Profile`).
 

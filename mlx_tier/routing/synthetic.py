@@ -201,3 +201,69 @@ def _pick(model: RoutingModel, t: int, lay: int, out: np.ndarray, fresh: np.ndar
         chosen.append(cand)
     return chosen
 
+
+
+# Adversarial traces: access patterns that defeat recency or frequency, for
+# checking that a policy is scan-resistant (benches/policy_scans.py). Not
+# trained-like: no published routing statistic is matched.
+
+
+def _one_layer_trace(rows: list[list[int]], num_experts: int, source: str) -> Trace:
+    """A one-layer DECODE trace of ``rows`` (one list of k distinct experts per token)."""
+    experts = np.asarray(rows, dtype=np.int32)
+    n, k = experts.shape
+    return Trace(np.arange(n), np.zeros(n, np.int32), np.full(n, DECODE, np.uint8), experts,
+                 {"num_layers": 1, "num_experts": num_experts, "top_k": k, "source": source})
+
+
+def cyclic(num_experts: int, top_k: int, span: int, tokens: int) -> Trace:
+    """A loop: token t uses experts ``t*k .. t*k + k - 1`` modulo ``span``, so every one
+    of the first ``span`` experts comes back after ``span / k`` tokens. With a cache
+    of fewer than ``span`` slots, LRU (and any policy that keeps the most recent)
+    misses every access; Belady keeps all but ~k of the cache.
+
+    Raises:
+        ValueError: ``span`` outside ``[top_k, num_experts]`` or ``tokens`` < 1.
+    """
+    if not top_k <= span <= num_experts or tokens < 1:
+        raise ValueError(f"need top_k <= span <= num_experts and tokens >= 1, got {top_k}, {span}, {num_experts}, {tokens}")
+    rows = [[(t * top_k + j) % span for j in range(top_k)] for t in range(tokens)]
+    return _one_layer_trace(rows, num_experts, f"cyclic: loop over {span} experts, top-{top_k}")
+
+
+def hot_and_scan(num_experts: int, top_k: int, hot: int, tokens: int, scan_share: float = 0.12,
+                 burst: int = 3, width: int = 1, seed: int = 0) -> Trace:
+    """A hot set used in turn plus a scan through the other experts.
+
+    Each token starts a scan burst with probability ``scan_share`` (when none is
+    running): for ``burst`` consecutive tokens, ``width`` of the token's k picks
+    are the scan's next ``width`` experts (the same ones through the burst);
+    every other pick is the next expert of the hot set (``hot`` experts, round
+    robin). A scanned expert is thus used ``burst`` times in a row, then not
+    for a long while. LRU keeps the hot set when it fits beside the scan's
+    few recent experts; LFU with dynamic aging lets the bursts outrank hot
+    experts and flushes them.
+
+    Raises:
+        ValueError: ``width`` not in ``[1, top_k]``, ``hot`` not in
+            ``[top_k, num_experts - width]``, or ``tokens`` < 1.
+    """
+    if not 1 <= width <= top_k <= hot <= num_experts - width or tokens < 1:
+        raise ValueError(f"need 1 <= width <= top_k <= hot <= num_experts - width and tokens >= 1, got "
+                         f"width {width}, top_k {top_k}, hot {hot}, num_experts {num_experts}, tokens {tokens}")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(num_experts)
+    hot_set, cold = order[:hot].tolist(), order[hot:].tolist()
+    rows, h, s, left = [], 0, 0, 0
+    for _ in range(tokens):
+        if left == 0 and rng.random() < scan_share:
+            scan, s, left = [cold[(s + j) % len(cold)] for j in range(width)], s + width, burst
+        row = list(scan) if left else []
+        left = max(0, left - 1)
+        while len(row) < top_k:
+            e, h = hot_set[h % hot], h + 1
+            if e not in row:
+                row.append(e)
+        rows.append(row)
+    return _one_layer_trace(rows, num_experts, f"hot {hot} + scan (share {scan_share}, burst {burst}, "
+                                               f"width {width}), seed {seed}")

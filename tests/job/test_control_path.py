@@ -62,9 +62,9 @@ def conversions(monkeypatch):
     seen = []
     real = documents.convert_file
 
-    def counting(path, inside=None):
+    def counting(path, inside=None, **limits):
         seen.append(path.name)
-        return real(path, inside)
+        return real(path, inside, **limits)
 
     monkeypatch.setattr(documents, "convert_file", counting)
     return seen

@@ -32,11 +32,11 @@ def _failing_for(monkeypatch, name: str, error: BaseException) -> list[tuple[str
     """Make converting the file ``name`` raise ``error``; returns ``(file, thread)`` per conversion."""
     seen, real = [], documents.convert_file
 
-    def convert(path, inside=None):
+    def convert(path, inside=None, **limits):
         seen.append((path.name, threading.current_thread().name))
         if path.name == name:
             raise error
-        return real(path) if inside is None else real(path, inside)
+        return real(path, inside, **limits)
 
     monkeypatch.setattr(documents, "convert_file", convert)
     return seen
@@ -86,12 +86,12 @@ def test_the_next_document_converts_in_a_worker_while_the_engine_steps(tmp_path,
     reporter, overlapped, real = _Steps(), [], documents.convert_file
     threads = []
 
-    def convert(path, inside=None):  # doc01 converts slowly: until the engine steps beside it
+    def convert(path, inside=None, **limits):  # doc01 converts slowly: until the engine steps beside it
         threads.append(threading.current_thread().name)
         if path.name == "doc01.txt":
             reporter.armed.set()
             overlapped.append(reporter.stepped.wait(timeout=20))
-        return real(path) if inside is None else real(path, inside)
+        return real(path, inside, **limits)
 
     monkeypatch.setattr(documents, "convert_file", convert)
     config = JobConfig(input=docs, out_dir=out, model=small_moe, generation=GenerationConfig(max_tokens=8, batch_size=1))
@@ -105,7 +105,7 @@ def test_converted_kinds_are_sized_by_their_text_and_text_files_by_their_bytes(t
     (tmp_path / "b.docx").write_bytes(b"PK" + b"\0" * 3000)
     (tmp_path / "c.md").write_text("é" * 100)  # 200 bytes of UTF-8: erring long
     texts = {"a.pdf": "x" * 40, "b.docx": "y" * 70}
-    monkeypatch.setattr(documents, "convert_file", lambda path, inside=None: Converted(texts[path.name], None, "fake"))
+    monkeypatch.setattr(documents, "convert_file", lambda path, inside=None, **_: Converted(texts[path.name], None, "fake"))
     a, b, c = documents.discover(tmp_path)
     assert [documents.size_hint(d) for d in (a, b, c)] == [40, 70, 200]
     fresh = documents.discover(tmp_path)

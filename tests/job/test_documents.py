@@ -220,16 +220,21 @@ def test_a_password_protected_office_file_says_so(tmp_path, kind):
     assert doc.error is not None and doc.error.startswith("password-protected"), doc.error
 
 
-def test_missing_converters_name_the_extra(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["not installed", "fails to import"])
+def test_missing_converters_name_the_extra(tmp_path, monkeypatch, where):
     import mlx_tier.job.doc_text as conv
+    from mlx_tier.job.convert_limits import ConversionLimits
 
     def missing(kind):
         raise ImportError("No module named 'markitdown'")
 
-    monkeypatch.setattr(conv, "_markitdown", missing)
+    if where == "not installed":  # found missing here, before any converter process starts
+        monkeypatch.setattr(conv, "_converters_installed", lambda: False)
+    else:  # found missing by the conversion itself (in this process, so that the fake applies)
+        monkeypatch.setattr(conv, "_markitdown", missing)
     docmaker.docx(tmp_path / "m.docx", ["Text."])
     (tmp_path / "plain.txt").write_text("still read")
-    docs = {d.id: d for d in discover(tmp_path)}
+    docs = {d.id: d for d in discover(tmp_path, limits=ConversionLimits(isolate=where == "not installed"))}
     assert docs["m"].error == ".docx files need the document converters: pip install 'mlx-tier[documents]'"
     assert docs["plain"].text == "still read"
 

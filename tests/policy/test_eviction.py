@@ -124,5 +124,5 @@ def test_belady_bounds_every_policy():
     trace = zipf_trace(num_layers=3, num_experts=32, top_k=4, tokens=150, seed=2)
     for slots in (4, 8, 16, 24):
         ceiling = simulate(trace, "belady", slots).hit_rate
-        for policy in ("lru", "lfu", "2q", "pinned"):
+        for policy in ("tinylfu", "lru", "lfu", "2q", "pinned"):
             assert simulate(trace, policy, slots).hit_rate <= ceiling + 1e-12, (policy, slots)

@@ -102,7 +102,7 @@ def test_rounds_keep_each_tier_within_its_slots(costs):
             assert len(set(slots)) == len(slots) and all(0 <= s < H for s in slots)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "2q"])
+@pytest.mark.parametrize("policy", ["tinylfu", "lru", "lfu", "2q"])
 @pytest.mark.parametrize("H", [1, 3, 6])
 def test_without_a_warm_tier_it_is_the_single_tier_cache(policy, H):
     trace = zipf_trace(2, 8, 2, tokens=120, seed=3)
@@ -133,7 +133,7 @@ def test_warm_tier_raises_the_host_hit_rate():
 
 
 def test_policy_remove_forgets_without_side_effects():
-    for name in ("lru", "lfu", "2q"):
+    for name in ("tinylfu", "lru", "lfu", "2q"):
         p = make_policy(name, 4)
         for e in (1, 2, 3):
             p.insert(e)

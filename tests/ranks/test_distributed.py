@@ -244,6 +244,7 @@ def test_the_plan_carries_every_setting_to_the_ranks(tmp_path):
     import mlx.core as mx
 
     from mlx_tier.engine.load import TierConfig
+    from mlx_tier.job.convert_limits import ConversionLimits
     from mlx_tier.job.run import JobConfig
     from mlx_tier.job.scheduler import GenerationConfig
     from mlx_tier.job.throttle import ThrottleConfig
@@ -265,7 +266,8 @@ def test_the_plan_carries_every_setting_to_the_ranks(tmp_path):
                   tier=TierConfig(cache_gb=1.5, slots_per_layer=4, prefetch=True, split="adaptive",
                                   profile=tmp_path / "p.json", prewarm=False),
                   generation=GenerationConfig("Say it \u00e9", batch_size=2, context=512, reuse_prefix=False),
-                  retry_failed=True, follow_links=True, redo_changed=True),
+                  retry_failed=True, follow_links=True, redo_changed=True,
+                  conversion=ConversionLimits(memory_mb=512, seconds=30.0, seconds_per_mb=5.0, isolate=False)),
     ]
     default = JobConfig(input=Path("x"), out_dir=Path("y"))
     changed = _settings(configs[0], default) | _settings(configs[1], default)

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 import mlx_tier
 from mlx_tier import TierConfig
 from mlx_tier.cli.main import app
+from mlx_tier.defaults import DEFAULT_POLICY
 from mlx_tier.errors import TraceError
 from mlx_tier.routing.simulate import simulate, zipf_trace
 from mlx_tier.routing.trace import DECODE, PREFILL, load, save
@@ -39,10 +40,11 @@ def test_text_format_and_errors(tmp_path):
         load(tmp_path / "missing.npz")
 
 
-def test_recorded_trace_replays_to_the_live_hit_count(tiny_moe):
+@pytest.mark.parametrize("policy", ["lru", DEFAULT_POLICY])
+def test_recorded_trace_replays_to_the_live_hit_count(tiny_moe, policy):
     """Decoding one token per call, the simulator with the same policy and slots
     reproduces the live cache's hits and misses exactly."""
-    model, _ = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=3))
+    model, _ = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=3, policy=policy))
     cache = model.expert_cache
     cache.start_trace(source="test")
     for _ in generate_step(mx.array([7]), model, max_tokens=12):
@@ -50,7 +52,7 @@ def test_recorded_trace_replays_to_the_live_hit_count(tiny_moe):
     trace = cache.stop_trace()
     stats = cache.stats
     assert len(trace.layer) >= 2 * 12 and set(trace.phase.tolist()) == {DECODE}  # mlx-lm runs one step ahead
-    sim = simulate(trace, "lru", 3)
+    sim = simulate(trace, policy, 3)
     assert (sim.hits, sim.accesses - sim.hits) == (stats.hits, stats.misses)
 
 
@@ -92,7 +94,7 @@ def test_run_records_a_trace(tmp_path, tiny_moe):
 
 
 def test_live_policies_and_offline_refusal(tiny_moe):
-    for policy in ("lfu", "2q"):
+    for policy in ("tinylfu", "lfu", "2q"):
         model, _ = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2, policy=policy))
         list(generate_step(mx.array([3, 4, 5]), model, max_tokens=4))
         assert model.expert_cache.stats.misses > 0

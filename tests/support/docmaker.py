@@ -3,24 +3,43 @@
 PDF and DOCX/EPUB are written by hand (the smallest valid files: a one-page
 PDF with Helvetica text, a DOCX/EPUB zip with the parts readers need);
 PPTX and XLSX with python-pptx and openpyxl, the libraries MarkItDown reads them with.
+Also decompression bombs: a DOCX whose XML, a PDF whose content stream inflates
+to many MiB from a few KB.
 """
 
 from __future__ import annotations
 
 import zipfile
+import zlib
 from pathlib import Path
+
+
+def _text_ops(lines: list[str]) -> bytes:
+    text = " ".join(f"({s.replace('(', '[').replace(')', ']')}) Tj T*" for s in lines)
+    return f"BT /F1 12 Tf 14 TL 72 720 Td {text} ET".encode()
 
 
 def pdf(path: Path, lines: list[str]) -> Path:
     """A one-page PDF showing ``lines`` (ASCII) in Helvetica; xref offsets computed."""
-    text = " ".join(f"({s.replace('(', '[').replace(')', ']')}) Tj T*" for s in lines)
-    stream = f"BT /F1 12 Tf 14 TL 72 720 Td {text} ET".encode()
+    return _pdf(path, _text_ops(lines), b"")
+
+
+def pdf_stream_bomb(path: Path, mib: int, lines: list[str]) -> Path:
+    """A valid one-page PDF whose content stream is ``mib`` MiB of spaces, then ``lines``,
+    deflated (/FlateDecode): ~1 KB on disk per MiB it inflates to."""
+    deflate = zlib.compressobj(9)
+    spaces = b" " * 2**20
+    body = b"".join(deflate.compress(spaces) for _ in range(mib)) + deflate.compress(_text_ops(lines))
+    return _pdf(path, body + deflate.flush(), b" /Filter /FlateDecode")
+
+
+def _pdf(path: Path, stream: bytes, filters: bytes) -> Path:
     objects = [
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
         b"/Resources << /Font << /F1 5 0 R >> >> >>",
-        b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+        b"<< /Length %d%s >>\nstream\n" % (len(stream), filters) + stream + b"\nendstream",
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
     ]
     out, offsets = bytearray(b"%PDF-1.4\n"), []
@@ -35,16 +54,23 @@ def pdf(path: Path, lines: list[str]) -> Path:
     return path
 
 
-def docx(path: Path, paragraphs: list[str]) -> Path:
-    """A Word document with one paragraph per entry (a heading first when it starts with '# ')."""
+_W = 'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
+
+
+def _para(p: str) -> str:
     from xml.sax.saxutils import escape
 
-    def para(p: str) -> str:
-        style = '<w:pPr><w:pStyle w:val="Heading1"/></w:pPr>' if p.startswith("# ") else ""
-        return f"<w:p>{style}<w:r><w:t xml:space=\"preserve\">{escape(p.removeprefix('# '))}</w:t></w:r></w:p>"
+    style = '<w:pPr><w:pStyle w:val="Heading1"/></w:pPr>' if p.startswith("# ") else ""
+    return f"<w:p>{style}<w:r><w:t xml:space=\"preserve\">{escape(p.removeprefix('# '))}</w:t></w:r></w:p>"
 
-    ns = 'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
-    with zipfile.ZipFile(path, "w") as z:
+
+def docx(path: Path, paragraphs: list[str], repeat: int = 1, compression: int = zipfile.ZIP_STORED) -> Path:
+    """A Word document with one paragraph per entry (a heading first when it starts with '# '),
+    the whole list ``repeat`` times over; parts stored, or deflated (``zipfile.ZIP_DEFLATED``)
+    as Word writes them."""
+    body = "".join(map(_para, paragraphs)) * repeat
+    ns = _W
+    with zipfile.ZipFile(path, "w", compression) as z:
         z.writestr("[Content_Types].xml",
                    '<?xml version="1.0" encoding="UTF-8"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types">'
                    '<Default Extension="rels" ContentType="application/vnd.openxmlformats-package.relationships+xml"/>'
@@ -54,8 +80,15 @@ def docx(path: Path, paragraphs: list[str]) -> Path:
                    '<?xml version="1.0" encoding="UTF-8"?><Relationships xmlns="http://schemas.openxmlformats.org/package/2006/relationships">'
                    '<Relationship Id="rId1" Type="http://schemas.openxmlformats.org/officeDocument/2006/relationships/officeDocument" Target="word/document.xml"/></Relationships>')
         z.writestr("word/document.xml",
-                   f'<?xml version="1.0" encoding="UTF-8"?><w:document {ns}><w:body>{"".join(map(para, paragraphs))}</w:body></w:document>')
+                   f'<?xml version="1.0" encoding="UTF-8"?><w:document {ns}><w:body>{body}</w:body></w:document>')
     return path
+
+
+def docx_bomb(path: Path, mib: float) -> Path:
+    """A valid Word document whose word/document.xml is ``mib`` MiB of one repeated paragraph,
+    deflated: ~3 KB on disk per MiB it unpacks to (a decompression bomb)."""
+    para = "Bombs away, again and again."
+    return docx(path, [para], repeat=round(mib * 2**20 / len(_para(para))), compression=zipfile.ZIP_DEFLATED)
 
 
 def pptx(path: Path, slides: list[tuple[str, str]]) -> Path:
