@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import psutil
 
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
+from mlx_tier.engine.budgets import host_available
 from mlx_tier.units import GIB
 
 # Batch size when memory allows more: on a 2-core CPU more sequences add
@@ -100,7 +100,8 @@ class MemoryPlan:
         fixed_per_seq: per-sequence bytes that do not grow with length.
         prefill_per_token: transient bytes per context token of a prefill step.
         prefill_fixed: transient bytes of a prefill step that do not grow with context.
-        free_bytes: memory available for sequences now (psutil, minus
+        free_bytes: memory available for sequences now (psutil, or less under a
+            cgroup limit: :func:`~mlx_tier.engine.budgets.host_available`; minus
             :data:`HEADROOM_BYTES`).
     """
 
@@ -136,7 +137,7 @@ def estimate_memory(cache: list, model_args, prefill_step: int) -> MemoryPlan:
     per_token, fixed = kv_bytes_per_token(cache)
     heads = int(getattr(model_args, "num_attention_heads", 0) or 0)
     hidden = int(getattr(model_args, "hidden_size", 0) or 0)
-    free = psutil.virtual_memory().available - HEADROOM_BYTES
+    free = host_available() - HEADROOM_BYTES
     return MemoryPlan(per_token, fixed, float(heads * prefill_step * 4), prefill_step * hidden * 16, int(free))
 
 

@@ -148,8 +148,9 @@ class PoolEngine:
         """One prefill step or one decode step (alternating while both have work).
 
         Args:
-            interrupt: asked before each tiered MoE layer of a prefill step;
-                true abandons the step (its prompts go to :meth:`take_interrupted`).
+            interrupt: ``interrupt(layer index)``, asked before each tiered MoE layer
+                of a prefill step; true abandons the step (its prompts go to
+                :meth:`take_interrupted`).
         """
         from mlx_lm.generate import generation_stream
 
@@ -200,7 +201,7 @@ class PoolEngine:
         hook = None
         if interrupt is not None:
             def hook(layer: int) -> None:
-                if interrupt():
+                if interrupt(layer):
                     raise StepInterrupted
 
         if cache is not None:

@@ -123,9 +123,9 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
         return real_load(path, cache_gb, config=config)
 
     class Scheduler(real_scheduler):
-        def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None):
+        def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, **sizes):
             seen["generation"], seen["longest_chars"] = config, longest_chars
-            super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars)
+            super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, **sizes)
             seen["batch_size"] = self.batch_size
 
     monkeypatch.setattr(tiered, "load", load)

@@ -38,7 +38,9 @@ runner = CliRunner()
 def test_sigkill_mid_run_then_rerun(tmp_path, small_moe):  # noqa: F811
     docs, out = tmp_path / "docs", tmp_path / "out"
     ids = [p.stem for p in make_docs(docs, 6)]
-    args = ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "16", "--format", "jsonl"]
+    # Two documents at a time: documents of one length decoded in one pool finish in the same step.
+    args = ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "16", "--format", "jsonl",
+            "--batch-size", "2"]
     r = runner.invoke(app, [*args, "--background"])
     assert r.exit_code == 0, r.output
     assert command_after(r.output, "watch it with:") == f"mlx-tier status {out}"

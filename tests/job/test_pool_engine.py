@@ -100,12 +100,12 @@ def test_interrupt_between_layers_drops_the_prompts_being_read(tiered, tiny_moe,
         engine.add(Task(i, p, N))
     calls = []
 
-    def interrupt():
-        calls.append(1)
+    def interrupt(layer):
+        calls.append(layer)
         return len(calls) >= 2  # the second layer of the first prefill step
 
     info = engine.step(interrupt)
-    assert len(calls) == 2 and info.prefill_tokens == 0
+    assert calls == [0, 1] and info.prefill_tokens == 0
     assert sorted(t.key for t in engine.take_interrupted()) == [0, 1]
     assert engine.active == 3 and engine.take_interrupted() == []
     results = {}

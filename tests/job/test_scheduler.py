@@ -81,7 +81,8 @@ def test_a_failing_document_fails_alone(tiered, tiny_moe):
 
 def test_stop_request_starts_nothing_new(tiered, tiny_moe):
     model, tokenizer = tiered
-    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=2))
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=2,
+                                                                         schedule="paced"))
     generated = []
 
     def on_step(info, ids):
@@ -95,6 +96,20 @@ def test_stop_request_starts_nothing_new(tiered, tiny_moe):
     generated.clear()
     out = list(sched.run(docs(TEXTS), should_stop=lambda: len(generated) > 0, on_step=on_step))
     assert out == [] and sum(generated) == 0
+
+
+def test_stop_abandons_a_prompt_pool_between_layers(tiered, tiny_moe):
+    """Throughput schedule: a stop asked while a prompt pool is being read takes effect
+    at the next MoE layer (not at the end of the step); the documents being read are
+    left for the next run, and the scheduler ends with nothing finished."""
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
+                                                                         pool_tokens=512, prefill_batch=3))
+    layers, steps = [], []
+    out = list(sched.run(docs(TEXTS), should_stop=lambda: bool(layers), on_step=lambda info, ids: steps.append(info),
+                         on_layer=layers.append))
+    assert out == [] and layers == [0]  # asked once, before the first layer: the step went no further
+    assert [s.prefill_tokens for s in steps] == [0] and sched._reserved == {}  # one step, nothing read
 
 
 def test_impossible_context_is_refused_before_any_document(tiered, tiny_moe):
