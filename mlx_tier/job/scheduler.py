@@ -30,13 +30,13 @@ from mlx_tier.defaults import (
 from mlx_tier.engine.budgets import host_available
 from mlx_tier.errors import CheckpointError, InputError, JobError, TooLong
 from mlx_tier.job.batch_engine import (
-    HEADROOM_BYTES,
     BatchEngine,
     PrefixCache,
     StepInfo,
     Task,
     common_prefix,
     estimate_memory,
+    headroom,
     stop_token_ids,
 )
 from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
@@ -341,7 +341,7 @@ class Scheduler:
         d.input_tokens = len(prompt)
         # Memory now (sequences in flight already hold theirs): a document that
         # would not fit is split smaller instead of failing the process.
-        now = replace(self.plan, free_bytes=host_available() - HEADROOM_BYTES)
+        now = replace(self.plan, free_bytes=host_available() - headroom())
         context = min(self.context, now.max_tokens())
         d.context = context
         if len(prompt) + c.max_tokens <= context:
