@@ -26,9 +26,11 @@ from mlx_tier.defaults import (
     DEFAULT_PREFILL_STEP,
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
 )
 from mlx_tier.engine.budgets import host_available
-from mlx_tier.errors import CheckpointError, InputError, JobError, TooLong
+from mlx_tier.errors import CheckpointError, ConfigError, InputError, JobError, TooLong
 from mlx_tier.job.batch_engine import (
     BatchEngine,
     PrefixCache,
@@ -50,13 +52,6 @@ from mlx_tier.job.prompts import (
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
-# How documents go through the model (GenerationConfig.schedule): "throughput"
-# reads prompts in large pools and decodes many sequences together
-# (mlx_tier.job.pool_engine, the job's default: an overnight job is judged in
-# documents per hour); "paced" reads one prompt at a time in steps of ~4 s
-# beside a decode batch of at most 8 (mlx_tier.job.batch_engine).
-SCHEDULES = ("throughput", "paced")
-DEFAULT_SCHEDULE = "throughput"
 
 
 @dataclass(frozen=True)
@@ -83,7 +78,7 @@ class GenerationConfig:
         prefill_batch: throughput schedule: prompts read together; ``None``: from the pool model.
 
     Raises:
-        ValueError: an unknown ``schedule``.
+        ConfigError: an unknown ``schedule`` (``field``: ``schedule``).
     """
 
     instruction: str = DEFAULT_PROMPT
@@ -99,7 +94,7 @@ class GenerationConfig:
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise ConfigError(f"`schedule` must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}", "schedule")
 
 
 @dataclass

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 # (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the model must not import MLX).
 GEMM_MIN_ROWS = 8
 # The prefill pool: the smallest pool whose rate is within this fraction of the best.
-NEAR_BEST = 0.9
+NEAR_BEST = 0.97
 # Candidate pool sizes, tokens per layer step.
 POOL_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Most sequences decoded together when memory allows more (prompt caches, step
