@@ -246,6 +246,7 @@ class Scheduler:
         else:
             self.batch_size = config.batch_size or self._memory_batch(longest_chars)
         self._reserved: dict = {}  # task key -> KV bytes held (throughput schedule's admission)
+        self._kv_room = self._pool_room(longest_chars)
         self.info = {
             "batch_size": self.batch_size,
             "batch_size_from": "batch_size" if config.batch_size else "memory headroom",  # the setting, or why
@@ -294,9 +295,15 @@ class Scheduler:
         that does not waits for others to finish; alone, it runs: it was sized to fit)."""
         if self.config.schedule != "throughput" or not engine.active:
             return True
-        room = self.plan.free_bytes - self.plan.prefill_fixed - 4 * self.pool_tokens * self.context * max(
-            1, int(getattr(getattr(self.model, "args", None), "num_attention_heads", 1) or 1))
-        return sum(self._reserved.values()) + self._kv_bytes(task) <= room
+        return sum(self._reserved.values()) + self._kv_bytes(task) <= self._kv_room
+
+    def _pool_room(self, longest_chars: int | None) -> int:
+        """Bytes for the KV caches of the sequences in flight: the memory plan's, less one
+        prefill pool's transient (attention scores of its tokens against the longest
+        prompt, float32, all heads: MLX's attention holds them at once)."""
+        heads = int(getattr(getattr(self.model, "args", None), "num_attention_heads", 1) or 1)
+        longest = min(self.context, (longest_chars or 3 * self.context) // 3 + len(self.prefix) + 16)
+        return self.plan.free_bytes - self.plan.prefill_fixed - 4 * heads * min(self.pool_tokens, longest) * longest
 
     def _add(self, engine, task: Task) -> None:
         engine.add(task)

@@ -132,3 +132,17 @@ def test_nothing_outside_the_reasoning_fails_the_document(tiered, tiny_moe):
     assert out.status == "failed" and "outside the reasoning" in out.error and "`retry_failed`" in out.error
     assert "--" not in out.error and "--retry-failed" in as_flags(out.error)  # the CLI renders the flags
     assert sched._finish(_Doc(Document("u", "u", "x"), 0.0), "A summary.", "stop").status == "done"
+
+
+def test_documents_whose_kv_cache_does_not_fit_wait(tiered, tiny_moe):
+    """Throughput schedule: a document starts only when its KV cache (prompt + max_tokens)
+    fits beside those in flight; the others wait for a place, then all finish."""
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
+                                                                         pool_tokens=512, prefill_batch=3))
+    per_doc = sched.plan.kv_per_token * 70  # the prompts here are ~50 tokens + 8 generated
+    sched._kv_room = int(1.5 * per_doc)  # room for one document at a time
+    in_flight = []
+    out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
+    assert sorted(o.id for o in out) == ["a", "b", "c"] and all(o.status == "done" for o in out)
+    assert max(in_flight) == 1 and sched._reserved == {}
