@@ -95,18 +95,20 @@ _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as ~2**63 rounded to pages
 
 
 def _cgroup_room(folder: Path, v2: bool) -> int | None:
-    """Bytes one cgroup folder still allows: limit - usage + its inactive file pages
-    (page cache the kernel reclaims first); ``None`` without a limit there."""
+    """Bytes one cgroup folder still allows: limit - usage + its file pages (page
+    cache, active and inactive: the kernel reclaims it before failing an
+    allocation; expert reads keep much of it active); ``None`` without a limit there."""
     try:
         limit = (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
         if limit == "max" or int(limit) >= _UNLIMITED:
             return None
         usage = int((folder / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
         stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
-        inactive = int(stat.get("inactive_file" if v2 else "total_inactive_file", 0))
+        prefix = "" if v2 else "total_"
+        cache = int(stat.get(f"{prefix}inactive_file", 0)) + int(stat.get(f"{prefix}active_file", 0))
     except (OSError, ValueError):
         return None
-    return max(0, int(limit) - usage + inactive)
+    return max(0, int(limit) - usage + cache)
 
 
 def cgroup_available(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:

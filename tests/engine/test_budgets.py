@@ -183,7 +183,7 @@ def test_run_records_per_tier_hits_on_cuda(tmp_path, tiny_moe, monkeypatch):
 
 def test_cgroup_available_reads_v1_and_v2_limits(tmp_path):
     """A cgroup memory limit (which psutil does not see) bounds the memory a job may
-    plan for: limit - usage + inactive file pages, the tightest of the ancestors."""
+    plan for: limit - usage + file pages, the tightest of the ancestors."""
     from mlx_tier.engine.budgets import cgroup_available
 
     v1 = tmp_path / "v1"
@@ -193,10 +193,10 @@ def test_cgroup_available_reads_v1_and_v2_limits(tmp_path):
                                            (leaf.parent, 1 << 62, 0, 0), (v1 / "memory", 9 << 60, 0, 0)):
         (folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
         (folder / "memory.usage_in_bytes").write_text(f"{usage}\n")
-        (folder / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {inactive}\n")
+        (folder / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {inactive}\ntotal_active_file {inactive}\n")
     me = tmp_path / "cgroup"
     me.write_text("5:cpu:/\n4:memory:/a/b\n")
-    assert cgroup_available(v1, me) == (1 << 30) + (256 << 20)
+    assert cgroup_available(v1, me) == (1 << 30) + (512 << 20)  # page cache, active and inactive, counts as room
     v2 = tmp_path / "v2"
     (v2 / "job").mkdir(parents=True)
     (v2 / "job" / "memory.max").write_text("1073741824\n")
