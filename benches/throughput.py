@@ -116,8 +116,11 @@ def worker(spec: dict) -> dict:
         acc["decode_s"] += info.decode_seconds
         acc["steps"] += 1
 
+    from mlx_tier.engine.memory import model_memory_controls
+
     t0 = time.perf_counter()
-    outs = list(s.run(docs, on_step=on_step))
+    with model_memory_controls(model, s.context, s.batch_size):  # MLX's buffer cache bounded, as run_job does
+        outs = list(s.run(docs, on_step=on_step))
     wall = time.perf_counter() - t0
     st = model.expert_cache.stats
     tokens = acc["prompt_tokens"] + acc["generated"]
@@ -126,6 +129,7 @@ def worker(spec: dict) -> dict:
     roof_s = roofline_seconds(found[0], rates, acc, s, acc["prompt_tokens"] / max(1, len(outs))) if found else None
     return {
         "schedule": sched, "docs": len(outs), "done": sum(o.status == "done" for o in outs), "wall_s": wall,
+        "errors": [o.error for o in outs if o.error], "parts": sum(o.parts for o in outs),
         "load_s": load_s, "setup_s": setup_s, "docs_per_hour": len(outs) / wall * 3600,
         "prompt_tok_s": acc["prompt_tokens"] / max(acc["prompt_s"], 1e-9), "prompt_tokens": acc["prompt_tokens"],
         "generated": acc["generated"], "gen_tok_s_wall": acc["generated"] / wall,

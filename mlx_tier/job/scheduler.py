@@ -299,11 +299,16 @@ class Scheduler:
 
     def _pool_room(self, longest_chars: int | None) -> int:
         """Bytes for the KV caches of the sequences in flight: the memory plan's, less one
-        prefill pool's transient (attention scores of its tokens against the longest
-        prompt, float32, all heads: MLX's attention holds them at once)."""
-        heads = int(getattr(getattr(self.model, "args", None), "num_attention_heads", 1) or 1)
+        prefill pool's transient against the longest prompt
+        (:func:`mlx_tier.tools.pools.prefill_transient`)."""
+        from mlx_tier.tools.pools import prefill_transient, shape_of
+
         longest = min(self.context, (longest_chars or 3 * self.context) // 3 + len(self.prefix) + 16)
-        return self.plan.free_bytes - self.plan.prefill_fixed - 4 * heads * min(self.pool_tokens, longest) * longest
+        found = shape_of(self.model, self.plan.kv_per_token)
+        if found is None:
+            heads = int(getattr(getattr(self.model, "args", None), "num_attention_heads", 1) or 1)
+            return self.plan.free_bytes - self.plan.prefill_fixed - 4 * heads * min(self.pool_tokens, longest) * longest
+        return int(self.plan.free_bytes - self.plan.prefill_fixed - prefill_transient(found[0], self.pool_tokens, longest))
 
     def _add(self, engine, task: Task) -> None:
         engine.add(task)

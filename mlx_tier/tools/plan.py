@@ -399,7 +399,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     dense = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     kv = _kv_bytes(config, layers, default_compute_dtype(), 1)
     shape = Shape(layers, experts, top_k, slots, expert_bytes, expert_flops, int(dense * 0.6), 2.0 * dense,
-                  4.0 * heads * head_dim, float(kv), heads)
+                  4.0 * heads * head_dim, float(kv), heads, hidden, inner)
     on_cpu = mx.default_device() == mx.cpu
     rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
                         head_dim, attention="cpu" if on_cpu else "mlx")

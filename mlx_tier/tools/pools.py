@@ -93,6 +93,8 @@ class Shape:
         attn_flops: attention FLOPs per token per context token in one layer (4 x heads x head dim).
         kv_bytes: KV-cache bytes per token of one sequence, all layers.
         heads: attention heads (the prefill transient's scores).
+        hidden: model width D (the MoE block's transient rows of a pool).
+        inner: an expert's inner width (its hidden rows).
     """
 
     layers: int
@@ -106,6 +108,8 @@ class Shape:
     attn_flops: float
     kv_bytes: float
     heads: int
+    hidden: int = 0
+    inner: int = 0
 
 
 def distinct_experts(tokens: float, experts: int, top_k: int) -> float:
@@ -175,8 +179,12 @@ class PoolPlan:
 
 
 def prefill_transient(shape: Shape, tokens: int, context: float) -> float:
-    """Bytes of a prefill step's attention scores: ``tokens x context x heads`` float32."""
-    return 4.0 * tokens * context * shape.heads
+    """Bytes a prefill step of ``tokens`` holds besides the KV caches: attention scores
+    (``tokens x context x heads`` float32, MLX's attention) and the MoE block's rows (the
+    pool's ``tokens x k`` pairs: their inputs, outputs and their scatter, ``D`` wide, four
+    float32 copies; the experts' hidden rows, three)."""
+    pairs = tokens * shape.top_k
+    return 4.0 * (tokens * context * shape.heads + pairs * (4 * shape.hidden + 3 * shape.inner))
 
 
 def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, free_bytes: int,
@@ -196,13 +204,13 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     seq = prompt_tokens + output_tokens
     ctx_prefill = prompt_tokens / 2  # average context of a prompt token
     fits = [t for t in POOL_CANDIDATES
-            if prefill_transient(shape, min(t, MAX_CHUNK), seq) + shape.kv_bytes * seq * math.ceil(t / seq)
+            if prefill_transient(shape, t, min(seq, MAX_CHUNK)) + shape.kv_bytes * seq * math.ceil(t / seq)
             <= free_bytes / 2] or [POOL_CANDIDATES[0]]
     rate = {t: 1 / seconds_per_token(shape, rates, t, ctx_prefill) for t in fits}
     best = max(rate.values())
     prefill_tokens = min(t for t in fits if rate[t] >= NEAR_BEST * best)
     limit = cap or MAX_DECODE_POOL
-    room = max(1, int((free_bytes - prefill_transient(shape, min(prefill_tokens, MAX_CHUNK), seq))
+    room = max(1, int((free_bytes - prefill_transient(shape, prefill_tokens, min(seq, MAX_CHUNK)))
                       // max(1.0, shape.kv_bytes * seq)))
     pool, limited_by = min(room, limit), "memory" if room < limit else ("batch size" if cap else "cap")
     if documents is not None and documents < pool:
@@ -336,7 +344,8 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
                   if isinstance(getattr(args, k, None), int)), 2)
     shape = Shape(layers=len(cache.layers), experts=E, top_k=top_k, slots=min(cache.layer_slots),
                   expert_bytes=expert_bytes, expert_flops=2.0 * params, dense_bytes=int(dense * 0.6),
-                  dense_flops=2.0 * dense, attn_flops=4.0 * heads * head_dim, kv_bytes=kv_bytes, heads=heads)
+                  dense_flops=2.0 * dense, attn_flops=4.0 * heads * head_dim, kv_bytes=kv_bytes, heads=heads,
+                  hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0)
     probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
              "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim}
     return shape, probe
