@@ -77,7 +77,10 @@ def test_sigkill_mid_run_then_rerun(tmp_path, small_moe):  # noqa: F811
     assert "interrupted at" in r.output and command_after(r.output, "resume with:").startswith("mlx-tier run "), r.output
     half = out / f".{ids[-1]}.md.a1b2c3d4.tmp"  # as a kill inside write_atomic leaves it
     half.write_text("half a summ")
-    os.utime(half, (0, time.time() - 3600))  # younger ones are spared: a `status --html` may be writing
+    # Younger ones are spared (a `status --html` may be writing): age this one, and any the
+    # kill itself left (documents decoded together finish together, so it may land mid-write).
+    for tmp in out.glob(".*.tmp"):
+        os.utime(tmp, (0, time.time() - 3600))
 
     r = runner.invoke(app, args)  # the same command, in the foreground
     assert r.exit_code == 0, r.output
