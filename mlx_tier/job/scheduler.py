@@ -166,6 +166,10 @@ class _Pulled:
             raise IndexError("no document left")
         return self._head.popleft()
 
+    def put_back(self, doc) -> None:
+        """Return ``doc`` to the front: it is the next one again."""
+        self._head.appendleft(doc)
+
 
 @dataclass(eq=False)
 class _Queues:
@@ -341,8 +345,10 @@ class Scheduler:
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
                            prefix=self._prefix())
 
-    def _tasks(self, d: _Doc) -> list[Task]:
-        """The first calls of a document (raises TooLong, or the tokenizer's errors)."""
+    def _tasks(self, d: _Doc, can_wait: bool = False) -> list[Task] | None:
+        """The first calls of a document (raises TooLong, or the tokenizer's errors);
+        ``None`` when ``can_wait`` and the memory left now is what makes it not fit
+        whole (sequences in flight will free theirs)."""
         c = self.config
         prompt = build_prompt(self.tokenizer, c.instruction, d.doc.text)
         d.input_tokens = len(prompt)
@@ -353,6 +359,8 @@ class Scheduler:
         d.context = context
         if len(prompt) + c.max_tokens <= context:
             return [Task((d, 0), prompt, c.max_tokens)]
+        if can_wait and context < min(self.context, len(prompt) + c.max_tokens):
+            return None
         d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, context - c.max_tokens)
         return [Task((d, i), p, c.max_tokens) for i, p in d.mr.prompts()]
 
@@ -450,18 +458,22 @@ class Scheduler:
             d = _Doc(source.popleft(), time.perf_counter())
             if source is q.solo:
                 q.alone = d
-            started = self._start(d)
+            started = self._start(d, can_wait=source is q.waiting and engine.active > 0)
+            if started is None:  # no room for it now: it waits for a sequence to finish
+                q.waiting.put_back(d.doc)
+                return
             if isinstance(started, Outcome):
                 yield started
             else:
                 q.ready.extend(started)
 
-    def _start(self, d: _Doc) -> list[Task] | Outcome:
-        """A document's first calls, or its failed outcome (unreadable, too long, tokenizer error)."""
+    def _start(self, d: _Doc, can_wait: bool = False) -> list[Task] | Outcome | None:
+        """A document's first calls, its failed outcome (unreadable, too long, tokenizer
+        error), or ``None``: it waits (``can_wait``, :meth:`_tasks`)."""
         if d.doc.error is not None:
             return self._failed(d, d.doc.error)
         try:
-            return self._tasks(d)
+            return self._tasks(d, can_wait)
         except TooLong as e:
             return self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
         except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job

@@ -146,3 +146,20 @@ def test_documents_whose_kv_cache_does_not_fit_wait(tiered, tiny_moe):
     out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
     assert sorted(o.id for o in out) == ["a", "b", "c"] and all(o.status == "done" for o in out)
     assert max(in_flight) == 1 and sched._reserved == {}
+
+
+def test_a_document_that_finds_no_memory_waits_instead_of_failing(tiered, tiny_moe, monkeypatch):
+    """When the memory left now (not the model's context) is what keeps a document from
+    fitting whole, and others are in flight, it waits for them instead of being split
+    into parts or failed; alone, it is split as before."""
+    import mlx_tier.job.scheduler as scheduler_module
+
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
+                                                                         pool_tokens=512, prefill_batch=3))
+    plenty = scheduler_module.host_available()
+    monkeypatch.setattr(scheduler_module, "host_available", lambda: plenty if not sched._reserved else 1 << 20)
+    in_flight = []
+    out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
+    assert sorted(o.id for o in out) == ["a", "b", "c"]
+    assert all(o.status == "done" and o.parts == 0 for o in out) and max(in_flight) == 1
