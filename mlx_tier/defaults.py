@@ -12,8 +12,15 @@ DEFAULT_MAX_TOKENS = 160
 # Small models fall into loops under pure greedy decoding; mlx-lm's repetition
 # penalty (over the last 20 tokens) breaks them. 1.0 turns it off.
 DEFAULT_REPETITION_PENALTY = 1.1
-# Prompt tokens per forward call while reading a prompt.
+# Prompt tokens per forward call while reading a prompt (the paced schedule).
 DEFAULT_PREFILL_STEP = 512
+# How documents go through the model: "throughput" reads prompts of several
+# documents in large pools and decodes many documents together, each expert read
+# once per layer step for the whole pool (mlx_tier.job.pool_engine; an overnight job
+# is judged in documents per hour: benches/results/throughput/NOTES.md); "paced" reads
+# one prompt at a time in ~4 s steps beside at most 8 decoding (the earlier default).
+SCHEDULES = ("throughput", "paced")
+DEFAULT_SCHEDULE = "throughput"
 # The job runner's kernel: the CPU kernel where it serves (many times faster on
 # MLX's CPU backend), else MLX's ops. The library's own default
 # (TierConfig.kernel) stays "mlx": its tokens equal mlx-lm's exactly.

@@ -25,6 +25,8 @@ def plan(
     disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
     compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
     gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
+    doc_tokens: int = typer.Option(900, "--doc-tokens", min=0, help="Plan the overnight job (`run`) for documents of this many tokens: its prompt and decode pools and predicted documents/hour (its kernels are probed, a few seconds); 0: not planned."),
+    summary_tokens: int = typer.Option(64, "--summary-tokens", min=1, help="Summary length (tokens) the job plan is for."),
     as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
 ) -> None:
     """Capacity worksheet for MODEL from its config and shard headers (no weights loaded).
@@ -42,7 +44,8 @@ def plan(
     if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
         fail(f"--memory-gb must be positive, got {memory_gb}")
     try:
-        p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps, compute_gbps=compute_gbps)
+        p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps,
+                      compute_gbps=compute_gbps, doc_tokens=doc_tokens or None, summary_tokens=summary_tokens)
     except CheckpointError as e:
         fail(str(e))
     if gpu_gb is not None and not (math.isfinite(gpu_gb) and gpu_gb > 0):
@@ -77,6 +80,20 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         ("expert compute", f"{p.compute_gbps:.2f} GB/s of weights"),
         ("predicted decode", f"{p.tok_s_low:.2f}-{p.tok_s_high:.2f} tok/s (hit rate {p.hit_rate_low:.0%}-{p.hit_rate_high:.0%})"
          if p.slots_per_layer else "does not fit: the budget holds less than one expert slot per layer"),
+    ] + _job_rows(p.job)
+
+
+def _job_rows(job: dict | None) -> list[tuple[str, str]]:
+    """`plan --doc-tokens`: the overnight job's pools and predicted documents/hour."""
+    if not job:
+        return []
+    return [
+        (f"job: documents of {job['prompt_tokens']} tokens, {job['output_tokens']}-token summaries", ""),
+        ("  prompt pool (throughput schedule)", f"{job['prefill_tokens']} tokens a step, {job['prefill_batch']} "
+                                                f"document(s) read together: {job['prompt_tok_s']:.1f} tok/s"),
+        ("  decode pool", f"{job['decode_pool']} sequences ({job['limited_by']}): {job['decode_tok_s']:.1f} tok/s"),
+        ("  predicted documents/hour", f"{job['docs_per_hour']:.0f} (one document at a time: "
+                                       f"{job['batch1_docs_per_hour']:.0f})"),
     ]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import psutil
@@ -89,6 +90,64 @@ def backend_of(api=mx) -> str:
     return "cuda" if cuda is not None and cuda.is_available() else "cpu"
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as ~2**63 rounded to pages
+
+
+def _cgroup_room(folder: Path, v2: bool) -> int | None:
+    """Bytes one cgroup folder still allows: limit - usage + its file pages (page
+    cache, active and inactive: the kernel reclaims it before failing an
+    allocation; expert reads keep much of it active); ``None`` without a limit there."""
+    try:
+        limit = (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+        if limit == "max" or int(limit) >= _UNLIMITED:
+            return None
+        usage = int((folder / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+        prefix = "" if v2 else "total_"
+        cache = int(stat.get(f"{prefix}inactive_file", 0)) + int(stat.get(f"{prefix}active_file", 0))
+    except (OSError, ValueError):
+        return None
+    return max(0, int(limit) - usage + cache)
+
+
+def cgroup_available(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Memory this process's cgroup (and its ancestors) still allows, in bytes; ``None``
+    where none is limited or there are no cgroups (macOS).
+
+    A cgroup memory limit charges the page cache and is invisible to psutil's
+    ``available``: a job under one (a container, ``benches/capped.py``) must
+    size its KV caches by it. cgroup v1 (``memory`` controller) and v2.
+    """
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "memory" not in controllers.split(","):
+            continue
+        base = root if v2 else root / "memory"
+        folder = base / path.lstrip("/")
+        while True:
+            room = _cgroup_room(folder, v2)
+            if room is not None:
+                rooms.append(room)
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    return min(rooms) if rooms else None
+
+
+def host_available() -> int:
+    """Host memory available now, bytes: psutil's ``available``, or less under a cgroup limit."""
+    room = cgroup_available()
+    available = int(psutil.virtual_memory().available)
+    return available if room is None else min(available, room)
+
+
 def probe(api=mx) -> FreeMemory:
     """The memory snapshot now (``api``: ``mlx.core``, or a fake).
 
@@ -102,7 +161,7 @@ def probe(api=mx) -> FreeMemory:
     if backend == "cuda":
         api.clear_cache()
         free, total = device_memory(api.device_info(), api.get_active_memory())
-    return FreeMemory(backend, int(vm.available), int(vm.total), free, total)
+    return FreeMemory(backend, host_available(), int(vm.total), free, total)
 
 
 # MLX's memory limit before mlx-tier first widened it, per ``mlx.core`` (or fake):

@@ -154,6 +154,8 @@ class LayerCache:
         self.slot_of = np.full(num_experts, -1, dtype=np.int64)  # expert -> slot
         self.free = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self.pending: mx.array | None = None  # last output that read the slabs
+        # Called with the layer index before the layer computes (ExpertCache.set_layer_hook).
+        self.hook = None
         # Once every expert is resident nothing can miss: the expert -> slot
         # remap then runs lazily on the device (no host sync per layer), and
         # the router outputs are kept to count hits later, off the hot path --
@@ -483,6 +485,17 @@ class ExpertCache:
             mx.eval(*pending)
         for layer in self.layers:
             layer.count_deferred()
+
+    def set_layer_hook(self, hook) -> None:
+        """Call ``hook(layer index)`` before each MoE layer computes, ``None`` to stop.
+
+        Between layers is where a long step can react: the job's throughput
+        schedule checks for a stop there (the hook raises to abandon the step,
+        :mod:`mlx_tier.job.pool_engine`). With a lazy kernel on fully resident
+        layers the calls come while the graph is built, before it is computed.
+        """
+        for layer in self.layers:
+            layer.hook = hook
 
     def snapshot(self) -> CacheStats:
         """A copy of the counters now; ``later - earlier`` measures a phase."""

@@ -87,6 +87,9 @@ class TierConfig:
         dense_kernel: with the cpu kernel, also serve the dense quantized
             layers (``nn.QuantizedLinear``, a tied ``QuantizedEmbedding``'s
             ``as_linear``) through it (:func:`mlx_tier.kernels.cpu.serve_dense`).
+        attention_kernel: with the cpu kernel, also compute attention on
+            numpy's BLAS (:func:`mlx_tier.kernels.cpu_attention.serve_attention`:
+            MLX's CPU attention runs on the reference BLAS of the Linux wheel).
 
     Raises:
         ValueError: an unknown ``read_method``/``page_cache``/``kernel``, or mmap with direct.
@@ -115,6 +118,7 @@ class TierConfig:
     prefetch: bool = DEFAULT_PREFETCH
     kernel: str | None = None
     dense_kernel: bool = True
+    attention_kernel: bool = True
     # The CUDA path (mlx_tier/engine/two_tier.py): a warm tier of host_cache_gb GiB in
     # host memory under the hot slabs (cache_gb is then the GPU budget). On CUDA
     # it is always on, None = half of the available host memory, 0 = off (copy
@@ -177,6 +181,8 @@ class TieredExperts(nn.Module):
         return slots.reshape(indices.shape)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self._cache.hook is not None:  # between layers: a long step may stop here (set_layer_hook)
+            self._cache.hook(self._cache.layer)
         if self._cache.all_resident():  # no miss possible: stay lazy, no host sync
             return self._kernel(self._inner, x, self._resident_slots(indices))
         # Layer l+1's predicted experts [..., k], evaluated with this layer's
@@ -321,6 +327,10 @@ def _wrap_blocks(model: nn.Module, blocks: list, config: TierConfig, kernel_name
         from mlx_tier.kernels.cpu import serve_dense
 
         serve_dense(model)
+    if config.attention_kernel and kernel_name == "cpu" and mx.default_device() == mx.cpu:
+        from mlx_tier.kernels.cpu_attention import serve_attention
+
+        serve_attention(model)
     return wrappers
 
 

@@ -23,17 +23,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import psutil
 
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
+from mlx_tier.engine.budgets import cgroup_available, host_available
 from mlx_tier.job.sampling import Sampling
 from mlx_tier.units import GIB
 
 # Batch size when memory allows more: on a 2-core CPU more sequences add
 # compute per step; mlx-lm's own default of 32 has run small Macs out of memory.
 MAX_AUTO_BATCH = 8
-# Memory kept free for the OS and everything not estimated here.
+# Memory kept free for the OS and everything not estimated here; under a cgroup
+# limit (a container) the OS's share lies outside it, so less is kept.
 HEADROOM_BYTES = 1 * GIB
+CGROUP_HEADROOM_BYTES = 256 << 20
 # Wall time one engine step should take at most (prompt reading + one decode
 # step): progress, the throttle and a stop request are seen between steps.
 STEP_SECONDS = 4.0
@@ -103,7 +105,8 @@ class MemoryPlan:
         fixed_per_seq: per-sequence bytes that do not grow with length.
         prefill_per_token: transient bytes per context token of a prefill step.
         prefill_fixed: transient bytes of a prefill step that do not grow with context.
-        free_bytes: memory available for sequences now (psutil, minus
+        free_bytes: memory available for sequences now (psutil, or less under a
+            cgroup limit: :func:`~mlx_tier.engine.budgets.host_available`; minus
             :data:`HEADROOM_BYTES`).
     """
 
@@ -129,6 +132,11 @@ class MemoryPlan:
         return max(0, int(room / per_token)) if per_token else 1 << 30
 
 
+def headroom() -> int:
+    """Bytes kept free: :data:`HEADROOM_BYTES`, or :data:`CGROUP_HEADROOM_BYTES` under a cgroup limit."""
+    return HEADROOM_BYTES if cgroup_available() is None else CGROUP_HEADROOM_BYTES
+
+
 def estimate_memory(cache: list, model_args, prefill_step: int) -> MemoryPlan:
     """A :class:`MemoryPlan` from a filled prompt cache and the model's shape.
 
@@ -139,7 +147,7 @@ def estimate_memory(cache: list, model_args, prefill_step: int) -> MemoryPlan:
     per_token, fixed = kv_bytes_per_token(cache)
     heads = int(getattr(model_args, "num_attention_heads", 0) or 0)
     hidden = int(getattr(model_args, "hidden_size", 0) or 0)
-    free = psutil.virtual_memory().available - HEADROOM_BYTES
+    free = host_available() - headroom()
     return MemoryPlan(per_token, fixed, float(heads * prefill_step * 4), prefill_step * hidden * 16, int(free))
 
 

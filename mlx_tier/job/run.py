@@ -83,6 +83,8 @@ from mlx_tier.outdir.layout import (
 
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
+# Least seconds between two progress updates sent from inside a long step.
+HEARTBEAT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -358,14 +360,18 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
     results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
+    known = [n for n in p.sizes.values() if n]
     probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
-    scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
-                          max(p.sizes.values(), default=0), probes)
+    generation = config.generation
+    if p.requests:  # each request's own sampling and stop strings: the batch engine's (the pool engine is greedy)
+        generation = replace(generation, schedule="paced")
+    scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, generation,
+                          max(p.sizes.values(), default=0), probes=probes,
+                          typical_chars=sum(known) // len(known) if known else None, documents=len(p.sizes))
     p.report.setup["generation"] = scheduler.info
-    source = scheduler.info["batch_size_from"]
-    reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
-                     f"usable context {scheduler.context} tokens")
+    _announce(scheduler, reporter)
     rate, prompt_rate = _Rate(), _Rate()
+    beat = _Heartbeat(reporter, progress, len(loaded.cache.layers), scheduler.pool_tokens)
     generated = [0]  # tokens generated this run, for the samples the watch page plots
     earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
                if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
@@ -382,6 +388,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
                             stopping=stopping())
         reporter.working(activity)
         progress.update(activity)
+        beat.step_done(activity)
         seen = len(throttle.timeline)
         throttle.step(info.generated)
         for change in throttle.timeline[seen:]:  # thermal state changes: durable, for `mlx-tier status`
@@ -389,8 +396,14 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
             if change["mode"] != "full":
                 reporter.message(f"throttle: {change['mode']} ({change['reason']})")
 
+    t_start, finished = time.perf_counter(), 0
+
+    def on_layer(layer: int) -> None:
+        beat.layer(layer)
+
     throttled_before = 0.0
-    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step):
+    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step, on_layer=on_layer):
+        finished += 1
         res = results[outcome.id]
         if p.batch is not None:
             _record_request(outcome, res, p)
@@ -409,7 +422,60 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
             record["reasoning"] = outcome.reasoning
         p.last_t = journal.append(record)["run_t"]
         reporter.finished(res, loaded.cache.stats.as_dict())
+    _achieved(scheduler, finished, time.perf_counter() - t_start, reporter)
     return throttle.as_dict()
+
+
+def _announce(scheduler: Scheduler, reporter: Reporter) -> None:
+    """The schedule's sizes (and the throughput schedule's predicted documents/hour), at start."""
+    info = scheduler.info
+    source = info["batch_size_from"]
+    reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
+                     f"usable context {scheduler.context} tokens")
+    pools = scheduler.pools
+    if info["schedule"] == "throughput":
+        predicted = (f"; predicted {pools.docs_per_hour:.0f} documents/hour for documents of ~{pools.prompt_tokens} "
+                     f"prompt tokens and {pools.output_tokens}-token summaries") if pools is not None else ""
+        reporter.message(f"throughput schedule: prompts read {scheduler.prefill_batch} at a time in pools of "
+                         f"{scheduler.pool_tokens} tokens, up to {scheduler.batch_size} sequences decoding "
+                         f"together{predicted}")
+
+
+def _achieved(scheduler: Scheduler, finished: int, seconds: float, reporter: Reporter) -> None:
+    """Documents/hour this run achieved, beside the prediction (report.json and a message)."""
+    if not finished or seconds <= 0:
+        return
+    achieved = finished / seconds * 3600
+    scheduler.info["achieved_docs_per_hour"] = round(achieved, 2)
+    if scheduler.pools is not None:
+        reporter.message(f"achieved {achieved:.0f} documents/hour (predicted {scheduler.pools.docs_per_hour:.0f})")
+
+
+class _Heartbeat:
+    """Progress during a long prefill step: before MoE layers, at most every
+    :data:`HEARTBEAT_SECONDS`, the last step's activity is sent again with the
+    prompt being read advanced by the layers done (an estimate)."""
+
+    def __init__(self, reporter: Reporter, progress, layers: int, pool_tokens: int):
+        self.reporter, self.progress, self.layers, self.pool = reporter, progress, max(1, layers), pool_tokens
+        self.last: Activity | None = None
+        self.sent = time.monotonic()
+
+    def step_done(self, activity: Activity) -> None:
+        self.last, self.sent = activity, time.monotonic()
+
+    def layer(self, layer: int) -> None:
+        now = time.monotonic()
+        if self.last is None or now - self.sent < HEARTBEAT_SECONDS:
+            return
+        self.sent = now
+        reading = self.last.reading
+        if reading is not None:
+            doc, done, total = reading
+            reading = (doc, min(total, done + int(self.pool * layer / self.layers)), total)
+        activity = replace(self.last, reading=reading)
+        self.reporter.working(activity)
+        self.progress.update(activity)
 
 
 def claim_all(doc_id: str) -> bool:

@@ -23,27 +23,36 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import psutil
-
 from mlx_tier.defaults import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
 )
-from mlx_tier.errors import CheckpointError, InputError, JobError, RequestError, TooLong
+from mlx_tier.engine.budgets import host_available
+from mlx_tier.errors import (
+    CheckpointError,
+    ConfigError,
+    InputError,
+    JobError,
+    RequestError,
+    TooLong,
+)
 from mlx_tier.job.batch_api import CHAT, Choice, prompt_tokens
 from mlx_tier.job.batch_engine import (
-    HEADROOM_BYTES,
     BatchEngine,
     PrefixCache,
     StepInfo,
     Task,
     common_prefix,
     estimate_memory,
+    headroom,
     stop_token_ids,
 )
 from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
+from mlx_tier.job.pool_engine import PoolEngine
 from mlx_tier.job.prompts import (
     build_prompt,
     reasoning_format,
@@ -63,13 +72,23 @@ class GenerationConfig:
         instruction: placed before each document's text.
         max_tokens: most tokens per generated summary (and per part summary).
         repetition_penalty: mlx-lm's repetition penalty, 1.0 = plain greedy.
-        batch_size: sequences decoded together; ``None``: from memory
-            headroom (:class:`~mlx_tier.job.batch_engine.MemoryPlan`), at most 8.
+        batch_size: sequences decoded together (an upper bound with the
+            throughput schedule); ``None``: the throughput schedule's pool
+            model (:mod:`mlx_tier.tools.pools`: memory and measured rates), or
+            for the paced schedule the memory headroom
+            (:class:`~mlx_tier.job.batch_engine.MemoryPlan`), at most 8.
         context: usable context in tokens (prompt + output); ``None``: the
             model's. Documents longer than this are summarised by map-reduce.
         prefill_step_size: prompt tokens per forward call during prefill.
         reuse_prefix: prefill the instruction prefix shared by every prompt
             once and copy its KV cache into each sequence.
+        schedule: ``"throughput"`` (default) or ``"paced"`` (:data:`SCHEDULES`).
+        pool_tokens: throughput schedule: prompt tokens per prefill step, over
+            the prompts read together; ``None``: from the pool model.
+        prefill_batch: throughput schedule: prompts read together; ``None``: from the pool model.
+
+    Raises:
+        ConfigError: an unknown ``schedule`` (``field``: ``schedule``).
     """
 
     instruction: str = DEFAULT_PROMPT
@@ -79,6 +98,13 @@ class GenerationConfig:
     context: int | None = None
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     reuse_prefix: bool = True
+    schedule: str = DEFAULT_SCHEDULE
+    pool_tokens: int | None = None
+    prefill_batch: int | None = None
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"`schedule` must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}", "schedule")
 
 
 @dataclass
@@ -156,6 +182,10 @@ class _Pulled:
             raise IndexError("no document left")
         return self._head.popleft()
 
+    def put_back(self, doc) -> None:
+        """Return ``doc`` to the front: it is the next one again."""
+        self._head.appendleft(doc)
+
 
 @dataclass(eq=False)
 class _Queues:
@@ -187,7 +217,9 @@ def _charge_time(info: StepInfo) -> None:
 
 
 class Scheduler:
-    """Keeps one :class:`~mlx_tier.job.batch_engine.BatchEngine` full of documents' prompts.
+    """Keeps one engine full of documents' prompts: a
+    :class:`~mlx_tier.job.pool_engine.PoolEngine` (the throughput schedule) or a
+    :class:`~mlx_tier.job.batch_engine.BatchEngine` (the paced one).
 
     Args:
         model, tokenizer: from :func:`mlx_tier.load` (or ``mlx_lm.load``).
@@ -201,15 +233,22 @@ class Scheduler:
         probes: token ids of a few of the prompts to come, whose common prefix is
             prefilled once and shared (batch requests with one system prompt);
             ``None``: the summarising instruction's prompts.
+        typical_chars: characters of a typical document to run (the mean), and
+        documents: how many: the throughput schedule's pools and its predicted
+            documents/hour are for those (``None``: as long as the longest; unknown).
 
     Attributes:
         batch_size: sequences decoded together (fixed for the scheduler's life).
+        pools: the throughput schedule's :class:`~mlx_tier.tools.pools.PoolPlan`
+            (``None``: paced, or sizes all given, or a model without an expert cache).
         info: what was decided at start (batch size, usable context, shared
-            prefix tokens and its prefill seconds, KV bytes per token), for the report.
+            prefix tokens and its prefill seconds, KV bytes per token, the pools
+            and their predicted documents/hour), for the report.
     """
 
     def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
-                 longest_chars: int | None = None, probes: list[list[int]] | None = None):
+                 longest_chars: int | None = None, probes: list[list[int]] | None = None,
+                 typical_chars: int | None = None, documents: int | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
@@ -224,7 +263,15 @@ class Scheduler:
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")
-        self.batch_size = config.batch_size or self._memory_batch(longest_chars)
+        self.pools = None
+        self.pool_tokens = config.pool_tokens or DEFAULT_PREFILL_STEP
+        self.prefill_batch = config.prefill_batch or 1
+        if config.schedule == "throughput":
+            self.batch_size = self._plan_pools(typical_chars or longest_chars, documents)
+        else:
+            self.batch_size = config.batch_size or self._memory_batch(longest_chars)
+        self._reserved: dict = {}  # task key -> KV bytes held (throughput schedule's admission)
+        self._kv_room = self._pool_room(longest_chars)
         self.info = {
             "batch_size": self.batch_size,
             "batch_size_from": "batch_size" if config.batch_size else "memory headroom",  # the setting, or why
@@ -235,7 +282,66 @@ class Scheduler:
             "kv_bytes_per_token": round(self.plan.kv_per_token),
             "prefill_step_size": config.prefill_step_size,
             "stop_token_ids": sorted(self.stop_ids),
+            "schedule": config.schedule,
         }
+        if config.schedule == "throughput":
+            self.info |= {"pool_tokens": self.pool_tokens, "prefill_batch": self.prefill_batch,
+                          "pools": self.pools.as_dict() if self.pools is not None else None}
+
+    def _plan_pools(self, chars: int | None, documents: int | None) -> int:
+        """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each
+        size the user gave kept; returns the decode pool (the engine's batch size)."""
+        from mlx_tier.tools.pools import (
+            MAX_DECODE_POOL,
+            choose_pools,
+            rates_for,
+            shape_of,
+        )
+
+        c = self.config
+        found = shape_of(self.model, self.plan.kv_per_token)
+        if found is not None and not (c.batch_size and c.pool_tokens and c.prefill_batch):
+            prompt = min(self.context - c.max_tokens, (chars or 3 * self.context) // 3 + len(self.prefix) + 16)
+            shape, probe = found
+            room = self.plan.free_bytes - self.plan.prefill_fixed
+            self.pools = choose_pools(shape, rates_for(self.model, probe), max(1, prompt), c.max_tokens, room,
+                                      c.batch_size, documents)
+            self.pool_tokens = c.pool_tokens or self.pools.prefill_tokens
+            self.prefill_batch = c.prefill_batch or self.pools.prefill_batch
+            return c.batch_size or self.pools.decode_pool
+        return c.batch_size or min(MAX_DECODE_POOL, self.plan.batch_size(self.context, MAX_DECODE_POOL))
+
+    def _kv_bytes(self, task: Task) -> int:
+        """KV-cache bytes ``task`` holds at its longest (prompt + ``max_tokens``)."""
+        return int(self.plan.kv_per_token * (len(task.prompt) + task.max_tokens)) + self.plan.fixed_per_seq
+
+    def _fits(self, task: Task, engine) -> bool:
+        """Throughput schedule: whether ``task``'s KV cache fits beside those in flight (a task
+        that does not waits for others to finish; alone, it runs: it was sized to fit)."""
+        if self.config.schedule != "throughput" or not engine.active:
+            return True
+        return sum(self._reserved.values()) + self._kv_bytes(task) <= self._kv_room
+
+    def _pool_room(self, longest_chars: int | None) -> int:
+        """Bytes for the KV caches of the sequences in flight: the memory plan's, less one
+        prefill pool's transient against the longest prompt
+        (:func:`mlx_tier.tools.pools.prefill_transient`)."""
+        from mlx_tier.tools.pools import prefill_transient, shape_of
+
+        longest = min(self.context, (longest_chars or 3 * self.context) // 3 + len(self.prefix) + 16)
+        found = shape_of(self.model, self.plan.kv_per_token)
+        if found is None:
+            heads = int(getattr(getattr(self.model, "args", None), "num_attention_heads", 1) or 1)
+            return self.plan.free_bytes - self.plan.prefill_fixed - 4 * heads * min(self.pool_tokens, longest) * longest
+        return int(self.plan.free_bytes - self.plan.prefill_fixed - prefill_transient(found[0], self.pool_tokens, longest))
+
+    def _add(self, engine, task: Task) -> None:
+        engine.add(task)
+        self._reserved[task.key] = self._kv_bytes(task)
+
+    def _release(self, tasks) -> None:
+        for t in tasks:
+            self._reserved.pop(t.key if isinstance(t, Task) else t, None)
 
     def _prefix(self) -> PrefixCache | None:
         return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
@@ -249,8 +355,13 @@ class Scheduler:
         longest = longest_chars // 3 + len(self.prefix) + 16
         return self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
 
-    def _new_engine(self, batch_size: int) -> BatchEngine:
+    def _new_engine(self, batch_size: int) -> BatchEngine | PoolEngine:
         c = self.config
+        self._reserved.clear()
+        if c.schedule == "throughput":
+            return PoolEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
+                              prefill_batch=self.prefill_batch, pool_tokens=self.pool_tokens,
+                              repetition_penalty=c.repetition_penalty, prefix=self._prefix())
         return BatchEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
                            prefix=self._prefix())
@@ -259,25 +370,31 @@ class Scheduler:
         """The usable context for a sequence starting now: memory now (sequences in
         flight already hold theirs), so a document that would not fit is split
         smaller, a request refused, instead of failing the process."""
-        now = replace(self.plan, free_bytes=psutil.virtual_memory().available - HEADROOM_BYTES)
+        now = replace(self.plan, free_bytes=host_available() - headroom())
         return min(self.context, now.max_tokens())
 
-    def _tasks(self, d: _Doc) -> list[Task]:
-        """The first calls of a document (raises TooLong, RequestError, or the tokenizer's errors)."""
+    def _tasks(self, d: _Doc, can_wait: bool = False) -> list[Task] | None:
+        """The first calls of a document (raises TooLong, RequestError, or the tokenizer's
+        errors); ``None`` when ``can_wait`` and the memory left now is what makes it not
+        fit whole (sequences in flight will free theirs)."""
         if d.doc.request is not None:
-            return self._request_tasks(d)
+            return self._request_tasks(d, can_wait)
         c = self.config
         prompt = build_prompt(self.tokenizer, c.instruction, d.doc.text)
         d.input_tokens = len(prompt)
         context = d.context = self._context_now()
         if len(prompt) + c.max_tokens <= context:
             return [Task((d, 0), prompt, c.max_tokens)]
+        if can_wait and context < min(self.context, len(prompt) + c.max_tokens):
+            return None
         d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, context - c.max_tokens)
         return [Task((d, i), p, c.max_tokens) for i, p in d.mr.prompts()]
 
-    def _request_tasks(self, d: _Doc) -> list[Task]:
+    def _request_tasks(self, d: _Doc, can_wait: bool = False) -> list[Task] | None:
         """A batch request's calls, one per choice, as written: its prompt, its token limit
-        (else ``config.max_tokens``, at most what the context leaves), its sampling.
+        (else ``config.max_tokens``, at most what the context leaves), its sampling;
+        ``None`` when ``can_wait`` and only the memory held by sequences in flight keeps
+        it from fitting now.
 
         Raises:
             RequestError: the request's own problem, a prompt that cannot be built, or
@@ -287,6 +404,8 @@ class Scheduler:
         prompt = prompt_tokens(self.tokenizer, req, self.vocab_size)
         d.input_tokens, d.context = len(prompt), self._context_now()
         room, limit = d.context - len(prompt), req.plan.max_tokens
+        if can_wait and room < (limit or 1) and self.context - len(prompt) >= (limit or 1):
+            return None
         if room < (limit or 1):
             raise RequestError(f"the prompt ({len(prompt)} tokens) plus the token limit ({limit or 1}) exceed the "
                                f"usable context of {d.context} tokens", "max_tokens" if limit else "messages",
@@ -324,7 +443,8 @@ class Scheduler:
                        d.seconds)
 
     def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
-            on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
+            on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None,
+            on_layer: Callable[[int], None] = lambda layer: None) -> Iterator[Outcome]:
         """Summarise ``docs`` (:class:`~mlx_tier.job.documents.Document` or
         :class:`~mlx_tier.job.documents.FileDocument`: anything with ``id``, ``text``
         and ``error``), yielding each outcome when final.
@@ -337,6 +457,9 @@ class Scheduler:
         finish (a map-reduce document not yet complete stays undone).
         ``on_step(info, ids in flight)`` runs after every engine step
         (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
+        With the throughput schedule, a prefill step (a minute, on a slow
+        machine) also calls ``on_layer(layer index)`` before each MoE layer and checks
+        ``should_stop()`` there: a stop then abandons the step at once.
         """
         q = _Queues(_Pulled(docs))
         engine = self._new_engine(self.batch_size)
@@ -346,7 +469,7 @@ class Scheduler:
             if stopping and not abandoned:
                 # Documents still reading their prompt are left for the next run
                 # (a long prefill would delay the stop); those already writing finish.
-                engine.cancel_unstarted()
+                self._release(engine.cancel_unstarted())
                 abandoned = True
             if q.alone is not None and q.alone.finished:
                 q.alone = None
@@ -358,7 +481,7 @@ class Scheduler:
                 continue
             in_flight = [t.key[0] for t in engine.tasks()]
             try:
-                info = engine.step()
+                info = self._step(engine, should_stop, on_layer)
             except (CheckpointError, OSError) as e:  # expert reads: no later document could run either
                 raise JobError(f"the checkpoint became unreadable ({e}); the job stopped, documents not "
                                "finished stay pending") from e
@@ -372,13 +495,24 @@ class Scheduler:
             yield from self._take_finished(info.finished, q.ready)
         engine.close()
 
+    def _step(self, engine, should_stop, on_layer) -> StepInfo:
+        """One engine step; a pool engine's prefill step is abandoned between layers on a stop
+        (its prompts are left for the next run, as :meth:`BatchEngine.cancel_unstarted` leaves them)."""
+        if not isinstance(engine, PoolEngine):
+            return engine.step()
+        info = engine.step(lambda layer: on_layer(layer) or should_stop())
+        self._release(engine.take_interrupted())
+        return info
+
     def _admit(self, engine: BatchEngine, q: _Queues) -> Iterator[Outcome]:
         """Fill the engine's free places: calls of started documents first, then the next
         document (a retried one alone, nothing else beside it); yields documents that fail
         as they start."""
         while engine.free:
             if q.ready:
-                engine.add(q.ready.popleft())
+                if not self._fits(q.ready[0], engine):
+                    return  # its KV cache would not fit yet: it waits for a sequence to finish
+                self._add(engine, q.ready.popleft())
                 continue
             source = q.solo if q.solo else q.waiting
             if not source or q.alone is not None or (q.solo and engine.active):
@@ -386,18 +520,22 @@ class Scheduler:
             d = _Doc(source.popleft(), time.perf_counter())
             if source is q.solo:
                 q.alone = d
-            started = self._start(d)
+            started = self._start(d, can_wait=source is q.waiting and engine.active > 0)
+            if started is None:  # no room for it now: it waits for a sequence to finish
+                q.waiting.put_back(d.doc)
+                return
             if isinstance(started, Outcome):
                 yield started
             else:
                 q.ready.extend(started)
 
-    def _start(self, d: _Doc) -> list[Task] | Outcome:
-        """A document's first calls, or its failed outcome (unreadable, too long, tokenizer error)."""
+    def _start(self, d: _Doc, can_wait: bool = False) -> list[Task] | Outcome | None:
+        """A document's first calls, its failed outcome (unreadable, too long, tokenizer
+        error), or ``None``: it waits (``can_wait``, :meth:`_tasks`)."""
         if d.doc.error is not None:
             return self._failed(d, d.doc.error)
         try:
-            return self._tasks(d)
+            return self._tasks(d, can_wait)
         except RequestError as e:
             return self._failed(d, e.prose, e.code, e.field)
         except TooLong as e:
@@ -426,6 +564,7 @@ class Scheduler:
     def _take_finished(self, finished, ready: deque) -> Iterator[Outcome]:
         """Outcomes of the calls that finished in a step: a document's summary, or
         for a map-reduce document its next calls (queued first in ``ready``)."""
+        self._release([f.key for f in finished])
         for f in finished:
             d, index = f.key
             if d.choices is not None:

@@ -66,6 +66,9 @@ class Plan:
     hit_rate_low: float
     hit_rate_high: float
     source: str = "local"  # local: a checkpoint folder; hub: config and headers read remotely, nothing downloaded
+    # The overnight job's throughput schedule (mlx_tier.tools.pools.PoolPlan.as_dict, with the
+    # document lengths it is for and the rates it used); None when not planned.
+    job: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -279,6 +282,8 @@ def make_plan(
     context_tokens: int = 8192,
     disk_gbps: float | None = None,
     compute_gbps: float | None = None,
+    doc_tokens: int | None = None,
+    summary_tokens: int = 64,
 ) -> Plan:  # 94 lines only by the Plan's 30 fields, set in one constructor call; the arithmetic lives in helpers above
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
@@ -290,6 +295,10 @@ def make_plan(
         memory_gb: memory to plan for (default: this machine's total).
         context_tokens: context length for the KV cache estimate.
         disk_gbps / compute_gbps: bandwidths; measured briefly when ``None``.
+        doc_tokens / summary_tokens: also plan the overnight job's pools for
+            documents of ``doc_tokens`` prompt tokens and summaries of
+            ``summary_tokens`` (:func:`job_pools`: its kernels are probed, a few
+            seconds); ``None``: not planned.
 
     Raises:
         CheckpointError: not an mlx-lm MoE checkpoint; not found; hub unreachable.
@@ -336,7 +345,13 @@ def make_plan(
     low = predicted_tok_s(hit_low, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
     high = predicted_tok_s(hit_high, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
 
+    job = None
+    if doc_tokens and slots:
+        free = memory_available - dense_bytes - slots * L * expert_bytes_resident - 2**30
+        job = job_pools(config, L, num_experts, top_k, slots, expert_bytes_disk, 2 * expert_params, disk_gbps,
+                        free, doc_tokens, summary_tokens)
     return Plan(
+        job=job,
         model=str(model_dir),
         source=source.kind,
         model_type=config.get("model_type", "?"),
@@ -367,3 +382,26 @@ def make_plan(
         hit_rate_low=round(hit_low, 4),
         hit_rate_high=round(hit_high, 4),
     )
+
+
+def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, expert_bytes: int,
+              expert_flops: float, disk_gbps: float, free_bytes: int, doc_tokens: int, summary_tokens: int) -> dict:
+    """The overnight job's pools and predicted documents/hour (:func:`mlx_tier.tools.pools.choose_pools`)
+    from a checkpoint's config, its kernels' rates probed here (:func:`mlx_tier.tools.pools.probe_rates`)."""
+    from mlx_tier.tools.pools import Shape, choose_pools, probe_rates
+
+    hidden = int(config.get("hidden_size") or 0)
+    heads = int(config.get("num_attention_heads") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    inner = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or hidden)
+    q = config.get("quantization") or {}
+    dense = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    kv = _kv_bytes(config, layers, default_compute_dtype(), 1)
+    shape = Shape(layers, experts, top_k, slots, expert_bytes, expert_flops, int(dense * 0.6), 2.0 * dense,
+                  4.0 * heads * head_dim, float(kv), heads, hidden, inner)
+    on_cpu = mx.default_device() == mx.cpu
+    rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
+                        head_dim, attention="cpu" if on_cpu else "mlx")
+    pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes))
+    return {**pools.as_dict(), "rates": rates.as_dict()}

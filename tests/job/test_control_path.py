@@ -123,9 +123,10 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
         return real_load(path, cache_gb, config=config)
 
     class Scheduler(real_scheduler):
-        def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, probes=None):
+        def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, probes=None,
+                     **sizes):
             seen["generation"], seen["longest_chars"] = config, longest_chars
-            super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes)
+            super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes, **sizes)
             seen["batch_size"] = self.batch_size
 
     monkeypatch.setattr(tiered, "load", load)
@@ -154,3 +155,46 @@ def test_library_errors_name_settings_and_the_cli_names_flags():
     assert as_flags(str(e.value)) == "--max-tok-s must be a positive number, got 0"
     assert as_flags("raise `context` or lower `max_tokens`") == "raise --context or lower --max-tokens"
     assert as_flags("`unknown_setting` stays") == "`unknown_setting` stays"
+
+
+def test_progress_moves_inside_long_prompt_steps_and_predicted_beside_achieved(tmp_path, small_moe,  # noqa: F811
+                                                                                monkeypatch):
+    """Throughput schedule: between MoE layers of a prefill step the last activity is sent
+    again (at most every HEARTBEAT_SECONDS: 0 here), the prompt read advanced; the run
+    announces its pools with a predicted documents/hour and reports the achieved one."""
+    import mlx_tier.job.run as jobs
+    from mlx_tier.job.run import Reporter
+
+    monkeypatch.setattr(jobs, "HEARTBEAT_SECONDS", 0.0)
+    beats = []
+
+    class Beat(jobs._Heartbeat):
+        def layer(self, layer):
+            before = self.sent
+            super().layer(layer)
+            if self.sent != before:
+                beats.append(layer)
+
+    monkeypatch.setattr(jobs, "_Heartbeat", Beat)
+
+    class Seen(Reporter):
+        def __init__(self):
+            self.activities, self.messages = [], []
+
+        def working(self, activity):
+            self.activities.append(activity)
+
+        def message(self, text):
+            self.messages.append(text)
+
+    docs = tmp_path / "docs"
+    make_docs(docs, 3)
+    seen = Seen()
+    report = run_job(JobConfig(input=docs, out_dir=tmp_path / "out", model=small_moe,
+                               generation=GenerationConfig(max_tokens=4, pool_tokens=16, prefill_batch=2)), seen)
+    assert report.setup["generation"]["schedule"] == "throughput"
+    steps = [a for a in seen.activities if a.reading is not None]
+    assert beats and len(seen.activities) >= len(beats) + 1  # sent from inside prefill steps, beside the steps'
+    assert any("predicted" in m and "documents/hour" in m for m in seen.messages)
+    assert any(m.startswith("achieved") and "predicted" in m for m in seen.messages)
+    assert report.setup["generation"]["achieved_docs_per_hour"] > 0 and steps

@@ -81,7 +81,8 @@ def test_a_failing_document_fails_alone(tiered, tiny_moe):
 
 def test_stop_request_starts_nothing_new(tiered, tiny_moe):
     model, tokenizer = tiered
-    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=2))
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=2,
+                                                                         schedule="paced"))
     generated = []
 
     def on_step(info, ids):
@@ -95,6 +96,20 @@ def test_stop_request_starts_nothing_new(tiered, tiny_moe):
     generated.clear()
     out = list(sched.run(docs(TEXTS), should_stop=lambda: len(generated) > 0, on_step=on_step))
     assert out == [] and sum(generated) == 0
+
+
+def test_stop_abandons_a_prompt_pool_between_layers(tiered, tiny_moe):
+    """Throughput schedule: a stop asked while a prompt pool is being read takes effect
+    at the next MoE layer (not at the end of the step); the documents being read are
+    left for the next run, and the scheduler ends with nothing finished."""
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
+                                                                         pool_tokens=512, prefill_batch=3))
+    layers, steps = [], []
+    out = list(sched.run(docs(TEXTS), should_stop=lambda: bool(layers), on_step=lambda info, ids: steps.append(info),
+                         on_layer=layers.append))
+    assert out == [] and layers == [0]  # asked once, before the first layer: the step went no further
+    assert [s.prefill_tokens for s in steps] == [0] and sched._reserved == {}  # one step, nothing read
 
 
 def test_impossible_context_is_refused_before_any_document(tiered, tiny_moe):
@@ -117,3 +132,34 @@ def test_nothing_outside_the_reasoning_fails_the_document(tiered, tiny_moe):
     assert out.status == "failed" and "outside the reasoning" in out.error and "`retry_failed`" in out.error
     assert "--" not in out.error and "--retry-failed" in as_flags(out.error)  # the CLI renders the flags
     assert sched._finish(_Doc(Document("u", "u", "x"), 0.0), "A summary.", "stop").status == "done"
+
+
+def test_documents_whose_kv_cache_does_not_fit_wait(tiered, tiny_moe):
+    """Throughput schedule: a document starts only when its KV cache (prompt + max_tokens)
+    fits beside those in flight; the others wait for a place, then all finish."""
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
+                                                                         pool_tokens=512, prefill_batch=3))
+    per_doc = sched.plan.kv_per_token * 70  # the prompts here are ~50 tokens + 8 generated
+    sched._kv_room = int(1.5 * per_doc)  # room for one document at a time
+    in_flight = []
+    out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
+    assert sorted(o.id for o in out) == ["a", "b", "c"] and all(o.status == "done" for o in out)
+    assert max(in_flight) == 1 and sched._reserved == {}
+
+
+def test_a_document_that_finds_no_memory_waits_instead_of_failing(tiered, tiny_moe, monkeypatch):
+    """When the memory left now (not the model's context) is what keeps a document from
+    fitting whole, and others are in flight, it waits for them instead of being split
+    into parts or failed; alone, it is split as before."""
+    import mlx_tier.job.scheduler as scheduler_module
+
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
+                                                                         pool_tokens=512, prefill_batch=3))
+    plenty = scheduler_module.host_available()
+    monkeypatch.setattr(scheduler_module, "host_available", lambda: plenty if not sched._reserved else 1 << 20)
+    in_flight = []
+    out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
+    assert sorted(o.id for o in out) == ["a", "b", "c"]
+    assert all(o.status == "done" and o.parts == 0 for o in out) and max(in_flight) == 1

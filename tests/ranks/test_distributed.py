@@ -253,13 +253,15 @@ def test_the_plan_carries_every_setting_to_the_ranks(tmp_path):
 
     configs = [
         JobConfig(input=Path("-"), out_dir=tmp_path, input_paths=("a.txt", "b c.pdf"), output_format="jsonl",
-                  generation=GenerationConfig(max_tokens=7, repetition_penalty=1.3, prefill_step_size=64),
+                  generation=GenerationConfig(max_tokens=7, repetition_penalty=1.3, prefill_step_size=64,
+                                              schedule="paced", pool_tokens=256, prefill_batch=3),
                   throttle=ThrottleConfig(max_temp=80.0, max_tok_s=3.5, pause_on_battery=True, min_battery=20.0,
                                           poll_seconds=2.0, fair_duty=0.7, serious_duty=0.3, hot_duty=0.45,
                                           temp_hysteresis=2.0, battery_hysteresis=4.0, resume_after=9.0,
                                           stop_check_seconds=0.5),
                   tier=TierConfig(policy="lru", kernel="mlx", dtype=mx.bfloat16, layer_slots=(2, 3),
                                   read_threads=2, read_method="mmap", page_cache="drop", dense_kernel=False,
+                                  attention_kernel=False,
                                   transfer_costs=TransferCosts(cpu_gbps=math.inf), host_cache_gb=0.5),
                   command="mlx-tier run - --out x < x/inputs.txt", nice=3, background_qos=True, save_profile=True),
         JobConfig(input=tmp_path / "docs", out_dir=tmp_path / "out", model="org/repo", trace=tmp_path / "t.npz",

@@ -1,0 +1,308 @@
+"""Documents per hour: today's paced schedule against the throughput schedule, side by side.
+
+Question: how many documents per hour does the overnight job summarise with
+the throughput schedule (prompt pools of several documents, decode pools of
+many sequences, CPU attention: :mod:`mlx_tier.job.pool_engine`) against the
+schedule it replaces (one prompt at a time in ~4 s steps, at most 8 sequences
+decoding, MLX's attention), on the same documents, model, cache and cap?
+
+How:
+- Schedules (``--schedules``): ``paced`` (what ``mlx-tier run`` did before:
+  ``schedule="paced"``, MLX's attention, the batch from memory, at most 8);
+  ``throughput`` (the job's default now: pools from :mod:`mlx_tier.tools.pools`);
+  ``batch1`` (the throughput schedule with one sequence at a time, on the first
+  ``--batch1-docs`` documents: the decode cost of a lone sequence);
+  ``throughput-mlx-attn`` (the throughput schedule with MLX's attention: what
+  the pools alone buy). All use the CPU expert kernel, greedy with the job's
+  repetition penalty, the job's instruction and the same documents.
+- Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
+  of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
+  order), summaries of at most ``--summary-tokens``.
+- Each run is a fresh process (``--worker``), inside a cgroup v1 memory group
+  of ``--cap-gb`` when given (page cache charged: ``benches/capped.py``), the
+  checkpoint's pages evicted first under a cap (every run starts cold). Rounds
+  interleave the schedules (round r rotated by r), so a load that moves hits
+  them alike; the load average is recorded at each run's start and end.
+- Per run: wall time, documents/hour, prompt tok/s (prompt tokens over the
+  time of the steps that read prompts), generated tok/s and decode seconds per
+  generated token (decode steps only), bytes read per token, hit rate, read
+  stall, peak RSS, the share of the roofline (the job's time if every layer
+  step of its own pools cost only max(its expert reads / read rate, its
+  compute / compute rates), rates probed in the run:
+  :func:`mlx_tier.tools.pools.probe_rates`; ``roofline_seconds``), and for
+  the throughput schedule its pools and predicted documents/hour.
+- Resumable: every finished run is appended to ``OUT/runs.jsonl`` at once; the
+  same command continues where it stopped (another command's settings are
+  refused). ``--report-only`` prints the table from the file.
+
+    python benches/throughput.py --out OUT --slots 3 --docs 8            # the demo, 3/8 slots
+    python benches/throughput.py --out OUT --model /path/synth-24 --cache-gb 0.5 --cap-gb 2 --docs 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn")
+
+
+# ------------------------------------------------------------------- documents
+def documents(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list:
+    """``n`` documents of ``lo``..``hi`` tokens cut from the example documents (cycled)."""
+    from mlx_tier.job.documents import Document
+
+    text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((HERE.parent / "examples/docs").glob("*.*")))
+    ids = tokenizer.encode(text)
+    lengths = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    random.Random(seed).shuffle(lengths)
+    docs, start = [], 0
+    for i, length in enumerate(lengths):
+        piece = [ids[(start + j) % len(ids)] for j in range(length)]
+        start += 997
+        docs.append(Document(f"doc{i:02d}", "", tokenizer.decode(piece)))
+    return docs
+
+
+# ---------------------------------------------------------------------- worker
+def worker(spec: dict) -> dict:
+    """One run: load, summarise the documents with one schedule, measure."""
+    import mlx_tier
+    from mlx_tier import TierConfig
+    from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY
+    from mlx_tier.engine.checkpoint import context_length
+    from mlx_tier.job.run import FALLBACK_CONTEXT
+    from mlx_tier.job.scheduler import GenerationConfig, Scheduler
+    from mlx_tier.tools import pools
+
+    load0 = os.getloadavg()[0]
+    sched = spec["schedule"]
+    model_dir = Path(spec["model"])
+    tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
+                      attention_kernel=sched not in ("paced", "throughput-mlx-attn"))
+    t0 = time.perf_counter()
+    model, tokenizer = mlx_tier.load(model_dir, config=tier)
+    load_s = time.perf_counter() - t0
+    docs = documents(tokenizer, spec["docs"], spec["min_tokens"], spec["max_tokens"])
+    if sched == "batch1":
+        docs = docs[: spec["batch1_docs"]]
+    gen = GenerationConfig(DEFAULT_PROMPT, spec["summary_tokens"], DEFAULT_REPETITION_PENALTY,
+                           schedule="paced" if sched == "paced" else "throughput",
+                           batch_size=1 if sched == "batch1" else None, prefill_batch=1 if sched == "batch1" else None)
+    chars = [len(d.text) for d in docs]
+    t0 = time.perf_counter()
+    s = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), gen, max(chars),
+                  typical_chars=sum(chars) // len(chars), documents=len(docs))
+    setup_s = time.perf_counter() - t0
+    model.expert_cache.reset_stats()
+    acc = {"prompt_tokens": 0, "prompt_s": 0.0, "generated": 0, "decode_s": 0.0, "steps": 0}
+
+    def on_step(info, ids):
+        acc["prompt_tokens"] += info.prefill_tokens
+        acc["prompt_s"] += info.prefill_seconds
+        acc["generated"] += info.generated
+        acc["decode_s"] += info.decode_seconds
+        acc["steps"] += 1
+
+    from mlx_tier.engine.memory import model_memory_controls
+
+    t0 = time.perf_counter()
+    with model_memory_controls(model, s.context, s.batch_size):  # MLX's buffer cache bounded, as run_job does
+        outs = list(s.run(docs, on_step=on_step))
+    wall = time.perf_counter() - t0
+    st = model.expert_cache.stats
+    tokens = acc["prompt_tokens"] + acc["generated"]
+    found = pools.shape_of(model, s.plan.kv_per_token)
+    rates = pools.rates_for(model, found[1]) if found else None
+    roof_s = roofline_seconds(found[0], rates, acc, s, acc["prompt_tokens"] / max(1, len(outs))) if found else None
+    return {
+        "schedule": sched, "docs": len(outs), "done": sum(o.status == "done" for o in outs), "wall_s": wall,
+        "errors": [o.error for o in outs if o.error], "parts": sum(o.parts for o in outs),
+        "load_s": load_s, "setup_s": setup_s, "docs_per_hour": len(outs) / wall * 3600,
+        "prompt_tok_s": acc["prompt_tokens"] / max(acc["prompt_s"], 1e-9), "prompt_tokens": acc["prompt_tokens"],
+        "generated": acc["generated"], "gen_tok_s_wall": acc["generated"] / wall,
+        "decode_s_per_token": acc["decode_s"] / max(1, acc["generated"]), "steps": acc["steps"],
+        "tokens_per_s": tokens / wall, "roofline_s": roof_s, "roofline_share": roof_s / wall if roof_s else None,
+        "hit_rate": st.hit_rate, "bytes_read_per_token": st.bytes_read / max(1, tokens), "read_stall_share": st.stall_seconds / wall,
+        "batch_size": s.batch_size, "pool_tokens": s.pool_tokens if sched != "paced" else None,
+        "prefill_batch": s.prefill_batch if sched != "paced" else None,
+        "pools": s.pools.as_dict() if s.pools is not None else None,
+        "rates": rates.as_dict() if rates else None,
+        "summaries": {o.id: o.summary for o in outs}, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        * 1024, "load_start": load0, "load_end": os.getloadavg()[0],
+    }
+
+
+def roofline_seconds(shape, rates, acc: dict, sched, prompt_tokens: float) -> float:
+    """The job's time at the roofline of its own pools: each layer step costs its expert
+    reads or its compute (GEMM/matvec, dense, attention), none of the fixed costs
+    (:func:`mlx_tier.tools.pools.layer_step_seconds` with the overheads at 0)."""
+    from dataclasses import replace
+
+    from mlx_tier.tools import pools
+
+    bare = replace(rates, overhead_s=0.0, per_expert_s=0.0)
+    paced = sched.config.schedule == "paced"
+    pool = min(sched.pool_tokens, 64) if paced else sched.pool_tokens  # paced steps: tens of tokens
+
+    def per_token(tokens, context):
+        parts = pools.layer_step_seconds(shape, bare, tokens, context)
+        compute = parts["expert"] + parts["dense"] + parts["attn"]
+        return shape.layers * max(parts["read"], compute) / tokens
+
+    return (acc["prompt_tokens"] * per_token(pool, prompt_tokens / 2)
+            + acc["generated"] * per_token(max(1, sched.batch_size), prompt_tokens))
+
+
+# ------------------------------------------------------------------ the driver
+def fingerprint(args) -> dict:
+    keys = ("model", "slots", "cache_gb", "cap_gb", "docs", "min_tokens", "max_tokens", "summary_tokens",
+            "batch1_docs", "schedules", "rounds")
+    return {k: getattr(args, k) if k != "model" else str(args.model) for k in keys}
+
+
+def plan(args) -> list[tuple[int, str]]:
+    scheds = args.schedules.split(",")
+    return [(r, scheds[(i + r) % len(scheds)]) for r in range(args.rounds) for i in range(len(scheds))]
+
+
+def run_one(args, schedule: str) -> dict:
+    spec = {"schedule": schedule, "model": str(args.model), "slots": args.slots, "cache_gb": args.cache_gb,
+            "docs": args.docs, "min_tokens": args.min_tokens, "max_tokens": args.max_tokens,
+            "summary_tokens": args.summary_tokens, "batch1_docs": args.batch1_docs}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    files = sorted(Path(args.model).glob("*.safetensors"))
+    if args.cap_gb:
+        sys.path.insert(0, str(HERE))
+        from capped import MemoryCgroup
+        from pagecache import drop_pages
+
+        drop_pages(files)
+        with MemoryCgroup(int(args.cap_gb * 2**30), f"throughput-bench-{os.getpid()}") as cg:
+            p = subprocess.run(cg.wrap(cmd), capture_output=True, text=True)
+            extra = {"cgroup_peak": cg.read("memory.max_usage_in_bytes"), "oom_kills": cg.oom_kills()}
+    else:
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        extra = {}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {"schedule": schedule, "failed": True, "returncode": p.returncode, "stderr": p.stderr[-2000:], **extra}
+    return {**json.loads(lines[-1]), **extra}
+
+
+def caliber(args) -> dict:
+    disk = sum(p.stat().st_size for p in Path(args.model).glob("*.safetensors"))
+    return {"machine": f"{platform.machine()} {psutil.cpu_count()} cores "
+                       f"{psutil.virtual_memory().total / 2**30:.0f} GiB", "model": str(args.model),
+            "model_gib": round(disk / 2**30, 2), "cache": f"{args.slots} slots/layer" if args.slots
+            else f"{args.cache_gb} GiB", "cap_gib": args.cap_gb or "none", "docs": args.docs,
+            "doc_tokens": f"{args.min_tokens}-{args.max_tokens}", "summary_tokens": args.summary_tokens,
+            "decoding": "greedy, repetition penalty 1.1 (the job's default)", "kernel": "cpu",
+            "page_cache": "cold each run (evicted)" if args.cap_gb else "warm", "rounds": args.rounds}
+
+
+def _med(runs, key):
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def report(out: Path) -> None:
+    meta = json.loads((out / "plan.json").read_text())
+    runs = [json.loads(ln) for ln in (out / "runs.jsonl").read_text().splitlines() if ln.strip()]
+    print("caliber:", json.dumps(meta["caliber"]))
+    by = {}
+    for r in runs:
+        if not r.get("failed"):
+            by.setdefault(r["schedule"], []).append(r)
+    print(f"\n{'schedule':<20} {'runs':>4} {'docs/h':>8} {'prompt t/s':>10} {'dec s/tok':>9} {'gen t/s':>8} "
+          f"{'MiB/tok':>8} {'hit':>6} {'roof':>6} {'pred d/h':>8} {'load':>9}")
+    for name, rs in by.items():
+        pred = _med([r["pools"] for r in rs if r.get("pools")], "docs_per_hour") if any(r.get("pools") for r in rs) \
+            else None
+        share = _med(rs, "roofline_share")
+        print(f"{name:<20} {len(rs):>4} {_med(rs, 'docs_per_hour'):8.1f} {_med(rs, 'prompt_tok_s'):10.2f} "
+              f"{_med(rs, 'decode_s_per_token'):9.3f} {_med(rs, 'gen_tok_s_wall'):8.2f} "
+              f"{_med(rs, 'bytes_read_per_token') / 2**20:8.2f} {_med(rs, 'hit_rate'):6.1%} "
+              f"{(share or 0):6.1%} {pred if pred is not None else float('nan'):8.1f} "
+              f"{min(r['load_start'] for r in rs):4.1f}-{max(r['load_end'] for r in rs):4.1f}")
+    for r in runs:
+        if r.get("failed"):
+            print(f"FAILED {r['schedule']}: rc {r['returncode']} {r.get('stderr', '')[-300:]}")
+    base, new, one = by.get("paced"), by.get("throughput"), by.get("batch1")
+    if base and new:
+        print(f"\nthroughput / paced: documents/hour {_med(new, 'docs_per_hour') / _med(base, 'docs_per_hour'):.2f}x, "
+              f"prompt reading {_med(new, 'prompt_tok_s') / _med(base, 'prompt_tok_s'):.2f}x, decode cost per "
+              f"token {_med(new, 'decode_s_per_token') / _med(base, 'decode_s_per_token'):.2f}x")
+        same = [a["summaries"] == b["summaries"] for a in base for b in new]
+        print(f"summaries identical between the schedules: {sum(same)}/{len(same)} pairs of runs")
+    if new and one:
+        print(f"decode cost per generated token at the chosen pool / batch 1: "
+              f"{_med(new, 'decode_s_per_token') / _med(one, 'decode_s_per_token'):.3f}")
+    if new and any(r.get("pools") for r in new):
+        for r in new:
+            p = r["pools"]
+            print(f"predicted {p['docs_per_hour']:.1f} docs/h, achieved {r['docs_per_hour']:.1f} "
+                  f"(achieved / predicted {r['docs_per_hour'] / p['docs_per_hour']:.2f}); pools: prefill "
+                  f"{r['pool_tokens']} tokens x {r['prefill_batch']} prompts, decode {r['batch_size']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the demo model)")
+    ap.add_argument("--slots", type=int, default=None, help="expert slots per layer")
+    ap.add_argument("--cache-gb", type=float, default=None)
+    ap.add_argument("--cap-gb", type=float, default=0.0, help="cgroup v1 memory cap, GiB (0: none)")
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--min-tokens", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=1500)
+    ap.add_argument("--summary-tokens", type=int, default=64)
+    ap.add_argument("--batch1-docs", type=int, default=3)
+    ap.add_argument("--schedules", default="paced,throughput,batch1")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if args.report_only:
+        report(args.out)
+        return
+    if args.model is None:
+        from mlx_tier.tools.demo_model import ensure_demo_model
+
+        args.model = ensure_demo_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    fp = fingerprint(args)
+    meta_file, runs_file = args.out / "plan.json", args.out / "runs.jsonl"
+    if meta_file.exists() and json.loads(meta_file.read_text())["fingerprint"] != fp:
+        sys.exit(f"{args.out} holds runs of other settings: {json.loads(meta_file.read_text())['fingerprint']}")
+    meta_file.write_text(json.dumps({"fingerprint": fp, "caliber": caliber(args)}, indent=1))
+    done = [json.loads(ln) for ln in runs_file.read_text().splitlines()] if runs_file.exists() else []
+    todo = plan(args)[len(done):]
+    print(f"{len(done)} runs recorded, {len(todo)} to go", flush=True)
+    for r, sched in todo:
+        t0 = time.time()
+        run = {"round": r, **run_one(args, sched), "started": t0}
+        with runs_file.open("a") as f:
+            f.write(json.dumps(run) + "\n")
+        print(f"round {r} {sched}: {run.get('docs_per_hour', 'FAILED')} docs/h, {time.time() - t0:.0f} s, "
+              f"load {run.get('load_start')}-{run.get('load_end')}", flush=True)
+    report(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The throughput schedule's executor: large token pools per layer step.
+
+An MoE layer step that carries few tokens sends a token or less to each expert
+it reads (128 experts, top-8, 8 sequences: ~0.5), so every expert read and
+every expert's dequantised weights serve almost nothing. Offline engines get
+their throughput from large pools instead: MoE-Gen (arXiv 2503.09716)
+accumulates tokens and runs the expert modules on large batches of their own
+size; FlexGen's zig-zag schedule loads a layer once for a block of sequences;
+MoE-Lightning (arXiv 2411.11217) sizes those batches with a roofline model.
+Here, on mlx-lm's own batch primitives (``PromptProcessingBatch``,
+``GenerationBatch``: its padding, masks and caches, not a fork of them), a
+step is one of:
+
+- a **prefill step**: up to ``prefill_batch`` prompts read together, each a
+  chunk of ``pool_tokens / n`` tokens (right-padded by mlx-lm to one length),
+  so a layer step carries ``pool_tokens`` prompt tokens and each expert the
+  tiered layer fetches is computed once for all of them (the CPU kernel's
+  GEMM path: rows grouped by expert, dequantised once);
+- a **decode step**: every generating sequence (up to ``batch_size``) decodes
+  one token together.
+
+Prefill and decode steps alternate while both have work. Sizes come from
+:mod:`mlx_tier.job.pools`; this module only executes them.
+
+Long steps stay responsive: during a prefill step a hook runs before each
+tiered MoE layer (:meth:`mlx_tier.engine.cache.ExpertCache.set_layer_hook`);
+``interrupt()`` true there abandons the step, and the prompts being read
+are dropped (returned by :meth:`PoolEngine.take_interrupted`), as a stop
+drops prompts still being read in the paced schedule. Decode steps are never
+interrupted (a token half computed would be lost).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mlx_tier.defaults import DEFAULT_PREFILL_STEP
+from mlx_tier.job.batch_engine import Finished, PrefixCache, StepInfo, Task
+
+
+class StepInterrupted(Exception):
+    """Raised by the layer hook to abandon a prefill step (a stop request)."""
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One sequence in the engine.
+
+    ``rest`` is the prompt still to read except its last token (``last``),
+    which mlx-lm feeds as the first decode input.
+    """
+
+    uid: int
+    task: Task
+    rest: list[int]
+    last: int
+    cache: list
+    seen: list[int]
+    processors: list
+    prefix_tokens: int
+    started: float
+    read: int = 0  # prompt tokens read so far, the shared prefix not counted
+    tokens: list[int] = field(default_factory=list)
+
+
+class PoolEngine:
+    """Prefill pools and decode pools over mlx-lm's batch primitives (greedy).
+
+    Same interface as :class:`~mlx_tier.job.batch_engine.BatchEngine`
+    (:meth:`add` while :attr:`free` > 0, then :meth:`step`), so the scheduler
+    drives either.
+
+    Args:
+        model, tokenizer: from :func:`mlx_tier.load` (or ``mlx_lm.load``).
+        stop_ids: end-of-sequence token ids.
+        batch_size: most sequences in the engine (the decode pool), >= 1.
+        prefill_batch: most prompts read together in one prefill step, >= 1.
+        pool_tokens: prompt tokens per prefill step, over all its prompts
+            (each prompt's chunk is ``pool_tokens // prompts``, at least 1).
+        repetition_penalty: mlx-lm's (its context includes the prompt).
+        prefix: a shared prefix's KV cache, copied into each prompt that starts with it.
+
+    Raises:
+        ValueError: a size below 1.
+    """
+
+    def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 32, prefill_batch: int = 8,
+                 pool_tokens: int = DEFAULT_PREFILL_STEP, repetition_penalty: float = 1.0,
+                 prefix: PrefixCache | None = None):
+        from mlx_lm.generate import GenerationBatch, StopSequences
+        from mlx_lm.sample_utils import greedy_sampler
+
+        if min(batch_size, prefill_batch, pool_tokens) < 1:
+            raise ValueError(f"pool sizes must be >= 1, got batch {batch_size}, prefill batch {prefill_batch}, "
+                             f"pool tokens {pool_tokens}")
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size, self.prefill_batch, self.pool_tokens = batch_size, prefill_batch, pool_tokens
+        self.repetition_penalty, self.prefix = repetition_penalty, prefix
+        self._stops = StopSequences([[t] for t in sorted(stop_ids)])
+        self._sampler = greedy_sampler
+        self._gen = GenerationBatch.empty(model, greedy_sampler)
+        self._waiting: deque[_Seq] = deque()
+        self._prompt = None  # PromptProcessingBatch of the prompts being read, or None
+        self._reading: list[_Seq] = []  # aligned with self._prompt.uids
+        self._generating: dict[int, _Seq] = {}
+        self._interrupted: list[Task] = []
+        self._uid = 0
+        self._prefill_turn = True
+
+    @property
+    def free(self) -> int:
+        return self.batch_size - self.active
+
+    @property
+    def active(self) -> int:
+        return len(self._waiting) + len(self._reading) + len(self._generating)
+
+    def add(self, task: Task) -> None:
+        """Queue ``task``; its prompt is read in a coming prefill step.
+
+        Raises:
+            ValueError: no free place, or an empty prompt.
+        """
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.sample_utils import make_logits_processors
+
+        if self.free <= 0:
+            raise ValueError("batch is full")
+        if not task.prompt:
+            raise ValueError("empty prompt")
+        prompt, cache, seen, used = task.prompt, None, [], 0
+        if self.prefix is not None and self.prefix.applies(task.prompt):
+            used = len(self.prefix)
+            prompt, cache, seen = task.prompt[used:], self.prefix.copy(), list(self.prefix.tokens)
+        procs = make_logits_processors(repetition_penalty=self.repetition_penalty) \
+            if self.repetition_penalty != 1.0 else []
+        self._waiting.append(_Seq(self._uid, task, list(prompt[:-1]), prompt[-1],
+                                  cache if cache is not None else make_prompt_cache(self.model), seen, procs, used,
+                                  time.perf_counter()))
+        self._uid += 1
+
+    def step(self, interrupt: Callable[[], bool] | None = None) -> StepInfo:
+        """One prefill step or one decode step (alternating while both have work).
+
+        Args:
+            interrupt: ``interrupt(layer index)``, asked before each tiered MoE layer
+                of a prefill step; true abandons the step (its prompts go to
+                :meth:`take_interrupted`).
+        """
+        from mlx_lm.generate import generation_stream
+
+        with mx.stream(generation_stream):
+            prefill = (self._reading or self._waiting) and (self._prefill_turn or not self._generating)
+            self._prefill_turn = not prefill
+            return self._prefill_step(interrupt) if prefill else self._decode_step()
+
+    def _start_prompts(self) -> None:
+        """Move up to ``prefill_batch`` waiting sequences into the prompt batch (when it is empty)."""
+        from mlx_lm.generate import PromptProcessingBatch
+
+        if self._reading or not self._waiting:
+            return
+        take = [self._waiting.popleft() for _ in range(min(self.prefill_batch, len(self._waiting)))]
+        self._reading = take
+        self._prompt = PromptProcessingBatch(
+            self.model, [s.uid for s in take], [s.cache for s in take], tokens=[list(s.seen) for s in take],
+            prefill_step_size=1 << 30, fallback_sampler=self._sampler, samplers=[None] * len(take),
+            logits_processors=[s.processors for s in take], stop_sequences=[self._stops] * len(take),
+            max_tokens=[s.task.max_tokens for s in take])
+
+    def _prefill_step(self, interrupt) -> StepInfo:
+        """Read one chunk of every prompt in the prompt batch; prompts read to their last
+        token move to the generation batch."""
+        info = StepInfo()
+        self._start_prompts()
+        t0 = time.perf_counter()
+        chunk = max(1, self.pool_tokens // len(self._reading))
+        parts = [s.rest[:chunk] for s in self._reading]
+        if any(parts) and not self._run_prompt(parts, interrupt):
+            info.seconds = info.prefill_seconds = time.perf_counter() - t0
+            return info
+        for s, part in zip(self._reading, parts):
+            del s.rest[: len(part)]
+            s.read += len(part)
+        info.prefill_tokens = sum(len(p) for p in parts)
+        info.prefill = [(s.task.key, s.read, len(s.task.prompt) - s.prefix_tokens) for s in self._reading]
+        self._to_generation()
+        info.seconds = info.prefill_seconds = time.perf_counter() - t0
+        return info
+
+    def _run_prompt(self, parts: list[list[int]], interrupt) -> bool:
+        """``PromptProcessingBatch.prompt`` under the layer hook; an interrupt drops the prompt
+        batch (returns ``False``)."""
+        cache = getattr(self.model, "expert_cache", None)
+        cache = cache if hasattr(cache, "set_layer_hook") else None
+        hook = None
+        if interrupt is not None:
+            def hook(layer: int) -> None:
+                if interrupt(layer):
+                    raise StepInterrupted
+
+        if cache is not None:
+            cache.set_layer_hook(hook)
+        try:
+            self._prompt.prompt(parts)
+            return True
+        except StepInterrupted:
+            self._interrupted.extend(s.task for s in self._reading)
+            self._reading, self._prompt = [], None
+            for layer in getattr(cache, "layers", []):
+                layer.discard_pending()
+            return False
+        finally:
+            if cache is not None:
+                cache.set_layer_hook(None)
+
+    def _to_generation(self) -> None:
+        """Sequences whose prompt is read (all but the last token) start generating: their
+        first decode input is computed now, as mlx-lm's batch generator does."""
+        done = [i for i, s in enumerate(self._reading) if not s.rest]
+        if not done:
+            return
+        keep = [i for i in range(len(self._reading)) if i not in done]
+        moving = [self._reading[i] for i in done]
+        batch = self._prompt.split(done).generate([[s.last] for s in moving])
+        self._gen.extend(batch)
+        for s in moving:
+            self._generating[s.uid] = s
+        self._reading = [self._reading[i] for i in keep]
+        if not self._reading:
+            self._prompt = None
+
+    def _decode_step(self) -> StepInfo:
+        info = StepInfo()
+        t0 = time.perf_counter()
+        responses = self._gen.next()
+        info.seconds = info.decode_seconds = time.perf_counter() - t0
+        info.generated = len(responses)
+        for r in responses:
+            s = self._generating[r.uid]
+            if r.finish_reason != "stop":
+                s.tokens.append(r.token)
+            if r.finish_reason is None:
+                info.generating.append((s.task.key, len(s.tokens)))
+                continue
+            del self._generating[r.uid]
+            info.finished.append(Finished(s.task.key, s.tokens, self.tokenizer.decode(s.tokens), r.finish_reason,
+                                          time.perf_counter() - s.started, s.prefix_tokens))
+        return info
+
+    def take_interrupted(self) -> list[Task]:
+        """Tasks whose prompt reading an interrupt abandoned (since the last call)."""
+        tasks, self._interrupted = self._interrupted, []
+        return tasks
+
+    def tasks(self) -> list[Task]:
+        """The tasks in the engine."""
+        return [s.task for s in (*self._waiting, *self._reading, *self._generating.values())]
+
+    def cancel_unstarted(self) -> list[Task]:
+        """Drop the sequences that have not produced a token yet (waiting or reading
+        their prompt); returns their tasks."""
+        tasks = [s.task for s in (*self._waiting, *self._reading)]
+        self._waiting.clear()
+        self._reading, self._prompt = [], None
+        return tasks
+
+    def cancel(self) -> list[Task]:
+        """Drop every sequence; returns their tasks."""
+        from mlx_lm.generate import GenerationBatch
+
+        tasks = self.cancel_unstarted() + [s.task for s in self._generating.values()]
+        self._generating.clear()
+        self._gen = GenerationBatch.empty(self.model, self._sampler)
+        return tasks
+
+    def close(self) -> None:
+        self.cancel()

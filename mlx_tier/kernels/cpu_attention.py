@@ -1,0 +1,165 @@
+"""CPU attention: scaled dot-product attention on numpy's BLAS, for MLX's CPU backend.
+
+Why: on the Linux ``mlx[cpu]`` wheel, MLX's matmuls run on the reference BLAS
+it bundles; its ``scaled_dot_product_attention`` measured 0.8-2.4 GFLOP/s on
+the build machine (2 cores, shared), where numpy's OpenBLAS runs a float32
+GEMM at 20-45 GFLOP/s. Attention grows with the context, so on documents of
+hundreds of tokens it became the largest part of a layer step once experts
+were computed by the CPU kernel (benches/results/throughput/NOTES.md).
+
+Dimension legend: B sequences, H query heads, Hk key/value heads (H = Hk x G),
+Lq queries, Lk keys, D head dim.
+
+What it computes is ``mx.fast.scaled_dot_product_attention(q, k, v, scale,
+mask)``: softmax(scale * q k^T + mask) v, in float32, per (sequence, key/value
+head) on the kernel's threads (BLAS single-threaded inside them, as the
+expert kernel does), queries in blocks so that the scores stay small. Masks as
+mlx-lm makes them: ``None``, ``"causal"`` (the last Lq of Lk positions), a
+boolean array (``True`` = attend) or an additive float array, broadcastable
+to ``[B, H, Lq, Lk]``. Attention sinks and quantized KV caches keep MLX's
+path. Numerics: fp32 in another summation order than MLX, so equal within
+fp32 rounding (tests/kernels/test_cpu_attention.py), not bit for bit.
+
+How it is used: :func:`serve_attention` gives each attention module of a
+model a subclass that marks its calls, and replaces the architecture
+module's ``scaled_dot_product_attention`` (mlx-lm's ``models.base`` function,
+imported by each architecture) with a dispatcher that sends only marked
+calls here: other models in the process keep MLX's attention.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from mlx_tier.kernels import cpu
+
+# Queries per block: the scores of a block are G x QUERY_BLOCK x Lk float32.
+QUERY_BLOCK = 256
+_MARK = threading.local()  # .on: inside an attention module served here
+
+
+def _mask_array(mask, B: int, H: int, Lq: int, Lk: int) -> np.ndarray | None:
+    """``mask`` as a numpy array broadcastable to ``[B, H, Lq, Lk]`` (bool: attend; float:
+    added), or ``None``."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        rows = np.arange(Lk - Lq, Lk)[:, None]
+        return rows >= np.arange(Lk)[None]  # [Lq, Lk]
+    m = np.asarray(mask.astype(mx.float32) if mask.dtype not in (mx.bool_, mx.float32) else mask)
+    while m.ndim < 4:
+        m = m[None]
+    return m
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` on numpy's BLAS.
+
+    Args:
+        q: ``[B, H, Lq, D]``; k, v: ``[B, Hk, Lk, D]`` (``H`` a multiple of ``Hk``).
+        scale: multiplies ``q k^T``.
+        mask: ``None``, ``"causal"``, or a bool/additive array broadcastable to ``[B, H, Lq, Lk]``.
+
+    Returns:
+        ``[B, H, Lq, D]`` in ``q.dtype``, evaluated.
+
+    Raises:
+        ValueError: ``H`` not a multiple of ``Hk``, or an unknown mask string.
+    """
+    mx.eval(q, k, v)
+    B, H, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    if H % Hk:
+        raise ValueError(f"{H} query heads do not group over {Hk} key/value heads")
+    G = H // Hk
+    qs = cpu._host(q).reshape(B, Hk, G, Lq, D)
+    ks, vs = cpu._host(k), cpu._host(v)  # [B, Hk, Lk, D]
+    m = _mask_array(mask, B, H, Lq, Lk)
+    out = np.empty((B, Hk, G, Lq, D), np.float32)
+    s = np.float32(scale)
+
+    def work(j0, j1):
+        for j in range(j0, j1):
+            b, h = divmod(j, Hk)
+            for r0 in range(0, Lq, QUERY_BLOCK):
+                r1 = min(Lq, r0 + QUERY_BLOCK)
+                scores = (qs[b, h, :, r0:r1] * s) @ ks[b, h].T  # [G, r, Lk]
+                if m is not None:
+                    mb = _block_mask(m, b, h, G, r0, r1)
+                    scores = np.where(mb, scores, -np.inf) if mb.dtype == np.bool_ else scores + mb
+                scores -= scores.max(axis=-1, keepdims=True)
+                np.exp(scores, out=scores)
+                scores /= scores.sum(axis=-1, keepdims=True)
+                out[b, h, :, r0:r1] = scores @ vs[b, h]
+
+    with cpu._BLAS.limit(limits=1, user_api="blas"):
+        cpu._parallel(work, B * Hk, grain=1)
+    y = mx.array(out.reshape(B, H, Lq, D))
+    return y if q.dtype == mx.float32 else y.astype(q.dtype)
+
+
+def _block_mask(m: np.ndarray, b: int, h: int, G: int, r0: int, r1: int) -> np.ndarray:
+    """The mask for sequence ``b``, key/value head ``h``'s ``G`` query heads, queries ``r0:r1``:
+    broadcastable to ``[G, r1 - r0, Lk]``."""
+    if m.ndim == 2:
+        return m[r0:r1]
+    mb = m[b if m.shape[0] > 1 else 0]  # [H or 1, Lq or 1, Lk]
+    if mb.shape[0] > 1:
+        mb = mb[h * G:(h + 1) * G]
+    return mb[:, r0:r1] if mb.shape[1] > 1 else mb
+
+
+def _dispatch(original):
+    """A ``scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None)``
+    that runs :func:`sdpa` for calls from served modules, else ``original``."""
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if getattr(_MARK, "on", False) and sinks is None and not hasattr(cache, "bits"):
+            return sdpa(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.cpu_attention_original = original
+    return scaled_dot_product_attention
+
+
+def _served(cls: type) -> type:
+    """A subclass of attention class ``cls`` whose calls are marked for :func:`sdpa`."""
+
+    def __call__(self, *args, **kwargs):
+        before = getattr(_MARK, "on", False)
+        _MARK.on = True
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        finally:
+            _MARK.on = before
+
+    return type(f"Cpu{cls.__name__}", (cls,), {"__call__": __call__, "cpu_attention": True})
+
+
+def serve_attention(model: nn.Module) -> int:
+    """Compute ``model``'s attention with :func:`sdpa`; returns how many modules.
+
+    Serves every module whose architecture module (``type(m).__module__``)
+    calls mlx-lm's ``scaled_dot_product_attention`` and that has ``q_proj``
+    (an attention block); the architecture module's function is replaced once
+    by a dispatcher that keeps MLX's path for every call not marked.
+    """
+    n, made = 0, {}
+    for _, m in model.named_modules():
+        arch = sys.modules.get(type(m).__module__)
+        fn = getattr(arch, "scaled_dot_product_attention", None)
+        if fn is None or "q_proj" not in m or getattr(type(m), "cpu_attention", False):
+            continue
+        if not hasattr(fn, "cpu_attention_original"):
+            arch.scaled_dot_product_attention = _dispatch(fn)
+        cls = type(m)
+        m.__class__ = made.setdefault(cls, _served(cls))
+        n += 1
+    return n

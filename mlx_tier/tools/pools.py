@@ -1,0 +1,370 @@
+"""Pool sizes for the overnight job, from a small measured model of a layer step.
+
+The throughput schedule (:mod:`mlx_tier.job.pool_engine`) reads prompts in
+pools of many tokens and decodes many sequences together. How large? In the
+spirit of MoE-Lightning's hierarchical roofline (arXiv 2411.11217) and
+MoE-Gen's module batch sizes (arXiv 2503.09716), one MoE layer step of ``T``
+tokens (whose average context is ``C`` tokens) costs, per layer::
+
+    D(T)   = E * (1 - (1 - k/E)^T)                 distinct experts routed (uniform routing: the
+                                                   pessimistic case; trained routers share more)
+    read   = D(T) * (1 - S/E) * expert_bytes / disk      misses, read in rounds (not overlapped)
+    expert = D(T) * (dequant + rows * flops / gemm)      rows = T*k/D(T) >= GEMM_MIN_ROWS
+           | T*k * expert_bytes / matvec                 fewer rows: the fused matvec per pair
+    dense  = T * dense_flops / gemm  (T >= 8, else the matvec of the dense bytes)
+    attn   = T * C * attn_flops / attention
+    fixed  = overhead + D(T) * per_expert                 dispatch, slot writes, rounds (measured)
+    step   = fixed + read + expert + dense + attn
+
+so the seconds per token, ``L * step(T) / T``, fall as ``T`` grows until the
+per-token terms dominate. The prefill pool is the smallest ``T`` within
+:data:`NEAR_BEST` of the best rate that memory allows; the decode pool the
+largest number of sequences whose KV cache fits (a generated token's cost only
+falls with more sequences). Predicted documents/hour follow for a given
+prompt and summary length.
+
+The model is plain arithmetic over :class:`Rates` and :class:`Shape`;
+:func:`probe_rates` measures the rates on this machine in a few seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+# A slot used by at least this many rows in one call takes the GEMM path
+# (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the model must not import MLX).
+GEMM_MIN_ROWS = 8
+# The prefill pool: the smallest pool whose rate is within this fraction of the best.
+NEAR_BEST = 0.97
+# Candidate pool sizes, tokens per layer step.
+POOL_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Most sequences decoded together when memory allows more (prompt caches, step
+# bookkeeping and the per-sequence Python work grow with it).
+MAX_DECODE_POOL = 64
+# Largest prompt chunk of one sequence in one step: attention scores of a chunk
+# against its context are a transient of chunk x context x heads floats.
+MAX_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Rates:
+    """This machine's rates (measured: :func:`probe_rates`).
+
+    Attributes:
+        disk_gbps: reading experts that miss the cache, GB/s.
+        gemm_gflops: expert GEMM on dequantised float32 weights, GFLOP/s (all kernel threads).
+        matvec_gbps: fused dequantise + matvec, GB/s of packed expert weights.
+        dequant_gbps: dequantising packed expert weights to float32, GB/s of packed bytes.
+        attention_gflops: attention over a KV cache (scores and weighted sum), GFLOP/s.
+        overhead_s: fixed seconds per MoE layer step (dispatch, norms, router, bookkeeping).
+        per_expert_s: fixed seconds per distinct expert a layer step computes (its
+            dispatch to the kernel, its slot write on a miss, the round it is in).
+    """
+
+    disk_gbps: float
+    gemm_gflops: float
+    matvec_gbps: float
+    dequant_gbps: float
+    attention_gflops: float
+    # Fitted to the demo on the build machine (2 cores, loaded): prompt steps of 16 and
+    # 1,024 tokens at 3/8 slots (benches/results/throughput/NOTES.md); not probed.
+    overhead_s: float = 0.005
+    per_expert_s: float = 0.003
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 4) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a layer step of a tiered model costs, in bytes and FLOPs.
+
+    Attributes:
+        layers: MoE layers L.
+        experts: experts per layer E.
+        top_k: experts per token k.
+        slots: resident expert slots per layer S (``experts`` when all are resident).
+        expert_bytes: one expert's packed bytes (what is read on a miss).
+        expert_flops: FLOPs of one token through one expert (2 x its parameters).
+        dense_bytes: packed bytes of one layer's dense matrices (attention projections).
+        dense_flops: FLOPs of one token through them.
+        attn_flops: attention FLOPs per token per context token in one layer (4 x heads x head dim).
+        kv_bytes: KV-cache bytes per token of one sequence, all layers.
+        heads: attention heads (the prefill transient's scores).
+        hidden: model width D (the MoE block's transient rows of a pool).
+        inner: an expert's inner width (its hidden rows).
+    """
+
+    layers: int
+    experts: int
+    top_k: int
+    slots: int
+    expert_bytes: int
+    expert_flops: float
+    dense_bytes: int
+    dense_flops: float
+    attn_flops: float
+    kv_bytes: float
+    heads: int
+    hidden: int = 0
+    inner: int = 0
+
+
+def distinct_experts(tokens: float, experts: int, top_k: int) -> float:
+    """Expected distinct experts routed by ``tokens`` tokens, uniform routing."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** max(tokens, 0.0))
+
+
+def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) -> dict:
+    """Seconds of one MoE layer step of ``tokens`` tokens with average ``context``, by part.
+
+    Returns:
+        ``{"read", "expert", "dense", "attn", "overhead", "total"}`` in seconds.
+    """
+    d = distinct_experts(tokens, shape.experts, shape.top_k)
+    read = d * (1 - shape.slots / shape.experts) * shape.expert_bytes / (max(rates.disk_gbps, 1e-3) * 1e9)
+    rows = tokens * shape.top_k / max(d, 1e-9)
+    if rows >= GEMM_MIN_ROWS:
+        expert = d * (shape.expert_bytes / (rates.dequant_gbps * 1e9)
+                      + rows * shape.expert_flops / (rates.gemm_gflops * 1e9))
+    else:
+        expert = tokens * shape.top_k * shape.expert_bytes / (rates.matvec_gbps * 1e9)
+    if tokens >= GEMM_MIN_ROWS:
+        dense = tokens * shape.dense_flops / (rates.gemm_gflops * 1e9)
+    else:
+        dense = tokens * shape.dense_bytes / (rates.matvec_gbps * 1e9)
+    attn = tokens * context * shape.attn_flops / (rates.attention_gflops * 1e9)
+    parts = {"read": read, "expert": expert, "dense": dense, "attn": attn,
+             "overhead": rates.overhead_s + d * rates.per_expert_s}
+    return {**parts, "total": sum(parts.values())}
+
+
+def seconds_per_token(shape: Shape, rates: Rates, tokens: int, context: float) -> float:
+    """Whole-model seconds per token at a pool of ``tokens`` (``L * step / tokens``)."""
+    return shape.layers * layer_step_seconds(shape, rates, tokens, context)["total"] / max(tokens, 1)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The chosen pools and what they predict.
+
+    Attributes:
+        prefill_tokens: prompt tokens per prefill step (over its prompts).
+        prefill_batch: prompts read together in one step.
+        decode_pool: sequences decoded together (and most in the engine).
+        prompt_tok_s: predicted prompt tokens read per second at the prefill pool.
+        decode_tok_s: predicted generated tokens per second at the decode pool.
+        docs_per_hour: predicted documents per hour for the given lengths.
+        batch1_docs_per_hour: the same model's prediction for one sequence at a time
+            (prompt chunks of ``prefill_tokens``), for comparison.
+        limited_by: what bounded the decode pool (``memory``, ``cap``, ``documents``).
+        prompt_tokens, output_tokens: the document lengths predicted for.
+    """
+
+    prefill_tokens: int
+    prefill_batch: int
+    decode_pool: int
+    prompt_tok_s: float
+    decode_tok_s: float
+    docs_per_hour: float
+    batch1_docs_per_hour: float
+    limited_by: str
+    prompt_tokens: int
+    output_tokens: int
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def prefill_transient(shape: Shape, tokens: int, context: float) -> float:
+    """Bytes a prefill step of ``tokens`` holds besides the KV caches: attention scores
+    (``tokens x context x heads`` float32, MLX's attention) and the MoE block's rows (the
+    pool's ``tokens x k`` pairs: their inputs, outputs and their scatter, ``D`` wide, four
+    float32 copies; the experts' hidden rows, three)."""
+    pairs = tokens * shape.top_k
+    return 4.0 * (tokens * context * shape.heads + pairs * (4 * shape.hidden + 3 * shape.inner))
+
+
+def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, free_bytes: int,
+                 cap: int | None = None, documents: int | None = None) -> PoolPlan:
+    """Pool sizes for documents of ``prompt_tokens`` prompts and ``output_tokens`` summaries.
+
+    Args:
+        free_bytes: memory for KV caches and step transients (after the model and
+            its expert cache), bytes.
+        cap: most sequences at once (the user's ``--batch-size``), ``None``: :data:`MAX_DECODE_POOL`.
+        documents: how many documents the job has (a pool larger is not filled).
+
+    Returns:
+        :class:`PoolPlan`. The decode pool is at least 1 even when one
+        sequence does not fit (the scheduler then splits the document).
+    """
+    seq = prompt_tokens + output_tokens
+    ctx_prefill = prompt_tokens / 2  # average context of a prompt token
+    fits = [t for t in POOL_CANDIDATES
+            if prefill_transient(shape, t, min(seq, MAX_CHUNK)) + shape.kv_bytes * seq * math.ceil(t / seq)
+            <= free_bytes / 2] or [POOL_CANDIDATES[0]]
+    rate = {t: 1 / seconds_per_token(shape, rates, t, ctx_prefill) for t in fits}
+    best = max(rate.values())
+    prefill_tokens = min(t for t in fits if rate[t] >= NEAR_BEST * best)
+    limit = cap or MAX_DECODE_POOL
+    room = max(1, int((free_bytes - prefill_transient(shape, prefill_tokens, min(seq, MAX_CHUNK)))
+                      // max(1.0, shape.kv_bytes * seq)))
+    pool, limited_by = min(room, limit), "memory" if room < limit else ("batch size" if cap else "cap")
+    if documents is not None and documents < pool:
+        pool, limited_by = max(1, documents), "documents"
+    prefill_batch = max(1, min(pool, round(prefill_tokens / max(1, prompt_tokens))))
+    ctx_decode = prompt_tokens + output_tokens / 2
+    decode_s = seconds_per_token(shape, rates, pool, ctx_decode)
+    prompt_s = 1 / rate[prefill_tokens]
+    doc_s = prompt_tokens * prompt_s + output_tokens * decode_s
+    one_s = (prompt_tokens * seconds_per_token(shape, rates, min(prefill_tokens, prompt_tokens), ctx_prefill)
+             + output_tokens * seconds_per_token(shape, rates, 1, ctx_decode))
+    return PoolPlan(prefill_tokens, prefill_batch, pool, 1 / prompt_s, 1 / decode_s, 3600 / doc_s, 3600 / one_s,
+                    limited_by, prompt_tokens, output_tokens)
+
+
+def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), bits: int = 4,
+                group_size: int = 64, heads: int = 16, head_dim: int = 64, attention: str = "mlx") -> Rates:
+    """Measure :class:`Rates` on this machine in a few seconds (the disk rate is given:
+    :func:`mlx_tier.tools.plan.measure_disk_gbps`).
+
+    GEMM, dequantisation and matvec run through the CPU expert kernel
+    (:mod:`mlx_tier.kernels.cpu`) on a random quantized expert of ``expert_shape``
+    ``(out, in)``; attention (``attention``: ``"mlx"``, MLX's
+    ``scaled_dot_product_attention`` on the default device, or ``"cpu"``,
+    :func:`mlx_tier.kernels.cpu_attention.sdpa`) at 256 queries over 1024 keys.
+    Medians of a few repetitions.
+    """
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from mlx_tier.kernels import cpu
+
+    out_dim, in_dim = expert_shape
+    n = 2 * cpu.THREADS  # experts in the GEMM probe: every kernel thread busy, as in a pool step
+    leaf = QuantizedSwitchLinear(in_dim, out_dim, n, bias=False, group_size=group_size, bits=bits)
+    leaf.set_dtype(mx.float32)
+    mx.eval(leaf.parameters())
+    packed = sum(leaf[name].nbytes for name in ("weight", "scales", "biases")) / n  # one expert
+    rows = 64  # per expert
+    x = np.random.default_rng(0).standard_normal((rows * n, in_dim)).astype(np.float32)
+
+    def med(fn, reps=5) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    slots = np.repeat(np.arange(n), rows)
+    t_gemm = med(lambda: cpu.switch_linear(leaf, x, np.arange(rows * n), slots))
+    quant = cpu._Quant(leaf, stacked=True)
+    t_deq = med(lambda: quant.dense(0)) / cpu.THREADS  # one expert, spread over the threads
+    pairs = np.arange(2 * cpu.THREADS)  # decode: a few pairs, one row each
+    t_mv = med(lambda: cpu.switch_linear(leaf, x[pairs], pairs, pairs % n)) / len(pairs)
+    gemm_s = max(t_gemm - n * t_deq, 1e-6) / n  # one expert's GEMM
+    q = mx.random.normal((1, heads, 256, head_dim))
+    k = mx.random.normal((1, heads, 1024, head_dim))
+    mx.eval(q, k)
+    if attention == "cpu":
+        from mlx_tier.kernels.cpu_attention import sdpa
+
+        t_att = med(lambda: sdpa(q, k, k, 0.1, None), reps=3)
+    else:
+        t_att = med(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.1, mask=None)), reps=3)
+    return Rates(disk_gbps=disk_gbps, gemm_gflops=2 * rows * in_dim * out_dim / gemm_s / 1e9,
+                 matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9,
+                 attention_gflops=4 * heads * 256 * 1024 * head_dim / t_att / 1e9)
+
+
+def measure_read_gbps(files: list, total_mb: int = 64, chunk_mb: int = 2, warm: bool = True) -> float:
+    """Positioned reads of ``chunk_mb`` MiB at random offsets of ``files``, GB/s.
+
+    ``warm``: pages as they are (a checkpoint that fits in memory is read from the
+    page cache after its first pass, and that is the rate its misses see);
+    else dropped first (:func:`mlx_tier.tools.plan.measure_disk_gbps`).
+    """
+    import os
+    import random
+
+    from mlx_tier.tools.plan import measure_disk_gbps
+
+    if not warm:
+        return measure_disk_gbps(files, total_mb, chunk_mb)
+    chunk = min(chunk_mb * 2**20, max((f.stat().st_size for f in files), default=0))
+    files = [f for f in files if chunk and f.stat().st_size >= chunk]
+    rng, buf, done, t = random.Random(0), bytearray(chunk), 0, 0.0
+    while files and done < total_mb * 2**20:
+        f = rng.choice(files)
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            done += os.preadv(fd, [buf], rng.randrange(0, f.stat().st_size - chunk + 1) // 4096 * 4096)
+            t += time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    return done / t / 1e9 if t else 0.0
+
+
+def _unpacked_in(leaf) -> int:
+    """Input features of a (quantized) switch linear layer."""
+    w = leaf["weight"]
+    return w.shape[-1] * 32 // leaf.bits if getattr(leaf, "bits", None) else w.shape[-1]
+
+
+def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
+    """The :class:`Shape` of a model loaded by :func:`mlx_tier.load`, and what
+    :func:`probe_rates` needs to measure its kernels (``expert_shape``, ``bits``,
+    ``group_size``, ``heads``, ``head_dim``); ``None`` without an expert cache.
+
+    ``kv_bytes``: KV-cache bytes per token (measured on a filled prompt cache).
+    """
+    cache = getattr(model, "expert_cache", None)
+    args = getattr(model, "args", None)
+    if cache is None or args is None:
+        return None
+    layer = cache.layers[0]
+    leaves = {id(t.module): t.module for t in layer.tensors.values()}.values()
+    E = layer.num_experts
+    expert_bytes = sum(t.info.nbytes for t in layer.tensors.values()) // E
+    params = sum(leaf["weight"].shape[-2] * _unpacked_in(leaf) for leaf in leaves)
+    big = max(leaves, key=lambda leaf: leaf["weight"].shape[-2] * _unpacked_in(leaf))
+    hidden = int(args.hidden_size)
+    heads = int(args.num_attention_heads)
+    kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(args, "head_dim", None) or hidden // heads)
+    dense = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    top_k = next((int(getattr(args, k)) for k in ("num_experts_per_tok", "top_k", "moe_k")
+                  if isinstance(getattr(args, k, None), int)), 2)
+    shape = Shape(layers=len(cache.layers), experts=E, top_k=top_k, slots=min(cache.layer_slots),
+                  expert_bytes=expert_bytes, expert_flops=2.0 * params, dense_bytes=int(dense * 0.6),
+                  dense_flops=2.0 * dense, attn_flops=4.0 * heads * head_dim, kv_bytes=kv_bytes, heads=heads,
+                  hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0)
+    probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
+             "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim}
+    return shape, probe
+
+
+_RATES: dict = {}
+
+
+def rates_for(model, probe: dict) -> Rates:
+    """:func:`probe_rates` for ``model`` (its kernels' shapes, its checkpoint's read
+    rate, its attention), measured once per shape in a process."""
+    from mlx_tier.engine.budgets import host_available
+
+    cache = model.expert_cache
+    files = sorted({t.info.file for layer in cache.layers for t in layer.tensors.values()})
+    size = sum(f.stat().st_size for f in files)
+    served = any(getattr(type(m), "cpu_attention", False) for _, m in model.named_modules())
+    key = (tuple(sorted(probe.items())), served, size <= 0.8 * host_available())
+    if key not in _RATES:
+        disk = measure_read_gbps(files, warm=key[-1])
+        _RATES[key] = probe_rates(disk, **probe, attention="cpu" if served else "mlx")
+    return _RATES[key]

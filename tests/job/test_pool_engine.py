@@ -1,0 +1,130 @@
+"""The throughput schedule's engine: a document's tokens do not depend on its pool.
+
+Invariant guarded: prompts of different lengths read together in one prefill
+pool (right-padded by mlx-lm, then rolled to left padding: the case of
+mlx-lm#1906) and decoded together give, with kernel ``mlx``, exactly the
+greedy tokens of each prompt decoded alone by mlx-lm's ``stream_generate``;
+with the CPU kernel, the same tokens on these prompts (its logits stay within
+the stated bound, tests/kernels). Also: pools of every shape (one prompt at a
+time, chunks of one token, all at once), the shared prefix, the repetition
+penalty, and a stop that abandons a prefill step between layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_logits_processors
+
+import mlx_tier
+from mlx_tier.job.batch_engine import PrefixCache, Task, common_prefix, stop_token_ids
+from mlx_tier.job.pool_engine import PoolEngine
+from mlx_tier.job.prompts import build_prompt
+
+N = 10
+TEXTS = ["The cat sat.", "A much longer text about rivers, mountains and the sea, and boats.", "Numbers: 1 2 3 4 5",
+         "Short one.", "Winter, spring, summer and autumn follow each other; farmers plant in spring."]
+
+
+def alone(model, tokenizer, prompt, penalty=1.0):
+    procs = make_logits_processors(repetition_penalty=penalty) if penalty != 1.0 else None
+    out = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=N, logits_processors=procs)]
+    return [t for t in out if t not in tokenizer.eos_token_ids]
+
+
+def run_pool(engine, prompts, interrupt=None):
+    results, pending = {}, list(enumerate(prompts))
+    while pending or engine.active:
+        while pending and engine.free:
+            i, p = pending.pop(0)
+            engine.add(Task(i, p, N))
+        for f in engine.step(interrupt).finished:
+            results[f.key] = f
+    return [results[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module", params=["mlx", "cpu"])
+def tiered(request, tiny_moe):
+    return mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2, kernel=request.param))
+
+
+@pytest.fixture(scope="module")
+def prompts_and_refs(tiered):
+    model, tokenizer = tiered
+    prompts = [build_prompt(tokenizer, "Summarise this.", t) for t in TEXTS]
+    assert len({len(p) for p in prompts}) == len(prompts)  # all lengths differ: padding is exercised
+    refs = [alone(model, tokenizer, p) for p in prompts]
+    assert len({tuple(r) for r in refs}) == len(refs)  # outputs differ, so a mix-up would show
+    return prompts, refs
+
+
+@pytest.mark.parametrize("batch, prefill_batch, pool_tokens", [
+    (5, 5, 4096),  # every prompt in one prefill step, all decoding together
+    (5, 5, 7),  # chunks of one token each: many padded prefill steps
+    (5, 3, 24),  # pools of 3 prompts, 8-token chunks
+    (2, 2, 16),  # fewer places than prompts: later prompts join while others decode
+    (1, 1, 512),  # one at a time
+])
+def test_pool_equals_alone(tiered, tiny_moe, prompts_and_refs, batch, prefill_batch, pool_tokens):
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=batch,
+                        prefill_batch=prefill_batch, pool_tokens=pool_tokens)
+    got = run_pool(engine, prompts)
+    assert [g.tokens for g in got] == refs
+    assert [g.text for g in got] == [tokenizer.decode(r) for r in refs]
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.1])
+def test_pool_with_prefix_and_penalty(tiered, tiny_moe, prompts_and_refs, penalty):
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    if penalty != 1.0:
+        refs = [alone(model, tokenizer, p, penalty) for p in prompts]
+    n = common_prefix(prompts)
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=4, prefill_batch=4,
+                        pool_tokens=32, repetition_penalty=penalty, prefix=PrefixCache(model, prompts[0][:n]))
+    got = run_pool(engine, prompts)
+    assert [g.tokens for g in got] == refs
+    assert all(g.prefix_tokens == n for g in got)
+
+
+def test_interrupt_between_layers_drops_the_prompts_being_read(tiered, tiny_moe, prompts_and_refs):
+    """A stop asked during a prefill step abandons it at the next MoE layer; the prompts being
+    read are handed back, the engine keeps working for the rest."""
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=5, prefill_batch=2,
+                        pool_tokens=8)
+    for i, p in enumerate(prompts):
+        engine.add(Task(i, p, N))
+    calls = []
+
+    def interrupt(layer):
+        calls.append(layer)
+        return len(calls) >= 2  # the second layer of the first prefill step
+
+    info = engine.step(interrupt)
+    assert calls == [0, 1] and info.prefill_tokens == 0
+    assert sorted(t.key for t in engine.take_interrupted()) == [0, 1]
+    assert engine.active == 3 and engine.take_interrupted() == []
+    results = {}
+    while engine.active:
+        for f in engine.step().finished:
+            results[f.key] = f.tokens
+    assert results == {i: refs[i] for i in (2, 3, 4)}
+    assert all(layer.hook is None for layer in model.expert_cache.layers)
+
+
+def test_engine_refuses_overfill_and_bad_sizes(tiered, tiny_moe):
+    model, tokenizer = tiered
+    stops = stop_token_ids(tokenizer, tiny_moe)
+    with pytest.raises(ValueError, match=">= 1"):
+        PoolEngine(model, tokenizer, stops, batch_size=0)
+    eng = PoolEngine(model, tokenizer, stops, batch_size=1)
+    eng.add(Task("a", [1, 2, 3], 4))
+    with pytest.raises(ValueError, match="full"):
+        eng.add(Task("b", [1, 2], 4))
+    assert [t.key for t in eng.cancel()] == ["a"] and eng.free == 1
+    with pytest.raises(ValueError, match="empty"):
+        eng.add(Task("c", [], 4))

@@ -1,0 +1,75 @@
+"""CPU attention equals MLX's scaled dot-product attention within fp32 rounding.
+
+Invariant guarded: :func:`mlx_tier.kernels.cpu_attention.sdpa` gives
+``mx.fast.scaled_dot_product_attention``'s output within the kernel bound
+(max|Δ| <= 1e-4 x max|reference|) for grouped heads and every mask mlx-lm
+makes (none, causal over a cache, a batch's boolean mask with left padding,
+additive); a model served by it keeps mlx-lm's greedy tokens; only the served
+model's calls leave MLX's path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.utils import load_model
+
+import mlx_tier
+from mlx_tier.kernels import cpu_attention
+from tests.support.exactness import BOUND, PROMPTS, close, greedy_ids
+
+
+def qkv(B, H, Hk, Lq, Lk, D, seed=0):
+    mx.random.seed(seed)
+    return (mx.random.normal((B, H, Lq, D)), mx.random.normal((B, Hk, Lk, D)) * 2,
+            mx.random.normal((B, Hk, Lk, D)))
+
+
+@pytest.mark.parametrize("B, H, Hk, Lq, Lk, D, mask", [
+    (1, 4, 2, 1, 9, 16, None),  # decode, grouped heads
+    (2, 6, 2, 5, 5, 32, "causal"),  # a prompt from empty
+    (1, 4, 4, 7, 300, 16, "causal"),  # a chunk over a long cache: the last Lq of Lk
+    (1, 8, 2, 600, 600, 8, "causal"),  # several query blocks
+    (3, 4, 1, 4, 12, 16, "left_padding"),  # a batch's boolean mask
+    (2, 4, 2, 3, 8, 16, "additive"),
+])
+def test_sdpa_matches_mlx(B, H, Hk, Lq, Lk, D, mask):
+    q, k, v = qkv(B, H, Hk, Lq, Lk, D)
+    if mask == "left_padding":
+        mask = create_causal_mask(Lq, offset=Lk - Lq, left_padding=mx.array([0, 3, 6][:B]))
+    elif mask == "additive":
+        mask = mx.random.normal((B, 1, Lq, Lk))
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+    got = cpu_attention.sdpa(q, k, v, D**-0.5, mask)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert close(ref, got) <= BOUND
+
+
+def test_refuses_ungrouped_heads_and_unknown_masks():
+    q, k, v = qkv(1, 3, 2, 2, 4, 8)
+    with pytest.raises(ValueError, match="group"):
+        cpu_attention.sdpa(q, k, v, 0.3)
+    q, k, v = qkv(1, 2, 2, 2, 4, 8)
+    with pytest.raises(ValueError, match="mask"):
+        cpu_attention.sdpa(q, k, v, 0.3, "sliding")
+
+
+def test_served_model_keeps_greedy_tokens_and_others_keep_mlx(tiny_moe, monkeypatch):
+    ref, _ = load_model(tiny_moe)
+    ref.set_dtype(mx.float32)
+    want = [greedy_ids(ref, p) for p in PROMPTS]
+    logits = ref(mx.array(PROMPTS[1])[None])
+    model, _ = mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2, kernel="cpu"))
+    calls = []
+    real = cpu_attention.sdpa
+    monkeypatch.setattr(cpu_attention, "sdpa", lambda *a: calls.append(1) or real(*a))
+    assert close(logits, model(mx.array(PROMPTS[1])[None])) <= BOUND
+    assert [greedy_ids(model, p) for p in PROMPTS] == want
+    served = len(calls)
+    assert served > 0
+    assert [greedy_ids(ref, p) for p in PROMPTS] == want and len(calls) == served  # the plain model: MLX's path
+    off, _ = mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2, kernel="cpu",
+                                                                   attention_kernel=False))
+    greedy_ids(off, PROMPTS[0])
+    assert len(calls) == served
