@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 from support.checkpoints import make_mixtral, write_checkpoint
+from support.demo import USER_CACHE, users_demo
 
 
 @pytest.fixture(scope="session")
@@ -71,29 +72,6 @@ def tiny_dense(tmp_path_factory, tokenizer_dir) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "dense", model, config, tokenizer_dir)
 
 
-# The user's own cache folder, as it was before the fixtures pointed MLX_TIER_CACHE away.
-_USER_CACHE = os.environ.get("MLX_TIER_CACHE")
-
-
-def users_demo() -> Path | None:
-    """A demo model the user already built with this very code (its recorded build
-    fingerprint equals the current one: the build is seeded, so it is the same model),
-    else ``None``. Read only: the fixture copies it."""
-    import json
-
-    import platformdirs
-
-    from mlx_tier.tools.demo_model import build_fingerprint, demo_name
-
-    root = Path(_USER_CACHE) if _USER_CACHE else Path(platformdirs.user_cache_dir("mlx-tier"))
-    folder = root / demo_name()
-    try:
-        built = json.loads((folder / "config.json").read_text())["mlx_tier_demo"].get("build")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return folder if built == build_fingerprint() else None
-
-
 @pytest.fixture(scope="session")
 def demo_model(session_cache) -> Path:
     """The SmolLM2 8-expert demo MoE (v2, fitted routers), once per session: a copy of the
@@ -104,7 +82,7 @@ def demo_model(session_cache) -> Path:
     os.environ["MLX_TIER_CACHE"] = str(session_cache)
     from mlx_tier.tools.demo_model import ensure_demo_model
 
-    ready = users_demo()
+    ready = users_demo(USER_CACHE)
     if ready is not None and not (session_cache / ready.name).exists():
         shutil.copytree(ready, session_cache / f".{ready.name}.copy")
         (session_cache / f".{ready.name}.copy").rename(session_cache / ready.name)

@@ -138,19 +138,18 @@ def test_version_one_keeps_the_random_routers_and_the_same_experts(demo_model):
         ensure_demo_model(version=3)
 
 
-def test_the_tests_reuse_a_demo_only_when_built_by_this_code(tmp_path, monkeypatch):
+def test_the_tests_reuse_a_demo_only_when_built_by_this_code(tmp_path):
     """The demo_model fixture copies the user's demo instead of building its own only when
     the recorded build fingerprint is the current code's: a changed build is rebuilt."""
     import json
 
-    import conftest
+    from support.demo import users_demo
 
     from mlx_tier.tools.demo_model import build_fingerprint, demo_name
 
-    monkeypatch.setattr(conftest, "_USER_CACHE", str(tmp_path))
     folder = tmp_path / demo_name()
     folder.mkdir()
-    assert conftest.users_demo() is None  # nothing built
+    assert users_demo(tmp_path) is None  # nothing built
     for fingerprint, reused in ((build_fingerprint(), True), ("0123456789abcdef", False), (None, False)):
         (folder / "config.json").write_text(json.dumps({"mlx_tier_demo": {"build": fingerprint}}))
-        assert (conftest.users_demo() == folder) is reused, fingerprint
+        assert (users_demo(tmp_path) == folder) is reused, fingerprint
