@@ -18,6 +18,14 @@ DEFAULT_PREFILL_STEP = 512
 # MLX's CPU backend), else MLX's ops. The library's own default
 # (TierConfig.kernel) stays "mlx": its tokens equal mlx-lm's exactly.
 JOB_KERNEL = "auto"
+# The job runner's compute dtype on MLX's CPU backend when none is set (a name
+# in mlx.core): float32, because bf16/fp16 compute is much slower there (a bf16
+# demo decoded 7.5x faster in float32: benches/results/cpu-dtype/NOTES.md). Its
+# tokens then equal mlx-lm's model cast to float32
+# (mlx_tier.engine.dtypes.cast_model); the library's own default
+# (TierConfig.dtype None) casts nothing, as mlx_lm.load. On a GPU the job keeps
+# the checkpoint's dtypes.
+JOB_CPU_DTYPE = "float32"
 
 # The cache policy: LFU with dynamic aging. On every trace replayed (the demo's,
 # Zipf, and routing generated to match published statistics of trained MoEs:
