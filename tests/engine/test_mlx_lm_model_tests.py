@@ -45,8 +45,10 @@ KEEPS_FLOAT32 = ("kimi_k3", "deepseek_v41", "kimi_linear", "qwen3_5_moe", "longc
 FAST_LOAD = {("olmoe", "bf16-q4", 1), ("olmoe", "q4", 2), ("olmoe", "fp32", "all"), ("kimi_linear", "bf16-q4", 2),
              ("gemma4_moe_router_quantizes_to_8bit", "bf16-q4", "all"), ("mixtral", "fp32", 1),
              ("deepseek_v41", "q4", 1)}
+# Among them every model whose cached experts used to ignore a cast after load.
 FAST_CHECKS = {("gemma4_moe_router_quantizes_to_8bit", "q4", 1), ("dots1", "bf16-q4", 2), ("llama4", "q4", "all"),
-               ("kimi_linear", "fp32", 1), ("olmoe", "q4", 2)}
+               ("kimi_linear", "fp32", 1), ("olmoe", "q4", 2), ("longcat_flash", "q4", 2),
+               ("ernie4_5_moe", "bf16-q4", 1), ("kimi_vl", "q4", "all")}
 
 
 def _cases(fast: set) -> list:
