@@ -460,14 +460,23 @@ def load_tiered(path: Path, config: TierConfig) -> nn.Module:
 
 def save(path: Path, name: str, kind: str, tokenizer_dir: Path, group_size: int = 32) -> Path:
     """``MODELS[name]`` saved with mlx-lm's ``save_model`` as ``kind`` (one of
-    :data:`KINDS`), quantized at ``group_size`` (32 quantizes the experts of more
-    of these tiny models than 64 would: ``quantize_model`` leaves a layer whose
-    width is not a multiple of the group unquantized)."""
-    model, config = build(name)
-    if kind == "bf16-q4":
-        cast_model(model, mx.bfloat16)
-    if kind != "fp32":
-        model, config = quantize_model(model, config, group_size, 4)
+    :data:`KINDS`), quantized at ``group_size``: 32 quantizes the experts of more
+    of these tiny models than 64 would (``quantize_model`` leaves a layer whose
+    width is not a multiple of the group unquantized). Where mlx-lm's
+    ``quantize_model`` itself fails at 32 (a model's own rule asks group 64 of a
+    32-wide router), the checkpoint is quantized at 64, as it allows."""
+    for group in dict.fromkeys((group_size, 64)):
+        model, config = build(name)
+        if kind == "bf16-q4":
+            cast_model(model, mx.bfloat16)
+        if kind == "fp32":
+            break
+        try:
+            model, config = quantize_model(model, config, group, 4)
+            break
+        except ValueError:  # "[quantize] The last dimension ... divisible by ... group size 64"
+            if group == 64:
+                raise
     return write_checkpoint(path, model, config, tokenizer_dir)
 
 
