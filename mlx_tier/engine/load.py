@@ -455,8 +455,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     profile = _profile_for(config, model_dir, len(found), max(experts))
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
-    backend = tier_budgets.backend_of()
-    two_tiers = tier_budgets.two_tiers(config.host_cache_gb, backend)  # always on CUDA
+    two_tiers = tier_budgets.two_tiers(config.host_cache_gb, tier_budgets.backend_of())  # always on CUDA
     kernel_name = kernels.choose(config.kernel or LIBRARY_KERNEL, [b for _, b in blocks], two_tiers)
     dtype = compute_dtype(config.dtype, kernel_name, two_tiers)
     wrappers = _wrap_blocks(model, model_dir, found, config, kernel_name, dtype, two_tiers)

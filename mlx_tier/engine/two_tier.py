@@ -138,6 +138,7 @@ class TwoTierLayer:
         """
         self.hot.cast(dtypes)
         self.warm.cast(dtypes)
+        self.index.expert_nbytes = self.hot.slot_nbytes  # what a copy moves now (the cost model's bytes)
 
     def assign(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Place the experts of ``idx`` ``[..., k]`` round by round.

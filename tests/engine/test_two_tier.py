@@ -393,6 +393,7 @@ def test_a_cast_after_load_reaches_both_tiers(tiny_moe, kernel):
     got = generate(model, tokenizer, LONG, max_tokens=10, verbose=False)  # the cast is applied at the next call
     assert got == want or kernel == "cpu"  # MLX's ops in bf16: exactly mlx-lm's
     tier = model.expert_cache.tier_layers[0]
+    assert tier.index.expert_nbytes == tier.hot.slot_nbytes  # the cost model weighs the cast bytes
     for name, t in tier.hot.tensors.items():
         if mx.issubdtype(t.dtype, mx.floating):
             assert t.dtype == mx.bfloat16 and t.module[t.attr].dtype == mx.bfloat16
