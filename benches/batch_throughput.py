@@ -30,6 +30,7 @@ import mlx_tier
 from mlx_tier import TierConfig
 from mlx_tier.defaults import DEFAULT_PROMPT
 from mlx_tier.engine.checkpoint import context_length
+from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.job.documents import Document
 from mlx_tier.job.report import backend_name
 from mlx_tier.job.run import FALLBACK_CONTEXT
@@ -96,7 +97,8 @@ def main() -> None:
     args = ap.parse_args()
 
     model_dir = ensure_demo_model()
-    model, tokenizer = mlx_tier.load(model_dir, config=TierConfig(slots_per_layer=args.slots))
+    config = TierConfig(slots_per_layer=args.slots, dtype=job_compute_dtype())  # as mlx-tier run computes
+    model, tokenizer = mlx_tier.load(model_dir, config=config)
     docs = documents(args.docs, args.chars)
     batches = [int(b) for b in args.batches.split(",")]
     disk = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))

@@ -205,18 +205,19 @@ def worker(spec: dict) -> None:
 
     import mlx_tier
     from mlx_tier import TierConfig
+    from mlx_tier.engine.dtypes import job_compute_dtype
 
     t0 = time.perf_counter()
     _emit(phase="loading")
     cache = None
     if engine.kind == "mlx-lm":
         model, tokenizer = mlx_load(spec["model"])
-        model.set_dtype(mx.float32)  # the compute dtype mlx-tier uses on the CPU backend
+        model.set_dtype(mx.float32)  # as the mlx-tier engines compute here (job_compute_dtype)
         mx.eval(model.parameters())
     else:
         extra = {} if engine.prefetch is None else {"prefetch": engine.prefetch}
         config = TierConfig(cache_gb=engine.cache_gb, policy=engine.policy, read_method=engine.read_method,
-                            page_cache=engine.page_cache, kernel=engine.kernel, **extra)
+                            page_cache=engine.page_cache, kernel=engine.kernel, dtype=job_compute_dtype(), **extra)
         model, tokenizer = mlx_tier.load(spec["model"], config=config)
         cache = model.expert_cache
     load_s = time.perf_counter() - t0

@@ -33,6 +33,7 @@ from mlx_lm import stream_generate
 
 import mlx_tier
 from mlx_tier import TierConfig
+from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.load import TieredExperts
 from mlx_tier.job.report import backend_name
 from mlx_tier.kernels import cpu as cpu_kernel
@@ -109,13 +110,14 @@ def main() -> None:
 
     path = ensure_demo_model(print)
     plain, tokenizer = mlx_load(str(path))
-    plain.set_dtype(mx.float32)  # the tiered model's compute dtype on the CPU backend
+    plain.set_dtype(mx.float32)  # as the tiered engines compute here (job_compute_dtype)
     engines = {"mlx-lm (all resident)": (plain, None)}
     cfg = json.loads((path / "config.json").read_text())
     E = cfg["num_local_experts"]
     for slots in (E, args.slots):
         for kernel in args.kernels.split(","):
-            m, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots, kernel=kernel))
+            config = TierConfig(slots_per_layer=slots, kernel=kernel, dtype=job_compute_dtype())
+            m, _ = mlx_tier.load(path, config=config)
             if kernel == "cpu":
                 SPLIT.wrap_experts(m)
             engines[f"mlx-tier {slots}/{E} {kernel}"] = (m, m.expert_cache)

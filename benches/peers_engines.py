@@ -113,8 +113,10 @@ def _mlx_stream(model, prompt, n: int) -> Iterator[int]:
 def load_mlx_tier(spec: RunSpec) -> Loaded:
     import mlx_tier
     from mlx_tier import TierConfig
+    from mlx_tier.engine.dtypes import job_compute_dtype
 
-    model, _ = mlx_tier.load(spec.model, config=TierConfig(cache_gb=spec.cache_gb, kernel=spec.tier_kernel))
+    model, _ = mlx_tier.load(spec.model, config=TierConfig(cache_gb=spec.cache_gb, kernel=spec.tier_kernel,
+                                                              dtype=job_compute_dtype()))
     cache = model.expert_cache
 
     def counters() -> tuple[int, int]:

@@ -63,6 +63,7 @@ def record_demo_trace(max_tokens: int, refresh: bool) -> tuple[Trace, float]:
     import mlx_tier
     from mlx_tier import TierConfig
     from mlx_tier.defaults import DEFAULT_PROMPT
+    from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.fsio import user_cache_dir as cache_dir
     from mlx_tier.job.prompts import build_prompt
     from mlx_tier.tools.demo_model import demo_name, ensure_demo_model
@@ -72,7 +73,8 @@ def record_demo_trace(max_tokens: int, refresh: bool) -> tuple[Trace, float]:
         return load_trace(path), 0.0
     model_dir = ensure_demo_model(print)
     t0 = time.perf_counter()
-    model, tokenizer = mlx_tier.load(model_dir, config=TierConfig(slots_per_layer=8))  # all resident: routing only
+    config = TierConfig(slots_per_layer=8, dtype=job_compute_dtype())  # all resident: routing only
+    model, tokenizer = mlx_tier.load(model_dir, config=config)
     model.expert_cache.start_trace(source=f"demo MoE {model_dir.name} on examples/docs, greedy,"
                                           f" max_tokens={max_tokens}")
     for doc in sorted(DOCS.iterdir()):

@@ -27,6 +27,7 @@ from mlx_lm import stream_generate
 
 import mlx_tier
 from mlx_tier import TierConfig
+from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.job.report import backend_name
 from mlx_tier.tools.demo_model import ensure_demo_model
 
@@ -77,7 +78,8 @@ def main() -> None:
     engines = {}
     for slots in args.slots:
         for prefetch in (False, True):
-            m, tokenizer = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots, prefetch=prefetch))
+            m, tokenizer = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots, prefetch=prefetch,
+                                                                          dtype=job_compute_dtype()))
             engines[(slots, prefetch)] = m
     prompt = tokenizer.encode(PROMPT)
 

@@ -27,6 +27,7 @@ import psutil
 
 import mlx_tier
 from mlx_tier import TierConfig
+from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.job.batch_engine import BatchEngine, Task, stop_token_ids
 from mlx_tier.job.report import backend_name
 from mlx_tier.tools.demo_model import ensure_demo_model
@@ -57,7 +58,8 @@ def main() -> None:
     args = ap.parse_args()
 
     model_dir = ensure_demo_model()
-    model, tokenizer = mlx_tier.load(model_dir, config=TierConfig(slots_per_layer=args.slots))
+    config = TierConfig(slots_per_layer=args.slots, dtype=job_compute_dtype())  # as mlx-tier run computes
+    model, tokenizer = mlx_tier.load(model_dir, config=config)
     text = " ".join(p.read_text(encoding="utf-8") for p in sorted(Path("examples/docs").glob("*.*")))
     prompt = tokenizer.encode(text)[: args.tokens]
     print(f"caliber: {platform.platform()}, {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} "

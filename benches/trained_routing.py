@@ -69,9 +69,10 @@ def record_synthetic(model_dir: Path) -> Trace:
 
     import mlx_tier
     from mlx_tier import TierConfig
+    from mlx_tier.engine.dtypes import job_compute_dtype
 
     E = json.loads((model_dir / "config.json").read_text())["num_experts"]
-    model, tok = mlx_tier.load(model_dir, config=TierConfig(slots_per_layer=E))  # all resident: routing only
+    model, tok = mlx_tier.load(model_dir, config=TierConfig(slots_per_layer=E, dtype=job_compute_dtype()))  # all resident
     ids = tok.encode(SYNTH_TEXT.read_text(encoding="utf-8"))
     model.expert_cache.start_trace(source=f"synthetic {model_dir.name} reading {SYNTH_TEXT.name}")
     mx.eval(model(mx.array([ids])))
@@ -88,6 +89,7 @@ def record_demo_docs(names: tuple[str, ...], max_tokens: int, version: int) -> T
     import mlx_tier
     from mlx_tier import TierConfig
     from mlx_tier.defaults import DEFAULT_PROMPT
+    from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.fsio import user_cache_dir as cache_dir
     from mlx_tier.job.prompts import build_prompt
     from mlx_tier.tools.demo_model import demo_name, ensure_demo_model
@@ -95,7 +97,8 @@ def record_demo_docs(names: tuple[str, ...], max_tokens: int, version: int) -> T
     path = cache_dir() / "traces" / f"{demo_name(version)}-{len(names)}docs-{max_tokens}.npz"
     if path.is_file():
         return load_trace(path)
-    model, tokenizer = mlx_tier.load(ensure_demo_model(print, version), config=TierConfig(slots_per_layer=8))
+    model, tokenizer = mlx_tier.load(ensure_demo_model(print, version), config=TierConfig(slots_per_layer=8,
+                                                                                     dtype=job_compute_dtype()))
     model.expert_cache.start_trace(source=f"demo MoE v{version} on {', '.join(names)}, greedy,"
                                           f" max_tokens={max_tokens}")
     for name in names:

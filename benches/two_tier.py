@@ -46,6 +46,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_tier
 from mlx_tier import TierConfig
+from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.warm_pool import pool_slot_nbytes
 from mlx_tier.job.report import backend_name
 from mlx_tier.policy.cost_model import TransferCosts
@@ -119,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
 
     costs = measure_costs()
-    probe, tokenizer = mlx_tier.load(args.model, config=TierConfig(slots_per_layer=1))
+    probe, tokenizer = mlx_tier.load(args.model, config=TierConfig(slots_per_layer=1, dtype=job_compute_dtype()))
     E, L = probe.expert_cache.num_experts, len(probe.expert_cache.layers)
     tensors = probe.expert_cache.layers[0].tensors
     slot_bytes = probe.expert_cache.layers[0].slot_nbytes
@@ -131,10 +132,11 @@ def main() -> None:
         host_gb = W * L * pool_slot_nbytes(tensors, cpu_kernel) / 2**30 * 1.0001
         return {"slots_per_layer": H, "host_cache_gb": host_gb, "transfer_costs": costs}
 
-    engines = {"warm off (copy on miss)": TierConfig(slots_per_layer=H, host_cache_gb=0),
-               "two tiers": TierConfig(**two(False), kernel="mlx"),
-               "two tiers, CPU kernel": TierConfig(**two(True), kernel="cpu"),
-               "two tiers + prefetch": TierConfig(**two(False), kernel="mlx", prefetch=True)}
+    dtype = job_compute_dtype()  # as mlx-tier run computes
+    engines = {"warm off (copy on miss)": TierConfig(slots_per_layer=H, host_cache_gb=0, dtype=dtype),
+               "two tiers": TierConfig(**two(False), kernel="mlx", dtype=dtype),
+               "two tiers, CPU kernel": TierConfig(**two(True), kernel="cpu", dtype=dtype),
+               "two tiers + prefetch": TierConfig(**two(False), kernel="mlx", prefetch=True, dtype=dtype)}
     ids = tokenizer.encode(TEXT)
     prompt, text = ids[:32], ids[32 : 32 + args.tokens]
     runs = {name: [] for name in engines}

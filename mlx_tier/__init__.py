@@ -18,10 +18,11 @@ _EXPORTS = {
     "TierConfig": "mlx_tier.engine.load",
     "TieredExperts": "mlx_tier.engine.load",
     "cache_stats": "mlx_tier.engine.load",
+    "cast_model": "mlx_tier.engine.dtypes",
     "load": "mlx_tier.engine.load",
 }
 __all__ = ["BudgetError", "CacheStats", "CheckpointError", "ExpertCache", "TierConfig", "TieredExperts",
-           "cache_stats", "load"]  # = _EXPORTS
+           "cache_stats", "cast_model", "load"]  # = _EXPORTS
 __version__ = "0.1.0"
 
 

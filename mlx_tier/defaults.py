@@ -25,6 +25,14 @@ DEFAULT_SCHEDULE = "throughput"
 # MLX's CPU backend), else MLX's ops. The library's own default
 # (TierConfig.kernel) stays "mlx": its tokens equal mlx-lm's exactly.
 JOB_KERNEL = "auto"
+# The job runner's compute dtype on MLX's CPU backend when none is set (a name
+# in mlx.core): float32, because bf16/fp16 compute is much slower there (a bf16
+# demo decoded 7.5x faster in float32: benches/results/cpu-dtype/NOTES.md). Its
+# tokens then equal mlx-lm's model cast to float32
+# (mlx_tier.engine.dtypes.cast_model); the library's own default
+# (TierConfig.dtype None) casts nothing, as mlx_lm.load. On a GPU the job keeps
+# the checkpoint's dtypes.
+JOB_CPU_DTYPE = "float32"
 
 # The cache policy: W-TinyLFU (mlx_tier.policy.eviction.WTinyLFUPolicy). Replayed
 # at 25/50/75% of the experts (benches/results/policies/NOTES.md, 2026-12-01): on

@@ -15,10 +15,17 @@ before the computation that reads its old contents is evaluated. Every write
 first evaluates the layer's last pending output (:meth:`LayerCache.settle`).
 In-place slot writes stay cheap only while no other array references the slab,
 so nothing outside this module holds a slab.
+
+Dtypes follow the model's: a slab holds its experts as the resident mlx-lm
+model would (as stored, or through the casts made since:
+:mod:`mlx_tier.engine.dtypes`), and :meth:`LayerCache.cast` casts a layer's
+slabs when the model is cast after load, so experts read later go through the
+same casts as those already resident.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
@@ -28,6 +35,7 @@ import numpy as np
 from mlx import nn
 
 from mlx_tier.engine.checkpoint import TensorInfo
+from mlx_tier.engine.dtypes import Casts, apply_casts, then
 from mlx_tier.engine.store import ExpertStore, ReadStats
 from mlx_tier.errors import BudgetError
 from mlx_tier.policy.eviction import DEFAULT_POLICY, PolicySpec
@@ -96,23 +104,85 @@ class SlabTensor:
         module: the mlx-lm (Quantized)SwitchLinear that reads the slab.
         attr: its attribute name (``"weight"``, ``"scales"``, ``"biases"``, ``"bias"``).
         info: the stacked tensor on disk, shape ``[E, ...]``.
-        dtype: dtype of the slab (the compute dtype for floating tensors).
+        casts: the casts an expert goes through after it is read, in order
+            (:mod:`mlx_tier.engine.dtypes`); ``()``: kept as stored.
     """
 
     module: nn.Module
     attr: str
     info: TensorInfo
-    dtype: mx.Dtype
+    casts: Casts = ()
 
-    def slot_nbytes(self) -> int:
-        return int(np.prod(self.info.shape[1:])) * self.dtype.size
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The slab's dtype: the last cast's, else as stored."""
+        return self.casts[-1] if self.casts else self.info.mx_dtype
+
+    def slot_nbytes(self, dtype: mx.Dtype | None = None) -> int:
+        """Bytes of one slot, in ``dtype`` (``None``: the slab's)."""
+        return int(np.prod(self.info.shape[1:])) * (dtype or self.dtype).size
+
+    def cast_to(self, dtype: mx.Dtype) -> SlabTensor:
+        """This tensor after one more cast, to ``dtype``."""
+        return replace(self, casts=then(self.casts, dtype))
+
+    def __deepcopy__(self, memo) -> SlabTensor:
+        # Dtypes cannot be copied (MLX does not pickle them); they are immutable anyway.
+        return replace(self, module=copy.deepcopy(self.module, memo))
 
 
-def _to_mx(buf: np.ndarray, info: TensorInfo, dtype: mx.Dtype) -> mx.array:
+class StandIns:
+    """A tiered expert block's experts shown as its parameters.
+
+    For each stacked expert tensor the block holds, at the path the resident
+    mlx-lm block has it (``gate_proj.scales`` under the block), a zero-row
+    array ``[0, ...]`` in the slab's dtype. Whatever is done to a model's
+    parameters -- ``set_dtype``, ``update`` with ``astype`` (as mlx-lm's own
+    model tests do), ``apply``, :func:`mlx_tier.engine.dtypes.cast_model` -- reaches
+    them, with mlx-lm's paths for ``cast_predicate``; before each call the
+    block casts its slabs to their dtypes (:meth:`changed`,
+    :meth:`LayerCache.cast`). Zero rows: ``parameters()`` counts no expert
+    bytes, and weights saved from a tiered model (no experts) cannot load as a
+    checkpoint. Only the dtype is followed, not the values or shape.
+
+    Args:
+        keys: name on disk -> the keys leading to its stand-in in the block.
+    """
+
+    def __init__(self, keys: dict[str, tuple[str, ...]]):
+        self.keys = keys
+
+    @classmethod
+    def show(cls, block: nn.Module, path: str, tensors: dict[str, SlabTensor]) -> StandIns:
+        """Put a stand-in for each of ``tensors`` (name on disk -> SlabTensor, the
+        experts of the block at parameter path ``path``) into ``block``."""
+        keys = {}
+        for name, t in tensors.items():
+            *parents, leaf = keys[name] = tuple(name.removeprefix(path + ".").split("."))
+            node = block
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[leaf] = mx.zeros((0, *t.info.shape[1:]), dtype=t.dtype)
+        return cls(keys)
+
+    def changed(self, block: nn.Module, tensors: dict[str, SlabTensor]) -> dict[str, mx.Dtype]:
+        """name -> its stand-in's dtype, for each of ``tensors`` whose slab's dtype differs."""
+        out = {}
+        for name, keys in self.keys.items():
+            node = block
+            for k in keys:
+                node = node[k]
+            if node.dtype != tensors[name].dtype:
+                out[name] = node.dtype
+        return out
+
+
+def _to_mx(buf: np.ndarray, info: TensorInfo, casts: Casts) -> mx.array:
+    """Raw bytes of ``info``'s experts (numpy, bfloat16 as uint16) through ``casts``."""
     a = mx.array(buf)
     if info.dtype == "BF16":
         a = a.view(mx.bfloat16)
-    return a if a.dtype == dtype else a.astype(dtype)
+    return apply_casts(a, casts)
 
 
 class LayerCache:
@@ -126,6 +196,10 @@ class LayerCache:
         store: the cold tier.
         stats: shared counters.
         policy: how this layer's eviction policy is made (:class:`mlx_tier.policy.eviction.PolicySpec`).
+
+    Attributes:
+        owner: the :class:`ExpertCache` whose budget the slabs count against
+            (set by it; ``None`` for a layer on its own).
     """
 
     def __init__(
@@ -172,6 +246,7 @@ class LayerCache:
         # yet used: (raw arrays, expert -> row, raw bytes of one expert).
         self.incoming = None  # a PrefetchedRead or None
         self._prefetched: tuple[dict[str, np.ndarray], dict[int, int], int] | None = None
+        self.owner: ExpertCache | None = None
         for t in tensors.values():
             # Lazy zeros: memory is taken at the first write, not at load.
             setattr(t.module, t.attr, mx.zeros((num_slots, *t.info.shape[1:]), dtype=t.dtype))
@@ -257,10 +332,17 @@ class LayerCache:
         self.pending = None
 
     def settle(self) -> None:
-        """Evaluate the last computation that read the slabs (see module doc)."""
-        if self.pending is not None:
-            mx.eval(self.pending)
-            self.pending = None
+        """Evaluate the last computation that read the slabs (see module doc).
+
+        One that fails (a step that raised, e.g. a dtype MLX cannot compute) is
+        dropped: it can never read the slots, and its error was the caller's.
+        """
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                mx.eval(pending)
+            except RuntimeError:
+                pass
 
     def _ensure(self, group: list[int]) -> None:
         """Make every expert in ``group`` resident (``len(group) <= S``).
@@ -308,7 +390,7 @@ class LayerCache:
             for name, t in self.tensors.items():
                 slab = t.module[t.attr]
                 for raw, rows in batches:
-                    new = _to_mx(raw[name], t.info, t.dtype)  # [rows in raw, ...]
+                    new = _to_mx(raw[name], t.info, t.casts)  # [rows in raw, ...]
                     for i, e in rows:
                         s = slot_of_new[e]
                         # In place (the module holds `slab`); a slice write is ~10x
@@ -386,6 +468,40 @@ class LayerCache:
         self.policy = self.policy_spec.make(self.layer, self.num_slots)
         self.lut = None
 
+    def slot_nbytes_as(self, dtypes: dict[str, mx.Dtype]) -> int:
+        """Bytes of one expert with the tensors named in ``dtypes`` in those dtypes."""
+        return sum(t.slot_nbytes(dtypes.get(name)) for name, t in self.tensors.items())
+
+    def cast(self, dtypes: dict[str, mx.Dtype]) -> None:
+        """Cast the slabs named in ``dtypes`` (name on disk -> dtype), resident
+        experts included, as the model's parameters were cast; experts read
+        later go through the same cast (:attr:`SlabTensor.casts`). The owner's
+        budget is checked first (:meth:`ExpertCache.admit_cast`).
+
+        Raises:
+            BudgetError: the cast slabs would exceed a byte budget.
+        """
+        if self.owner is not None:
+            self.owner.admit_cast(self, dtypes)
+        self.settle()  # the old slabs' last readers first
+        slabs = []
+        for name, dtype in dtypes.items():
+            t = self.tensors[name] = self.tensors[name].cast_to(dtype)
+            setattr(t.module, t.attr, t.module[t.attr].astype(dtype))
+            slabs.append(t.module[t.attr])
+        mx.eval(slabs)
+
+    def __deepcopy__(self, memo) -> LayerCache:
+        """A copy with the same resident experts (slabs copied) and counters; the
+        last output that read the slabs, and an unfinished or unused prefetch,
+        stay with the original (the copy reads those experts itself)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        skip = {"incoming": None, "_prefetched": None, "pending": None}
+        for key, value in vars(self).items():
+            setattr(new, key, skip[key] if key in skip else copy.deepcopy(value, memo))
+        return new
+
     def prewarm(self, experts: list[int]) -> int:
         """Read ``experts`` (hottest first) into free slots before any use.
 
@@ -452,16 +568,44 @@ class ExpertCache:
         layers: one LayerCache per MoE layer, in model order.
         stats: counters summed over layers.
         budget_bytes: the configured budget; resident expert bytes never exceed it.
+        budget_in_slots: the budget was configured as slots (``slots_per_layer``,
+            ``layer_slots``): a cast after load keeps the slots and restates
+            ``budget_bytes`` in the new dtypes. Otherwise it is bytes, and a
+            cast that would need more is refused (:meth:`admit_cast`).
+        kernel, dtype_name: what computes the experts and the cast made at load
+            (``"as stored"`` for none), set by :func:`mlx_tier.engine.load.tier_model`
+            for reports.
     """
 
-    def __init__(self, layers: list[LayerCache], stats: CacheStats, budget_bytes: int, store: ExpertStore):
+    def __init__(self, layers: list[LayerCache], stats: CacheStats, budget_bytes: int, store: ExpertStore,
+                 budget_in_slots: bool = False):
         self.layers = layers
         self._stats = stats
         self.budget_bytes = budget_bytes
+        self.budget_in_slots = budget_in_slots
         self.store = store
         if self.resident_bytes > budget_bytes:  # invariant 2 (docs/architecture.md): checked, not assumed
             raise BudgetError(
                 f"slabs of {self.resident_bytes} bytes exceed the cache budget of {budget_bytes} bytes"
+            )
+        for layer in layers:
+            layer.owner = self
+
+    def admit_cast(self, layer: LayerCache, dtypes: dict[str, mx.Dtype]) -> None:
+        """Check the budget before ``layer``'s slabs are cast to ``dtypes`` (name -> dtype).
+
+        Raises:
+            BudgetError: a byte budget the cast slabs would exceed (invariant 2).
+        """
+        grow = layer.num_slots * (layer.slot_nbytes_as(dtypes) - layer.slot_nbytes)
+        if self.budget_in_slots:
+            self.budget_bytes += grow
+        elif self.resident_bytes + grow > self.budget_bytes:
+            names = ", ".join(sorted({str(d).removeprefix("mlx.core.") for d in dtypes.values()}))
+            raise BudgetError(
+                f"casting the experts to {names} needs {(self.resident_bytes + grow) / 2**30:.3f} GiB of slots, "
+                f"over the cache budget of {self.budget_bytes / 2**30:.3f} GiB: load with "
+                "TierConfig(dtype=...) so that the budget plans for it, or give a larger cache_gb", "dtype"
             )
 
     @property

@@ -81,6 +81,12 @@ class TensorInfo:
     def np_dtype(self) -> np.dtype:
         return np.dtype(_NP_DTYPES[self.dtype])
 
+    @property
+    def mx_dtype(self) -> mx.Dtype:
+        """The MLX dtype it is stored in (``BF16`` -> ``mx.bfloat16``)."""
+        special = {"BF16": mx.bfloat16, "BOOL": mx.bool_}
+        return special.get(self.dtype) or getattr(mx, self.np_dtype.name)
+
     def expert_nbytes(self) -> int:
         """Bytes of one slice along axis 0 (one expert of a stacked tensor)."""
         return self.nbytes // self.shape[0]

@@ -5,6 +5,13 @@ replaces each ``SwitchGLU``/``SwitchMLP`` (``mlx_lm.models.switch_layers``) by a
 :class:`TieredExperts` wrapping it, and evaluates only the dense part
 (attention, norms, embeddings, routers, shared experts). Generation, batching
 and prompt caches stay mlx-lm's.
+
+Dtypes are mlx-lm's (:mod:`mlx_tier.engine.dtypes`): by default none is cast,
+as ``mlx_lm.load``; ``TierConfig(dtype=...)`` casts as ``mlx_lm.convert
+--dtype`` would. The model survives what mlx-lm does to its models after
+load: a cast (``set_dtype``, ``update``) reaches the experts through their
+stand-ins (:class:`mlx_tier.engine.cache.StandIns`), and ``copy.deepcopy``
+gives an independent tiered model.
 """
 
 from __future__ import annotations
@@ -19,9 +26,16 @@ from mlx_lm.utils import load_tokenizer
 
 from mlx_tier import defaults
 from mlx_tier.engine import budgets as tier_budgets
-from mlx_tier.engine.cache import CacheStats, ExpertCache, LayerCache, SlabTensor
+from mlx_tier.engine.cache import (
+    CacheStats,
+    ExpertCache,
+    LayerCache,
+    SlabTensor,
+    StandIns,
+)
 from mlx_tier.engine.checkpoint import expert_tensors as _stored_expert_tensors
 from mlx_tier.engine.checkpoint import module_at, moe_blocks, open_checkpoint, set_child
+from mlx_tier.engine.dtypes import cast_model, compute_dtype, gather_mm_computes
 from mlx_tier.engine.prefetch import BackgroundReader, link_layers
 from mlx_tier.engine.store import (
     DEFAULT_PAGE_CACHE,
@@ -62,9 +76,17 @@ class TierConfig:
             DEFAULT_POLICY; lru, 2q, or pinned: keeps the saved profile's most
             used experts, needs a profile) is made into a spec here, once. The
             profile a pinned policy needs is bound at load (:func:`tier_model`).
-        dtype: compute dtype for floating weights. ``None``: float32 on the CPU
-            backend (bf16/fp16 matmuls are 9-40x slower there, docs/architecture.md),
-            the checkpoint's own dtype on a GPU.
+        dtype: cast the model's floating parameters, experts included, to this
+            dtype at load, as ``mlx_lm.convert --dtype`` does (those the model's
+            ``cast_predicate`` keeps stay as they are:
+            :func:`mlx_tier.engine.dtypes.cast_model`); greedy tokens then equal
+            mlx-lm's model cast the same way. ``None`` (the default): no cast,
+            every tensor as stored, as ``mlx_lm.load`` -- except with the CPU
+            kernel on MLX's CPU backend, which computes in float32
+            (:func:`mlx_tier.engine.dtypes.compute_dtype`). On MLX's CPU backend
+            ``mx.float32`` is much faster than bf16/fp16 (7.5x on a bf16 demo:
+            benches/results/cpu-dtype/NOTES.md); the job runner chooses it
+            there (:data:`mlx_tier.defaults.JOB_CPU_DTYPE`).
         read_threads: size of the cold-tier read pool.
         read_method: how experts are read: ``"pread"`` or ``"mmap"``
             (:mod:`mlx_tier.engine.store`; default chosen by benches/read_methods.py).
@@ -164,10 +186,22 @@ class TieredExperts(nn.Module):
         self._kernel = kernel  # (inner, x, slots) -> [..., k, D]: mlx_tier.kernels.registry
         self.remap = remap
         self._prefetch = None  # NextLayerPrefetch (mlx_tier.engine.prefetch) when prefetch is on
+        self._stand_ins: StandIns | None = None  # the experts as parameters (show())
 
     @property
     def cache(self) -> LayerCache:
         return self._cache
+
+    def show(self, path: str, tensors: dict[str, SlabTensor]) -> None:
+        """Show the experts ``tensors`` of the block at ``path`` as this module's
+        parameters (:class:`mlx_tier.engine.cache.StandIns`)."""
+        self._stand_ins = StandIns.show(self, path, tensors)
+
+    def _follow_casts(self) -> None:
+        """Cast the slabs whose stand-ins a cast of the model has changed."""
+        changed = self._stand_ins.changed(self, self._cache.tensors) if self._stand_ins is not None else None
+        if changed:
+            self._cache.cast(changed)
 
     def _resident_slots(self, indices: mx.array) -> mx.array:
         """Slot ids ``[..., k]`` (uint32) of a fully resident layer, lazy; the
@@ -181,6 +215,7 @@ class TieredExperts(nn.Module):
         return slots.reshape(indices.shape)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        self._follow_casts()
         if self._cache.hook is not None:  # between layers: a long step may stop here (set_layer_hook)
             self._cache.hook(self._cache.layer)
         if self._cache.all_resident():  # no miss possible: stay lazy, no host sync
@@ -217,14 +252,14 @@ class TieredExperts(nn.Module):
         return out
 
 
-def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path, dtype) -> tuple[int, dict]:
+def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path) -> tuple[int, dict]:
     """The stacked expert tensors of one expert block as cache slabs
-    (:func:`mlx_tier.engine.checkpoint.expert_tensors`).
+    (:func:`mlx_tier.engine.checkpoint.expert_tensors`), in the dtypes mlx-lm
+    gives them at load (as stored, unless its ``sanitize`` cast one).
 
     Args:
         path: the block's parameter path (``model.layers.3.mlp.switch_mlp``).
         index: tensor name -> TensorInfo of the checkpoint.
-        dtype: slab dtype for floating tensors (``None``: as stored).
 
     Returns:
         ``(E, {name on disk: SlabTensor})``.
@@ -240,14 +275,27 @@ def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path, dt
                 f"{path}: nvfp4 experts with a per-expert global scale need a GPU "
                 "(MLX's CPU backend cannot run them)"
             )
-        floating = dtype is not None and mx.issubdtype(t.array.dtype, mx.floating)
-        tensors[name] = SlabTensor(t.leaf, t.attr, t.info, dtype if floating else t.array.dtype)
+        slab = SlabTensor(t.leaf, t.attr, t.info)
+        tensors[name] = slab if t.array.dtype == slab.dtype else slab.cast_to(t.array.dtype)
     return num_experts, tensors
 
 
-def default_compute_dtype() -> mx.Dtype | None:
-    """float32 on the CPU backend, ``None`` (keep the checkpoint's) elsewhere."""
-    return mx.float32 if mx.default_device() == mx.cpu else None
+def _check_computable(model_dir: Path, found: list) -> None:
+    """Refuse unquantized experts in a dtype MLX cannot run here, naming the fix.
+
+    Args:
+        found: ``(path, block, E, tensors)`` per MoE layer, dtypes as they will run.
+    Raises:
+        ConfigError: e.g. bf16 experts on MLX's CPU backend (``mlx_lm.load``'s
+            model fails there too, at its first token).
+    """
+    for *_, tensors in found:
+        for t in tensors.values():
+            if t.attr == "weight" and mx.issubdtype(t.dtype, mx.floating) and not gather_mm_computes(t.dtype):
+                name, where = str(t.dtype).removeprefix("mlx.core."), "CPU" if mx.default_device() == mx.cpu else "GPU"
+                raise ConfigError(f"{model_dir}: its unquantized experts are {name}, which MLX's {where} backend "
+                                  "cannot compute (mlx_lm.load's model fails the same way): load with "
+                                  "TierConfig(dtype=mx.float32)", "dtype")
 
 
 def plan_slots(budget_bytes: int, num_layers: int, slot_nbytes: int, num_experts: int) -> int:
@@ -311,17 +359,31 @@ def _layer_slot_counts(config: TierConfig, profile, slots: int, total: int, expe
     return tuple(min(slots, e) for e in experts)
 
 
-def _wrap_blocks(model: nn.Module, blocks: list, config: TierConfig, kernel_name: str, dtype,
+def _wrap_blocks(model: nn.Module, model_dir: Path, found: list, config: TierConfig, kernel_name: str, dtype,
                  two_tiers: bool) -> list[TieredExperts]:
-    """Put a :class:`TieredExperts` (no cache yet) in place of each expert block, then
-    evaluate the dense part in ``dtype``: the hidden blocks' stacked experts are never read."""
+    """Put a :class:`TieredExperts` (no cache yet) in place of each expert block,
+    cast the model to ``dtype`` (``None``: no cast), then evaluate the dense part:
+    the hidden blocks' stacked experts are never read.
+
+    Args:
+        found: ``(path, block, E, tensors)`` per MoE layer; each ``tensors``
+            (name on disk -> SlabTensor) is updated with the cast.
+    Raises:
+        ConfigError: experts MLX cannot compute here (:func:`_check_computable`),
+            before anything is read.
+    """
     kernel, remap = kernels.kernel_for(kernel_name), kernels.remap_for(kernel_name)
     wrappers = []
-    for path, block in blocks:
+    for path, block, _, tensors in found:
         wrappers.append(TieredExperts(block, None, kernel, remap))
         set_child(model, path, wrappers[-1])
+        wrappers[-1].show(path, tensors)
     if dtype is not None:
-        model.set_dtype(dtype)  # the dense part; experts are converted as they are read
+        cast_model(model, dtype)  # the dense part and the experts' stand-ins
+        for wrapper, (_, _, _, tensors) in zip(wrappers, found):
+            changed = wrapper._stand_ins.changed(wrapper, tensors)
+            tensors.update({name: tensors[name].cast_to(d) for name, d in changed.items()})
+    _check_computable(model_dir, found)
     mx.eval(model.parameters())
     if config.dense_kernel and kernel_name == "cpu" and not two_tiers:  # with two tiers: the warm tier's kernel
         from mlx_tier.kernels.cpu import serve_dense
@@ -363,6 +425,18 @@ def _budgets(config: TierConfig, two_tiers: bool, slot_nbytes: int, num_layers: 
     return budget, slots, budgets.warm
 
 
+def _layer_caches(found: list, wrappers: list[TieredExperts], per_layer: tuple[int, ...], store: ExpertStore,
+                  policy: PolicySpec) -> tuple[list[LayerCache], CacheStats]:
+    """One :class:`LayerCache` per MoE layer (``found``: ``(path, block, E, tensors)``),
+    each handed to its wrapper; their shared counters."""
+    stats = CacheStats()
+    layers = []
+    for i, ((_, _, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
+        layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, policy))
+        wrapper._cache = layers[-1]
+    return layers, stats
+
+
 def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dict | None = None) -> ExpertCache:
     """Replace every expert block of an mlx-lm model (built lazily) with a tiered one.
 
@@ -374,7 +448,9 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
         CheckpointError: no expert block, or experts not stored stacked.
         BudgetError: budget below one slot per layer; bad ``layer_slots``;
             budgets that do not fit their memory (:mod:`mlx_tier.engine.budgets`).
-        ConfigError: a negative or non-finite ``cache_gb``/``host_cache_gb``.
+        ConfigError: a negative or non-finite ``cache_gb``/``host_cache_gb``;
+            unquantized experts in a dtype MLX cannot compute here (bf16/fp16
+            on the CPU backend: pass ``dtype=mx.float32``).
         ProfileError: pinned, pre-warm or the adaptive split without a
             fitting saved profile (:mod:`mlx_tier.routing.profile`).
     """
@@ -384,29 +460,26 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
                           "(mlx_tier.routing.simulate), not live", "policy")
     store = ExpertStore(model_dir, threads=config.read_threads, read_method=config.read_method,
                          page_cache=config.page_cache, index=index)
-    dtype = config.dtype if config.dtype is not None else default_compute_dtype()
-    found = [(path, *expert_tensors(path, block, store.index, model_dir, dtype)) for path, block in blocks]
-    profile = _profile_for(config, model_dir, len(found), max(n for _, n, _ in found))
+    found = [(path, block, *expert_tensors(path, block, store.index, model_dir)) for path, block in blocks]
+    experts = [n for _, _, n, _ in found]
+    profile = _profile_for(config, model_dir, len(found), max(experts))
     # Hide the blocks (and their lazily loaded stacked arrays, never evaluated)
     # before touching the parameters, so that only the dense part is read.
-    backend = tier_budgets.backend_of()
-    two_tiers = tier_budgets.two_tiers(config.host_cache_gb, backend)  # always on CUDA
+    two_tiers = tier_budgets.two_tiers(config.host_cache_gb, tier_budgets.backend_of())  # always on CUDA
     kernel_name = kernels.choose(config.kernel or LIBRARY_KERNEL, [b for _, b in blocks], two_tiers)
-    wrappers = _wrap_blocks(model, blocks, config, kernel_name, dtype, two_tiers)
-    slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for _, _, tensors in found)
-    budget, slots, warm_budget = _budgets(config, two_tiers, slot_nbytes, len(found), max(n for _, n, _ in found))
-    per_layer = _layer_slot_counts(config, profile, slots, budget // slot_nbytes, [n for _, n, _ in found])
-    stats = CacheStats()
+    dtype = compute_dtype(config.dtype, kernel_name, two_tiers)
+    wrappers = _wrap_blocks(model, model_dir, found, config, kernel_name, dtype, two_tiers)
+    slot_nbytes = max(sum(t.slot_nbytes() for t in tensors.values()) for *_, tensors in found)
+    budget, slots, warm_budget = _budgets(config, two_tiers, slot_nbytes, len(found), max(experts))
+    per_layer = _layer_slot_counts(config, profile, slots, budget // slot_nbytes, experts)
+    in_slots = config.layer_slots is not None or config.slots_per_layer is not None  # else a byte budget
     policy = replace(config.policy, profile=profile) if config.policy.needs_profile else config.policy
-    layers = []
-    for i, ((_, n, tensors), wrapper) in enumerate(zip(found, wrappers)):
-        layers.append(LayerCache(i, tensors, n, per_layer[i], store, stats, policy))
-        wrapper._cache = layers[-1]
+    layers, stats = _layer_caches(found, wrappers, per_layer, store, policy)
     if two_tiers:  # the CUDA path: hot slabs + a warm host tier
         from mlx_tier.engine.two_tier import build_two_tier
 
         parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
-        expert_cache = build_two_tier(blocks, parents, layers, budget, warm_budget, store, config,
+        expert_cache = build_two_tier(blocks, parents, layers, (budget, warm_budget, in_slots), store, config,
                                       kernels.kernel_for("cpu") if kernel_name == "cpu" else None,
                                       lambda path, m: set_child(model, path, m))
     else:
@@ -415,12 +488,13 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
             links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
             for wrapper, link in zip(wrappers, links):
                 wrapper._prefetch = link
-        expert_cache = ExpertCache(layers, stats, budget, store)
+        expert_cache = ExpertCache(layers, stats, budget, store, budget_in_slots=in_slots)
     if config.prewarm or (config.prewarm is None and policy.needs_profile):
         expert_cache.prewarm(profile)
     # What computes the experts (mlx_tier.kernels.registry), for reports; with two tiers,
-    # the warm tier's kernel (the hot tier runs MLX's ops).
+    # the warm tier's kernel (the hot tier runs MLX's ops). The cast made at load, likewise.
     expert_cache.kernel = kernel_name
+    expert_cache.dtype_name = str(dtype).removeprefix("mlx.core.") if dtype is not None else "as stored"
     model.expert_cache = expert_cache
     return expert_cache
 
@@ -443,6 +517,9 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
         ``(model, tokenizer)`` exactly as ``mlx_lm.load`` returns them, with each
         expert block replaced by :class:`TieredExperts`; ``model.expert_cache``
         is the :class:`~mlx_tier.engine.cache.ExpertCache` (counters in ``.stats``).
+        Its dtypes are ``mlx_lm.load``'s unless ``config.dtype`` casts them
+        (:class:`TierConfig`); a later cast, or ``copy.deepcopy``, works as on
+        mlx-lm's model.
 
     Raises:
         CheckpointError: a bad checkpoint folder (:mod:`mlx_tier.engine.checkpoint`:
@@ -450,6 +527,9 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
             model type), or not an MoE checkpoint; a repo id not cached while
             offline, or not downloadable.
         BudgetError: budget too small for one expert slot per MoE layer.
+        ConfigError: unquantized experts in a dtype MLX cannot compute here
+            (bf16/fp16 on the CPU backend, where ``mlx_lm.load``'s model fails
+            at its first token: pass ``TierConfig(dtype=mx.float32)``).
     """
     from mlx_tier.engine.hub import resolve_model
 

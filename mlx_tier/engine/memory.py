@@ -29,7 +29,6 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_tier.engine.budgets import backend_of
-from mlx_tier.engine.load import default_compute_dtype
 from mlx_tier.units import GIB
 
 WIRED_MARGIN = 0.10  # over the resident set: activations and one step's temporaries
@@ -95,14 +94,23 @@ def kv_bytes_estimate(args, context: int, batch: int, itemsize: int) -> int:
     return 2 * layers * kv_heads * head_dim * itemsize * context * batch
 
 
+def _activation_itemsize(arrays: list[mx.array]) -> int:
+    """Bytes per element of a model's activations, and so of its KV cache: those
+    of the floating dtype that holds most of its parameter bytes (2 if none)."""
+    held: dict[mx.Dtype, int] = {}
+    for a in arrays:
+        if mx.issubdtype(a.dtype, mx.floating):
+            held[a.dtype] = held.get(a.dtype, 0) + a.nbytes
+    return max(held, key=held.get).size if held else 2
+
+
 def resident_set(model, context: int, batch: int) -> ResidentSet:
     """The :class:`ResidentSet` of a model from :func:`mlx_tier.load`."""
     cache = model.expert_cache
     slabs = {id(getattr(t.module, t.attr)) for layer in cache.layers for t in layer.tensors.values()}
     arrays = [a for _, a in tree_flatten(model.parameters()) if isinstance(a, mx.array)]
     dense = sum(a.nbytes for a in arrays if id(a) not in slabs)
-    itemsize = 4 if default_compute_dtype() == mx.float32 else 2  # as mlx_tier.tools.plan estimates it
-    kv = kv_bytes_estimate(getattr(model, "args", None), context, batch, itemsize)
+    kv = kv_bytes_estimate(getattr(model, "args", None), context, batch, _activation_itemsize(arrays))
     slot = max(layer.slot_nbytes for layer in cache.layers)
     return ResidentSet(int(dense), int(cache.resident_bytes), int(kv), int(slot))
 

@@ -76,6 +76,9 @@ class BackgroundReader:
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-tier-prefetch")
 
+    def __deepcopy__(self, memo) -> BackgroundReader:
+        return BackgroundReader()  # a copied model prefetches on a thread of its own
+
     def submit(self, store, names: list[str], experts: list[int]) -> Future:
         """Start ``store.read_experts(names, experts)``; returns its future."""
         return self._pool.submit(store.read_experts, names, experts)

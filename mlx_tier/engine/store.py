@@ -131,6 +131,7 @@ class ExpertStore:
     ):
         check_read_settings(read_method, page_cache)
         self.model_dir = Path(model_dir)
+        self.threads = threads
         self.read_method = read_method
         self.page_cache = page_cache
         self.index = index if index is not None else index_checkpoint(self.model_dir)
@@ -144,6 +145,11 @@ class ExpertStore:
             self._read = self._read_mmap if read_method == "mmap" else self._read_pread
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mlx-tier-read")
         self.stats = ReadStats()
+
+    def __deepcopy__(self, memo) -> ExpertStore:
+        """A store of its own on the same checkpoint and settings (its own files,
+        pool and counters): a copied model reads and counts for itself."""
+        return ExpertStore(self.model_dir, self.threads, self.read_method, self.page_cache, self.index)
 
     def info(self, name: str) -> TensorInfo:
         try:

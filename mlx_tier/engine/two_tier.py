@@ -39,7 +39,8 @@ import numpy as np
 from mlx import nn
 
 from mlx_tier.engine.budgets import widen_memory_limit
-from mlx_tier.engine.cache import CacheStats, ExpertCache, LayerCache, _to_mx
+from mlx_tier.engine.cache import CacheStats, ExpertCache, LayerCache, StandIns, _to_mx
+from mlx_tier.engine.dtypes import then
 from mlx_tier.engine.prefetch import BackgroundReader, NextLayerPrefetch, link_layers
 from mlx_tier.engine.warm_pool import WarmPool, pool_slot_nbytes
 from mlx_tier.errors import BudgetError
@@ -128,6 +129,17 @@ class TwoTierLayer:
         self.index.reset()
         self._share()
 
+    def cast(self, dtypes: dict[str, mx.Dtype]) -> None:
+        """Cast both tiers' buffers named in ``dtypes`` (name on disk -> dtype), as
+        the model's parameters were cast (:meth:`LayerCache.cast`, :meth:`WarmPool.cast`).
+
+        Raises:
+            BudgetError: a tier over a byte budget (:meth:`TwoTierCache.admit_cast`).
+        """
+        self.hot.cast(dtypes)
+        self.warm.cast(dtypes)
+        self.index.expert_nbytes = self.hot.slot_nbytes  # what a copy moves now (the cost model's bytes)
+
     def assign(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Place the experts of ``idx`` ``[..., k]`` round by round.
 
@@ -210,9 +222,8 @@ class TwoTierLayer:
         t = self.hot.tensors[name]
         host = tier != "hot"
         with mx.stream(self.warm.stream if host else mx.default_stream(mx.default_device())):
-            dtype = self.warm.dtypes[name] if host else t.dtype
-            if not isinstance(rows, mx.array):
-                rows = _to_mx(rows, t.info, dtype)
+            if not isinstance(rows, mx.array):  # the slab's casts, then the pool's dtype
+                rows = _to_mx(rows, t.info, then(t.casts, self.warm.dtypes[name]) if host else t.casts)
             (self.warm.arrays[name] if host else t.module[t.attr])[slot : slot + 1] = rows
 
     def prewarm(self, ranked: list[int]) -> int:
@@ -274,12 +285,20 @@ class TwoTierExperts(nn.Module):
         self._inner = inner  # leading underscore: hidden from parameters()
         self._layer = layer
         self._prefetch = None  # WarmAwarePrefetch when prefetch is on
+        self._stand_ins: StandIns | None = None  # the experts as parameters (show())
 
     @property
     def cache(self) -> LayerCache:
         return self._layer.hot
 
+    def show(self, path: str) -> None:
+        """Show the layer's experts as this module's parameters, the block being at ``path``."""
+        self._stand_ins = StandIns.show(self, path, self._layer.hot.tensors)
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        changed = self._stand_ins.changed(self, self._layer.hot.tensors) if self._stand_ins is not None else None
+        if changed:  # the model was cast since the last call
+            self._layer.cast(changed)
         ahead = self._prefetch.predict(x, indices.shape[-1]) if self._prefetch is not None else None
         if ahead is None:
             mx.eval(indices)
@@ -322,13 +341,28 @@ class TwoTierCache(ExpertCache):
     """
 
     def __init__(self, tier_layers: list[TwoTierLayer], stats: TwoTierStats, budget_bytes: int,
-                 warm_budget_bytes: int, store):
-        super().__init__([t.hot for t in tier_layers], stats, budget_bytes, store)
+                 warm_budget_bytes: int, store, budget_in_slots: bool = False):
+        super().__init__([t.hot for t in tier_layers], stats, budget_bytes, store, budget_in_slots)
         self.tier_layers = tier_layers
         self.warm_budget_bytes = warm_budget_bytes
         if self.warm_resident_bytes > warm_budget_bytes:
             raise BudgetError(f"warm pools of {self.warm_resident_bytes} bytes exceed the host cache budget "
                               f"of {warm_budget_bytes} bytes")
+
+    def admit_cast(self, layer: LayerCache, dtypes: dict[str, mx.Dtype]) -> None:
+        """:meth:`ExpertCache.admit_cast` for the hot tier; the warm tier's budget
+        is bytes (host memory), so a cast that grows its pools past it is refused.
+
+        Raises:
+            BudgetError: a tier over its byte budget.
+        """
+        super().admit_cast(layer, dtypes)
+        warm = next(t.warm for t in self.tier_layers if t.hot is layer)
+        grow = warm.num_slots * (warm.slot_nbytes_as(dtypes) - warm.slot_nbytes)
+        if self.warm_resident_bytes + grow > self.warm_budget_bytes:
+            raise BudgetError(f"casting the experts needs {(self.warm_resident_bytes + grow) / 2**30:.3f} GiB of "
+                              f"warm slots, over the host cache budget of {self.warm_budget_bytes / 2**30:.3f} GiB: "
+                              "load with TierConfig(dtype=...) so that the budgets plan for it", "dtype")
 
     @property
     def warm_resident_bytes(self) -> int:
@@ -373,7 +407,7 @@ def warm_slots_for(warm_budget_bytes: int, hot_slots: list[int], experts: list[i
 
 
 def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module], layers: list[LayerCache],
-                   budget_bytes: int, warm_budget_bytes: int, store, config, warm_kernel,
+                   budgets: tuple[int, int, bool], store, config, warm_kernel,
                    replace: Callable[[str, nn.Module], None]) -> TwoTierCache:
     """Turn single-tier layers into two-tier ones and swap the model's expert blocks.
 
@@ -381,8 +415,9 @@ def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module]
         blocks: ``(path, mlx-lm expert block)`` per MoE layer.
         parents: the module holding each block (prefetch finds the router there).
         layers: the hot tiers, as :func:`mlx_tier.engine.load.tier_model` built them.
-        budget_bytes / warm_budget_bytes: the hot and warm budgets
-            (:func:`mlx_tier.engine.budgets.tier_budgets`).
+        budgets: the hot and warm budgets in bytes
+            (:func:`mlx_tier.engine.budgets.tier_budgets`), and whether the hot
+            one was configured as slots (:attr:`ExpertCache.budget_in_slots`).
         config: the :class:`mlx_tier.engine.load.TierConfig` (``transfer_costs``, ``prefetch``).
         warm_kernel: what computes warm experts (:mod:`mlx_tier.kernels.registry`; ``None``: MLX ops).
         replace: sets the module at a parameter path.
@@ -390,6 +425,7 @@ def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module]
     Raises:
         BudgetError: a tier over its budget.
     """
+    budget_bytes, warm_budget_bytes, in_slots = budgets
     slot_nbytes = max(pool_slot_nbytes(layer.tensors, warm_kernel is not None) for layer in layers)  # warm dtypes
     warm = warm_slots_for(warm_budget_bytes, [x.num_slots for x in layers], [x.num_experts for x in layers],
                           slot_nbytes)
@@ -403,9 +439,10 @@ def build_two_tier(blocks: list[tuple[str, nn.Module]], parents: list[nn.Module]
     wrappers = [TwoTierExperts(block, t) for (_, block), t in zip(blocks, tier_layers)]
     for (path, _), wrapper in zip(blocks, wrappers):
         replace(path, wrapper)
+        wrapper.show(path)
     widen_memory_limit(sum(t.warm.resident_bytes for t in tier_layers))
     if config.prefetch:
         links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
         for i, (wrapper, link) in enumerate(zip(wrappers, links)):
             wrapper._prefetch = WarmAwarePrefetch(link, tier_layers[i + 1]) if link is not None else None
-    return TwoTierCache(tier_layers, stats, budget_bytes, warm_budget_bytes, store)
+    return TwoTierCache(tier_layers, stats, budget_bytes, warm_budget_bytes, store, in_slots)

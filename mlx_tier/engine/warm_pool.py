@@ -36,6 +36,7 @@ before the computation reading it is evaluated; the owner settles first.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import mlx.core as mx
@@ -60,9 +61,12 @@ def warm_slot_nbytes(tensors: Iterable[tuple[int, mx.Dtype]], host_kernel: bool)
     return sum(int(n) * pool_dtype(dtype, host_kernel).size for n, dtype in tensors)
 
 
-def pool_slot_nbytes(tensors: dict[str, SlabTensor], host_kernel: bool) -> int:
-    """Bytes of one warm slot of a layer's ``tensors`` (:func:`warm_slot_nbytes`)."""
-    return warm_slot_nbytes(((np.prod(t.info.shape[1:]), t.dtype) for t in tensors.values()), host_kernel)
+def pool_slot_nbytes(tensors: dict[str, SlabTensor], host_kernel: bool, dtypes: dict | None = None) -> int:
+    """Bytes of one warm slot of a layer's ``tensors`` (:func:`warm_slot_nbytes`),
+    the hot slabs in their dtypes or, for those named in ``dtypes``, in those."""
+    dtypes = dtypes or {}
+    return warm_slot_nbytes(((np.prod(t.info.shape[1:]), dtypes.get(name, t.dtype)) for name, t in tensors.items()),
+                            host_kernel)
 
 
 class WarmPool:
@@ -102,6 +106,30 @@ class WarmPool:
     def resident_bytes(self) -> int:
         """Bytes of the buffers once written (the most the pool holds)."""
         return self.num_slots * self.slot_nbytes
+
+    def slot_nbytes_as(self, dtypes: dict[str, mx.Dtype]) -> int:
+        """Bytes of one slot once the hot slabs named in ``dtypes`` are cast to those."""
+        return pool_slot_nbytes(self.tensors, self.kernel is not None, dtypes)
+
+    def cast(self, dtypes: dict[str, mx.Dtype]) -> None:
+        """Cast the buffers of the tensors named in ``dtypes`` as their hot slabs were
+        (name -> the slab's new dtype): a float32 pool of the CPU kernel keeps float32,
+        its values rounded through the new dtype. The owner settles first."""
+        for name, dtype in dtypes.items():
+            self.dtypes[name] = pool_dtype(dtype, self.kernel is not None)
+            if name in self.arrays:
+                with mx.stream(self.stream):
+                    self.arrays[name] = self.arrays[name].astype(dtype).astype(self.dtypes[name])
+        mx.eval(list(self.arrays.values()))
+
+    def __deepcopy__(self, memo) -> WarmPool:
+        """A copy with its own buffers on the same CPU stream (streams are not copied)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.tensors = copy.deepcopy(self.tensors, memo)
+        new.arrays = copy.deepcopy(self.arrays, memo)
+        new.dtypes = dict(self.dtypes)  # dtypes are immutable and cannot be copied
+        return new
 
     def rows(self, x: mx.array, rows: np.ndarray) -> mx.array:
         """``x`` ``[..., D]``'s rows ``rows`` ``[n]`` (of ``x`` as ``[T, D]``), gathered on

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY, JOB_KERNEL
 from mlx_tier.engine.checkpoint import context_length
+from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.load import TierConfig
 from mlx_tier.errors import InputError, JobError
 from mlx_tier.fsio import DISK_FULL, write_atomic
@@ -108,7 +109,11 @@ class JobConfig:
             given to :func:`mlx_tier.engine.load.load` as it is. Its ``kernel``
             left ``None`` (TierConfig's default: "the caller's default") is
             the job's default, :data:`~mlx_tier.defaults.JOB_KERNEL`, set here
-            once (``load()`` alone would use ``"mlx"``).
+            once (``load()`` alone would use ``"mlx"``). Its ``dtype`` left
+            ``None`` is decided where the model is loaded, by that machine's
+            backend (a rank's, with several): float32 on MLX's CPU backend, for
+            speed (:func:`mlx_tier.engine.dtypes.job_compute_dtype`; ``load()``
+            alone would cast nothing, as ``mlx_lm.load``).
         generation: how summaries are generated (prompt, max tokens, batch size,
             context...): given to the :class:`~mlx_tier.job.scheduler.Scheduler` as it is.
         throttle: the thermal-aware throttle's settings (:mod:`mlx_tier.job.throttle`).
@@ -665,7 +670,8 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)
     reporter.message(f"loading {model_dir}")
-    model, tokenizer = load(model_dir, config=config.tier)
+    tier = config.tier if config.tier.dtype is not None else replace(config.tier, dtype=job_compute_dtype())
+    model, tokenizer = load(model_dir, config=tier)  # the one place the job's dtype default is applied
     loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT))
     g = config.generation
     check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
@@ -701,6 +707,7 @@ def _setup(loaded: _Loaded, config: JobConfig) -> dict:
         "policy": config.tier.policy.name,
         "prefetch": config.tier.prefetch,
         "kernel": getattr(cache, "kernel", config.tier.kernel),  # as chosen for this model (mlx_tier.kernels.registry.choose)
+        "dtype": getattr(cache, "dtype_name", None),  # the cast made at load (mlx_tier.engine.dtypes)
         "max_tokens": g.max_tokens,
         "repetition_penalty": g.repetition_penalty,
         "prompt": g.instruction,

@@ -25,7 +25,8 @@ import numpy as np
 import psutil
 
 from mlx_tier.engine.checkpoint import find_expert_blocks, open_checkpoint
-from mlx_tier.engine.load import DEFAULT_BUDGET_FRACTION, default_compute_dtype
+from mlx_tier.engine.dtypes import job_compute_dtype
+from mlx_tier.engine.load import DEFAULT_BUDGET_FRACTION
 from mlx_tier.errors import CheckpointError
 from mlx_tier.units import GIB
 
@@ -48,7 +49,7 @@ class Plan:
     expert_params: int  # one expert of one layer
     dense_bytes: int  # on disk
     expert_bytes_disk: int  # one expert of one layer
-    expert_bytes_resident: int  # in the compute dtype (float32 scales on CPU)
+    expert_bytes_resident: int  # in the job's compute dtype (float32 scales on CPU: mlx_tier.engine.dtypes.job_compute_dtype)
     expert_bytes_warm: int  # in a CUDA warm tier: floating tensors float32 for the CPU kernel, else as stored (mlx_tier.engine.warm_pool)
     layer_bytes_disk: int  # all experts of one layer
     experts_per_gb: float  # resident experts per GiB of cache
@@ -237,13 +238,7 @@ def _warm_bytes(index: dict, names: list[str], blocks: list) -> int:
 
     host_kernel = choose("auto", blocks, host_tier=True) == "cpu"
     # whole stacked tensors at once (all experts of all layers): the caller divides by L x E
-    return warm_slot_nbytes(((np.prod(index[n].shape), _mx_dtype(index[n])) for n in names), host_kernel)
-
-
-def _mx_dtype(info) -> mx.Dtype:
-    """The MLX dtype of a checkpoint tensor (a :class:`TensorInfo`; ``BF16`` -> ``mx.bfloat16``)."""
-    special = {"BF16": mx.bfloat16, "BOOL": mx.bool_}
-    return special.get(info.dtype) or getattr(mx, info.np_dtype.name)
+    return warm_slot_nbytes(((np.prod(index[n].shape), index[n].mx_dtype) for n in names), host_kernel)
 
 
 def _kv_bytes(config: dict, moe_layers: int, dtype, context_tokens: int) -> int:
@@ -321,7 +316,7 @@ def make_plan(
     expert_disk_all = sum(index[n].nbytes for n in expert_names)
     dense_bytes = sum(i.nbytes for n, i in index.items() if n not in expert_set)
     expert_bytes_disk = expert_disk_all // (L * num_experts)
-    dtype = default_compute_dtype()
+    dtype = job_compute_dtype()  # the plan is for mlx-tier run
     expert_bytes_resident = _resident_bytes(index, expert_names, dtype) // (L * num_experts)
     expert_bytes_warm = _warm_bytes(index, expert_names, [b for _, b in blocks]) // (L * num_experts)
     kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
@@ -397,7 +392,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     inner = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or hidden)
     q = config.get("quantization") or {}
     dense = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    kv = _kv_bytes(config, layers, default_compute_dtype(), 1)
+    kv = _kv_bytes(config, layers, job_compute_dtype(), 1)
     shape = Shape(layers, experts, top_k, slots, expert_bytes, expert_flops, int(dense * 0.6), 2.0 * dense,
                   4.0 * heads * head_dim, float(kv), heads, hidden, inner)
     on_cpu = mx.default_device() == mx.cpu

@@ -136,7 +136,6 @@ def assert_plan_split_equals_run(path, monkeypatch, hot_rows, warm_rows) -> None
     kernel (auto)."""
     from mlx_tier import TierConfig, load
     from mlx_tier.engine import budgets as tier_budgets
-    from mlx_tier.engine import load as tiered
     from mlx_tier.tools.plan import make_plan
 
     p = make_plan(path, memory_gb=1, disk_gbps=1, compute_gbps=1)
@@ -148,7 +147,6 @@ def assert_plan_split_equals_run(path, monkeypatch, hot_rows, warm_rows) -> None
     assert (split.hot_slots, split.warm_slots) == (int(hot_rows), min(E - int(hot_rows), int(warm_rows)))
     monkeypatch.setattr(tier_budgets, "probe", lambda api=None: tier_plan.assumed_memory(p, gpu_gb))
     monkeypatch.setattr(tier_budgets, "backend_of", lambda api=None: "cuda")
-    monkeypatch.setattr(tiered, "default_compute_dtype", lambda: None)  # a GPU keeps the checkpoint's dtype
     model, _ = load(path, config=TierConfig(kernel="auto"))
     cache = model.expert_cache
     assert cache.slots_per_layer == split.hot_slots and cache.warm_slots == (split.warm_slots,) * L

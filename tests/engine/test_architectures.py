@@ -21,6 +21,8 @@ from support.exactness import PROMPTS, greedy_ids
 
 import mlx_tier
 from mlx_tier import TierConfig
+from mlx_tier.engine.dtypes import cast_model, gather_mm_computes
+from mlx_tier.errors import ConfigError
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -101,7 +103,11 @@ QUANT_MODES = [
 def test_expert_formats(name, quant, tmp_path, tokenizer_dir):
     """Every expert format mlx-lm writes: affine 2-8 bits, mxfp4, unquantised fp16/bf16.
 
-    The reference runs in the tiered model's compute dtype (float32 on CPU).
+    By default the tiered model equals mlx-lm's model as loaded (nothing cast);
+    with ``dtype=mx.float32``, mlx-lm's model cast to float32. Unquantised
+    fp16/bf16 experts that MLX cannot compute here (its CPU backend's
+    ``gather_mm`` is float32 only: mlx-lm's model fails at its first token)
+    are refused at load, naming the fix.
     """
     config = {**BASE, "model_type": name, **CONFIGS[name]}
     module = importlib.import_module(f"mlx_lm.models.{name}")
@@ -114,11 +120,22 @@ def test_expert_formats(name, quant, tmp_path, tokenizer_dir):
         config["quantization"] = dict(quant)
     path = write_checkpoint(tmp_path / "ckpt", model, config, tokenizer_dir)
     ref, _ = load_model(path)
-    ref.set_dtype(mx.float32)
+    if "dtype" in quant and not gather_mm_computes(getattr(mx, quant["dtype"])):
+        with pytest.raises(ConfigError, match=f"unquantized experts are {quant['dtype']}.*dtype=mx.float32"):
+            mlx_tier.load(path)
+    else:
+        assert_tiered_equals(ref, path, {}, (1, E))
+    cast_model(ref, mx.float32)
+    assert_tiered_equals(ref, path, {"dtype": mx.float32}, (1,))
+
+
+def assert_tiered_equals(ref, path, settings: dict, slot_counts) -> None:
+    """Greedy tokens of ``ref`` (an mlx-lm model) equal the tiered model's, loaded
+    from ``path`` with ``TierConfig(**settings)`` at each of ``slot_counts``."""
     want = [greedy_ids(ref, p) for p in PROMPTS]
-    for slots in (1, E):
-        tiered, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots))
-        assert [greedy_ids(tiered, p) for p in PROMPTS] == want, (name, quant, slots)
+    for slots in slot_counts:
+        tiered, _ = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots, **settings))
+        assert [greedy_ids(tiered, p) for p in PROMPTS] == want, (path, settings, slots)
 
 
 def test_dbrx_is_refused_with_its_reason(tmp_path, tokenizer_dir):

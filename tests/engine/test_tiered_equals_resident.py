@@ -1,5 +1,6 @@
 """Invariant 1: a tiered model generates exactly the greedy tokens of the same
-checkpoint fully resident in mlx-lm, for every cache size; invariant 2: resident
+checkpoint fully resident in mlx-lm (as ``mlx_lm.load`` loads it: nothing cast),
+for every cache size; invariant 2: resident
 expert bytes never exceed the budget, and after load only the dense part is resident.
 """
 
@@ -16,9 +17,11 @@ import mlx_tier
 from mlx_tier import BudgetError, CheckpointError, TierConfig
 
 
-@pytest.fixture(scope="module", params=["q4", "fp32"])
-def checkpoint(request, tiny_moe, tiny_moe_fp):
-    path = tiny_moe if request.param == "q4" else tiny_moe_fp
+@pytest.fixture(scope="module", params=["q4", "fp32", "bf16-q4"])
+def checkpoint(request, tiny_moe, tiny_moe_fp, tiny_moe_bf16):
+    """A checkpoint and mlx_lm.load's greedy tokens on it, as loaded: the bf16 one
+    (mlx-community's usual layout) computes in bf16 in both, nothing cast."""
+    path = {"q4": tiny_moe, "fp32": tiny_moe_fp, "bf16-q4": tiny_moe_bf16}[request.param]
     model, tokenizer = mlx_load(str(path))
     refs = {p: greedy(model, tokenizer, p) for p in (SHORT, LONG)}
     return path, refs

@@ -374,3 +374,34 @@ def test_mlx_memory_limit_widened_by_the_warm_pools_on_cuda():
     assert widen_memory_limit(100 * gib, cpu) is None and cpu.limit == 5
     if tier_budgets.backend_of() != "cuda":  # this machine without a GPU: untouched
         assert widen_memory_limit(gib) is None
+
+
+@pytest.mark.parametrize("kernel", ["mlx", "cpu"])
+def test_a_cast_after_load_reaches_both_tiers(tiny_moe, kernel):
+    """What mlx-lm does to its models after load works on a two-tier one: cast to bf16
+    (hot slabs and MLX pools cast; a CPU-kernel pool stays float32, its values rounded
+    through bf16), the tokens then those of mlx-lm's model cast alike; ``copy.deepcopy``
+    gives a model with tiers of its own that computes the same."""
+    import copy
+
+    model, tokenizer = load_two_tier(tiny_moe, 1, 3, NEVER_COPY, kernel=kernel, dtype=mx.float32)
+    generate(model, tokenizer, LONG, max_tokens=4, verbose=False)  # both tiers hold experts
+    model.set_dtype(mx.bfloat16)
+    ref, ref_tokenizer = mlx_load(str(tiny_moe))
+    ref.set_dtype(mx.bfloat16)
+    want = generate(ref, ref_tokenizer, LONG, max_tokens=10, verbose=False)
+    got = generate(model, tokenizer, LONG, max_tokens=10, verbose=False)  # the cast is applied at the next call
+    assert got == want or kernel == "cpu"  # MLX's ops in bf16: exactly mlx-lm's
+    tier = model.expert_cache.tier_layers[0]
+    assert tier.index.expert_nbytes == tier.hot.slot_nbytes  # the cost model weighs the cast bytes
+    for name, t in tier.hot.tensors.items():
+        if mx.issubdtype(t.dtype, mx.floating):
+            assert t.dtype == mx.bfloat16 and t.module[t.attr].dtype == mx.bfloat16
+            pool = tier.warm.arrays[name]
+            assert pool.dtype == (mx.float32 if kernel == "cpu" else mx.bfloat16)
+            assert mx.array_equal(pool, pool.astype(mx.bfloat16).astype(pool.dtype)).item()  # bf16 values
+    twin = copy.deepcopy(model)
+    x = mx.array(tokenizer.encode(LONG))[None]
+    assert mx.array_equal(model(x), twin(x)).item()
+    assert twin.expert_cache.tier_layers[0].warm.arrays is not tier.warm.arrays
+    assert twin.expert_cache.tier_layers[0].hot is twin.expert_cache.layers[0]

@@ -8,6 +8,7 @@ run works and freed after, whatever happens.
 import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 from support.jobs import _short_context, make_docs, small_moe  # noqa: F401 - fixtures
@@ -138,7 +139,11 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
                        tier=tiered.TierConfig(cache_gb=0.01, policy=spec),
                        generation=GenerationConfig(max_tokens=4, batch_size=2))
     report = run_job(config)
-    assert seen["tier"] is config.tier and seen["cache_gb"] is None and seen["tier"].policy is spec
+    from mlx_tier.engine.dtypes import job_compute_dtype
+
+    # whole, with only the job's dtype default filled in (float32 on the CPU backend)
+    assert seen["tier"] == replace(config.tier, dtype=job_compute_dtype()) and seen["tier"].policy is spec
+    assert seen["cache_gb"] is None
     assert seen["generation"] is config.generation and seen["batch_size"] == 2
     assert seen["longest_chars"] == max(p.stat().st_size for p in docs.iterdir())  # sized without converting
     assert report.setup["policy"] == "lru" and report.setup["generation"]["batch_size"] == 2

@@ -196,6 +196,27 @@ def test_each_caller_has_one_kernel_default(tiny_moe):
     assert model.expert_cache.kernel == "mlx"  # the library's default: tokens exactly as mlx-lm's
 
 
+def test_each_caller_has_one_dtype_default(tiny_moe_bf16):
+    """The library casts nothing (tokens as mlx_lm.load's); the job computes in
+    float32 on MLX's CPU backend (faster there) and records it in report.json."""
+    import mlx.core as mx
+
+    from mlx_tier.engine.dtypes import job_compute_dtype
+    from mlx_tier.engine.load import TierConfig, load
+    from mlx_tier.job.run import _load_model, _Loaded, _setup
+
+    cpu = mx.default_device() == mx.cpu
+    assert TierConfig().dtype is None and job_compute_dtype() == (mx.float32 if cpu else None)
+    assert JobConfig(input=".", out_dir="o").tier.dtype is None  # decided by each machine that loads it
+    model, _ = load(tiny_moe_bf16, config=TierConfig(kernel="mlx"))
+    assert model.layers[0].self_attn.q_proj.scales.dtype == mx.bfloat16  # as stored
+    assert _setup(_Loaded(model, None, tiny_moe_bf16, 512), JobConfig(input=".", out_dir="o"))["dtype"] == "as stored"
+    config = JobConfig(input=".", out_dir="o", model=tiny_moe_bf16, tier=TierConfig(kernel="mlx"))
+    loaded = _load_model(config, Reporter())
+    assert loaded.model.layers[0].self_attn.q_proj.scales.dtype == (mx.float32 if cpu else mx.bfloat16)
+    assert _setup(loaded, config)["dtype"] == ("float32" if cpu else "as stored")
+
+
 def test_library_errors_carry_their_setting_and_no_flag(tiny_moe):
     from mlx_tier.cli.render import as_flags
     from mlx_tier.engine.load import TierConfig, load, plan_slots
