@@ -13,6 +13,10 @@
   that add up to more than the machine's memory are refused. (``mlx-tier run``
   refuses ``--host-cache-gb`` off CUDA outright: no user gains from it there.)
 
+"Available host memory" is what this process may still take: inside a memory
+cgroup (a container's limit) the cgroup's limit less its use, when that is the
+smaller (:mod:`mlx_tier.engine.limits`).
+
 Pure functions over a :class:`FreeMemory` snapshot; :func:`probe` is the only
 place that asks the OS and MLX.
 """
@@ -23,8 +27,8 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-import psutil
 
+from mlx_tier.engine.limits import MemoryLimit, probe_limit
 from mlx_tier.errors import BudgetError, ConfigError
 from mlx_tier.units import GIB
 
@@ -39,10 +43,14 @@ class FreeMemory:
 
     Attributes:
         backend: ``"cuda"``, ``"metal"`` or ``"cpu"`` (:func:`backend_of`).
-        host_available: host memory available now (psutil ``available``).
-        host_total: host memory installed.
+        host_available: host memory this process may still take now
+            (:attr:`MemoryLimit.available`: a cgroup's limit less its use when
+            smaller than psutil's ``available``).
+        host_total: host memory this process may hold in all (the host's, or
+            its cgroup's limit when smaller).
         device_free: free GPU memory (CUDA only; ``None`` elsewhere or unknown).
         device_total: GPU memory installed (CUDA only; ``None`` elsewhere or unknown).
+        limit: where the host figures came from (``None``: given, not probed).
     """
 
     backend: str
@@ -50,6 +58,7 @@ class FreeMemory:
     host_total: int
     device_free: int | None = None
     device_total: int | None = None
+    limit: MemoryLimit | None = None
 
     @property
     def unified(self) -> bool:
@@ -96,13 +105,13 @@ def probe(api=mx) -> FreeMemory:
     freed while the dense part was loaded and converted stay reserved on the
     GPU and would count as used, shrinking the hot default.
     """
-    vm = psutil.virtual_memory()
+    limit = probe_limit()
     backend = backend_of(api)
     free = total = None
     if backend == "cuda":
         api.clear_cache()
         free, total = device_memory(api.device_info(), api.get_active_memory())
-    return FreeMemory(backend, int(vm.available), int(vm.total), free, total)
+    return FreeMemory(backend, limit.available, limit.total, free, total, limit)
 
 
 # MLX's memory limit before mlx-tier first widened it, per ``mlx.core`` (or fake):
@@ -143,6 +152,8 @@ def describe_defaults(mem: FreeMemory, memory_limit: int | None = None) -> str:
     (``benches/gpu_check.sh`` prints it). ``memory_limit``: MLX's, in bytes, if known."""
     gib = 2**30
     limit = f"; MLX memory limit {memory_limit / gib:.1f} GiB" if memory_limit is not None else ""
+    if mem.limit is not None and mem.limit.limited:
+        limit += f"; host memory bounded by {mem.limit.source} ({mem.limit.total / gib:.1f} GiB)"
     if mem.unified:
         return (f"backend {mem.backend}: one memory, host available {mem.host_available / gib:.1f} GiB -> one tier, "
                 f"default {default_warm_budget(mem.host_available) / gib:.1f} GiB{limit}")

@@ -29,7 +29,9 @@ from pathlib import Path
 
 from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY, JOB_KERNEL
 from mlx_tier.engine.checkpoint import context_length
+from mlx_tier.engine.footprint import MemoryBudget
 from mlx_tier.engine.load import TierConfig
+from mlx_tier.engine.sizes import run_budget
 from mlx_tier.errors import InputError, JobError
 from mlx_tier.fsio import DISK_FULL, write_atomic
 from mlx_tier.job import batch_api
@@ -79,6 +81,7 @@ from mlx_tier.outdir.layout import (
     REPORT,
     check_out_dir,
 )
+from mlx_tier.units import GIB
 
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
@@ -127,6 +130,12 @@ class JobConfig:
         save_profile: after the run, add its expert use counts to the
             checkpoint's saved profile (next to it, or in the user cache).
         follow_links: read links in an INPUT folder that lead outside it.
+        memory_gb: the memory the run may hold in all (GiB), split into the
+            expert cache, the KV cache, the step's workspace and the rest
+            (:func:`mlx_tier.engine.footprint.split`); ``None``: what this process
+            may use (its cgroup's limit or the host's available memory,
+            :mod:`mlx_tier.engine.limits`). A split that cannot fit is refused
+            before the model is loaded.
     """
 
     input: Path
@@ -145,6 +154,7 @@ class JobConfig:
     background_qos: bool = False
     save_profile: bool = False
     follow_links: bool = False
+    memory_gb: float | None = None
 
     def __post_init__(self):
         if self.tier.kernel is None:  # the one place the job's kernel default is applied
@@ -322,6 +332,7 @@ class _Loaded:
     tokenizer: object
     model_dir: Path
     context: int  # the model's context length, tokens
+    budget: MemoryBudget | None = None  # the run's memory split (None on CUDA)
 
     @property
     def cache(self):
@@ -354,8 +365,9 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
     probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
-    scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, config.generation,
-                          max(p.sizes.values(), default=0), probes)
+    scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context,
+                          _generation(config, loaded.budget), max(p.sizes.values(), default=0), probes,
+                          memory=loaded.budget)
     p.report.setup["generation"] = scheduler.info
     source = scheduler.info["batch_size_from"]
     reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
@@ -592,12 +604,26 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
 
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)
+    budget = run_budget(model_dir, config.tier, config.memory_gb, config.generation.prefill_step_size)
+    tier = config.tier
+    if budget is not None:
+        reporter.message(f"memory: {budget.describe()}")
+        if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
+            tier = replace(tier, cache_gb=budget.cache / GIB)
     reporter.message(f"loading {model_dir}")
-    model, tokenizer = load(model_dir, config=config.tier)
-    loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT))
+    model, tokenizer = load(model_dir, config=tier)
+    loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), budget)
     g = config.generation
     check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
     return loaded
+
+
+def _generation(config: JobConfig, budget: MemoryBudget | None) -> GenerationConfig:
+    """The generation settings of this run: the prompt step no larger than the memory split allows."""
+    g = config.generation
+    if budget is None or budget.prefill_step >= g.prefill_step_size:
+        return g
+    return replace(g, prefill_step_size=budget.prefill_step)
 
 
 def _model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir,
@@ -861,9 +887,12 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
     if config.trace is not None:
         loaded.cache.start_trace(source=str(loaded.model_dir))
     try:
+        buffers = loaded.budget.buffers if loaded.budget is not None else None
         with StopFlag(stopping, abort) as stop, keep_awake(), model_memory_controls(
-                loaded.model, context, g.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
+                loaded.model, context, g.batch_size or MAX_AUTO_BATCH, buffers=buffers) as memory:  # restored after
             report.setup["memory"] = memory
+            if loaded.budget is not None:
+                report.setup["memory_budget"] = loaded.budget.as_dict()
             try:
                 report.throttle = _summarise_all(p, config, loaded, lambda: stop.signal is not None)
             except JobError:  # the disk is full: a clean stop, not a crash

@@ -23,24 +23,23 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import psutil
-
 from mlx_tier.defaults import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
 )
+from mlx_tier.engine.footprint import MemoryBudget
 from mlx_tier.errors import CheckpointError, InputError, JobError, RequestError, TooLong
 from mlx_tier.job.batch_api import CHAT, Choice, prompt_tokens
 from mlx_tier.job.batch_engine import (
-    HEADROOM_BYTES,
     BatchEngine,
     PrefixCache,
     StepInfo,
     Task,
     common_prefix,
     estimate_memory,
+    sequence_room,
     stop_token_ids,
 )
 from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
@@ -201,6 +200,9 @@ class Scheduler:
         probes: token ids of a few of the prompts to come, whose common prefix is
             prefilled once and shared (batch requests with one system prompt);
             ``None``: the summarising instruction's prompts.
+        memory: the run's memory split (:class:`~mlx_tier.engine.footprint.MemoryBudget`):
+            sequences are sized within its KV share (:func:`~mlx_tier.job.batch_engine.sequence_room`);
+            ``None``: within what the memory limit leaves.
 
     Attributes:
         batch_size: sequences decoded together (fixed for the scheduler's life).
@@ -209,8 +211,9 @@ class Scheduler:
     """
 
     def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
-                 longest_chars: int | None = None, probes: list[list[int]] | None = None):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+                 longest_chars: int | None = None, probes: list[list[int]] | None = None,
+                 memory: MemoryBudget | None = None):
+        self.model, self.tokenizer, self.config, self.memory = model, tokenizer, config, memory
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
@@ -220,7 +223,8 @@ class Scheduler:
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
         self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
         context = min(model_context, config.context or model_context)
-        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), config.prefill_step_size)
+        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), config.prefill_step_size,
+                                    sequence_room(memory))
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")
@@ -253,13 +257,13 @@ class Scheduler:
         c = self.config
         return BatchEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
-                           prefix=self._prefix())
+                           prefix=self._prefix(), step_cap=self.memory.prompt_step if self.memory else None)
 
     def _context_now(self) -> int:
         """The usable context for a sequence starting now: memory now (sequences in
         flight already hold theirs), so a document that would not fit is split
         smaller, a request refused, instead of failing the process."""
-        now = replace(self.plan, free_bytes=psutil.virtual_memory().available - HEADROOM_BYTES)
+        now = replace(self.plan, free_bytes=sequence_room(self.memory))
         return min(self.context, now.max_tokens())
 
     def _tasks(self, d: _Doc) -> list[Task]:
