@@ -9,13 +9,15 @@ context of C tokens, and at a decode step of a batch of B sequences?
 How: the model is loaded tiered with the kernel given, every expert resident
 (so no read buffer is in the figure) unless ``--slots``; MLX's buffer cache
 limit is set as a job sets it (:func:`mlx_tier.engine.memory.plan_memory`), and
-one warm-up step compiles the kernel first. For each case the process's peak
-resident set is reset (``/proc/self/clear_refs``, Linux) after MLX's buffer
-cache is emptied; the step runs (``model(tokens, cache)`` and the cache state
+one warm-up step compiles the kernel first. For each case the step runs
+once on a copy of its cache (the kernel's loops for those shapes loaded, the
+heap warm), then again measured (``model(tokens, cache)`` and the cache state
 evaluated, as mlx-lm's prompt steps do; a decode step also evaluates its
-logits); workspace = peak RSS during the step - RSS before it (the KV rows the step
-writes included: mlx-lm allocates a cache 256 tokens at a time, and pages count
-once written). MLX's own peak (``mx.get_peak_memory``) is printed beside it.
+logits): workspace = MLX's peak memory in use over what was in use before
+(``mx.get_peak_memory``, the KV rows the step writes included) + numpy's peak
+(``tracemalloc``: the CPU kernel's arrays). The resident set's rise
+(``/proc/self/clear_refs`` then ``VmHWM``) is printed beside it: it misses
+what the heap already held from earlier steps.
 The figure is compared with the shape terms (plus the KV rows written) of
 :mod:`mlx_tier.engine.footprint`.
 
@@ -28,9 +30,11 @@ Linux only (``clear_refs``, ``VmHWM``). Prints its caliber; one run per case
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import time
+import tracemalloc
 from pathlib import Path
 
 import mlx.core as mx
@@ -59,19 +63,30 @@ def kv_bytes(cache) -> int:
 
 
 def measure(model, tokens: mx.array, cache, logits: bool) -> dict:
-    """Run one step of ``tokens`` [B, T] through ``model`` with ``cache``; its memory figures."""
+    """Run one step of ``tokens`` [B, T] through ``model`` with ``cache``; its memory figures.
+
+    ``workspace``: MLX's peak of memory in use during the step over what was in
+    use before it (``mx.get_peak_memory``; its freed-buffer cache excluded) plus
+    the peak of numpy's allocations (the CPU kernel's rows and tiles, traced by
+    ``tracemalloc``). Neither is masked by freed memory the process already
+    holds, which the resident set (``rss_delta``, beside it) is.
+    """
+    mx.eval(model(tokens, cache=copy.deepcopy(cache)))  # same shapes once: compiled loops loaded, heap warm
     mx.clear_cache()
-    before, kv0 = rss(), kv_bytes(cache)
+    before, active, kv0 = rss(), mx.get_active_memory(), kv_bytes(cache)
     reset_peak()
     mx.reset_peak_memory()
+    tracemalloc.start()
     t0 = time.perf_counter()
     out = model(tokens, cache=cache)
     mx.eval([c.state for c in cache] + ([out[:, -1, :]] if logits else []))
     seconds = time.perf_counter() - t0
+    numpy_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     grew = kv_bytes(cache) - kv0  # allocated: mlx-lm grows a cache 256 tokens at a time
     del out
-    return {"workspace": peak() - before, "mlx_peak": mx.get_peak_memory(), "kv_allocated": grew,
-            "seconds": round(seconds, 2)}
+    return {"workspace": mx.get_peak_memory() - active + numpy_peak, "mlx": mx.get_peak_memory() - active,
+            "numpy": numpy_peak, "rss_delta": peak() - before, "kv_allocated": grew, "seconds": round(seconds, 2)}
 
 
 def fill(model, cache, batch: int, tokens: int, step: int = 256) -> None:
@@ -133,12 +148,12 @@ def main() -> None:
         est = step_workspace(shape, a.kernel, b, a.decode_context + 1, b) + b * shape.kv_per_token
         rows.append({"kind": "decode", "tokens": 1, "context": a.decode_context, "batch": b, **m, "estimate": est})
         del cache
-    print(f"{'step':>7} {'T':>5} {'ctx':>5} {'B':>2} {'workspace MiB':>13} {'MLX peak MiB':>12} "
+    print(f"{'step':>7} {'T':>5} {'ctx':>5} {'B':>2} {'workspace MiB':>13} {'MLX':>7} {'numpy':>7} {'RSS rise':>8} "
           f"{'estimate MiB':>12} {'meas/est':>8} {'s':>6}")
     for r in rows:
         print(f"{r['kind']:>7} {r['tokens']:>5} {r['context']:>5} {r['batch']:>2} {r['workspace'] / MIB:>13.1f} "
-              f"{r['mlx_peak'] / MIB:>12.1f} {r['estimate'] / MIB:>12.1f} {r['workspace'] / r['estimate']:>8.2f} "
-              f"{r['seconds']:>6}")
+              f"{r['mlx'] / MIB:>7.1f} {r['numpy'] / MIB:>7.1f} {r['rss_delta'] / MIB:>8.1f} "
+              f"{r['estimate'] / MIB:>12.1f} {r['workspace'] / r['estimate']:>8.2f} {r['seconds']:>6}")
     if a.json:
         a.json.write_text(json.dumps({"model": str(a.model), "kernel": a.kernel, "shape": str(shape),
                                       "rows": rows}, indent=1))

@@ -49,6 +49,7 @@ MIN_PROMPT_STEP = 16
 # Workers of the kernel and of the cold tier's reads, for the per-step constants.
 KERNEL_THREADS = 2
 READ_THREADS = 4
+DENSE_TILE_BYTES = 8 << 20  # as mlx_tier.kernels.cpu tiles a dense layer (that module loads Numba)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class ModelShape:
 
 # Measured over the shape terms (benches/workspace.py): peak RSS of a step beyond
 # what was resident before it and the KV it added, / the terms below.
-WORKSPACE_FACTOR = {"cpu": 1.0, "mlx": 1.0}
+WORKSPACE_FACTOR = {"cpu": 1.3, "mlx": 1.3}
 
 
 def _row_bytes(s: ModelShape, context: int) -> int:
@@ -128,7 +129,8 @@ def step_workspace(shape: ModelShape, kernel: str, tokens: int, context: int, ba
     s = shape
     rows = tokens * _row_bytes(s, context)
     logits = 3 * batch * s.vocab * 4 if tokens == batch else 0  # a decode step: logits, log-probs, sampling
-    tiles = KERNEL_THREADS * s.expert_inner * s.hidden * 4 if kernel == "cpu" else 0
+    # the CPU kernel's threads each dequantise one expert, or a tile of a dense layer (mlx_tier.kernels.cpu)
+    tiles = KERNEL_THREADS * max(s.expert_inner * s.hidden * 4, DENSE_TILE_BYTES) if kernel == "cpu" else 0
     reads = READ_THREADS * 3 * s.expert_inner * s.hidden
     return int(WORKSPACE_FACTOR.get(kernel, WORKSPACE_FACTOR["mlx"]) * (rows + logits) + tiles + reads)
 
@@ -278,7 +280,10 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     kv = room - cache
     budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace, fixed_parts[2],
                           fixed_parts[3], step, given, s, needs.kernel)
-    if kv < min_kv(s) or cache < needs.slot_row:
+    if cache < needs.slot_row:
+        raise BudgetError(f"`cache_gb` {cache / GIB:.3f} GiB is too small: one expert slot per MoE layer needs "
+                          f"{needs.slot_row / GIB:.3f} GiB", "cache_gb")
+    if kv < min_kv(s):
         raise _does_not_fit(budget, needs)
     return budget
 

@@ -8,6 +8,8 @@ and what ``mlx-tier plan`` prints come from here, so the two agree.
 
 from __future__ import annotations
 
+import resource
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +44,10 @@ def top_k_of(config: dict, where: str = "checkpoint") -> int:
     return int(top_k)
 
 
-def _expert_inner(experts: list, hidden: int) -> int:
-    """An expert's inner width: the widest output of its projections other than the hidden width."""
-    rows = [t.info.shape[1] for _, _, ts in experts for t in ts.values() if t.attr == "weight" and len(t.info.shape) > 2]
+def expert_inner(weight_shapes: list[tuple[int, ...]], hidden: int) -> int:
+    """An expert's inner width from its stacked projections' weight shapes ``[E, out, in]``:
+    the widest output other than the hidden width."""
+    rows = [shape[1] for shape in weight_shapes if len(shape) > 2]
     inner = [r for r in rows if r != hidden]
     return max(inner or rows or [hidden])
 
@@ -68,7 +71,8 @@ def needs_of(ckpt: Checkpoint, kernel: str, itemsize: int | None, kv_itemsize: i
     dense = sum(resident_nbytes(info, itemsize) for n, info in ckpt.index.items() if n not in names)
     num_experts = max(n for _, n, _ in experts)
     hidden = int(ckpt.config.get("hidden_size") or 0)
-    shape = ModelShape.of_config(ckpt.config, _expert_inner(experts, hidden), top_k_of(ckpt.config, str(ckpt.path)),
+    weights = [t.info.shape for _, _, ts in experts for t in ts.values() if t.attr == "weight"]
+    shape = ModelShape.of_config(ckpt.config, expert_inner(weights, hidden), top_k_of(ckpt.config, str(ckpt.path)),
                                  num_experts, kv_itemsize)
     return Needs(dense=dense, slot_row=slot * len(experts), all_experts=sum(slot * n for _, n, _ in experts),
                  shape=shape, kernel=kernel)
@@ -77,6 +81,12 @@ def needs_of(ckpt: Checkpoint, kernel: str, itemsize: int | None, kv_itemsize: i
 def process_rss() -> int:
     """This process's resident set now, in bytes."""
     return int(psutil.Process().memory_info().rss)
+
+
+def peak_rss() -> int:
+    """This process's largest resident set so far, in bytes (``getrusage``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int) -> MemoryBudget | None:

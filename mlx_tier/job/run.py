@@ -31,12 +31,13 @@ from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY, JOB_KE
 from mlx_tier.engine.checkpoint import context_length
 from mlx_tier.engine.footprint import MemoryBudget
 from mlx_tier.engine.load import TierConfig
-from mlx_tier.engine.sizes import run_budget
+from mlx_tier.engine.sizes import peak_rss, run_budget
 from mlx_tier.errors import InputError, JobError
 from mlx_tier.fsio import DISK_FULL, write_atomic
 from mlx_tier.job import batch_api
 from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
+from mlx_tier.job.heartbeat import Heartbeat
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
 from mlx_tier.job.process import DEFAULT_NICE, keep_awake, lower_priority
 from mlx_tier.job.provenance import Settings
@@ -58,7 +59,7 @@ from mlx_tier.job.rerun import (
     run_settings,
 )
 from mlx_tier.job.scheduler import GenerationConfig, Outcome, Scheduler, check_context
-from mlx_tier.job.stopflag import StopFlag
+from mlx_tier.job.stopflag import STOP_GRACE_SECONDS, StopFlag
 from mlx_tier.job.throttle import Throttle, ThrottleConfig
 from mlx_tier.job.triage import (
     DONE_KEEPS,
@@ -357,11 +358,17 @@ class _Pass:
     model_name: str = ""  # the model that answers, as each response names it
 
 
-def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> dict:
+def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag) -> dict:
     """Generate every document ``p.docs`` yields (batched, throttled), writing and journalling
     each as it finishes; fills ``p.results``, records the generation settings in
-    ``p.report.setup``. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
+    ``p.report.setup``. After a first signal (``stop``) the summaries being written get
+    :data:`~mlx_tier.job.stopflag.STOP_GRACE_SECONDS`, then stay pending. Returns the
+    throttle's account (:meth:`Throttle.as_dict`)."""
     results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
+
+    def stopping() -> bool:
+        return stop.signal is not None
+
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
     probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
@@ -378,7 +385,11 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
                if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
     eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic(), earlier)
 
+    speed = _Speed()
+
     def on_step(info, in_flight):
+        beat.step()
+        speed.add(info)
         rate.add(info.generated, info.decode_seconds)
         prompt_rate.add(info.prefill_tokens, info.prefill_seconds)
         generated[0] += info.generated
@@ -397,26 +408,81 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
                 reporter.message(f"throttle: {change['mode']} ({change['reason']})")
 
     throttled_before = 0.0
-    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step):
-        res = results[outcome.id]
-        if p.batch is not None:
-            _record_request(outcome, res, p)
-        else:
-            _record(outcome, res, config.out_dir)
-        eta.finished(res.id, res.output_tokens if res.status == "done" else None)
-        spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
-        if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
-            res.model, res.prompt = p.settings.fields()["model"], p.settings.prompt
-        record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
-        # Per-record increment: `mlx-tier status` adds them up.
-        record["throttled_seconds"] = round(spent - throttled_before, 3)
-        throttled_before = spent
-        record["sample"] = progress_sample(loaded.cache, rate.value, generated[0])
-        if outcome.reasoning:
-            record["reasoning"] = outcome.reasoning
-        p.last_t = journal.append(record)["run_t"]
-        reporter.finished(res, loaded.cache.stats.as_dict())
+    with Heartbeat(progress, stopping) as beat:
+        for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step,
+                                     give_up=lambda: stop.seconds_stopping() > STOP_GRACE_SECONDS):
+            throttled_before = _take_outcome(outcome, p, config, loaded, eta, throttle, throttled_before,
+                                             rate.value, generated[0])
+    if not stopping():
+        speed.compare(loaded, p.report, reporter)
     return throttle.as_dict()
+
+
+def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: _Loaded, eta: EtaTracker,
+                  throttle: Throttle, throttled_before: float, rate: float, generated: int) -> float:
+    """Write and journal one finished (or failed) document; returns the throttled seconds so far."""
+    results, journal, reporter = p.results, p.journal, p.reporter
+    res = results[outcome.id]
+    if p.batch is not None:
+        _record_request(outcome, res, p)
+    else:
+        _record(outcome, res, config.out_dir)
+    eta.finished(res.id, res.output_tokens if res.status == "done" else None)
+    spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
+    if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
+        res.model, res.prompt = p.settings.fields()["model"], p.settings.prompt
+    record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
+    record["throttled_seconds"] = round(spent - throttled_before, 3)  # per record: `mlx-tier status` adds them up
+    record["sample"] = progress_sample(loaded.cache, rate, generated)
+    if outcome.reasoning:
+        record["reasoning"] = outcome.reasoning
+    p.last_t = journal.append(record)["run_t"]
+    reporter.finished(res, loaded.cache.stats.as_dict())
+    return spent
+
+
+class _Speed:
+    """A run's decode and prompt-reading rates, achieved and predicted: the prediction is the
+    plan's model (:func:`mlx_tier.tools.kernel_probe.predict`) with the expert kernel
+    measured now and this run's own hit rate and read rate, so the two differ only by
+    what the model leaves out (MLX's ops around the kernel, waiting, the throttle)."""
+
+    def __init__(self) -> None:
+        self.decode_tokens = self.prompt_tokens = self.decode_steps = self.prompt_steps = 0
+        self.decode_seconds = self.prompt_seconds = 0.0
+
+    def add(self, info) -> None:
+        if info.generated:
+            self.decode_tokens += info.generated
+            self.decode_seconds += info.decode_seconds
+            self.decode_steps += 1
+        if info.prefill_tokens:
+            self.prompt_tokens += info.prefill_tokens
+            self.prompt_seconds += info.prefill_seconds
+            self.prompt_steps += 1
+
+    def compare(self, loaded: _Loaded, report: JobReport, reporter: Reporter) -> None:
+        """Record achieved and predicted rates in ``report.setup["speed"]`` and say them in one line."""
+        budget = loaded.budget
+        if budget is None or budget.shape is None or not (self.decode_seconds and self.prompt_seconds):
+            return
+        from mlx_tier.tools.kernel_probe import measure_kernel, predict, quant_of
+
+        cache, stats = loaded.cache, loaded.cache.stats
+        leaf = next(iter(cache.layers[0].tensors.values())).module
+        rates = measure_kernel(budget.shape, quant_of(leaf), cache.kernel)
+        disk = stats.bytes_read / stats.read_seconds / 1e9 if stats.read_seconds else 0.0
+        expert_disk = sum(t.info.expert_nbytes() for t in cache.layers[0].tensors.values())
+        batch = round(self.decode_tokens / self.decode_steps)
+        step = round(self.prompt_tokens / self.prompt_steps)
+        want = predict(budget.shape, len(cache.layers), expert_disk, rates, disk, stats.hit_rate, batch, step)
+        got = (self.decode_tokens / self.decode_seconds, self.prompt_tokens / self.prompt_seconds)
+        report.setup["speed"] = {"decode_tok_s": round(got[0], 3), "prompt_tok_s": round(got[1], 3),
+                                 "predicted": want.as_dict(), "kernel": rates.as_dict(), "read_gbps": round(disk, 3)}
+        reporter.message(f"speed: decode {got[0]:.2f} tok/s (predicted {want.decode_tok_s:.2f}), prompt reading "
+                         f"{got[1]:.1f} tok/s (predicted {want.prompt_tok_s:.1f}): the {rates.kernel} kernel measured "
+                         f"now, this run's {stats.hit_rate:.0%} hit rate and {disk:.2f} GB/s reads, batch {batch}, "
+                         f"{step}-token prompt steps")
 
 
 def claim_all(doc_id: str) -> bool:
@@ -605,13 +671,13 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)
     budget = run_budget(model_dir, config.tier, config.memory_gb, config.generation.prefill_step_size)
-    tier = config.tier
+    tier, cache_gb = config.tier, None
     if budget is not None:
         reporter.message(f"memory: {budget.describe()}")
         if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
-            tier = replace(tier, cache_gb=budget.cache / GIB)
+            cache_gb = budget.cache / GIB  # the split's share (load's own cache_gb overrides the config's None)
     reporter.message(f"loading {model_dir}")
-    model, tokenizer = load(model_dir, config=tier)
+    model, tokenizer = load(model_dir, cache_gb, config=tier)
     loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), budget)
     g = config.generation
     check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
@@ -874,8 +940,8 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
 
     g, reporter, report, progress = config.generation, p.reporter, p.report, p.progress
     context = min(loaded.context, g.context or loaded.context)
-    notice = ("stopping: summaries being written are finished, documents still being read are left for "
-              "the next run (interrupt again to stop at once)")
+    notice = (f"stopping: summaries being written are finished if they can be within {STOP_GRACE_SECONDS:g} s, "
+              "else left for the next run with the documents still being read (interrupt again to stop at once)")
 
     def stopping() -> None:  # the Ctrl-C notice, word-wrapped now (runner messages are soft-wrapped)
         reporter.message(wrap_words(notice, terminal_width(2)))
@@ -894,16 +960,27 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
             if loaded.budget is not None:
                 report.setup["memory_budget"] = loaded.budget.as_dict()
             try:
-                report.throttle = _summarise_all(p, config, loaded, lambda: stop.signal is not None)
+                report.throttle = _summarise_all(p, config, loaded, stop)
             except JobError:  # the disk is full: a clean stop, not a crash
                 progress.clear()
                 raise
             progress.clear()
+            _record_peak(report, loaded.budget, reporter)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
             report.stop_signal = stop.signal
     finally:
         if config.trace is not None:
             _save_trace(loaded.cache, config.trace, reporter)
+
+
+def _record_peak(report: JobReport, budget: MemoryBudget | None, reporter: Reporter) -> None:
+    """The process's peak resident set against the run's memory total, in report.json and one line."""
+    if budget is None:
+        return
+    peak = peak_rss()
+    report.setup["memory_budget"]["peak_rss"] = peak
+    reporter.message(f"memory: peak resident set {peak / GIB:.2f} GiB of the {budget.total / GIB:.2f} GiB total "
+                     f"({budget.source})")
 
 
 def hard_stop_message(signum: int, command: str | None, width: int) -> str:

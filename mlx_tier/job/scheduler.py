@@ -328,7 +328,8 @@ class Scheduler:
                        d.seconds)
 
     def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
-            on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None) -> Iterator[Outcome]:
+            on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None,
+            give_up: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
         """Summarise ``docs`` (:class:`~mlx_tier.job.documents.Document` or
         :class:`~mlx_tier.job.documents.FileDocument`: anything with ``id``, ``text``
         and ``error``), yielding each outcome when final.
@@ -338,7 +339,9 @@ class Scheduler:
 
         Once ``should_stop()`` is true no new document starts, calls still
         reading their prompt are dropped, and the calls already generating
-        finish (a map-reduce document not yet complete stays undone).
+        finish (a map-reduce document not yet complete stays undone), unless
+        ``give_up()`` turns true first: then every call in flight is dropped and
+        the run ends (their documents yield nothing: they stay pending).
         ``on_step(info, ids in flight)`` runs after every engine step
         (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
         """
@@ -356,7 +359,7 @@ class Scheduler:
                 q.alone = None
             if not stopping:
                 yield from self._admit(engine, q)
-            if not engine.active:
+            if not engine.active or (stopping and give_up()):
                 if stopping or q.empty():
                     break
                 continue

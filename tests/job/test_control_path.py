@@ -123,9 +123,10 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
         return real_load(path, cache_gb, config=config)
 
     class Scheduler(real_scheduler):
-        def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, probes=None):
-            seen["generation"], seen["longest_chars"] = config, longest_chars
-            super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes)
+        def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, probes=None,
+                     memory=None):
+            seen["generation"], seen["longest_chars"], seen["memory"] = config, longest_chars, memory
+            super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes, memory)
             seen["batch_size"] = self.batch_size
 
     monkeypatch.setattr(tiered, "load", load)
@@ -141,6 +142,7 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
     assert seen["generation"] is config.generation and seen["batch_size"] == 2
     assert seen["longest_chars"] == max(p.stat().st_size for p in docs.iterdir())  # sized without converting
     assert report.setup["policy"] == "lru" and report.setup["generation"]["batch_size"] == 2
+    assert seen["memory"].cache == int(0.01 * 2**30) and seen["memory"].cache_given  # the run's split, whole
 
 
 def test_library_errors_name_settings_and_the_cli_names_flags():
