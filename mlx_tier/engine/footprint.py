@@ -211,11 +211,17 @@ class MemoryBudget:
     def describe(self) -> str:
         """One line: ``"2.00 GiB (cgroup v1 memory.limit_in_bytes) = runtime 0.47 + ... GiB"``."""
         parts = " + ".join(f"{name} {v / GIB:.2f}" for name, v in self.parts().items())
-        return f"{self.total / GIB:.2f} GiB ({self.source}) = {parts} GiB"
+        return f"{self.total / GIB:.2f} GiB ({named(self.source)}) = {parts} GiB"
 
     def as_dict(self) -> dict:
         return {"total": self.total, "source": self.source, **{k.replace(" ", "_"): v for k, v in self.parts().items()},
                 "prefill_step": self.prefill_step}
+
+
+def named(source: str) -> str:
+    """A total's source for messages: the setting ``memory_gb`` as `memory_gb` (the CLI shows
+    its flag), a limit as it is."""
+    return "`memory_gb`" if source == "memory_gb" else source
 
 
 def margin_for(total: int) -> int:
@@ -294,7 +300,7 @@ def _does_not_fit(b: MemoryBudget, needs: Needs) -> BudgetError:
                "margin": b.margin, f"KV of one {MIN_SEQUENCE_TOKENS}-token sequence": min_kv(needs.shape)}
     listed = " + ".join(f"{name} {v / GIB:.2f}" for name, v in besides.items())
     need = sum(besides.values())
-    where = f"{b.total / GIB:.2f} GiB ({b.source})"
+    where = f"{b.total / GIB:.2f} GiB ({named(b.source)})"
     if b.cache_given:
         return BudgetError(f"`cache_gb` {b.cache / GIB:.2f} GiB does not fit in {where}: the run also needs "
                            f"{listed} = {need / GIB:.2f} GiB, which leaves {max(0, b.total - need) / GIB:.2f} GiB "

@@ -89,6 +89,13 @@ def peak_rss() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def may_use_now(available: int, total: int) -> int:
+    """What this process may hold in all now: what it holds (its resident set) and what its
+    limit leaves (``available``), never more than the limit's ``total`` (bytes; shared
+    library pages count in the resident set but may be charged to another group)."""
+    return min(total, available + process_rss())
+
+
 def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int) -> MemoryBudget | None:
     """The memory split of a run of ``model_dir`` (:func:`mlx_tier.engine.footprint.split`), before loading.
 
@@ -126,7 +133,7 @@ def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int
     dtype = tier.dtype if tier.dtype is not None else default_compute_dtype()
     kernel = registry.choose(tier.kernel or LIBRARY_KERNEL, [b for _, b in ckpt.blocks], False)
     needs = needs_of(ckpt, kernel, dtype.size if dtype is not None else None, 4 if dtype is None or dtype.size == 4 else 2)
-    may_use = mem.host_available + process_rss()
+    may_use = may_use_now(mem.host_available, mem.host_total)
     source = mem.limit.source if mem.limit is not None else "host"
     if memory_gb is not None and int(memory_gb * GIB) > may_use:
         raise BudgetError(f"`memory_gb` {memory_gb:g} GiB is more than this process may use: {may_use / GIB:.2f} "

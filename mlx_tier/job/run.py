@@ -29,7 +29,7 @@ from pathlib import Path
 
 from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY, JOB_KERNEL
 from mlx_tier.engine.checkpoint import context_length
-from mlx_tier.engine.footprint import MemoryBudget
+from mlx_tier.engine.footprint import MemoryBudget, named
 from mlx_tier.engine.load import TierConfig
 from mlx_tier.engine.sizes import peak_rss, run_budget
 from mlx_tier.errors import InputError, JobError
@@ -980,7 +980,7 @@ def _record_peak(report: JobReport, budget: MemoryBudget | None, reporter: Repor
     peak = peak_rss()
     report.setup["memory_budget"]["peak_rss"] = peak
     reporter.message(f"memory: peak resident set {peak / GIB:.2f} GiB of the {budget.total / GIB:.2f} GiB total "
-                     f"({budget.source})")
+                     f"({named(budget.source)})")
 
 
 def hard_stop_message(signum: int, command: str | None, width: int) -> str:

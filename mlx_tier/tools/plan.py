@@ -34,7 +34,7 @@ from mlx_tier.engine.checkpoint import find_expert_blocks, open_checkpoint
 from mlx_tier.engine.footprint import MemoryBudget, ModelShape, Needs, split
 from mlx_tier.engine.limits import probe_limit
 from mlx_tier.engine.load import default_compute_dtype
-from mlx_tier.engine.sizes import expert_inner, process_rss
+from mlx_tier.engine.sizes import expert_inner, may_use_now
 from mlx_tier.errors import BudgetError, CheckpointError
 from mlx_tier.tools.kernel_probe import measure_expert_reads, measure_kernel, predict
 from mlx_tier.units import GIB
@@ -425,7 +425,7 @@ def _memory(needs: Needs, memory_gb: float | None) -> _Memory:
         source, may_use = "memory_gb", total
     else:
         total, available, source = limit.total, limit.available, limit.source
-        may_use = limit.available + process_rss()
+        may_use = may_use_now(limit.available, limit.total)
     try:
         return _Memory(total, available, source, split(may_use, needs, None, DEFAULT_PREFILL_STEP, source), None)
     except BudgetError as e:

@@ -53,7 +53,7 @@ def test_a_cache_too_large_for_the_limit_is_refused_naming_every_figure():
 
 
 def test_a_total_below_the_fixed_parts_is_refused():
-    with pytest.raises(BudgetError, match=r"1.00 GiB \(memory_gb\) is too little for this model: it needs runtime") as e:
+    with pytest.raises(BudgetError, match=r"1.00 GiB \(`memory_gb`\) is too little for this model: it needs runtime") as e:
         split(1 * GIB, NEEDS)
     assert e.value.field == "memory_gb" and "one expert slot per MoE layer" in str(e.value)
 

@@ -29,10 +29,11 @@ WORDS = "the river floods every spring and the farmers plant after it recedes".s
 pytestmark = pytest.mark.slow
 
 
-def start(tmp_path, model, kind, *extra):
+def start(tmp_path, model, kind, *extra, long: bool = True):
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "long.txt").write_text(" ".join(WORDS[i % len(WORDS)] for i in range(1200)) + ".")
+    if long:
+        (docs / "long.txt").write_text(" ".join(WORDS[i % len(WORDS)] for i in range(1200)) + ".")
     (docs / "short.txt").write_text("Bees carry pollen between flowers, which helps fruit to form.")
     out = tmp_path / "out"
     env = {**os.environ, "SLOW_KIND": kind, "SLOW_MARKER": str(tmp_path / "long-call-started")}
@@ -111,7 +112,7 @@ def progress(out: Path) -> dict:
 def test_a_first_signal_leaves_slow_summaries_for_the_next_run_within_seconds(tmp_path, tiny_moe):
     """Summaries being written at 2 s a token would take minutes to finish: after the grace
     they are left pending and the run ends, exit 143, the resume line printed."""
-    proc, out = start(tmp_path, tiny_moe, "decode", "--max-tokens", "40")
+    proc, out = start(tmp_path, tiny_moe, "decode", "--max-tokens", "40", long=False)
     wait_for(proc, lambda: bool(progress(out).get("writing")))
     proc.send_signal(signal.SIGTERM)
     code, output, seconds = finish(proc, timeout=30)
