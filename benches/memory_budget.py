@@ -8,8 +8,8 @@ the prompt grows?
 
 How: for each prompt length, one document of about that many tokens (the
 instruction included; the text cut by the model's tokenizer), a fresh
-``mlx-tier run`` process with default settings apart from ``--max-tokens``
-and the total: ``--memory-gb`` (``--budget-gb``), or, with ``--cap-gb``, no
+``mlx-tier run`` process with default settings apart from ``--max-tokens``,
+a short ``--prompt`` (so that a 32-token prompt exists) and the total: ``--memory-gb`` (``--budget-gb``), or, with ``--cap-gb``, no
 ``--memory-gb`` at all and the process started inside a new memory cgroup of
 that limit (Linux, root: tests/support/cgroups.py), which the run must find by
 itself. Figures from the run's report.json: the split, the prompt step it
@@ -44,19 +44,19 @@ from support.cgroups import MemoryCgroup, why_not  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
 SPEC = SyntheticSpec(num_layers=12, hidden_size=1024, moe_intermediate_size=768)
+PROMPT = "Summarise the text."  # short, so that a 32-token prompt exists (the default instruction is ~50)
 TEXT = ("The history of the city begins with a small settlement on an island in the river, where fishermen and "
         "traders lived for centuries before the town grew into a centre of learning and trade. ")
 
 
 def document(model: Path, tokens: int) -> str:
-    """Text whose prompt (the default instruction included) is about ``tokens`` tokens."""
+    """Text whose prompt (:data:`PROMPT` and the chat template included) is about ``tokens`` tokens."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_tier.defaults import DEFAULT_PROMPT
     from mlx_tier.job.prompts import build_prompt
 
     tok = load_tokenizer(model)
-    overhead = len(build_prompt(tok, DEFAULT_PROMPT, ""))
+    overhead = len(build_prompt(tok, PROMPT, ""))
     ids = tok.encode(TEXT * (tokens // 20 + 2))[: max(1, tokens - overhead)]
     return tok.decode(ids)
 
@@ -67,7 +67,7 @@ def run_one(model: Path, text: str, args, cap: MemoryCgroup | None) -> dict:
         docs.mkdir()
         (docs / "doc.txt").write_text(text)
         cmd = [sys.executable, "-m", "mlx_tier.cli.main", "run", str(docs), "--out", str(out), "--model", str(model),
-               "--max-tokens", str(args.max_tokens)]
+               "--max-tokens", str(args.max_tokens), "--prompt", PROMPT]
         if cap is None:
             cmd += ["--memory-gb", str(args.budget_gb)]
         else:
@@ -83,6 +83,7 @@ def run_one(model: Path, text: str, args, cap: MemoryCgroup | None) -> dict:
             return row | {"error": proc.stderr.strip().splitlines()[-1:] }
         doc = report["documents"][0]
         return row | {"budget": report.get("memory_budget"), "generation": report.get("generation"),
+                      "speed": report.get("speed"), "cache": report.get("cache"),
                       "prompt_tokens": doc.get("input_tokens"), "status": doc.get("status")}
 
 
@@ -100,7 +101,7 @@ def main() -> None:
     where = f"--memory-gb {args.budget_gb:g}" if args.cap_gb is None else f"cgroup limit {args.cap_gb:g} GiB"
     print(f"caliber: {platform.machine()} {platform.system()}, {psutil.cpu_count()} cores, load "
           f"{os.getloadavg()[0]:.1f}; model {model} ({size / GIB:.2f} GiB on disk); {where}; default settings, "
-          f"--max-tokens {args.max_tokens}; one run per prompt length; greedy")
+          f"--max-tokens {args.max_tokens}, --prompt {PROMPT!r}; one run per prompt length; greedy")
     rows = []
     for n in map(int, args.prompts.split(",")):
         text = document(model, n)
@@ -131,6 +132,12 @@ def print_row(r: dict) -> None:
           f"{g.get('batch_size')}, context {g.get('usable_context')}; peak RSS {peak / GIB:.2f} GiB = "
           f"{peak / b['total']:.0%} of the total, {(b['total'] - peak) / MIB:.0f} MiB left (margin "
           f"{b['margin'] / MIB:.0f} MiB){cap}")
+    sp = r.get("speed")
+    if sp:
+        want = sp["predicted"]
+        print(f"    speed: decode {sp['decode_tok_s']:.2f} tok/s (predicted {want['decode_tok_s']:.2f}), prompt "
+              f"{sp['prompt_tok_s']:.1f} tok/s (predicted {want['prompt_tok_s']:.1f}), hit rate "
+              f"{want['hit_rate']:.0%}, reads {sp['read_gbps']:.2f} GB/s")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from mlx_tier.units import GIB, MIB
 # The process before its model (Python, MLX, mlx-lm, transformers' tokenizer, Numba
 # and the CPU kernel's compiled loops) and the tokenizer loaded: measured peak RSS
 # of a run minus its model's parts (benches/results/memory/NOTES.md).
-RUNTIME_BYTES = 480 * MIB
+RUNTIME_BYTES = 400 * MIB
 # Kept free of every named part: a share of the total, at least MARGIN_MIN.
 MARGIN_FRACTION = 0.08
 MARGIN_MIN = 128 * MIB
@@ -243,6 +243,20 @@ def prompt_step_for(shape: ModelShape, kernel: str, room: int, most: int, contex
     return step
 
 
+def default_cache(room: int, needs: Needs) -> int:
+    """The expert cache's default bytes out of ``room`` (what the fixed parts and the workspace
+    leave): :data:`CACHE_SHARE` of it, or enough for one token's top-k experts in every layer
+    when the KV cache of one shortest sequence still fits beside that (fewer slots than
+    top-k serve each token in rounds); whole slot rows, at least one, at most every expert."""
+    if not needs.slot_row:
+        return 0
+    rows = int(room * CACHE_SHARE) // needs.slot_row
+    top_k = min(needs.shape.top_k, needs.shape.experts)
+    if rows < top_k and top_k * needs.slot_row <= room - min_kv(needs.shape):
+        rows = top_k
+    return min(needs.all_experts, max(1, rows) * needs.slot_row)
+
+
 def min_kv(shape: ModelShape) -> int:
     """KV bytes of the shortest sequence a run must hold (:data:`MIN_SEQUENCE_TOKENS` + one allocation step)."""
     return shape.kv_per_token * (MIN_SEQUENCE_TOKENS + KV_STEP)
@@ -257,8 +271,8 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     :data:`DECODE_BATCH` sequences; the prompt step shrinks (to
     :data:`MIN_PROMPT_STEP` at least) until its workspace is within
     :data:`WORKSPACE_SHARE` of what the fixed parts leave. Of the rest, the expert
-    cache takes ``cache`` or :data:`CACHE_SHARE` of it (whole slot rows, at
-    most every expert, at least one slot row), the KV cache what is left.
+    cache takes ``cache`` or its default (:func:`default_cache`), the KV cache
+    what is left.
 
     Args:
         total: bytes the run may hold.
@@ -281,8 +295,7 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
                     step_workspace(s, needs.kernel, DECODE_BATCH, MIN_SEQUENCE_TOKENS, DECODE_BATCH))
     room -= workspace
     if cache is None:
-        rows = int(room * CACHE_SHARE) // needs.slot_row if needs.slot_row else 0
-        cache = min(needs.all_experts, max(needs.slot_row, rows * needs.slot_row))
+        cache = default_cache(room, needs)
     kv = room - cache
     budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace, fixed_parts[2],
                           fixed_parts[3], step, given, s, needs.kernel)

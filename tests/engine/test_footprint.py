@@ -28,12 +28,21 @@ NEEDS = Needs(dense=int(0.45 * GIB), slot_row=24 * SLOT, all_experts=24 * 128 * 
 
 
 def test_parts_add_up_and_the_cache_takes_its_share_in_whole_slot_rows():
-    b = split(2 * GIB, NEEDS)
-    assert sum(b.parts().values()) == b.total == 2 * GIB
-    fixed = b.runtime + b.dense + b.buffers + b.margin + b.workspace
-    assert b.cache % NEEDS.slot_row == 0 and b.cache <= footprint.CACHE_SHARE * (b.total - fixed)
-    assert b.cache > footprint.CACHE_SHARE * (b.total - fixed) - NEEDS.slot_row
+    b = split(4 * GIB, NEEDS)
+    assert sum(b.parts().values()) == b.total == 4 * GIB
+    room = b.total - (b.runtime + b.dense + b.buffers + b.margin + b.workspace)
+    assert b.cache % NEEDS.slot_row == 0 and room * footprint.CACHE_SHARE - NEEDS.slot_row < b.cache
+    assert b.cache <= room * footprint.CACHE_SHARE and b.cache >= SHAPE.top_k * NEEDS.slot_row
     assert b.kv >= min_kv(SHAPE) and not b.cache_given and b.source == "memory_gb"
+
+
+def test_a_short_total_still_gives_the_cache_one_tokens_experts_before_the_kv_cache_more():
+    """The issue's machine: the 8 GB synthetic in 2 GiB. Half of the room would be 5 slots per
+    layer, fewer than top-8: every token would be served in rounds; the cache takes 8."""
+    b = split(2 * GIB, NEEDS)
+    room = b.total - (b.runtime + b.dense + b.buffers + b.margin + b.workspace)
+    assert room * footprint.CACHE_SHARE < SHAPE.top_k * NEEDS.slot_row
+    assert b.cache == SHAPE.top_k * NEEDS.slot_row and b.kv >= min_kv(SHAPE)
     big = split(400 * GIB, NEEDS)  # never more cache than every expert
     assert big.cache == NEEDS.all_experts and sum(big.parts().values()) == big.total
 
@@ -45,7 +54,8 @@ def test_a_cache_too_large_for_the_limit_is_refused_naming_every_figure():
     msg = str(e.value)
     assert e.value.field == "cache_gb"
     assert msg.startswith("`cache_gb` 1.20 GiB does not fit in 2.00 GiB (cgroup v1 memory.limit_in_bytes)")
-    for part in ("runtime 0.47", "dense part 0.45", "workspace", "MLX buffers", "margin", "KV of one 512-token"):
+    for part in (f"runtime {footprint.RUNTIME_BYTES / GIB:.2f}", "dense part 0.45", "workspace", "MLX buffers",
+                 "margin", "KV of one 512-token"):
         assert part in msg
     assert "GiB for the expert cache" in msg
     ok = split(2 * GIB, NEEDS, cache=int(0.3 * GIB))  # what the figures say is left fits
