@@ -218,8 +218,9 @@ def _check_memory(cache_gb: float | None, host_cache_gb: float | None) -> None:
     if host_cache_gb is not None and mem.unified:  # one memory: a warm tier would count it twice
         fail(f"--host-cache-gb needs a CUDA GPU (hot tier in GPU memory, warm in host memory); on the "
              f"{mem.backend} backend experts live in one memory: size it with --cache-gb alone")
-    where, memory = ("the GPU's memory", mem.device_total) if not mem.unified else ("this machine's memory",
-                                                                                    mem.host_total)
+    host = (f"the memory this process may use ({mem.limit.source})" if mem.limit is not None and mem.limit.limited
+            else "this machine's memory")
+    where, memory = ("the GPU's memory", mem.device_total) if not mem.unified else (host, mem.host_total)
     if cache_gb is not None and memory is not None and cache_gb > memory / 2**30:
         fail(f"--cache-gb {cache_gb:g} is more than {where} ({memory / 2**30:.1f} GiB)")
 

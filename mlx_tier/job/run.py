@@ -358,12 +358,12 @@ class _Pass:
     model_name: str = ""  # the model that answers, as each response names it
 
 
-def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag) -> dict:
+def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag, beat: Heartbeat) -> dict:
     """Generate every document ``p.docs`` yields (batched, throttled), writing and journalling
     each as it finishes; fills ``p.results``, records the generation settings in
     ``p.report.setup``. After a first signal (``stop``) the summaries being written get
-    :data:`~mlx_tier.job.stopflag.STOP_GRACE_SECONDS`, then stay pending. Returns the
-    throttle's account (:meth:`Throttle.as_dict`)."""
+    :data:`~mlx_tier.job.stopflag.STOP_GRACE_SECONDS`, then stay pending; ``beat`` is told
+    of each step. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
     results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
 
     def stopping() -> bool:
@@ -408,11 +408,10 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag)
                 reporter.message(f"throttle: {change['mode']} ({change['reason']})")
 
     throttled_before = 0.0
-    with Heartbeat(progress, stopping) as beat:
-        for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step,
-                                     give_up=lambda: stop.seconds_stopping() > STOP_GRACE_SECONDS):
-            throttled_before = _take_outcome(outcome, p, config, loaded, eta, throttle, throttled_before,
-                                             rate.value, generated[0])
+    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step,
+                                 give_up=lambda: stop.seconds_stopping() > STOP_GRACE_SECONDS):
+        throttled_before = _take_outcome(outcome, p, config, loaded, eta, throttle, throttled_before,
+                                         rate.value, generated[0])
     if not stopping():
         speed.compare(loaded, p.report, reporter)
     return throttle.as_dict()
@@ -955,12 +954,13 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
     try:
         buffers = loaded.budget.buffers if loaded.budget is not None else None
         with StopFlag(stopping, abort) as stop, keep_awake(), model_memory_controls(
-                loaded.model, context, g.batch_size or MAX_AUTO_BATCH, buffers=buffers) as memory:  # restored after
+                loaded.model, context, g.batch_size or MAX_AUTO_BATCH, buffers=buffers) as memory, \
+                Heartbeat(progress, lambda: stop.signal is not None) as beat:  # limits restored after
             report.setup["memory"] = memory
             if loaded.budget is not None:
                 report.setup["memory_budget"] = loaded.budget.as_dict()
             try:
-                report.throttle = _summarise_all(p, config, loaded, stop)
+                report.throttle = _summarise_all(p, config, loaded, stop, beat)
             except JobError:  # the disk is full: a clean stop, not a crash
                 progress.clear()
                 raise
