@@ -330,6 +330,10 @@ def room_now(budget: MemoryBudget, rss: int, available: int) -> int:
     (``available``: :attr:`mlx_tier.engine.limits.MemoryLimit.available`); the
     last two less the step's workspace, MLX's buffers and the margin, which
     the resident set may not hold yet. Sequences in flight hold theirs in ``rss``.
+    Never less than the KV cache of one shortest sequence (:func:`min_kv`), which
+    the split set aside: a document that starts when memory is short is read in
+    parts, not failed.
     """
     reserve = budget.workspace + budget.buffers + budget.margin
-    return max(0, min(budget.kv, budget.total - rss - reserve, available - reserve))
+    room = min(budget.kv, budget.total - rss - reserve, available - reserve)
+    return max(min_kv(budget.shape) if budget.shape is not None else 0, room)

@@ -13,9 +13,11 @@ has free; psutil reports the host. This module finds the limit that binds:
 - the groups come from ``/proc/self/cgroup``, their folders from
   ``/proc/self/mountinfo`` (so a container's own namespace view works).
 
-What a group already uses is its usage less the file pages the kernel can drop
-first (``inactive_file`` in ``memory.stat``), as container tools count a
-working set. What the process may still take is the smallest of the host's
+What a group already uses is its usage less its file pages (``active_file``
+and ``inactive_file`` in ``memory.stat``): under a limit the page cache fills
+the group (a run reads its cold experts through it) and the kernel reclaims
+clean file pages before anything is killed, so counting them as used would
+leave a run that has read its checkpoint once no memory at all. What the process may still take is the smallest of the host's
 available memory and, at every limited level, limit minus that level's use.
 Elsewhere (macOS, no limit) it is the host's available memory as psutil reads
 it (on macOS: free plus inactive pages, what the system reports available).
@@ -48,7 +50,7 @@ class CgroupLevel:
         version: 1 or 2.
         limit: the binding limit in bytes (v2: the smaller of ``memory.max`` and ``memory.high``).
         limit_file: the file it came from (``memory.max``, ``memory.high``, ``memory.limit_in_bytes``).
-        used: bytes the group holds now, less inactive file pages.
+        used: bytes the group holds now, less its file pages (page cache).
     """
 
     path: Path
@@ -165,15 +167,16 @@ def read_level(path: Path, version: int) -> CgroupLevel | None:
     """The limit of one group, or ``None`` when it has none (or it cannot be read)."""
     if version == 2:
         limits = [(v, f) for f in ("memory.max", "memory.high") if (v := _read_int(path / f)) is not None]
-        current, inactive = _read_int(path / "memory.current"), _stat(path, "inactive_file")
+        current, files = _read_int(path / "memory.current"), _stat(path, "active_file") + _stat(path, "inactive_file")
     else:
         limits = [(v, "memory.limit_in_bytes") for v in [_read_int(path / "memory.limit_in_bytes")] if v is not None]
-        current, inactive = _read_int(path / "memory.usage_in_bytes"), _stat(path, "total_inactive_file")
+        files = _stat(path, "total_active_file") + _stat(path, "total_inactive_file")
+        current = _read_int(path / "memory.usage_in_bytes")
     limits = [(v, f) for v, f in limits if v < UNLIMITED]
     if not limits:
         return None
     limit, name = min(limits)
-    used = max(0, (current or 0) - inactive)
+    used = max(0, (current or 0) - files)
     return CgroupLevel(path, version, limit, name, used)
 
 

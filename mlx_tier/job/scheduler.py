@@ -223,8 +223,9 @@ class Scheduler:
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
         self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
         context = min(model_context, config.context or model_context)
-        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), config.prefill_step_size,
-                                    sequence_room(memory))
+        # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
+        step = config.prefill_step_size if memory is None else 0
+        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), step, sequence_room(memory))
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")

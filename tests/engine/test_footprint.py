@@ -4,6 +4,8 @@ shrinks when memory is short, and as a prompt's attention grows."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mlx_tier.engine import footprint
@@ -93,3 +95,5 @@ def test_room_for_sequences_is_the_least_of_the_share_the_total_and_the_limit():
     assert room_now(b, rss=int(1.5 * GIB), available=10 * GIB) == int(0.5 * GIB) - reserve  # the total
     assert room_now(b, rss=GIB, available=300 * MIB) == 300 * MIB - reserve  # the limit, e.g. a busy cgroup
     assert room_now(b, rss=2 * GIB, available=GIB) == 0
+    shaped = replace(b, shape=SHAPE)  # the split set one shortest sequence aside: never less
+    assert room_now(shaped, rss=2 * GIB, available=0) == min_kv(SHAPE)

@@ -40,10 +40,10 @@ def test_cgroup_v2_memory_high_below_max_binds(tmp_path):
     point = tmp_path / "cg2"
     group(point, memory__max="max")
     job = group(point / "user.slice" / "job", memory__max=4 * GIB, memory__high=3 * GIB,
-                memory__current=GIB, memory__stat=f"anon 100\ninactive_file {GIB // 2}\n")
+                memory__current=GIB, memory__stat=f"anon 100\nactive_file {GIB // 4}\ninactive_file {GIB // 4}\n")
     proc = fake_proc(tmp_path, "0::/user.slice/job\n", [v2_mount(point)])
     (level,) = cgroup_levels(proc)
-    assert level == CgroupLevel(job, 2, 3 * GIB, "memory.high", GIB // 2)
+    assert level == CgroupLevel(job, 2, 3 * GIB, "memory.high", GIB // 2)  # page cache: reclaimable, not used
     limit = combine([level], **HOST)
     assert (limit.total, limit.available, limit.source) == (3 * GIB, 3 * GIB - GIB // 2, "cgroup v2 memory.high")
     assert limit.limited and "cgroup v2 memory.high: 3.00 GiB, 2.50 GiB available" == limit.describe()
@@ -53,7 +53,7 @@ def test_cgroup_v1_limit_of_a_parent_binds_a_child_without_one(tmp_path):
     point = tmp_path / "memory"
     group(point, memory__limit_in_bytes=9223372036854771712)  # v1's "no limit"
     parent = group(point / "jobs", memory__limit_in_bytes=2 * GIB, memory__usage_in_bytes=GIB,
-                   memory__stat=f"cache 5\ntotal_inactive_file {GIB // 4}\n")
+                   memory__stat=f"cache 5\ntotal_active_file {GIB // 8}\ntotal_inactive_file {GIB // 8}\n")
     group(parent / "one", memory__limit_in_bytes=9223372036854771712, memory__usage_in_bytes=GIB)
     proc = fake_proc(tmp_path, "5:cpu:/\n4:memory:/jobs/one\n0::/\n", [v1_mount(point)])
     limit = combine(cgroup_levels(proc), **HOST)

@@ -114,3 +114,19 @@ def test_the_prompt_step_shrinks_when_memory_is_short(docs, tmp_path, tiny_moe, 
     step = report["memory_budget"]["prefill_step"]
     assert footprint.MIN_PROMPT_STEP <= step < 512 and report["generation"]["prefill_step_size"] == step
     assert report["totals"]["done"] == 1
+
+
+def test_documents_starting_when_the_limit_is_nearly_spent_still_run(one_gib_cgroup, tmp_path, tiny_moe, monkeypatch):
+    """Seen on the 8 GB synthetic in a 2 GiB cgroup: after the first summary every other document
+    failed ("usable context of 0 tokens"), the group's page cache counted as used. A document that
+    starts when the limit has nothing left gets the shortest sequence the split set aside."""
+    spent = MemoryLimit(GIB, 1 << 20, CGROUP, "/sys/fs/cgroup/memory/job", 24 * GIB, 20 * GIB)
+    monkeypatch.setattr(batch_engine, "probe_limit", lambda proc=None: spent)  # what sizes each new document
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(f"Document {i}: the library opens at nine and closes at five on weekdays.")
+    out = tmp_path / "o"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4", "--batch-size", "1")
+    assert code == 0, output
+    assert json.loads((out / "report.json").read_text())["totals"]["done"] == 3
