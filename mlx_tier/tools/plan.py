@@ -297,7 +297,7 @@ def make_plan(
     context_tokens: int = 8192,
     disk_gbps: float | None = None,
     compute_gbps: float | None = None,
-) -> Plan:  # 94 lines only by the Plan's 30 fields, set in one constructor call; the arithmetic lives in helpers above
+) -> Plan:  # 110 lines only by the Plan's 38 fields, set in one constructor call; the arithmetic lives in helpers
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
     Args:
@@ -305,9 +305,12 @@ def make_plan(
             the local hub cache when there, else from the repo's ``config.json``
             and safetensors headers over HTTP (:func:`mlx_tier.engine.hub.remote_metadata`;
             nothing large is downloaded, and the disk is probed with a scratch file).
-        memory_gb: memory to plan for (default: this machine's total).
+        memory_gb: the total a run is given (``run --memory-gb``) to plan for; default:
+            what this process may use here (its cgroup's limit or the host's
+            available memory, :mod:`mlx_tier.engine.limits`).
         context_tokens: context length for the KV cache estimate.
-        disk_gbps / compute_gbps: bandwidths; measured briefly when ``None``.
+        disk_gbps / compute_gbps: bandwidths; measured briefly when ``None`` (the disk as a
+            run reads its misses, the expert kernel a run uses: :mod:`mlx_tier.tools.kernel_probe`).
 
     Raises:
         CheckpointError: not an mlx-lm MoE checkpoint; not found; hub unreachable.
