@@ -27,7 +27,8 @@ ORDER = ["", "policy", "routing", "kernels", "engine", "tools", "outdir", "monit
 NO_MLX = ("mlx_tier.policy", "mlx_tier.routing", "mlx_tier.outdir", "mlx_tier.monitor",
           "mlx_tier.job.triage", "mlx_tier.job.eta", "mlx_tier.job.naming", "mlx_tier.job.sensors",
           "mlx_tier.job.throttle", "mlx_tier.ranks.stealing", "mlx_tier.job.convert_sandbox",
-          "mlx_tier.job.convert_limits", "mlx_tier.job.doc_text")
+          "mlx_tier.job.convert_limits", "mlx_tier.job.doc_text", "mlx_tier.engine.limits",
+          "mlx_tier.engine.footprint")
 # What the read-only side may use of the output folder: names, probes, the journal's reader.
 MONITOR_MAY_READ = {"mlx_tier.outdir.layout", "mlx_tier.outdir.journal"}
 

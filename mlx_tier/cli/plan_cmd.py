@@ -13,17 +13,17 @@ import typer
 from rich.table import Table
 
 from mlx_tier.cli.exits import fail
-from mlx_tier.cli.render import choices, err, out, print_wrapped
+from mlx_tier.cli.render import as_flags, choices, err, out, print_wrapped
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
 from mlx_tier.units import GIB, MIB
 
 
 def plan(
     model: str = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder, a Hugging Face repo id (read from the local cache, else only its config and safetensors headers are fetched: nothing large is downloaded), or demo for the built-in demo model."),
-    memory_gb: float | None = typer.Option(None, "--memory-gb", help="Plan for this much memory (GiB) instead of this machine's."),
+    memory_gb: float | None = typer.Option(None, "--memory-gb", help="Plan for a run given this much memory in all (GiB), as `run --memory-gb`, instead of what this process may use here (its container's limit, else the machine's available memory)."),
     context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
     disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
-    compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short matvec test)."),
+    compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short test of the expert kernel a run would use)."),
     gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
     doc_tokens: int = typer.Option(900, "--doc-tokens", min=0, help="Plan the overnight job (`run`) for documents of this many tokens: its prompt and decode pools and predicted documents/hour (its kernels are probed, a few seconds); 0: not planned."),
     summary_tokens: int = typer.Option(64, "--summary-tokens", min=1, help="Summary length (tokens) the job plan is for."),
@@ -74,12 +74,15 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         ("one expert: disk / resident", f"{p.expert_bytes_disk / MIB:.2f} / {p.expert_bytes_resident / MIB:.2f} MiB"),
         ("one layer's experts (disk)", f"{p.layer_bytes_disk / GIB:.3f} GiB"),
         ("experts per GiB of cache", f"{p.experts_per_gb:.0f}"),
-        ("memory: total / available", f"{p.memory_total / GIB:.1f} / {p.memory_available / GIB:.1f} GiB"),
+        ("memory: total / available", f"{p.memory_total / GIB:.1f} / {p.memory_available / GIB:.1f} GiB ({p.memory_source})"),
+        ("a run's memory", _split_text(p)),
         ("cache budget mlx-tier would choose", f"{p.cache_budget / GIB:.2f} GiB = {p.slots_per_layer} of {p.experts_per_layer} slots per layer"),
-        ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({'measured, random 4 MiB reads' if p.disk_measured else 'given'})"),
-        ("expert compute", f"{p.compute_gbps:.2f} GB/s of weights"),
+        ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({p.disk_method})"),
+        ("expert compute", _compute_text(p)),
         ("predicted decode", f"{p.tok_s_low:.2f}-{p.tok_s_high:.2f} tok/s (hit rate {p.hit_rate_low:.0%}-{p.hit_rate_high:.0%})"
          if p.slots_per_layer else "does not fit: the budget holds less than one expert slot per layer"),
+        ("predicted prompt reading", f"{p.prompt_tok_s:.1f} tok/s in {p.prompt_step}-token steps (hit rate {p.hit_rate_low:.0%})"
+         if p.prompt_tok_s else "not predicted: " + ("--compute-gbps given" if not p.prompt_gflops else "a run would be refused")),
     ] + _job_rows(p.job)
 
 
@@ -95,6 +98,22 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
         ("  predicted documents/hour", f"{job['docs_per_hour']:.0f} (one document at a time: "
                                        f"{job['batch1_docs_per_hour']:.0f})"),
     ]
+
+
+def _split_text(p) -> str:
+    """The run's memory split, or why a run would be refused."""
+    if p.memory_split is None:
+        return f"does not fit: {as_flags(p.memory_fit or '')}"
+    parts = {k: v for k, v in p.memory_split.items() if k not in ("total", "source", "prefill_step")}
+    listed = " + ".join(f"{name.replace('_', ' ')} {v / GIB:.2f}" for name, v in parts.items())
+    return f"{p.memory_split['total'] / GIB:.2f} GiB = {listed} GiB"
+
+
+def _compute_text(p) -> str:
+    if not p.prompt_gflops:
+        return f"{p.compute_gbps:.2f} GB/s of weights (given)"
+    return (f"{p.compute_gbps:.2f} GB/s of weights decoding, {p.prompt_gflops:.1f} GFLOP/s reading a prompt "
+            f"({p.kernel} kernel, as a run computes; measured)")
 
 
 def _split_rows(p, split, gpu_gb: float) -> list[tuple[str, str]]:

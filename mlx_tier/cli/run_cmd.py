@@ -68,13 +68,14 @@ KERNEL_HELP = ("What computes the experts: cpu, own kernel (within fp32 rounding
                "else mlx.")
 
 
-# run() is ~90 lines only by its 30 declared options and their --help text; the body
+# run() is ~95 lines only by its 31 declared options and their --help text; the body
 # (checks, one JobConfig, dispatch) is ~30. Typer reads options from the signature.
 def run(
     input: Path = typer.Argument(..., metavar="INPUT", help=INPUT_HELP),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
     model: str | None = typer.Option(None, "--model", help="mlx-lm MoE checkpoint folder, or a Hugging Face repo id such as mlx-community/Qwen3-30B-A3B-4bit (local cache first, else downloaded; HF_HUB_OFFLINE=1 forbids downloads). Default (or demo): the built-in demo, SmolLM2-135M as an 8-expert MoE: a toy that shows the machinery, not good summaries."),
-    cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB (on CUDA: GPU memory, the hot tier). Default: half the memory free after loading the dense part (on CUDA: free GPU memory)."),
+    memory_gb: float | None = typer.Option(None, "--memory-gb", help="Memory the whole run may hold, in GiB: the expert cache, KV cache, step workspace and the rest are derived from it (see docs/cli.md). Default: what this process may use: its container's (cgroup) limit, else the machine's available memory. A run that cannot fit is refused before loading."),
+    cache_gb: float | None = typer.Option(None, "--cache-gb", help="Expert cache budget in GiB alone (on CUDA: GPU memory, the hot tier). Default: half of what the memory total leaves after the runtime, dense part, workspace and margin (on CUDA: of free GPU memory)."),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=1, help="Most tokens generated per summary."),
     prompt: str | None = typer.Option(None, help="Instruction placed before each document, or @FILE to read it from a file."),
     repetition_penalty: float = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
@@ -140,6 +141,8 @@ def run(
 
     throttle = _checked_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
                                 max_temp, pause_on_battery, min_battery, max_tok_s)
+    if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
+        fail(f"--memory-gb must be a finite positive number of GiB, got {memory_gb}")
     from_stdin = str(input) == "-"
     paths = _stdin_paths() if from_stdin else None
     command = resume_command(ctx, out_dir, from_stdin)
@@ -161,6 +164,7 @@ def run(
             nice=nice,
             background_qos=background_qos, save_profile=save_profile, follow_links=follow_links,
             conversion=ConversionLimits(memory_mb=convert_memory_mb, seconds=convert_seconds),
+            memory_gb=memory_gb,
         )
     except MlxTierError as e:  # an empty --prompt, an unreadable --prompt @FILE
         fail(str(e))
@@ -226,8 +230,9 @@ def _check_memory(cache_gb: float | None, host_cache_gb: float | None) -> None:
     if host_cache_gb is not None and mem.unified:  # one memory: a warm tier would count it twice
         fail(f"--host-cache-gb needs a CUDA GPU (hot tier in GPU memory, warm in host memory); on the "
              f"{mem.backend} backend experts live in one memory: size it with --cache-gb alone")
-    where, memory = ("the GPU's memory", mem.device_total) if not mem.unified else ("this machine's memory",
-                                                                                    mem.host_total)
+    host = (f"the memory this process may use ({mem.limit.source})" if mem.limit is not None and mem.limit.limited
+            else "this machine's memory")
+    where, memory = ("the GPU's memory", mem.device_total) if not mem.unified else (host, mem.host_total)
     if cache_gb is not None and memory is not None and cache_gb > memory / 2**30:
         fail(f"--cache-gb {cache_gb:g} is more than {where} ({memory / 2**30:.1f} GiB)")
 

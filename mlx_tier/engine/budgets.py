@@ -13,6 +13,10 @@
   that add up to more than the machine's memory are refused. (``mlx-tier run``
   refuses ``--host-cache-gb`` off CUDA outright: no user gains from it there.)
 
+"Available host memory" is what this process may still take: inside a memory
+cgroup (a container's limit) the cgroup's limit less its use, when that is the
+smaller (:mod:`mlx_tier.engine.limits`).
+
 Pure functions over a :class:`FreeMemory` snapshot; :func:`probe` is the only
 place that asks the OS and MLX.
 """
@@ -21,11 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
-import psutil
 
+from mlx_tier.engine.limits import MemoryLimit, probe_limit
 from mlx_tier.errors import BudgetError, ConfigError
 from mlx_tier.units import GIB
 
@@ -40,10 +43,14 @@ class FreeMemory:
 
     Attributes:
         backend: ``"cuda"``, ``"metal"`` or ``"cpu"`` (:func:`backend_of`).
-        host_available: host memory available now (psutil ``available``).
-        host_total: host memory installed.
+        host_available: host memory this process may still take now
+            (:attr:`MemoryLimit.available`: a cgroup's limit less its use when
+            smaller than psutil's ``available``).
+        host_total: host memory this process may hold in all (the host's, or
+            its cgroup's limit when smaller).
         device_free: free GPU memory (CUDA only; ``None`` elsewhere or unknown).
         device_total: GPU memory installed (CUDA only; ``None`` elsewhere or unknown).
+        limit: where the host figures came from (``None``: given, not probed).
     """
 
     backend: str
@@ -51,6 +58,7 @@ class FreeMemory:
     host_total: int
     device_free: int | None = None
     device_total: int | None = None
+    limit: MemoryLimit | None = None
 
     @property
     def unified(self) -> bool:
@@ -90,62 +98,10 @@ def backend_of(api=mx) -> str:
     return "cuda" if cuda is not None and cuda.is_available() else "cpu"
 
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as ~2**63 rounded to pages
-
-
-def _cgroup_room(folder: Path, v2: bool) -> int | None:
-    """Bytes one cgroup folder still allows: limit - usage + its file pages (page
-    cache, active and inactive: the kernel reclaims it before failing an
-    allocation; expert reads keep much of it active); ``None`` without a limit there."""
-    try:
-        limit = (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
-        if limit == "max" or int(limit) >= _UNLIMITED:
-            return None
-        usage = int((folder / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
-        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
-        prefix = "" if v2 else "total_"
-        cache = int(stat.get(f"{prefix}inactive_file", 0)) + int(stat.get(f"{prefix}active_file", 0))
-    except (OSError, ValueError):
-        return None
-    return max(0, int(limit) - usage + cache)
-
-
-def cgroup_available(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
-    """Memory this process's cgroup (and its ancestors) still allows, in bytes; ``None``
-    where none is limited or there are no cgroups (macOS).
-
-    A cgroup memory limit charges the page cache and is invisible to psutil's
-    ``available``: a job under one (a container, ``benches/capped.py``) must
-    size its KV caches by it. cgroup v1 (``memory`` controller) and v2.
-    """
-    try:
-        lines = self_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    rooms = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        v2 = controllers == ""
-        if not v2 and "memory" not in controllers.split(","):
-            continue
-        base = root if v2 else root / "memory"
-        folder = base / path.lstrip("/")
-        while True:
-            room = _cgroup_room(folder, v2)
-            if room is not None:
-                rooms.append(room)
-            if folder == base or base not in folder.parents:
-                break
-            folder = folder.parent
-    return min(rooms) if rooms else None
-
-
 def host_available() -> int:
-    """Host memory available now, bytes: psutil's ``available``, or less under a cgroup limit."""
-    room = cgroup_available()
-    available = int(psutil.virtual_memory().available)
-    return available if room is None else min(available, room)
+    """Host memory this process may still take now, bytes (:attr:`MemoryLimit.available`:
+    psutil's ``available``, or less under a cgroup limit)."""
+    return probe_limit().available
 
 
 def probe(api=mx) -> FreeMemory:
@@ -155,13 +111,13 @@ def probe(api=mx) -> FreeMemory:
     freed while the dense part was loaded and converted stay reserved on the
     GPU and would count as used, shrinking the hot default.
     """
-    vm = psutil.virtual_memory()
+    limit = probe_limit()
     backend = backend_of(api)
     free = total = None
     if backend == "cuda":
         api.clear_cache()
         free, total = device_memory(api.device_info(), api.get_active_memory())
-    return FreeMemory(backend, host_available(), int(vm.total), free, total)
+    return FreeMemory(backend, limit.available, limit.total, free, total, limit)
 
 
 # MLX's memory limit before mlx-tier first widened it, per ``mlx.core`` (or fake):
@@ -202,6 +158,8 @@ def describe_defaults(mem: FreeMemory, memory_limit: int | None = None) -> str:
     (``benches/gpu_check.sh`` prints it). ``memory_limit``: MLX's, in bytes, if known."""
     gib = 2**30
     limit = f"; MLX memory limit {memory_limit / gib:.1f} GiB" if memory_limit is not None else ""
+    if mem.limit is not None and mem.limit.limited:
+        limit += f"; host memory bounded by {mem.limit.source} ({mem.limit.total / gib:.1f} GiB)"
     if mem.unified:
         return (f"backend {mem.backend}: one memory, host available {mem.host_available / gib:.1f} GiB -> one tier, "
                 f"default {default_warm_budget(mem.host_available) / gib:.1f} GiB{limit}")

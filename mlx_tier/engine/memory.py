@@ -14,8 +14,9 @@ What mlx-tier does, on every backend, for the whole job:
   says why. mlx-lm's own generators raise it to the recommended maximum while
   they run and put ours back when they close.
 - cache limit (every backend): room to recycle :data:`CACHE_SLOTS` freed
-  slot-sized buffers, at least :data:`CACHE_FLOOR`, and never above the limit
-  already in force.
+  slot-sized buffers, at least :data:`CACHE_FLOOR`, at most the buffers' share
+  of a run's memory split (:func:`mlx_tier.engine.footprint.split`) when there
+  is one, and never above the limit already in force.
 Both are restored on exit (:func:`memory_controls`).
 """
 
@@ -115,15 +116,19 @@ def resident_set(model, context: int, batch: int) -> ResidentSet:
     return ResidentSet(int(dense), int(cache.resident_bytes), int(kv), int(slot))
 
 
-def plan_memory(resident: ResidentSet, backend: str, device_info: dict) -> MemorySettings:
+def plan_memory(resident: ResidentSet, backend: str, device_info: dict, buffers: int | None = None) -> MemorySettings:
     """Choose the limits for ``resident`` (pure: no MLX call).
 
     Args:
         backend: ``"metal"``, ``"cuda"`` or ``"cpu"``.
         device_info: ``mx.device_info()``; on Metal it holds
             ``max_recommended_working_set_size``.
+        buffers: bytes of a run's memory split left to MLX's buffer cache
+            (:class:`mlx_tier.engine.footprint.MemoryBudget`); ``None``: no split.
     """
     cache_target = max(CACHE_FLOOR, CACHE_SLOTS * resident.slot_bytes)
+    if buffers is not None:
+        cache_target = min(cache_target, buffers)
     wired_max = device_info.get("max_recommended_working_set_size") if backend == "metal" else None
     if wired_max is None:
         why = "MLX wires only Metal buffers" if backend != "metal" else "the device reports no recommended size"
@@ -166,8 +171,8 @@ def memory_controls(settings: MemorySettings, api=mx) -> Iterator[dict]:
         api.set_cache_limit(previous_cache)
 
 
-def model_memory_controls(model, context: int, batch: int, api=mx):
+def model_memory_controls(model, context: int, batch: int, api=mx, buffers: int | None = None):
     """:func:`memory_controls` sized for a model from :func:`mlx_tier.load`
-    serving ``batch`` sequences of up to ``context`` tokens."""
+    serving ``batch`` sequences of up to ``context`` tokens (``buffers``: :func:`plan_memory`)."""
     backend = backend_of(api)
-    return memory_controls(plan_memory(resident_set(model, context, batch), backend, api.device_info()), api)
+    return memory_controls(plan_memory(resident_set(model, context, batch), backend, api.device_info(), buffers), api)

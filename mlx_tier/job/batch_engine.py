@@ -19,13 +19,16 @@ import copy
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import psutil
 
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
-from mlx_tier.engine.budgets import cgroup_available, host_available
+from mlx_tier.engine.footprint import MemoryBudget, room_now
+from mlx_tier.engine.limits import probe_limit
 from mlx_tier.job.sampling import Sampling
 from mlx_tier.units import GIB
 
@@ -105,9 +108,7 @@ class MemoryPlan:
         fixed_per_seq: per-sequence bytes that do not grow with length.
         prefill_per_token: transient bytes per context token of a prefill step.
         prefill_fixed: transient bytes of a prefill step that do not grow with context.
-        free_bytes: memory available for sequences now (psutil, or less under a
-            cgroup limit: :func:`~mlx_tier.engine.budgets.host_available`; minus
-            :data:`HEADROOM_BYTES`).
+        free_bytes: memory available for sequences now (:func:`sequence_room`).
     """
 
     kv_per_token: float
@@ -134,20 +135,32 @@ class MemoryPlan:
 
 def headroom() -> int:
     """Bytes kept free: :data:`HEADROOM_BYTES`, or :data:`CGROUP_HEADROOM_BYTES` under a cgroup limit."""
-    return HEADROOM_BYTES if cgroup_available() is None else CGROUP_HEADROOM_BYTES
+    return CGROUP_HEADROOM_BYTES if probe_limit().limited else HEADROOM_BYTES
 
 
-def estimate_memory(cache: list, model_args, prefill_step: int) -> MemoryPlan:
+def sequence_room(budget: MemoryBudget | None = None) -> int:
+    """Bytes new sequences may take now: within a run's memory split
+    (:func:`mlx_tier.engine.footprint.room_now`), else what this process's memory
+    limit leaves (its cgroup's or the host's, :mod:`mlx_tier.engine.limits`)
+    less :func:`headroom`."""
+    available = probe_limit().available
+    if budget is None:
+        return available - headroom()
+    return room_now(budget, psutil.Process().memory_info().rss, available)
+
+
+def estimate_memory(cache: list, model_args, prefill_step: int, free_bytes: int | None = None) -> MemoryPlan:
     """A :class:`MemoryPlan` from a filled prompt cache and the model's shape.
 
     The prefill transient is ``heads x step`` float32 attention scores per
     context token plus ``step x hidden x 16`` bytes of activations — an
     estimate that errs high; MLX's memory is otherwise not predictable here.
+    ``free_bytes``: the room for sequences (default :func:`sequence_room`).
     """
     per_token, fixed = kv_bytes_per_token(cache)
     heads = int(getattr(model_args, "num_attention_heads", 0) or 0)
     hidden = int(getattr(model_args, "hidden_size", 0) or 0)
-    free = host_available() - headroom()
+    free = sequence_room() if free_bytes is None else free_bytes
     return MemoryPlan(per_token, fixed, float(heads * prefill_step * 4), prefill_step * hidden * 16, int(free))
 
 
@@ -352,11 +365,15 @@ class BatchEngine:
             (its prefill time gives the pacer its first rate estimate).
         step_seconds: wall time per step to aim at (:data:`STEP_SECONDS`);
             ``None``: every prompt step is ``prefill_step_size`` tokens (unpaced).
+        step_cap: most prompt tokens a step may read when the prompt being read
+            has this many tokens done (its attention grows with them), from the
+            run's memory split (:meth:`mlx_tier.engine.footprint.MemoryBudget.prompt_step`);
+            ``None``: no cap beyond ``prefill_step_size``.
     """
 
     def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 1, repetition_penalty: float = 1.0,
                  prefill_step_size: int = DEFAULT_PREFILL_STEP, prefix: PrefixCache | None = None,
-                 step_seconds: float | None = STEP_SECONDS):
+                 step_seconds: float | None = STEP_SECONDS, step_cap: Callable[[int], int] | None = None):
         from mlx_lm.generate import BatchGenerator
 
         if batch_size < 1:
@@ -380,6 +397,8 @@ class BatchEngine:
         seed = (len(prefix), prefix.seconds) if prefix is not None else None
         self.pacer = PrefillPacer(prefill_step_size, step_seconds, seed) if step_seconds is not None else None
         self._decode_seconds = 0.0  # the last decode step's duration
+        self.prefill_step_size, self.step_cap = prefill_step_size, step_cap
+        self._read = 0  # prompt tokens done of the prompt being read (one at a time)
 
     @property
     def free(self) -> int:
@@ -412,8 +431,9 @@ class BatchEngine:
         """One step of mlx-lm's batch generator: a decode step for the running
         sequences and/or one prefill step for new ones."""
         info = StepInfo()
-        if self.pacer is not None:  # mlx-lm reads this many prompt tokens in the coming step (BatchGenerator._next)
-            self._gen.prefill_step_size = self.pacer.size(self._decode_seconds)
+        # mlx-lm reads this many prompt tokens in the coming step (BatchGenerator._next)
+        size = self.pacer.size(self._decode_seconds) if self.pacer is not None else self.prefill_step_size
+        self._gen.prefill_step_size = size if self.step_cap is None else max(1, min(size, self.step_cap(self._read)))
         t0 = time.perf_counter()
         with self._gen.stats() as stats:
             prompt_responses, responses = self._gen.next()
@@ -425,6 +445,7 @@ class BatchEngine:
         if responses:
             self._decode_seconds = stats.decode_time
         info.prefill = [(self._active[p.uid].task.key, *p.progress) for p in prompt_responses if p.uid in self._active]
+        self._read = next((done for _, done, total in info.prefill if done < total), 0)
         info.generated = len(responses)
         for r in responses:
             self._take(r, info)

@@ -30,13 +30,25 @@ from pathlib import Path
 from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY, JOB_KERNEL
 from mlx_tier.engine.checkpoint import context_length
 from mlx_tier.engine.dtypes import job_compute_dtype
+from mlx_tier.engine.footprint import MemoryBudget, named
 from mlx_tier.engine.load import TierConfig
+from mlx_tier.engine.sizes import peak_rss, run_budget
 from mlx_tier.errors import InputError, JobError
 from mlx_tier.fsio import DISK_FULL, write_atomic
 from mlx_tier.job import batch_api
+from mlx_tier.job.activity import (
+    Activity,
+    LayerProgress,
+    Rate,
+    Reporter,
+    Speed,
+    achieved,
+    announce,
+)
 from mlx_tier.job.convert_limits import ConversionLimits
 from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
+from mlx_tier.job.heartbeat import Heartbeat
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
 from mlx_tier.job.process import DEFAULT_NICE, keep_awake, lower_priority
 from mlx_tier.job.provenance import Settings
@@ -58,7 +70,7 @@ from mlx_tier.job.rerun import (
     run_settings,
 )
 from mlx_tier.job.scheduler import GenerationConfig, Outcome, Scheduler, check_context
-from mlx_tier.job.stopflag import StopFlag
+from mlx_tier.job.stopflag import STOP_GRACE_SECONDS, StopFlag
 from mlx_tier.job.throttle import Throttle, ThrottleConfig
 from mlx_tier.job.triage import (
     DONE_KEEPS,
@@ -81,11 +93,10 @@ from mlx_tier.outdir.layout import (
     REPORT,
     check_out_dir,
 )
+from mlx_tier.units import GIB
 
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
-# Least seconds between two progress updates sent from inside a long step.
-HEARTBEAT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,12 @@ class JobConfig:
         conversion: how large and how long converting one document (PDF,
             Word...) may get; over it, that document fails alone
             (:class:`~mlx_tier.job.convert_limits.ConversionLimits`).
+        memory_gb: the memory the run may hold in all (GiB), split into the
+            expert cache, the KV cache, the step's workspace and the rest
+            (:func:`mlx_tier.engine.footprint.split`); ``None``: what this process
+            may use (its cgroup's limit or the host's available memory,
+            :mod:`mlx_tier.engine.limits`). A split that cannot fit is refused
+            before the model is loaded.
     """
 
     input: Path
@@ -157,6 +174,7 @@ class JobConfig:
     save_profile: bool = False
     follow_links: bool = False
     conversion: ConversionLimits = field(default_factory=ConversionLimits)
+    memory_gb: float | None = None
 
     def __post_init__(self):
         if self.tier.kernel is None:  # the one place the job's kernel default is applied
@@ -176,55 +194,6 @@ def _earlier_setup(config: JobConfig) -> tuple[dict, dict]:
     setup |= {**machine_info(), "model": setup.get("model") or (str(config.model) if config.model is not None else "demo")}
     throttle = earlier.get("throttle")
     return setup, throttle if isinstance(throttle, dict) else {}
-
-
-@dataclass(frozen=True)
-class Activity:
-    """What the job is doing, after an engine step (for progress displays and ``mlx-tier status``).
-
-    Attributes:
-        in_flight: ids of the documents started and not finished.
-        reading: ``(id, prompt tokens read, prompt length)`` of the prompt being read, or ``None``.
-        writing: ``(id, tokens generated so far)`` of each document being written.
-        decode_tok_s: generated tokens per second over recent decode steps (all documents).
-        prompt_tok_s: prompt tokens read per second over recent steps.
-        hit_rate: expert cache hit rate of this run so far, in [0, 1].
-        eta_seconds: seconds this run has left (:class:`mlx_tier.job.eta.EtaTracker`), ``None``
-            while still estimating (no prompt step or decode step measured yet).
-        stopping: a first Ctrl-C (or SIGTERM) asked the run to stop: it finishes the
-            summaries being written, then ends; the ETA no longer applies.
-    """
-
-    in_flight: list[str]
-    reading: tuple[str, int, int] | None
-    writing: list[tuple[str, int]]
-    decode_tok_s: float
-    prompt_tok_s: float
-    hit_rate: float
-    eta_seconds: float | None = None
-    stopping: bool = False
-
-    def as_dict(self) -> dict:
-        return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
-                "writing": [list(w) for w in self.writing], "decode_tok_s": round(self.decode_tok_s, 3),
-                "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4),
-                "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None,
-                "stopping": self.stopping}
-
-
-class Reporter:
-    """Receives progress events; the CLI shows them with Rich. Default: silent."""
-
-    def message(self, text: str) -> None: ...
-    def start(self, total: int, skipped: int) -> None:
-        """``total`` documents in the job, ``skipped`` of them done by earlier runs."""
-    def working(self, activity: Activity) -> None:
-        """After each engine step (a few seconds apart at most: :data:`~mlx_tier.job.batch_engine.STEP_SECONDS`).
-        Documents are converted one ahead in a worker thread, beside the steps; only when
-        a document's turn comes before its conversion ended (a large PDF behind a short
-        text) do the steps wait for it."""
-    def finished(self, result: DocResult, cache: dict) -> None: ...
-    def close(self) -> None: ...
 
 
 def read_prompt(value: str) -> str:
@@ -253,18 +222,6 @@ def read_prompt(value: str) -> str:
 # C++ std::bad_alloc, as MemoryError; tokenizer and disk-full errors vary. So
 # any Exception; KeyboardInterrupt/SystemExit (BaseException) still stop the job.
 DOCUMENT_ERRORS: tuple[type[BaseException], ...] = (Exception,)
-
-
-class _Rate:
-    """Generated tokens per second over the recent decode steps (exponential average)."""
-
-    def __init__(self, weight: float = 0.2) -> None:
-        self.value, self._w = 0.0, weight
-
-    def add(self, tokens: int, seconds: float) -> None:
-        if tokens and seconds > 0:
-            now = tokens / seconds
-            self.value = now if not self.value else (1 - self._w) * self.value + self._w * now
 
 
 def _figures(outcome: Outcome, res: DocResult) -> None:
@@ -334,6 +291,7 @@ class _Loaded:
     tokenizer: object
     model_dir: Path
     context: int  # the model's context length, tokens
+    budget: MemoryBudget | None = None  # the run's memory split (None on CUDA)
 
     @property
     def cache(self):
@@ -358,31 +316,42 @@ class _Pass:
     model_name: str = ""  # the model that answers, as each response names it
 
 
-def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> dict:
+def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag, beat: Heartbeat) -> dict:
     """Generate every document ``p.docs`` yields (batched, throttled), writing and journalling
     each as it finishes; fills ``p.results``, records the generation settings in
-    ``p.report.setup``. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
+    ``p.report.setup``. After a first signal (``stop``) the summaries being written get
+    :data:`~mlx_tier.job.stopflag.STOP_GRACE_SECONDS`, then stay pending; ``beat`` is told
+    of each step. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
     results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
+
+    def stopping() -> bool:
+        return stop.signal is not None
+
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
     known = [n for n in p.sizes.values() if n]
     probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
-    generation = config.generation
+    generation = _generation(config, loaded.budget)
     if p.requests:  # each request's own sampling and stop strings: the batch engine's (the pool engine is greedy)
         generation = replace(generation, schedule="paced")
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, generation,
                           max(p.sizes.values(), default=0), probes=probes,
-                          typical_chars=sum(known) // len(known) if known else None, documents=len(p.sizes))
+                          typical_chars=sum(known) // len(known) if known else None, documents=len(p.sizes),
+                          memory=loaded.budget)
     p.report.setup["generation"] = scheduler.info
-    _announce(scheduler, reporter)
-    rate, prompt_rate = _Rate(), _Rate()
-    beat = _Heartbeat(reporter, progress, len(loaded.cache.layers), scheduler.pool_tokens)
+    announce(scheduler, reporter)
+    rate, prompt_rate = Rate(), Rate()
+    layers = LayerProgress(reporter, progress, len(loaded.cache.layers), scheduler.pool_tokens)
     generated = [0]  # tokens generated this run, for the samples the watch page plots
     earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
                if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
     eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic(), earlier)
 
+    speed = Speed()
+
     def on_step(info, in_flight):
+        beat.step()
+        speed.add(info)
         rate.add(info.generated, info.decode_seconds)
         prompt_rate.add(info.prefill_tokens, info.prefill_seconds)
         generated[0] += info.generated
@@ -393,7 +362,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
                             stopping=stopping())
         reporter.working(activity)
         progress.update(activity)
-        beat.step_done(activity)
+        layers.step_done(activity)
         seen = len(throttle.timeline)
         throttle.step(info.generated)
         for change in throttle.timeline[seen:]:  # thermal state changes: durable, for `mlx-tier status`
@@ -404,83 +373,40 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stopping) -> di
     t_start, finished = time.perf_counter(), 0
 
     def on_layer(layer: int) -> None:
-        beat.layer(layer)
+        layers.layer(layer)
 
     throttled_before = 0.0
-    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step, on_layer=on_layer):
+    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step, on_layer=on_layer,
+                                 give_up=lambda: stop.seconds_stopping() > STOP_GRACE_SECONDS):
         finished += 1
-        res = results[outcome.id]
-        if p.batch is not None:
-            _record_request(outcome, res, p)
-        else:
-            _record(outcome, res, config.out_dir)
-        eta.finished(res.id, res.output_tokens if res.status == "done" else None)
-        spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
-        if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
-            res.model, res.prompt = p.settings.fields()["model"], p.settings.prompt
-        record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
-        # Per-record increment: `mlx-tier status` adds them up.
-        record["throttled_seconds"] = round(spent - throttled_before, 3)
-        throttled_before = spent
-        record["sample"] = progress_sample(loaded.cache, rate.value, generated[0])
-        if outcome.reasoning:
-            record["reasoning"] = outcome.reasoning
-        p.last_t = journal.append(record)["run_t"]
-        reporter.finished(res, loaded.cache.stats.as_dict())
-    _achieved(scheduler, finished, time.perf_counter() - t_start, reporter)
+        throttled_before = _take_outcome(outcome, p, config, loaded, eta, throttle, throttled_before,
+                                         rate.value, generated[0])
+    achieved(scheduler, finished, time.perf_counter() - t_start, reporter)
+    if not stopping():
+        speed.compare(loaded.budget, loaded.cache, p.report, reporter)
     return throttle.as_dict()
 
-
-def _announce(scheduler: Scheduler, reporter: Reporter) -> None:
-    """The schedule's sizes (and the throughput schedule's predicted documents/hour), at start."""
-    info = scheduler.info
-    source = info["batch_size_from"]
-    reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
-                     f"usable context {scheduler.context} tokens")
-    pools = scheduler.pools
-    if info["schedule"] == "throughput":
-        predicted = (f"; predicted {pools.docs_per_hour:.0f} documents/hour for documents of ~{pools.prompt_tokens} "
-                     f"prompt tokens and {pools.output_tokens}-token summaries") if pools is not None else ""
-        reporter.message(f"throughput schedule: prompts read {scheduler.prefill_batch} at a time in pools of "
-                         f"{scheduler.pool_tokens} tokens, up to {scheduler.batch_size} sequences decoding "
-                         f"together{predicted}")
-
-
-def _achieved(scheduler: Scheduler, finished: int, seconds: float, reporter: Reporter) -> None:
-    """Documents/hour this run achieved, beside the prediction (report.json and a message)."""
-    if not finished or seconds <= 0:
-        return
-    achieved = finished / seconds * 3600
-    scheduler.info["achieved_docs_per_hour"] = round(achieved, 2)
-    if scheduler.pools is not None:
-        reporter.message(f"achieved {achieved:.0f} documents/hour (predicted {scheduler.pools.docs_per_hour:.0f})")
-
-
-class _Heartbeat:
-    """Progress during a long prefill step: before MoE layers, at most every
-    :data:`HEARTBEAT_SECONDS`, the last step's activity is sent again with the
-    prompt being read advanced by the layers done (an estimate)."""
-
-    def __init__(self, reporter: Reporter, progress, layers: int, pool_tokens: int):
-        self.reporter, self.progress, self.layers, self.pool = reporter, progress, max(1, layers), pool_tokens
-        self.last: Activity | None = None
-        self.sent = time.monotonic()
-
-    def step_done(self, activity: Activity) -> None:
-        self.last, self.sent = activity, time.monotonic()
-
-    def layer(self, layer: int) -> None:
-        now = time.monotonic()
-        if self.last is None or now - self.sent < HEARTBEAT_SECONDS:
-            return
-        self.sent = now
-        reading = self.last.reading
-        if reading is not None:
-            doc, done, total = reading
-            reading = (doc, min(total, done + int(self.pool * layer / self.layers)), total)
-        activity = replace(self.last, reading=reading)
-        self.reporter.working(activity)
-        self.progress.update(activity)
+def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: _Loaded, eta: EtaTracker,
+                  throttle: Throttle, throttled_before: float, rate: float, generated: int) -> float:
+    """Write and journal one finished (or failed) document; returns the throttled seconds so far."""
+    results, journal, reporter = p.results, p.journal, p.reporter
+    res = results[outcome.id]
+    if p.batch is not None:
+        _record_request(outcome, res, p)
+    else:
+        _record(outcome, res, config.out_dir)
+    eta.finished(res.id, res.output_tokens if res.status == "done" else None)
+    spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
+    if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
+        res.model, res.prompt = p.settings.fields()["model"], p.settings.prompt
+    record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
+    record["throttled_seconds"] = round(spent - throttled_before, 3)  # per record: `mlx-tier status` adds them up
+    record["sample"] = progress_sample(loaded.cache, rate, generated)
+    if outcome.reasoning:
+        record["reasoning"] = outcome.reasoning
+    p.last_t = journal.append(record)["run_t"]
+    reporter.finished(res, loaded.cache.stats.as_dict())
+    return spent
 
 
 def claim_all(doc_id: str) -> bool:
@@ -669,13 +595,28 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
 
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)
+    budget = run_budget(model_dir, config.tier, config.memory_gb, config.generation.prefill_step_size)
+    tier, cache_gb = config.tier, None
+    if budget is not None:
+        reporter.message(f"memory: {budget.describe()}")
+        if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
+            cache_gb = budget.cache / GIB  # the split's share (load's own cache_gb overrides the config's None)
     reporter.message(f"loading {model_dir}")
-    tier = config.tier if config.tier.dtype is not None else replace(config.tier, dtype=job_compute_dtype())
-    model, tokenizer = load(model_dir, config=tier)  # the one place the job's dtype default is applied
-    loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT))
+    if tier.dtype is None:  # the one place the job's dtype default is applied
+        tier = replace(tier, dtype=job_compute_dtype())
+    model, tokenizer = load(model_dir, cache_gb, config=tier)
+    loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), budget)
     g = config.generation
     check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
     return loaded
+
+
+def _generation(config: JobConfig, budget: MemoryBudget | None) -> GenerationConfig:
+    """The generation settings of this run: the prompt step no larger than the memory split allows."""
+    g = config.generation
+    if budget is None or budget.prefill_step >= g.prefill_step_size:
+        return g
+    return replace(g, prefill_step_size=budget.prefill_step)
 
 
 def _model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir,
@@ -927,8 +868,8 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
 
     g, reporter, report, progress = config.generation, p.reporter, p.report, p.progress
     context = min(loaded.context, g.context or loaded.context)
-    notice = ("stopping: summaries being written are finished, documents still being read are left for "
-              "the next run (interrupt again to stop at once)")
+    notice = (f"stopping: summaries being written are finished if they can be within {STOP_GRACE_SECONDS:g} s, "
+              "else left for the next run with the documents still being read (interrupt again to stop at once)")
 
     def stopping() -> None:  # the Ctrl-C notice, word-wrapped now (runner messages are soft-wrapped)
         reporter.message(wrap_words(notice, terminal_width(2)))
@@ -940,20 +881,35 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
     if config.trace is not None:
         loaded.cache.start_trace(source=str(loaded.model_dir))
     try:
+        buffers = loaded.budget.buffers if loaded.budget is not None else None
         with StopFlag(stopping, abort) as stop, keep_awake(), model_memory_controls(
-                loaded.model, context, g.batch_size or MAX_AUTO_BATCH) as memory:  # wired + cache limits, restored
+                loaded.model, context, g.batch_size or MAX_AUTO_BATCH, buffers=buffers) as memory, \
+                Heartbeat(progress, lambda: stop.signal is not None) as beat:  # limits restored after
             report.setup["memory"] = memory
+            if loaded.budget is not None:
+                report.setup["memory_budget"] = loaded.budget.as_dict()
             try:
-                report.throttle = _summarise_all(p, config, loaded, lambda: stop.signal is not None)
+                report.throttle = _summarise_all(p, config, loaded, stop, beat)
             except JobError:  # the disk is full: a clean stop, not a crash
                 progress.clear()
                 raise
             progress.clear()
+            _record_peak(report, loaded.budget, reporter)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
             report.stop_signal = stop.signal
     finally:
         if config.trace is not None:
             _save_trace(loaded.cache, config.trace, reporter)
+
+
+def _record_peak(report: JobReport, budget: MemoryBudget | None, reporter: Reporter) -> None:
+    """The process's peak resident set against the run's memory total, in report.json and one line."""
+    if budget is None:
+        return
+    peak = peak_rss()
+    report.setup["memory_budget"]["peak_rss"] = peak
+    reporter.message(f"memory: peak resident set {peak / GIB:.2f} GiB of the {budget.total / GIB:.2f} GiB total "
+                     f"({named(budget.source)})")
 
 
 def hard_stop_message(signum: int, command: str | None, width: int) -> str:

@@ -31,7 +31,7 @@ from mlx_tier.defaults import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
 )
-from mlx_tier.engine.budgets import host_available
+from mlx_tier.engine.footprint import MemoryBudget
 from mlx_tier.errors import (
     CheckpointError,
     ConfigError,
@@ -48,7 +48,7 @@ from mlx_tier.job.batch_engine import (
     Task,
     common_prefix,
     estimate_memory,
-    headroom,
+    sequence_room,
     stop_token_ids,
 )
 from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
@@ -236,6 +236,9 @@ class Scheduler:
         typical_chars: characters of a typical document to run (the mean), and
         documents: how many: the throughput schedule's pools and its predicted
             documents/hour are for those (``None``: as long as the longest; unknown).
+        memory: the run's memory split (:class:`~mlx_tier.engine.footprint.MemoryBudget`):
+            sequences are sized within its KV share (:func:`~mlx_tier.job.batch_engine.sequence_room`);
+            ``None``: within what the memory limit leaves.
 
     Attributes:
         batch_size: sequences decoded together (fixed for the scheduler's life).
@@ -248,8 +251,9 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
                  longest_chars: int | None = None, probes: list[list[int]] | None = None,
-                 typical_chars: int | None = None, documents: int | None = None):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+                 typical_chars: int | None = None, documents: int | None = None,
+                 memory: MemoryBudget | None = None):
+        self.model, self.tokenizer, self.config, self.memory = model, tokenizer, config, memory
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
@@ -259,7 +263,9 @@ class Scheduler:
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
         self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
         context = min(model_context, config.context or model_context)
-        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), config.prefill_step_size)
+        # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
+        step = config.prefill_step_size if memory is None else 0
+        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), step, sequence_room(memory))
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")
@@ -270,6 +276,8 @@ class Scheduler:
             self.batch_size = self._plan_pools(typical_chars or longest_chars, documents)
         else:
             self.batch_size = config.batch_size or self._memory_batch(longest_chars)
+        if memory is not None:  # a pool's prompt step within the split's workspace
+            self.pool_tokens = min(self.pool_tokens, memory.prefill_step)
         self._reserved: dict = {}  # task key -> KV bytes held (throughput schedule's admission)
         self._kv_room = self._pool_room(longest_chars)
         self.info = {
@@ -364,13 +372,13 @@ class Scheduler:
                               repetition_penalty=c.repetition_penalty, prefix=self._prefix())
         return BatchEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
-                           prefix=self._prefix())
+                           prefix=self._prefix(), step_cap=self.memory.prompt_step if self.memory else None)
 
     def _context_now(self) -> int:
         """The usable context for a sequence starting now: memory now (sequences in
         flight already hold theirs), so a document that would not fit is split
         smaller, a request refused, instead of failing the process."""
-        now = replace(self.plan, free_bytes=host_available() - headroom())
+        now = replace(self.plan, free_bytes=sequence_room(self.memory))
         return min(self.context, now.max_tokens())
 
     def _tasks(self, d: _Doc, can_wait: bool = False) -> list[Task] | None:
@@ -444,7 +452,8 @@ class Scheduler:
 
     def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None,
-            on_layer: Callable[[int], None] = lambda layer: None) -> Iterator[Outcome]:
+            on_layer: Callable[[int], None] = lambda layer: None,
+            give_up: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
         """Summarise ``docs`` (:class:`~mlx_tier.job.documents.Document` or
         :class:`~mlx_tier.job.documents.FileDocument`: anything with ``id``, ``text``
         and ``error``), yielding each outcome when final.
@@ -454,7 +463,9 @@ class Scheduler:
 
         Once ``should_stop()`` is true no new document starts, calls still
         reading their prompt are dropped, and the calls already generating
-        finish (a map-reduce document not yet complete stays undone).
+        finish (a map-reduce document not yet complete stays undone), unless
+        ``give_up()`` turns true first: then every call in flight is dropped and
+        the run ends (their documents yield nothing: they stay pending).
         ``on_step(info, ids in flight)`` runs after every engine step
         (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
         With the throughput schedule, a prefill step (a minute, on a slow
@@ -475,7 +486,7 @@ class Scheduler:
                 q.alone = None
             if not stopping:
                 yield from self._admit(engine, q)
-            if not engine.active:
+            if not engine.active or (stopping and give_up()):
                 if stopping or q.empty():
                     break
                 continue

@@ -20,6 +20,13 @@ class Interrupted(KeyboardInterrupt):
 # After a second signal, how long the main thread has to stop by itself (raising
 # Interrupted between Python bytecodes) before the watchdog ends the process.
 HARD_STOP_GRACE_SECONDS = 1.0
+# After a first signal, how long the main thread has to take it (its handler) before
+# the watchdog does: a step deep inside MLX or the kernel near the memory limit.
+ACK_SECONDS = 0.5
+# After a first signal, how long the summaries being written have to finish before the
+# job leaves them for the next run and stops (mlx_tier.job.run): a first stop that
+# takes minutes is no stop (a container runtime's SIGKILL follows SIGTERM after 10 s).
+STOP_GRACE_SECONDS = 8.0
 
 
 class StopFlag:
@@ -37,10 +44,18 @@ class StopFlag:
     calls ``on_abort(signum)`` and ends the process (``os._exit``, 128 +
     signum). Finished summaries are safe either way: each was written
     atomically and journalled (fsync) before it was reported.
+
+    The first signal is taken by the watchdog too when the main thread has not
+    run its handler within :data:`ACK_SECONDS` (a long step): :attr:`signal`
+    is set and ``on_first`` called from the watchdog's thread, so the notice
+    and the progress file say "stopping" at once; :attr:`since` is when.
     """
 
     def __init__(self, on_first=lambda: None, on_abort=lambda signum: None) -> None:
         self.signal: int | None = None
+        self.since: float | None = None  # time.monotonic() of the first signal
+        self._lock = threading.Lock()
+        self._handled = 0  # handler runs in the main thread
         self._old: dict = {}
         self._on_first, self._on_abort = on_first, on_abort
         self._active = False
@@ -62,11 +77,33 @@ class StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        if self.signal is not None:
+        with self._lock:
+            self._handled += 1
+            first = self._handled == 1
+            taken = first and self._take(signum)
+        if not first:
             signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
             raise Interrupted(signum)
-        self.signal = signum
-        self._on_first()
+        if taken:
+            self._on_first()
+
+    def _take(self, signum: int) -> bool:
+        """Record the first signal (under the lock); False when the other thread did already."""
+        if self.signal is not None:
+            return False
+        self.signal, self.since = signum, time.monotonic()
+        return True
+
+    def _acknowledge(self, signum: int) -> None:
+        """The watchdog's take of a first signal the main thread has not handled yet."""
+        with self._lock:
+            taken = self._active and self._take(signum)
+        if taken:
+            self._on_first()
+
+    def seconds_stopping(self) -> float:
+        """Seconds since the first signal (0 before one)."""
+        return time.monotonic() - self.since if self.since is not None else 0.0
 
     def _watch(self, fd: int) -> None:
         """Count SIGINT/SIGTERM as they arrive; at the second, stop the process if the main thread does not."""
@@ -79,6 +116,10 @@ class StopFlag:
         for signum in data:
             if signum in (signal.SIGINT, signal.SIGTERM):
                 seen += 1
+                if seen == 1:
+                    ack = threading.Timer(ACK_SECONDS, self._acknowledge, (signum,))
+                    ack.daemon = True
+                    ack.start()
                 if seen >= 2:
                     time.sleep(HARD_STOP_GRACE_SECONDS)
                     if self._active:

@@ -59,6 +59,12 @@ from mlx_tier.kernels import cpu_vnni
 # A slot used by at least this many pairs in one call is dequantised once and
 # multiplied with BLAS; fewer pairs use the fused matvec (benches/kernel.py).
 GEMM_MIN_ROWS = 8
+# Most dequantised float32 weight bytes one thread holds at once in a dense layer's
+# GEMM (quantized_matmul): an output layer is done in tiles of rows, never whole.
+# Whole, a 49k x 2048 output layer took 0.4 GB per decode step of 8 sequences
+# (151k x 2048: 1.2 GB), enough to push a run under a memory limit over it
+# (benches/workspace.py, benches/results/memory/NOTES.md).
+DENSE_TILE_BYTES = 8 << 20
 
 # Threads of the kernel: one per physical core this process may use (a second
 # hardware thread of a core shares its vector units, which the matvec keeps
@@ -631,8 +637,12 @@ def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
         y = np.empty((T, quant.out_dims), np.float32)
         xp = quant.permute(xs)
 
+        tile = max(1, DENSE_TILE_BYTES // (4 * quant.in_dims))  # output rows per dequantised tile
+
         def work(o0, o1):
-            y[:, o0:o1] = xp @ quant.dense(0, o0, o1).T
+            for a in range(o0, o1, tile):
+                b = min(o1, a + tile)
+                y[:, a:b] = xp @ quant.dense(0, a, b).T
 
         with _BLAS.limit(limits=1, user_api="blas"):
             _parallel(work, quant.out_dims, grain=256)

@@ -137,10 +137,12 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
     left = f"{status.pending} document(s) left" if status.pending is not None else "documents left"
     if status.state == RUNNING:
-        if (status.progress or {}).get("stopping"):
-            return (f"stopping (pid {status.pid}): asked to stop; finishing the summaries being written, "
-                    "then it ends")
-        return f"running (pid {status.pid})"
+        progress = status.progress or {}
+        if progress.get("stopping"):
+            return (f"stopping (pid {status.pid}): asked to stop; finishing the summaries being written for a "
+                    "few seconds at most, then it ends")
+        busy = progress.get("busy_seconds")  # the run's heartbeat during a long step (mlx_tier.job.heartbeat)
+        return f"running (pid {status.pid})" + (f"; its current step has run {busy:.0f} s" if busy else "")
     if status.state == INTERRUPTED:
         when = f" at {_clock(status.stopped_at, now)}" if status.stopped_at is not None else ""
         return f"interrupted{when}: its process ended mid-run (a second Ctrl-C, a kill or a crash); {left}"

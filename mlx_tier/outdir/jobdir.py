@@ -27,6 +27,7 @@ import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
@@ -176,12 +177,16 @@ class ProgressFile:
     run ends cleanly; ``mlx-tier status`` shows it while the run holds the lock.
 
     Progress is best effort: a write that fails (disk full) is skipped, never
-    fatal to the job.
+    fatal to the job. :meth:`beat` rewrites the last snapshot from another thread
+    while a step runs long (:class:`mlx_tier.job.heartbeat.Heartbeat`).
     """
 
     def __init__(self, out_dir: Path, every: float = 2.0, name: str = PROGRESS_FILE, clock=None) -> None:
         self.path, self.every, self._last = Path(out_dir) / name, every, float("-inf")
         self.clock = clock  # the run's RunClock: its id and clock go with each snapshot
+        self._snapshot: dict = {}  # the last activity given, as a dict
+        self._lock = threading.Lock()  # update (main thread) and beat (the heartbeat's)
+        self._cleared = False
 
     def update(self, activity) -> None:
         """Write ``activity`` (anything with ``as_dict()``, e.g. :class:`mlx_tier.job.run.Activity`)
@@ -189,8 +194,19 @@ class ProgressFile:
         seconds, for people) and, given a clock, the run's id (``run``), its clock
         (``run_t``) and this machine's monotonic clock (``mono`` on ``host``), by which a
         reader on the same machine ages the snapshot whatever the wall clock does."""
+        with self._lock:
+            self._snapshot = activity.as_dict()
+            self._write(self.every)
+
+    def beat(self, fields: dict, every: float) -> None:
+        """Rewrite the last snapshot with ``fields`` added (e.g. how long the step in progress
+        has run) if ``every`` seconds have passed since the last write; nothing once cleared."""
+        with self._lock:
+            self._write(every, fields)
+
+    def _write(self, every: float, fields: dict | None = None) -> None:
         now = time.monotonic()
-        if now - self._last < self.every:
+        if now - self._last < every or self._cleared:
             return
         self._last = now
         stamp = {"time": time.time()}
@@ -198,12 +214,14 @@ class ProgressFile:
             stamp |= {"run": self.clock.id, "run_t": round(self.clock.t(), 3), "mono": now,
                       "host": socket.gethostname()}
         try:
-            write_atomic(self.path, json.dumps({**stamp, **activity.as_dict()}) + "\n")
+            write_atomic(self.path, json.dumps({**stamp, **self._snapshot, **(fields or {})}) + "\n")
         except OSError:
             pass
 
     def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+        with self._lock:
+            self._cleared = True
+            self.path.unlink(missing_ok=True)
 
 
 def clear_progress(out_dir: Path) -> None:

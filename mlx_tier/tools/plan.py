@@ -1,15 +1,21 @@
 """Capacity worksheet for a checkpoint, from its config and safetensors headers.
 
 No weight is read: the model is built lazily with mlx-lm only to locate its
-expert blocks, and sizes come from the shard headers. The decode-speed range
-uses the bandwidth model of docs/architecture.md:
+expert blocks, and sizes come from the shard headers. The memory figures are
+a run's own: what this process may use (its cgroup's limit or the host's
+available memory, :mod:`mlx_tier.engine.limits`, or ``memory_gb``), split as
+``mlx-tier run`` splits it (:func:`mlx_tier.engine.footprint.split`).
+
+The speeds come from the expert kernel a run would use, the layers' own work
+and the disk read as a run reads it, each measured briefly
+(:mod:`mlx_tier.tools.kernel_probe`), over a range of hit rates: uniform random
+routing (hit = S / E, the floor for an LRU cache of S slots) up to strong
+locality (hit = 0.98, the published 97.8-99.7%; or S / E when higher). With
+the bandwidths given instead, decode follows the roofline of docs/architecture.md:
 
     tok/s = 1 / (bytes_missed_per_token / disk_bw + bytes_active_per_token / compute_bw)
 
-with bytes_missed_per_token = (1 - hit_rate) x top_k x MoE layers x bytes per
-expert, over a range of hit rates: uniform random routing (hit = S / E, the
-floor for an LRU cache of S slots) up to strong locality (hit = 0.98, the
-published 97.8-99.7%; or S / E when higher).
+with bytes_missed_per_token = (1 - hit_rate) x top_k x MoE layers x bytes per expert.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import psutil
 
+from mlx_tier.defaults import DEFAULT_PREFILL_STEP, JOB_KERNEL
 from mlx_tier.engine.checkpoint import find_expert_blocks, open_checkpoint
 from mlx_tier.engine.dtypes import job_compute_dtype
-from mlx_tier.engine.load import DEFAULT_BUDGET_FRACTION
-from mlx_tier.errors import CheckpointError
+from mlx_tier.engine.footprint import MemoryBudget, ModelShape, Needs, split
+from mlx_tier.engine.limits import probe_limit
+from mlx_tier.engine.sizes import expert_inner, may_use_now
+from mlx_tier.errors import BudgetError, CheckpointError
+from mlx_tier.tools.kernel_probe import measure_expert_reads, measure_kernel, predict
 from mlx_tier.units import GIB
 
 TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_activated_experts", "n_activated_experts")
@@ -67,6 +76,14 @@ class Plan:
     hit_rate_low: float
     hit_rate_high: float
     source: str = "local"  # local: a checkpoint folder; hub: config and headers read remotely, nothing downloaded
+    memory_source: str = "host"  # where memory_total/available came from: host, a cgroup file, or memory_gb
+    memory_split: dict | None = None  # the run's split of its total (mlx_tier.engine.footprint.MemoryBudget.as_dict)
+    memory_fit: str | None = None  # why a run would be refused before loading (None: it fits)
+    kernel: str = "mlx"  # the expert kernel a run would use, the one measured
+    prompt_gflops: float = 0.0  # that kernel's prompt step, measured (0: not measured)
+    disk_method: str = "given"  # how disk_gbps was found
+    prompt_step: int = 0  # tokens per prompt step a run would take (memory permitting)
+    prompt_tok_s: float = 0.0  # predicted prompt reading, tokens/s at the uniform hit rate (0: not predicted)
     # The overnight job's throughput schedule (mlx_tier.tools.pools.PoolPlan.as_dict, with the
     # document lengths it is for and the rates it used); None when not planned.
     job: dict | None = None
@@ -279,7 +296,7 @@ def make_plan(
     compute_gbps: float | None = None,
     doc_tokens: int | None = None,
     summary_tokens: int = 64,
-) -> Plan:  # 94 lines only by the Plan's 30 fields, set in one constructor call; the arithmetic lives in helpers above
+) -> Plan:  # 115 lines only by the Plan's 39 fields, set in one constructor call; the arithmetic lives in helpers
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
     Args:
@@ -287,9 +304,12 @@ def make_plan(
             the local hub cache when there, else from the repo's ``config.json``
             and safetensors headers over HTTP (:func:`mlx_tier.engine.hub.remote_metadata`;
             nothing large is downloaded, and the disk is probed with a scratch file).
-        memory_gb: memory to plan for (default: this machine's total).
+        memory_gb: the total a run is given (``run --memory-gb``) to plan for; default:
+            what this process may use here (its cgroup's limit or the host's
+            available memory, :mod:`mlx_tier.engine.limits`).
         context_tokens: context length for the KV cache estimate.
-        disk_gbps / compute_gbps: bandwidths; measured briefly when ``None``.
+        disk_gbps / compute_gbps: bandwidths; measured briefly when ``None`` (the disk as a
+            run reads its misses, the expert kernel a run uses: :mod:`mlx_tier.tools.kernel_probe`).
         doc_tokens / summary_tokens: also plan the overnight job's pools for
             documents of ``doc_tokens`` prompt tokens and summaries of
             ``summary_tokens`` (:func:`job_pools`: its kernels are probed, a few
@@ -321,17 +341,19 @@ def make_plan(
     expert_bytes_warm = _warm_bytes(index, expert_names, [b for _, b in blocks]) // (L * num_experts)
     kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
 
-    vm = psutil.virtual_memory()
-    memory_total = int(memory_gb * GIB) if memory_gb is not None else vm.total
-    memory_available = int(memory_gb * GIB) if memory_gb is not None else vm.available
-    budget = max(0, int((memory_available - dense_bytes - kv_bytes) * DEFAULT_BUDGET_FRACTION))
+    needs = _needs(config, index, expert_names, blocks, num_experts, top_k, dtype, expert_bytes_resident)
+    memory = _memory(needs, memory_gb)
+    budget = memory.split.cache if memory.split is not None else 0
     slots = min(num_experts, budget // (L * expert_bytes_resident)) if expert_bytes_resident else 0
 
     disk_measured = disk_gbps is None
+    disk_method = "given"
     if disk_gbps is None:
-        disk_gbps = measure_disk_gbps(source.files) if source.files else measure_scratch_disk_gbps()
+        disk_gbps, disk_method = _measure_disk(source, expert_names, blocks, top_k)
+    rates = None
     if compute_gbps is None:
-        compute_gbps = measure_compute_gbps()
+        rates = measure_kernel(needs.shape, _expert_quant(config, expert_names, default_gs), needs.kernel)
+        compute_gbps = rates.decode_gbps
     miss_bytes_at_zero = L * top_k * expert_bytes_disk
     active_bytes = dense_bytes + L * top_k * expert_bytes_disk
     hit_low = slots / num_experts
@@ -339,10 +361,16 @@ def make_plan(
     runnable = slots >= 1 and disk_gbps > 0 and compute_gbps > 0  # else below one slot per layer
     low = predicted_tok_s(hit_low, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
     high = predicted_tok_s(hit_high, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
+    step = memory.split.prefill_step if memory.split is not None else 0
+    prompt = 0.0
+    if runnable and rates is not None:  # the kernel a run uses and each layer's own work, measured
+        low, high = (predict(needs.shape, L, expert_bytes_disk, rates, disk_gbps, h).decode_tok_s
+                     for h in (hit_low, hit_high))
+        prompt = predict(needs.shape, L, expert_bytes_disk, rates, disk_gbps, hit_low, prompt_step=step).prompt_tok_s
 
     job = None
-    if doc_tokens and slots:
-        free = memory_available - dense_bytes - slots * L * expert_bytes_resident - 2**30
+    if doc_tokens and slots and memory.split is not None:  # the split's KV share, as a run sizes its pools
+        free = memory.split.kv
         job = job_pools(config, L, num_experts, top_k, slots, expert_bytes_disk, 2 * expert_params, disk_gbps,
                         free, doc_tokens, summary_tokens)
     return Plan(
@@ -365,8 +393,8 @@ def make_plan(
         experts_per_gb=GIB / expert_bytes_resident if expert_bytes_resident else 0.0,
         context_tokens=context_tokens,
         kv_bytes=kv_bytes,
-        memory_total=memory_total,
-        memory_available=memory_available,
+        memory_total=memory.total,
+        memory_available=memory.available,
         cache_budget=budget,
         slots_per_layer=int(slots),
         disk_gbps=round(disk_gbps, 3),
@@ -376,6 +404,14 @@ def make_plan(
         tok_s_high=round(high, 3),
         hit_rate_low=round(hit_low, 4),
         hit_rate_high=round(hit_high, 4),
+        memory_source=memory.source,
+        memory_split=memory.split.as_dict() if memory.split is not None else None,
+        memory_fit=memory.why,
+        kernel=rates.kernel if rates is not None else needs.kernel,
+        prompt_gflops=round(rates.prompt_gflops, 3) if rates is not None else 0.0,
+        disk_method=disk_method,
+        prompt_step=step,
+        prompt_tok_s=round(prompt, 3),
     )
 
 
@@ -400,3 +436,71 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
                         head_dim, attention="cpu" if on_cpu else "mlx")
     pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes))
     return {**pools.as_dict(), "rates": rates.as_dict()}
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """The memory a plan is made for: totals (bytes), their source, and the run's split
+    of it (``None`` with ``why`` when a run would be refused)."""
+
+    total: int
+    available: int
+    source: str
+    split: MemoryBudget | None
+    why: str | None
+
+
+def _memory(needs: Needs, memory_gb: float | None) -> _Memory:
+    """The run's memory split as ``mlx-tier run`` makes it (:func:`mlx_tier.engine.footprint.split`):
+    of ``memory_gb`` when given (the same total as ``run --memory-gb``), else of what this
+    process may use (its cgroup's limit or the host's available memory)."""
+    limit = probe_limit()
+    if memory_gb is not None:
+        total = available = int(memory_gb * GIB)
+        source, may_use = "memory_gb", total
+    else:
+        total, available, source = limit.total, limit.available, limit.source
+        may_use = may_use_now(limit.available, limit.total)
+    try:
+        return _Memory(total, available, source, split(may_use, needs, None, DEFAULT_PREFILL_STEP, source), None)
+    except BudgetError as e:
+        return _Memory(total, available, source, None, str(e))
+
+
+def _needs(config: dict, index: dict, expert_names: list[str], blocks: list, num_experts: int, top_k: int,
+           dtype, expert_bytes_resident: int) -> Needs:
+    """What a run holds beside its cache (:class:`mlx_tier.engine.footprint.Needs`), from the headers."""
+    from mlx_tier.kernels.registry import choose
+
+    names = set(expert_names)
+    L = len(blocks)
+    dense = _resident_bytes(index, [n for n in index if n not in names], dtype)
+    weights = [index[n].shape for n in expert_names if n.endswith(".weight")]
+    shape = ModelShape.of_config(config, expert_inner(weights, int(config.get("hidden_size") or 0)), top_k,
+                                 num_experts, 4 if dtype == mx.float32 else 2)
+    kernel = choose(JOB_KERNEL, [b for _, b in blocks], False)
+    return Needs(dense, L * expert_bytes_resident, L * num_experts * expert_bytes_resident, shape, kernel)
+
+
+def _expert_quant(config: dict, expert_names: list[str], default_gs: int | None) -> dict | None:
+    """How the experts are quantized (``{"bits", "group_size", "mode"}``), ``None`` when they are not."""
+    q = config.get("quantization") or {}
+    weight = next((n for n in expert_names if n.endswith(".weight")), None)
+    if not q or weight is None or f"{weight.rsplit('.', 1)[0]}.scales" not in expert_names:
+        return None
+    own = q.get(weight.rsplit(".", 1)[0])
+    own = own if isinstance(own, dict) else {}
+    return {"bits": own.get("bits", q.get("bits", 4)), "group_size": _group_size(config, weight, default_gs) or 64,
+            "mode": own.get("mode", q.get("mode", "affine"))}
+
+
+def _measure_disk(source, expert_names: list[str], blocks: list, top_k: int) -> tuple[float, str]:
+    """Disk GB/s as a run reads its misses (a local checkpoint's own expert ranges, through
+    the run's store), else of a scratch file where a download would go; and how."""
+    if not source.files:
+        return measure_scratch_disk_gbps(), "measured, 4 MiB reads of a scratch file"
+    from mlx_tier.engine.store import ExpertStore
+
+    layers = [[n for n in expert_names if n.startswith(path + ".")] for path, _ in blocks]
+    with ExpertStore(Path(source.name), index=source.index) as store:
+        return measure_expert_reads(store, layers, top_k), f"measured, top-{top_k} expert reads as a run reads them"

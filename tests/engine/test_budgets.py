@@ -179,32 +179,3 @@ def test_run_records_per_tier_hits_on_cuda(tmp_path, tiny_moe, monkeypatch):
     assert cache["misses_hot"] + cache["misses_warm"] == cache["misses"] > 0
     assert run["cache"]["cpu_entries"] > 0 and 0 < run["cache"]["cpu_share"] <= 1
     assert report["kernel"] == "cpu"  # auto: the warm tier computed by the CPU kernel
-
-
-def test_cgroup_available_reads_v1_and_v2_limits(tmp_path):
-    """A cgroup memory limit (which psutil does not see) bounds the memory a job may
-    plan for: limit - usage + file pages, the tightest of the ancestors."""
-    from mlx_tier.engine.budgets import cgroup_available
-
-    v1 = tmp_path / "v1"
-    leaf = v1 / "memory" / "a" / "b"
-    leaf.mkdir(parents=True)
-    for folder, limit, usage, inactive in ((leaf, 2 << 30, 1 << 30, 256 << 20),
-                                           (leaf.parent, 1 << 62, 0, 0), (v1 / "memory", 9 << 60, 0, 0)):
-        (folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
-        (folder / "memory.usage_in_bytes").write_text(f"{usage}\n")
-        (folder / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {inactive}\ntotal_active_file {inactive}\n")
-    me = tmp_path / "cgroup"
-    me.write_text("5:cpu:/\n4:memory:/a/b\n")
-    assert cgroup_available(v1, me) == (1 << 30) + (512 << 20)  # page cache, active and inactive, counts as room
-    v2 = tmp_path / "v2"
-    (v2 / "job").mkdir(parents=True)
-    (v2 / "job" / "memory.max").write_text("1073741824\n")
-    (v2 / "job" / "memory.current").write_text("536870912\n")
-    (v2 / "job" / "memory.stat").write_text("inactive_file 0\n")
-    (v2 / "memory.max").write_text("max\n")
-    me.write_text("0::/job\n")
-    assert cgroup_available(v2, me) == 1 << 29
-    me.write_text("0::/\n")
-    assert cgroup_available(v2, me) is None
-    assert cgroup_available(v2, tmp_path / "missing") is None

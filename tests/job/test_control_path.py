@@ -125,9 +125,10 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
 
     class Scheduler(real_scheduler):
         def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, probes=None,
-                     **sizes):
-            seen["generation"], seen["longest_chars"] = config, longest_chars
-            super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes, **sizes)
+                     typical_chars=None, documents=None, memory=None):
+            seen["generation"], seen["longest_chars"], seen["memory"] = config, longest_chars, memory
+            super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes,
+                             typical_chars, documents, memory)
             seen["batch_size"] = self.batch_size
 
     monkeypatch.setattr(tiered, "load", load)
@@ -147,6 +148,7 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
     assert seen["generation"] is config.generation and seen["batch_size"] == 2
     assert seen["longest_chars"] == max(p.stat().st_size for p in docs.iterdir())  # sized without converting
     assert report.setup["policy"] == "lru" and report.setup["generation"]["batch_size"] == 2
+    assert seen["memory"].cache == int(0.01 * 2**30) and seen["memory"].cache_given  # the run's split, whole
 
 
 def test_library_errors_name_settings_and_the_cli_names_flags():
@@ -165,22 +167,23 @@ def test_library_errors_name_settings_and_the_cli_names_flags():
 def test_progress_moves_inside_long_prompt_steps_and_predicted_beside_achieved(tmp_path, small_moe,  # noqa: F811
                                                                                 monkeypatch):
     """Throughput schedule: between MoE layers of a prefill step the last activity is sent
-    again (at most every HEARTBEAT_SECONDS: 0 here), the prompt read advanced; the run
+    again (at most every LAYER_PROGRESS_SECONDS: 0 here), the prompt read advanced; the run
     announces its pools with a predicted documents/hour and reports the achieved one."""
+    import mlx_tier.job.activity as activity
     import mlx_tier.job.run as jobs
     from mlx_tier.job.run import Reporter
 
-    monkeypatch.setattr(jobs, "HEARTBEAT_SECONDS", 0.0)
+    monkeypatch.setattr(activity, "LAYER_PROGRESS_SECONDS", 0.0)
     beats = []
 
-    class Beat(jobs._Heartbeat):
+    class Beat(activity.LayerProgress):
         def layer(self, layer):
             before = self.sent
             super().layer(layer)
             if self.sent != before:
                 beats.append(layer)
 
-    monkeypatch.setattr(jobs, "_Heartbeat", Beat)
+    monkeypatch.setattr(jobs, "LayerProgress", Beat)
 
     class Seen(Reporter):
         def __init__(self):

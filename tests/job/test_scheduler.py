@@ -157,8 +157,9 @@ def test_a_document_that_finds_no_memory_waits_instead_of_failing(tiered, tiny_m
     model, tokenizer = tiered
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
                                                                          pool_tokens=512, prefill_batch=3))
-    plenty = scheduler_module.host_available()
-    monkeypatch.setattr(scheduler_module, "host_available", lambda: plenty if not sched._reserved else 1 << 20)
+    plenty = scheduler_module.sequence_room()
+    monkeypatch.setattr(scheduler_module, "sequence_room",
+                        lambda memory=None: plenty if not sched._reserved else 0)
     in_flight = []
     out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
     assert sorted(o.id for o in out) == ["a", "b", "c"]

@@ -243,3 +243,20 @@ def test_a_run_asked_to_stop_reads_as_stopping_not_with_its_eta(tmp_path):
             assert max(map(len, r.output.splitlines())) <= 80
     finally:
         held.close()
+
+
+def test_a_long_step_reads_as_running_with_how_long_it_has_run(tmp_path):
+    """The run's heartbeat rewrites progress.json during a step that runs long (deep in MLX
+    or the kernel, near a memory limit): status says how long, instead of a stale snapshot."""
+    out = tmp_path / "out"
+    make_job(out)
+    progress = {"time": T0 + 160, "in_flight": ["d4"], "reading": ["d4", 100, 900], "writing": [],
+                "decode_tok_s": 2.0, "prompt_tok_s": 5.0, "hit_rate": 0.5, "eta_seconds": 70.0,
+                "busy_seconds": 42.4, "rss_bytes": 2**30, "memory_available": 2**28, "stopping": False}
+    held = lock_out_dir(out)
+    try:
+        (out / "progress.json").write_text(json.dumps(progress))
+        r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "80"}, terminal_width=80)
+        assert r.exit_code == 0 and "its current step has run 42 s" in " ".join(r.output.split()), r.output
+    finally:
+        held.close()

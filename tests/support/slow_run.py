@@ -6,6 +6,8 @@ tokens/s, as slow as a big MoE on a 2-core CPU). ``SLOW_KIND=mlx``: the first
 prompt call after the shared prefix runs one long MLX computation (a chain
 of 2048x2048 matmuls, minutes on this CPU) inside ``mx.eval``, where Python
 cannot run signal handlers; ``SLOW_MARKER`` is created when it starts.
+``SLOW_KIND=decode``: every decode step sleeps 2 s (a summary being written
+takes minutes, as near a memory limit).
 """
 
 import os
@@ -24,7 +26,9 @@ def load(*args, **kwargs):
     cls, calls = type(model), [0]
 
     def call(self, inputs, *a, **k):
-        if inputs.shape[1] > 1:
+        if os.environ["SLOW_KIND"] == "decode" and inputs.shape[1] == 1:
+            time.sleep(2.0)  # every decode step: a summary of 40 tokens takes 80 s
+        elif inputs.shape[1] > 1:
             calls[0] += 1
             if os.environ["SLOW_KIND"] == "sleep":
                 time.sleep(0.04 * inputs.shape[1])

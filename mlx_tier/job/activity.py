@@ -1,0 +1,178 @@
+"""What a run says while it works: the :class:`Activity` after each step, the
+:class:`Reporter` that receives it, the rates it shows (recent, achieved, predicted)
+and the progress sent from inside a long prompt step.
+
+Two things keep progress moving during a long step: :class:`LayerProgress` (the
+throughput schedule's prompt pools: the activity sent again between MoE layers,
+the prompt read advanced) and :class:`mlx_tier.job.heartbeat.Heartbeat` (a thread
+that rewrites the progress file with how long the step has run and the memory left).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from mlx_tier.engine.footprint import MemoryBudget
+from mlx_tier.job.report import DocResult, JobReport
+from mlx_tier.job.scheduler import Scheduler
+
+# Least seconds between two progress updates sent from inside a long prompt step.
+LAYER_PROGRESS_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What the job is doing, after an engine step (for progress displays and ``mlx-tier status``).
+
+    Attributes:
+        in_flight: ids of the documents started and not finished.
+        reading: ``(id, prompt tokens read, prompt length)`` of the prompt being read, or ``None``.
+        writing: ``(id, tokens generated so far)`` of each document being written.
+        decode_tok_s: generated tokens per second over recent decode steps (all documents).
+        prompt_tok_s: prompt tokens read per second over recent steps.
+        hit_rate: expert cache hit rate of this run so far, in [0, 1].
+        eta_seconds: seconds this run has left (:class:`mlx_tier.job.eta.EtaTracker`), ``None``
+            while still estimating (no prompt step or decode step measured yet).
+        stopping: a first Ctrl-C (or SIGTERM) asked the run to stop: it finishes the
+            summaries being written, then ends; the ETA no longer applies.
+    """
+
+    in_flight: list[str]
+    reading: tuple[str, int, int] | None
+    writing: list[tuple[str, int]]
+    decode_tok_s: float
+    prompt_tok_s: float
+    hit_rate: float
+    eta_seconds: float | None = None
+    stopping: bool = False
+
+    def as_dict(self) -> dict:
+        return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
+                "writing": [list(w) for w in self.writing], "decode_tok_s": round(self.decode_tok_s, 3),
+                "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4),
+                "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None,
+                "stopping": self.stopping}
+
+
+class Reporter:
+    """Receives progress events; the CLI shows them with Rich. Default: silent."""
+
+    def message(self, text: str) -> None: ...
+    def start(self, total: int, skipped: int) -> None:
+        """``total`` documents in the job, ``skipped`` of them done by earlier runs."""
+    def working(self, activity: Activity) -> None:
+        """After each engine step (a few seconds apart at most: :data:`~mlx_tier.job.batch_engine.STEP_SECONDS`).
+        Documents are converted one ahead in a worker thread, beside the steps; only when
+        a document's turn comes before its conversion ended (a large PDF behind a short
+        text) do the steps wait for it."""
+    def finished(self, result: DocResult, cache: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+class Rate:
+    """Generated tokens per second over the recent decode steps (exponential average)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.value, self._w = 0.0, weight
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens and seconds > 0:
+            now = tokens / seconds
+            self.value = now if not self.value else (1 - self._w) * self.value + self._w * now
+
+
+class Speed:
+    """A run's decode and prompt-reading rates, achieved and predicted: the prediction is the
+    plan's model (:func:`mlx_tier.tools.kernel_probe.predict`) with the expert kernel
+    measured now and this run's own hit rate and read rate, so the two differ only by
+    what the model leaves out (MLX's ops around the kernel, waiting, the throttle)."""
+
+    def __init__(self) -> None:
+        self.decode_tokens = self.prompt_tokens = self.decode_steps = self.prompt_steps = 0
+        self.decode_seconds = self.prompt_seconds = 0.0
+
+    def add(self, info) -> None:
+        if info.generated:
+            self.decode_tokens += info.generated
+            self.decode_seconds += info.decode_seconds
+            self.decode_steps += 1
+        if info.prefill_tokens:
+            self.prompt_tokens += info.prefill_tokens
+            self.prompt_seconds += info.prefill_seconds
+            self.prompt_steps += 1
+
+    def compare(self, budget: MemoryBudget | None, cache, report: JobReport, reporter: Reporter) -> None:
+        """Record achieved and predicted rates in ``report.setup["speed"]`` and say them in one
+        line (``cache``: the model's :class:`~mlx_tier.engine.cache.ExpertCache`)."""
+        if budget is None or budget.shape is None or not (self.decode_seconds and self.prompt_seconds):
+            return
+        from mlx_tier.tools.kernel_probe import measure_kernel, predict, quant_of
+
+        stats = cache.stats
+        leaf = next(iter(cache.layers[0].tensors.values())).module
+        rates = measure_kernel(budget.shape, quant_of(leaf), cache.kernel)
+        disk = stats.bytes_read / stats.read_seconds / 1e9 if stats.read_seconds else 0.0
+        expert_disk = sum(t.info.expert_nbytes() for t in cache.layers[0].tensors.values())
+        batch = round(self.decode_tokens / self.decode_steps)
+        step = round(self.prompt_tokens / self.prompt_steps)
+        want = predict(budget.shape, len(cache.layers), expert_disk, rates, disk, stats.hit_rate, batch, step)
+        got = (self.decode_tokens / self.decode_seconds, self.prompt_tokens / self.prompt_seconds)
+        report.setup["speed"] = {"decode_tok_s": round(got[0], 3), "prompt_tok_s": round(got[1], 3),
+                                 "predicted": want.as_dict(), "kernel": rates.as_dict(), "read_gbps": round(disk, 3)}
+        reporter.message(f"speed: decode {got[0]:.2f} tok/s (predicted {want.decode_tok_s:.2f}), prompt reading "
+                         f"{got[1]:.1f} tok/s (predicted {want.prompt_tok_s:.1f}): the {rates.kernel} kernel measured "
+                         f"now, this run's {stats.hit_rate:.0%} hit rate and {disk:.2f} GB/s reads, batch {batch}, "
+                         f"{step}-token prompt steps")
+
+
+def announce(scheduler: Scheduler, reporter: Reporter) -> None:
+    """The schedule's sizes (and the throughput schedule's predicted documents/hour), at start."""
+    info = scheduler.info
+    source = info["batch_size_from"]
+    reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
+                     f"usable context {scheduler.context} tokens")
+    pools = scheduler.pools
+    if info["schedule"] == "throughput":
+        predicted = (f"; predicted {pools.docs_per_hour:.0f} documents/hour for documents of ~{pools.prompt_tokens} "
+                     f"prompt tokens and {pools.output_tokens}-token summaries") if pools is not None else ""
+        reporter.message(f"throughput schedule: prompts read {scheduler.prefill_batch} at a time in pools of "
+                         f"{scheduler.pool_tokens} tokens, up to {scheduler.batch_size} sequences decoding "
+                         f"together{predicted}")
+
+
+def achieved(scheduler: Scheduler, finished: int, seconds: float, reporter: Reporter) -> None:
+    """Documents/hour this run achieved, beside the prediction (report.json and a message)."""
+    if not finished or seconds <= 0:
+        return
+    achieved = finished / seconds * 3600
+    scheduler.info["achieved_docs_per_hour"] = round(achieved, 2)
+    if scheduler.pools is not None:
+        reporter.message(f"achieved {achieved:.0f} documents/hour (predicted {scheduler.pools.docs_per_hour:.0f})")
+
+
+class LayerProgress:
+    """Progress during a long prefill step: before MoE layers, at most every
+    :data:`LAYER_PROGRESS_SECONDS`, the last step's activity is sent again with the
+    prompt being read advanced by the layers done (an estimate)."""
+
+    def __init__(self, reporter: Reporter, progress, layers: int, pool_tokens: int):
+        self.reporter, self.progress, self.layers, self.pool = reporter, progress, max(1, layers), pool_tokens
+        self.last: Activity | None = None
+        self.sent = time.monotonic()
+
+    def step_done(self, activity: Activity) -> None:
+        self.last, self.sent = activity, time.monotonic()
+
+    def layer(self, layer: int) -> None:
+        now = time.monotonic()
+        if self.last is None or now - self.sent < LAYER_PROGRESS_SECONDS:
+            return
+        self.sent = now
+        reading = self.last.reading
+        if reading is not None:
+            doc, done, total = reading
+            reading = (doc, min(total, done + int(self.pool * layer / self.layers)), total)
+        activity = replace(self.last, reading=reading)
+        self.reporter.working(activity)
+        self.progress.update(activity)

@@ -1,0 +1,99 @@
+"""One total is split into a run's parts that add up to it; a total or a cache that cannot
+hold what the run needs besides is refused with every figure named; the prompt step
+shrinks when memory is short, and as a prompt's attention grows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mlx_tier.engine import footprint
+from mlx_tier.engine.footprint import (
+    MIN_PROMPT_STEP,
+    MemoryBudget,
+    ModelShape,
+    Needs,
+    min_kv,
+    room_now,
+    split,
+    step_workspace,
+)
+from mlx_tier.errors import BudgetError
+
+GIB, MIB = 2**30, 2**20
+# The issue's 8 GB synthetic qwen3_moe (Qwen3-30B-A3B layer shapes, 24 layers), float32 on the CPU backend.
+SHAPE = ModelShape(hidden=2048, expert_inner=768, top_k=8, experts=128, heads=32, kv_heads=4, head_dim=128,
+                   layers=24, vocab=49152)
+SLOT = 3 * (768 * 2048 // 2 + 2 * 768 * 2048 // 64 * 4)  # gate, up, down: 4-bit codes + float32 scales, biases
+NEEDS = Needs(dense=int(0.45 * GIB), slot_row=24 * SLOT, all_experts=24 * 128 * SLOT, shape=SHAPE, kernel="cpu")
+
+
+def test_parts_add_up_and_the_cache_takes_its_share_in_whole_slot_rows():
+    b = split(4 * GIB, NEEDS)
+    assert sum(b.parts().values()) == b.total == 4 * GIB
+    room = b.total - (b.runtime + b.dense + b.buffers + b.margin + b.workspace)
+    assert b.cache % NEEDS.slot_row == 0 and room * footprint.CACHE_SHARE - NEEDS.slot_row < b.cache
+    assert b.cache <= room * footprint.CACHE_SHARE and b.cache >= SHAPE.top_k * NEEDS.slot_row
+    assert b.kv >= min_kv(SHAPE) and not b.cache_given and b.source == "memory_gb"
+
+
+def test_a_short_total_still_gives_the_cache_one_tokens_experts_before_the_kv_cache_more():
+    """The issue's machine: the 8 GB synthetic in 2 GiB. Half of the room would be 5 slots per
+    layer, fewer than top-8: every token would be served in rounds; the cache takes 8."""
+    b = split(2 * GIB, NEEDS)
+    room = b.total - (b.runtime + b.dense + b.buffers + b.margin + b.workspace)
+    assert room * footprint.CACHE_SHARE < SHAPE.top_k * NEEDS.slot_row
+    assert b.cache == SHAPE.top_k * NEEDS.slot_row and b.kv >= min_kv(SHAPE)
+    big = split(400 * GIB, NEEDS)  # never more cache than every expert
+    assert big.cache == NEEDS.all_experts and sum(big.parts().values()) == big.total
+
+
+def test_a_cache_too_large_for_the_limit_is_refused_naming_every_figure():
+    """The issue: --cache-gb 1.2 inside a 2 GiB cgroup was OOM-killed; now it is one line before loading."""
+    with pytest.raises(BudgetError) as e:
+        split(2 * GIB, NEEDS, cache=int(1.2 * GIB), source="cgroup v1 memory.limit_in_bytes")
+    msg = str(e.value)
+    assert e.value.field == "cache_gb"
+    assert msg.startswith("`cache_gb` 1.20 GiB does not fit in 2.00 GiB (cgroup v1 memory.limit_in_bytes)")
+    for part in (f"runtime {footprint.RUNTIME_BYTES / GIB:.2f}", "dense part 0.45", "workspace", "MLX buffers",
+                 "margin", "KV of one 512-token"):
+        assert part in msg
+    assert "GiB for the expert cache" in msg
+    ok = split(2 * GIB, NEEDS, cache=int(0.3 * GIB))  # what the figures say is left fits
+    assert ok.cache_given and ok.cache == int(0.3 * GIB)
+
+
+def test_a_total_below_the_fixed_parts_is_refused():
+    with pytest.raises(BudgetError, match=r"1.00 GiB \(`memory_gb`\) is too little for this model: it needs runtime") as e:
+        split(1 * GIB, NEEDS)
+    assert e.value.field == "memory_gb" and "one expert slot per MoE layer" in str(e.value)
+
+
+def test_the_prompt_step_shrinks_when_memory_is_short_and_as_the_prompt_grows():
+    roomy, tight = split(16 * GIB, NEEDS, prefill_step=512), split(int(1.6 * GIB), NEEDS, prefill_step=512)
+    assert roomy.prefill_step == 512 and MIN_PROMPT_STEP <= tight.prefill_step < 512
+    assert step_workspace(SHAPE, "cpu", tight.prefill_step, tight.prefill_step) <= tight.workspace
+    steps = [tight.prompt_step(done) for done in (0, 1000, 4000, 16000)]
+    assert steps == sorted(steps, reverse=True) and steps[-1] < steps[0] and steps[-1] >= MIN_PROMPT_STEP
+    for done, step in zip((0, 1000, 4000), steps):
+        assert step == MIN_PROMPT_STEP or step_workspace(SHAPE, "cpu", step, done + step) <= tight.workspace
+
+
+def test_step_workspace_grows_with_tokens_context_and_batch():
+    assert step_workspace(SHAPE, "cpu", 64, 64) < step_workspace(SHAPE, "cpu", 512, 512)
+    assert step_workspace(SHAPE, "cpu", 64, 64) < step_workspace(SHAPE, "cpu", 64, 4096)
+    decode1, decode8 = (step_workspace(SHAPE, "cpu", b, 600, b) for b in (1, 8))
+    assert decode1 < decode8 and decode8 - decode1 >= 7 * 3 * SHAPE.vocab * 4  # the logits of 7 more sequences
+
+
+def test_room_for_sequences_is_the_least_of_the_share_the_total_and_the_limit():
+    b = MemoryBudget(total=2 * GIB, source="memory_gb", runtime=0, dense=0, cache=0, kv=512 * MIB,
+                     workspace=64 * MIB, buffers=32 * MIB, margin=128 * MIB, prefill_step=128)
+    reserve = 224 * MIB
+    assert room_now(b, rss=GIB, available=10 * GIB) == 512 * MIB  # the KV share
+    assert room_now(b, rss=int(1.5 * GIB), available=10 * GIB) == int(0.5 * GIB) - reserve  # the total
+    assert room_now(b, rss=GIB, available=300 * MIB) == 300 * MIB - reserve  # the limit, e.g. a busy cgroup
+    assert room_now(b, rss=2 * GIB, available=GIB) == 0
+    shaped = replace(b, shape=SHAPE)  # the split set one shortest sequence aside: never less
+    assert room_now(shaped, rss=2 * GIB, available=0) == min_kv(SHAPE)

@@ -1,0 +1,132 @@
+"""`run` lives within the memory its process may use (a cgroup's limit here, scripted) or
+the total `--memory-gb` gives: the split is said in the run's first lines and kept in
+report.json with the peak resident set; a setting that cannot fit is one `error:` line
+and exit code 2 before the model is loaded, naming the figures; the prompt step
+shrinks when memory is short. `plan` reports the same limit and split.
+
+The limit is a scripted :class:`~mlx_tier.engine.limits.MemoryLimit` standing in for a
+cgroup (the real one: tests/job/test_memory_limit.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mlx_tier.cli.main import app
+from mlx_tier.engine import budgets, footprint, limits
+from mlx_tier.engine.limits import MemoryLimit
+from mlx_tier.job import batch_engine
+from mlx_tier.tools import plan
+
+GIB = 2**30
+runner = CliRunner()
+CGROUP = "cgroup v1 memory.limit_in_bytes"
+
+
+@pytest.fixture
+def one_gib_cgroup(monkeypatch):
+    """This process lives in a 1 GiB memory cgroup with 0.9 GiB left (the host is larger)."""
+    fake = MemoryLimit(GIB, int(0.9 * GIB), CGROUP, "/sys/fs/cgroup/memory/job", 24 * GIB, 20 * GIB)
+    for module in (limits, budgets, batch_engine, plan):
+        monkeypatch.setattr(module, "probe_limit", lambda proc=None: fake)
+    return fake
+
+
+@pytest.fixture
+def docs(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "one.txt").write_text("The river floods every spring and the farmers plant after it recedes.")
+    return d
+
+
+def run(*args):
+    r = runner.invoke(app, ["run", *map(str, args)])
+    return r.exit_code, r.output
+
+
+def errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+def test_a_cache_that_cannot_fit_the_limit_is_refused_before_loading(one_gib_cgroup, docs, tmp_path, tiny_moe,
+                                                                     monkeypatch):
+    """The issue's example at small scale: --cache-gb 1.2 in a 2 GiB container was OOM-killed."""
+    from mlx_tier.engine import load as tiered
+
+    monkeypatch.setattr(tiered, "load", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
+    code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "0.6")
+    assert code == 2, output
+    (line,) = errors(output)
+    assert f"--cache-gb 0.60 GiB does not fit in 1.00 GiB ({CGROUP}): the run also needs runtime" in line
+    assert "GiB for the expert cache" in " ".join(output.split())
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_total_above_the_limit_or_below_the_fixed_parts_is_refused(one_gib_cgroup, docs, tmp_path, tiny_moe):
+    code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--memory-gb", "2")
+    assert code == 2 and "--memory-gb 2 GiB is more than this process may use" in " ".join(output.split())
+    assert f"({CGROUP}" in " ".join(output.split())
+    code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--memory-gb", "0.3")
+    assert code == 2 and len(errors(output)) == 1, output
+    assert "0.30 GiB (--memory-gb) is too little for this model: it needs runtime" in " ".join(output.split())
+    code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--memory-gb", "-1")
+    assert code == 2 and "--memory-gb must be a finite positive number" in output
+    assert not (tmp_path / "o").exists()
+
+
+def test_default_run_takes_the_limit_and_says_so(one_gib_cgroup, docs, tmp_path, tiny_moe):
+    out = tmp_path / "o"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4")
+    assert code == 0, output
+    text = " ".join(output.split())
+    assert f"memory: 1.00 GiB ({CGROUP}) = runtime" in text and "memory: peak resident set" in text
+    b = json.loads((out / "report.json").read_text())["memory_budget"]
+    assert b["source"] == CGROUP and b["total"] == GIB and b["peak_rss"] > 0
+    assert sum(b[k] for k in ("runtime", "dense_part", "experts", "KV", "workspace", "MLX_buffers", "margin")) == GIB
+
+
+def test_plan_reports_the_limit_and_the_runs_split(one_gib_cgroup, tiny_moe):
+    r = runner.invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output)
+    assert (p["memory_total"], p["memory_source"], p["memory_fit"]) == (GIB, CGROUP, None)
+    assert p["memory_split"]["total"] <= GIB and p["memory_split"]["source"] == CGROUP
+    r = runner.invoke(app, ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1"])
+    assert "(cgroup v1" in r.output and "memory.limit_in_bytes)" in r.output  # the table wraps its cells
+    r = runner.invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1",
+                            "--memory-gb", "0.3"])
+    p = json.loads(r.output)
+    assert p["memory_split"] is None and "too little for this model" in p["memory_fit"]
+    assert p["slots_per_layer"] == 0 and p["memory_source"] == "memory_gb"
+
+
+def test_the_prompt_step_shrinks_when_memory_is_short(docs, tmp_path, tiny_moe, monkeypatch):
+    """A total whose split leaves the prompt step less than --prefill-step: the run reads its
+    prompt in steps of that size and finishes."""
+    monkeypatch.setattr(footprint, "WORKSPACE_SHARE", 0.002)  # a tiny model's steps are small: make room short
+    out = tmp_path / "o"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4", "--memory-gb", "2")
+    assert code == 0, output
+    report = json.loads((out / "report.json").read_text())
+    step = report["memory_budget"]["prefill_step"]
+    assert footprint.MIN_PROMPT_STEP <= step < 512 and report["generation"]["prefill_step_size"] == step
+    assert report["totals"]["done"] == 1
+
+
+def test_documents_starting_when_the_limit_is_nearly_spent_still_run(one_gib_cgroup, tmp_path, tiny_moe, monkeypatch):
+    """Seen on the 8 GB synthetic in a 2 GiB cgroup: after the first summary every other document
+    failed ("usable context of 0 tokens"), the group's page cache counted as used. A document that
+    starts when the limit has nothing left gets the shortest sequence the split set aside."""
+    spent = MemoryLimit(GIB, 1 << 20, CGROUP, "/sys/fs/cgroup/memory/job", 24 * GIB, 20 * GIB)
+    monkeypatch.setattr(batch_engine, "probe_limit", lambda proc=None: spent)  # what sizes each new document
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(f"Document {i}: the library opens at nine and closes at five on weekdays.")
+    out = tmp_path / "o"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4", "--batch-size", "1")
+    assert code == 0, output
+    assert json.loads((out / "report.json").read_text())["totals"]["done"] == 3
