@@ -72,7 +72,6 @@ import dataclasses
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -206,6 +205,7 @@ def worker(spec: dict) -> None:
     import mlx_tier
     from mlx_tier import TierConfig
     from mlx_tier.engine.dtypes import job_compute_dtype
+    from mlx_tier.engine.sizes import peak_rss
 
     t0 = time.perf_counter()
     _emit(phase="loading")
@@ -246,7 +246,7 @@ def worker(spec: dict) -> None:
     end = time.perf_counter()
     out = {"load_s": load_s, "ttft": first - t0, "tokens": n, "decode_s": end - first,
            "tpot": (end - first) / max(n - 1, 1),
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "peak_rss": peak_rss(),
            "mlx_peak": mx.get_peak_memory()}
     if cache is not None:
         s = cache.stats.as_dict()

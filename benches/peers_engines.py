@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -72,20 +71,6 @@ class RunSpec:
     budget_bytes: int = 0
     gguf: str = ""
     threads: int = 1
-
-
-def peak_rss() -> int:
-    """This process's peak resident set, bytes: ``VmHWM`` on Linux.
-
-    Not ``ru_maxrss``: Linux carries the parent's high-water mark over fork
-    and exec into it, so every worker would report at least the bench's own peak.
-    """
-    with contextlib.suppress(OSError):
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB elsewhere
 
 
 def emit(**event) -> None:
@@ -218,6 +203,8 @@ def generate(loaded: Loaded, n: int) -> dict:
 
 
 def worker(spec: RunSpec) -> None:
+    from mlx_tier.engine.sizes import peak_rss  # VmHWM: this process's own peak, not its parent's
+
     emit(phase="loading")
     t0 = time.perf_counter()
     loaded = LOADERS[spec.engine](spec)

@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -83,6 +82,7 @@ def worker(spec: dict) -> dict:
     from mlx_tier import TierConfig
     from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY
     from mlx_tier.engine.checkpoint import context_length
+    from mlx_tier.engine.sizes import peak_rss
     from mlx_tier.job.run import FALLBACK_CONTEXT
     from mlx_tier.job.scheduler import GenerationConfig, Scheduler
     from mlx_tier.tools import pools
@@ -140,8 +140,7 @@ def worker(spec: dict) -> dict:
         "prefill_batch": s.prefill_batch if sched != "paced" else None,
         "pools": s.pools.as_dict() if s.pools is not None else None,
         "rates": rates.as_dict() if rates else None,
-        "summaries": {o.id: o.summary for o in outs}, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        * 1024, "load_start": load0, "load_end": os.getloadavg()[0],
+        "summaries": {o.id: o.summary for o in outs}, "peak_rss": peak_rss(), "load_start": load0, "load_end": os.getloadavg()[0],
     }
 
 

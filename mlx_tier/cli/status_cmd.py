@@ -56,7 +56,7 @@ def status(
 
 
 def _status_table(s, out_dir: Path) -> Table:
-    """`status`'s table of a :class:`mlx_tier.monitor.status.Status`: one row per figure."""
+    """`status`'s table of a :class:`mlx_tier.monitor.status.JobStatus`: one row per figure."""
     from mlx_tier.monitor.status import describe_state, describe_throttle
 
     t = Table(title=f"mlx-tier status: {out_dir}", show_header=False)

@@ -8,6 +8,7 @@ and what ``mlx-tier plan`` prints come from here, so the two agree.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 from pathlib import Path
@@ -84,7 +85,18 @@ def process_rss() -> int:
 
 
 def peak_rss() -> int:
-    """This process's largest resident set so far, in bytes (``getrusage``: KiB on Linux, bytes on macOS)."""
+    """This process's largest resident set so far, in bytes: ``VmHWM`` of
+    ``/proc/self/status`` on Linux, else ``getrusage`` (bytes on macOS, KiB elsewhere).
+
+    Not ``ru_maxrss`` on Linux: it carries the high-water mark of the process that
+    started this one over fork and exec (``mlx-tier run`` started from a large Python
+    process would report that process's peak); ``VmHWM`` belongs to this address space.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

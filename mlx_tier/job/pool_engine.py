@@ -20,7 +20,7 @@ step is one of:
   one token together.
 
 Prefill and decode steps alternate while both have work. Sizes come from
-:mod:`mlx_tier.job.pools`; this module only executes them.
+:mod:`mlx_tier.tools.pools`; this module only executes them.
 
 Long steps stay responsive: during a prefill step a hook runs before each
 tiered MoE layer (:meth:`mlx_tier.engine.cache.ExpertCache.set_layer_hook`);

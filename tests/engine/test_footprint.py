@@ -97,3 +97,22 @@ def test_room_for_sequences_is_the_least_of_the_share_the_total_and_the_limit():
     assert room_now(b, rss=2 * GIB, available=GIB) == 0
     shaped = replace(b, shape=SHAPE)  # the split set one shortest sequence aside: never less
     assert room_now(shaped, rss=2 * GIB, available=0) == min_kv(SHAPE)
+
+
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/self/status").exists(), reason="Linux /proc only")
+def test_a_process_reports_its_own_peak_not_the_peak_of_the_process_that_started_it():
+    """``peak_rss`` (a run's peak against its budget) is the run's own: a process started
+    by a large one (pytest after many tests, a launcher) does not inherit its high-water
+    mark, as ``ru_maxrss`` does on Linux across fork and exec."""
+    import subprocess
+    import sys
+
+    from mlx_tier.engine.sizes import peak_rss
+
+    ballast = bytearray(512 << 20)  # touched: resident in this process
+    ballast[:: 4096] = b"\x01" * len(ballast[:: 4096])
+    assert peak_rss() > 512 << 20
+    child = subprocess.run([sys.executable, "-c", "from mlx_tier.engine.sizes import peak_rss; print(peak_rss())"],
+                           capture_output=True, text=True, check=True)
+    assert int(child.stdout) < 384 << 20, child.stdout  # the child's imports only
+    del ballast

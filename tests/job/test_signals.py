@@ -70,9 +70,11 @@ def reading(out: Path) -> bool:
         return False
 
 
-def test_first_signal_stops_at_the_next_step_while_a_long_prompt_is_read(tmp_path, tiny_moe):
-    # 25 prompt tokens/s: one --prefill-step 512 step would take 20 s; steps paced to ~4 s do not.
-    proc, out = start(tmp_path, tiny_moe, "sleep")
+@pytest.mark.parametrize("schedule", ["throughput", "paced"])
+def test_first_signal_stops_at_the_next_step_while_a_long_prompt_is_read(tmp_path, tiny_moe, schedule):
+    """25 prompt tokens/s: one 512-token prompt step would take 20 s. The paced schedule's
+    steps are paced to ~4 s; the throughput schedule's pool step stops between layers."""
+    proc, out = start(tmp_path, tiny_moe, "sleep", "--schedule", schedule)
     wait_for(proc, lambda: reading(out))
     proc.send_signal(signal.SIGINT)
     code, output, seconds = finish(proc)
