@@ -18,6 +18,9 @@ How:
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
   order), summaries of at most ``--summary-tokens``.
+- Each run loads and sizes its job as ``mlx-tier run`` does: the job's compute
+  dtype, the memory split of the limit it runs under
+  (:func:`mlx_tier.engine.sizes.run_budget`) and the prompt step it allows.
 - Each run is a fresh process (``--worker``), inside a cgroup v1 memory group
   of ``--cap-gb`` when given (page cache charged: ``benches/capped.py``), the
   checkpoint's pages evicted first under a cap (every run starts cold). Rounds
@@ -80,9 +83,11 @@ def worker(spec: dict) -> dict:
     """One run: load, summarise the documents with one schedule, measure."""
     import mlx_tier
     from mlx_tier import TierConfig
+    from mlx_tier.defaults import DEFAULT_PREFILL_STEP as PREFILL_STEP
     from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY
     from mlx_tier.engine.checkpoint import context_length
-    from mlx_tier.engine.sizes import peak_rss
+    from mlx_tier.engine.dtypes import job_compute_dtype
+    from mlx_tier.engine.sizes import peak_rss, run_budget
     from mlx_tier.job.run import FALLBACK_CONTEXT
     from mlx_tier.job.scheduler import GenerationConfig, Scheduler
     from mlx_tier.tools import pools
@@ -91,7 +96,10 @@ def worker(spec: dict) -> dict:
     sched = spec["schedule"]
     model_dir = Path(spec["model"])
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
-                      attention_kernel=sched not in ("paced", "throughput-mlx-attn"))
+                      attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype())
+    # The job's memory split, as run_job makes it: the cgroup's limit, the prompt step it allows.
+    budget = run_budget(model_dir, tier, None, PREFILL_STEP)
+    step = min(PREFILL_STEP, budget.prefill_step) if budget is not None else PREFILL_STEP
     t0 = time.perf_counter()
     model, tokenizer = mlx_tier.load(model_dir, config=tier)
     load_s = time.perf_counter() - t0
@@ -100,11 +108,12 @@ def worker(spec: dict) -> dict:
         docs = docs[: spec["batch1_docs"]]
     gen = GenerationConfig(DEFAULT_PROMPT, spec["summary_tokens"], DEFAULT_REPETITION_PENALTY,
                            schedule="paced" if sched == "paced" else "throughput",
-                           batch_size=1 if sched == "batch1" else None, prefill_batch=1 if sched == "batch1" else None)
+                           batch_size=1 if sched == "batch1" else None, prefill_batch=1 if sched == "batch1" else None,
+                           prefill_step_size=step)
     chars = [len(d.text) for d in docs]
     t0 = time.perf_counter()
     s = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), gen, max(chars),
-                  typical_chars=sum(chars) // len(chars), documents=len(docs))
+                  typical_chars=sum(chars) // len(chars), documents=len(docs), memory=budget)
     setup_s = time.perf_counter() - t0
     model.expert_cache.reset_stats()
     acc = {"prompt_tokens": 0, "prompt_s": 0.0, "generated": 0, "decode_s": 0.0, "steps": 0}
