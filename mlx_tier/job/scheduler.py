@@ -261,7 +261,10 @@ class Scheduler:
             probes = [build_prompt(tokenizer, config.instruction, t) for t in ("alpha beta", "zulu 9")]
         n = max(0, common_prefix(probes) - 1)  # the last shared token may merge with the text
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
+        cache = getattr(model, "expert_cache", None)
+        before = cache.snapshot() if cache is not None else None
         self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
+        self._seen = self._observed(cache.snapshot() - before) if cache is not None else None
         context = min(model_context, config.context or model_context)
         # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
         step = config.prefill_step_size if memory is None else 0
@@ -296,11 +299,23 @@ class Scheduler:
             self.info |= {"pool_tokens": self.pool_tokens, "prefill_batch": self.prefill_batch,
                           "pools": self.pools.as_dict() if self.pools is not None else None}
 
+    def _observed(self, phase):
+        """The prefix's prefill as the pool model's calibration point
+        (:class:`mlx_tier.tools.pools.Observed`), when it was one forward call."""
+        from mlx_tier.tools.pools import Observed
+
+        layers = len(self.model.expert_cache.layers)
+        if len(self.prefix) > self.config.prefill_step_size or not layers:
+            return None
+        return Observed(len(self.prefix), self.prefix.seconds, (phase.hits + phase.misses) / layers,
+                        phase.stall_seconds)
+
     def _plan_pools(self, chars: int | None, documents: int | None) -> int:
         """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each
         size the user gave kept; returns the decode pool (the engine's batch size)."""
         from mlx_tier.tools.pools import (
             MAX_DECODE_POOL,
+            calibrate,
             choose_pools,
             rates_for,
             shape_of,
@@ -310,10 +325,9 @@ class Scheduler:
         found = shape_of(self.model, self.plan.kv_per_token)
         if found is not None and not (c.batch_size and c.pool_tokens and c.prefill_batch):
             prompt = min(self.context - c.max_tokens, (chars or 3 * self.context) // 3 + len(self.prefix) + 16)
-            shape, probe = found
+            shape, rates = calibrate(found[0], rates_for(self.model, found[1]), self._seen)
             room = self.plan.free_bytes - self.plan.prefill_fixed
-            self.pools = choose_pools(shape, rates_for(self.model, probe), max(1, prompt), c.max_tokens, room,
-                                      c.batch_size, documents)
+            self.pools = choose_pools(shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents)
             self.pool_tokens = c.pool_tokens or self.pools.prefill_tokens
             self.prefill_batch = c.prefill_batch or self.pools.prefill_batch
             return c.batch_size or self.pools.decode_pool

@@ -24,7 +24,11 @@ falls with more sequences). Predicted documents/hour follow for a given
 prompt and summary length.
 
 The model is plain arithmetic over :class:`Rates` and :class:`Shape`;
-:func:`probe_rates` measures the rates on this machine in a few seconds.
+:func:`probe_rates` measures the rates on this machine in a few seconds, and
+:func:`calibrate` corrects two of its guesses from one real forward call of the
+model (the job's shared prefix): how widely the router spreads tokens (a
+random or trained router is not uniform: fewer distinct experts per step, more
+of them resident) and the fixed cost per expert.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class Rates:
     dequant_gbps: float
     attention_gflops: float
     # Fitted to the demo on the build machine (2 cores, loaded): prompt steps of 16 and
-    # 1,024 tokens at 3/8 slots (benches/results/throughput/NOTES.md); not probed.
+    # 1,024 tokens at 3/8 slots (benches/results/throughput/NOTES.md). A run fits
+    # per_expert_s to its own first forward call (calibrate), at most this.
     overhead_s: float = 0.005
     per_expert_s: float = 0.003
 
@@ -95,6 +100,8 @@ class Shape:
         heads: attention heads (the prefill transient's scores).
         hidden: model width D (the MoE block's transient rows of a pool).
         inner: an expert's inner width (its hidden rows).
+        routed: experts the router spreads a layer's tokens over, measured
+            (:func:`calibrate`); ``0.0``: all ``experts``, uniformly.
     """
 
     layers: int
@@ -110,11 +117,61 @@ class Shape:
     heads: int
     hidden: int = 0
     inner: int = 0
+    routed: float = 0.0
+
+    @property
+    def spread(self) -> float:
+        """Experts a layer's tokens are routed over (``routed`` when measured)."""
+        return min(float(self.experts), self.routed) if self.routed > 0 else float(self.experts)
 
 
-def distinct_experts(tokens: float, experts: int, top_k: int) -> float:
-    """Expected distinct experts routed by ``tokens`` tokens, uniform routing."""
+def distinct_experts(tokens: float, experts: float, top_k: int) -> float:
+    """Expected distinct experts routed by ``tokens`` tokens, uniform routing over ``experts``."""
+    if experts <= top_k:
+        return float(experts) if tokens > 0 else 0.0
     return experts * (1.0 - (1.0 - top_k / experts) ** max(tokens, 0.0))
+
+
+def routed_experts(distinct: float, tokens: int, experts: int, top_k: int) -> float:
+    """The ``E'`` in ``[top_k, experts]`` whose uniform routing gives ``distinct`` experts for
+    ``tokens`` tokens (:func:`distinct_experts`): how widely a trained or random router
+    really spreads its tokens. Bisection; ``experts`` when ``distinct`` is at least uniform's."""
+    if tokens <= 0 or distinct >= distinct_experts(tokens, experts, top_k):
+        return float(experts)
+    lo, hi = float(top_k), float(experts)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if distinct_experts(tokens, mid, top_k) < distinct else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One real forward call of the model (the shared prefix's prefill), which calibrates
+    the model: ``tokens`` tokens in ``seconds`` (all layers), ``distinct`` experts per MoE
+    layer (hits plus misses over the layers), ``stall_seconds`` of it waiting on reads."""
+
+    tokens: int
+    seconds: float
+    distinct: float
+    stall_seconds: float = 0.0
+
+
+def calibrate(shape: Shape, rates: Rates, seen: Observed | None) -> tuple[Shape, Rates]:
+    """``shape`` with the router's measured spread, ``rates`` with ``per_expert_s`` fitted to
+    ``seen``'s time: what the forward call took beyond its reads and the modelled compute,
+    per distinct expert of a layer, at most the default (a first call also pays one-time
+    costs: compilation, allocation). Unchanged when ``seen`` is ``None`` or empty."""
+    from dataclasses import replace
+
+    if seen is None or seen.tokens <= 0 or seen.distinct <= 0 or seen.seconds <= 0:
+        return shape, rates
+    shape = replace(shape, routed=routed_experts(seen.distinct, seen.tokens, shape.experts, shape.top_k))
+    bare = replace(rates, overhead_s=0.0, per_expert_s=0.0)
+    parts = layer_step_seconds(shape, bare, seen.tokens, seen.tokens / 2)
+    compute = parts["expert"] + parts["dense"] + parts["attn"]
+    left = (seen.seconds - seen.stall_seconds) / shape.layers - compute - rates.overhead_s
+    return shape, replace(rates, per_expert_s=min(rates.per_expert_s, max(0.0, left / seen.distinct)))
 
 
 def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) -> dict:
@@ -123,8 +180,9 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
     Returns:
         ``{"read", "expert", "dense", "attn", "overhead", "total"}`` in seconds.
     """
-    d = distinct_experts(tokens, shape.experts, shape.top_k)
-    read = d * (1 - shape.slots / shape.experts) * shape.expert_bytes / (max(rates.disk_gbps, 1e-3) * 1e9)
+    d = distinct_experts(tokens, shape.spread, shape.top_k)
+    missing = max(0.0, 1 - shape.slots / shape.spread)
+    read = d * missing * shape.expert_bytes / (max(rates.disk_gbps, 1e-3) * 1e9)
     rows = tokens * shape.top_k / max(d, 1e-9)
     if rows >= GEMM_MIN_ROWS:
         expert = d * (shape.expert_bytes / (rates.dequant_gbps * 1e9)

@@ -8,15 +8,20 @@ their KV caches fit in the memory given (sequences that do not fit wait), and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mlx_tier.tools.pools import (
     MAX_DECODE_POOL,
+    Observed,
     Rates,
     Shape,
+    calibrate,
     choose_pools,
     distinct_experts,
     layer_step_seconds,
+    routed_experts,
     seconds_per_token,
 )
 
@@ -52,3 +57,35 @@ def test_pools_follow_memory_cap_and_documents():
     assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, documents=3).decode_pool == 3
     assert choose_pools(SYNTH, RATES, 900, 64, 1 << 20).decode_pool == 1  # never zero: the scheduler splits
     assert 1 <= roomy.prefill_batch <= roomy.decode_pool
+
+
+def test_routed_experts_inverts_distinct_experts():
+    for spread in (8.5, 20.0, 64.0, 127.0):
+        d = distinct_experts(40, spread, 8)
+        assert routed_experts(d, 40, 128, 8) == pytest.approx(spread, rel=1e-6)
+    assert routed_experts(distinct_experts(40, 128, 8) + 1, 40, 128, 8) == 128  # at least uniform: all
+    assert routed_experts(8, 40, 128, 8) == pytest.approx(8)  # every token to the same top-k
+
+
+def test_calibrate_from_a_concentrated_router_and_a_fast_step():
+    """A router that spreads 40 tokens over 20 distinct experts (uniform: 118) and a forward
+    call that spent 1 ms per distinct expert beyond its compute (the fitted default: 3 ms):
+    both are learnt, and the model then predicts the observed call's time."""
+    spread, _ = calibrate(SYNTH, RATES, Observed(tokens=40, seconds=1.0, distinct=20.0))
+    assert 20 < spread.spread < 40 and spread.experts == 128
+    bare = replace(RATES, overhead_s=0.0, per_expert_s=0.0, disk_gbps=1e9)  # reads: in stall_seconds
+    compute = layer_step_seconds(spread, bare, 40, 20)["total"]
+    seen = Observed(tokens=40, seconds=24 * (compute + 0.005 + 20 * 0.001) + 2.0, distinct=20.0, stall_seconds=2.0)
+    shape, rates = calibrate(SYNTH, RATES, seen)
+    assert rates.per_expert_s == pytest.approx(0.001)
+    no_reads = replace(rates, disk_gbps=1e9)
+    assert 24 * layer_step_seconds(shape, no_reads, 40, 20)["total"] + 2.0 == pytest.approx(seen.seconds)
+    assert seconds_per_token(shape, rates, 64, 500) < seconds_per_token(SYNTH, RATES, 64, 500)
+
+
+def test_calibrate_keeps_the_defaults_when_the_call_was_slow_or_missing():
+    slow = Observed(tokens=40, seconds=60.0, distinct=118.0)  # a first call that compiled its kernels
+    shape, rates = calibrate(SYNTH, RATES, slow)
+    assert rates.per_expert_s == RATES.per_expert_s and shape.spread == pytest.approx(128, rel=0.05)
+    assert calibrate(SYNTH, RATES, None) == (SYNTH, RATES)
+    assert calibrate(SYNTH, RATES, Observed(0, 0.0, 0.0)) == (SYNTH, RATES)
