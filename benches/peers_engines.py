@@ -203,7 +203,9 @@ def generate(loaded: Loaded, n: int) -> dict:
 
 
 def worker(spec: RunSpec) -> None:
-    from mlx_tier.engine.sizes import peak_rss  # VmHWM: this process's own peak, not its parent's
+    from mlx_tier.engine.sizes import (
+        peak_rss,  # VmHWM: this process's own peak, not its parent's
+    )
 
     emit(phase="loading")
     t0 = time.perf_counter()
