@@ -75,15 +75,21 @@ def probe_block(shape: ModelShape, experts: int, quant: dict | None) -> nn.Modul
     return block
 
 
-def _time(kernel, block, x: mx.array, slots: mx.array, reps: int) -> float:
-    """Median seconds of ``reps`` calls, after one that compiles and warms the caches."""
-    mx.eval(kernel(block, x, slots))
+def _median_seconds(call, reps: int) -> float:
+    """Median seconds of ``reps`` evaluations of ``call()``, after one that compiles and
+    warms the caches."""
+    mx.eval(call())
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        mx.eval(kernel(block, x, slots))
+        mx.eval(call())
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def _time(kernel, block, x: mx.array, slots: mx.array, reps: int) -> float:
+    """Median seconds of ``reps`` kernel calls (:func:`_median_seconds`)."""
+    return _median_seconds(lambda: kernel(block, x, slots), reps)
 
 
 def measure_kernel(shape: ModelShape, quant: dict | None, kernel: str, prompt_tokens: int = 128,
@@ -154,13 +160,8 @@ class LayerProbe(nn.Module):
         s = self.shape
         x = mx.random.normal((1, tokens, s.hidden))
         cached = mx.random.normal((1, s.kv_heads, context, s.head_dim))
-        mx.eval(x, cached, self(x, cached, cached))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            mx.eval(self(x, cached, cached))
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
+        mx.eval(x, cached)
+        return _median_seconds(lambda: self(x, cached, cached), reps)
 
 
 def measure_expert_reads(store, layers: list[list[str]], top_k: int, total_mb: int = 64, seed: int = 0) -> float:

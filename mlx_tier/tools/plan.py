@@ -288,6 +288,25 @@ def _expert_layout(model_dir, config: dict, index: dict, blocks: list) -> tuple[
     return prefixes, expert_names, index[expert_names[0]].shape[0], top_k
 
 
+def _speeds(needs, L: int, top_k: int, expert_bytes_disk: int, dense_bytes: int, hits: tuple[float, float],
+            disk_gbps: float, compute_gbps: float, rates, step: int, slotted: bool) -> tuple[float, float, float]:
+    """Predicted decode tok/s at the low and high hit rates of ``hits`` and prompt tok/s at
+    prompt steps of ``step`` tokens: from the kernel measured (``rates``, each layer's own
+    work: :func:`mlx_tier.tools.kernel_probe.predict`), else from the bandwidths alone
+    (:func:`predicted_tok_s`; prompt 0). All 0 when the plan is not runnable (below one
+    slot per layer, or a rate of 0)."""
+    if not (slotted and disk_gbps > 0 and compute_gbps > 0):
+        return 0.0, 0.0, 0.0
+    if rates is not None:
+        low, high = (predict(needs.shape, L, expert_bytes_disk, rates, disk_gbps, h).decode_tok_s for h in hits)
+        prompt = predict(needs.shape, L, expert_bytes_disk, rates, disk_gbps, hits[0], prompt_step=step).prompt_tok_s
+        return low, high, prompt
+    miss_bytes_at_zero = L * top_k * expert_bytes_disk
+    active_bytes = dense_bytes + miss_bytes_at_zero
+    low, high = (predicted_tok_s(h, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) for h in hits)
+    return low, high, 0.0
+
+
 def make_plan(
     model_dir: str | Path,
     memory_gb: float | None = None,
@@ -296,7 +315,7 @@ def make_plan(
     compute_gbps: float | None = None,
     doc_tokens: int | None = None,
     summary_tokens: int = 64,
-) -> Plan:  # 115 lines only by the Plan's 39 fields, set in one constructor call; the arithmetic lives in helpers
+) -> Plan:  # ~115 lines only by the Plan's 39 fields, set in one constructor call; the arithmetic lives in helpers
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
     Args:
@@ -354,19 +373,11 @@ def make_plan(
     if compute_gbps is None:
         rates = measure_kernel(needs.shape, _expert_quant(config, expert_names, default_gs), needs.kernel)
         compute_gbps = rates.decode_gbps
-    miss_bytes_at_zero = L * top_k * expert_bytes_disk
-    active_bytes = dense_bytes + L * top_k * expert_bytes_disk
     hit_low = slots / num_experts
     hit_high = max(LOCALITY_HIT_RATE, hit_low) if slots else 0.0
-    runnable = slots >= 1 and disk_gbps > 0 and compute_gbps > 0  # else below one slot per layer
-    low = predicted_tok_s(hit_low, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
-    high = predicted_tok_s(hit_high, miss_bytes_at_zero, active_bytes, disk_gbps, compute_gbps) if runnable else 0.0
     step = memory.split.prefill_step if memory.split is not None else 0
-    prompt = 0.0
-    if runnable and rates is not None:  # the kernel a run uses and each layer's own work, measured
-        low, high = (predict(needs.shape, L, expert_bytes_disk, rates, disk_gbps, h).decode_tok_s
-                     for h in (hit_low, hit_high))
-        prompt = predict(needs.shape, L, expert_bytes_disk, rates, disk_gbps, hit_low, prompt_step=step).prompt_tok_s
+    low, high, prompt = _speeds(needs, L, top_k, expert_bytes_disk, dense_bytes, (hit_low, hit_high),
+                                disk_gbps, compute_gbps, rates, step, slots >= 1)
 
     job = None
     if doc_tokens and slots and memory.split is not None:  # the split's KV share, as a run sizes its pools

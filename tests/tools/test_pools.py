@@ -56,7 +56,9 @@ def test_pools_follow_memory_cap_and_documents():
     assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, cap=4).decode_pool == 4
     assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, documents=3).decode_pool == 3
     assert choose_pools(SYNTH, RATES, 900, 64, 1 << 20).decode_pool == 1  # never zero: the scheduler splits
-    assert 1 <= roomy.prefill_batch <= roomy.decode_pool
+    assert abs(roomy.prefill_batch * 900 - roomy.prefill_tokens) <= 450  # the prompts read together fill the pool
+    short = choose_pools(SYNTH, RATES, 50, 64, 64 << 30, documents=4)  # 4 short prompts: all in one pool, no more
+    assert short.prefill_batch == short.decode_pool == 4
 
 
 def test_routed_experts_inverts_distinct_experts():
