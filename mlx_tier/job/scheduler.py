@@ -261,7 +261,8 @@ class Scheduler:
             probes = [build_prompt(tokenizer, config.instruction, t) for t in ("alpha beta", "zulu 9")]
         n = max(0, common_prefix(probes) - 1)  # the last shared token may merge with the text
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
-        cache = getattr(model, "expert_cache", None)
+        # The throughput schedule's pool model calibrates on this first forward call.
+        cache = getattr(model, "expert_cache", None) if config.schedule == "throughput" else None
         before = cache.snapshot() if cache is not None else None
         self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
         self._seen = self._observed(cache.snapshot() - before) if cache is not None else None

@@ -281,18 +281,19 @@ def _run_clock_now(info: JobInfo, progress: dict | None, clocks: _Clocks) -> flo
 
 
 def _generation_seconds(this_run: list[dict], entries: list[dict], info: JobInfo, running: bool,
-                        progress: dict | None, clocks: _Clocks) -> float:
+                        progress: dict | None, clocks: _Clocks, complete: bool = False) -> float:
     """The run's generation time (:mod:`mlx_tier.rates`) on its monotonic clock ``run_t``: from its
     model loaded (its start record, or its ranks' ``loaded`` records) to now (running), to
-    its last progress (interrupted) or to its last document."""
+    its last document (``complete``: every document of its list finished, as the run's
+    report counts it), or to the later of that and its last progress (interrupted)."""
     loaded = [r["run_t"] for r in entries if r.get("event") == "loaded" and r.get("run") == info.run
               and isinstance(r.get("run_t"), (int, float))]
     load_t = min(loaded) if loaded else info.run_t
     if running:
         now = _run_clock_now(info, progress, clocks)
     else:
-        now = max([r["run_t"] for r in this_run if isinstance(r.get("run_t"), (int, float))]
-                  + [_number(progress, "run_t") or load_t])
+        last = [r["run_t"] for r in this_run if isinstance(r.get("run_t"), (int, float))]
+        now = max(last if complete and last else last + [_number(progress, "run_t") or load_t])
     return max((now if now is not None else load_t) - load_t, 0.0)
 
 
@@ -311,12 +312,12 @@ def _run_timing(this_run: list[dict], entries: list[dict], info: JobInfo | None,
     from its finished or failed records ``this_run`` and its last ``progress`` snapshot."""
     if info is None:
         return 0.0, None, None
-    if info.run is not None and info.run_t is not None:
-        elapsed = _generation_seconds(this_run, entries, info, running, progress, clocks)
-    else:
-        elapsed = _wall_seconds(this_run, info, running, progress, clocks.wall)
     finished_ids = {r["id"] for r in this_run}
     todo_left = sum(i not in finished_ids for i in info.todo)
+    if info.run is not None and info.run_t is not None:
+        elapsed = _generation_seconds(this_run, entries, info, running, progress, clocks, complete=not todo_left)
+    else:
+        elapsed = _wall_seconds(this_run, info, running, progress, clocks.wall)
     eta = None
     if running and progress is not None and "eta_seconds" in progress:  # the run's own estimate
         left = _number(progress, "eta_seconds")

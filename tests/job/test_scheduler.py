@@ -164,3 +164,15 @@ def test_a_document_that_finds_no_memory_waits_instead_of_failing(tiered, tiny_m
     out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
     assert sorted(o.id for o in out) == ["a", "b", "c"]
     assert all(o.status == "done" and o.parts == 0 for o in out) and max(in_flight) == 1
+
+
+def test_the_pool_model_calibrates_on_the_shared_prefix(tiered, tiny_moe):
+    """The throughput schedule measures its first forward call (the shared prefix): one call
+    of the prefix's tokens, between top-k and all experts routed per layer, its time."""
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="throughput"))
+    seen, args = sched._seen, model.args
+    assert seen is not None and seen.tokens == len(sched.prefix) > 1 and seen.seconds == sched.prefix.seconds > 0
+    assert args.num_experts_per_tok <= seen.distinct <= args.num_local_experts
+    paced = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="paced"))
+    assert paced._seen is None
