@@ -14,7 +14,9 @@ NTP or by hand, changes neither):
 Output tok/s is the tokens the run generated over its generation time;
 documents/hour is the documents it summarised (``done``) over the same time.
 Documents of a batch are written together, so neither is a sum of per-document
-figures.
+figures. Both are published rounded to 3 decimals, and every display formats
+that one number (formatting the unrounded figure can round the other way:
+135.1351 shows as 135.14, its published 135.135 as 135.13).
 """
 
 from __future__ import annotations
@@ -46,17 +48,16 @@ class RunSpeed:
 
     @property
     def output_tok_per_s(self) -> float:
-        """Output tokens per second of generation (0 when no time was measured)."""
-        return self.output_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+        """Output tokens per second of generation, to 3 decimals (0 when no time was measured)."""
+        return round(self.output_tokens / self.generation_seconds, 3) if self.generation_seconds > 0 else 0.0
 
     @property
     def documents_per_hour(self) -> float:
-        """Documents summarised per hour of generation (0 when no time was measured)."""
-        return self.documents / self.generation_seconds * 3600 if self.generation_seconds > 0 else 0.0
+        """Documents summarised per hour of generation, to 3 decimals (0 when no time was measured)."""
+        return round(self.documents / self.generation_seconds * 3600, 3) if self.generation_seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
         """JSON-ready figures, rounded: seconds to ms, rates to 3 decimals."""
         return {"load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
                 "generation_seconds": round(self.generation_seconds, 3),
-                "output_tok_per_s": round(self.output_tok_per_s, 3),
-                "documents_per_hour": round(self.documents_per_hour, 3)}
+                "output_tok_per_s": self.output_tok_per_s, "documents_per_hour": self.documents_per_hour}

@@ -247,8 +247,7 @@ class JobStatus:
         d = asdict(self)
         d["out_dir"] = str(self.out_dir)
         d["failures"] = [{"id": i, "error": e} for i, e in self.failures]
-        return d | {"output_tok_per_s": round(self.output_tok_per_s, 3),
-                    "documents_per_hour": round(self.documents_per_hour, 3)}
+        return d | {"output_tok_per_s": self.output_tok_per_s, "documents_per_hour": self.documents_per_hour}
 
 
 @dataclass(frozen=True)

@@ -82,3 +82,15 @@ def test_the_jobs_speed_adds_up_its_runs_generation_times():
     assert (totals["output_tok_per_s"], totals["generation_seconds"], totals["run_seconds"]) == (2.0, 80.0, 110.2)
     assert RunSpeed(5, 1, 0.0).as_dict() == {"load_seconds": None, "generation_seconds": 0.0, "output_tok_per_s": 0.0,
                                              "documents_per_hour": 0.0}
+
+
+@pytest.mark.parametrize("tokens,documents,seconds", [(20, 4, 0.148), (1, 1, 0.0074), (777, 9, 61.0)])
+def test_every_display_formats_the_one_published_figure(tokens, documents, seconds):
+    """CI's example: 20 tokens over 0.148 s are 135.1351 tok/s, published as 135.135; status
+    showed the unrounded figure (135.14) beside the terminal's published one (135.13).
+    Every display formats the published (3-decimal) figure, so they agree to the digit."""
+    speed = RunSpeed(tokens, documents, seconds)
+    published = speed.as_dict()
+    assert speed.output_tok_per_s == published["output_tok_per_s"] == round(tokens / seconds, 3)
+    assert speed.documents_per_hour == published["documents_per_hour"] == round(documents / seconds * 3600, 3)
+    assert f"{speed.output_tok_per_s:.2f}" == f"{published['output_tok_per_s']:.2f}"

@@ -100,7 +100,7 @@ def test_run_ids_and_the_monotonic_clock_decide_whatever_the_wall_times(tmp_path
     assert (s.finished_this_run, s.todo_left, s.run_output_tokens) == (2, 1, 30)
     assert s.elapsed_seconds == 78.0 and s.load_seconds == 12.0  # generation: loaded at mono, now mono + 78
     assert s.eta_seconds == 90.0  # the snapshot's 100 s, written 10 s ago on the monotonic clock
-    assert s.documents_per_hour == 2 / 78 * 3600
+    assert s.documents_per_hour == round(2 / 78 * 3600, 3)
     (out / "progress.json").unlink()
     s = read_status(out, now=0.0, now_mono=mono + 500)
     assert s.state == "stopped" and s.elapsed_seconds == 60.0  # not running: to its last document (72 - 12)
