@@ -327,3 +327,17 @@ def test_auto_kernel_falls_back_where_the_cpu_kernel_cannot_serve_and_cpu_is_ref
     with pytest.raises(ConfigError, match="two-tier"):
         choose("metal", [affine], host_tier=True)
     assert choose("mlx", [mxfp8]) == "mlx"
+
+
+@pytest.mark.parametrize("bits, group_size", [(2, 64), (3, 32), (4, 32), (5, 64), (6, 64), (8, 32), (8, 128)])
+def test_dequantised_rows_equal_mlx_dequantize(bits, group_size):
+    """The GEMM path's dequantised weight (:meth:`_Quant.dense`, whole and by row tiles) is
+    ``mx.dequantize``'s, in its stated column order, for every affine width (the 8-bit rows
+    of a tied output layer have their own loop)."""
+    mx.random.seed(3)
+    lin = nn.QuantizedLinear(256, 40, bias=False, group_size=group_size, bits=bits)
+    want = np.asarray(mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=group_size, bits=bits))
+    quant = cpu_kernel._Quant(lin, stacked=False)
+    cols = quant.permute(np.arange(256)[None])[0]
+    np.testing.assert_allclose(quant.dense(0), want[:, cols], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(quant.dense(0, 7, 29), want[7:29, cols], rtol=1e-6, atol=1e-6)
