@@ -16,7 +16,12 @@ head) on the kernel's threads (BLAS single-threaded inside them, as the
 expert kernel does), queries in blocks so that the scores stay small. Masks as
 mlx-lm makes them: ``None``, ``"causal"`` (the last Lq of Lk positions), a
 boolean array (``True`` = attend) or an additive float array, broadcastable
-to ``[B, H, Lq, Lk]``. Attention sinks and quantized KV caches keep MLX's
+to ``[B, H, Lq, Lk]``. Keys a sequence's mask never attends (a batch's left
+padding: mlx-lm pads each sequence to the longest) are left out of its work;
+in a decode pool (one query a sequence, more sequences than threads) all
+heads of a sequence go in one batched product. On 32 sequences of 300-1,500
+tokens the two halve a decode step's attention (benches/results/throughput/
+NOTES.md). Attention sinks and quantized KV caches keep MLX's
 path. Numerics: fp32 in another summation order than MLX, so equal within
 fp32 rounding (tests/kernels/test_cpu_attention.py), not bit for bit.
 
@@ -82,27 +87,63 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
     qs = cpu._host(q).reshape(B, Hk, G, Lq, D)
     ks, vs = cpu._host(k), cpu._host(v)  # [B, Hk, Lk, D]
     m = _mask_array(mask, B, H, Lq, Lk)
+    spans = _key_spans(m, B, Lk)
     out = np.empty((B, Hk, G, Lq, D), np.float32)
     s = np.float32(scale)
 
     def work(j0, j1):
         for j in range(j0, j1):
             b, h = divmod(j, Hk)
+            k0, k1 = spans[b]
             for r0 in range(0, Lq, QUERY_BLOCK):
                 r1 = min(Lq, r0 + QUERY_BLOCK)
-                scores = (qs[b, h, :, r0:r1] * s) @ ks[b, h].T  # [G, r, Lk]
+                scores = (qs[b, h, :, r0:r1] * s) @ ks[b, h, k0:k1].T  # [G, r, k1 - k0]
                 if m is not None:
                     mb = _block_mask(m, b, h, G, r0, r1)
+                    mb = mb[..., k0:k1] if mb.shape[-1] > 1 else mb
                     scores = np.where(mb, scores, -np.inf) if mb.dtype == np.bool_ else scores + mb
                 scores -= scores.max(axis=-1, keepdims=True)
                 np.exp(scores, out=scores)
                 scores /= scores.sum(axis=-1, keepdims=True)
-                out[b, h, :, r0:r1] = scores @ vs[b, h]
+                out[b, h, :, r0:r1] = scores @ vs[b, h, k0:k1]
+
+    def decode(b0, b1):  # one query a sequence: all heads of a sequence in one batched matmul
+        for b in range(b0, b1):
+            k0, k1 = spans[b]
+            scores = (qs[b] * s) @ ks[b, :, None, k0:k1].swapaxes(-1, -2)  # [Hk, G, 1, k1 - k0]
+            if m is not None:
+                mb = m[b if m.shape[0] > 1 else 0]  # [H or 1, 1, Lk or 1]
+                mb = (mb.reshape(Hk, G, 1, -1) if mb.shape[0] > 1 else mb)[..., k0:k1] if mb.shape[-1] > 1 else mb
+                scores = np.where(mb, scores, -np.inf) if mb.dtype == np.bool_ else scores + mb
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            out[b] = scores @ vs[b, :, None, k0:k1]
 
     with cpu._BLAS.limit(limits=1, user_api="blas"):
-        cpu._parallel(work, B * Hk, grain=1)
+        if Lq == 1 and m is not None and m.ndim == 4 and B >= 2 * cpu.THREADS:
+            cpu._parallel(decode, B, grain=1)
+        else:
+            cpu._parallel(work, B * Hk, grain=1)
     y = mx.array(out.reshape(B, H, Lq, D))
     return y if q.dtype == mx.float32 else y.astype(q.dtype)
+
+
+def _key_spans(m: np.ndarray | None, B: int, Lk: int) -> list[tuple[int, int]]:
+    """Per sequence, the keys ``[k0, k1)`` outside of which its mask attends to none (a
+    batch's left padding: mlx-lm's ``BatchKVCache`` pads each sequence to the longest).
+    Leaving those keys out changes nothing (their weights are exactly 0) and saves their
+    share of the work: in a decode pool of documents of 300-1,500 tokens, about a third.
+    A sequence that attends to no key keeps them all (its output is MLX's NaN)."""
+    if m is None or m.ndim < 4 or m.shape[-1] == 1:
+        return [(0, Lk)] * B
+    spans = []
+    for b in range(B):
+        mb = m[b if m.shape[0] > 1 else 0]
+        cols = (mb if mb.dtype == np.bool_ else mb != -np.inf).reshape(-1, mb.shape[-1]).any(axis=0)
+        hit = np.flatnonzero(cols)
+        spans.append((int(hit[0]), int(hit[-1]) + 1) if hit.size else (0, Lk))
+    return spans
 
 
 def _block_mask(m: np.ndarray, b: int, h: int, G: int, r0: int, r1: int) -> np.ndarray:

@@ -33,6 +33,9 @@ def qkv(B, H, Hk, Lq, Lk, D, seed=0):
     (1, 8, 2, 600, 600, 8, "causal"),  # several query blocks
     (3, 4, 1, 4, 12, 16, "left_padding"),  # a batch's boolean mask
     (2, 4, 2, 3, 8, 16, "additive"),
+    (3, 4, 2, 1, 40, 16, "decode_left_padding"),  # a decode pool: keys left of each sequence skipped
+    (2, 4, 2, 2, 30, 16, "window"),  # keys masked at both ends (a sliding window)
+    (2, 4, 2, 2, 30, 16, "additive_window"),
 ])
 def test_sdpa_matches_mlx(B, H, Hk, Lq, Lk, D, mask):
     q, k, v = qkv(B, H, Hk, Lq, Lk, D)
@@ -40,10 +43,50 @@ def test_sdpa_matches_mlx(B, H, Hk, Lq, Lk, D, mask):
         mask = create_causal_mask(Lq, offset=Lk - Lq, left_padding=mx.array([0, 3, 6][:B]))
     elif mask == "additive":
         mask = mx.random.normal((B, 1, Lq, Lk))
+    elif mask == "decode_left_padding":
+        mask = create_causal_mask(Lq, offset=Lk - Lq, left_padding=mx.array([0, 17, 39]))
+    elif isinstance(mask, str) and mask.endswith("window"):
+        keys = mx.arange(Lk)
+        window = mx.stack([(keys >= 5) & (keys < 20), (keys >= 10) & (keys < Lk)])[:, None, None]
+        mask = mx.where(window, mx.random.normal(window.shape), -mx.inf) if mask == "additive_window" else window
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
     got = cpu_attention.sdpa(q, k, v, D**-0.5, mask)
     assert got.shape == ref.shape and got.dtype == ref.dtype
     assert close(ref, got) <= BOUND
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_decode_pool_matches_mlx(additive):
+    """A decode pool (one query a sequence, more sequences than the kernel's threads):
+    each sequence's heads in one batched product, its left padding left out."""
+    from mlx_tier.kernels import cpu
+
+    B = 2 * cpu.THREADS + 1
+    q, k, v = qkv(B, 9, 3, 1, 50, 16, seed=4)
+    mask = create_causal_mask(1, offset=49, left_padding=mx.array([(7 * b) % 50 for b in range(B)]))
+    if additive:
+        mask = mx.where(mask, mx.random.normal(mask.shape), -mx.inf)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = cpu_attention.sdpa(q, k, v, 0.25, mask)
+    assert got.shape == ref.shape and close(ref, got) <= BOUND
+
+
+def test_key_spans_leave_out_only_keys_no_query_attends():
+    """A decode pool's left padding and a window's both ends are left out; a mask that
+    attends to every key, one broadcast over keys, and a sequence that attends to none keep
+    all keys."""
+    import numpy as np
+
+    m = np.zeros((4, 1, 2, 10), bool)
+    m[0, :, :, 3:] = True  # left padding of 3
+    m[1, :, 0, 2:5] = True  # a window; the other query attends to more
+    m[1, :, 1, 4:8] = True
+    m[2] = True
+    assert cpu_attention._key_spans(m, 4, 10) == [(3, 10), (2, 8), (0, 10), (0, 10)]
+    additive = np.where(m, 0.0, -np.inf).astype(np.float32)
+    assert cpu_attention._key_spans(additive, 4, 10) == [(3, 10), (2, 8), (0, 10), (0, 10)]
+    assert cpu_attention._key_spans(np.ones((2, 1, 1, 1), bool), 2, 10) == [(0, 10)] * 2
+    assert cpu_attention._key_spans(None, 2, 10) == cpu_attention._key_spans(np.ones((3, 10), bool), 2, 10)
 
 
 def test_refuses_ungrouped_heads_and_unknown_masks():
