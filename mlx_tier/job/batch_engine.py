@@ -202,6 +202,27 @@ class PrefixCache:
         return copy.deepcopy(self.cache)
 
 
+def start_of(prefix: PrefixCache | None, prompt: list[int]) -> tuple[list[int], list | None, list[int], int]:
+    """How a prompt starts in an engine: ``(tokens to read, its KV cache or None for a
+    fresh one, tokens already in that cache, prefix tokens used)``: after a copy of
+    ``prefix``'s cache when the prompt starts with it."""
+    if prefix is not None and prefix.applies(prompt):
+        return prompt[len(prefix):], prefix.copy(), list(prefix.tokens), len(prefix)
+    return prompt, None, [], 0
+
+
+def check_add(free: int, task) -> None:
+    """An engine's ``add`` precondition.
+
+    Raises:
+        ValueError: no free place, or an empty prompt.
+    """
+    if free <= 0:
+        raise ValueError("batch is full")
+    if not task.prompt:
+        raise ValueError("empty prompt")
+
+
 @dataclass
 class Task:
     """One prompt to complete.
@@ -414,16 +435,11 @@ class BatchEngine:
         Raises:
             ValueError: no free place, or an empty prompt.
         """
-        if self.free <= 0:
-            raise ValueError("batch is full")
-        if not task.prompt:
-            raise ValueError("empty prompt")
+        check_add(self.free, task)
         sampling = task.sampling or self.default
-        prompt, caches, seen, used = task.prompt, None, None, 0
-        if self.prefix is not None and self.prefix.applies(task.prompt):
-            used = len(self.prefix)
-            prompt, caches, seen = task.prompt[used:], [self.prefix.copy()], [list(self.prefix.tokens)]
-        (uid,) = self._gen.insert([prompt], [task.max_tokens], caches=caches, all_tokens=seen,
+        prompt, cache, seen, used = start_of(self.prefix, task.prompt)
+        (uid,) = self._gen.insert([prompt], [task.max_tokens], caches=None if cache is None else [cache],
+                                  all_tokens=None if cache is None else [seen],
                                   samplers=[sampling.sampler()], logits_processors=[sampling.processors()])
         self._active[uid] = _Seq(task, started=time.perf_counter(), prefix_tokens=used)
 

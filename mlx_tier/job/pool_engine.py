@@ -40,7 +40,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
-from mlx_tier.job.batch_engine import Finished, PrefixCache, StepInfo, Task
+from mlx_tier.job.batch_engine import (
+    Finished,
+    PrefixCache,
+    StepInfo,
+    Task,
+    check_add,
+    start_of,
+)
 
 
 class StepInterrupted(Exception):
@@ -129,14 +136,8 @@ class PoolEngine:
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.sample_utils import make_logits_processors
 
-        if self.free <= 0:
-            raise ValueError("batch is full")
-        if not task.prompt:
-            raise ValueError("empty prompt")
-        prompt, cache, seen, used = task.prompt, None, [], 0
-        if self.prefix is not None and self.prefix.applies(task.prompt):
-            used = len(self.prefix)
-            prompt, cache, seen = task.prompt[used:], self.prefix.copy(), list(self.prefix.tokens)
+        check_add(self.free, task)
+        prompt, cache, seen, used = start_of(self.prefix, task.prompt)
         procs = make_logits_processors(repetition_penalty=self.repetition_penalty) \
             if self.repetition_penalty != 1.0 else []
         self._waiting.append(_Seq(self._uid, task, list(prompt[:-1]), prompt[-1],
