@@ -297,26 +297,39 @@ def _dequant8(wr, sr, br, gs, out):
             og[i] = sc * np.float32(wg[i]) + bi
 
 
+@njit(fastmath=FM, nogil=True, cache=True)
+def _dequant_blocks(wr, sr, br, bits, gs, mode, out):
+    """Any affine width or mxfp4 row wr (a little-endian bit stream) -> out [I] float32,
+    in natural column order: 8 codes fill exactly ``bits`` bytes, so each block of 8 is
+    one 64-bit word cut by shifts (the per-code bit arithmetic of :func:`_code` took ~20 ns
+    a weight); group sizes are multiples of 8, so a block lies in one group."""
+    mask = np.uint64((1 << bits) - 1)
+    for blk in range(out.shape[0] // 8):
+        v = np.uint64(0)
+        for j in range(bits):
+            v |= np.uint64(wr[blk * bits + j]) << np.uint64(8 * j)
+        g = blk * 8 // gs
+        if mode == 0:
+            sc, bi = sr[g], br[g]
+            for c in range(8):
+                out[blk * 8 + c] = sc * np.float32((v >> np.uint64(bits * c)) & mask) + bi
+        else:
+            sc = np.float32(math.ldexp(1.0, int(sr[g]) - 127))
+            for c in range(8):
+                out[blk * 8 + c] = sc * FP4_E2M1[(v >> np.uint64(bits * c)) & mask]
+
+
 @njit(nogil=True, cache=True)
 def _dequant(w, scales, biases, bits, gs, mode, s, out):
     """out [O, I] float32 = slot ``s``'s dequantised weight (layouts as in _qmv)."""
-    I = out.shape[1]
-    mask = (1 << bits) - 1
     for o in range(out.shape[0]):
-        wrow = w[s, o]
         if mode == 0 and bits == 4:
-            _dequant4(wrow, scales[s, o], biases[s, o], gs, out[o])
-            continue
-        if mode == 0 and bits == 8:  # the generic loop below took ~20 ns a weight
-            _dequant8(wrow, scales[s, o], biases[s, o], gs, out[o])
-            continue
-        for i in range(I):
-            q = _code(wrow, i, bits, mask)
-            g = i // gs
-            if mode == 0:
-                out[o, i] = scales[s, o, g] * np.float32(q) + biases[s, o, g]
-            else:
-                out[o, i] = np.float32(math.ldexp(1.0, int(scales[s, o, g]) - 127)) * FP4_E2M1[q]
+            _dequant4(w[s, o], scales[s, o], biases[s, o], gs, out[o])
+        elif mode == 0 and bits == 8:
+            _dequant8(w[s, o], scales[s, o], biases[s, o], gs, out[o])
+        else:
+            _dequant_blocks(w[s, o], scales[s, o], biases[s, o] if mode == 0 else biases[0, 0], bits, gs, mode,
+                            out[o])
 
 
 def _deinterleave(x: np.ndarray, bits: int, mode: int) -> np.ndarray:

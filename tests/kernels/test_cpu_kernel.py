@@ -329,14 +329,17 @@ def test_auto_kernel_falls_back_where_the_cpu_kernel_cannot_serve_and_cpu_is_ref
     assert choose("mlx", [mxfp8]) == "mlx"
 
 
-@pytest.mark.parametrize("bits, group_size", [(2, 64), (3, 32), (4, 32), (5, 64), (6, 64), (8, 32), (8, 128)])
-def test_dequantised_rows_equal_mlx_dequantize(bits, group_size):
+@pytest.mark.parametrize("mode, bits, group_size", [("affine", 2, 64), ("affine", 3, 32), ("affine", 4, 32),
+                                                     ("affine", 5, 64), ("affine", 6, 64), ("affine", 8, 32),
+                                                     ("affine", 8, 128), ("mxfp4", 4, 32)])
+def test_dequantised_rows_equal_mlx_dequantize(mode, bits, group_size):
     """The GEMM path's dequantised weight (:meth:`_Quant.dense`, whole and by row tiles) is
-    ``mx.dequantize``'s, in its stated column order, for every affine width (the 8-bit rows
-    of a tied output layer have their own loop)."""
+    ``mx.dequantize``'s, in its stated column order, for every format the kernel serves
+    (4- and 8-bit affine rows have their own loops, the others one loop of 8-code blocks)."""
     mx.random.seed(3)
-    lin = nn.QuantizedLinear(256, 40, bias=False, group_size=group_size, bits=bits)
-    want = np.asarray(mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=group_size, bits=bits))
+    lin = nn.QuantizedLinear(256, 40, bias=False, group_size=group_size, bits=bits, mode=mode)
+    want = np.asarray(mx.dequantize(lin.weight, lin.scales, lin.get("biases"), group_size=group_size, bits=bits,
+                                    mode=mode).astype(mx.float32))
     quant = cpu_kernel._Quant(lin, stacked=False)
     cols = quant.permute(np.arange(256)[None])[0]
     np.testing.assert_allclose(quant.dense(0), want[:, cols], rtol=1e-6, atol=1e-6)
