@@ -602,6 +602,15 @@ def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nd
     return y
 
 
+def _slow_rows(layer: nn.Module) -> bool:
+    """Whether some quantized leaf of ``layer`` has no fast row loop: formats other than
+    affine 4- and 8-bit, whose matvec rows (1.0-1.7 ns a weight) are slower than MLX's
+    own op (0.4-0.9) on its CPU backend (benches/results/kernel-formats/NOTES.md); their
+    few-row calls go to MLX, their GEMM calls (dequantised once) stay here."""
+    return any(getattr(m, "mode", None) in MODES and (MODES[m.mode], m.bits) not in ((0, 4), (0, 8))
+               for _, m in layer.named_modules())
+
+
 def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) -> mx.array:
     """An mlx-lm expert block computed by the CPU kernel, eagerly.
 
@@ -622,6 +631,10 @@ def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) 
     """
     mx.eval([x, slots] if isinstance(slots, mx.array) else x)  # one hand-off to MLX's thread, not two
     sl = np.asarray(slots).reshape(-1).astype(np.int64)  # [N]
+    if _slow_rows(inner) and sl.size < GEMM_MIN_ROWS * len(np.unique(sl)):  # MLX's op is faster here
+        y = inner(x, mx.array(slots) if isinstance(slots, np.ndarray) else slots)
+        mx.eval(y)
+        return y
     k, D = slots.shape[-1], x.shape[-1]
     xs = _host(x).reshape(-1, D)  # [T, D]; a numpy reshape: no MLX op to evaluate
     tok = np.arange(sl.size) // k  # [N] token of each pair
@@ -651,9 +664,14 @@ def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
     Returns:
         ``[..., O]`` in ``x.dtype``, evaluated; no layer ``bias`` added.
     """
+    T = math.prod(x.shape[:-1])
+    if T < GEMM_MIN_ROWS and _slow_rows(layer):  # MLX's op is faster for these rows
+        y = mx.quantized_matmul(x, layer["weight"], layer["scales"], layer.get("biases"), transpose=True,
+                                group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+        mx.eval(y)
+        return y
     quant = _Quant(layer, stacked=False)
     xs = _host(x).reshape(-1, x.shape[-1])  # [T, I]; a numpy reshape: no MLX op to evaluate
-    T = xs.shape[0]
     if T >= GEMM_MIN_ROWS:  # output rows shared among the threads, BLAS single-threaded (_gemm_slots)
         y = np.empty((T, quant.out_dims), np.float32)
         xp = quant.permute(xs)

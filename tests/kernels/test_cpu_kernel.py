@@ -344,3 +344,35 @@ def test_dequantised_rows_equal_mlx_dequantize(mode, bits, group_size):
     cols = quant.permute(np.arange(256)[None])[0]
     np.testing.assert_allclose(quant.dense(0), want[:, cols], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(quant.dense(0, 7, 29), want[7:29, cols], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode, bits, group_size", [("affine", 2, 64), ("affine", 3, 32), ("affine", 5, 64),
+                                                     ("affine", 6, 128), ("affine", 8, 32), ("mxfp4", 4, 32)])
+def test_row_loops_of_every_format_match_mlx(mode, bits, group_size):
+    """The matvec rows (:meth:`_Quant.matvec`) of each format equal ``mx.quantized_matmul``
+    within the kernel bound; the 2/3/5/6-bit and mxfp4 ones (blocks of 8 codes) serve the
+    few-row slots of a GEMM call, where MLX's op serves calls of few rows."""
+    mx.random.seed(5)
+    lin = nn.QuantizedLinear(256, 48, bias=False, group_size=group_size, bits=bits, mode=mode)
+    x = mx.random.normal((3, 256))
+    want = mx.quantized_matmul(x, lin.weight, lin.scales, lin.get("biases"), transpose=True,
+                               group_size=group_size, bits=bits, mode=mode)
+    quant = cpu_kernel._Quant(lin, stacked=False)
+    got = quant.matvec(np.asarray(x), np.arange(3), np.zeros(3, np.int64))
+    assert close(want, mx.array(got)) <= BOUND
+
+
+@pytest.mark.parametrize("mode, bits", [("affine", 3), ("affine", 6), ("mxfp4", 4), ("affine", 4)])
+def test_few_rows_of_formats_without_fast_loops_go_to_mlx(mode, bits, monkeypatch):
+    """A decode call (few rows a slot) of a format whose rows MLX computes faster runs
+    MLX's op; a prompt-sized call (GEMM) and the 4-bit affine rows stay in the kernel."""
+    b = block("glu", D=128, H=64, bits=bits, group_size=32, mode=mode)
+    used = []
+    real = cpu_kernel.switch_linears
+    monkeypatch.setattr(cpu_kernel, "switch_linears", lambda *a: used.append(1) or real(*a))
+    monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    check_block(b, 1, D=128)
+    assert bool(used) == ((mode, bits) == ("affine", 4))
+    used.clear()
+    check_block(b, 64, D=128)
+    assert used
