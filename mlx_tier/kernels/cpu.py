@@ -606,9 +606,15 @@ def _slow_rows(layer: nn.Module) -> bool:
     """Whether some quantized leaf of ``layer`` has no fast row loop: formats other than
     affine 4- and 8-bit, whose matvec rows (1.0-1.7 ns a weight) are slower than MLX's
     own op (0.4-0.9) on its CPU backend (benches/results/kernel-formats/NOTES.md); their
-    few-row calls go to MLX, their GEMM calls (dequantised once) stay here."""
-    return any(getattr(m, "mode", None) in MODES and (MODES[m.mode], m.bits) not in ((0, 4), (0, 8))
-               for _, m in layer.named_modules())
+    few-row calls go to MLX, their GEMM calls (dequantised once) stay here. Asked on
+    every call of a layer, so kept on the module (a plain attribute, not a parameter:
+    a layer's format does not change)."""
+    slow = getattr(layer, "_cpu_slow_rows", None)
+    if slow is None:
+        slow = any(getattr(m, "mode", None) in MODES and (MODES[m.mode], m.bits) not in ((0, 4), (0, 8))
+                   for _, m in layer.named_modules())
+        layer._cpu_slow_rows = slow
+    return slow
 
 
 def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) -> mx.array:

@@ -280,8 +280,8 @@ def test_the_issues_translate_request_runs_as_written(tmp_path, tiny_moe, smol):
     assert completion.object == "chat.completion" and completion.model == str(tiny_moe)  # the local model answered
     (choice,) = completion.choices
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
-    assert 1 <= completion.usage.completion_tokens <= 12  # the request's own max_tokens, not the job's
-    assert choice.finish_reason == "stop" or completion.usage.completion_tokens == 12
+    n = completion.usage.completion_tokens  # the request's own max_tokens (12), not the job's 160:
+    assert n == 12 if choice.finish_reason == "length" else 1 <= n < 12  # cut there, or stopped before it
     prompt = build_chat_prompt(smol, TRANSLATE["body"]["messages"])  # its own system message, no summarising
     assert completion.usage.prompt_tokens == len(prompt)
     assert completion.usage.total_tokens == len(prompt) + completion.usage.completion_tokens
