@@ -296,7 +296,8 @@ def _dequant8(wr, sr, br, gs, out):
 def _dequant_blocks(wr, sr, br, bits, gs, mode, out):
     """Any affine width or mxfp4 row wr (a little-endian bit stream) -> out [I] float32,
     in natural column order: 8 codes fill exactly ``bits`` bytes, so each block of 8 is
-    one 64-bit word cut by shifts (per-code bit arithmetic took ~20 ns a weight); group sizes are multiples of 8, so a block lies in one group."""
+    one 64-bit word cut by shifts (per-code bit arithmetic took ~20 ns a weight); group
+    sizes are multiples of 8, so a block lies in one group."""
     mask = np.uint64((1 << bits) - 1)
     for blk in range(out.shape[0] // 8):
         v = np.uint64(0)

@@ -113,7 +113,10 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
             scores = (qs[b] * s) @ ks[b, :, None, k0:k1].swapaxes(-1, -2)  # [Hk, G, 1, k1 - k0]
             if m is not None:
                 mb = m[b if m.shape[0] > 1 else 0]  # [H or 1, 1, Lk or 1]
-                mb = (mb.reshape(Hk, G, 1, -1) if mb.shape[0] > 1 else mb)[..., k0:k1] if mb.shape[-1] > 1 else mb
+                if mb.shape[0] > 1:
+                    mb = mb.reshape(Hk, G, 1, -1)
+                if mb.shape[-1] > 1:
+                    mb = mb[..., k0:k1]
                 scores = np.where(mb, scores, -np.inf) if mb.dtype == np.bool_ else scores + mb
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
