@@ -57,8 +57,14 @@ from threadpoolctl import ThreadpoolController
 from mlx_tier.kernels import cpu_vnni
 
 # A slot used by at least this many pairs in one call is dequantised once and
-# multiplied with BLAS; fewer pairs use the fused matvec (benches/kernel.py).
+# multiplied with BLAS; fewer pairs use the fused matvec. Where the rows take the
+# float32 loops the two cost the same at 8-16 rows per expert; the VNNI loops
+# compute a pair 2-3x faster than dequantising + BLAS up to 32 rows and as fast at
+# 64 (an expert's dequantisation alone costs ~8 of its VNNI pairs), so their
+# layouts take the matvec below 64 (benches/expert_rows.py,
+# benches/results/expert-rows/NOTES.md). The same for dense layers.
 GEMM_MIN_ROWS = 8
+VNNI_GEMM_MIN_ROWS = 64
 # Most dequantised float32 weight bytes one thread holds at once in a dense layer's
 # GEMM (quantized_matmul): an output layer is done in tiles of rows, never whole.
 # Whole, a 49k x 2048 output layer took 0.4 GB per decode step of 8 sequences
@@ -401,6 +407,13 @@ class _Quant:
                      and self.scales.strides[-1] == self.biases.strides[-1] == 4)  # rows read as vectors
 
     @property
+    def gemm_min_rows(self) -> int:
+        """Rows of one slot from which a call dequantises it and multiplies with BLAS
+        (:data:`VNNI_GEMM_MIN_ROWS` where the rows take the VNNI loops, else
+        :data:`GEMM_MIN_ROWS`)."""
+        return VNNI_GEMM_MIN_ROWS if self.vnni else GEMM_MIN_ROWS
+
+    @property
     def arrays(self) -> tuple:
         """``(group size, w, scales, biases)``: the layer as :func:`cpu_vnni.glu_pairs` takes it."""
         return self.gs, self.w, self.scales, self.biases
@@ -510,28 +523,28 @@ def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarr
     up projections): the fused matvecs of all leaves run as one parallel call, so the
     pool is handed work once per call, not once per leaf. Returns ``[N, O_leaf]`` each."""
     groups = _groups(slots)
-    small = [p for s, p in groups if len(p) < GEMM_MIN_ROWS]
-    pairs = np.concatenate(small) if small else None
     outs, jobs, grains, preps = [], [], [], {}
     for leaf in leaves:
         quant = _Quant(leaf, stacked=True) if isinstance(leaf, QuantizedSwitchLinear) else None
         weight = None if quant is not None else _host(leaf["weight"])  # [S, O, I]
         out = np.empty((len(slots), quant.out_dims if quant is not None else weight.shape[1]), np.float32)
-        if quant is not None and pairs is not None:
+        big, pairs, part = groups, None, None
+        if quant is not None:
+            small = [p for s, p in groups if len(p) < quant.gemm_min_rows]
+            big = [(s, p) for s, p in groups if len(p) >= quant.gemm_min_rows]
+            pairs = np.concatenate(small) if small else None
+        if pairs is not None:
             if quant.layout not in preps:
                 preps[quant.layout] = quant.prepare(x)
             part, job = quant.matvec_job(x, tok[pairs], slots[pairs], preps[quant.layout])  # [len(pairs), O]
             jobs.append(job)
             grains.append(quant.grain)
-            outs.append((out, part))
-        else:
-            outs.append((out, None))
-        big = groups if quant is None else [(s, p) for s, p in groups if len(p) >= GEMM_MIN_ROWS]
+        outs.append((out, part, pairs))
         _gemm_slots(quant, weight, x, tok, big, out)
     if jobs:
         _parallel_jobs(jobs, min(grains))
     result = []
-    for leaf, (out, part) in zip(leaves, outs):
+    for leaf, (out, part, pairs) in zip(leaves, outs):
         if part is not None:
             if len(pairs) == len(slots) and (pairs == np.arange(len(slots))).all():
                 out = part  # every pair took the matvec, in order: no scatter
@@ -564,6 +577,14 @@ def _glu(activation: nn.Module, up: np.ndarray, gate: np.ndarray) -> np.ndarray:
     return _host(activation(mx.array(up), mx.array(gate)))
 
 
+def _leaf_min_rows(leaf: nn.Module) -> int:
+    """:attr:`_Quant.gemm_min_rows` of a quantized leaf, from its attributes alone (no
+    host views of its arrays)."""
+    in_dims = leaf["scales"].shape[-1] * leaf.group_size
+    vnni = cpu_vnni.usable(leaf.bits, leaf.group_size, MODES.get(leaf.mode, -1), in_dims)
+    return VNNI_GEMM_MIN_ROWS if vnni else GEMM_MIN_ROWS
+
+
 def _by_pairs(inner: nn.Module, slots: np.ndarray) -> bool:
     """Decode of a plain quantized SwiGLU block whose (token, expert) pairs split evenly
     among the threads: then :func:`_glu_by_pairs` serves it with one hand-off."""
@@ -571,7 +592,7 @@ def _by_pairs(inner: nn.Module, slots: np.ndarray) -> bool:
     return (isinstance(inner, SwitchGLU) and type(inner.activation) is SwiGLU and THREADS > 1
             and len(slots) > 0 and len(slots) % THREADS == 0
             and all(isinstance(q, QuantizedSwitchLinear) and "bias" not in q for q in leaves)
-            and np.bincount(slots).max() < GEMM_MIN_ROWS)  # no slot takes the GEMM path
+            and np.bincount(slots).max() < min(_leaf_min_rows(q) for q in leaves))  # no slot takes the GEMM path
 
 
 def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -679,7 +700,7 @@ def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
         return y
     quant = _Quant(layer, stacked=False)
     xs = _host(x).reshape(-1, x.shape[-1])  # [T, I]; a numpy reshape: no MLX op to evaluate
-    if T >= GEMM_MIN_ROWS:  # output rows shared among the threads, BLAS single-threaded (_gemm_slots)
+    if T >= quant.gemm_min_rows:  # output rows shared among the threads, BLAS single-threaded (_gemm_slots)
         y = np.empty((T, quant.out_dims), np.float32)
         xp = quant.permute(xs)
 

@@ -9,9 +9,9 @@ tokens (whose average context is ``C`` tokens) costs, per layer::
     D(T)   = E * (1 - (1 - k/E)^T)                 distinct experts routed (uniform routing: the
                                                    pessimistic case; trained routers share more)
     read   = D(T) * (1 - S/E) * expert_bytes / disk      misses, read in rounds (not overlapped)
-    expert = D(T) * (dequant + rows * flops / gemm)      rows = T*k/D(T) >= GEMM_MIN_ROWS
+    expert = D(T) * (dequant + rows * flops / gemm)      rows = T*k/D(T) >= gemm_min_rows
            | T*k * expert_bytes / matvec                 fewer rows: the fused matvec per pair
-    dense  = T * dense_flops / gemm  (T >= 8, else the matvec of the dense bytes)
+    dense  = T * dense_flops / gemm  (T >= gemm_min_rows, else the matvec of the dense bytes)
     attn   = T * C * attn_flops / attention
     fixed  = overhead + D(T) * per_expert                 dispatch, slot writes, rounds (measured)
     step   = fixed + read + expert + dense + attn
@@ -37,8 +37,9 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-# A slot used by at least this many rows in one call takes the GEMM path
-# (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the model must not import MLX).
+# A slot used by at least this many rows in one call takes the GEMM path where the
+# rows take the float32 loops (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the
+# model must not import MLX); the probe reads the layout's own (Rates.gemm_min_rows).
 GEMM_MIN_ROWS = 8
 # The prefill pool: the smallest pool whose rate is within this fraction of the best.
 NEAR_BEST = 0.97
@@ -65,6 +66,9 @@ class Rates:
         overhead_s: fixed seconds per MoE layer step (dispatch, norms, router, bookkeeping).
         per_expert_s: fixed seconds per distinct expert a layer step computes (its
             dispatch to the kernel, its slot write on a miss, the round it is in).
+        gemm_min_rows: rows of one expert (or tokens of a dense layer) from which the
+            kernel dequantises and calls BLAS instead of the fused matvec (the
+            layout's: 64 on the VNNI loops, 8 on the float32 loops).
     """
 
     disk_gbps: float
@@ -77,6 +81,7 @@ class Rates:
     # per_expert_s to its own first forward call (calibrate), at most this.
     overhead_s: float = 0.005
     per_expert_s: float = 0.003
+    gemm_min_rows: int = GEMM_MIN_ROWS
 
     def as_dict(self) -> dict:
         return {k: round(v, 4) for k, v in asdict(self).items()}
@@ -184,12 +189,12 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
     missing = max(0.0, 1 - shape.slots / shape.spread)
     read = d * missing * shape.expert_bytes / (max(rates.disk_gbps, 1e-3) * 1e9)
     rows = tokens * shape.top_k / max(d, 1e-9)
-    if rows >= GEMM_MIN_ROWS:
+    if rows >= rates.gemm_min_rows:
         expert = d * (shape.expert_bytes / (rates.dequant_gbps * 1e9)
                       + rows * shape.expert_flops / (rates.gemm_gflops * 1e9))
     else:
         expert = tokens * shape.top_k * shape.expert_bytes / (rates.matvec_gbps * 1e9)
-    if tokens >= GEMM_MIN_ROWS:
+    if tokens >= rates.gemm_min_rows:
         dense = tokens * shape.dense_flops / (rates.gemm_gflops * 1e9)
     else:
         dense = tokens * shape.dense_bytes / (rates.matvec_gbps * 1e9)
@@ -308,7 +313,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     leaf.set_dtype(mx.float32)
     mx.eval(leaf.parameters())
     packed = sum(leaf[name].nbytes for name in ("weight", "scales", "biases")) / n  # one expert
-    rows = 64  # per expert
+    quant = cpu._Quant(leaf, stacked=True)
+    rows = max(64, quant.gemm_min_rows)  # per expert: the GEMM path
     x = np.random.default_rng(0).standard_normal((rows * n, in_dim)).astype(np.float32)
 
     def med(fn, reps=5) -> float:
@@ -322,7 +328,6 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
 
     slots = np.repeat(np.arange(n), rows)
     t_gemm = med(lambda: cpu.switch_linear(leaf, x, np.arange(rows * n), slots))
-    quant = cpu._Quant(leaf, stacked=True)
     t_deq = med(lambda: quant.dense(0)) / cpu.THREADS  # one expert, spread over the threads
     pairs = np.arange(2 * cpu.THREADS)  # decode: a few pairs, one row each
     t_mv = med(lambda: cpu.switch_linear(leaf, x[pairs], pairs, pairs % n)) / len(pairs)
@@ -338,7 +343,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
         t_att = med(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.1, mask=None)), reps=3)
     return Rates(disk_gbps=disk_gbps, gemm_gflops=2 * rows * in_dim * out_dim / gemm_s / 1e9,
                  matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9,
-                 attention_gflops=4 * heads * 256 * 1024 * head_dim / t_att / 1e9)
+                 attention_gflops=4 * heads * 256 * 1024 * head_dim / t_att / 1e9,
+                 gemm_min_rows=quant.gemm_min_rows)
 
 
 def measure_read_gbps(files: list, total_mb: int = 64, chunk_mb: int = 2, warm: bool = True) -> float:

@@ -50,8 +50,9 @@ def check_block(b, T, k=3, D=64, experts=6):
     assert close(ref, got) <= BOUND
 
 
-# T=1: decode (fused matvec); T=40 with 3 of 6 experts: ~20 rows per expert (GEMM path).
-@pytest.mark.parametrize("T", [1, 40])
+# T=1: decode (fused matvec); T=40 with 3 of 6 experts: ~20 rows per expert (the GEMM
+# path on the float32 loops, the matvec on the VNNI loops); T=160: ~80 (GEMM on both).
+@pytest.mark.parametrize("T", [1, 40, 160])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_affine_glu_block_matches_mlx(bits, group_size, T, row_loops):
@@ -376,3 +377,38 @@ def test_few_rows_of_formats_without_fast_loops_go_to_mlx(mode, bits, monkeypatc
     used.clear()
     check_block(b, 64, D=128)
     assert used
+
+
+@pytest.mark.parametrize("kind", ["expert", "dense"])
+def test_the_gemm_path_starts_at_the_layouts_own_row_count(kind, row_loops, monkeypatch):
+    """A slot of an expert block (or a dense layer) is dequantised and multiplied with
+    BLAS from ``gemm_min_rows`` rows on: 64 where the rows take the VNNI loops (a pair
+    there costs less than a share of the expert's dequantisation up to that), 8 on the
+    float32 loops. Fewer rows take the fused matvec; both sides match MLX."""
+    want = cpu_kernel.VNNI_GEMM_MIN_ROWS if row_loops == "vnni" else cpu_kernel.GEMM_MIN_ROWS
+    dequantised = []
+    real = cpu_kernel._Quant.dense
+    monkeypatch.setattr(cpu_kernel._Quant, "dense", lambda q, *a: dequantised.append(1) or real(q, *a))
+    if kind == "expert":
+        b = block("glu", D=128, H=128, experts=2, bias=False, bits=4, group_size=32)
+        assert cpu_kernel._Quant(b.gate_proj, stacked=True).gemm_min_rows == want
+        monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+        assert cpu_kernel._by_pairs(b, np.zeros(want - 2, np.int64))  # whole pairs below it
+        assert not cpu_kernel._by_pairs(b, np.zeros(want, np.int64))
+        monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+
+        def run(rows):
+            x, idx = mx.random.normal((rows, 128)), mx.zeros((rows, 1), mx.uint32)  # every row on slot 0
+            assert close(b(x, idx), cpu_kernel.expert_forward(b, x, idx)) <= BOUND
+    else:
+        lin = nn.QuantizedLinear(128, 96, bias=False, group_size=32, bits=4)
+        mx.eval(lin.parameters())
+        assert cpu_kernel._Quant(lin, stacked=False).gemm_min_rows == want
+
+        def run(rows):
+            x = mx.random.normal((rows, 128))
+            assert close(lin(x), cpu_kernel.quantized_matmul(lin, x)) <= BOUND
+    run(want - 1)
+    assert not dequantised  # the matvec
+    run(want)
+    assert dequantised  # dequantised once, BLAS
