@@ -19,8 +19,15 @@ step is one of:
 - a **decode step**: every generating sequence (up to ``batch_size``) decodes
   one token together.
 
-Prefill and decode steps alternate while both have work. Sizes come from
-:mod:`mlx_tier.tools.pools`; this module only executes them.
+Which step comes next (:meth:`PoolEngine.step`): the decode pool is filled
+before it decodes. Prompts being read are read to their end; waiting prompts
+are read once a whole prefill batch waits, or when the decode pool has fallen
+below half its size (or is empty); otherwise the pool decodes. So decode steps
+run on a pool near its chosen size instead of on each prompt batch as it
+arrives (alternating steps decoded 3, 6, 9... sequences while a folder's first
+prompts were read: a generated token cost ~2x a full pool's), and prompt
+batches stay whole while finished sequences free their places one by one.
+Sizes come from :mod:`mlx_tier.tools.pools`; this module only executes them.
 
 Long steps stay responsive: during a prefill step a hook runs before each
 tiered MoE layer (:meth:`mlx_tier.engine.cache.ExpertCache.set_layer_hook`);
@@ -117,7 +124,6 @@ class PoolEngine:
         self._generating: dict[int, _Seq] = {}
         self._interrupted: list[Task] = []
         self._uid = 0
-        self._prefill_turn = True
 
     @property
     def free(self) -> int:
@@ -145,8 +151,17 @@ class PoolEngine:
                                   time.perf_counter()))
         self._uid += 1
 
+    def _prefill_next(self) -> bool:
+        """Whether the next step reads prompts (module doc: the pool is filled, then decoded)."""
+        if self._reading:
+            return True
+        if not self._waiting:
+            return False
+        return (len(self._waiting) >= self.prefill_batch or not self._generating
+                or len(self._generating) < self.batch_size / 2)
+
     def step(self, interrupt: Callable[[], bool] | None = None) -> StepInfo:
-        """One prefill step or one decode step (alternating while both have work).
+        """One prefill step or one decode step (:meth:`_prefill_next` chooses).
 
         Args:
             interrupt: ``interrupt(layer index)``, asked before each tiered MoE layer
@@ -156,9 +171,7 @@ class PoolEngine:
         from mlx_lm.generate import generation_stream
 
         with mx.stream(generation_stream):
-            prefill = (self._reading or self._waiting) and (self._prefill_turn or not self._generating)
-            self._prefill_turn = not prefill
-            return self._prefill_step(interrupt) if prefill else self._decode_step()
+            return self._prefill_step(interrupt) if self._prefill_next() else self._decode_step()
 
     def _start_prompts(self) -> None:
         """Move up to ``prefill_batch`` waiting sequences into the prompt batch (when it is empty)."""

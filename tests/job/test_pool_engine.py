@@ -128,3 +128,28 @@ def test_engine_refuses_overfill_and_bad_sizes(tiered, tiny_moe):
     assert [t.key for t in eng.cancel()] == ["a"] and eng.free == 1
     with pytest.raises(ValueError, match="empty"):
         eng.add(Task("c", [], 4))
+
+
+def test_the_decode_pool_is_filled_before_it_decodes(tiered, tiny_moe, prompts_and_refs):
+    """Prompts are read until a prefill batch no longer waits; a lone waiting prompt waits
+    for a whole batch while the pool is at least half full, and is read once it is not."""
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=4,
+                        prefill_batch=2, pool_tokens=4096)
+    for i in range(4):
+        engine.add(Task(i, prompts[i], N - i))  # summaries of different lengths: places free one by one
+    kinds = [bool(engine.step().prefill_tokens) for _ in range(3)]
+    assert kinds == [True, True, False]  # two prefill steps of two prompts, then the full pool decodes
+    assert len(engine._generating) == 4
+    results = {}
+    while len(engine._generating) == 4:
+        results.update((f.key, f) for f in engine.step().finished)
+    engine.add(Task(4, prompts[4], N - 4))  # one place free: one prompt waits, fewer than a prefill batch
+    while engine._waiting and len(engine._generating) >= 2:
+        info = engine.step()
+        assert not info.prefill_tokens  # the pool (at least half full) decodes; the prompt waits
+        results.update((f.key, f) for f in info.finished)
+    while engine.active:
+        results.update((f.key, f) for f in engine.step().finished)
+    assert [results[i].tokens for i in range(5)] == [r[:N - i] for i, r in enumerate(refs)]  # tokens unchanged
