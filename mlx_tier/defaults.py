@@ -14,6 +14,9 @@ DEFAULT_MAX_TOKENS = 160
 DEFAULT_REPETITION_PENALTY = 1.1
 # Prompt tokens per forward call while reading a prompt (the paced schedule).
 DEFAULT_PREFILL_STEP = 512
+# Prompt tokens of a typical document, where a plan has no documents to measure
+# (`mlx-tier plan --doc-tokens`; `run` before a document's length is known).
+PLAN_DOC_TOKENS = 900
 # How documents go through the model: "throughput" reads prompts of several
 # documents in large pools and decodes many documents together, each expert read
 # once per layer step for the whole pool (mlx_tier.job.pool_engine; an overnight job

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import as_flags, choices, err, out, print_wrapped
+from mlx_tier.defaults import PLAN_DOC_TOKENS
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
 from mlx_tier.units import GIB, MIB
 
@@ -25,7 +26,7 @@ def plan(
     disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
     compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short test of the expert kernel a run would use)."),
     gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
-    doc_tokens: int = typer.Option(900, "--doc-tokens", min=0, help="Plan the overnight job (`run`) for documents of this many tokens: its prompt and decode pools and predicted documents/hour (its kernels are probed, a few seconds); 0: not planned."),
+    doc_tokens: int = typer.Option(PLAN_DOC_TOKENS, "--doc-tokens", min=0, help="Plan the overnight job (`run`) for documents of this many tokens: its prompt and decode pools and predicted documents/hour (its kernels are probed, a few seconds); 0: not planned."),
     summary_tokens: int = typer.Option(64, "--summary-tokens", min=1, help="Summary length (tokens) the job plan is for."),
     as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
 ) -> None:
@@ -90,8 +91,12 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
     """`plan --doc-tokens`: the overnight job's pools and predicted documents/hour."""
     if not job:
         return []
+    traded = job.get("cache_for_pools")
     return [
         (f"job: documents of {job['prompt_tokens']} tokens, {job['output_tokens']}-token summaries", ""),
+        *([("  expert cache for pools", f"{traded['slots']} slots per layer, not the split's "
+                                         f"{traded['split_slots']}: the KV caches take the rest")]
+          if traded else []),
         ("  prompt pool (throughput schedule)", f"{job['prefill_tokens']} tokens a step, {job['prefill_batch']} "
                                                 f"document(s) read together: {job['prompt_tok_s']:.1f} tok/s"),
         ("  decode pool", f"{job['decode_pool']} sequences ({job['limited_by']}): {job['decode_tok_s']:.1f} tok/s"),

@@ -179,6 +179,7 @@ class MemoryBudget:
         prefill_step: most prompt tokens a step reads (its workspace fits ``workspace``).
         cache_given: ``cache`` was set (``cache_gb``), not derived.
         shape, kernel: what the workspace follows (:meth:`prompt_step`).
+        slot_row: one expert slot in every MoE layer (the cache's unit), 0 when unknown.
     """
 
     total: int
@@ -194,6 +195,7 @@ class MemoryBudget:
     cache_given: bool = False
     shape: ModelShape | None = None
     kernel: str = "mlx"
+    slot_row: int = 0
 
     def prompt_step(self, done: int) -> int:
         """Most tokens the next step of a prompt may read, ``done`` tokens into it: at most
@@ -298,7 +300,7 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
         cache = default_cache(room, needs)
     kv = room - cache
     budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace, fixed_parts[2],
-                          fixed_parts[3], step, given, s, needs.kernel)
+                          fixed_parts[3], step, given, s, needs.kernel, needs.slot_row)
     if cache < needs.slot_row:
         raise BudgetError(f"`cache_gb` {cache / GIB:.3f} GiB is too small: one expert slot per MoE layer needs "
                           f"{needs.slot_row / GIB:.3f} GiB", "cache_gb")

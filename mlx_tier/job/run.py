@@ -27,7 +27,12 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY, JOB_KERNEL
+from mlx_tier.defaults import (
+    DEFAULT_PROMPT,
+    DEFAULT_REPETITION_PENALTY,
+    JOB_KERNEL,
+    PLAN_DOC_TOKENS,
+)
 from mlx_tier.engine.checkpoint import context_length
 from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.footprint import MemoryBudget, named
@@ -587,9 +592,11 @@ def start_detached(config: JobConfig, argv: list[str]) -> int:
     return start_background(argv, config.out_dir, stdin)
 
 
-def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None) -> _Loaded:
+def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None,
+                pools: tuple[int, int] | None = None) -> _Loaded:
     """The tiered model (from ``model_dir`` when it was found already), with the context
-    checked before any document."""
+    checked before any document. ``pools``: ``(characters of the longest document, documents)``
+    when the run uses the throughput schedule (its expert cache may give room to its pools)."""
     from mlx_tier.engine.load import load
     from mlx_tier.tools.demo_model import resolve
 
@@ -597,6 +604,8 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
         model_dir = resolve(config.model, reporter.message)
     budget = run_budget(model_dir, config.tier, config.memory_gb, config.generation.prefill_step_size)
     tier, cache_gb = config.tier, None
+    if budget is not None and pools is not None and tier.layer_slots is None:
+        budget = _cache_for_pools(budget, model_dir, config, reporter, *pools)
     if budget is not None:
         reporter.message(f"memory: {budget.describe()}")
         if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
@@ -611,6 +620,26 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
     return loaded
 
 
+def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, reporter: Reporter, chars: int,
+                     documents: int) -> MemoryBudget:
+    """``budget`` with fewer expert slots when the pool model predicts more documents/hour from
+    the KV room they leave (:mod:`mlx_tier.tools.pool_cache`), said in one line; else as it is.
+    Documents of unknown length are planned as ``plan``'s default."""
+    from mlx_tier.tools.pool_cache import cache_for_pools, with_cache
+
+    g = config.generation
+    prompt = (chars or 3 * PLAN_DOC_TOKENS) // 3 + len(g.instruction) // 3 + 16
+    found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents)
+    if found is None:
+        return budget
+    slots, plan, own = found
+    new = with_cache(budget, slots)
+    reporter.message(f"memory: expert cache {new.cache / GIB:.2f} GiB ({slots} slots per layer) instead of "
+                     f"{budget.cache / GIB:.2f}, for room to pool documents: predicted "
+                     f"{plan.docs_per_hour:.0f} documents/hour against {own.docs_per_hour:.0f}")
+    return new
+
+
 def _generation(config: JobConfig, budget: MemoryBudget | None) -> GenerationConfig:
     """The generation settings of this run: the prompt step no larger than the memory split allows."""
     g = config.generation
@@ -620,14 +649,14 @@ def _generation(config: JobConfig, budget: MemoryBudget | None) -> GenerationCon
 
 
 def _model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir,
-               model_dir: Path | None = None) -> _Loaded | None:
+               model_dir: Path | None = None, pools: tuple[int, int] | None = None) -> _Loaded | None:
     """The model when there is work, else ``None``: a rerun with nothing to do never loads
     it. A failed load frees the folder (and removes it when this run created it and left
     nothing else there)."""
     if not pending:
         return None
     try:
-        return _load_model(config, reporter, model_dir)
+        return _load_model(config, reporter, model_dir, pools)
     except BaseException:
         job.discard_if_unused()  # leave no trace of a run that never started
         raise
@@ -759,7 +788,10 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))
     by_id = {d.id: d for d in docs}
     pending = [by_id[i] for i in tri.pending]
-    loaded = _model_for(pending, config, reporter, job, model_dir)
+    sizes = _sizes(pending)
+    pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
+    loaded = _model_for(pending, config, reporter, job, model_dir,
+                        (max(sizes.values(), default=0), len(pending)) if pooled else None)
     if loaded is not None and settings.weights is None:  # downloaded or built just now
         settings = run_settings(config.model, config.generation.instruction, loaded.model_dir)
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
@@ -782,7 +814,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
                          "for a plain rerun")
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
-        p = _Pass(_turns(pending, results, share), _sizes(pending), results, journal, reporter, report,
+        p = _Pass(_turns(pending, results, share), sizes, results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings)
         if is_batch(docs):
             _batch_pass(p, pending, config, reporter)

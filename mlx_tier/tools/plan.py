@@ -361,7 +361,7 @@ def make_plan(
     kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
 
     needs = _needs(config, index, expert_names, blocks, num_experts, top_k, dtype, expert_bytes_resident)
-    memory = _memory(needs, memory_gb)
+    memory, traded = _for_pools(_memory(needs, memory_gb), source, doc_tokens, summary_tokens)
     budget = memory.split.cache if memory.split is not None else 0
     slots = min(num_experts, budget // (L * expert_bytes_resident)) if expert_bytes_resident else 0
 
@@ -383,7 +383,7 @@ def make_plan(
     if doc_tokens and slots and memory.split is not None:  # the split's KV share, as a run sizes its pools
         free = memory.split.kv
         job = job_pools(config, L, num_experts, top_k, slots, expert_bytes_disk, 2 * expert_params, disk_gbps,
-                        free, doc_tokens, summary_tokens)
+                        free, doc_tokens, summary_tokens) | traded
     return Plan(
         job=job,
         model=str(model_dir),
@@ -447,6 +447,24 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
                         head_dim, attention="cpu" if on_cpu else "mlx")
     pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes))
     return {**pools.as_dict(), "rates": rates.as_dict()}
+
+
+def _for_pools(memory: _Memory, source, doc_tokens: int | None, summary_tokens: int) -> tuple[_Memory, dict]:
+    """``memory`` with the expert cache a throughput run would load: fewer slots where the pool
+    model prices the KV room they leave higher (:mod:`mlx_tier.tools.pool_cache`, as ``run``
+    decides; a local checkpoint, the job planned); and what was traded, for the job's rows."""
+    from dataclasses import replace
+
+    from mlx_tier.tools.pool_cache import cache_for_pools, with_cache
+
+    if not doc_tokens or memory.split is None or source.kind != "local":
+        return memory, {}
+    found = cache_for_pools(Path(source.name), memory.split, doc_tokens, summary_tokens, None)
+    if found is None:
+        return memory, {}
+    split_slots = int(memory.split.cache // memory.split.slot_row)
+    return replace(memory, split=with_cache(memory.split, found[0])), {
+        "cache_for_pools": {"slots": found[0], "split_slots": split_slots}}
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,41 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
                     limited_by, prompt_tokens, output_tokens)
 
 
+def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, room: int, slot_row: int,
+                 most: int, documents: int | None = None) -> tuple[int, PoolPlan]:
+    """Expert slots per layer for a run whose expert cache and KV caches share ``room`` bytes.
+
+    Under a memory cap the two compete: every slot row taken from the KV caches
+    shrinks the pools (:func:`choose_pools`), every slot row given back adds
+    reads. Each count from 1 to ``most`` is priced by the pool model with the KV
+    caches left beside it; the largest count within :data:`NEAR_BEST` of the best
+    predicted documents/hour wins (a larger cache is the safer side: the hit rate
+    it buys is measured in runs, the pools' gain modelled). With room to spare,
+    ``most``.
+
+    Args:
+        room: bytes for the expert cache and the KV caches together.
+        slot_row: bytes of one slot in every MoE layer.
+        most: the most slots per layer to consider (the memory split's default cache).
+
+    Returns:
+        ``(slots, the pools they leave)``.
+
+    Raises:
+        ValueError: ``most`` < 1 or no slot row fits in ``room``.
+    """
+    from dataclasses import replace
+
+    plans = {n: choose_pools(replace(shape, slots=n), rates, prompt_tokens, output_tokens, room - n * slot_row,
+                             documents=documents)
+             for n in range(1, most + 1) if room - n * slot_row > 0}
+    if not plans:
+        raise ValueError(f"no expert slot row ({slot_row} bytes) fits in {room} bytes (most {most})")
+    best = max(p.docs_per_hour for p in plans.values())
+    n = max(n for n, p in plans.items() if p.docs_per_hour >= NEAR_BEST * best)
+    return n, plans[n]
+
+
 def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), bits: int = 4,
                 group_size: int = 64, heads: int = 16, head_dim: int = 64, attention: str = "mlx") -> Rates:
     """Measure :class:`Rates` on this machine in a few seconds (the disk rate is given:

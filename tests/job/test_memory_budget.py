@@ -10,6 +10,7 @@ cgroup (the real one: tests/job/test_memory_limit.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -130,3 +131,51 @@ def test_documents_starting_when_the_limit_is_nearly_spent_still_run(one_gib_cgr
     code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4", "--batch-size", "1")
     assert code == 0, output
     assert json.loads((out / "report.json").read_text())["totals"]["done"] == 3
+
+
+def test_a_throughput_run_under_a_cap_gives_slots_to_its_pools(one_gib_cgroup, docs, tmp_path, tiny_moe,
+                                                                monkeypatch):
+    """When the pool model prices fewer expert slots higher (tests/tools/test_pool_cache.py),
+    the run loads that cache, gives the KV caches the rest and says so; the paced schedule
+    (and a cache the user gives) keeps the split's."""
+    from mlx_tier.tools import pool_cache
+    from mlx_tier.tools.pools import PoolPlan
+
+    asked = []
+
+    def cheaper(model_dir, budget, prompt, output, documents):
+        asked.append((prompt, output, documents))
+        plan = PoolPlan(64, 1, 2, 10.0, 1.0, 120.0, 100.0, "memory", prompt, output)
+        return 1, plan, replace(plan, decode_pool=1, docs_per_hour=100.0)
+
+    monkeypatch.setattr(pool_cache, "cache_for_pools", cheaper)
+    out = tmp_path / "o"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4")
+    assert code == 0, output
+    text = " ".join(output.split())
+    assert "(1 slots per layer) instead of" in text and "predicted 120 documents/hour against 100" in text
+    assert asked and asked[0][1:] == (4, 1)  # the summary length and the pending documents
+    report = json.loads((out / "report.json").read_text())
+    assert report["slots_per_layer"] == 1
+    b = report["memory_budget"]
+    assert sum(b[k] for k in ("runtime", "dense_part", "experts", "KV", "workspace", "MLX_buffers", "margin")) == GIB
+    asked.clear()
+    code, output = run(docs, "--out", tmp_path / "p", "--model", tiny_moe, "--max-tokens", "4", "--schedule", "paced")
+    assert code == 0 and not asked and "slots per layer) instead of" not in output
+
+
+def test_plan_shows_the_cache_a_throughput_run_would_load(one_gib_cgroup, tiny_moe, monkeypatch):
+    """`plan --doc-tokens` plans the job with the cache `run` would load (the same decision)."""
+    from mlx_tier.tools import pool_cache
+    from mlx_tier.tools.pools import PoolPlan
+
+    plan_ = PoolPlan(64, 1, 2, 10.0, 1.0, 120.0, 100.0, "memory", 500, 32)
+    monkeypatch.setattr(pool_cache, "cache_for_pools", lambda *a: (1, plan_, plan_))
+    args = ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1", "--doc-tokens", "500"]
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output)
+    assert p["slots_per_layer"] == 1 and p["job"]["cache_for_pools"]["slots"] == 1
+    assert p["memory_split"]["experts"] + p["memory_split"]["KV"] > p["memory_split"]["experts"] * 2
+    r = runner.invoke(app, args)
+    assert "expert cache for pools" in r.output

@@ -91,3 +91,22 @@ def test_calibrate_keeps_the_defaults_when_the_call_was_slow_or_missing():
     assert rates.per_expert_s == RATES.per_expert_s and shape.spread == pytest.approx(128, rel=0.05)
     assert calibrate(SYNTH, RATES, None) == (SYNTH, RATES)
     assert calibrate(SYNTH, RATES, Observed(0, 0.0, 0.0)) == (SYNTH, RATES)
+
+
+def test_slots_given_back_to_the_kv_caches_under_a_cap():
+    """Under a tight cap the expert cache gives slots back to the KV caches when larger pools
+    predict more documents/hour; with room to spare it keeps the most slots."""
+    from mlx_tier.tools.pools import choose_slots
+
+    row = 24 * 2_950_000  # one slot in each of the 24 layers (resident bytes)
+    tight = int(0.73 * 2**30)  # the synthetic under a 2 GiB cap: cache + KV
+    slots, plan = choose_slots(SYNTH, RATES, 600, 32, tight, row, 8, documents=6)
+    full = choose_pools(replace(SYNTH, slots=8), RATES, 600, 32, tight - 8 * row, documents=6)
+    assert slots < 8 and plan.docs_per_hour > full.docs_per_hour  # pools bought with slots
+    assert plan.decode_pool > full.decode_pool or plan.prefill_tokens > full.prefill_tokens
+    roomy, _ = choose_slots(SYNTH, RATES, 600, 32, 64 * 2**30, row, 8, documents=6)
+    assert roomy == 8  # memory to spare: every slot the split allows
+    concentrated = replace(SYNTH, routed=12.0)  # a router whose tokens go to few experts: slots save reads
+    assert choose_slots(concentrated, RATES, 600, 32, tight, row, 8, documents=6)[0] >= slots
+    with pytest.raises(ValueError):
+        choose_slots(SYNTH, RATES, 600, 32, row // 2, row, 8)

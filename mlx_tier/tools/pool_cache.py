@@ -1,0 +1,92 @@
+"""The expert cache of a throughput run under a memory cap: slots traded for pools.
+
+The memory split (:func:`mlx_tier.engine.footprint.split`) gives the expert
+cache half of what the fixed parts leave and the KV caches the rest. Under a
+tight cap that leaves the throughput schedule room for few sequences and short
+prompt pools (the 8 GB synthetic under 2 GiB: 2 sequences, 64-token pools), so
+each expert read serves few tokens. MoE-Lightning (arXiv 2411.11217) chooses
+how memory is shared between weights and KV caches with its roofline model;
+here :func:`mlx_tier.tools.pools.choose_slots` prices each cache size with the
+pool model before the model is loaded (the cache is sized at load): the
+checkpoint's shapes from its headers (uniform routing: nothing has run yet),
+the kernels' and the disk's rates probed here, a few seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from mlx_tier.engine.footprint import MemoryBudget
+from mlx_tier.tools.pools import (
+    MAX_DECODE_POOL,
+    PoolPlan,
+    Shape,
+    choose_pools,
+    choose_slots,
+    measure_read_gbps,
+    probe_rates,
+)
+
+
+def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict, list[Path]]:
+    """The pool model's :class:`Shape` of a checkpoint, :func:`probe_rates`' arguments for its
+    experts, and its expert files (the reads a run makes).
+
+    Raises:
+        CheckpointError: an unreadable checkpoint.
+    """
+    from mlx_tier.engine.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(Path(model_dir))
+    s = budget.shape
+    experts = ckpt.experts()
+    _, count, tensors = experts[0]
+    projections = sum(t.attr == "weight" for t in tensors.values())
+    dense = s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim * s.hidden
+    shape = Shape(layers=len(experts), experts=count, top_k=s.top_k, slots=1,
+                  expert_bytes=sum(t.info.nbytes for t in tensors.values()) // count,
+                  expert_flops=2.0 * projections * s.hidden * s.expert_inner, dense_bytes=int(dense * 0.6),
+                  dense_flops=2.0 * dense, attn_flops=4.0 * s.heads * s.head_dim, kv_bytes=float(s.kv_per_token),
+                  heads=s.heads, hidden=s.hidden, inner=s.expert_inner)
+    quant = ckpt.config.get("quantization") or {}
+    probe = {"expert_shape": (s.expert_inner, s.hidden), "bits": int(quant.get("bits", 4)),
+             "group_size": int(quant.get("group_size", 64)), "heads": s.heads, "head_dim": s.head_dim}
+    return shape, probe, sorted({t.info.file for _, _, ts in experts for t in ts.values()})
+
+
+def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, output_tokens: int,
+                    documents: int | None) -> tuple[int, PoolPlan, PoolPlan] | None:
+    """``(slots per layer, their pools, the split's own pools)`` when fewer expert slots than
+    the split's cache predict more documents/hour (:func:`choose_slots`) for documents of
+    ``prompt_tokens`` and ``output_tokens``; ``None`` when the split's cache stays (it was
+    given, it is one slot row, or nothing is gained).
+
+    Raises:
+        CheckpointError: an unreadable checkpoint.
+    """
+    most = budget.cache // budget.slot_row if budget.slot_row else 0
+    if budget.cache_given or budget.shape is None or most <= 1:
+        return None
+    pool = min(MAX_DECODE_POOL, documents or MAX_DECODE_POOL)
+    if budget.kv >= 2 * pool * budget.shape.kv_per_token * (prompt_tokens + output_tokens):
+        return None  # a full pool fits (and a prompt pool beside it): memory bounds no pool, nothing to probe
+    from mlx_tier.engine.budgets import host_available
+
+    shape, probe, files = checkpoint_shape(model_dir, budget)
+    warm = sum(f.stat().st_size for f in files) <= 0.8 * host_available()
+    rates = probe_rates(measure_read_gbps(files, warm=warm), **probe,
+                        attention="cpu" if budget.kernel == "cpu" else "mlx")
+    room = budget.cache + budget.kv
+    slots, plan = choose_slots(shape, rates, prompt_tokens, output_tokens, room, budget.slot_row, most, documents)
+    if slots >= most:
+        return None
+    own = choose_pools(replace(shape, slots=most), rates, prompt_tokens, output_tokens,
+                       room - most * budget.slot_row, documents=documents)
+    return slots, plan, own
+
+
+def with_cache(budget: MemoryBudget, slots: int) -> MemoryBudget:
+    """``budget`` with an expert cache of ``slots`` slot rows, the KV caches taking the rest."""
+    cache = slots * budget.slot_row
+    return replace(budget, cache=cache, kv=budget.kv + budget.cache - cache)

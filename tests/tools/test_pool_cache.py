@@ -1,0 +1,70 @@
+"""A throughput run under a memory cap gives expert slots back to its KV caches when the
+pool model predicts more documents/hour from the larger pools they allow; a cache the
+user gave, one slot row, or memory to spare keep the split's cache.
+
+Rates are fixed here (the probes are timed elsewhere): the choice is arithmetic over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mlx_tier.engine import footprint
+from mlx_tier.engine.checkpoint import open_checkpoint
+from mlx_tier.engine.sizes import needs_of
+from mlx_tier.tools import pool_cache
+from mlx_tier.tools.pools import Rates, choose_pools
+
+RATES = Rates(disk_gbps=1.0, gemm_gflops=40.0, matvec_gbps=8.0, dequant_gbps=8.0, attention_gflops=20.0)
+PROMPT, SUMMARY = 600, 32
+
+
+@pytest.fixture
+def fixed_rates(monkeypatch):
+    monkeypatch.setattr(pool_cache, "probe_rates", lambda *a, **k: RATES)
+    monkeypatch.setattr(pool_cache, "measure_read_gbps", lambda *a, **k: 1.0)
+
+
+def budget(tiny_moe, slots: int, sequences: float) -> footprint.MemoryBudget:
+    """A split of ``slots`` slot rows and KV room for ``sequences`` documents."""
+    needs = needs_of(open_checkpoint(tiny_moe), "cpu", 4, 4)
+    kv = int(sequences * needs.shape.kv_per_token * (PROMPT + SUMMARY))
+    return footprint.MemoryBudget(2**30, "memory_gb", needs.runtime, needs.dense, slots * needs.slot_row, kv,
+                                  1 << 20, 1 << 20, 1 << 20, 512, False, needs.shape, "cpu", needs.slot_row)
+
+
+def test_the_checkpoints_shape(tiny_moe):
+    b = budget(tiny_moe, 4, 1)
+    shape, probe, files = pool_cache.checkpoint_shape(tiny_moe, b)
+    ckpt = open_checkpoint(tiny_moe)
+    experts = ckpt.experts()
+    assert (shape.layers, shape.experts, shape.top_k) == (len(experts), experts[0][1], b.shape.top_k)
+    stored = sum(t.info.nbytes for _, _, ts in experts for t in ts.values())
+    assert shape.expert_bytes * shape.experts * shape.layers == pytest.approx(stored, rel=0.01)
+    assert shape.kv_bytes == b.shape.kv_per_token and probe["bits"] == 4 and probe["group_size"] == 32
+    assert files and all(f.exists() for f in files)
+
+
+def test_a_tight_cap_trades_slots_for_pools(tiny_moe, fixed_rates):
+    """KV room just short of a second sequence (a slot row here is 1/12 of a sequence's KV
+    and the prompt step's transient about 0.7 of one): slots given back let it in."""
+    b = budget(tiny_moe, 4, 2.6)
+    found = pool_cache.cache_for_pools(tiny_moe, b, PROMPT, SUMMARY, 16)
+    assert found is not None
+    slots, plan, own = found
+    assert 1 <= slots < 4 and plan.docs_per_hour > own.docs_per_hour
+    assert plan.decode_pool > own.decode_pool or plan.prefill_tokens > own.prefill_tokens
+    shape = pool_cache.checkpoint_shape(tiny_moe, b)[0]
+    assert own == choose_pools(replace(shape, slots=4), RATES, PROMPT, SUMMARY, b.kv, documents=16)
+    new = pool_cache.with_cache(b, slots)
+    assert new.cache == slots * b.slot_row and new.cache + new.kv == b.cache + b.kv  # the total is unchanged
+    assert sum(new.parts().values()) == sum(b.parts().values())
+
+
+def test_the_splits_cache_stays_when_given_alone_or_roomy(tiny_moe, fixed_rates):
+    assert pool_cache.cache_for_pools(tiny_moe, replace(budget(tiny_moe, 4, 1.2), cache_given=True),
+                                      PROMPT, SUMMARY, 16) is None  # --cache-gb / --slots
+    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 1, 1.2), PROMPT, SUMMARY, 16) is None
+    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 200), PROMPT, SUMMARY, 16) is None
