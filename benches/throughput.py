@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -81,6 +82,8 @@ def documents(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list:
 # ---------------------------------------------------------------------- worker
 def worker(spec: dict) -> dict:
     """One run: load, summarise the documents with one schedule, measure."""
+    from mlx_lm.utils import load_tokenizer
+
     import mlx_tier
     from mlx_tier import TierConfig
     from mlx_tier.defaults import DEFAULT_PREFILL_STEP as PREFILL_STEP
@@ -90,27 +93,34 @@ def worker(spec: dict) -> dict:
     from mlx_tier.engine.sizes import peak_rss, run_budget
     from mlx_tier.job.run import FALLBACK_CONTEXT
     from mlx_tier.job.scheduler import GenerationConfig, Scheduler
-    from mlx_tier.tools import pools
+    from mlx_tier.tools import pool_cache, pools
 
     load0 = os.getloadavg()[0]
     sched = spec["schedule"]
     model_dir = Path(spec["model"])
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
                       attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype())
-    # The job's memory split, as run_job makes it: the cgroup's limit, the prompt step it allows.
+    docs = documents(load_tokenizer(model_dir), spec["docs"], spec["min_tokens"], spec["max_tokens"])
+    if sched == "batch1":
+        docs = docs[: spec["batch1_docs"]]
+    chars = [len(d.text) for d in docs]
+    # The job's memory split, as run_job makes it: the cgroup's limit, the prompt step it allows,
+    # the expert cache it loads (a throughput run's pools may take slots: tools/pool_cache.py).
     budget = run_budget(model_dir, tier, None, PREFILL_STEP)
     step = min(PREFILL_STEP, budget.prefill_step) if budget is not None else PREFILL_STEP
+    if budget is not None and tier.slots_per_layer is None and tier.cache_gb is None:
+        if sched != "paced":
+            found = pool_cache.cache_for_pools(model_dir, budget, max(chars) // 3 + len(DEFAULT_PROMPT) // 3 + 16,
+                                               spec["summary_tokens"], len(docs), 1 if sched == "batch1" else None)
+            budget = pool_cache.with_cache(budget, found[0]) if found else budget
+        tier = replace(tier, cache_gb=budget.cache / 2**30)
     t0 = time.perf_counter()
     model, tokenizer = mlx_tier.load(model_dir, config=tier)
     load_s = time.perf_counter() - t0
-    docs = documents(tokenizer, spec["docs"], spec["min_tokens"], spec["max_tokens"])
-    if sched == "batch1":
-        docs = docs[: spec["batch1_docs"]]
     gen = GenerationConfig(DEFAULT_PROMPT, spec["summary_tokens"], DEFAULT_REPETITION_PENALTY,
                            schedule="paced" if sched == "paced" else "throughput",
                            batch_size=1 if sched == "batch1" else None, prefill_batch=1 if sched == "batch1" else None,
                            prefill_step_size=step)
-    chars = [len(d.text) for d in docs]
     t0 = time.perf_counter()
     s = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), gen, max(chars),
                   typical_chars=sum(chars) // len(chars), documents=len(docs), memory=budget)
@@ -145,6 +155,7 @@ def worker(spec: dict) -> dict:
         "decode_s_per_token": acc["decode_s"] / max(1, acc["generated"]), "steps": acc["steps"],
         "tokens_per_s": tokens / wall, "roofline_s": roof_s, "roofline_share": roof_s / wall if roof_s else None,
         "hit_rate": st.hit_rate, "bytes_read_per_token": st.bytes_read / max(1, tokens), "read_stall_share": st.stall_seconds / wall,
+        "slots_per_layer": model.expert_cache.slots_per_layer, "cache_gib": model.expert_cache.budget_bytes / 2**30,
         "batch_size": s.batch_size, "pool_tokens": s.pool_tokens if sched != "paced" else None,
         "prefill_batch": s.prefill_batch if sched != "paced" else None,
         "pools": s.pools.as_dict() if s.pools is not None else None,
@@ -215,7 +226,7 @@ def caliber(args) -> dict:
     return {"machine": f"{platform.machine()} {psutil.cpu_count()} cores "
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB", "model": str(args.model),
             "model_gib": round(disk / 2**30, 2), "cache": f"{args.slots} slots/layer" if args.slots
-            else f"{args.cache_gb} GiB", "cap_gib": args.cap_gb or "none", "docs": args.docs,
+            else f"{args.cache_gb} GiB" if args.cache_gb else "as `run` sizes it (runs.jsonl: slots_per_layer)", "cap_gib": args.cap_gb or "none", "docs": args.docs,
             "doc_tokens": f"{args.min_tokens}-{args.max_tokens}", "summary_tokens": args.summary_tokens,
             "decoding": "greedy, repetition penalty 1.1 (the job's default)", "kernel": "cpu",
             "page_cache": "cold each run (evicted)" if args.cap_gb else "warm", "rounds": args.rounds}
@@ -263,7 +274,8 @@ def report(out: Path) -> None:
             p = r["pools"]
             print(f"predicted {p['docs_per_hour']:.1f} docs/h, achieved {r['docs_per_hour']:.1f} "
                   f"(achieved / predicted {r['docs_per_hour'] / p['docs_per_hour']:.2f}); pools: prefill "
-                  f"{r['pool_tokens']} tokens x {r['prefill_batch']} prompts, decode {r['batch_size']}")
+                  f"{r['pool_tokens']} tokens x {r['prefill_batch']} prompts, decode {r['batch_size']}; "
+                  f"{r.get('slots_per_layer')} slots per layer")
 
 
 def main() -> None:

@@ -629,7 +629,7 @@ def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, r
 
     g = config.generation
     prompt = (chars or 3 * PLAN_DOC_TOKENS) // 3 + len(g.instruction) // 3 + 16
-    found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents)
+    found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents, g.batch_size)
     if found is None:
         return budget
     slots, plan, own = found

@@ -56,11 +56,12 @@ def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict
 
 
 def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, output_tokens: int,
-                    documents: int | None) -> tuple[int, PoolPlan, PoolPlan] | None:
+                    documents: int | None, cap: int | None = None) -> tuple[int, PoolPlan, PoolPlan] | None:
     """``(slots per layer, their pools, the split's own pools)`` when fewer expert slots than
     the split's cache predict more documents/hour (:func:`choose_slots`) for documents of
-    ``prompt_tokens`` and ``output_tokens``; ``None`` when the split's cache stays (it was
-    given, it is one slot row, or nothing is gained).
+    ``prompt_tokens`` and ``output_tokens``, at most ``cap`` sequences (``--batch-size``);
+    ``None`` when the split's cache stays (it was given, it is one slot row, or nothing
+    is gained).
 
     Raises:
         CheckpointError: an unreadable checkpoint.
@@ -68,7 +69,7 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
     most = budget.cache // budget.slot_row if budget.slot_row else 0
     if budget.cache_given or budget.shape is None or most <= 1:
         return None
-    pool = min(MAX_DECODE_POOL, documents or MAX_DECODE_POOL)
+    pool = min(cap or MAX_DECODE_POOL, documents or MAX_DECODE_POOL)
     if budget.kv >= 2 * pool * budget.shape.kv_per_token * (prompt_tokens + output_tokens):
         return None  # a full pool fits (and a prompt pool beside it): memory bounds no pool, nothing to probe
     from mlx_tier.engine.budgets import host_available
@@ -78,11 +79,12 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
     rates = probe_rates(measure_read_gbps(files, warm=warm), **probe,
                         attention="cpu" if budget.kernel == "cpu" else "mlx")
     room = budget.cache + budget.kv
-    slots, plan = choose_slots(shape, rates, prompt_tokens, output_tokens, room, budget.slot_row, most, documents)
+    slots, plan = choose_slots(shape, rates, prompt_tokens, output_tokens, room, budget.slot_row, most, documents,
+                               cap)
     if slots >= most:
         return None
     own = choose_pools(replace(shape, slots=most), rates, prompt_tokens, output_tokens,
-                       room - most * budget.slot_row, documents=documents)
+                       room - most * budget.slot_row, cap, documents)
     return slots, plan, own
 
 

@@ -290,7 +290,7 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
 
 
 def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, room: int, slot_row: int,
-                 most: int, documents: int | None = None) -> tuple[int, PoolPlan]:
+                 most: int, documents: int | None = None, cap: int | None = None) -> tuple[int, PoolPlan]:
     """Expert slots per layer for a run whose expert cache and KV caches share ``room`` bytes.
 
     Under a memory cap the two compete: every slot row taken from the KV caches
@@ -305,6 +305,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         room: bytes for the expert cache and the KV caches together.
         slot_row: bytes of one slot in every MoE layer.
         most: the most slots per layer to consider (the memory split's default cache).
+        documents, cap: as :func:`choose_pools` takes them.
 
     Returns:
         ``(slots, the pools they leave)``.
@@ -315,7 +316,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     from dataclasses import replace
 
     plans = {n: choose_pools(replace(shape, slots=n), rates, prompt_tokens, output_tokens, room - n * slot_row,
-                             documents=documents)
+                             cap, documents)
              for n in range(1, most + 1) if room - n * slot_row > 0}
     if not plans:
         raise ValueError(f"no expert slot row ({slot_row} bytes) fits in {room} bytes (most {most})")

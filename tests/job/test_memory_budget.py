@@ -143,7 +143,7 @@ def test_a_throughput_run_under_a_cap_gives_slots_to_its_pools(one_gib_cgroup, d
 
     asked = []
 
-    def cheaper(model_dir, budget, prompt, output, documents):
+    def cheaper(model_dir, budget, prompt, output, documents, cap=None):
         asked.append((prompt, output, documents))
         plan = PoolPlan(64, 1, 2, 10.0, 1.0, 120.0, 100.0, "memory", prompt, output)
         return 1, plan, replace(plan, decode_pool=1, docs_per_hour=100.0)
