@@ -593,10 +593,11 @@ def start_detached(config: JobConfig, argv: list[str]) -> int:
 
 
 def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None,
-                pools: tuple[int, int] | None = None) -> _Loaded:
+                pools: Callable[[], tuple[int, int]] | None = None) -> _Loaded:
     """The tiered model (from ``model_dir`` when it was found already), with the context
-    checked before any document. ``pools``: ``(characters of the longest document, documents)``
-    when the run uses the throughput schedule (its expert cache may give room to its pools)."""
+    checked before any document. ``pools``: when the run uses the throughput schedule (its
+    expert cache may give room to its pools), gives ``(characters of a typical document,
+    documents)``; asked only once the model is found and its split fits."""
     from mlx_tier.engine.load import load
     from mlx_tier.tools.demo_model import resolve
 
@@ -605,7 +606,7 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
     budget = run_budget(model_dir, config.tier, config.memory_gb, config.generation.prefill_step_size)
     tier, cache_gb = config.tier, None
     if budget is not None and pools is not None and tier.layer_slots is None:
-        budget = _cache_for_pools(budget, model_dir, config, reporter, *pools)
+        budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())
     if budget is not None:
         reporter.message(f"memory: {budget.describe()}")
         if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
@@ -624,11 +625,13 @@ def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, r
                      documents: int) -> MemoryBudget:
     """``budget`` with fewer expert slots when the pool model predicts more documents/hour from
     the KV room they leave (:mod:`mlx_tier.tools.pool_cache`), said in one line; else as it is.
-    Documents of unknown length are planned as ``plan``'s default."""
+    Documents are estimated as the scheduler sizes its pools (``chars`` // 3 tokens and the
+    instruction's, within the context); of unknown length, as ``plan``'s default."""
     from mlx_tier.tools.pool_cache import cache_for_pools, with_cache
 
     g = config.generation
-    prompt = (chars or 3 * PLAN_DOC_TOKENS) // 3 + len(g.instruction) // 3 + 16
+    room = context_length(model_dir, FALLBACK_CONTEXT) - g.max_tokens  # the scheduler caps its estimate so
+    prompt = max(1, min(room, (chars or 3 * PLAN_DOC_TOKENS) // 3 + len(g.instruction) // 3 + 16))
     found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents, g.batch_size)
     if found is None:
         return budget
@@ -649,7 +652,7 @@ def _generation(config: JobConfig, budget: MemoryBudget | None) -> GenerationCon
 
 
 def _model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir,
-               model_dir: Path | None = None, pools: tuple[int, int] | None = None) -> _Loaded | None:
+               model_dir: Path | None = None, pools: Callable[[], tuple[int, int]] | None = None) -> _Loaded | None:
     """The model when there is work, else ``None``: a rerun with nothing to do never loads
     it. A failed load frees the folder (and removes it when this run created it and left
     nothing else there)."""
@@ -788,10 +791,15 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))
     by_id = {d.id: d for d in docs}
     pending = [by_id[i] for i in tri.pending]
-    sizes = _sizes(pending)
+    sizes: dict[str, int] = {}
+
+    def typical() -> tuple[int, int]:  # sized once the model is found (sizing may convert documents)
+        sizes.update(_sizes(pending))
+        known = [n for n in sizes.values() if n]
+        return (sum(known) // len(known) if known else 0), len(pending)
+
     pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
-    loaded = _model_for(pending, config, reporter, job, model_dir,
-                        (max(sizes.values(), default=0), len(pending)) if pooled else None)
+    loaded = _model_for(pending, config, reporter, job, model_dir, typical if pooled else None)
     if loaded is not None and settings.weights is None:  # downloaded or built just now
         settings = run_settings(config.model, config.generation.instruction, loaded.model_dir)
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
@@ -814,7 +822,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
                          "for a plain rerun")
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
-        p = _Pass(_turns(pending, results, share), sizes, results, journal, reporter, report,
+        p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings)
         if is_batch(docs):
             _batch_pass(p, pending, config, reporter)

@@ -361,7 +361,7 @@ def make_plan(
     kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
 
     needs = _needs(config, index, expert_names, blocks, num_experts, top_k, dtype, expert_bytes_resident)
-    memory, traded = _for_pools(_memory(needs, memory_gb), source, doc_tokens, summary_tokens)
+    memory, traded = _for_pools(_memory(needs, memory_gb), source, doc_tokens, summary_tokens, disk_gbps)
     budget = memory.split.cache if memory.split is not None else 0
     slots = min(num_experts, budget // (L * expert_bytes_resident)) if expert_bytes_resident else 0
 
@@ -449,17 +449,19 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     return {**pools.as_dict(), "rates": rates.as_dict()}
 
 
-def _for_pools(memory: _Memory, source, doc_tokens: int | None, summary_tokens: int) -> tuple[_Memory, dict]:
+def _for_pools(memory: _Memory, source, doc_tokens: int | None, summary_tokens: int,
+               disk_gbps: float | None) -> tuple[_Memory, dict]:
     """``memory`` with the expert cache a throughput run would load: fewer slots where the pool
     model prices the KV room they leave higher (:mod:`mlx_tier.tools.pool_cache`, as ``run``
-    decides; a local checkpoint, the job planned); and what was traded, for the job's rows."""
+    decides; a local checkpoint, the job planned; ``disk_gbps`` when given, else measured);
+    and what was traded, for the job's rows. A hub checkpoint keeps the split's cache here."""
     from dataclasses import replace
 
     from mlx_tier.tools.pool_cache import cache_for_pools, with_cache
 
     if not doc_tokens or memory.split is None or source.kind != "local":
         return memory, {}
-    found = cache_for_pools(Path(source.name), memory.split, doc_tokens, summary_tokens, None)
+    found = cache_for_pools(Path(source.name), memory.split, doc_tokens, summary_tokens, None, None, disk_gbps)
     if found is None:
         return memory, {}
     split_slots = int(memory.split.cache // memory.split.slot_row)

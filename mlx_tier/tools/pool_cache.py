@@ -22,6 +22,7 @@ from mlx_tier.tools.pools import (
     MAX_DECODE_POOL,
     PoolPlan,
     Shape,
+    attention_terms,
     choose_pools,
     choose_slots,
     measure_read_gbps,
@@ -43,11 +44,10 @@ def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict
     experts = ckpt.experts()
     _, count, tensors = experts[0]
     projections = sum(t.attr == "weight" for t in tensors.values())
-    dense = s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim * s.hidden
     shape = Shape(layers=len(experts), experts=count, top_k=s.top_k, slots=1,
                   expert_bytes=sum(t.info.nbytes for t in tensors.values()) // count,
-                  expert_flops=2.0 * projections * s.hidden * s.expert_inner, dense_bytes=int(dense * 0.6),
-                  dense_flops=2.0 * dense, attn_flops=4.0 * s.heads * s.head_dim, kv_bytes=float(s.kv_per_token),
+                  expert_flops=2.0 * projections * s.hidden * s.expert_inner,
+                  **attention_terms(s.hidden, s.heads, s.kv_heads, s.head_dim), kv_bytes=float(s.kv_per_token),
                   heads=s.heads, hidden=s.hidden, inner=s.expert_inner)
     quant = ckpt.config.get("quantization") or {}
     probe = {"expert_shape": (s.expert_inner, s.hidden), "bits": int(quant.get("bits", 4)),
@@ -56,12 +56,13 @@ def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict
 
 
 def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, output_tokens: int,
-                    documents: int | None, cap: int | None = None) -> tuple[int, PoolPlan, PoolPlan] | None:
+                    documents: int | None, cap: int | None = None,
+                    disk_gbps: float | None = None) -> tuple[int, PoolPlan, PoolPlan] | None:
     """``(slots per layer, their pools, the split's own pools)`` when fewer expert slots than
     the split's cache predict more documents/hour (:func:`choose_slots`) for documents of
     ``prompt_tokens`` and ``output_tokens``, at most ``cap`` sequences (``--batch-size``);
     ``None`` when the split's cache stays (it was given, it is one slot row, or nothing
-    is gained).
+    is gained). ``disk_gbps``: the read rate, measured on the expert files when ``None``.
 
     Raises:
         CheckpointError: an unreadable checkpoint.
@@ -76,7 +77,8 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
 
     shape, probe, files = checkpoint_shape(model_dir, budget)
     warm = sum(f.stat().st_size for f in files) <= 0.8 * host_available()
-    rates = probe_rates(measure_read_gbps(files, warm=warm), **probe,
+    disk = disk_gbps if disk_gbps is not None else measure_read_gbps(files, warm=warm)
+    rates = probe_rates(disk, **probe,
                         attention="cpu" if budget.kernel == "cpu" else "mlx")
     room = budget.cache + budget.kv
     slots, plan = choose_slots(shape, rates, prompt_tokens, output_tokens, room, budget.slot_row, most, documents,

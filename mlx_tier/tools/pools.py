@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 # A slot used by at least this many rows in one call takes the GEMM path where the
 # rows take the float32 loops (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the
@@ -167,8 +167,6 @@ def calibrate(shape: Shape, rates: Rates, seen: Observed | None) -> tuple[Shape,
     ``seen``'s time: what the forward call took beyond its reads and the modelled compute,
     per distinct expert of a layer, at most the default (a first call also pays one-time
     costs: compilation, allocation). Unchanged when ``seen`` is ``None`` or empty."""
-    from dataclasses import replace
-
     if seen is None or seen.tokens <= 0 or seen.distinct <= 0 or seen.seconds <= 0:
         return shape, rates
     shape = replace(shape, routed=routed_experts(seen.distinct, seen.tokens, shape.experts, shape.top_k))
@@ -313,8 +311,6 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     Raises:
         ValueError: ``most`` < 1 or no slot row fits in ``room``.
     """
-    from dataclasses import replace
-
     plans = {n: choose_pools(replace(shape, slots=n), rates, prompt_tokens, output_tokens, room - n * slot_row,
                              cap, documents)
              for n in range(1, most + 1) if room - n * slot_row > 0}
@@ -418,6 +414,14 @@ def _unpacked_in(leaf) -> int:
     return w.shape[-1] * 32 // leaf.bits if getattr(leaf, "bits", None) else w.shape[-1]
 
 
+def attention_terms(hidden: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """A layer's dense terms of :class:`Shape`: ``dense_bytes`` (its q, k, v and o projections
+    at ~0.6 bytes a weight: 4-bit codes with their group scales and biases), ``dense_flops``
+    per token and ``attn_flops`` per token per context token."""
+    dense = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    return {"dense_bytes": int(dense * 0.6), "dense_flops": 2.0 * dense, "attn_flops": 4.0 * heads * head_dim}
+
+
 def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
     """The :class:`Shape` of a model loaded by :func:`mlx_tier.load`, and what
     :func:`probe_rates` needs to measure its kernels (``expert_shape``, ``bits``,
@@ -439,13 +443,11 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
     heads = int(args.num_attention_heads)
     kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(args, "head_dim", None) or hidden // heads)
-    dense = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     top_k = next((int(getattr(args, k)) for k in ("num_experts_per_tok", "top_k", "moe_k")
                   if isinstance(getattr(args, k, None), int)), 2)
     shape = Shape(layers=len(cache.layers), experts=E, top_k=top_k, slots=min(cache.layer_slots),
-                  expert_bytes=expert_bytes, expert_flops=2.0 * params, dense_bytes=int(dense * 0.6),
-                  dense_flops=2.0 * dense, attn_flops=4.0 * heads * head_dim, kv_bytes=kv_bytes, heads=heads,
-                  hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0)
+                  expert_bytes=expert_bytes, expert_flops=2.0 * params, **attention_terms(hidden, heads, kv_heads, head_dim),
+                  kv_bytes=kv_bytes, heads=heads, hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0)
     probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
              "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim}
     return shape, probe

@@ -144,7 +144,9 @@ def test_a_throughput_run_under_a_cap_gives_slots_to_its_pools(one_gib_cgroup, d
     asked = []
 
     def cheaper(model_dir, budget, prompt, output, documents, cap=None):
-        asked.append((prompt, output, documents))
+        asked.append((prompt, output, documents, budget.cache_given))
+        if budget.cache_given:
+            return None  # as the real one does (tests/tools/test_pool_cache.py)
         plan = PoolPlan(64, 1, 2, 10.0, 1.0, 120.0, 100.0, "memory", prompt, output)
         return 1, plan, replace(plan, decode_pool=1, docs_per_hour=100.0)
 
@@ -154,7 +156,7 @@ def test_a_throughput_run_under_a_cap_gives_slots_to_its_pools(one_gib_cgroup, d
     assert code == 0, output
     text = " ".join(output.split())
     assert "(1 slots per layer) instead of" in text and "predicted 120 documents/hour against 100" in text
-    assert asked and asked[0][1:] == (4, 1)  # the summary length and the pending documents
+    assert asked and asked[0][1:] == (4, 1, False)  # the summary length, the pending documents, no cache given
     report = json.loads((out / "report.json").read_text())
     assert report["slots_per_layer"] == 1
     b = report["memory_budget"]
@@ -162,6 +164,8 @@ def test_a_throughput_run_under_a_cap_gives_slots_to_its_pools(one_gib_cgroup, d
     asked.clear()
     code, output = run(docs, "--out", tmp_path / "p", "--model", tiny_moe, "--max-tokens", "4", "--schedule", "paced")
     assert code == 0 and not asked and "slots per layer) instead of" not in output
+    code, output = run(docs, "--out", tmp_path / "q", "--model", tiny_moe, "--max-tokens", "4", "--cache-gb", "0.001")
+    assert code == 0 and asked[-1][3] and "slots per layer) instead of" not in output  # the user's cache kept
 
 
 def test_plan_shows_the_cache_a_throughput_run_would_load(one_gib_cgroup, tiny_moe, monkeypatch):

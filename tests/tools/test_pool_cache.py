@@ -64,7 +64,9 @@ def test_a_tight_cap_trades_slots_for_pools(tiny_moe, fixed_rates):
 
 
 def test_the_splits_cache_stays_when_given_alone_or_roomy(tiny_moe, fixed_rates):
-    assert pool_cache.cache_for_pools(tiny_moe, replace(budget(tiny_moe, 4, 1.2), cache_given=True),
-                                      PROMPT, SUMMARY, 16) is None  # --cache-gb / --slots
-    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 1, 1.2), PROMPT, SUMMARY, 16) is None
+    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 2.6), PROMPT, SUMMARY, 16) is not None
+    assert pool_cache.cache_for_pools(tiny_moe, replace(budget(tiny_moe, 4, 2.6), cache_given=True),
+                                      PROMPT, SUMMARY, 16) is None  # --cache-gb / --slots: the same room, kept
+    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 1, 2.6), PROMPT, SUMMARY, 16) is None
+    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 2.6), PROMPT, SUMMARY, 16, cap=1) is None
     assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 200), PROMPT, SUMMARY, 16) is None
