@@ -86,8 +86,12 @@ def worker(spec: dict) -> dict:
 
     import mlx_tier
     from mlx_tier import TierConfig
+    from mlx_tier.defaults import (
+        DEFAULT_POOL_STEP,
+        DEFAULT_PROMPT,
+        DEFAULT_REPETITION_PENALTY,
+    )
     from mlx_tier.defaults import DEFAULT_PREFILL_STEP as PREFILL_STEP
-    from mlx_tier.defaults import DEFAULT_PROMPT, DEFAULT_REPETITION_PENALTY
     from mlx_tier.engine.checkpoint import context_length
     from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.engine.sizes import peak_rss, run_budget
@@ -106,7 +110,7 @@ def worker(spec: dict) -> dict:
     chars = [len(d.text) for d in docs]
     # The job's memory split, as run_job makes it: the cgroup's limit, the prompt step it allows,
     # the expert cache it loads (a throughput run's pools may take slots: tools/pool_cache.py).
-    budget = run_budget(model_dir, tier, None, PREFILL_STEP)
+    budget = run_budget(model_dir, tier, None, PREFILL_STEP if sched == "paced" else DEFAULT_POOL_STEP)
     step = min(PREFILL_STEP, budget.prefill_step) if budget is not None else PREFILL_STEP
     if budget is not None and tier.slots_per_layer is None and tier.cache_gb is None:
         if sched != "paced":

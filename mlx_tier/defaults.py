@@ -17,6 +17,11 @@ DEFAULT_PREFILL_STEP = 512
 # Prompt tokens of a typical document, where a plan has no documents to measure
 # (`mlx-tier plan --doc-tokens`; `run` before a document's length is known).
 PLAN_DOC_TOKENS = 900
+# Most prompt tokens of a throughput-schedule prefill step (over its prompts) that the
+# memory split sizes its workspace for; the pool model chooses up to it, the split
+# shrinks it where the workspace would pass its share. On the demo, 2,048-token pools
+# read prompts 1.2x faster than 512-token ones (benches/results/throughput, round 5).
+DEFAULT_POOL_STEP = 2048
 # How documents go through the model: "throughput" reads prompts of several
 # documents in large pools and decodes many documents together, each expert read
 # once per layer step for the whole pool (mlx_tier.job.pool_engine; an overnight job

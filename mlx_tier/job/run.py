@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from mlx_tier.defaults import (
+    DEFAULT_POOL_STEP,
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
     JOB_KERNEL,
@@ -603,7 +604,9 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
 
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)
-    budget = run_budget(model_dir, config.tier, config.memory_gb, config.generation.prefill_step_size)
+    step = config.generation.prefill_step_size  # the paced schedule's; the throughput schedule's pools reach further
+    step = step if pools is None else max(step, DEFAULT_POOL_STEP)
+    budget = run_budget(model_dir, config.tier, config.memory_gb, step)
     tier, cache_gb = config.tier, None
     if budget is not None and pools is not None and tier.layer_slots is None:
         budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())

@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_tier.defaults import DEFAULT_PREFILL_STEP, JOB_KERNEL
+from mlx_tier.defaults import DEFAULT_POOL_STEP, JOB_KERNEL
 from mlx_tier.engine.checkpoint import find_expert_blocks, open_checkpoint
 from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.footprint import MemoryBudget, ModelShape, Needs, split
@@ -383,7 +383,7 @@ def make_plan(
     if doc_tokens and slots and memory.split is not None:  # the split's KV share, as a run sizes its pools
         free = memory.split.kv
         job = job_pools(config, L, num_experts, top_k, slots, expert_bytes_disk, 2 * expert_params, disk_gbps,
-                        free, doc_tokens, summary_tokens) | traded
+                        free, doc_tokens, summary_tokens, memory.split.prefill_step) | traded
     return Plan(
         job=job,
         model=str(model_dir),
@@ -427,7 +427,8 @@ def make_plan(
 
 
 def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, expert_bytes: int,
-              expert_flops: float, disk_gbps: float, free_bytes: int, doc_tokens: int, summary_tokens: int) -> dict:
+              expert_flops: float, disk_gbps: float, free_bytes: int, doc_tokens: int, summary_tokens: int,
+              max_pool: int | None = None) -> dict:
     """The overnight job's pools and predicted documents/hour (:func:`mlx_tier.tools.pools.choose_pools`)
     from a checkpoint's config, its kernels' rates probed here (:func:`mlx_tier.tools.pools.probe_rates`)."""
     from mlx_tier.tools.pools import Shape, choose_pools, probe_rates
@@ -445,7 +446,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     on_cpu = mx.default_device() == mx.cpu
     rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
                         head_dim, attention="cpu" if on_cpu else "mlx")
-    pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes))
+    pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes), max_pool=max_pool)
     return {**pools.as_dict(), "rates": rates.as_dict()}
 
 
@@ -493,7 +494,7 @@ def _memory(needs: Needs, memory_gb: float | None) -> _Memory:
         total, available, source = limit.total, limit.available, limit.source
         may_use = may_use_now(limit.available, limit.total)
     try:
-        return _Memory(total, available, source, split(may_use, needs, None, DEFAULT_PREFILL_STEP, source), None)
+        return _Memory(total, available, source, split(may_use, needs, None, DEFAULT_POOL_STEP, source), None)
     except BudgetError as e:
         return _Memory(total, available, source, None, str(e))
 

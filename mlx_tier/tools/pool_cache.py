@@ -82,11 +82,11 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
                         attention="cpu" if budget.kernel == "cpu" else "mlx")
     room = budget.cache + budget.kv
     slots, plan = choose_slots(shape, rates, prompt_tokens, output_tokens, room, budget.slot_row, most, documents,
-                               cap)
+                               cap, budget.prefill_step)
     if slots >= most:
         return None
     own = choose_pools(replace(shape, slots=most), rates, prompt_tokens, output_tokens,
-                       room - most * budget.slot_row, cap, documents)
+                       room - most * budget.slot_row, cap, documents, budget.prefill_step)
     return slots, plan, own
 
 

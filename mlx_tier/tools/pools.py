@@ -249,7 +249,7 @@ def prefill_transient(shape: Shape, tokens: int, context: float) -> float:
 
 
 def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, free_bytes: int,
-                 cap: int | None = None, documents: int | None = None) -> PoolPlan:
+                 cap: int | None = None, documents: int | None = None, max_pool: int | None = None) -> PoolPlan:
     """Pool sizes for documents of ``prompt_tokens`` prompts and ``output_tokens`` summaries.
 
     Args:
@@ -257,6 +257,8 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
             its expert cache), bytes.
         cap: most sequences at once (the user's ``--batch-size``), ``None``: :data:`MAX_DECODE_POOL`.
         documents: how many documents the job has (a pool larger is not filled).
+        max_pool: most prompt tokens a prefill step may carry (the memory split's
+            workspace: :attr:`~mlx_tier.engine.footprint.MemoryBudget.prefill_step`).
 
     Returns:
         :class:`PoolPlan`. The decode pool is at least 1 even when one
@@ -264,9 +266,10 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     """
     seq = prompt_tokens + output_tokens
     ctx_prefill = prompt_tokens / 2  # average context of a prompt token
-    fits = [t for t in POOL_CANDIDATES
+    candidates = [t for t in POOL_CANDIDATES if max_pool is None or t <= max_pool] or [max(1, max_pool or 1)]
+    fits = [t for t in candidates
             if prefill_transient(shape, t, min(seq, MAX_CHUNK)) + shape.kv_bytes * seq * math.ceil(t / seq)
-            <= free_bytes / 2] or [POOL_CANDIDATES[0]]
+            <= free_bytes / 2] or candidates[:1]
     rate = {t: 1 / seconds_per_token(shape, rates, t, ctx_prefill) for t in fits}
     best = max(rate.values())
     prefill_tokens = min(t for t in fits if rate[t] >= NEAR_BEST * best)
@@ -288,7 +291,8 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
 
 
 def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, room: int, slot_row: int,
-                 most: int, documents: int | None = None, cap: int | None = None) -> tuple[int, PoolPlan]:
+                 most: int, documents: int | None = None, cap: int | None = None,
+                 max_pool: int | None = None) -> tuple[int, PoolPlan]:
     """Expert slots per layer for a run whose expert cache and KV caches share ``room`` bytes.
 
     Under a memory cap the two compete: every slot row taken from the KV caches
@@ -303,7 +307,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         room: bytes for the expert cache and the KV caches together.
         slot_row: bytes of one slot in every MoE layer.
         most: the most slots per layer to consider (the memory split's default cache).
-        documents, cap: as :func:`choose_pools` takes them.
+        documents, cap, max_pool: as :func:`choose_pools` takes them.
 
     Returns:
         ``(slots, the pools they leave)``.
@@ -312,7 +316,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         ValueError: ``most`` < 1 or no slot row fits in ``room``.
     """
     plans = {n: choose_pools(replace(shape, slots=n), rates, prompt_tokens, output_tokens, room - n * slot_row,
-                             cap, documents)
+                             cap, documents, max_pool)
              for n in range(1, most + 1) if room - n * slot_row > 0}
     if not plans:
         raise ValueError(f"no expert slot row ({slot_row} bytes) fits in {room} bytes (most {most})")

@@ -110,3 +110,14 @@ def test_slots_given_back_to_the_kv_caches_under_a_cap():
     assert choose_slots(concentrated, RATES, 600, 32, tight, row, 8, documents=6)[0] >= slots
     with pytest.raises(ValueError):
         choose_slots(SYNTH, RATES, 600, 32, row // 2, row, 8)
+
+
+def test_prefill_pools_stay_within_the_splits_prompt_step():
+    """The executor caps a prefill step at the memory split's prompt step; the plan (and its
+    prediction) is made for that pool, not a larger one it would prefer."""
+    free = 64 * 2**30
+    roomy = choose_pools(SYNTH, RATES, 2000, 32, free)
+    capped = choose_pools(SYNTH, RATES, 2000, 32, free, max_pool=512)
+    assert roomy.prefill_tokens > 512 >= capped.prefill_tokens
+    assert capped.prompt_tok_s <= roomy.prompt_tok_s
+    assert choose_pools(SYNTH, RATES, 2000, 32, free, max_pool=10).prefill_tokens == 10  # below every candidate
