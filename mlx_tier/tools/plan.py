@@ -315,7 +315,7 @@ def make_plan(
     compute_gbps: float | None = None,
     doc_tokens: int | None = None,
     summary_tokens: int = 64,
-) -> Plan:  # ~115 lines only by the Plan's 39 fields, set in one constructor call; the arithmetic lives in helpers
+) -> Plan:
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
     Args:
@@ -340,50 +340,20 @@ def make_plan(
     source = _open(model_dir)
     model_dir, config, index, blocks = source.name, source.config, source.index, source.blocks
     prefixes, expert_names, num_experts, top_k = _expert_layout(model_dir, config, index, blocks)
-    default_gs = (config.get("quantization") or {}).get("group_size")
-
-    params = {n: _params(index, n, _group_size(config, n, default_gs)) for n in index}
-    is_param = {n: not n.endswith((".scales", ".biases")) for n in index}
-    expert_params_all = sum(p for n, p in params.items() if n.startswith(prefixes) and is_param[n])
-    total = sum(p for n, p in params.items() if is_param[n])
-    dense_params = total - expert_params_all
-    L = len(blocks)
-    expert_params = expert_params_all // (L * num_experts)
-    active = dense_params + L * top_k * expert_params
-
-    expert_set = set(expert_names)
-    expert_disk_all = sum(index[n].nbytes for n in expert_names)
-    dense_bytes = sum(i.nbytes for n, i in index.items() if n not in expert_set)
-    expert_bytes_disk = expert_disk_all // (L * num_experts)
     dtype = job_compute_dtype()  # the plan is for mlx-tier run
-    expert_bytes_resident = _resident_bytes(index, expert_names, dtype) // (L * num_experts)
-    expert_bytes_warm = _warm_bytes(index, expert_names, [b for _, b in blocks]) // (L * num_experts)
-    kv_bytes = _kv_bytes(config, L, dtype, context_tokens)
-
-    needs = _needs(config, index, expert_names, blocks, num_experts, top_k, dtype, expert_bytes_resident)
+    sizes = _checkpoint_sizes(config, index, blocks, prefixes, expert_names, num_experts, top_k, dtype,
+                              context_tokens)
+    L, resident = len(blocks), sizes["expert_bytes_resident"]
+    needs = _needs(config, index, expert_names, blocks, num_experts, top_k, dtype, resident)
     memory, traded = _for_pools(_memory(needs, memory_gb), source, doc_tokens, summary_tokens, disk_gbps)
     budget = memory.split.cache if memory.split is not None else 0
-    slots = min(num_experts, budget // (L * expert_bytes_resident)) if expert_bytes_resident else 0
-
-    disk_measured = disk_gbps is None
-    disk_method = "given"
-    if disk_gbps is None:
-        disk_gbps, disk_method = _measure_disk(source, expert_names, blocks, top_k)
-    rates = None
-    if compute_gbps is None:
-        rates = measure_kernel(needs.shape, _expert_quant(config, expert_names, default_gs), needs.kernel)
-        compute_gbps = rates.decode_gbps
-    hit_low = slots / num_experts
-    hit_high = max(LOCALITY_HIT_RATE, hit_low) if slots else 0.0
-    step = memory.split.prefill_step if memory.split is not None else 0
-    low, high, prompt = _speeds(needs, L, top_k, expert_bytes_disk, dense_bytes, (hit_low, hit_high),
-                                disk_gbps, compute_gbps, rates, step, slots >= 1)
-
+    slots = min(num_experts, budget // (L * resident)) if resident else 0
+    speed = _measured(source, needs, expert_names, top_k, slots, sizes, memory.split, disk_gbps, compute_gbps)
     job = None
     if doc_tokens and slots and memory.split is not None:  # the split's KV share, as a run sizes its pools
-        free = memory.split.kv
-        job = job_pools(config, L, num_experts, top_k, slots, expert_bytes_disk, 2 * expert_params, disk_gbps,
-                        free, doc_tokens, summary_tokens, memory.split.prefill_step) | traded
+        job = job_pools(config, L, num_experts, top_k, slots, sizes["expert_bytes_disk"], 2 * sizes["expert_params"],
+                        speed["disk_gbps"], memory.split.kv, doc_tokens, summary_tokens,
+                        memory.split.prefill_step) | traded
     return Plan(
         job=job,
         model=str(model_dir),
@@ -392,22 +362,70 @@ def make_plan(
         moe_layers=L,
         experts_per_layer=num_experts,
         top_k=top_k,
-        total_params=total,
-        active_params=active,
-        dense_params=dense_params,
-        expert_params=expert_params,
-        dense_bytes=dense_bytes,
-        expert_bytes_disk=expert_bytes_disk,
-        expert_bytes_resident=expert_bytes_resident,
-        expert_bytes_warm=expert_bytes_warm,
-        layer_bytes_disk=expert_bytes_disk * num_experts,
-        experts_per_gb=GIB / expert_bytes_resident if expert_bytes_resident else 0.0,
+        **sizes,
         context_tokens=context_tokens,
-        kv_bytes=kv_bytes,
         memory_total=memory.total,
         memory_available=memory.available,
         cache_budget=budget,
         slots_per_layer=int(slots),
+        memory_source=memory.source,
+        memory_split=memory.split.as_dict() if memory.split is not None else None,
+        memory_fit=memory.why,
+        **speed,
+    )
+
+
+def _checkpoint_sizes(config: dict, index: dict, blocks: list, prefixes: tuple, expert_names: list,
+                      num_experts: int, top_k: int, dtype, context_tokens: int) -> dict:
+    """The plan's parameter counts and byte sizes from the checkpoint's headers (:class:`Plan`'s
+    field names): ``*_params`` in parameters, ``*_bytes*`` in bytes (resident ones in the
+    run's compute ``dtype``), ``experts_per_gb`` per GiB of cache."""
+    default_gs = (config.get("quantization") or {}).get("group_size")
+    params = {n: _params(index, n, _group_size(config, n, default_gs)) for n in index}
+    is_param = {n: not n.endswith((".scales", ".biases")) for n in index}
+    expert_params_all = sum(p for n, p in params.items() if n.startswith(prefixes) and is_param[n])
+    total = sum(p for n, p in params.items() if is_param[n])
+    L = len(blocks)
+    expert_params = expert_params_all // (L * num_experts)
+    expert_set = set(expert_names)
+    expert_bytes_disk = sum(index[n].nbytes for n in expert_names) // (L * num_experts)
+    resident = _resident_bytes(index, expert_names, dtype) // (L * num_experts)
+    return dict(
+        total_params=total,
+        active_params=total - expert_params_all + L * top_k * expert_params,
+        dense_params=total - expert_params_all,
+        expert_params=expert_params,
+        dense_bytes=sum(i.nbytes for n, i in index.items() if n not in expert_set),
+        expert_bytes_disk=expert_bytes_disk,
+        expert_bytes_resident=resident,
+        expert_bytes_warm=_warm_bytes(index, expert_names, [b for _, b in blocks]) // (L * num_experts),
+        layer_bytes_disk=expert_bytes_disk * num_experts,
+        experts_per_gb=GIB / resident if resident else 0.0,
+        kv_bytes=_kv_bytes(config, L, dtype, context_tokens),
+    )
+
+
+def _measured(source, needs: Needs, expert_names: list, top_k: int, slots: int, sizes: dict,
+              memory_split: MemoryBudget | None, disk_gbps: float | None, compute_gbps: float | None) -> dict:
+    """The plan's rates and speed range (:class:`Plan`'s field names): the disk and the expert
+    kernel as given, else measured briefly (GB/s), and the decode (tok/s, at the low and high
+    hit rates) and prompt-reading speeds they give."""
+    disk_method = "given"
+    disk_measured = disk_gbps is None
+    if disk_gbps is None:
+        disk_gbps, disk_method = _measure_disk(source, expert_names, source.blocks, top_k)
+    rates = None
+    if compute_gbps is None:
+        default_gs = (source.config.get("quantization") or {}).get("group_size")
+        rates = measure_kernel(needs.shape, _expert_quant(source.config, expert_names, default_gs), needs.kernel)
+        compute_gbps = rates.decode_gbps
+    num_experts = needs.shape.experts
+    hit_low = slots / num_experts
+    hit_high = max(LOCALITY_HIT_RATE, hit_low) if slots else 0.0
+    step = memory_split.prefill_step if memory_split is not None else 0
+    low, high, prompt = _speeds(needs, len(source.blocks), top_k, sizes["expert_bytes_disk"], sizes["dense_bytes"],
+                                (hit_low, hit_high), disk_gbps, compute_gbps, rates, step, slots >= 1)
+    return dict(
         disk_gbps=round(disk_gbps, 3),
         disk_measured=disk_measured,
         compute_gbps=round(compute_gbps, 3),
@@ -415,9 +433,6 @@ def make_plan(
         tok_s_high=round(high, 3),
         hit_rate_low=round(hit_low, 4),
         hit_rate_high=round(hit_high, 4),
-        memory_source=memory.source,
-        memory_split=memory.split.as_dict() if memory.split is not None else None,
-        memory_fit=memory.why,
         kernel=rates.kernel if rates is not None else needs.kernel,
         prompt_gflops=round(rates.prompt_gflops, 3) if rates is not None else 0.0,
         disk_method=disk_method,

@@ -23,7 +23,6 @@ from mlx_tier.tools.pools import (
     PoolPlan,
     Shape,
     attention_terms,
-    choose_pools,
     choose_slots,
     measure_read_gbps,
     probe_rates,
@@ -76,18 +75,12 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
     from mlx_tier.engine.budgets import host_available
 
     shape, probe, files = checkpoint_shape(model_dir, budget)
-    warm = sum(f.stat().st_size for f in files) <= 0.8 * host_available()
-    disk = disk_gbps if disk_gbps is not None else measure_read_gbps(files, warm=warm)
-    rates = probe_rates(disk, **probe,
-                        attention="cpu" if budget.kernel == "cpu" else "mlx")
-    room = budget.cache + budget.kv
-    slots, plan = choose_slots(shape, rates, prompt_tokens, output_tokens, room, budget.slot_row, most, documents,
-                               cap, budget.prefill_step)
-    if slots >= most:
-        return None
-    own = choose_pools(replace(shape, slots=most), rates, prompt_tokens, output_tokens,
-                       room - most * budget.slot_row, cap, documents, budget.prefill_step)
-    return slots, plan, own
+    if disk_gbps is None:
+        disk_gbps = measure_read_gbps(files, warm=sum(f.stat().st_size for f in files) <= 0.8 * host_available())
+    rates = probe_rates(disk_gbps, **probe, attention="cpu" if budget.kernel == "cpu" else "mlx")
+    slots, plan, own = choose_slots(shape, rates, prompt_tokens, output_tokens, budget.cache + budget.kv,
+                                    budget.slot_row, most, documents, cap, budget.prefill_step)
+    return (slots, plan, own) if slots < most else None
 
 
 def with_cache(budget: MemoryBudget, slots: int) -> MemoryBudget:

@@ -292,7 +292,7 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
 
 def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, room: int, slot_row: int,
                  most: int, documents: int | None = None, cap: int | None = None,
-                 max_pool: int | None = None) -> tuple[int, PoolPlan]:
+                 max_pool: int | None = None) -> tuple[int, PoolPlan, PoolPlan]:
     """Expert slots per layer for a run whose expert cache and KV caches share ``room`` bytes.
 
     Under a memory cap the two compete: every slot row taken from the KV caches
@@ -310,7 +310,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         documents, cap, max_pool: as :func:`choose_pools` takes them.
 
     Returns:
-        ``(slots, the pools they leave)``.
+        ``(slots, the pools they leave, the pools ``most`` slots leave)``.
 
     Raises:
         ValueError: ``most`` < 1 or no slot row fits in ``room``.
@@ -322,7 +322,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         raise ValueError(f"no expert slot row ({slot_row} bytes) fits in {room} bytes (most {most})")
     best = max(p.docs_per_hour for p in plans.values())
     n = max(n for n, p in plans.items() if p.docs_per_hour >= NEAR_BEST * best)
-    return n, plans[n]
+    return n, plans[n], plans[max(plans)]
 
 
 def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), bits: int = 4,

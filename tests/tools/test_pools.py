@@ -100,11 +100,11 @@ def test_slots_given_back_to_the_kv_caches_under_a_cap():
 
     row = 24 * 2_950_000  # one slot in each of the 24 layers (resident bytes)
     tight = int(0.73 * 2**30)  # the synthetic under a 2 GiB cap: cache + KV
-    slots, plan = choose_slots(SYNTH, RATES, 600, 32, tight, row, 8, documents=6)
-    full = choose_pools(replace(SYNTH, slots=8), RATES, 600, 32, tight - 8 * row, documents=6)
+    slots, plan, full = choose_slots(SYNTH, RATES, 600, 32, tight, row, 8, documents=6)
+    assert full == choose_pools(replace(SYNTH, slots=8), RATES, 600, 32, tight - 8 * row, documents=6)
     assert slots < 8 and plan.docs_per_hour > full.docs_per_hour  # pools bought with slots
     assert plan.decode_pool > full.decode_pool or plan.prefill_tokens > full.prefill_tokens
-    roomy, _ = choose_slots(SYNTH, RATES, 600, 32, 64 * 2**30, row, 8, documents=6)
+    roomy = choose_slots(SYNTH, RATES, 600, 32, 64 * 2**30, row, 8, documents=6)[0]
     assert roomy == 8  # memory to spare: every slot the split allows
     concentrated = replace(SYNTH, routed=12.0)  # a router whose tokens go to few experts: slots save reads
     assert choose_slots(concentrated, RATES, 600, 32, tight, row, 8, documents=6)[0] >= slots
