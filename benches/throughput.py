@@ -114,7 +114,8 @@ def worker(spec: dict) -> dict:
     step = min(PREFILL_STEP, budget.prefill_step) if budget is not None else PREFILL_STEP
     if budget is not None and tier.slots_per_layer is None and tier.cache_gb is None:
         if sched != "paced":
-            found = pool_cache.cache_for_pools(model_dir, budget, sum(chars) // len(chars) // 3 + len(DEFAULT_PROMPT) // 3 + 16,
+            prompt = sum(chars) // len(chars) // 3 + len(DEFAULT_PROMPT) // 3 + 16  # run's estimate
+            found = pool_cache.cache_for_pools(model_dir, budget, prompt,
                                                spec["summary_tokens"], len(docs), 1 if sched == "batch1" else None)
             budget = pool_cache.with_cache(budget, found[0]) if found else budget
         tier = replace(tier, cache_gb=budget.cache / 2**30)

@@ -450,7 +450,8 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
     top_k = next((int(getattr(args, k)) for k in ("num_experts_per_tok", "top_k", "moe_k")
                   if isinstance(getattr(args, k, None), int)), 2)
     shape = Shape(layers=len(cache.layers), experts=E, top_k=top_k, slots=min(cache.layer_slots),
-                  expert_bytes=expert_bytes, expert_flops=2.0 * params, **attention_terms(hidden, heads, kv_heads, head_dim),
+                  expert_bytes=expert_bytes, expert_flops=2.0 * params,
+                  **attention_terms(hidden, heads, kv_heads, head_dim),
                   kv_bytes=kv_bytes, heads=heads, hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0)
     probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
              "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim}
