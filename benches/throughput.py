@@ -13,7 +13,9 @@ How:
   ``batch1`` (the throughput schedule with one sequence at a time, on the first
   ``--batch1-docs`` documents: the decode cost of a lone sequence);
   ``throughput-mlx-attn`` (the throughput schedule with MLX's attention: what
-  the pools alone buy). All use the CPU expert kernel, greedy with the job's
+  the pools alone buy); ``throughput-no-ahead`` (the throughput schedule with
+  each round of experts read only when it comes: ``TierConfig.read_ahead``
+  off, what overlapping reads with compute buys). All use the CPU expert kernel, greedy with the job's
   repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
@@ -59,7 +61,7 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn")
+SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead")
 
 
 # ------------------------------------------------------------------- documents
@@ -103,7 +105,8 @@ def worker(spec: dict) -> dict:
     sched = spec["schedule"]
     model_dir = Path(spec["model"])
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
-                      attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype())
+                      attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype(),
+                      read_ahead=sched != "throughput-no-ahead")
     docs = documents(load_tokenizer(model_dir), spec["docs"], spec["min_tokens"], spec["max_tokens"])
     if sched == "batch1":
         docs = docs[: spec["batch1_docs"]]

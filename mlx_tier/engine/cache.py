@@ -65,6 +65,9 @@ class CacheStats:
     prefetch_predicted: int = 0  # predicted non-resident experts whose read was issued
     prefetch_used: int = 0  # of those, experts that then served a miss
     prefetch_wasted_bytes: int = 0  # bytes prefetched and dropped unused
+    # Experts of a layer's next round read while its current round computed
+    # (LayerCache.assign: more experts needed than slots); misses all the same.
+    read_ahead: int = 0
     # Wall time the forward pass blocked on reads (its own, and waiting for
     # in-flight prefetches), as opposed to read_seconds, the reads' total.
     stall_seconds: float = 0.0
@@ -242,10 +245,13 @@ class LayerCache:
         self._device_hits: mx.array | None = None  # [] uint32 sum over calls of experts used
         self._device_calls = 0  # calls summed since the last count_deferred
         # Prefetch (mlx_tier.engine.prefetch): a background read of predicted experts
-        # started by the previous layer, then, once waited for, its rows not
-        # yet used: (raw arrays, expert -> row, raw bytes of one expert).
+        # started by the previous layer, or of the next round's experts (read
+        # ahead, see assign), then, once waited for, the rows of each read not
+        # yet used: [(raw arrays, expert -> row, raw bytes of one expert, predicted)].
         self.incoming = None  # a PrefetchedRead or None
-        self._prefetched: tuple[dict[str, np.ndarray], dict[int, int], int] | None = None
+        self._prefetched: list[tuple[dict[str, np.ndarray], dict[int, int], int, bool]] = []
+        # Reads the next round's experts while a round computes (assign); None: off.
+        self.reader = None  # a mlx_tier.engine.prefetch.BackgroundReader
         self.owner: ExpertCache | None = None
         for t in tensors.values():
             # Lazy zeros: memory is taken at the first write, not at load.
@@ -408,8 +414,8 @@ class LayerCache:
             self.lut = mx.array(self.slot_of.astype(np.uint32))
 
     def _read(self, missing: list[int]) -> list[tuple[dict[str, np.ndarray], list[tuple[int, int]]]]:
-        """Raw bytes of ``missing``: from the prefetched batch where it holds
-        them (waiting for it if in flight), the rest read now. The wait and the
+        """Raw bytes of ``missing``: from the prefetched or read-ahead batches where
+        they hold them (waiting for one in flight), the rest read now. The wait and the
         read are the forward pass's stall (``stats.stall_seconds``).
 
         Returns:
@@ -425,25 +431,44 @@ class LayerCache:
             self._take_incoming()
         batches = []
         rest = missing
-        if self._prefetched is not None:
-            raw, row_of, _ = self._prefetched
-            used = [(row_of.pop(e), e) for e in missing if e in row_of]  # a row serves one miss
+        for raw, row_of, _, predicted in self._prefetched:
+            used = [(row_of.pop(e), e) for e in rest if e in row_of]  # a row serves one miss
             if used:
                 batches.append((raw, used))
-                self.stats.prefetch_used += len(used)
+                self.stats.prefetch_used += len(used) if predicted else 0
                 taken = {e for _, e in used}
-                rest = [e for e in missing if e not in taken]
+                rest = [e for e in rest if e not in taken]
+        self._prefetched = [b for b in self._prefetched if b[1]]  # spent reads freed at once
         if rest:
             batches.append((self.store.read_experts(list(self.tensors), rest), list(enumerate(rest))))
         self.stats.stall_seconds += time.perf_counter() - t0
         return batches
 
     def _take_incoming(self) -> None:
-        """Wait for the in-flight prefetch; keep its rows (none if it failed)."""
+        """Wait for the in-flight read; keep its rows (none if it failed)."""
         pending, self.incoming = self.incoming, None
         raw = pending.result()
         if raw is not None:
-            self._prefetched = (raw, {e: i for i, e in enumerate(pending.experts)}, pending.expert_nbytes)
+            self._prefetched.append((raw, {e: i for i, e in enumerate(pending.experts)}, pending.expert_nbytes,
+                                     pending.predicted))
+
+    def _read_ahead(self, experts: list[int]) -> None:
+        """Start reading ``experts`` (the next round's, none resident) on :attr:`reader`;
+        :meth:`_read` serves them from it. Bytes only: slots, the policy and the
+        hit/miss counts change when the round comes (:meth:`_ensure`), as without."""
+        from mlx_tier.engine.prefetch import PrefetchedRead
+
+        if self.reader is None or not experts:
+            return
+        if self.incoming is not None:  # at most one read in flight (BackgroundReader)
+            t0 = time.perf_counter()
+            self._take_incoming()
+            self.stats.stall_seconds += time.perf_counter() - t0
+        names = list(self.tensors)
+        nbytes = sum(t.info.expert_nbytes() for t in self.tensors.values())
+        self.stats.read_ahead += len(experts)
+        self.incoming = PrefetchedRead(experts, self.reader.submit(self.store, names, experts), nbytes,
+                                       predicted=False)
 
     def end_call(self) -> None:
         """Drop the prefetched experts this layer call did not use.
@@ -456,10 +481,9 @@ class LayerCache:
             t0 = time.perf_counter()
             self._take_incoming()
             self.stats.stall_seconds += time.perf_counter() - t0
-        if self._prefetched is not None:
-            _, row_of, expert_nbytes = self._prefetched
+        for _, row_of, expert_nbytes, _ in self._prefetched:
             self.stats.prefetch_wasted_bytes += len(row_of) * expert_nbytes
-            self._prefetched = None
+        self._prefetched = []
 
     def reset(self) -> None:
         """Forget every resident expert (slab contents are then unused)."""
@@ -497,7 +521,7 @@ class LayerCache:
         stay with the original (the copy reads those experts itself)."""
         new = copy.copy(self)
         memo[id(self)] = new
-        skip = {"incoming": None, "_prefetched": None, "pending": None}
+        skip = {"incoming": None, "_prefetched": [], "pending": None}
         for key, value in vars(self).items():
             setattr(new, key, skip[key] if key in skip else copy.deepcopy(value, memo))
         return new
@@ -553,10 +577,14 @@ class LayerCache:
             return
         # Resident experts first, so the first round reads nothing.
         order = [e for e in need if self.slot_of[e] >= 0] + [e for e in need if self.slot_of[e] < 0]
-        for i in range(0, len(order), self.num_slots):
-            group = order[i : i + self.num_slots]
+        S = self.num_slots
+        for i in range(0, len(order), S):
+            group = order[i : i + S]
             self._ensure(group)
             self.stats.rounds += 1
+            # The next round's experts are read while this one computes (none of them
+            # is resident: resident experts all come first, and there are at most S).
+            self._read_ahead(order[i + S : i + 2 * S])
             mask = np.isin(idx, group)
             yield np.where(mask, self.slot_of[idx], 0).astype(idx.dtype), mask
 

@@ -97,6 +97,12 @@ class TierConfig:
             Exactness and hit/miss counts do not depend on it. Default from
             ``benches/prefetch.py`` (benches/results/prefetch/NOTES.md); reported to hurt on Apple
             unified memory (docs/architecture.md, "Prefetch").
+        read_ahead: when a layer call needs more experts than the layer has
+            slots (a large pool), serve them in rounds with each round's
+            experts read while the round before computes (MoE-Lightning's
+            pipelining of reads and compute, arXiv 2411.11217; known experts,
+            not predicted). Bytes only, like ``prefetch``: tokens and hit/miss
+            counts do not depend on it. One tier only (not the CUDA path).
         kernel: what computes the experts (:mod:`mlx_tier.kernels.registry`): ``"mlx"``
             (mlx-lm's own ops: greedy tokens equal mlx-lm's exactly, hence the
             library default), ``"cpu"`` (:mod:`mlx_tier.kernels.cpu`, eager,
@@ -138,6 +144,7 @@ class TierConfig:
     profile: Path | None = None
     prewarm: bool | None = None
     prefetch: bool = DEFAULT_PREFETCH
+    read_ahead: bool = True
     kernel: str | None = None
     dense_kernel: bool = True
     attention_kernel: bool = True
@@ -483,9 +490,12 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
                                       kernels.kernel_for("cpu") if kernel_name == "cpu" else None,
                                       lambda path, m: set_child(model, path, m))
     else:
+        reader = BackgroundReader() if config.prefetch or config.read_ahead else None
+        for layer in layers if config.read_ahead else []:
+            layer.reader = reader
         if config.prefetch:
             parents = [module_at(model, path.rpartition(".")[0]) for path, _ in blocks]
-            links = link_layers(parents, [b for _, b in blocks], layers, BackgroundReader())
+            links = link_layers(parents, [b for _, b in blocks], layers, reader)
             for wrapper, link in zip(wrappers, links):
                 wrapper._prefetch = link
         expert_cache = ExpertCache(layers, stats, budget, store, budget_in_slots=in_slots)

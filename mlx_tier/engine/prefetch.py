@@ -43,18 +43,22 @@ _ROUTER_WORDS = ("gate", "router", "wg", "classifier")
 
 @dataclass
 class PrefetchedRead:
-    """A background read of predicted experts for one layer.
+    """A background read of experts for one layer: predicted ones, or the next
+    round's (:meth:`mlx_tier.engine.cache.LayerCache.assign`).
 
     Attributes:
         experts: expert ids, in the row order of the read.
         future: resolves to name -> numpy array ``[len(experts), ...]`` (raw
             on-disk dtype), as :meth:`mlx_tier.engine.store.ExpertStore.read_experts`.
         expert_nbytes: raw bytes of one expert (all its tensors).
+        predicted: a prediction (counted in ``CacheStats.prefetch_*``), not a
+            round's known experts read ahead.
     """
 
     experts: list[int]
     future: Future
     expert_nbytes: int
+    predicted: bool = True
 
     def result(self) -> dict[str, np.ndarray] | None:
         """Wait for the read; ``None`` if it failed (the caller reads normally)."""

@@ -1,7 +1,9 @@
 """Prefetch only moves reads earlier: greedy tokens, hits, misses, evictions and
 the slabs are those without it, no expert is read twice (extra bytes = wasted
 bytes), a failed prefetch falls back to a normal read, and the forward pass's
-wait on an in-flight prefetch is counted as stall.
+wait on an in-flight prefetch is counted as stall. Reading a layer's next round
+ahead (more experts than slots) likewise, and it is in flight while a round
+computes.
 """
 
 import importlib
@@ -107,6 +109,46 @@ def test_miss_waits_for_in_flight_prefetch_and_takes_its_bytes(tiny_moe):
         got = np.array(t.module[t.attr][int(layer.slot_of[3])])
         want = np.array(mx.array(real([name], [3])[name][0]).astype(t.dtype))
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_read_ahead_changes_nothing_but_when_bytes_arrive(tiny_moe, reference, prefetch):
+    off = tiered(tiny_moe, slots_per_layer=1, read_ahead=False, prefetch=prefetch)
+    on = tiered(tiny_moe, slots_per_layer=1, prefetch=prefetch)  # read ahead: the default
+    assert greedy_ids(off) == greedy_ids(on) == reference
+    s_off, s_on = off.expert_cache.stats, on.expert_cache.stats
+    for k in ("hits", "misses", "evictions", "rounds", "prefetch_predicted", "prefetch_used"):
+        assert getattr(s_on, k) == getattr(s_off, k), k
+    assert s_on.rounds > 0 and s_on.read_ahead > 0 and s_off.read_ahead == 0
+    # A round's experts read ahead are never wasted: the bytes read are the same.
+    assert s_on.bytes_read - s_on.prefetch_wasted_bytes == s_off.bytes_read - s_off.prefetch_wasted_bytes
+
+
+def test_next_round_is_read_while_a_round_computes(tiny_moe):
+    model = tiered(tiny_moe, slots_per_layer=2)
+    layer = model.expert_cache.layers[0]
+    store = layer.store
+    real = store.read_experts
+    reads = []  # (thread, experts)
+    store.read_experts = lambda n, experts: reads.append((threading.current_thread().name, list(experts))) \
+        or real(n, experts)
+    idx = np.array([[0, 1], [2, 3], [4, 5], [6, 7], [0, 7]])  # 8 experts, 2 slots: 4 rounds
+    rounds = []
+    for slots, mask in layer.assign(idx):
+        assert mask is not None
+        ahead = layer.incoming
+        rounds.append((sorted(int(e) for e in np.unique(idx[mask])), ahead.experts if ahead else None))
+        layer.pending = None
+    assert [r[0] for r in rounds] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # While round r computes, round r + 1's experts are in flight; nothing after the last.
+    assert [r[1] for r in rounds] == [[2, 3], [4, 5], [6, 7], None]
+    assert reads[0] == ("MainThread", [0, 1])  # only the first round is read on the forward pass
+    assert all(t.startswith("mlx-tier-prefetch") for t, _ in reads[1:]) and len(reads) == 4
+    assert layer.stats.read_ahead == 6 and layer.stats.misses == 8 and layer.stats.prefetch_predicted == 0
+    for e in range(6, 8):  # the last round's slots hold the bytes read ahead for it
+        for name, t in layer.tensors.items():
+            want = np.array(mx.array(real([name], [e])[name][0]).astype(t.dtype))
+            np.testing.assert_array_equal(np.array(t.module[t.attr][int(layer.slot_of[e])]), want)
 
 
 # Router found by shape in every mlx-lm MoE type, except where it reads another
