@@ -15,7 +15,9 @@ How:
   ``throughput-mlx-attn`` (the throughput schedule with MLX's attention: what
   the pools alone buy); ``throughput-no-ahead`` (the throughput schedule with
   each round of experts read only when it comes: ``TierConfig.read_ahead``
-  off, what overlapping reads with compute buys). All use the CPU expert kernel, greedy with the job's
+  off, what overlapping reads with compute buys); ``throughput-kv8`` (the
+  throughput schedule with its KV caches at 8 bits, ``run --kv-bits 8``:
+  larger pools in the same memory). All use the CPU expert kernel, greedy with the job's
   repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
@@ -61,7 +63,7 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead")
+SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8")
 
 
 # ------------------------------------------------------------------- documents
@@ -113,7 +115,8 @@ def worker(spec: dict) -> dict:
     chars = [len(d.text) for d in docs]
     # The job's memory split, as run_job makes it: the cgroup's limit, the prompt step it allows,
     # the expert cache it loads (a throughput run's pools may take slots: tools/pool_cache.py).
-    budget = run_budget(model_dir, tier, None, PREFILL_STEP if sched == "paced" else DEFAULT_POOL_STEP)
+    kv_bits = 8 if sched == "throughput-kv8" else None
+    budget = run_budget(model_dir, tier, None, PREFILL_STEP if sched == "paced" else DEFAULT_POOL_STEP, kv_bits)
     step = min(PREFILL_STEP, budget.prefill_step) if budget is not None else PREFILL_STEP
     if budget is not None and tier.slots_per_layer is None and tier.cache_gb is None:
         if sched != "paced":
@@ -128,7 +131,7 @@ def worker(spec: dict) -> dict:
     gen = GenerationConfig(DEFAULT_PROMPT, spec["summary_tokens"], DEFAULT_REPETITION_PENALTY,
                            schedule="paced" if sched == "paced" else "throughput",
                            batch_size=1 if sched == "batch1" else None, prefill_batch=1 if sched == "batch1" else None,
-                           prefill_step_size=step)
+                           prefill_step_size=step, kv_bits=kv_bits)
     t0 = time.perf_counter()
     s = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), gen, max(chars),
                   typical_chars=sum(chars) // len(chars), documents=len(docs), memory=budget)

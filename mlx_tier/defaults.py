@@ -57,3 +57,7 @@ DEFAULT_NICE = 10
 # Prefetch off by default: measured on the build machine by benches/prefetch.py
 # (benches/results/prefetch/NOTES.md).
 DEFAULT_PREFETCH = False
+# A quantized KV cache (`run --kv-bits`, mlx_tier.job.quantized_kv): the bits mx.quantize
+# packs for head dims of 64 and 128, and the group (mlx-lm's QuantizedKVCache default).
+KV_BITS = (4, 8)
+KV_GROUP_SIZE = 64

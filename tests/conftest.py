@@ -46,6 +46,14 @@ def tiny_moe(tmp_path_factory, tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_head_dim_64(tmp_path_factory, tokenizer_dir):
+    """The tiny MoE with a head dim of 64 (2 query heads over 1 key/value head): one KV
+    quantization group a head."""
+    return make_mixtral(tmp_path_factory.mktemp("tiny") / "moe-hd64", tokenizer_dir, quantized=True,
+                        hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_bf16(tmp_path_factory, tokenizer_dir) -> Path:
     """``tiny_moe`` with bf16 scales, biases and dense weights, as real checkpoints store them."""
     from mlx_lm.utils import load_model

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import as_flags, choices, err, out, print_wrapped
-from mlx_tier.defaults import PLAN_DOC_TOKENS
+from mlx_tier.defaults import KV_BITS, PLAN_DOC_TOKENS
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
 from mlx_tier.units import GIB, MIB
 
@@ -28,6 +28,7 @@ def plan(
     gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
     doc_tokens: int = typer.Option(PLAN_DOC_TOKENS, "--doc-tokens", min=0, help="Plan the overnight job (`run`) for documents of this many tokens: its prompt and decode pools and predicted documents/hour (its kernels are probed, a few seconds); 0: not planned."),
     summary_tokens: int = typer.Option(64, "--summary-tokens", min=1, help="Summary length (tokens) the job plan is for."),
+    kv_bits: int | None = typer.Option(None, "--kv-bits", metavar="[4|8]", help="Plan for KV caches quantized to 4 or 8 bits, as `run --kv-bits`."),
     as_json: bool = typer.Option(False, "--json", help="Print the worksheet as JSON."),
 ) -> None:
     """Capacity worksheet for MODEL from its config and shard headers (no weights loaded).
@@ -44,9 +45,12 @@ def plan(
         model = str(resolve(model, lambda text: print_wrapped(err, text, style="dim")))
     if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
         fail(f"--memory-gb must be positive, got {memory_gb}")
+    if kv_bits is not None and kv_bits not in KV_BITS:
+        fail(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {kv_bits}")
     try:
         p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps,
-                      compute_gbps=compute_gbps, doc_tokens=doc_tokens or None, summary_tokens=summary_tokens)
+                      compute_gbps=compute_gbps, doc_tokens=doc_tokens or None, summary_tokens=summary_tokens,
+                      kv_bits=kv_bits)
     except CheckpointError as e:
         fail(str(e))
     if gpu_gb is not None and not (math.isfinite(gpu_gb) and gpu_gb > 0):
@@ -71,7 +75,8 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         ("total parameters", f"{p.total_params / 1e9:.3f} B"),
         ("active parameters per token", f"{p.active_params / 1e9:.3f} B"),
         ("dense part (always resident)", f"{p.dense_bytes / GIB:.3f} GiB"),
-        (f"KV cache at {p.context_tokens} tokens (estimate)", f"{p.kv_bytes / GIB:.3f} GiB"),
+        (f"KV cache at {p.context_tokens} tokens (estimate{f', {p.kv_bits}-bit' if p.kv_bits else ''})",
+         f"{p.kv_bytes / GIB:.3f} GiB"),
         ("one expert: disk / resident", f"{p.expert_bytes_disk / MIB:.2f} / {p.expert_bytes_resident / MIB:.2f} MiB"),
         ("one layer's experts (disk)", f"{p.layer_bytes_disk / GIB:.3f} GiB"),
         ("experts per GiB of cache", f"{p.experts_per_gb:.0f}"),

@@ -86,6 +86,7 @@ def run(
     background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Most documents in flight (decoded together: each expert read serves all of them). Default: the throughput schedule's pool plan (memory and measured speeds, at most 64); with --schedule paced, what memory allows, at most 8."),
     schedule: str = typer.Option(DEFAULT_SCHEDULE, "--schedule", metavar=choices(SCHEDULES), help="throughput: prompts of several documents read together in large pools and many documents decoded together (each expert read once per layer step for all of them); paced: one prompt at a time in ~4 s steps beside at most 8 decoding (the earlier default)."),
+    kv_bits: int | None = typer.Option(None, "--kv-bits", metavar="[4|8]", help="Store the KV caches of the documents in flight quantized to 4 or 8 bits (groups of 64; the throughput schedule): at 8 bits ~0.28x the bytes of float32, so more documents fit in a pool under a memory limit. Summaries may differ from an unquantized cache's (benches/results/kv-quant). Default: not quantized."),
     context: int | None = typer.Option(None, "--context", min=64, help="Usable context in tokens (prompt + summary). Default: the model's, or less if memory is short. Longer documents are summarised in parts, then the parts' summaries combined (never truncated)."),
     prefill_step: int = typer.Option(DEFAULT_PREFILL_STEP, "--prefill-step", min=1, help="--schedule paced: most prompt tokens per step while reading a document's prompt (one document at a time); steps are paced to about 4 s from the measured speed, up to this many tokens; smaller: less memory. (The throughput schedule sizes its prompt pools from its plan.)"),
     max_temp: float | None = typer.Option(None, "--max-temp", help="Slow down above this temperature (°C, hottest sensor)."),
@@ -158,7 +159,7 @@ def run(
             generation=GenerationConfig(
                 instruction=DEFAULT_PROMPT if prompt is None else read_prompt(prompt), max_tokens=max_tokens,
                 repetition_penalty=repetition_penalty, batch_size=batch_size, context=context,
-                prefill_step_size=prefill_step, schedule=schedule),
+                prefill_step_size=prefill_step, schedule=schedule, kv_bits=kv_bits),
             throttle=throttle, trace=trace, input_paths=paths,
             output_format=output_format, retry_failed=retry_failed, redo_changed=redo_changed, command=command,
             nice=nice,

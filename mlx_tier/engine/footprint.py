@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_tier.defaults import KV_GROUP_SIZE
 from mlx_tier.errors import BudgetError
 from mlx_tier.units import GIB, MIB
 
@@ -64,7 +65,8 @@ class ModelShape:
         heads / kv_heads / head_dim: attention.
         layers: decoder layers (all hold a KV cache).
         vocab: output rows (the logits of a decode step).
-        kv_itemsize: bytes of a cached key or value element (4 on the CPU backend).
+        kv_itemsize: bytes of a cached key or value element (4 on the CPU backend;
+            a quantized cache's: :func:`kv_element_bytes`).
     """
 
     hidden: int
@@ -76,10 +78,10 @@ class ModelShape:
     head_dim: int
     layers: int
     vocab: int
-    kv_itemsize: int = 4
+    kv_itemsize: float = 4
 
     @classmethod
-    def of_config(cls, config: dict, expert_inner: int, top_k: int, experts: int, kv_itemsize: int = 4):
+    def of_config(cls, config: dict, expert_inner: int, top_k: int, experts: int, kv_itemsize: float = 4):
         """From a checkpoint's ``config.json`` and its expert sizes (the config's names vary by model)."""
         heads = int(config.get("num_attention_heads") or 1)
         hidden = int(config.get("hidden_size") or 0)
@@ -91,11 +93,18 @@ class ModelShape:
     @property
     def kv_per_token(self) -> int:
         """KV-cache bytes per token of one sequence (standard attention: an upper bound)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_itemsize
+        return int(2 * self.layers * self.kv_heads * self.head_dim * self.kv_itemsize)
 
     def __str__(self) -> str:
         return (f"D {self.hidden}, experts {self.experts} x I {self.expert_inner} top-{self.top_k}, "
                 f"heads {self.heads}/{self.kv_heads}x{self.head_dim}, {self.layers} layers, vocab {self.vocab}")
+
+
+def kv_element_bytes(bits: int | None, itemsize: float = 4, group_size: int = KV_GROUP_SIZE) -> float:
+    """Bytes of one cached key or value element: ``itemsize`` unquantized (``bits`` None),
+    else its code plus its share of its group's scale and bias (each ``itemsize``):
+    ``bits / 8 + 2 x itemsize / group_size`` (8 bits, float32, groups of 64: 1.125)."""
+    return itemsize if bits is None else bits / 8 + 2 * itemsize / group_size
 
 
 # Measured over the shape terms (benches/workspace.py): peak RSS of a step beyond

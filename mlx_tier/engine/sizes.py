@@ -17,7 +17,13 @@ import numpy as np
 import psutil
 
 from mlx_tier.engine.checkpoint import Checkpoint
-from mlx_tier.engine.footprint import MemoryBudget, ModelShape, Needs, split
+from mlx_tier.engine.footprint import (
+    MemoryBudget,
+    ModelShape,
+    Needs,
+    kv_element_bytes,
+    split,
+)
 from mlx_tier.errors import BudgetError, CheckpointError
 from mlx_tier.units import GIB
 
@@ -53,7 +59,7 @@ def expert_inner(weight_shapes: list[tuple[int, ...]], hidden: int) -> int:
     return max(inner or rows or [hidden])
 
 
-def needs_of(ckpt: Checkpoint, kernel: str, itemsize: int | None, kv_itemsize: int) -> Needs:
+def needs_of(ckpt: Checkpoint, kernel: str, itemsize: int | None, kv_itemsize: float) -> Needs:
     """What a run of ``ckpt`` holds beside its expert cache (:class:`Needs`).
 
     Args:
@@ -108,7 +114,8 @@ def may_use_now(available: int, total: int) -> int:
     return min(total, available + process_rss())
 
 
-def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int) -> MemoryBudget | None:
+def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int,
+               kv_bits: int | None = None) -> MemoryBudget | None:
     """The memory split of a run of ``model_dir`` (:func:`mlx_tier.engine.footprint.split`), before loading.
 
     The total is ``memory_gb`` when given, else what this process may use: the
@@ -121,6 +128,7 @@ def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int
         tier: the run's :class:`~mlx_tier.engine.load.TierConfig` (kernel, dtype, cache).
         memory_gb: the total in GiB, or ``None``.
         prefill_step: the prompt step asked for (tokens).
+        kv_bits: the KV caches quantized to these bits (``None``: in the compute dtype).
 
     Returns:
         the split, or ``None`` on CUDA (the expert cache lives in GPU memory:
@@ -145,7 +153,8 @@ def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int
     ckpt = open_checkpoint(Path(model_dir))
     dtype = tier.dtype if tier.dtype is not None else job_compute_dtype()
     kernel = registry.choose(tier.kernel or LIBRARY_KERNEL, [b for _, b in ckpt.blocks], False)
-    needs = needs_of(ckpt, kernel, dtype.size if dtype is not None else None, 4 if dtype is None or dtype.size == 4 else 2)
+    kv_itemsize = kv_element_bytes(kv_bits, 4 if dtype is None or dtype.size == 4 else 2)
+    needs = needs_of(ckpt, kernel, dtype.size if dtype is not None else None, kv_itemsize)
     may_use = may_use_now(mem.host_available, mem.host_total)
     source = mem.limit.source if mem.limit is not None else "host"
     if memory_gb is not None and int(memory_gb * GIB) > may_use:

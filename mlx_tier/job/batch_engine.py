@@ -72,7 +72,8 @@ def kv_bytes_per_token(cache: list) -> tuple[float, int]:
 
     Returns:
         ``(bytes per token, fixed bytes)``: attention caches grow per token
-        (their allocated keys/values divided by allocated length); other
+        (their allocated keys/values divided by allocated length; quantized
+        ones: codes, scales and biases); other
         caches (SSM/linear-attention state) count as fixed.
     """
     per_token, fixed = 0.0, 0
@@ -82,7 +83,9 @@ def kv_bytes_per_token(cache: list) -> tuple[float, int]:
             per_token, fixed = per_token + p, fixed + f
             continue
         keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
+        if isinstance(keys, (tuple, list)) and isinstance(values, (tuple, list)):  # quantized: codes, scales, biases
+            per_token += sum(a.nbytes / a.shape[2] for a in (*keys, *values))
+        elif isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
             per_token += keys.nbytes / keys.shape[2] + values.nbytes / values.shape[2]
         else:
             try:

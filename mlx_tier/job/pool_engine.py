@@ -55,6 +55,7 @@ from mlx_tier.job.batch_engine import (
     check_add,
     start_of,
 )
+from mlx_tier.job.quantized_kv import check_kv_bits, quantizing
 
 
 class StepInterrupted(Exception):
@@ -98,23 +99,30 @@ class PoolEngine:
             (each prompt's chunk is ``pool_tokens // prompts``, at least 1).
         repetition_penalty: mlx-lm's (its context includes the prompt).
         prefix: a shared prefix's KV cache, copied into each prompt that starts with it.
+        kv_bits: store the pools' KV caches quantized to these bits
+            (:mod:`mlx_tier.job.quantized_kv`: ~0.28x float32's bytes at 8;
+            tokens may differ from an unquantized cache); ``None``: as mlx-lm
+            stores them.
 
     Raises:
-        ValueError: a size below 1.
+        ValueError: a size below 1, or ``kv_bits`` not one of
+            :data:`~mlx_tier.job.quantized_kv.KV_BITS`.
     """
 
     def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 32, prefill_batch: int = 8,
                  pool_tokens: int = DEFAULT_PREFILL_STEP, repetition_penalty: float = 1.0,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, kv_bits: int | None = None):
         from mlx_lm.generate import GenerationBatch, StopSequences
         from mlx_lm.sample_utils import greedy_sampler
+
+        check_kv_bits(kv_bits)
 
         if min(batch_size, prefill_batch, pool_tokens) < 1:
             raise ValueError(f"pool sizes must be >= 1, got batch {batch_size}, prefill batch {prefill_batch}, "
                              f"pool tokens {pool_tokens}")
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.prefill_batch, self.pool_tokens = batch_size, prefill_batch, pool_tokens
-        self.repetition_penalty, self.prefix = repetition_penalty, prefix
+        self.repetition_penalty, self.prefix, self.kv_bits = repetition_penalty, prefix, kv_bits
         self._stops = StopSequences([[t] for t in sorted(stop_ids)])
         self._sampler = greedy_sampler
         self._gen = GenerationBatch.empty(model, greedy_sampler)
@@ -146,8 +154,8 @@ class PoolEngine:
         prompt, cache, seen, used = start_of(self.prefix, task.prompt)
         procs = make_logits_processors(repetition_penalty=self.repetition_penalty) \
             if self.repetition_penalty != 1.0 else []
-        self._waiting.append(_Seq(self._uid, task, list(prompt[:-1]), prompt[-1],
-                                  cache if cache is not None else make_prompt_cache(self.model), seen, procs, used,
+        cache = quantizing(cache if cache is not None else make_prompt_cache(self.model), self.kv_bits)
+        self._waiting.append(_Seq(self._uid, task, list(prompt[:-1]), prompt[-1], cache, seen, procs, used,
                                   time.perf_counter()))
         self._uid += 1
 

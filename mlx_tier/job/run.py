@@ -339,7 +339,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag,
     probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
     generation = _generation(config, loaded.budget)
     if p.requests:  # each request's own sampling and stop strings: the batch engine's (the pool engine is greedy)
-        generation = replace(generation, schedule="paced")
+        generation = replace(generation, schedule="paced", kv_bits=None)
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, generation,
                           max(p.sizes.values(), default=0), probes=probes,
                           typical_chars=sum(known) // len(known) if known else None, documents=len(p.sizes),
@@ -606,7 +606,8 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
         model_dir = resolve(config.model, reporter.message)
     step = config.generation.prefill_step_size  # the paced schedule's; the throughput schedule's pools reach further
     step = step if pools is None else max(step, DEFAULT_POOL_STEP)
-    budget = run_budget(model_dir, config.tier, config.memory_gb, step)
+    kv_bits = config.generation.kv_bits if pools is not None else None  # batch requests: never quantized
+    budget = run_budget(model_dir, config.tier, config.memory_gb, step, kv_bits)
     tier, cache_gb = config.tier, None
     if budget is not None and pools is not None and tier.layer_slots is None:
         budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())
@@ -682,6 +683,8 @@ def _setup(loaded: _Loaded, config: JobConfig) -> dict:
         "expert_bytes_on_disk": sum(t.info.nbytes for layer in cache.layers for t in layer.tensors.values()),
         "policy": config.tier.policy.name,
         "prefetch": config.tier.prefetch,
+        "read_ahead": config.tier.read_ahead,
+        "kv_bits": g.kv_bits,  # None: KV caches unquantized (mlx_tier.job.quantized_kv)
         "kernel": getattr(cache, "kernel", config.tier.kernel),  # as chosen for this model (mlx_tier.kernels.registry.choose)
         "dtype": getattr(cache, "dtype_name", None),  # the cast made at load (mlx_tier.engine.dtypes)
         "max_tokens": g.max_tokens,
@@ -865,7 +868,8 @@ def _batch_pass(p: _Pass, pending: list, config: JobConfig, reporter: Reporter) 
     g = config.generation
     unused = [name for name, changed in (("`instruction`", g.instruction != DEFAULT_PROMPT),
                                           ("`repetition_penalty`", g.repetition_penalty != DEFAULT_REPETITION_PENALTY),
-                                          ("`output_format` jsonl", config.output_format == "jsonl")) if changed]
+                                          ("`output_format` jsonl", config.output_format == "jsonl"),
+                                          ("`kv_bits`", g.kv_bits is not None)) if changed]
     if unused:
         reporter.message(f"batch requests run as written: {', '.join(unused)} "
                          f"{'applies' if len(unused) == 1 else 'apply'} to documents only (answers go to "

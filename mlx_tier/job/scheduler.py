@@ -29,6 +29,7 @@ from mlx_tier.defaults import (
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_SCHEDULE,
+    KV_BITS,
     SCHEDULES,
 )
 from mlx_tier.engine.footprint import MemoryBudget
@@ -59,6 +60,7 @@ from mlx_tier.job.prompts import (
     strip_reasoning,
     trim_to_sentence,
 )
+from mlx_tier.job.quantized_kv import quantized_copy
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
@@ -86,9 +88,13 @@ class GenerationConfig:
         pool_tokens: throughput schedule: prompt tokens per prefill step, over
             the prompts read together; ``None``: from the pool model.
         prefill_batch: throughput schedule: prompts read together; ``None``: from the pool model.
+        kv_bits: throughput schedule: store the KV caches quantized to these bits
+            (:mod:`mlx_tier.job.quantized_kv`: more sequences fit in the same
+            memory; tokens may differ from an unquantized cache); ``None``: not.
 
     Raises:
-        ConfigError: an unknown ``schedule`` (``field``: ``schedule``).
+        ConfigError: an unknown ``schedule`` (``field``: ``schedule``); ``kv_bits``
+            not one of :data:`~mlx_tier.defaults.KV_BITS`, or with the paced schedule.
     """
 
     instruction: str = DEFAULT_PROMPT
@@ -101,10 +107,17 @@ class GenerationConfig:
     schedule: str = DEFAULT_SCHEDULE
     pool_tokens: int | None = None
     prefill_batch: int | None = None
+    kv_bits: int | None = None
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"`schedule` must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}", "schedule")
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise ConfigError(f"`kv_bits` must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits}",
+                              "kv_bits")
+        if self.kv_bits is not None and self.schedule != "throughput":
+            raise ConfigError("`kv_bits` needs the throughput schedule (its pools hold the quantized KV caches)",
+                              "kv_bits")
 
 
 @dataclass
@@ -269,7 +282,8 @@ class Scheduler:
         context = min(model_context, config.context or model_context)
         # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
         step = config.prefill_step_size if memory is None else 0
-        self.plan = estimate_memory(self.prefix.cache, getattr(model, "args", None), step, sequence_room(memory))
+        self.plan = estimate_memory(self._stored(self.prefix.cache), getattr(model, "args", None), step,
+                                    sequence_room(memory))
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")
@@ -299,6 +313,18 @@ class Scheduler:
         if config.schedule == "throughput":
             self.info |= {"pool_tokens": self.pool_tokens, "prefill_batch": self.prefill_batch,
                           "pools": self.pools.as_dict() if self.pools is not None else None}
+
+    def _stored(self, cache: list) -> list:
+        """A filled prompt cache as the engine stores its sequences' (quantized with
+        ``kv_bits``), to measure KV bytes per token.
+
+        Raises:
+            ConfigError: a head dim the KV group size does not divide.
+        """
+        try:
+            return quantized_copy(cache, self.config.kv_bits)
+        except ValueError as e:
+            raise ConfigError(str(e), "kv_bits") from None
 
     def _observed(self, phase):
         """The prefix's prefill as the pool model's calibration point
@@ -385,7 +411,7 @@ class Scheduler:
         if c.schedule == "throughput":
             return PoolEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                               prefill_batch=self.prefill_batch, pool_tokens=self.pool_tokens,
-                              repetition_penalty=c.repetition_penalty, prefix=self._prefix())
+                              repetition_penalty=c.repetition_penalty, prefix=self._prefix(), kv_bits=c.kv_bits)
         return BatchEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
                            prefix=self._prefix(), step_cap=self.memory.prompt_step if self.memory else None)

@@ -21,8 +21,9 @@ padding: mlx-lm pads each sequence to the longest) are left out of its work;
 in a decode pool (one query a sequence, more sequences than threads) all
 heads of a sequence go in one batched product. On 32 sequences of 300-1,500
 tokens the two halve a decode step's attention (benches/results/throughput/
-NOTES.md). Attention sinks and quantized KV caches keep MLX's
-path. Numerics: fp32 in another summation order than MLX, so equal within
+NOTES.md). A quantized KV cache (``bits``: mlx-lm's ``QuantizedKVCache``,
+:class:`mlx_tier.job.quantized_kv.BatchQuantizedKVCache`) is dequantized to
+float32 first, one layer at a time. Attention sinks keep MLX's path. Numerics: fp32 in another summation order than MLX, so equal within
 fp32 rounding (tests/kernels/test_cpu_attention.py), not bit for bit.
 
 How it is used: :func:`serve_attention` gives each attention module of a
@@ -165,7 +166,10 @@ def _dispatch(original):
     that runs :func:`sdpa` for calls from served modules, else ``original``."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if getattr(_MARK, "on", False) and sinks is None and not hasattr(cache, "bits"):
+        if getattr(_MARK, "on", False) and sinks is None:
+            if hasattr(cache, "bits"):  # a quantized cache: (codes, scales, biases) triples
+                keys, values = (mx.dequantize(*t, group_size=cache.group_size, bits=cache.bits)
+                                for t in (keys, values))
             return sdpa(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

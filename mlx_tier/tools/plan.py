@@ -32,7 +32,13 @@ import numpy as np
 from mlx_tier.defaults import DEFAULT_POOL_STEP, JOB_KERNEL
 from mlx_tier.engine.checkpoint import find_expert_blocks, open_checkpoint
 from mlx_tier.engine.dtypes import job_compute_dtype
-from mlx_tier.engine.footprint import MemoryBudget, ModelShape, Needs, split
+from mlx_tier.engine.footprint import (
+    MemoryBudget,
+    ModelShape,
+    Needs,
+    kv_element_bytes,
+    split,
+)
 from mlx_tier.engine.limits import probe_limit
 from mlx_tier.engine.sizes import expert_inner, may_use_now
 from mlx_tier.errors import BudgetError, CheckpointError
@@ -87,6 +93,7 @@ class Plan:
     # The overnight job's throughput schedule (mlx_tier.tools.pools.PoolPlan.as_dict, with the
     # document lengths it is for and the rates it used); None when not planned.
     job: dict | None = None
+    kv_bits: int | None = None  # KV caches quantized to these bits (run --kv-bits); None: not
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -258,15 +265,16 @@ def _warm_bytes(index: dict, names: list[str], blocks: list) -> int:
     return warm_slot_nbytes(((np.prod(index[n].shape), index[n].mx_dtype) for n in names), host_kernel)
 
 
-def _kv_bytes(config: dict, moe_layers: int, dtype, context_tokens: int) -> int:
+def _kv_bytes(config: dict, moe_layers: int, dtype, context_tokens: int, kv_bits: int | None = None) -> int:
     """KV cache bytes of one sequence of ``context_tokens`` (standard attention:
-    K and V per layer, ``num_key_value_heads x head_dim``; fp32 on the CPU backend)."""
+    K and V per layer, ``num_key_value_heads x head_dim``; fp32 on the CPU backend;
+    quantized to ``kv_bits``: :func:`mlx_tier.engine.footprint.kv_element_bytes`)."""
     n_layers = config.get("num_hidden_layers") or moe_layers
     heads = config.get("num_attention_heads") or 1
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
-    kv_itemsize = 4 if dtype == mx.float32 else 2
-    return 2 * n_layers * kv_heads * head_dim * kv_itemsize * context_tokens
+    kv_itemsize = kv_element_bytes(kv_bits, 4 if dtype == mx.float32 else 2)
+    return int(2 * n_layers * kv_heads * head_dim * kv_itemsize * context_tokens)
 
 
 def _expert_layout(model_dir, config: dict, index: dict, blocks: list) -> tuple[tuple[str, ...], list[str], int, int]:
@@ -315,6 +323,7 @@ def make_plan(
     compute_gbps: float | None = None,
     doc_tokens: int | None = None,
     summary_tokens: int = 64,
+    kv_bits: int | None = None,
 ) -> Plan:
     """Capacity worksheet for ``model_dir`` (no weights loaded).
 
@@ -333,6 +342,7 @@ def make_plan(
             documents of ``doc_tokens`` prompt tokens and summaries of
             ``summary_tokens`` (:func:`job_pools`: its kernels are probed, a few
             seconds); ``None``: not planned.
+        kv_bits: plan for KV caches quantized to these bits (``run --kv-bits``).
 
     Raises:
         CheckpointError: not an mlx-lm MoE checkpoint; not found; hub unreachable.
@@ -342,9 +352,9 @@ def make_plan(
     prefixes, expert_names, num_experts, top_k = _expert_layout(model_dir, config, index, blocks)
     dtype = job_compute_dtype()  # the plan is for mlx-tier run
     sizes = _checkpoint_sizes(config, index, blocks, prefixes, expert_names, num_experts, top_k, dtype,
-                              context_tokens)
+                              context_tokens, kv_bits)
     L, resident = len(blocks), sizes["expert_bytes_resident"]
-    needs = _needs(config, index, expert_names, blocks, num_experts, top_k, dtype, resident)
+    needs = _needs(config, index, expert_names, blocks, num_experts, top_k, dtype, resident, kv_bits)
     memory, traded = _for_pools(_memory(needs, memory_gb), source, doc_tokens, summary_tokens, disk_gbps)
     budget = memory.split.cache if memory.split is not None else 0
     slots = min(num_experts, budget // (L * resident)) if resident else 0
@@ -353,9 +363,10 @@ def make_plan(
     if doc_tokens and slots and memory.split is not None:  # the split's KV share, as a run sizes its pools
         job = job_pools(config, L, num_experts, top_k, slots, sizes["expert_bytes_disk"], 2 * sizes["expert_params"],
                         speed["disk_gbps"], memory.split.kv, doc_tokens, summary_tokens,
-                        memory.split.prefill_step) | traded
+                        memory.split.prefill_step, kv_bits) | traded
     return Plan(
         job=job,
+        kv_bits=kv_bits,
         model=str(model_dir),
         source=source.kind,
         model_type=config.get("model_type", "?"),
@@ -376,7 +387,7 @@ def make_plan(
 
 
 def _checkpoint_sizes(config: dict, index: dict, blocks: list, prefixes: tuple, expert_names: list,
-                      num_experts: int, top_k: int, dtype, context_tokens: int) -> dict:
+                      num_experts: int, top_k: int, dtype, context_tokens: int, kv_bits: int | None) -> dict:
     """The plan's parameter counts and byte sizes from the checkpoint's headers (:class:`Plan`'s
     field names): ``*_params`` in parameters, ``*_bytes*`` in bytes (resident ones in the
     run's compute ``dtype``), ``experts_per_gb`` per GiB of cache."""
@@ -401,7 +412,7 @@ def _checkpoint_sizes(config: dict, index: dict, blocks: list, prefixes: tuple, 
         expert_bytes_warm=_warm_bytes(index, expert_names, [b for _, b in blocks]) // (L * num_experts),
         layer_bytes_disk=expert_bytes_disk * num_experts,
         experts_per_gb=GIB / resident if resident else 0.0,
-        kv_bytes=_kv_bytes(config, L, dtype, context_tokens),
+        kv_bytes=_kv_bytes(config, L, dtype, context_tokens, kv_bits),
     )
 
 
@@ -443,7 +454,7 @@ def _measured(source, needs: Needs, expert_names: list, top_k: int, slots: int, 
 
 def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, expert_bytes: int,
               expert_flops: float, disk_gbps: float, free_bytes: int, doc_tokens: int, summary_tokens: int,
-              max_pool: int | None = None) -> dict:
+              max_pool: int | None = None, kv_bits: int | None = None) -> dict:
     """The overnight job's pools and predicted documents/hour (:func:`mlx_tier.tools.pools.choose_pools`)
     from a checkpoint's config, its kernels' rates probed here (:func:`mlx_tier.tools.pools.probe_rates`)."""
     from mlx_tier.tools.pools import Shape, choose_pools, probe_rates
@@ -455,7 +466,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     inner = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or hidden)
     q = config.get("quantization") or {}
     dense = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    kv = _kv_bytes(config, layers, job_compute_dtype(), 1)
+    kv = _kv_bytes(config, layers, job_compute_dtype(), 1, kv_bits)
     shape = Shape(layers, experts, top_k, slots, expert_bytes, expert_flops, int(dense * 0.6), 2.0 * dense,
                   4.0 * heads * head_dim, float(kv), heads, hidden, inner)
     on_cpu = mx.default_device() == mx.cpu
@@ -515,7 +526,7 @@ def _memory(needs: Needs, memory_gb: float | None) -> _Memory:
 
 
 def _needs(config: dict, index: dict, expert_names: list[str], blocks: list, num_experts: int, top_k: int,
-           dtype, expert_bytes_resident: int) -> Needs:
+           dtype, expert_bytes_resident: int, kv_bits: int | None = None) -> Needs:
     """What a run holds beside its cache (:class:`mlx_tier.engine.footprint.Needs`), from the headers."""
     from mlx_tier.kernels.registry import choose
 
@@ -524,7 +535,7 @@ def _needs(config: dict, index: dict, expert_names: list[str], blocks: list, num
     dense = _resident_bytes(index, [n for n in index if n not in names], dtype)
     weights = [index[n].shape for n in expert_names if n.endswith(".weight")]
     shape = ModelShape.of_config(config, expert_inner(weights, int(config.get("hidden_size") or 0)), top_k,
-                                 num_experts, 4 if dtype == mx.float32 else 2)
+                                 num_experts, kv_element_bytes(kv_bits, 4 if dtype == mx.float32 else 2))
     kernel = choose(JOB_KERNEL, [b for _, b in blocks], False)
     return Needs(dense, L * expert_bytes_resident, L * num_experts * expert_bytes_resident, shape, kernel)
 

@@ -137,6 +137,10 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
         # --background checks before detaching
         ((docs, "--out", tmp_path / "o", "--model", tmp_path / "no-model", "--background"), "model folder not found"),
         ((docs, "--out", tmp_path / "o", "--max-tok-s", "0", "--background"), "--max-tok-s must be a positive"),
+        # a KV cache quantized to bits mx.quantize does not pack, or for the paced schedule
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--kv-bits", "3"), "must be one of 4, 8"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--kv-bits", "8", "--schedule", "paced"),
+         "needs the throughput schedule"),
         # a context too small for --max-tokens and the instruction: refused before any document
         ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--context", "100"), "raise --context"),
     ]
@@ -313,3 +317,23 @@ def test_kernel_option(docs, tmp_path, tiny_moe):
         texts.append(sorted((p.name, p.read_text()) for p in out.glob("*.md")))
         assert json.loads((out / "report.json").read_text())["kernel"] == kernel
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_kv_bits_runs_quantized_and_a_head_dim_it_cannot_group_exits_2(docs, tmp_path, tiny_moe, moe_head_dim_64):
+    out = tmp_path / "out"
+    code, output = run(docs, "--out", out, "--model", moe_head_dim_64, "--max-tokens", "8", "--kv-bits", "8")
+    assert code == 0, output
+    report = json.loads((out / "report.json").read_text())
+    assert report["kv_bits"] == 8
+    quantized = report["generation"]["kv_bytes_per_token"]
+    code, output = run(docs, "--out", tmp_path / "plain", "--model", moe_head_dim_64, "--max-tokens", "8")
+    assert code == 0, output
+    unquantized = json.loads((tmp_path / "plain" / "report.json").read_text())
+    assert unquantized["kv_bits"] is None
+    # 8-bit codes and float32 scales and biases per group of 64: 1.125 bytes an element against 4
+    assert quantized == pytest.approx(unquantized["generation"]["kv_bytes_per_token"] * 1.125 / 4, rel=0.01)
+    # tiny_moe's head dim is 16: no group of 64 fits; refused before any document, nothing written
+    code, output = run(docs, "--out", tmp_path / "o16", "--model", tiny_moe, "--max-tokens", "8", "--kv-bits", "8")
+    lines = error_lines(output)
+    assert code == 2 and len(lines) == 1 and "cannot be quantized" in lines[0], output
+    assert not list((tmp_path / "o16").glob("*.md"))

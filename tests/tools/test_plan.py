@@ -33,6 +33,8 @@ def test_plan_matches_arithmetic(which, request):
     else:  # 4-bit, group 32, float32 scales and biases
         assert p.expert_bytes_disk == want["expert"] // 2 + 2 * 4 * want["expert"] // 32
     assert p.kv_bytes == 2 * 2 * 2 * 16 * 4 * 1000  # K and V, layers, kv heads, head dim, float32, tokens
+    q8 = make_plan(path, memory_gb=1.0, context_tokens=1000, disk_gbps=2.0, compute_gbps=1.0, kv_bits=8)
+    assert q8.kv_bytes == 2 * 2 * 2 * 16 * (1 + 8 / 64) * 1000 and q8.kv_bits == 8  # codes, scales, biases
     assert p.memory_total == 2**30 and p.slots_per_layer == p.experts_per_layer
     miss0 = p.moe_layers * p.top_k * p.expert_bytes_disk
     active = p.dense_bytes + miss0
@@ -51,6 +53,11 @@ def test_plan_cli_json_and_errors(tiny_moe, tiny_dense, tmp_path):
     for bad, msg in [(tiny_dense, "not a Mixture-of-Experts"), (tmp_path, "no config.json")]:
         r = CliRunner().invoke(app, ["plan", str(bad)])
         assert r.exit_code == 2 and msg in r.output
+    r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--kv-bits", "8", "--disk-gbps", "1", "--compute-gbps", "1",
+                                 "--doc-tokens", "0"])
+    assert r.exit_code == 0 and "8-bit" in r.output, r.output
+    r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--kv-bits", "5"])
+    assert r.exit_code == 2 and "--kv-bits must be one of 4, 8" in r.output
 
 
 def test_bandwidth_probes_measure_something(tiny_moe_fp):
