@@ -23,7 +23,7 @@ heads of a sequence go in one batched product. On 32 sequences of 300-1,500
 tokens the two halve a decode step's attention (benches/results/throughput/
 NOTES.md). A quantized KV cache (``bits``: mlx-lm's ``QuantizedKVCache``,
 :class:`mlx_tier.job.quantized_kv.BatchQuantizedKVCache`) is dequantized to
-float32 first, one layer at a time. Attention sinks keep MLX's path. Numerics: fp32 in another summation order than MLX, so equal within
+float32 as it is read, a sequence's attended keys at a time, on the same threads. Attention sinks keep MLX's path. Numerics: fp32 in another summation order than MLX, so equal within
 fp32 rounding (tests/kernels/test_cpu_attention.py), not bit for bit.
 
 How it is used: :func:`serve_attention` gives each attention module of a
@@ -65,11 +65,48 @@ def _mask_array(mask, B: int, H: int, Lq: int, Lk: int) -> np.ndarray | None:
     return m
 
 
-def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+class _HostKV:
+    """Keys or values on the host, read a sequence's slice at a time: float32
+    ``[B, Hk, Lk, D]`` as a numpy view, or ``mx.quantize`` triples (a quantized KV
+    cache: codes, scales, biases) dequantized slice by slice on the kernel's
+    threads, only the keys a sequence attends (MLX's CPU ``dequantize`` of the
+    whole cache each layer tripled a decode step's cost)."""
+
+    def __init__(self, t, group_size: int | None = None, bits: int | None = None):
+        if isinstance(t, (tuple, list)):
+            codes, scales, biases = (np.asarray(a) for a in t)
+            self.parts = (codes.view(np.uint8), cpu._host(t[1]), cpu._host(t[2]))
+            self.group_size, self.bits = group_size, bits
+            B, Hk, Lk = codes.shape[:3]
+            self.shape = (B, Hk, Lk, scales.shape[-1] * group_size)
+            self.full = None
+        else:
+            self.full = cpu._host(t)
+            self.shape = self.full.shape
+
+    def rows(self, b: int, h: int | None, k0: int, k1: int) -> np.ndarray:
+        """Sequence ``b``'s keys ``k0:k1`` of head ``h`` (``[n, D]``) or of every head
+        (``h`` None: ``[Hk, n, D]``), float32."""
+        heads = slice(None) if h is None else h
+        if self.full is not None:
+            return self.full[b, heads, k0:k1]
+        codes, scales, biases = (a[b, heads, k0:k1] for a in self.parts)
+        if self.bits == 4:  # two codes a byte, the low nibble first (mx.quantize's packing)
+            codes = np.stack([codes & 15, codes >> 4], -1).reshape(*codes.shape[:-1], -1)
+        g = codes.reshape(*codes.shape[:-1], -1, self.group_size).astype(np.float32)
+        g *= scales[..., None]
+        g += biases[..., None]
+        return g.reshape(*codes.shape[:-1], -1)
+
+
+def sdpa(q: mx.array, k, v, scale: float, mask=None, group_size: int | None = None,
+         bits: int | None = None) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` on numpy's BLAS.
 
     Args:
-        q: ``[B, H, Lq, D]``; k, v: ``[B, Hk, Lk, D]`` (``H`` a multiple of ``Hk``).
+        q: ``[B, H, Lq, D]``; k, v: ``[B, Hk, Lk, D]`` (``H`` a multiple of ``Hk``), or
+            each a quantized cache's ``(codes, scales, biases)`` of ``mx.quantize``
+            with ``group_size`` and ``bits`` (dequantized as they are read).
         scale: multiplies ``q k^T``.
         mask: ``None``, ``"causal"``, or a bool/additive array broadcastable to ``[B, H, Lq, Lk]``.
 
@@ -81,12 +118,12 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
     """
     mx.eval(q, k, v)
     B, H, Lq, D = q.shape
-    Hk, Lk = k.shape[1], k.shape[2]
+    ks, vs = _HostKV(k, group_size, bits), _HostKV(v, group_size, bits)
+    Hk, Lk = ks.shape[1], ks.shape[2]
     if H % Hk:
         raise ValueError(f"{H} query heads do not group over {Hk} key/value heads")
     G = H // Hk
     qs = cpu._host(q).reshape(B, Hk, G, Lq, D)
-    ks, vs = cpu._host(k), cpu._host(v)  # [B, Hk, Lk, D]
     m = _mask_array(mask, B, H, Lq, Lk)
     spans = _key_spans(m, B, Lk)
     out = np.empty((B, Hk, G, Lq, D), np.float32)
@@ -96,9 +133,10 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
         for j in range(j0, j1):
             b, h = divmod(j, Hk)
             k0, k1 = spans[b]
+            kb, vb = ks.rows(b, h, k0, k1), vs.rows(b, h, k0, k1)  # [k1 - k0, D]
             for r0 in range(0, Lq, QUERY_BLOCK):
                 r1 = min(Lq, r0 + QUERY_BLOCK)
-                scores = (qs[b, h, :, r0:r1] * s) @ ks[b, h, k0:k1].T  # [G, r, k1 - k0]
+                scores = (qs[b, h, :, r0:r1] * s) @ kb.T  # [G, r, k1 - k0]
                 if m is not None:
                     mb = _block_mask(m, b, h, G, r0, r1)
                     mb = mb[..., k0:k1] if mb.shape[-1] > 1 else mb
@@ -106,12 +144,12 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
                 scores -= scores.max(axis=-1, keepdims=True)
                 np.exp(scores, out=scores)
                 scores /= scores.sum(axis=-1, keepdims=True)
-                out[b, h, :, r0:r1] = scores @ vs[b, h, k0:k1]
+                out[b, h, :, r0:r1] = scores @ vb
 
     def decode(b0, b1):  # one query a sequence: all heads of a sequence in one batched matmul
         for b in range(b0, b1):
             k0, k1 = spans[b]
-            scores = (qs[b] * s) @ ks[b, :, None, k0:k1].swapaxes(-1, -2)  # [Hk, G, 1, k1 - k0]
+            scores = (qs[b] * s) @ ks.rows(b, None, k0, k1)[:, None].swapaxes(-1, -2)  # [Hk, G, 1, k1 - k0]
             if m is not None:
                 mb = m[b if m.shape[0] > 1 else 0]  # [H or 1, 1, Lk or 1]
                 if mb.shape[0] > 1:
@@ -122,7 +160,7 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
             scores /= scores.sum(axis=-1, keepdims=True)
-            out[b] = scores @ vs[b, :, None, k0:k1]
+            out[b] = scores @ vs.rows(b, None, k0, k1)[:, None]
 
     with cpu._BLAS.limit(limits=1, user_api="blas"):
         if Lq == 1 and m is not None and m.ndim == 4 and B >= 2 * cpu.THREADS:
@@ -168,8 +206,7 @@ def _dispatch(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if getattr(_MARK, "on", False) and sinks is None:
             if hasattr(cache, "bits"):  # a quantized cache: (codes, scales, biases) triples
-                keys, values = (mx.dequantize(*t, group_size=cache.group_size, bits=cache.bits)
-                                for t in (keys, values))
+                return sdpa(queries, keys, values, scale, mask, cache.group_size, cache.bits)
             return sdpa(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

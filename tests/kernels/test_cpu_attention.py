@@ -71,6 +71,27 @@ def test_a_decode_pool_matches_mlx(additive):
     assert got.shape == ref.shape and close(ref, got) <= BOUND
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("B, Lq, mask", [(1, 6, "causal"), (2 * 2 + 1, 1, "decode_left_padding"),
+                                         (3, 4, "left_padding")])
+def test_quantized_keys_and_values_match_mlx_lm_quantized_attention(bits, B, Lq, mask):
+    """A quantized KV cache's triples, dequantized as they are read: mlx-lm's own
+    quantized attention (``quantized_scaled_dot_product_attention``) within the bound,
+    prefill and a decode pool (more sequences than threads), left padding left out."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    Lk, D = 70, 64
+    q, k, v = qkv(B, 6, 2, Lq, Lk, D, seed=bits)
+    if mask != "causal":
+        mask = create_causal_mask(Lq, offset=Lk - Lq, left_padding=mx.array([(11 * b) % 40 for b in range(B)]))
+    qk, qv = (mx.quantize(t, group_size=64, bits=bits) for t in (k, v))
+    # mlx-lm scales its queries argument in place (`queries *= scale`): give it its own
+    ref = quantized_scaled_dot_product_attention(mx.array(q), qk, qv, scale=D**-0.5, mask=mask, group_size=64,
+                                                 bits=bits)
+    got = cpu_attention.sdpa(q, tuple(qk), tuple(qv), D**-0.5, mask, group_size=64, bits=bits)
+    assert got.shape == ref.shape and close(ref, got) <= BOUND
+
+
 def test_key_spans_leave_out_only_keys_no_query_attends():
     """A decode pool's left padding and a window's both ends are left out; a mask that
     attends to every key, one broadcast over keys, and a sequence that attends to none keep
