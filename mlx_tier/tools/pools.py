@@ -8,7 +8,9 @@ tokens (whose average context is ``C`` tokens) costs, per layer::
 
     D(T)   = E * (1 - (1 - k/E)^T)                 distinct experts routed (uniform routing: the
                                                    pessimistic case; trained routers share more)
-    read   = D(T) * (1 - S/E) * expert_bytes / disk      misses, read in rounds (not overlapped)
+    read   = D(T) * (1 - S/E) * expert_bytes / disk      misses, read in rounds of S experts: each
+                                                   round's read overlaps the round before's
+                                                   compute (read ahead), the first does not
     expert = D(T) * (dequant + rows * flops / gemm)      rows = T*k/D(T) >= gemm_min_rows
            | T*k * expert_bytes / matvec                 fewer rows: the fused matvec per pair
     dense  = T * dense_flops / gemm  (T >= gemm_min_rows, else the matvec of the dense bytes)
@@ -107,6 +109,8 @@ class Shape:
         inner: an expert's inner width (its hidden rows).
         routed: experts the router spreads a layer's tokens over, measured
             (:func:`calibrate`); ``0.0``: all ``experts``, uniformly.
+        read_ahead: a layer's next round of experts is read while a round computes
+            (:attr:`mlx_tier.engine.load.TierConfig.read_ahead`).
     """
 
     layers: int
@@ -123,6 +127,7 @@ class Shape:
     hidden: int = 0
     inner: int = 0
     routed: float = 0.0
+    read_ahead: bool = True
 
     @property
     def spread(self) -> float:
@@ -181,7 +186,9 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
     """Seconds of one MoE layer step of ``tokens`` tokens with average ``context``, by part.
 
     Returns:
-        ``{"read", "expert", "dense", "attn", "overhead", "total"}`` in seconds.
+        ``{"read", "expert", "dense", "attn", "overhead", "total"}`` in seconds; ``read`` is
+        what the step waits for (with read ahead, the first round's read and what the
+        others' reads take beyond their rounds' compute).
     """
     d = distinct_experts(tokens, shape.spread, shape.top_k)
     missing = max(0.0, 1 - shape.slots / shape.spread)
@@ -197,6 +204,9 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
     else:
         dense = tokens * shape.dense_bytes / (rates.matvec_gbps * 1e9)
     attn = tokens * context * shape.attn_flops / (rates.attention_gflops * 1e9)
+    rounds = math.ceil(d / max(shape.slots, 1)) if d > shape.slots else 1
+    if shape.read_ahead and rounds > 1:  # round r + 1's read hidden behind round r's compute
+        read = read / rounds + (rounds - 1) * max(0.0, (read - expert) / rounds)
     parts = {"read": read, "expert": expert, "dense": dense, "attn": attn,
              "overhead": rates.overhead_s + d * rates.per_expert_s}
     return {**parts, "total": sum(parts.values())}
@@ -452,7 +462,8 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
     shape = Shape(layers=len(cache.layers), experts=E, top_k=top_k, slots=min(cache.layer_slots),
                   expert_bytes=expert_bytes, expert_flops=2.0 * params,
                   **attention_terms(hidden, heads, kv_heads, head_dim),
-                  kv_bytes=kv_bytes, heads=heads, hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0)
+                  kv_bytes=kv_bytes, heads=heads, hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0,
+                  read_ahead=getattr(layer, "reader", None) is not None)
     probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
              "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim}
     return shape, probe

@@ -47,6 +47,25 @@ def test_cost_per_token_falls_with_the_pool():
     assert big["total"] == pytest.approx(sum(v for k, v in big.items() if k != "total"))
 
 
+def test_read_ahead_hides_all_but_the_first_rounds_read_behind_compute():
+    """A step of more experts than slots reads in rounds; read ahead overlaps each round's
+    read with the round before's compute: the step waits for the first round's read and
+    for what the others' reads take beyond their rounds' compute. One pass: no change."""
+    plain = replace(SYNTH, read_ahead=False)
+    for tokens in (256, 2048):
+        on, off = layer_step_seconds(SYNTH, RATES, tokens, 500), layer_step_seconds(plain, RATES, tokens, 500)
+        d = distinct_experts(tokens, 128, 8)
+        rounds = -(-d // 11)
+        want = off["read"] / rounds + (rounds - 1) * max(0.0, (off["read"] - off["expert"]) / rounds)
+        assert on["read"] == pytest.approx(want) and on["read"] < off["read"]
+        assert on["expert"] == off["expert"] and on["total"] == pytest.approx(off["total"] - off["read"] + want)
+    roomy = replace(SYNTH, slots=128)  # every expert resident: nothing read
+    one = replace(SYNTH, slots=8)  # a decode step of one token: its top-8 fit the slots, one pass
+    for shape, tokens in ((roomy, 2048), (one, 1)):
+        assert layer_step_seconds(shape, RATES, tokens, 500) == layer_step_seconds(
+            replace(shape, read_ahead=False), RATES, tokens, 500)
+
+
 def test_pools_follow_memory_cap_and_documents():
     roomy = choose_pools(SYNTH, RATES, 900, 64, 64 << 30)
     assert roomy.decode_pool == MAX_DECODE_POOL and roomy.limited_by == "cap"
