@@ -136,9 +136,13 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
     if info["schedule"] == "throughput":
         predicted = (f"; predicted {pools.docs_per_hour:.0f} documents/hour for documents of ~{pools.prompt_tokens} "
                      f"prompt tokens and {pools.output_tokens}-token summaries") if pools is not None else ""
+        bits = scheduler.config.kv_bits
         reporter.message(f"throughput schedule: prompts read {scheduler.prefill_batch} at a time in pools of "
                          f"{scheduler.pool_tokens} tokens, up to {scheduler.batch_size} sequences decoding "
-                         f"together{predicted}")
+                         f"together{f' (KV caches at {bits} bits)' if bits else ''}{predicted}")
+        if pools is not None and pools.limited_by == "memory" and bits is None:
+            reporter.message(f"memory bounds the pool at {pools.decode_pool} sequences: `kv_bits` 8 would store "
+                             "their KV caches in 0.28x the bytes (summaries may then differ)")
 
 
 def achieved(scheduler: Scheduler, finished: int, seconds: float, reporter: Reporter) -> None:

@@ -138,7 +138,7 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
         ((docs, "--out", tmp_path / "o", "--model", tmp_path / "no-model", "--background"), "model folder not found"),
         ((docs, "--out", tmp_path / "o", "--max-tok-s", "0", "--background"), "--max-tok-s must be a positive"),
         # a KV cache quantized to bits mx.quantize does not pack, or for the paced schedule
-        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--kv-bits", "3"), "must be one of 4, 8"),
+        ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--kv-bits", "3"), "--kv-bits must be one of 4, 8"),
         ((docs, "--out", tmp_path / "o", "--model", tiny_moe, "--kv-bits", "8", "--schedule", "paced"),
          "needs the throughput schedule"),
         # a context too small for --max-tokens and the instruction: refused before any document

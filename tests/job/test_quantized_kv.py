@@ -135,3 +135,30 @@ def test_quantizing_marks_only_plain_kv_caches():
     assert quantizing([KVCache()], None)[0].__class__ is KVCache
     with pytest.raises(ValueError, match="one of 4, 8"):
         PoolEngine(None, None, set(), kv_bits=3)
+
+
+def test_a_run_bounded_by_memory_names_kv_bits_and_one_using_it_says_so():
+    from types import SimpleNamespace
+
+    from mlx_tier.job.activity import announce
+    from mlx_tier.job.scheduler import GenerationConfig
+
+    said = []
+    reporter = SimpleNamespace(message=said.append)
+
+    def scheduler(limited_by, bits):
+        pools = SimpleNamespace(limited_by=limited_by, decode_pool=3, docs_per_hour=100.0, prompt_tokens=800,
+                                output_tokens=32)
+        return SimpleNamespace(info={"batch_size_from": "memory headroom", "schedule": "throughput"}, pools=pools,
+                               batch_size=3, context=4096, prefill_batch=1, pool_tokens=256,
+                               config=GenerationConfig(kv_bits=bits))
+
+    announce(scheduler("memory", None), reporter)
+    assert said[-1] == ("memory bounds the pool at 3 sequences: `kv_bits` 8 would store their KV caches in "
+                        "0.28x the bytes (summaries may then differ)")
+    said.clear()
+    announce(scheduler("memory", 8), reporter)
+    assert "(KV caches at 8 bits)" in said[-1] and not any("would store" in m for m in said)
+    said.clear()
+    announce(scheduler("documents", None), reporter)
+    assert not any("would store" in m or "KV caches at" in m for m in said)
