@@ -14,7 +14,7 @@ from rich.table import Table
 
 from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import as_flags, choices, err, out, print_wrapped
-from mlx_tier.defaults import KV_BITS, PLAN_DOC_TOKENS
+from mlx_tier.defaults import PLAN_DOC_TOKENS
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
 from mlx_tier.units import GIB, MIB
 
@@ -38,6 +38,7 @@ def plan(
     disk/compute roofline. Works on a hub repo id before downloading it.
     """
     from mlx_tier import CheckpointError
+    from mlx_tier.errors import ConfigError
     from mlx_tier.tools.demo_model import is_demo, resolve
     from mlx_tier.tools.plan import make_plan
 
@@ -45,14 +46,12 @@ def plan(
         model = str(resolve(model, lambda text: print_wrapped(err, text, style="dim")))
     if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
         fail(f"--memory-gb must be positive, got {memory_gb}")
-    if kv_bits is not None and kv_bits not in KV_BITS:
-        fail(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {kv_bits}")
     try:
         p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps,
                       compute_gbps=compute_gbps, doc_tokens=doc_tokens or None, summary_tokens=summary_tokens,
                       kv_bits=kv_bits)
-    except CheckpointError as e:
-        fail(str(e))
+    except (CheckpointError, ConfigError) as e:
+        fail(as_flags(str(e)))
     if gpu_gb is not None and not (math.isfinite(gpu_gb) and gpu_gb > 0):
         fail(f"--gpu-gb must be positive, got {gpu_gb}")
     from mlx_tier.tools.plan_gpu import three_tier_split

@@ -464,6 +464,9 @@ class LayerCache:
             t0 = time.perf_counter()
             self._take_incoming()
             self.stats.stall_seconds += time.perf_counter() - t0
+        experts = [e for e in experts if not any(e in row_of for _, row_of, _, _ in self._prefetched)]
+        if not experts:  # a prefetch holds them all already
+            return
         names = list(self.tensors)
         nbytes = sum(t.info.expert_nbytes() for t in self.tensors.values())
         self.stats.read_ahead += len(experts)
@@ -578,15 +581,20 @@ class LayerCache:
         # Resident experts first, so the first round reads nothing.
         order = [e for e in need if self.slot_of[e] >= 0] + [e for e in need if self.slot_of[e] < 0]
         S = self.num_slots
-        for i in range(0, len(order), S):
-            group = order[i : i + S]
-            self._ensure(group)
-            self.stats.rounds += 1
-            # The next round's experts are read while this one computes (none of them
-            # is resident: resident experts all come first, and there are at most S).
-            self._read_ahead(order[i + S : i + 2 * S])
-            mask = np.isin(idx, group)
-            yield np.where(mask, self.slot_of[idx], 0).astype(idx.dtype), mask
+        try:
+            for i in range(0, len(order), S):
+                group = order[i : i + S]
+                self._ensure(group)
+                self.stats.rounds += 1
+                # The next round's experts are read while this one computes (none of them
+                # is resident: resident experts all come first, and there are at most S).
+                self._read_ahead(order[i + S : i + 2 * S])
+                mask = np.isin(idx, group)
+                yield np.where(mask, self.slot_of[idx], 0).astype(idx.dtype), mask
+        finally:  # a call abandoned between rounds (an error): its read ahead ends here, unused
+            if self.incoming is not None and not self.incoming.predicted:
+                self.incoming.result()
+                self.incoming = None
 
 
 class ExpertCache:

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_tier.defaults import KV_GROUP_SIZE
-from mlx_tier.errors import BudgetError
+from mlx_tier.defaults import KV_BITS, KV_GROUP_SIZE
+from mlx_tier.errors import BudgetError, ConfigError
 from mlx_tier.units import GIB, MIB
 
 # The process before its model (Python, MLX, mlx-lm, transformers' tokenizer, Numba
@@ -87,7 +87,7 @@ class ModelShape:
         hidden = int(config.get("hidden_size") or 0)
         return cls(hidden, int(expert_inner), int(top_k), int(experts), heads,
                    int(config.get("num_key_value_heads") or heads),
-                   int(config.get("head_dim") or (hidden // heads)), int(config.get("num_hidden_layers") or 0),
+                   head_dim_of(config), int(config.get("num_hidden_layers") or 0),
                    int(config.get("vocab_size") or 0), kv_itemsize)
 
     @property
@@ -105,6 +105,37 @@ def kv_element_bytes(bits: int | None, itemsize: float = 4, group_size: int = KV
     else its code plus its share of its group's scale and bias (each ``itemsize``):
     ``bits / 8 + 2 x itemsize / group_size`` (8 bits, float32, groups of 64: 1.125)."""
     return itemsize if bits is None else bits / 8 + 2 * itemsize / group_size
+
+
+def read_ahead_bytes(cache: int, shape: ModelShape) -> int:
+    """Bytes of a layer's next round of experts, read while a round computes
+    (:attr:`mlx_tier.engine.load.TierConfig.read_ahead`): one layer's slots, about the
+    cache over the model's layers (exact when every layer has experts; a model with
+    dense layers holds a little more)."""
+    return cache // max(1, shape.layers)
+
+
+def check_kv_bits(bits: int | None, head_dim: int | None = None, group_size: int = KV_GROUP_SIZE) -> None:
+    """Whether a KV cache can be quantized to ``bits`` (``None``: not quantized, always).
+
+    Raises:
+        ConfigError: ``bits`` not in :data:`~mlx_tier.defaults.KV_BITS`, or a head dim that
+            the group size does not divide (``field``: ``kv_bits``).
+    """
+    if bits is None:
+        return
+    if bits not in KV_BITS:
+        raise ConfigError(f"`kv_bits` must be one of {', '.join(map(str, KV_BITS))}, got {bits}", "kv_bits")
+    if head_dim is not None and head_dim % group_size:
+        raise ConfigError(f"this model's head dim of {head_dim} is not a multiple of the KV group size "
+                          f"{group_size}: its KV cache cannot be quantized (`kv_bits`)", "kv_bits")
+
+
+def head_dim_of(config: dict) -> int:
+    """A checkpoint's attention head dim from its ``config.json`` (``head_dim``, else
+    ``hidden_size / num_attention_heads``)."""
+    heads = int(config.get("num_attention_heads") or 1)
+    return int(config.get("head_dim") or (int(config.get("hidden_size") or 0) // heads))
 
 
 # Measured over the shape terms (benches/workspace.py): peak RSS of a step beyond
@@ -184,7 +215,8 @@ class MemoryBudget:
         total: what the run may hold in all.
         source: where ``total`` came from (``"memory_gb"`` or the limit's description).
         runtime, dense, cache, kv, workspace, buffers, margin: the parts
-            (module doc); ``kv`` is what sequences in flight may hold.
+            (module doc); ``kv`` is what sequences in flight may hold; ``workspace``
+            holds a step's and :func:`read_ahead_bytes`.
         prefill_step: most prompt tokens a step reads (its workspace fits ``workspace``).
         cache_given: ``cache`` was set (``cache_gb``), not derived.
         shape, kernel: what the workspace follows (:meth:`prompt_step`).
@@ -212,7 +244,8 @@ class MemoryBudget:
         :attr:`workspace` (at least :data:`MIN_PROMPT_STEP`)."""
         if self.shape is None:
             return self.prefill_step
-        return prompt_step_for(self.shape, self.kernel, self.workspace, self.prefill_step, done)
+        step_room = self.workspace - read_ahead_bytes(self.cache, self.shape)
+        return prompt_step_for(self.shape, self.kernel, step_room, self.prefill_step, done)
 
     def parts(self) -> dict[str, int]:
         """The parts by name, in the order a run holds them; they sum to ``total``."""
@@ -283,7 +316,7 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     :data:`MIN_PROMPT_STEP` at least) until its workspace is within
     :data:`WORKSPACE_SHARE` of what the fixed parts leave. Of the rest, the expert
     cache takes ``cache`` or its default (:func:`default_cache`), the KV cache
-    what is left.
+    what is left after :func:`read_ahead_bytes` more workspace.
 
     Args:
         total: bytes the run may hold.
@@ -307,8 +340,9 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     room -= workspace
     if cache is None:
         cache = default_cache(room, needs)
-    kv = room - cache
-    budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace, fixed_parts[2],
+    ahead = read_ahead_bytes(cache, s)
+    kv = room - cache - ahead
+    budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace + ahead, fixed_parts[2],
                           fixed_parts[3], step, given, s, needs.kernel, needs.slot_row)
     if cache < needs.slot_row:
         raise BudgetError(f"`cache_gb` {cache / GIB:.3f} GiB is too small: one expert slot per MoE layer needs "

@@ -21,6 +21,8 @@ from mlx_tier.engine.footprint import (
     MemoryBudget,
     ModelShape,
     Needs,
+    check_kv_bits,
+    head_dim_of,
     kv_element_bytes,
     split,
 )
@@ -136,6 +138,7 @@ def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int
     Raises:
         BudgetError: ``memory_gb`` above what the process may use; a split that
             does not fit (every figure named).
+        ConfigError: ``kv_bits`` this model's KV cache cannot be quantized to.
         CheckpointError: an unreadable checkpoint.
     """
     from mlx_tier.engine import budgets
@@ -151,6 +154,7 @@ def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int
                               "`cache_gb` (GPU) and `host_cache_gb` (host) instead", "memory_gb")
         return None
     ckpt = open_checkpoint(Path(model_dir))
+    check_kv_bits(kv_bits, head_dim_of(ckpt.config))  # before anything is loaded
     dtype = tier.dtype if tier.dtype is not None else job_compute_dtype()
     kernel = registry.choose(tier.kernel or LIBRARY_KERNEL, [b for _, b in ckpt.blocks], False)
     kv_itemsize = kv_element_bytes(kv_bits, 4 if dtype is None or dtype.size == 4 else 2)

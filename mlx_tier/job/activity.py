@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from mlx_tier.engine.footprint import MemoryBudget
+from mlx_tier.engine.footprint import MemoryBudget, kv_element_bytes
 from mlx_tier.job.report import DocResult, JobReport
 from mlx_tier.job.scheduler import Scheduler
 
@@ -141,8 +141,9 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
                          f"{scheduler.pool_tokens} tokens, up to {scheduler.batch_size} sequences decoding "
                          f"together{f' (KV caches at {bits} bits)' if bits else ''}{predicted}")
         if pools is not None and pools.limited_by == "memory" and bits is None:
+            share = kv_element_bytes(8, scheduler.kv_itemsize) / scheduler.kv_itemsize
             reporter.message(f"memory bounds the pool at {pools.decode_pool} sequences: `kv_bits` 8 would store "
-                             "their KV caches in 0.28x the bytes (summaries may then differ)")
+                             f"their KV caches in {share:.2f}x the bytes (summaries may then differ)")
 
 
 def achieved(scheduler: Scheduler, finished: int, seconds: float, reporter: Reporter) -> None:

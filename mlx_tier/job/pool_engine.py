@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
+from mlx_tier.engine.footprint import check_kv_bits
 from mlx_tier.job.batch_engine import (
     Finished,
     PrefixCache,
@@ -55,7 +56,7 @@ from mlx_tier.job.batch_engine import (
     check_add,
     start_of,
 )
-from mlx_tier.job.quantized_kv import check_kv_bits, quantizing
+from mlx_tier.job.quantized_kv import quantizing
 
 
 class StepInterrupted(Exception):
@@ -105,8 +106,8 @@ class PoolEngine:
             stores them.
 
     Raises:
-        ValueError: a size below 1, or ``kv_bits`` not one of
-            :data:`~mlx_tier.job.quantized_kv.KV_BITS`.
+        ValueError: a size below 1.
+        ConfigError: ``kv_bits`` not one of :data:`~mlx_tier.defaults.KV_BITS`.
     """
 
     def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 32, prefill_batch: int = 8,

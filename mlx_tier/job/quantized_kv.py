@@ -35,19 +35,8 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
 
-from mlx_tier.defaults import KV_BITS, KV_GROUP_SIZE
-
-
-def check_kv_bits(bits: int | None, head_dim: int | None = None, group_size: int = KV_GROUP_SIZE) -> None:
-    """Raises ValueError: ``bits`` not in :data:`KV_BITS`, or a head dim that the group
-    size does not divide."""
-    if bits is None:
-        return
-    if bits not in KV_BITS:
-        raise ValueError(f"KV cache bits must be one of {', '.join(map(str, KV_BITS))}, got {bits}")
-    if head_dim is not None and head_dim % group_size:
-        raise ValueError(f"a head dim of {head_dim} is not a multiple of the KV group size {group_size}: "
-                         "this model's KV cache cannot be quantized")
+from mlx_tier.defaults import KV_GROUP_SIZE
+from mlx_tier.engine.footprint import check_kv_bits
 
 
 class BatchQuantizedKVCache(BatchKVCache):
@@ -188,7 +177,8 @@ def quantized_copy(cache: list, bits: int | None) -> list:
     when ``bits`` is None.
 
     Raises:
-        ValueError: ``bits`` not in :data:`KV_BITS`, or a head dim the group size does not divide.
+        ConfigError: ``bits`` not in :data:`~mlx_tier.defaults.KV_BITS`, or a head dim the
+            group size does not divide (:func:`~mlx_tier.engine.footprint.check_kv_bits`).
     """
     if bits is None:
         return cache

@@ -817,6 +817,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         report.setup, report.throttle = _earlier_setup(config)
     if is_batch(docs):  # the answers are in output.jsonl and errors.jsonl, not <id>.md
         report.setup["batch_requests"] = True
+        report.setup["kv_bits"] = None  # requests run on the batch engine, unquantized
     _mark_start(journal, report, config, share, tri, list(by_id), settings, loaded is not None, bool(records))
     if config.input_paths is not None and not share.part:
         write_input_list(config.out_dir, docs)

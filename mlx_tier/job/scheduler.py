@@ -23,16 +23,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import mlx.core as mx
+
 from mlx_tier.defaults import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFILL_STEP,
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_SCHEDULE,
-    KV_BITS,
     SCHEDULES,
 )
-from mlx_tier.engine.footprint import MemoryBudget
+from mlx_tier.engine.footprint import MemoryBudget, check_kv_bits
 from mlx_tier.errors import (
     CheckpointError,
     ConfigError,
@@ -112,9 +113,7 @@ class GenerationConfig:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"`schedule` must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}", "schedule")
-        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
-            raise ConfigError(f"`kv_bits` must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits}",
-                              "kv_bits")
+        check_kv_bits(self.kv_bits)
         if self.kv_bits is not None and self.schedule != "throughput":
             raise ConfigError("`kv_bits` needs the throughput schedule (its pools hold the quantized KV caches)",
                               "kv_bits")
@@ -284,6 +283,8 @@ class Scheduler:
         step = config.prefill_step_size if memory is None else 0
         self.plan = estimate_memory(self._stored(self.prefix.cache), getattr(model, "args", None), step,
                                     sequence_room(memory))
+        keys = [c.keys for c in self.prefix.cache if isinstance(getattr(c, "keys", None), mx.array)]
+        self.kv_itemsize = keys[0].dtype.size if keys else 4  # bytes of an unquantized KV element
         self.context = min(context, self.plan.max_tokens())
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")
@@ -321,10 +322,7 @@ class Scheduler:
         Raises:
             ConfigError: a head dim the KV group size does not divide.
         """
-        try:
-            return quantized_copy(cache, self.config.kv_bits)
-        except ValueError as e:
-            raise ConfigError(str(e), "kv_bits") from None
+        return quantized_copy(cache, self.config.kv_bits)
 
     def _observed(self, phase):
         """The prefix's prefill as the pool model's calibration point

@@ -23,7 +23,8 @@ heads of a sequence go in one batched product. On 32 sequences of 300-1,500
 tokens the two halve a decode step's attention (benches/results/throughput/
 NOTES.md). A quantized KV cache (``bits``: mlx-lm's ``QuantizedKVCache``,
 :class:`mlx_tier.job.quantized_kv.BatchQuantizedKVCache`) is dequantized to
-float32 as it is read, a sequence's attended keys at a time, on the same threads. Attention sinks keep MLX's path. Numerics: fp32 in another summation order than MLX, so equal within
+float32 as it is read, a sequence's attended keys at a time, on the same threads
+(4 and 8 bits; mlx-lm's other ``kv_bits`` keep MLX's path). Attention sinks keep MLX's path. Numerics: fp32 in another summation order than MLX, so equal within
 fp32 rounding (tests/kernels/test_cpu_attention.py), not bit for bit.
 
 How it is used: :func:`serve_attention` gives each attention module of a
@@ -46,6 +47,8 @@ from mlx_tier.kernels import cpu
 
 # Queries per block: the scores of a block are G x QUERY_BLOCK x Lk float32.
 QUERY_BLOCK = 256
+# A quantized KV cache's bits read here (whole codes in a byte); others keep MLX's path.
+QUANTIZED_BITS = (4, 8)
 _MARK = threading.local()  # .on: inside an attention module served here
 
 
@@ -74,8 +77,8 @@ class _HostKV:
 
     def __init__(self, t, group_size: int | None = None, bits: int | None = None):
         if isinstance(t, (tuple, list)):
-            codes, scales, biases = (np.asarray(a) for a in t)
-            self.parts = (codes.view(np.uint8), cpu._host(t[1]), cpu._host(t[2]))
+            codes, scales, biases = np.asarray(t[0]), cpu._host(t[1]), cpu._host(t[2])  # bf16 scales: float32
+            self.parts = (codes.view(np.uint8), scales, biases)
             self.group_size, self.bits = group_size, bits
             B, Hk, Lk = codes.shape[:3]
             self.shape = (B, Hk, Lk, scales.shape[-1] * group_size)
@@ -205,9 +208,11 @@ def _dispatch(original):
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if getattr(_MARK, "on", False) and sinks is None:
-            if hasattr(cache, "bits"):  # a quantized cache: (codes, scales, biases) triples
-                return sdpa(queries, keys, values, scale, mask, cache.group_size, cache.bits)
-            return sdpa(queries, keys, values, scale, mask)
+            bits = getattr(cache, "bits", None)
+            if bits is None:
+                return sdpa(queries, keys, values, scale, mask)
+            if bits in QUANTIZED_BITS:  # a quantized cache: (codes, scales, biases) triples
+                return sdpa(queries, keys, values, scale, mask, cache.group_size, bits)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.cpu_attention_original = original

@@ -36,6 +36,8 @@ from mlx_tier.engine.footprint import (
     MemoryBudget,
     ModelShape,
     Needs,
+    check_kv_bits,
+    head_dim_of,
     kv_element_bytes,
     split,
 )
@@ -346,9 +348,11 @@ def make_plan(
 
     Raises:
         CheckpointError: not an mlx-lm MoE checkpoint; not found; hub unreachable.
+        ConfigError: ``kv_bits`` this model's KV cache cannot be quantized to.
     """
     source = _open(model_dir)
     model_dir, config, index, blocks = source.name, source.config, source.index, source.blocks
+    check_kv_bits(kv_bits, head_dim_of(config))
     prefixes, expert_names, num_experts, top_k = _expert_layout(model_dir, config, index, blocks)
     dtype = job_compute_dtype()  # the plan is for mlx-tier run
     sizes = _checkpoint_sizes(config, index, blocks, prefixes, expert_names, num_experts, top_k, dtype,

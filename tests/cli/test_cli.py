@@ -332,8 +332,8 @@ def test_kv_bits_runs_quantized_and_a_head_dim_it_cannot_group_exits_2(docs, tmp
     assert unquantized["kv_bits"] is None
     # 8-bit codes and float32 scales and biases per group of 64: 1.125 bytes an element against 4
     assert quantized == pytest.approx(unquantized["generation"]["kv_bytes_per_token"] * 1.125 / 4, rel=0.01)
-    # tiny_moe's head dim is 16: no group of 64 fits; refused before any document, nothing written
+    # tiny_moe's head dim is 16: no group of 64 fits; refused before loading, no folder made
     code, output = run(docs, "--out", tmp_path / "o16", "--model", tiny_moe, "--max-tokens", "8", "--kv-bits", "8")
     lines = error_lines(output)
-    assert code == 2 and len(lines) == 1 and "cannot be quantized" in lines[0], output
-    assert not list((tmp_path / "o16").glob("*.md"))
+    assert code == 2 and len(lines) == 1 and "cannot be quantized (--kv-bits)" in lines[0], output
+    assert "loading" not in output and not (tmp_path / "o16").exists()

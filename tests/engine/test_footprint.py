@@ -36,6 +36,12 @@ def test_parts_add_up_and_the_cache_takes_its_share_in_whole_slot_rows():
     assert b.cache % NEEDS.slot_row == 0 and room * footprint.CACHE_SHARE - NEEDS.slot_row < b.cache
     assert b.cache <= room * footprint.CACHE_SHARE and b.cache >= SHAPE.top_k * NEEDS.slot_row
     assert b.kv >= min_kv(SHAPE) and not b.cache_given and b.source == "memory_gb"
+    # The workspace holds a layer's round of experts read ahead (one layer's slots) beside the
+    # step's own; the prompt step is sized without it.
+    ahead = footprint.read_ahead_bytes(b.cache, SHAPE)
+    assert ahead == b.cache // 24 > 0
+    assert b.workspace - ahead >= footprint.step_workspace(SHAPE, "cpu", b.prefill_step, b.prefill_step)
+    assert b.prompt_step(0) == b.prefill_step
 
 
 def test_a_short_total_still_gives_the_cache_one_tokens_experts_before_the_kv_cache_more():

@@ -120,8 +120,8 @@ def test_read_ahead_changes_nothing_but_when_bytes_arrive(tiny_moe, reference, p
     for k in ("hits", "misses", "evictions", "rounds", "prefetch_predicted", "prefetch_used"):
         assert getattr(s_on, k) == getattr(s_off, k), k
     assert s_on.rounds > 0 and s_on.read_ahead > 0 and s_off.read_ahead == 0
-    # A round's experts read ahead are never wasted: the bytes read are the same.
-    assert s_on.bytes_read - s_on.prefetch_wasted_bytes == s_off.bytes_read - s_off.prefetch_wasted_bytes
+    # Nothing read twice: a round's experts read ahead are all used, and none a prefetch holds is read again.
+    assert s_on.bytes_read == s_off.bytes_read and s_on.prefetch_wasted_bytes == s_off.prefetch_wasted_bytes
 
 
 def test_next_round_is_read_while_a_round_computes(tiny_moe):
@@ -149,6 +149,24 @@ def test_next_round_is_read_while_a_round_computes(tiny_moe):
         for name, t in layer.tensors.items():
             want = np.array(mx.array(real([name], [e])[name][0]).astype(t.dtype))
             np.testing.assert_array_equal(np.array(t.module[t.attr][int(layer.slot_of[e])]), want)
+
+
+def test_read_ahead_leaves_out_experts_a_prefetch_holds(tiny_moe):
+    """A round whose experts a prefetch of predicted ones already holds is not read ahead:
+    nothing is read twice, and the prefetch serves it."""
+    model = tiered(tiny_moe, slots_per_layer=2)
+    layer = model.expert_cache.layers[0]
+    store, names = layer.store, list(layer.tensors)
+    real = store.read_experts
+    fut = Future()
+    fut.set_result(real(names, [4, 5]))
+    layer.accept_prefetch(PrefetchedRead([4, 5], fut, sum(t.info.expert_nbytes() for t in layer.tensors.values())))
+    reads = []
+    store.read_experts = lambda n, experts: reads.append(list(experts)) or real(n, experts)
+    for _ in layer.assign(np.array([[0, 1], [2, 3], [4, 5], [6, 7]])):  # rounds [0 1] [2 3] [4 5] [6 7]
+        layer.pending = None
+    assert reads == [[0, 1], [2, 3], [6, 7]]  # 4 and 5 came from the prefetch, read once
+    assert layer.stats.prefetch_used == 2 and layer.stats.read_ahead == 4 and layer.stats.misses == 8
 
 
 # Router found by shape in every mlx-lm MoE type, except where it reads another

@@ -5,6 +5,7 @@ expert bytes never exceed the budget, and after load only the dense part is resi
 """
 
 import gc
+import threading
 
 import mlx.core as mx
 import pytest
@@ -114,16 +115,20 @@ def test_failed_read_marks_nothing_resident(tiny_moe, read_ahead):
     store = model.expert_cache.store
     real = store.read_experts
     calls = {"n": 0}
+    failed = []
 
     def flaky(names, experts):
         calls["n"] += 1
         if calls["n"] in (3, 4):  # a read ahead that fails is redone by the forward pass: fail that too
+            failed.append(threading.current_thread().name)
             raise OSError(5, "Input/output error")
         return real(names, experts)
 
     store.read_experts = flaky
     with pytest.raises(OSError):
         greedy(model, tokenizer, LONG)
+    # read ahead: the first failure was a read ahead (swallowed), the second the forward pass's own
+    assert failed == (["mlx-tier-prefetch_0", "MainThread"] if read_ahead else ["MainThread"])
     store.read_experts = real
     ref_model, ref_tok = mlx_load(str(tiny_moe))
     assert greedy(model, tokenizer, LONG) == greedy(ref_model, ref_tok, LONG)

@@ -108,23 +108,40 @@ def run_pool(engine, prompts):
     return [results[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("kernel", ["mlx", "cpu"])
-def test_pool_with_quantized_kv_equals_mlx_lm_quantized_alone(moe_head_dim_64, kernel):
+@pytest.mark.parametrize("kernel, bits", [("mlx", 8), ("cpu", 8), ("cpu", 4)])
+def test_pool_with_quantized_kv_equals_mlx_lm_quantized_alone(moe_head_dim_64, kernel, bits):
     tiny_moe = moe_head_dim_64
     model, tokenizer = mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2, kernel=kernel))
     prompts = [build_prompt(tokenizer, "Summarise this.", t) for t in TEXTS]
-    refs = [quantized_alone(model, tokenizer, p, 8) for p in prompts]
+    refs = [quantized_alone(model, tokenizer, p, bits) for p in prompts]
     assert len({tuple(r) for r in refs}) == len(refs)
     stops = stop_token_ids(tokenizer, tiny_moe)
     for batch, prefill_batch, pool_tokens in [(5, 5, 4096), (2, 2, 16), (5, 3, 7)]:
         engine = PoolEngine(model, tokenizer, stops, batch_size=batch, prefill_batch=prefill_batch,
-                            pool_tokens=pool_tokens, kv_bits=8)
+                            pool_tokens=pool_tokens, kv_bits=bits)
         assert run_pool(engine, prompts) == refs, (batch, prefill_batch, pool_tokens)
     prefix = PrefixCache(model, prompts[0][: common_prefix(prompts)])
-    refs = [quantized_alone(model, tokenizer, p, 8, prefix) for p in prompts]
+    refs = [quantized_alone(model, tokenizer, p, bits, prefix) for p in prompts]
     engine = PoolEngine(model, tokenizer, stops, batch_size=4, prefill_batch=4, pool_tokens=32, prefix=prefix,
-                        kv_bits=8)
+                        kv_bits=bits)
     assert run_pool(engine, prompts) == refs
+
+
+def test_a_batch_of_empty_caches_extends_and_filters():
+    """Sequences with nothing cached yet (no shared prefix) merge into an empty batch cache,
+    which another joins; keys come with the first update."""
+    empty = BatchQuantizedKVCache.merge([KVCache(), KVCache()], 64, 8)
+    assert empty.keys is None and empty.size() == 0
+    c = KVCache()
+    c.update_and_fetch(*kv(3, 7))
+    empty.extend(BatchQuantizedKVCache.merge([c], 64, 8))
+    alone = QuantizedKVCache(64, 8)
+    alone.update_and_fetch(*kv(3, 7))
+    same(empty, 2, alone)
+    assert empty.left_padding.tolist() == [3, 3, 0]
+    empty.filter([2])
+    same(empty, 0, alone)
+    assert empty.left_padding.tolist() == [0]
 
 
 def test_quantizing_marks_only_plain_kv_caches():
@@ -151,7 +168,7 @@ def test_a_run_bounded_by_memory_names_kv_bits_and_one_using_it_says_so():
                                 output_tokens=32)
         return SimpleNamespace(info={"batch_size_from": "memory headroom", "schedule": "throughput"}, pools=pools,
                                batch_size=3, context=4096, prefill_batch=1, pool_tokens=256,
-                               config=GenerationConfig(kv_bits=bits))
+                               config=GenerationConfig(kv_bits=bits), kv_itemsize=4)
 
     announce(scheduler("memory", None), reporter)
     assert said[-1] == ("memory bounds the pool at 3 sequences: `kv_bits` 8 would store their KV caches in "

@@ -84,12 +84,28 @@ def test_quantized_keys_and_values_match_mlx_lm_quantized_attention(bits, B, Lq,
     q, k, v = qkv(B, 6, 2, Lq, Lk, D, seed=bits)
     if mask != "causal":
         mask = create_causal_mask(Lq, offset=Lk - Lq, left_padding=mx.array([(11 * b) % 40 for b in range(B)]))
-    qk, qv = (mx.quantize(t, group_size=64, bits=bits) for t in (k, v))
+    dtype = mx.bfloat16 if bits == 4 else mx.float32  # a bf16 cache's scales and biases are bf16
+    qk, qv = (mx.quantize(t.astype(dtype), group_size=64, bits=bits) for t in (k, v))
     # mlx-lm scales its queries argument in place (`queries *= scale`): give it its own
     ref = quantized_scaled_dot_product_attention(mx.array(q), qk, qv, scale=D**-0.5, mask=mask, group_size=64,
                                                  bits=bits)
     got = cpu_attention.sdpa(q, tuple(qk), tuple(qv), D**-0.5, mask, group_size=64, bits=bits)
     assert got.shape == ref.shape and close(ref, got) <= BOUND
+
+
+def test_other_quantized_bits_keep_mlx_attention(monkeypatch):
+    """A cache quantized to bits the CPU attention does not unpack (mlx-lm's ``kv_bits``
+    2, 3, 6) keeps MLX's path."""
+    from types import SimpleNamespace
+
+    calls = []
+    dispatch = cpu_attention._dispatch(lambda *a, **kw: calls.append(kw["cache"].bits) or "mlx")
+    monkeypatch.setattr(cpu_attention._MARK, "on", True, raising=False)
+    q, k, v = qkv(1, 2, 2, 1, 8, 64)
+    for bits in (2, 3, 6):
+        qk, qv = (tuple(mx.quantize(t, group_size=64, bits=bits)) for t in (k, v))
+        assert dispatch(q, qk, qv, SimpleNamespace(bits=bits, group_size=64), 0.1, None) == "mlx"
+    assert calls == [2, 3, 6]
 
 
 def test_key_spans_leave_out_only_keys_no_query_attends():

@@ -33,8 +33,6 @@ def test_plan_matches_arithmetic(which, request):
     else:  # 4-bit, group 32, float32 scales and biases
         assert p.expert_bytes_disk == want["expert"] // 2 + 2 * 4 * want["expert"] // 32
     assert p.kv_bytes == 2 * 2 * 2 * 16 * 4 * 1000  # K and V, layers, kv heads, head dim, float32, tokens
-    q8 = make_plan(path, memory_gb=1.0, context_tokens=1000, disk_gbps=2.0, compute_gbps=1.0, kv_bits=8)
-    assert q8.kv_bytes == 2 * 2 * 2 * 16 * (1 + 8 / 64) * 1000 and q8.kv_bits == 8  # codes, scales, biases
     assert p.memory_total == 2**30 and p.slots_per_layer == p.experts_per_layer
     miss0 = p.moe_layers * p.top_k * p.expert_bytes_disk
     active = p.dense_bytes + miss0
@@ -53,11 +51,22 @@ def test_plan_cli_json_and_errors(tiny_moe, tiny_dense, tmp_path):
     for bad, msg in [(tiny_dense, "not a Mixture-of-Experts"), (tmp_path, "no config.json")]:
         r = CliRunner().invoke(app, ["plan", str(bad)])
         assert r.exit_code == 2 and msg in r.output
-    r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--kv-bits", "8", "--disk-gbps", "1", "--compute-gbps", "1",
-                                 "--doc-tokens", "0"])
-    assert r.exit_code == 0 and "8-bit" in r.output, r.output
     r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--kv-bits", "5"])
     assert r.exit_code == 2 and "--kv-bits must be one of 4, 8" in r.output
+    r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--kv-bits", "8"])  # head dim 16: no group of 64
+    assert r.exit_code == 2 and "cannot be quantized (--kv-bits)" in r.output, r.output
+
+
+def test_plan_for_a_quantized_kv_cache(moe_head_dim_64):
+    """``--kv-bits``: the KV cache at its stored bytes (8-bit codes and a float32 scale and
+    bias per group of 64), in the worksheet and its row."""
+    args = dict(memory_gb=1.0, context_tokens=1000, disk_gbps=2.0, compute_gbps=1.0)
+    plain, q8 = make_plan(moe_head_dim_64, **args), make_plan(moe_head_dim_64, kv_bits=8, **args)
+    assert plain.kv_bytes == 2 * 2 * 1 * 64 * 4 * 1000  # K and V, layers, kv heads, head dim, float32, tokens
+    assert q8.kv_bytes == 2 * 2 * 1 * 64 * (1 + 8 / 64) * 1000 and q8.kv_bits == 8
+    r = CliRunner().invoke(app, ["plan", str(moe_head_dim_64), "--kv-bits", "8", "--disk-gbps", "1",
+                                 "--compute-gbps", "1", "--doc-tokens", "0"])
+    assert r.exit_code == 0 and "8-bit" in r.output, r.output
 
 
 def test_bandwidth_probes_measure_something(tiny_moe_fp):
