@@ -8,9 +8,11 @@ tokens (whose average context is ``C`` tokens) costs, per layer::
 
     D(T)   = E * (1 - (1 - k/E)^T)                 distinct experts routed (uniform routing: the
                                                    pessimistic case; trained routers share more)
-    read   = D(T) * (1 - S/E) * expert_bytes / disk      misses, read in rounds of S experts: each
-                                                   round's read overlaps the round before's
-                                                   compute (read ahead), the first does not
+    read   = D(T) * (1 - S/E) * expert_bytes / disk      misses, read in rounds of S experts (the
+                                                   resident ones first): each round's read
+                                                   overlaps the round before's compute (read
+                                                   ahead), so a step waits for max(0, read -
+                                                   expert * (rounds - 1) / rounds)
     expert = D(T) * (dequant + rows * flops / gemm)      rows = T*k/D(T) >= gemm_min_rows
            | T*k * expert_bytes / matvec                 fewer rows: the fused matvec per pair
     dense  = T * dense_flops / gemm  (T >= gemm_min_rows, else the matvec of the dense bytes)
@@ -187,8 +189,8 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
 
     Returns:
         ``{"read", "expert", "dense", "attn", "overhead", "total"}`` in seconds; ``read`` is
-        what the step waits for (with read ahead, the first round's read and what the
-        others' reads take beyond their rounds' compute).
+        what the step waits for (with read ahead, what the reads take beyond the
+        compute of the rounds they overlap).
     """
     d = distinct_experts(tokens, shape.spread, shape.top_k)
     missing = max(0.0, 1 - shape.slots / shape.spread)
@@ -205,8 +207,11 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
         dense = tokens * shape.dense_bytes / (rates.matvec_gbps * 1e9)
     attn = tokens * context * shape.attn_flops / (rates.attention_gflops * 1e9)
     rounds = math.ceil(d / max(shape.slots, 1)) if d > shape.slots else 1
-    if shape.read_ahead and rounds > 1:  # round r + 1's read hidden behind round r's compute
-        read = read / rounds + (rounds - 1) * max(0.0, (read - expert) / rounds)
+    if shape.read_ahead and rounds > 1:
+        # The first round is the resident experts (nothing read); each later round's
+        # read overlaps the compute of the round before: the step waits for what the
+        # reads take beyond the compute of all rounds but the last.
+        read = max(0.0, read - expert * (rounds - 1) / rounds)
     parts = {"read": read, "expert": expert, "dense": dense, "attn": attn,
              "overhead": rates.overhead_s + d * rates.per_expert_s}
     return {**parts, "total": sum(parts.values())}

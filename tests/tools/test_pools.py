@@ -47,16 +47,16 @@ def test_cost_per_token_falls_with_the_pool():
     assert big["total"] == pytest.approx(sum(v for k, v in big.items() if k != "total"))
 
 
-def test_read_ahead_hides_all_but_the_first_rounds_read_behind_compute():
-    """A step of more experts than slots reads in rounds; read ahead overlaps each round's
-    read with the round before's compute: the step waits for the first round's read and
-    for what the others' reads take beyond their rounds' compute. One pass: no change."""
+def test_read_ahead_hides_reads_behind_the_rounds_compute():
+    """A step of more experts than slots reads in rounds, the resident experts first; read
+    ahead overlaps each later round's read with the round before's compute: the step waits
+    for what the reads take beyond the compute of all rounds but the last. One pass: no change."""
     plain = replace(SYNTH, read_ahead=False)
     for tokens in (256, 2048):
         on, off = layer_step_seconds(SYNTH, RATES, tokens, 500), layer_step_seconds(plain, RATES, tokens, 500)
         d = distinct_experts(tokens, 128, 8)
         rounds = -(-d // 11)
-        want = off["read"] / rounds + (rounds - 1) * max(0.0, (off["read"] - off["expert"]) / rounds)
+        want = max(0.0, off["read"] - off["expert"] * (rounds - 1) / rounds)
         assert on["read"] == pytest.approx(want) and on["read"] < off["read"]
         assert on["expert"] == off["expert"] and on["total"] == pytest.approx(off["total"] - off["read"] + want)
     roomy = replace(SYNTH, slots=128)  # every expert resident: nothing read
