@@ -18,6 +18,8 @@ A ``done`` record carries:
   (:func:`mlx_tier.engine.checkpoint.weights_fingerprint`).
 - ``prompt``: the instruction's hash (:func:`prompt_hash`); the run's start
   record holds the text once.
+- ``kv_bits``: the bits of the KV caches it was generated with, when quantized
+  (``run --kv-bits``: the tokens depend on them); absent: unquantized.
 
 What a rerun does with them (decided by :func:`mlx_tier.job.triage.triage`):
 a summary whose source's hash changed is *stale* and redone by default (the
@@ -101,28 +103,34 @@ def recorded_hash(rec: dict) -> str | None:
 
 @dataclass(frozen=True)
 class Settings:
-    """The model and prompt of this run, as records name them.
+    """The model, prompt and KV cache of this run, as records name them.
 
     Attributes:
         model: the model as given: a folder, a repo id, or ``demo``.
         weights: its weights' fingerprint; ``None`` while unknown (a model not
             downloaded or built yet: compared by name until it is).
         prompt: :func:`prompt_hash` of the instruction.
+        kv_bits: the KV caches' bits (``run --kv-bits``: the tokens depend on
+            them), ``None`` unquantized.
     """
 
     model: str
     weights: str | None
     prompt: str
+    kv_bits: int | None = None
 
     def fields(self) -> dict:
-        """The ``model`` and ``prompt`` fields of a record this run writes."""
-        return {"model": {"name": self.model, "weights": self.weights}, "prompt": self.prompt}
+        """The ``model`` and ``prompt`` fields of a record this run writes (and
+        ``kv_bits`` when quantized)."""
+        return {"model": {"name": self.model, "weights": self.weights}, "prompt": self.prompt,
+                **({"kv_bits": self.kv_bits} if self.kv_bits is not None else {})}
 
     def differences(self, rec: dict) -> list[str]:
-        """What the ``done`` record ``rec`` names otherwise than these settings: ``[]``,
-        ``["model"]``, ``["prompt"]`` or both. A field it lacks (a record of an older
-        version) never differs; models are compared by weights when both are
-        known, else by name."""
+        """What the ``done`` record ``rec`` names otherwise than these settings: ``[]``, or
+        some of ``"model"``, ``"prompt"``, ``"kv_bits"``. A model or prompt it lacks (a
+        record of an older version) never differs; a record naming either without
+        ``kv_bits`` was generated unquantized; models are compared by weights when both
+        are known, else by name."""
         model = rec.get("model") if isinstance(rec.get("model"), dict) else None
         prompt = rec.get("prompt")
         out = []
@@ -134,8 +142,11 @@ class Settings:
                 out.append("model")
         if isinstance(prompt, str) and prompt != self.prompt:
             out.append("prompt")
+        if (model is not None or isinstance(prompt, str)) and rec.get("kv_bits") != self.kv_bits:
+            out.append("kv_bits")  # a stamped record without it was generated unquantized
         return out
 
     def differs(self, rec: dict) -> bool:
-        """Whether the ``done`` record ``rec`` names another model or prompt (:meth:`differences`)."""
+        """Whether the ``done`` record ``rec`` names another model, prompt or KV cache
+        (:meth:`differences`)."""
         return bool(self.differences(rec))

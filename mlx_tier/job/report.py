@@ -44,6 +44,7 @@ class DocResult:
     made_from: dict | None = None  # {"sha256", "size", "mtime", "hashed"} of the source
     model: dict | None = None  # {"name", "weights"}: the model that wrote it
     prompt: str | None = None  # the instruction's hash (its text: report.json "prompts")
+    kv_bits: int | None = None  # the KV caches' bits it was generated with; None: unquantized (not recorded)
     redo: str | None = None  # this run redoes it: "stale" (its source changed) or "changed" (model or prompt)
     reused: str | None = None  # the id whose summary it got (the same content under another name)
     error_code: str | None = None  # a failed batch request: the API's error code ("server_error": generating failed)

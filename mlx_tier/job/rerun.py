@@ -80,7 +80,8 @@ def locate_model(model: Path | str | None) -> Path | None:
     return cached_snapshot(str(model)) if is_repo_id(model) else None
 
 
-def run_settings(model: Path | str | None, instruction: str, model_dir: Path | None) -> Settings:
+def run_settings(model: Path | str | None, instruction: str, model_dir: Path | None,
+                 kv_bits: int | None = None) -> Settings:
     """This run's :class:`~mlx_tier.job.provenance.Settings`; the weights' fingerprint when
     ``model_dir`` is known and readable (else ``None``: compared by name; the load says
     what is wrong with an unreadable one)."""
@@ -92,7 +93,7 @@ def run_settings(model: Path | str | None, instruction: str, model_dir: Path | N
             weights = weights_fingerprint(model_dir)
         except CheckpointError:
             pass
-    return Settings(model_name(model), weights, prompt_hash(instruction))
+    return Settings(model_name(model), weights, prompt_hash(instruction), kv_bits)
 
 
 def copy_reused(tri: Triage, records: Mapping[str, dict], docs, out_dir: Path, journal: Journal) -> list[str]:
@@ -155,6 +156,8 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
 
 
 def _what(ids: list[str], records: Mapping[str, dict], settings: Settings) -> str:
-    """``model``, ``prompt`` or ``model or prompt``: what the summaries ``ids`` were written with otherwise."""
+    """``model``, ``prompt``, ```kv_bits``` or several joined by "or": what the summaries
+    ``ids`` were written with otherwise."""
     seen = Counter(x for i in ids for x in settings.differences(records[i]))
-    return " or ".join(x for x in ("model", "prompt") if seen[x]) or "model or prompt"
+    names = {"model": "model", "prompt": "prompt", "kv_bits": "`kv_bits`"}
+    return " or ".join(name for x, name in names.items() if seen[x]) or "model or prompt"

@@ -404,7 +404,7 @@ def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: _Loaded
     eta.finished(res.id, res.output_tokens if res.status == "done" else None)
     spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
     if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
-        res.model, res.prompt = p.settings.fields()["model"], p.settings.prompt
+        res.model, res.prompt, res.kv_bits = p.settings.fields()["model"], p.settings.prompt, p.settings.kv_bits
     record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
     record["throttled_seconds"] = round(spent - throttled_before, 3)  # per record: `mlx-tier status` adds them up
     record["sample"] = progress_sample(loaded.cache, rate, generated)
@@ -782,12 +782,17 @@ def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) ->
     batch.keep_errors({d.request.custom_id: line(d, records[d.id]) for d in failed})
 
 
+def _kv_bits(config: JobConfig, docs) -> int | None:
+    """The KV caches' bits the summaries are generated with: batch requests run unquantized."""
+    return None if is_batch(docs) else config.generation.kv_bits
+
+
 def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share,
             clock: RunClock) -> tuple[JobReport, _Loaded | None]:
     """The run inside the held job folder: triage, load, generate. Returns the report and the
     model (``None`` when nothing was to do), kept apart: the report never holds the model."""
     model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
-    settings = run_settings(config.model, config.generation.instruction, model_dir)
+    settings = run_settings(config.model, config.generation.instruction, model_dir, _kv_bits(config, docs))
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock,
                                       None if is_batch(docs) else settings)
     if not share.part:
@@ -807,7 +812,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
     loaded = _model_for(pending, config, reporter, job, model_dir, typical if pooled else None)
     if loaded is not None and settings.weights is None:  # downloaded or built just now
-        settings = run_settings(config.model, config.generation.instruction, loaded.model_dir)
+        settings = run_settings(config.model, config.generation.instruction, loaded.model_dir, settings.kv_bits)
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
                           settings.fields() if loaded is not None else {}, rerun_counts(tri))
     if loaded is not None:

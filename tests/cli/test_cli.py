@@ -330,6 +330,11 @@ def test_kv_bits_runs_quantized_and_a_head_dim_it_cannot_group_exits_2(docs, tmp
     assert code == 0, output
     unquantized = json.loads((tmp_path / "plain" / "report.json").read_text())
     assert unquantized["kv_bits"] is None
+    # The summaries depend on the KV cache: a rerun without --kv-bits keeps them and says so
+    code, output = run(docs, "--out", out, "--model", moe_head_dim_64, "--max-tokens", "8")
+    assert code == 0 and "keeping 3 summaries written with another --kv-bits" in " ".join(output.split()), output
+    code, output = run(docs, "--out", out, "--model", moe_head_dim_64, "--max-tokens", "8", "--redo-changed")
+    assert code == 0 and "redoing 3 summaries written with another --kv-bits" in " ".join(output.split()), output
     # 8-bit codes and float32 scales and biases per group of 64: 1.125 bytes an element against 4
     assert quantized == pytest.approx(unquantized["generation"]["kv_bytes_per_token"] * 1.125 / 4, rel=0.01)
     # tiny_moe's head dim is 16: no group of 64 fits; refused before loading, no folder made

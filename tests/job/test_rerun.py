@@ -278,3 +278,9 @@ def test_triage_of_earlier_summaries_from_plain_data():
     assert t.stale == ["stale"] and "stale" in t.done and t.pending == [] and t.reused == {}
     by_name = Settings("m", None, "p1")  # the model not on this machine yet: compared by name
     assert not by_name.differs(records["model"]) and Settings("x", None, "p1").differences(records["model"]) == ["model"]
+    # KV caches quantized (`kv_bits`): a stamped record without it was generated unquantized
+    q8 = Settings("m", "w1", "p1", kv_bits=8)
+    assert q8.differences(records["gone"]) == ["kv_bits"] and not q8.differs(records["old"])
+    assert q8.fields()["kv_bits"] == 8 and "kv_bits" not in here.fields()
+    assert here.differences({**records["gone"], "kv_bits": 8}) == ["kv_bits"]
+    assert not q8.differs({**records["gone"], **q8.fields()})
