@@ -30,17 +30,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_tier.defaults import DEFAULT_POOL_STEP, JOB_KERNEL
+from mlx_tier.engine import footprint
 from mlx_tier.engine.checkpoint import find_expert_blocks, open_checkpoint
 from mlx_tier.engine.dtypes import job_compute_dtype
-from mlx_tier.engine.footprint import (
-    MemoryBudget,
-    ModelShape,
-    Needs,
-    check_kv_bits,
-    head_dim_of,
-    kv_element_bytes,
-    split,
-)
+from mlx_tier.engine.footprint import MemoryBudget, ModelShape, Needs, split
 from mlx_tier.engine.limits import probe_limit
 from mlx_tier.engine.sizes import expert_inner, may_use_now
 from mlx_tier.errors import BudgetError, CheckpointError
@@ -275,7 +268,7 @@ def _kv_bytes(config: dict, moe_layers: int, dtype, context_tokens: int, kv_bits
     heads = config.get("num_attention_heads") or 1
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
-    kv_itemsize = kv_element_bytes(kv_bits, 4 if dtype == mx.float32 else 2)
+    kv_itemsize = footprint.kv_element_bytes(kv_bits, 4 if dtype == mx.float32 else 2)
     return int(2 * n_layers * kv_heads * head_dim * kv_itemsize * context_tokens)
 
 
@@ -352,7 +345,7 @@ def make_plan(
     """
     source = _open(model_dir)
     model_dir, config, index, blocks = source.name, source.config, source.index, source.blocks
-    check_kv_bits(kv_bits, head_dim_of(config))
+    footprint.check_kv_bits(kv_bits, footprint.head_dim_of(config))
     prefixes, expert_names, num_experts, top_k = _expert_layout(model_dir, config, index, blocks)
     dtype = job_compute_dtype()  # the plan is for mlx-tier run
     sizes = _checkpoint_sizes(config, index, blocks, prefixes, expert_names, num_experts, top_k, dtype,
@@ -539,7 +532,7 @@ def _needs(config: dict, index: dict, expert_names: list[str], blocks: list, num
     dense = _resident_bytes(index, [n for n in index if n not in names], dtype)
     weights = [index[n].shape for n in expert_names if n.endswith(".weight")]
     shape = ModelShape.of_config(config, expert_inner(weights, int(config.get("hidden_size") or 0)), top_k,
-                                 num_experts, kv_element_bytes(kv_bits, 4 if dtype == mx.float32 else 2))
+                                 num_experts, footprint.kv_element_bytes(kv_bits, 4 if dtype == mx.float32 else 2))
     kernel = choose(JOB_KERNEL, [b for _, b in blocks], False)
     return Needs(dense, L * expert_bytes_resident, L * num_experts * expert_bytes_resident, shape, kernel)
 
