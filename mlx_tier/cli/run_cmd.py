@@ -68,7 +68,7 @@ KERNEL_HELP = ("What computes the experts: cpu, own kernel (within fp32 rounding
                "else mlx.")
 
 
-# run() is ~105 lines only by its 34 declared options and their --help text; the body
+# run() is ~106 lines only by its 35 declared options and their --help text; the body
 # (checks, one JobConfig, dispatch) is ~30. Typer reads options from the signature.
 def run(
     input: Path = typer.Argument(..., metavar="INPUT", help=INPUT_HELP),

@@ -36,6 +36,7 @@ from mlx import nn
 
 from mlx_tier.engine.checkpoint import TensorInfo
 from mlx_tier.engine.dtypes import Casts, apply_casts, then
+from mlx_tier.engine.prefetch import PrefetchedRead
 from mlx_tier.engine.store import ExpertStore, ReadStats
 from mlx_tier.errors import BudgetError
 from mlx_tier.policy.eviction import DEFAULT_POLICY, PolicySpec
@@ -263,6 +264,11 @@ class LayerCache:
         return sum(t.slot_nbytes() for t in self.tensors.values())
 
     @property
+    def raw_expert_nbytes(self) -> int:
+        """Bytes of one expert as stored on disk (all its tensors): what a read of it holds."""
+        return sum(t.info.expert_nbytes() for t in self.tensors.values())
+
+    @property
     def resident_bytes(self) -> int:
         return self.num_slots * self.slot_nbytes
 
@@ -456,8 +462,6 @@ class LayerCache:
         """Start reading ``experts`` (the next round's, none resident) on :attr:`reader`;
         :meth:`_read` serves them from it. Bytes only: slots, the policy and the
         hit/miss counts change when the round comes (:meth:`_ensure`), as without."""
-        from mlx_tier.engine.prefetch import PrefetchedRead
-
         if self.reader is None or not experts:
             return
         if self.incoming is not None:  # at most one read in flight (BackgroundReader)
@@ -467,11 +471,9 @@ class LayerCache:
         experts = [e for e in experts if not any(e in row_of for _, row_of, _, _ in self._prefetched)]
         if not experts:  # a prefetch holds them all already
             return
-        names = list(self.tensors)
-        nbytes = sum(t.info.expert_nbytes() for t in self.tensors.values())
         self.stats.read_ahead += len(experts)
-        self.incoming = PrefetchedRead(experts, self.reader.submit(self.store, names, experts), nbytes,
-                                       predicted=False)
+        self.incoming = PrefetchedRead(experts, self.reader.submit(self.store, list(self.tensors), experts),
+                                       self.raw_expert_nbytes, predicted=False)
 
     def end_call(self) -> None:
         """Drop the prefetched experts this layer call did not use.

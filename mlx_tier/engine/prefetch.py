@@ -158,7 +158,7 @@ class NextLayerPrefetch:
         self.next_cache = next_cache
         self.reader = reader
         self._names = list(next_cache.tensors)
-        self._expert_nbytes = sum(t.info.expert_nbytes() for t in next_cache.tensors.values())
+        self._expert_nbytes = next_cache.raw_expert_nbytes
 
     def predict(self, x: mx.array, k: int) -> mx.array | None:
         """Lazy top-k expert ids ``[..., k]`` (uint32) of layer l+1's router on

@@ -339,7 +339,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag,
     probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
     generation = _generation(config, loaded.budget)
     if p.requests:  # each request's own sampling and stop strings: the batch engine's (the pool engine is greedy)
-        generation = replace(generation, schedule="paced", kv_bits=None)
+        generation = replace(generation, schedule="paced")
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, generation,
                           max(p.sizes.values(), default=0), probes=probes,
                           typical_chars=sum(known) // len(known) if known else None, documents=len(p.sizes),
@@ -606,8 +606,7 @@ def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = 
         model_dir = resolve(config.model, reporter.message)
     step = config.generation.prefill_step_size  # the paced schedule's; the throughput schedule's pools reach further
     step = step if pools is None else max(step, DEFAULT_POOL_STEP)
-    kv_bits = config.generation.kv_bits if pools is not None else None  # batch requests: never quantized
-    budget = run_budget(model_dir, config.tier, config.memory_gb, step, kv_bits)
+    budget = run_budget(model_dir, config.tier, config.memory_gb, step, config.generation.kv_bits)
     tier, cache_gb = config.tier, None
     if budget is not None and pools is not None and tier.layer_slots is None:
         budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())
@@ -782,17 +781,15 @@ def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) ->
     batch.keep_errors({d.request.custom_id: line(d, records[d.id]) for d in failed})
 
 
-def _kv_bits(config: JobConfig, docs) -> int | None:
-    """The KV caches' bits the summaries are generated with: batch requests run unquantized."""
-    return None if is_batch(docs) else config.generation.kv_bits
-
-
 def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share,
             clock: RunClock) -> tuple[JobReport, _Loaded | None]:
     """The run inside the held job folder: triage, load, generate. Returns the report and the
     model (``None`` when nothing was to do), kept apart: the report never holds the model."""
+    asked_kv_bits = config.generation.kv_bits
+    if is_batch(docs):  # requests run on the batch engine, unquantized (said by _batch_pass)
+        config = replace(config, generation=replace(config.generation, kv_bits=None))
     model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
-    settings = run_settings(config.model, config.generation.instruction, model_dir, _kv_bits(config, docs))
+    settings = run_settings(config.model, config.generation.instruction, model_dir, config.generation.kv_bits)
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock,
                                       None if is_batch(docs) else settings)
     if not share.part:
@@ -822,7 +819,6 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         report.setup, report.throttle = _earlier_setup(config)
     if is_batch(docs):  # the answers are in output.jsonl and errors.jsonl, not <id>.md
         report.setup["batch_requests"] = True
-        report.setup["kv_bits"] = None  # requests run on the batch engine, unquantized
     _mark_start(journal, report, config, share, tri, list(by_id), settings, loaded is not None, bool(records))
     if config.input_paths is not None and not share.part:
         write_input_list(config.out_dir, docs)
@@ -837,7 +833,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings)
         if is_batch(docs):
-            _batch_pass(p, pending, config, reporter)
+            _batch_pass(p, pending, config, reporter, asked_kv_bits)
         _run_pending(p, config, loaded)
         end = p.last_t if p.last_t is not None else clock.t()  # the last document, else the end
         report.generation_seconds = max(end - (report.load_seconds or 0.0), 0.0)
@@ -864,9 +860,11 @@ def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: S
         report.load_seconds = rec.get("run_t")
 
 
-def _batch_pass(p: _Pass, pending: list, config: JobConfig, reporter: Reporter) -> None:
+def _batch_pass(p: _Pass, pending: list, config: JobConfig, reporter: Reporter,
+                asked_kv_bits: int | None = None) -> None:
     """Set ``p`` up to run batch requests: their output files, the model's name for the
-    responses; says which settings apply to summaries only, when they were changed."""
+    responses; says which settings apply to summaries only, when they were changed
+    (``asked_kv_bits``: the ``kv_bits`` given; ``config``'s is ``None`` for requests)."""
     from mlx_tier.tools.demo_model import is_demo
 
     p.batch, p.requests = BatchOutputs(config.out_dir), {d.id: d.request for d in pending}
@@ -875,7 +873,7 @@ def _batch_pass(p: _Pass, pending: list, config: JobConfig, reporter: Reporter) 
     unused = [name for name, changed in (("`instruction`", g.instruction != DEFAULT_PROMPT),
                                           ("`repetition_penalty`", g.repetition_penalty != DEFAULT_REPETITION_PENALTY),
                                           ("`output_format` jsonl", config.output_format == "jsonl"),
-                                          ("`kv_bits`", g.kv_bits is not None)) if changed]
+                                          ("`kv_bits`", asked_kv_bits is not None)) if changed]
     if unused:
         reporter.message(f"batch requests run as written: {', '.join(unused)} "
                          f"{'applies' if len(unused) == 1 else 'apply'} to documents only (answers go to "

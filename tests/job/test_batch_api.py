@@ -419,3 +419,14 @@ def test_the_demo_model_answers_the_translate_request(tmp_path, demo_model):
     choice = ChatCompletion.model_validate(line["response"]["body"]).choices[0]
     assert choice.message.content.strip() and "summar" not in choice.message.content.lower()
     assert line["response"]["body"]["usage"]["completion_tokens"] <= 12
+
+
+def test_requests_run_unquantized_and_say_kv_bits_applies_to_documents(tmp_path, tiny_moe):
+    """``--kv-bits`` with a batch file: the requests run on the batch engine with unquantized
+    caches (even on a model whose KV cache could not be quantized), and the run says so."""
+    inp, out = write_jsonl(tmp_path / "requests.jsonl", openai_requests()[1:3]), tmp_path / "out"
+    r = runner.invoke(app, ["run", str(inp), "--out", str(out), "--model", str(tiny_moe), "--kv-bits", "8"])
+    assert r.exit_code == 0, r.output
+    assert "--kv-bits applies to documents only" in " ".join(r.output.split())
+    assert json.loads((out / "report.json").read_text())["kv_bits"] is None
+    assert all("kv_bits" not in rec for rec in Journal(out).records().values())
