@@ -603,6 +603,8 @@ def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nd
     loops, a share is one GIL-free call (:func:`cpu_vnni.glu_pairs`: its SwiGLU is
     Numba's exp, not numpy's, so equal to fp32 rounding, not bit for bit)."""
     gate, up, down = (_Quant(inner[n], stacked=True) for n in ("gate_proj", "up_proj", "down_proj"))
+    order = np.argsort(slots, kind="stable")  # pairs of a slot side by side: the rows' two-token steps
+    tok, slots = tok[order], slots[order]
     y = np.empty((len(slots), down.out_dims), np.float32)
 
     prep = gate.prepare(x)  # x once for gate and up (and for both threads)
@@ -621,7 +623,9 @@ def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nd
         y[n0:n1] = h
 
     _parallel(share, len(slots), grain=len(slots) // THREADS)
-    return y
+    out = np.empty_like(y)
+    out[order] = y
+    return out
 
 
 def _slow_rows(layer: nn.Module) -> bool:

@@ -12,15 +12,23 @@ written per run of 8 inputs (one int32 lane's) as ``2**e * m`` with integers
 ``|m| <= 127 * 2**16`` (23 bits relative to the run's largest |x|), and ``m``
 as three signed base-256 digits ``m = d0 2**16 + d1 2**8 + d2``. Then a lane's
 ``q . x = 2**e (2**16 (q.d0) + 2**8 (q.d1) + q.d2)``: three exact integer dot
-products, joined in float32. Each row sums ``scale_g * (q . x)_g`` over its
-groups plus ``bias_g * sum(x_g)``. The only rounding beyond float32 sums is x's
-to 23 bits of its run's largest value (tests/kernels/test_cpu_vnni.py bounds both).
+products, chained through one int32 accumulator (shifted a digit's place between
+them; every partial sum stays below 2**30) and rounded once to float32. Each row
+sums ``scale_g * (q . x)_g`` over its groups plus ``bias_g * sum(x_g)``. The only
+rounding beyond float32 sums is x's to 23 bits of its run's largest value
+(tests/kernels/test_cpu_vnni.py bounds both).
 
 Loop: 64 bytes of a row (128 codes, 1-4 groups) per step; four rows at a time
 share the loads of x's digits, the four a quarter of the share's rows apart
-(long sequential streams for the hardware prefetcher: docs/kernels.md). Needs the row length ``I`` a multiple of 128; other shapes, other
-bit widths, non-finite x and rows whose largest |x| is below 2**-80 (their
-2**e would leave float32's normal range) use the float32 loops.
+(long sequential streams for the hardware prefetcher: docs/kernels.md). Two
+pairs of the same slot side by side (a pool's tokens of one expert, sorted by
+slot) take a GEMM-shaped step: each step of the four rows is loaded, unpacked
+and scaled once for both tokens (the register blocking of a GEMM micro-kernel:
+Goto and van de Geijn, "Anatomy of high-performance matrix multiplication",
+2008), each (row, token) summing the same terms in the same order, so bit-equal
+to the one-token rows. Needs the row length ``I`` a multiple of 128; other
+shapes, other bit widths, non-finite x and rows whose largest |x| is below
+2**-80 (their 2**e would leave float32's normal range) use the float32 loops.
 
 Off switch: ``MLX_TIER_VNNI=0`` in the environment (or :data:`ENABLED` = False).
 """
@@ -40,12 +48,13 @@ from mlx_tier.kernels.simd import (
     fzero,
     hsum,
     izero,
-    limbs_to_float,
     load_f,
     load_i,
     mul,
     nibbles,
+    shl8,
     spread,
+    to_float,
 )
 
 ENABLED = AVAILABLE and os.environ.get("MLX_TIER_VNNI", "1") != "0"
@@ -132,14 +141,17 @@ def prepare(x: np.ndarray, gs: int) -> tuple | None:
 
 
 @njit(nogil=True, inline="always")
-def _chunk(w, b, xr):
-    """Lanes of one 64-byte step of row ``w`` at byte ``b`` against x's digits ``xr``
-    [3, 2, I/2]: 16 float32, each lane the exact sum of 8 codes x digits, joined."""
-    lo, hi = nibbles(load_i(w, b))  # even inputs' codes, odd inputs' codes
-    a0 = dpbusd(dpbusd(izero(), lo, load_i(xr[0, 0], b)), hi, load_i(xr[0, 1], b))
-    a1 = dpbusd(dpbusd(izero(), lo, load_i(xr[1, 0], b)), hi, load_i(xr[1, 1], b))
-    a2 = dpbusd(dpbusd(izero(), lo, load_i(xr[2, 0], b)), hi, load_i(xr[2, 1], b))
-    return limbs_to_float(a0, a1, a2)
+def _dots(lo, hi, xr, b):
+    """One 64-byte step's 16 lanes against x's digits ``xr`` [3, 2, I/2] at byte ``b``,
+    each the exact ``2**16 (q.d0) + 2**8 (q.d1) + q.d2`` of its 8 codes, as float32.
+    The digits' dot products are chained through one int32 accumulator, shifted a
+    digit's place between them: every partial sum stays below 2**30 (8 codes of at
+    most 15 times digits of at most 128: 15,360 a digit), so the join is exact in
+    integers and rounded once, in the conversion."""
+    a = dpbusd(dpbusd(izero(), lo, load_i(xr[0, 0], b)), hi, load_i(xr[0, 1], b))
+    a = dpbusd(dpbusd(shl8(a), lo, load_i(xr[1, 0], b)), hi, load_i(xr[1, 1], b))
+    a = dpbusd(dpbusd(shl8(a), lo, load_i(xr[2, 0], b)), hi, load_i(xr[2, 1], b))
+    return to_float(a)
 
 
 @njit(nogil=True, inline="always")
@@ -162,10 +174,14 @@ def _rows4(w, s, bi, xr, er, xsr, out, o, q, per, lanes):
     for c in range(w0.shape[0] // CHUNK):
         b, g0 = c * CHUNK, c * per
         e = load_f(er, c * 16)
-        acc0 = fma(_chunk(w0, b, xr), mul(spread(s0, g0, lanes), e), acc0)
-        acc1 = fma(_chunk(w1, b, xr), mul(spread(s1, g0, lanes), e), acc1)
-        acc2 = fma(_chunk(w2, b, xr), mul(spread(s2, g0, lanes), e), acc2)
-        acc3 = fma(_chunk(w3, b, xr), mul(spread(s3, g0, lanes), e), acc3)
+        lo, hi = nibbles(load_i(w0, b))
+        acc0 = fma(_dots(lo, hi, xr, b), mul(spread(s0, g0, lanes), e), acc0)
+        lo, hi = nibbles(load_i(w1, b))
+        acc1 = fma(_dots(lo, hi, xr, b), mul(spread(s1, g0, lanes), e), acc1)
+        lo, hi = nibbles(load_i(w2, b))
+        acc2 = fma(_dots(lo, hi, xr, b), mul(spread(s2, g0, lanes), e), acc2)
+        lo, hi = nibbles(load_i(w3, b))
+        acc3 = fma(_dots(lo, hi, xr, b), mul(spread(s3, g0, lanes), e), acc3)
     out[o] = hsum(acc0) + _bias(bi[o], xsr)
     out[o + q] = hsum(acc1) + _bias(bi[o + q], xsr)
     out[o + 2 * q] = hsum(acc2) + _bias(bi[o + 2 * q], xsr)
@@ -173,26 +189,91 @@ def _rows4(w, s, bi, xr, er, xsr, out, o, q, per, lanes):
 
 
 @njit(nogil=True, inline="always")
+def _rows4x2(w, s, bi, xa, ea, xsa, xb, eb, xsb, outa, outb, o, q, per, lanes):
+    """:func:`_rows4`'s four rows for two tokens ``a`` and ``b`` of the same slot: each
+    weight step is loaded, unpacked and scaled once for both tokens, x's digits once
+    for the four rows (the GEMM-shaped share). Each (row, token) sums the same terms
+    in the same order as :func:`_rows4`, so the results are bit-equal to it."""
+    a0, a1, a2, a3 = fzero(), fzero(), fzero(), fzero()
+    b0, b1, b2, b3 = fzero(), fzero(), fzero(), fzero()
+    w0, w1, w2, w3 = w[o], w[o + q], w[o + 2 * q], w[o + 3 * q]
+    s0, s1, s2, s3 = s[o], s[o + q], s[o + 2 * q], s[o + 3 * q]
+    for c in range(w0.shape[0] // CHUNK):
+        b, g0 = c * CHUNK, c * per
+        e_a, e_b = load_f(ea, c * 16), load_f(eb, c * 16)
+        sc = spread(s0, g0, lanes)
+        lo, hi = nibbles(load_i(w0, b))
+        a0 = fma(_dots(lo, hi, xa, b), mul(sc, e_a), a0)
+        b0 = fma(_dots(lo, hi, xb, b), mul(sc, e_b), b0)
+        sc = spread(s1, g0, lanes)
+        lo, hi = nibbles(load_i(w1, b))
+        a1 = fma(_dots(lo, hi, xa, b), mul(sc, e_a), a1)
+        b1 = fma(_dots(lo, hi, xb, b), mul(sc, e_b), b1)
+        sc = spread(s2, g0, lanes)
+        lo, hi = nibbles(load_i(w2, b))
+        a2 = fma(_dots(lo, hi, xa, b), mul(sc, e_a), a2)
+        b2 = fma(_dots(lo, hi, xb, b), mul(sc, e_b), b2)
+        sc = spread(s3, g0, lanes)
+        lo, hi = nibbles(load_i(w3, b))
+        a3 = fma(_dots(lo, hi, xa, b), mul(sc, e_a), a3)
+        b3 = fma(_dots(lo, hi, xb, b), mul(sc, e_b), b3)
+    outa[o] = hsum(a0) + _bias(bi[o], xsa)
+    outb[o] = hsum(b0) + _bias(bi[o], xsb)
+    outa[o + q] = hsum(a1) + _bias(bi[o + q], xsa)
+    outb[o + q] = hsum(b1) + _bias(bi[o + q], xsb)
+    outa[o + 2 * q] = hsum(a2) + _bias(bi[o + 2 * q], xsa)
+    outb[o + 2 * q] = hsum(b2) + _bias(bi[o + 2 * q], xsb)
+    outa[o + 3 * q] = hsum(a3) + _bias(bi[o + 3 * q], xsa)
+    outb[o + 3 * q] = hsum(b3) + _bias(bi[o + 3 * q], xsb)
+
+
+@njit(nogil=True, inline="always")
 def _row(w, s, bi, xr, er, xsr, out, o, per, lanes):
     """out[o] for row o alone (the rows left after the blocks of four)."""
     acc = fzero()
     for c in range(w.shape[1] // CHUNK):
-        acc = fma(_chunk(w[o], c * CHUNK, xr), mul(spread(s[o], c * per, lanes), load_f(er, c * 16)), acc)
+        lo, hi = nibbles(load_i(w[o], c * CHUNK))
+        acc = fma(_dots(lo, hi, xr, c * CHUNK), mul(spread(s[o], c * per, lanes), load_f(er, c * 16)), acc)
     out[o] = hsum(acc) + _bias(bi[o], xsr)
+
+
+@njit(nogil=True, inline="always")
+def _pair(sw, ss, sb, xr, er, xsr, on, o0, o1, per, lanes):
+    """Rows o0..o1 of one (token, slot) pair."""
+    q = (o1 - o0) // 4
+    for o in range(o0, o0 + q):
+        _rows4(sw, ss, sb, xr, er, xsr, on, o, q, per, lanes)
+    for o in range(o0 + 4 * q, o1):
+        _row(sw, ss, sb, xr, er, xsr, on, o, per, lanes)
+
+
+@njit(nogil=True, inline="always")
+def _two_pairs(sw, ss, sb, xl, ex, xs, ta, tb, outa, outb, per, lanes):
+    """All rows of two pairs that share a slot (tokens ``ta``, ``tb``)."""
+    O = outa.shape[0]
+    q = O // 4
+    xa, ea, xsa, xb, eb, xsb = xl[ta], ex[ta], xs[ta], xl[tb], ex[tb], xs[tb]
+    for o in range(q):
+        _rows4x2(sw, ss, sb, xa, ea, xsa, xb, eb, xsb, outa, outb, o, q, per, lanes)
+    for o in range(4 * q, O):
+        _row(sw, ss, sb, xa, ea, xsa, outa, o, per, lanes)
+        _row(sw, ss, sb, xb, eb, xsb, outb, o, per, lanes)
 
 
 @njit(nogil=True, inline="always")
 def _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, per, lanes):
     O = out.shape[1]
-    for n in range(f0 // O, (f1 + O - 1) // O):
+    n, n1 = f0 // O, (f1 + O - 1) // O
+    while n < n1:
         sw, ss, sb = w[slots[n]], scales[slots[n]], biases[slots[n]]
-        xr, er, xsr, on = xl[tok[n]], ex[tok[n]], xs[tok[n]], out[n]
         o0, o1 = max(f0 - n * O, 0), min(f1 - n * O, O)
-        q = (o1 - o0) // 4
-        for o in range(o0, o0 + q):
-            _rows4(sw, ss, sb, xr, er, xsr, on, o, q, per, lanes)
-        for o in range(o0 + 4 * q, o1):
-            _row(sw, ss, sb, xr, er, xsr, on, o, per, lanes)
+        whole = o0 == 0 and o1 == O
+        if whole and n + 1 < n1 and slots[n + 1] == slots[n] and f1 >= (n + 2) * O:  # a GEMM-shaped step
+            _two_pairs(sw, ss, sb, xl, ex, xs, tok[n], tok[n + 1], out[n], out[n + 1], per, lanes)
+            n += 2
+            continue
+        _pair(sw, ss, sb, xl[tok[n]], ex[tok[n]], xs[tok[n]], out[n], o0, o1, per, lanes)
+        n += 1
 
 
 @njit(fastmath=FM, nogil=True, cache=True)

@@ -136,15 +136,15 @@ def dpbusd(typingctx, acc, u, s):
 
 
 @intrinsic
-def limbs_to_float(typingctx, a0, a1, a2):
-    """``float(a0) * 2**16 + float(a1 * 2**8 + a2)`` per lane: three integer dot products
-    against base-256 digits of x, joined (the second in int32: no overflow for
-    |a1|, |a2| < 2**22)."""
-    def codegen(context, builder, sig, args):
-        low = builder.add(builder.shl(args[1], _splat(_LI, 8)), args[2])
-        fma = _fn(builder, "llvm.fma.v16f32", _LF, [_LF] * 3)
-        return builder.call(fma, [builder.sitofp(args[0], _LF), _splat(_LF, 65536.0), builder.sitofp(low, _LF)])
-    return F16(I16, I16, I16), codegen
+def shl8(typingctx, v):
+    """Each int32 lane shifted left by 8 bits (times 256: the next base-256 digit's place)."""
+    return I16(I16), lambda context, builder, sig, args: builder.shl(args[0], _splat(_LI, 8))
+
+
+@intrinsic
+def to_float(typingctx, v):
+    """Each int32 lane converted to float32 (rounded to nearest, ties to even)."""
+    return F16(I16), lambda context, builder, sig, args: builder.sitofp(args[0], _LF)
 
 
 @intrinsic

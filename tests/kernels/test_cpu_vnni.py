@@ -251,3 +251,26 @@ def test_whole_models_through_either_row_loops_keep_mlx_lms_greedy_tokens(name, 
         monkeypatch.setattr(cpu_vnni, fn, lambda *a, real=real, fn=fn: calls.append(fn) or real(*a))
     assert_cpu_kernel_agrees(path, (1, K, E))
     assert bool(calls) == (row_loops == "vnni")  # the VNNI loops computed experts, or never ran
+
+
+@needs_vnni
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("O", [37, 64])  # 37: tail rows after the blocks of four
+def test_pairs_sharing_a_slot_equal_each_pair_alone_bit_for_bit(gs, O):
+    """Two pairs of one slot take the GEMM-shaped step (weights unpacked once for both
+    tokens); a pair alone, or cut by a thread's share, takes the one-token rows. The
+    same sums in the same order: bit-equal outputs, wherever the shares are cut."""
+    w, sc, bi, _ = quantized(3, O, 768, gs)
+    x = awkward_x(np.random.default_rng(O + gs), 5, 768)
+    prep = cpu_vnni.prepare(x, gs)
+    tok = np.array([3, 0, 1, 4, 2, 0, 4], np.int64)
+    slots = np.array([1, 1, 1, 0, 0, 2, 2], np.int64)  # runs of 3, 2 and 2 pairs
+    alone = np.empty((len(tok), O), np.float32)
+    for n in range(len(tok)):
+        cpu_vnni.qmv4(gs, w, sc, bi, *prep, tok[n:n + 1], slots[n:n + 1], alone[n:n + 1], 0, O)
+    N = len(tok) * O
+    for cuts in ([0, N], [0, O + 5, N], [0, 2 * O, 3 * O - 1, N], [0, 1, 4 * O, N - 3, N]):
+        out = np.full((len(tok), O), np.nan, np.float32)
+        for f0, f1 in zip(cuts[:-1], cuts[1:]):
+            cpu_vnni.qmv4(gs, w, sc, bi, *prep, tok, slots, out, f0, f1)
+        assert np.array_equal(out, alone), cuts
