@@ -17,8 +17,10 @@ How:
   each round of experts read only when it comes: ``TierConfig.read_ahead``
   off, what overlapping reads with compute buys); ``throughput-kv8`` (the
   throughput schedule with its KV caches at 8 bits, ``run --kv-bits 8``:
-  larger pools in the same memory). All use the CPU expert kernel, greedy with the job's
-  repetition penalty, the job's instruction and the same documents.
+  larger pools in the same memory); ``throughput-one-token`` (the throughput
+  schedule with the VNNI rows computing one token at a time,
+  ``cpu_vnni.TWO_TOKEN`` off: what the two-token step buys). All use the CPU
+  expert kernel, greedy with the job's repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
   order), summaries of at most ``--summary-tokens``.
@@ -63,7 +65,8 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8")
+SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8",
+             "throughput-one-token")
 
 
 # ------------------------------------------------------------------- documents
@@ -101,11 +104,13 @@ def worker(spec: dict) -> dict:
     from mlx_tier.engine.sizes import peak_rss, run_budget
     from mlx_tier.job.run import FALLBACK_CONTEXT
     from mlx_tier.job.scheduler import GenerationConfig, Scheduler
+    from mlx_tier.kernels import cpu_vnni
     from mlx_tier.tools import pool_cache, pools
 
     load0 = os.getloadavg()[0]
     sched = spec["schedule"]
     model_dir = Path(spec["model"])
+    cpu_vnni.TWO_TOKEN = sched != "throughput-one-token"
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
                       attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype(),
                       read_ahead=sched != "throughput-no-ahead")

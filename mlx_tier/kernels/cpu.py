@@ -461,7 +461,7 @@ class _Quant:
         loop = _row_loop(self.bits, gs, self.mode, sc.shape[2])
         if kind == "vnni":
             def rows(f0, f1):
-                cpu_vnni.qmv4(gs, w, sc, bi, *xp, tok, slots, out, f0, f1)
+                cpu_vnni.qmv4(gs, w, sc, bi, *xp, tok, slots, out, f0, f1, cpu_vnni.TWO_TOKEN)
         elif loop:
             def rows(f0, f1):
                 _qmv4(loop, w, sc, bi, *xp, tok, slots, out, f0, f1)
@@ -613,7 +613,8 @@ def _glu_by_pairs(inner: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.nd
 
     def share(n0, n1):
         t, s = tok[n0:n1], slots[n0:n1]
-        if fused and cpu_vnni.glu_pairs(gate.arrays, up.arrays, down.arrays, *prep[1:], t, s, y[n0:n1]):
+        if fused and cpu_vnni.glu_pairs(gate.arrays, up.arrays, down.arrays, *prep[1:], t, s, y[n0:n1],
+                                          cpu_vnni.TWO_TOKEN):
             return
         (g, gj), (u, uj) = gate.matvec_job(x, t, s, prep), up.matvec_job(x, t, s, uprep)
         gj[0](0, gj[1])

@@ -58,6 +58,7 @@ from mlx_tier.kernels.simd import (
 )
 
 ENABLED = AVAILABLE and os.environ.get("MLX_TIER_VNNI", "1") != "0"
+TWO_TOKEN = True  # the two-token step for pairs of one slot; False: one token at a time (benches compare)
 LIMB_MAX = 127 * 2**16  # the largest |m|: its top digit stays within int8
 TINY = 2.0**-80  # a row's largest |x| below this (and not 0) takes the float32 loops
 CHUNK = 64  # bytes of a packed row per step (128 4-bit codes)
@@ -261,14 +262,14 @@ def _two_pairs(sw, ss, sb, xl, ex, xs, ta, tb, outa, outb, per, lanes):
 
 
 @njit(nogil=True, inline="always")
-def _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, per, lanes):
+def _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, per, lanes, two):
     O = out.shape[1]
     n, n1 = f0 // O, (f1 + O - 1) // O
     while n < n1:
         sw, ss, sb = w[slots[n]], scales[slots[n]], biases[slots[n]]
         o0, o1 = max(f0 - n * O, 0), min(f1 - n * O, O)
         whole = o0 == 0 and o1 == O
-        if whole and n + 1 < n1 and slots[n + 1] == slots[n] and f1 >= (n + 2) * O:  # a GEMM-shaped step
+        if two and whole and n + 1 < n1 and slots[n + 1] == slots[n] and f1 >= (n + 2) * O:  # a GEMM-shaped step
             _two_pairs(sw, ss, sb, xl, ex, xs, tok[n], tok[n + 1], out[n], out[n + 1], per, lanes)
             n += 2
             continue
@@ -277,28 +278,29 @@ def _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, per, lanes):
 
 
 @njit(fastmath=FM, nogil=True, cache=True)
-def qmv4(gs, w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1):
+def qmv4(gs, w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, two=True):
     """out[n, o] = dequant(w[slots[n], o]) . x[tok[n]] for flat f = n*O + o in [f0, f1).
 
     w [S, O, I/2] uint8 (4-bit affine codes, rows contiguous); scales, biases [S, O, G]
     float32; xl, ex, xs: :func:`prepare`'s arrays; tok, slots [N] int64; out [N, O]
-    float32. Call only where :func:`usable` (an AVX-512 VNNI CPU).
+    float32; ``two``: adjacent pairs of one slot take the two-token step (bit-equal
+    either way; :data:`TWO_TOKEN`). Call only where :func:`usable` (an AVX-512 VNNI CPU).
     """
     if gs != 32 and gs != 64 and gs != 128:
         raise ValueError("qmv4: group size must be 32, 64 or 128")
     if gs == 32:
-        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 4, 4)
+        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 4, 4, two)
     elif gs == 64:
-        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 2, 8)
+        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 2, 8, two)
     else:
-        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 1, 16)
+        _pairs(w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, 1, 16, two)
 
 
 @njit(fastmath=FM, nogil=True, cache=True)
-def glu_pairs(gate, up, down, xl, ex, xs, tok, slots, y):
+def glu_pairs(gate, up, down, xl, ex, xs, tok, slots, y, two=True):
     """y[n] = down(silu(gate x) * up x) for the pairs of a bias-free 4-bit SwiGLU block, in
     one call without the GIL: a thread's whole share of the block's decode (gate and up
-    of one layout, so x's digits serve both).
+    of one layout, so x's digits serve both); ``two``: as :func:`qmv4`'s.
 
     gate, up, down: ``(group size, w [S, O, I/2] uint8, scales, biases [S, O, G])``;
     xl, ex, xs: :func:`prepare`'s arrays of x; tok, slots [N] int64; y [N, D] float32.
@@ -309,8 +311,8 @@ def glu_pairs(gate, up, down, xl, ex, xs, tok, slots, y):
     N, H = slots.shape[0], gate[1].shape[1]
     g = np.empty((N, H), np.float32)
     u = np.empty((N, H), np.float32)
-    qmv4(gate[0], gate[1], gate[2], gate[3], xl, ex, xs, tok, slots, g, 0, N * H)
-    qmv4(up[0], up[1], up[2], up[3], xl, ex, xs, tok, slots, u, 0, N * H)
+    qmv4(gate[0], gate[1], gate[2], gate[3], xl, ex, xs, tok, slots, g, 0, N * H, two)
+    qmv4(up[0], up[1], up[2], up[3], xl, ex, xs, tok, slots, u, 0, N * H, two)
     h = g / (np.float32(1.0) + np.exp(-g)) * u  # mlx-lm's SwiGLU: silu(gate) * up
     if not _fits(h):
         return False
@@ -319,7 +321,7 @@ def glu_pairs(gate, up, down, xl, ex, xs, tok, slots, y):
     he = np.empty((N, H // 8), np.float32)
     hs = np.empty((N, H // gs), np.float32)
     _digits(h, gs, hl, he, hs)
-    qmv4(gs, down[1], down[2], down[3], hl, he, hs, np.arange(N), slots, y, 0, N * y.shape[1])
+    qmv4(gs, down[1], down[2], down[3], hl, he, hs, np.arange(N), slots, y, 0, N * y.shape[1], two)
     return True
 
 
