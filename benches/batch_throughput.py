@@ -32,8 +32,8 @@ from mlx_tier.defaults import DEFAULT_PROMPT
 from mlx_tier.engine.checkpoint import context_length
 from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.job.documents import Document
+from mlx_tier.job.model_setup import FALLBACK_CONTEXT
 from mlx_tier.job.report import backend_name
-from mlx_tier.job.run import FALLBACK_CONTEXT
 from mlx_tier.job.scheduler import GenerationConfig, Scheduler
 from mlx_tier.tools.demo_model import ensure_demo_model
 

@@ -102,7 +102,7 @@ def worker(spec: dict) -> dict:
     from mlx_tier.engine.checkpoint import context_length
     from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.engine.sizes import peak_rss, run_budget
-    from mlx_tier.job.run import FALLBACK_CONTEXT
+    from mlx_tier.job.model_setup import FALLBACK_CONTEXT
     from mlx_tier.job.scheduler import GenerationConfig, Scheduler
     from mlx_tier.kernels import cpu_vnni
     from mlx_tier.tools import pool_cache, pools

@@ -1,6 +1,6 @@
 """The job's default settings, each defined once, in a module that imports
 nothing: the CLI shows them in ``--help`` without loading MLX, and the configs
-(:class:`mlx_tier.job.scheduler.GenerationConfig`, :class:`mlx_tier.job.run.JobConfig`)
+(:class:`mlx_tier.job.scheduler.GenerationConfig`, :class:`mlx_tier.job.config.JobConfig`)
 take them from here; ``policy``, ``process`` and ``tiered`` re-export theirs.
 """
 

@@ -1,4 +1,4 @@
-"""``mlx-tier run``: options in, one :class:`~mlx_tier.job.run.JobConfig`, then the job
+"""``mlx-tier run``: options in, one :class:`~mlx_tier.job.config.JobConfig`, then the job
 in this process (:func:`mlx_tier.job.run.run_job`), detached (``--background``) or over
 several ranks (:mod:`mlx_tier.cli.ranks_cmd`); its ends mapped to exit codes.
 
@@ -136,8 +136,8 @@ def run(
     """
     from mlx_tier.engine.load import DEFAULT_PREFETCH, TierConfig
     from mlx_tier.errors import MlxTierError
+    from mlx_tier.job.config import JobConfig, read_prompt
     from mlx_tier.job.convert_limits import ConversionLimits
-    from mlx_tier.job.run import JobConfig, read_prompt
     from mlx_tier.job.scheduler import GenerationConfig
 
     throttle = _checked_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,

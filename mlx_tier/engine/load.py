@@ -110,7 +110,7 @@ class TierConfig:
             ``"metal"``, or ``"auto"`` (cpu on MLX's CPU backend, else mlx).
             ``None`` (the default): the caller's default, resolved in one
             place each: :func:`load` uses :data:`LIBRARY_KERNEL` (``"mlx"``),
-            the job runner (:class:`mlx_tier.job.run.JobConfig`)
+            the job runner (:class:`mlx_tier.job.config.JobConfig`)
             :data:`mlx_tier.defaults.JOB_KERNEL` (``"auto"``).
         dense_kernel: with the cpu kernel, also serve the dense quantized
             layers (``nn.QuantizedLinear``, a tied ``QuantizedEmbedding``'s

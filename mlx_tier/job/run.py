@@ -28,17 +28,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from mlx_tier.defaults import (
-    DEFAULT_POOL_STEP,
     DEFAULT_PROMPT,
     DEFAULT_REPETITION_PENALTY,
-    JOB_KERNEL,
-    PLAN_DOC_TOKENS,
 )
-from mlx_tier.engine.checkpoint import context_length
-from mlx_tier.engine.dtypes import job_compute_dtype
-from mlx_tier.engine.footprint import MemoryBudget, named
-from mlx_tier.engine.load import TierConfig
-from mlx_tier.engine.sizes import peak_rss, run_budget
 from mlx_tier.errors import InputError, JobError
 from mlx_tier.fsio import DISK_FULL, write_atomic
 from mlx_tier.job import batch_api
@@ -51,18 +43,27 @@ from mlx_tier.job.activity import (
     achieved,
     announce,
 )
-from mlx_tier.job.convert_limits import ConversionLimits
+from mlx_tier.job.config import JobConfig
 from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.heartbeat import Heartbeat
+from mlx_tier.job.model_setup import (
+    Loaded,
+    earlier_setup,
+    generation_for,
+    model_for,
+    record_peak,
+    save_profile,
+    save_trace,
+    setup_record,
+)
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
-from mlx_tier.job.process import DEFAULT_NICE, keep_awake, lower_priority
+from mlx_tier.job.process import keep_awake, lower_priority
 from mlx_tier.job.provenance import Settings
 from mlx_tier.job.report import (
     DocResult,
     JobReport,
     RunRecord,
-    machine_info,
     previous_runs,
     rerun_account,
     sum_cache,
@@ -75,9 +76,9 @@ from mlx_tier.job.rerun import (
     rerun_notes,
     run_settings,
 )
-from mlx_tier.job.scheduler import GenerationConfig, Outcome, Scheduler, check_context
+from mlx_tier.job.scheduler import Outcome, Scheduler
 from mlx_tier.job.stopflag import STOP_GRACE_SECONDS, StopFlag
-from mlx_tier.job.throttle import Throttle, ThrottleConfig
+from mlx_tier.job.throttle import Throttle
 from mlx_tier.job.triage import (
     DONE_KEEPS,
     FAILED_KEEPS,
@@ -99,129 +100,6 @@ from mlx_tier.outdir.layout import (
     REPORT,
     check_out_dir,
 )
-from mlx_tier.units import GIB
-
-# When the checkpoint states no context length.
-FALLBACK_CONTEXT = 4096
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """What to summarise, where, and with which model. Built once (by the CLI)
-    and passed down whole: its parts reach the layers that use them unchanged.
-
-    Attributes:
-        input: what to summarise: a folder (recursive; every file with a suffix in
-            :data:`mlx_tier.job.documents.SUFFIXES`: text in any common encoding,
-            PDF, Word, PowerPoint, Excel, HTML, EPUB... converted by
-            :mod:`mlx_tier.job.doc_text`; hidden, lock and backup files skipped),
-            a single document file, or a ``.jsonl`` file (one ``{"custom_id"
-            or "id", "text"}`` object per line, or one OpenAI batch request per
-            line: run as written, answers in ``out_dir/output.jsonl``). With
-            ``input_paths`` (``mlx-tier run -``: paths read from stdin) it only
-            names the input in the journal (:func:`mlx_tier.job.documents.discover`).
-        out_dir: summaries go to ``out_dir/<id>.md``; journal and report beside them.
-        model: mlx-lm MoE checkpoint directory or hub repo id; ``None``: the built-in demo model.
-        tier: how the model is tiered (cache budget, policy, prefetch, kernel...):
-            given to :func:`mlx_tier.engine.load.load` as it is. Its ``kernel``
-            left ``None`` (TierConfig's default: "the caller's default") is
-            the job's default, :data:`~mlx_tier.defaults.JOB_KERNEL`, set here
-            once (``load()`` alone would use ``"mlx"``). Its ``dtype`` left
-            ``None`` is decided where the model is loaded, by that machine's
-            backend (a rank's, with several): float32 on MLX's CPU backend, for
-            speed (:func:`mlx_tier.engine.dtypes.job_compute_dtype`; ``load()``
-            alone would cast nothing, as ``mlx_lm.load``).
-        generation: how summaries are generated (prompt, max tokens, batch size,
-            context...): given to the :class:`~mlx_tier.job.scheduler.Scheduler` as it is.
-        throttle: the thermal-aware throttle's settings (:mod:`mlx_tier.job.throttle`).
-        trace: write this run's routing trace (:mod:`mlx_tier.routing.trace`) here.
-        input_paths: a list of file paths to summarise instead of ``input``
-            (``mlx-tier run -`` reads it from stdin; kept in ``OUT_DIR/inputs.txt``).
-        output_format: ``md`` (``<id>.md`` files) or ``jsonl`` (also
-            ``OUT_DIR/summaries.jsonl``, one line per finished document).
-        retry_failed: run only the documents that failed in an earlier run
-            (a plain rerun runs pending documents and keeps failed ones failed).
-        redo_changed: also redo the summaries an earlier run wrote with another
-            model or prompt (kept by default, and said so). A summary whose
-            document changed since is redone in any case
-            (:mod:`mlx_tier.job.provenance`).
-        command: the command line that resumes this job, recorded in
-            the journal's ``start`` record for ``mlx-tier status``.
-        nice: CPU priority decrease (``os.nice`` increment; 0 = unchanged).
-        background_qos: macOS background QoS (slows Metal ~8x; off by default).
-        save_profile: after the run, add its expert use counts to the
-            checkpoint's saved profile (next to it, or in the user cache).
-        follow_links: read links in an INPUT folder that lead outside it.
-        conversion: how large and how long converting one document (PDF,
-            Word...) may get; over it, that document fails alone
-            (:class:`~mlx_tier.job.convert_limits.ConversionLimits`).
-        memory_gb: the memory the run may hold in all (GiB), split into the
-            expert cache, the KV cache, the step's workspace and the rest
-            (:func:`mlx_tier.engine.footprint.split`); ``None``: what this process
-            may use (its cgroup's limit or the host's available memory,
-            :mod:`mlx_tier.engine.limits`). A split that cannot fit is refused
-            before the model is loaded.
-    """
-
-    input: Path
-    out_dir: Path
-    model: Path | str | None = None
-    tier: TierConfig = field(default_factory=TierConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
-    trace: Path | None = None
-    input_paths: tuple[str, ...] | None = None
-    output_format: str = "md"
-    retry_failed: bool = False
-    redo_changed: bool = False
-    command: str | None = None
-    nice: int = DEFAULT_NICE
-    background_qos: bool = False
-    save_profile: bool = False
-    follow_links: bool = False
-    conversion: ConversionLimits = field(default_factory=ConversionLimits)
-    memory_gb: float | None = None
-
-    def __post_init__(self):
-        if self.tier.kernel is None:  # the one place the job's kernel default is applied
-            object.__setattr__(self, "tier", replace(self.tier, kernel=JOB_KERNEL))
-
-
-def _earlier_setup(config: JobConfig) -> tuple[dict, dict]:
-    """``(setup, throttle)`` of the job's last report.json (a rerun that loads no
-    model keeps them), with this machine's facts; minimal if there is none."""
-    try:
-        earlier = json.loads((config.out_dir / REPORT).read_text())
-        earlier = earlier if isinstance(earlier, dict) else {}
-    except (OSError, ValueError):
-        earlier = {}
-    own = ("documents", "totals", "cache", "throttle", "runs", "written_by", "prompts")
-    setup = {k: v for k, v in earlier.items() if k not in own}
-    setup |= {**machine_info(), "model": setup.get("model") or (str(config.model) if config.model is not None else "demo")}
-    throttle = earlier.get("throttle")
-    return setup, throttle if isinstance(throttle, dict) else {}
-
-
-def read_prompt(value: str) -> str:
-    """The instruction from its given value: literal text, or ``@FILE`` to read it from a file.
-
-    Raises:
-        InputError: the text is blank, or the file is missing, unreadable or
-            empty (``field``: ``instruction``).
-    """
-    if not value.startswith("@"):
-        if not value.strip():
-            raise InputError("`instruction` is empty: give the instruction's text, or @FILE", "instruction")
-        return value
-    path = Path(value[1:])
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: cannot read prompt file ({e})", "instruction") from None
-    if not text:
-        raise InputError(f"{path}: prompt file is empty", "instruction")
-    return text
-
 
 # What fails one document without stopping the job. MLX's out-of-memory errors
 # surface as RuntimeError ("[metal::malloc] ...", "[malloc] ...") or, from a
@@ -290,21 +168,6 @@ def _lower_priority(config: JobConfig, reporter: Reporter) -> None:
 
 
 @dataclass
-class _Loaded:
-    """The model of this run and what was decided at its load."""
-
-    model: object
-    tokenizer: object
-    model_dir: Path
-    context: int  # the model's context length, tokens
-    budget: MemoryBudget | None = None  # the run's memory split (None on CUDA)
-
-    @property
-    def cache(self):
-        return self.model.expert_cache
-
-
-@dataclass
 class _Pass:
     """What one run generates and where it writes, built once in :func:`_run_in` and passed down whole."""
 
@@ -322,7 +185,7 @@ class _Pass:
     model_name: str = ""  # the model that answers, as each response names it
 
 
-def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag, beat: Heartbeat) -> dict:
+def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, beat: Heartbeat) -> dict:
     """Generate every document ``p.docs`` yields (batched, throttled), writing and journalling
     each as it finishes; fills ``p.results``, records the generation settings in
     ``p.report.setup``. After a first signal (``stop``) the summaries being written get
@@ -337,7 +200,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag,
     throttle = Throttle(config.throttle, should_stop=stopping)
     known = [n for n in p.sizes.values() if n]
     probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
-    generation = _generation(config, loaded.budget)
+    generation = generation_for(config, loaded.budget)
     if p.requests:  # each request's own sampling and stop strings: the batch engine's (the pool engine is greedy)
         generation = replace(generation, schedule="paced")
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, generation,
@@ -392,7 +255,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: _Loaded, stop: StopFlag,
         speed.compare(loaded.budget, loaded.cache, p.report, reporter)
     return throttle.as_dict()
 
-def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: _Loaded, eta: EtaTracker,
+def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded, eta: EtaTracker,
                   throttle: Throttle, throttled_before: float, rate: float, generated: int) -> float:
     """Write and journal one finished (or failed) document; returns the throttled seconds so far."""
     results, journal, reporter = p.results, p.journal, p.reporter
@@ -593,105 +456,6 @@ def start_detached(config: JobConfig, argv: list[str]) -> int:
     return start_background(argv, config.out_dir, stdin)
 
 
-def _load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None,
-                pools: Callable[[], tuple[int, int]] | None = None) -> _Loaded:
-    """The tiered model (from ``model_dir`` when it was found already), with the context
-    checked before any document. ``pools``: when the run uses the throughput schedule (its
-    expert cache may give room to its pools), gives ``(characters of a typical document,
-    documents)``; asked only once the model is found and its split fits."""
-    from mlx_tier.engine.load import load
-    from mlx_tier.tools.demo_model import resolve
-
-    if model_dir is None:
-        model_dir = resolve(config.model, reporter.message)
-    step = config.generation.prefill_step_size  # the paced schedule's; the throughput schedule's pools reach further
-    step = step if pools is None else max(step, DEFAULT_POOL_STEP)
-    budget = run_budget(model_dir, config.tier, config.memory_gb, step, config.generation.kv_bits)
-    tier, cache_gb = config.tier, None
-    if budget is not None and pools is not None and tier.layer_slots is None:
-        budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())
-    if budget is not None:
-        reporter.message(f"memory: {budget.describe()}")
-        if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
-            cache_gb = budget.cache / GIB  # the split's share (load's own cache_gb overrides the config's None)
-    reporter.message(f"loading {model_dir}")
-    if tier.dtype is None:  # the one place the job's dtype default is applied
-        tier = replace(tier, dtype=job_compute_dtype())
-    model, tokenizer = load(model_dir, cache_gb, config=tier)
-    loaded = _Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), budget)
-    g = config.generation
-    check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
-    return loaded
-
-
-def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, reporter: Reporter, chars: int,
-                     documents: int) -> MemoryBudget:
-    """``budget`` with fewer expert slots when the pool model predicts more documents/hour from
-    the KV room they leave (:mod:`mlx_tier.tools.pool_cache`), said in one line; else as it is.
-    Documents are estimated as the scheduler sizes its pools (``chars`` // 3 tokens and the
-    instruction's, within the context); of unknown length, as ``plan``'s default."""
-    from mlx_tier.tools.pool_cache import cache_for_pools, with_cache
-
-    g = config.generation
-    room = context_length(model_dir, FALLBACK_CONTEXT) - g.max_tokens  # the scheduler caps its estimate so
-    prompt = max(1, min(room, (chars or 3 * PLAN_DOC_TOKENS) // 3 + len(g.instruction) // 3 + 16))
-    found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents, g.batch_size)
-    if found is None:
-        return budget
-    slots, plan, own = found
-    new = with_cache(budget, slots)
-    reporter.message(f"memory: expert cache {new.cache / GIB:.2f} GiB ({slots} slots per layer) instead of "
-                     f"{budget.cache / GIB:.2f}, for room to pool documents: predicted "
-                     f"{plan.docs_per_hour:.0f} documents/hour against {own.docs_per_hour:.0f}")
-    return new
-
-
-def _generation(config: JobConfig, budget: MemoryBudget | None) -> GenerationConfig:
-    """The generation settings of this run: the prompt step no larger than the memory split allows."""
-    g = config.generation
-    if budget is None or budget.prefill_step >= g.prefill_step_size:
-        return g
-    return replace(g, prefill_step_size=budget.prefill_step)
-
-
-def _model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir,
-               model_dir: Path | None = None, pools: Callable[[], tuple[int, int]] | None = None) -> _Loaded | None:
-    """The model when there is work, else ``None``: a rerun with nothing to do never loads
-    it. A failed load frees the folder (and removes it when this run created it and left
-    nothing else there)."""
-    if not pending:
-        return None
-    try:
-        return _load_model(config, reporter, model_dir, pools)
-    except BaseException:
-        job.discard_if_unused()  # leave no trace of a run that never started
-        raise
-
-
-def _setup(loaded: _Loaded, config: JobConfig) -> dict:
-    """The run's settings for report.json."""
-    cache, g = loaded.cache, config.generation
-    return {
-        **machine_info(),
-        "model": str(loaded.model_dir),
-        "cache_budget_gib": round(cache.budget_bytes / 2**30, 4),
-        "slots_per_layer": cache.slots_per_layer,
-        "layer_slots": list(cache.layer_slots),
-        "experts_per_layer": cache.num_experts,
-        # all experts of all layers as stored: bytes_read beyond this are re-reads of evicted experts
-        "expert_bytes_on_disk": sum(t.info.nbytes for layer in cache.layers for t in layer.tensors.values()),
-        "policy": config.tier.policy.name,
-        "prefetch": config.tier.prefetch,
-        "read_ahead": config.tier.read_ahead,
-        "kv_bits": g.kv_bits,  # None: KV caches unquantized (mlx_tier.job.quantized_kv)
-        "kernel": getattr(cache, "kernel", config.tier.kernel),  # as chosen for this model (mlx_tier.kernels.registry.choose)
-        "dtype": getattr(cache, "dtype_name", None),  # the cast made at load (mlx_tier.engine.dtypes)
-        "max_tokens": g.max_tokens,
-        "repetition_penalty": g.repetition_penalty,
-        "prompt": g.instruction,
-    }
-
-
 def write_report_page(out_dir: Path, reporter: Reporter) -> None:
     """``OUT_DIR/report.html`` (:mod:`mlx_tier.monitor.page`); a failure to write it only warns."""
     from mlx_tier.monitor.page import write_report_html
@@ -782,7 +546,7 @@ def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) ->
 
 
 def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share,
-            clock: RunClock) -> tuple[JobReport, _Loaded | None]:
+            clock: RunClock) -> tuple[JobReport, Loaded | None]:
     """The run inside the held job folder: triage, load, generate. Returns the report and the
     model (``None`` when nothing was to do), kept apart: the report never holds the model."""
     asked_kv_bits = config.generation.kv_bits
@@ -807,16 +571,16 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         return (sum(known) // len(known) if known else 0), len(pending)
 
     pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
-    loaded = _model_for(pending, config, reporter, job, model_dir, typical if pooled else None)
+    loaded = model_for(pending, config, reporter, job, model_dir, typical if pooled else None)
     if loaded is not None and settings.weights is None:  # downloaded or built just now
         settings = run_settings(config.model, config.generation.instruction, loaded.model_dir, settings.kv_bits)
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
                           settings.fields() if loaded is not None else {}, rerun_counts(tri))
     if loaded is not None:
-        report.setup = _setup(loaded, config)
+        report.setup = setup_record(loaded, config)
         report.prompts[settings.prompt] = config.generation.instruction
     else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
-        report.setup, report.throttle = _earlier_setup(config)
+        report.setup, report.throttle = earlier_setup(config)
     if is_batch(docs):  # the answers are in output.jsonl and errors.jsonl, not <id>.md
         report.setup["batch_requests"] = True
     _mark_start(journal, report, config, share, tri, list(by_id), settings, loaded is not None, bool(records))
@@ -891,7 +655,7 @@ def _sizes(pending: list) -> dict[str, int]:
     return {d.id: size_hint(d, convert=i < MAX_AUTO_BATCH) for i, d in enumerate(pending)}
 
 
-def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig, t_wall: float,
+def _finish_report(report: JobReport, loaded: Loaded | None, config: JobConfig, t_wall: float,
                    reporter: Reporter, write: bool = True) -> None:
     """This run's record, the summed cache counters, and (``write``) the profile and report.json
     (atomically)."""
@@ -906,11 +670,11 @@ def _finish_report(report: JobReport, loaded: _Loaded | None, config: JobConfig,
     if not write:  # a rank's: its launcher writes the job's report
         return
     if config.save_profile and report.output_tokens:
-        _save_profile(config, loaded, report, reporter)
+        save_profile(config, loaded, report, reporter)
     write_atomic(config.out_dir / REPORT, json.dumps(report.as_dict(), indent=2) + "\n")
 
 
-def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
+def _run_pending(p: _Pass, config: JobConfig, loaded: Loaded) -> None:
     """Generate ``p.docs`` under the stop flag (first signal: stop after the step; second: at once).
     ``p.progress`` is removed at a clean end (every document tried, a first signal, a full
     disk); a crash or a second signal leaves it: ``mlx-tier status`` says "interrupted"."""
@@ -945,22 +709,12 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: _Loaded) -> None:
                 progress.clear()
                 raise
             progress.clear()
-            _record_peak(report, loaded.budget, reporter)
+            record_peak(report, loaded.budget, reporter)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
             report.stop_signal = stop.signal
     finally:
         if config.trace is not None:
-            _save_trace(loaded.cache, config.trace, reporter)
-
-
-def _record_peak(report: JobReport, budget: MemoryBudget | None, reporter: Reporter) -> None:
-    """The process's peak resident set against the run's memory total, in report.json and one line."""
-    if budget is None:
-        return
-    peak = peak_rss()
-    report.setup["memory_budget"]["peak_rss"] = peak
-    reporter.message(f"memory: peak resident set {peak / GIB:.2f} GiB of the {budget.total / GIB:.2f} GiB total "
-                     f"({named(budget.source)})")
+            save_trace(loaded.cache, config.trace, reporter)
 
 
 def hard_stop_message(signum: int, command: str | None, width: int) -> str:
@@ -971,15 +725,6 @@ def hard_stop_message(signum: int, command: str | None, width: int) -> str:
     if not command:
         return wrap_words(prose, width)
     return with_command(f"{prose} Resume with:", command, width)
-
-
-def _save_trace(cache, path: Path, reporter: Reporter) -> None:
-    from mlx_tier.routing.trace import save as save_trace
-
-    try:
-        save_trace(cache.stop_trace(), path)
-    except OSError as e:
-        reporter.message(f"could not write the trace {path}: {e.strerror or e}")
 
 
 @dataclass(frozen=True)
@@ -1003,13 +748,3 @@ class RunStart:
     rerun: dict = field(default_factory=dict)
 
 
-def _save_profile(config: JobConfig, loaded: _Loaded, report: JobReport, reporter: Reporter) -> None:
-    from mlx_tier.routing import profile
-
-    try:
-        counts = profile.from_counts(loaded.cache.profile_counts(), source=str(config.input))
-        where = profile.record(loaded.model_dir, counts)
-        report.setup["profile_saved"] = str(where)
-        reporter.message(f"expert use profile saved to {where}")
-    except (OSError, profile.ProfileError) as e:
-        reporter.message(f"could not save the expert use profile: {e}")

@@ -88,7 +88,7 @@ def read_hosts(path: Path) -> list[str]:
 
 
 def config_to_json(config) -> object:
-    """A :class:`~mlx_tier.job.run.JobConfig` (nested frozen dataclasses) as JSON data for the
+    """A :class:`~mlx_tier.job.config.JobConfig` (nested frozen dataclasses) as JSON data for the
     plan: dataclasses as objects, paths as strings, tuples as lists, an MLX dtype by name,
     a :class:`~mlx_tier.policy.eviction.PolicySpec` by name.
 
@@ -111,9 +111,9 @@ def config_to_json(config) -> object:
 
 
 def config_from_json(data: dict):
-    """The :class:`~mlx_tier.job.run.JobConfig` of :func:`config_to_json`, rebuilt by its
+    """The :class:`~mlx_tier.job.config.JobConfig` of :func:`config_to_json`, rebuilt by its
     fields' declared types (settings unknown to this version are ignored)."""
-    from mlx_tier.job.run import JobConfig
+    from mlx_tier.job.config import JobConfig
 
     return _decode(JobConfig, data)
 

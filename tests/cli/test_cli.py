@@ -120,7 +120,7 @@ def test_bad_documents_fail_alone(docs, tmp_path, tiny_moe):
 def _short_context(request, monkeypatch):
     # The tiny checkpoints state no context length; give them a small one so
     # that a long document (map-reduce) is reachable with a short file.
-    monkeypatch.setattr("mlx_tier.job.run.FALLBACK_CONTEXT", 256)
+    monkeypatch.setattr("mlx_tier.job.model_setup.FALLBACK_CONTEXT", 256)
 
 
 def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):

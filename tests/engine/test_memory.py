@@ -174,7 +174,7 @@ def test_job_reports_and_restores_the_limits(tmp_path, tiny_moe, monkeypatch):
     from mlx_tier.job.run import JobConfig, Reporter, run_job
     from mlx_tier.job.scheduler import GenerationConfig
 
-    monkeypatch.setattr("mlx_tier.job.run.FALLBACK_CONTEXT", 256)
+    monkeypatch.setattr("mlx_tier.job.model_setup.FALLBACK_CONTEXT", 256)
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("The river floods every spring and the farmers plant after it recedes.")

@@ -20,8 +20,9 @@ from mlx_tier.cli.main import app
 from mlx_tier.errors import BudgetError, ConfigError, InputError
 from mlx_tier.job import doc_text as converters
 from mlx_tier.job import documents
+from mlx_tier.job.config import read_prompt
 from mlx_tier.job.doc_text import Converted
-from mlx_tier.job.run import JobConfig, Reporter, read_prompt, run_job
+from mlx_tier.job.run import JobConfig, Reporter, run_job
 from mlx_tier.job.scheduler import GenerationConfig
 from mlx_tier.outdir.journal import Journal
 
@@ -203,18 +204,18 @@ def test_each_caller_has_one_dtype_default(tiny_moe_bf16):
 
     from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.engine.load import TierConfig, load
-    from mlx_tier.job.run import _load_model, _Loaded, _setup
+    from mlx_tier.job.model_setup import Loaded, load_model, setup_record
 
     cpu = mx.default_device() == mx.cpu
     assert TierConfig().dtype is None and job_compute_dtype() == (mx.float32 if cpu else None)
     assert JobConfig(input=".", out_dir="o").tier.dtype is None  # decided by each machine that loads it
     model, _ = load(tiny_moe_bf16, config=TierConfig(kernel="mlx"))
     assert model.layers[0].self_attn.q_proj.scales.dtype == mx.bfloat16  # as stored
-    assert _setup(_Loaded(model, None, tiny_moe_bf16, 512), JobConfig(input=".", out_dir="o"))["dtype"] == "as stored"
+    assert setup_record(Loaded(model, None, tiny_moe_bf16, 512), JobConfig(input=".", out_dir="o"))["dtype"] == "as stored"
     config = JobConfig(input=".", out_dir="o", model=tiny_moe_bf16, tier=TierConfig(kernel="mlx"))
-    loaded = _load_model(config, Reporter())
+    loaded = load_model(config, Reporter())
     assert loaded.model.layers[0].self_attn.q_proj.scales.dtype == (mx.float32 if cpu else mx.bfloat16)
-    assert _setup(loaded, config)["dtype"] == ("float32" if cpu else "as stored")
+    assert setup_record(loaded, config)["dtype"] == ("float32" if cpu else "as stored")
 
 
 def test_library_errors_carry_their_setting_and_no_flag(tiny_moe):

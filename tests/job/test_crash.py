@@ -194,15 +194,15 @@ def test_failing_documents_fail_alone_and_retry_failed_reruns_only_them(tmp_path
 
 
 def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch):
-    import mlx_tier.job.run as jobs
     from mlx_tier.engine import load as tiered
+    from mlx_tier.job import model_setup
 
     def load_then_terminated(path, cache_gb=None, **kw):
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM did not stop the run")
 
     monkeypatch.setattr(tiered, "load", load_then_terminated)
-    monkeypatch.setattr(jobs, "run_budget", lambda *a: None)  # the memory split reads the checkpoint first
+    monkeypatch.setattr(model_setup, "run_budget", lambda *a: None)  # the memory split reads the checkpoint first
     make_docs(tmp_path / "docs", 1)
     out = tmp_path / "out"
     r = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), "--model", str(tmp_path / "docs")])

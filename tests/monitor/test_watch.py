@@ -54,7 +54,7 @@ def run_small_job(root: Path, model: Path, n: int = 5) -> Path:
         (docs / f"doc{i:02d}.txt").write_text(" ".join(WORDS[(i + k) % len(WORDS)] for k in range(8)) + ".")
     (docs / "empty.txt").write_text("")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("mlx_tier.job.run.FALLBACK_CONTEXT", 256)  # the tiny checkpoint states none
+        mp.setattr("mlx_tier.job.model_setup.FALLBACK_CONTEXT", 256)  # the tiny checkpoint states none
         run_job(JobConfig(input=docs, out_dir=out, model=model, generation=GenerationConfig(max_tokens=16),
                           command=f"mlx-tier run {docs} --out {out}"))
     return out
@@ -234,7 +234,7 @@ def test_a_file_name_that_is_not_utf8_is_shown_and_served(tmp_path, small_moe, s
     (docs / os.fsdecode(b"caf\xe9 menu.txt")).write_text("river flood spring farmer plant seed.")
     (docs / "plain.txt").write_text("bee pollen flower fruit library book.")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("mlx_tier.job.run.FALLBACK_CONTEXT", 256)
+        mp.setattr("mlx_tier.job.model_setup.FALLBACK_CONTEXT", 256)
         run_job(JobConfig(input=docs, out_dir=out, model=small_moe, generation=GenerationConfig(max_tokens=8)))
     assert "caf\\xe9 menu.txt" in (out / "report.html").read_bytes().decode("utf-8")  # strict: valid UTF-8
     url = serve(out)

@@ -15,7 +15,7 @@ WORDS = ["river", "flood", "spring", "farmer", "plant", "seed", "bee", "pollen",
 
 @pytest.fixture(autouse=True)
 def _short_context(monkeypatch):
-    monkeypatch.setattr("mlx_tier.job.run.FALLBACK_CONTEXT", 256)  # the tiny checkpoints state none
+    monkeypatch.setattr("mlx_tier.job.model_setup.FALLBACK_CONTEXT", 256)  # the tiny checkpoints state none
 
 
 @pytest.fixture(scope="module")
