@@ -9,6 +9,8 @@ and what ``mlx-tier plan`` prints come from here, so the two agree.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import resource
 import sys
 from pathlib import Path
@@ -90,6 +92,23 @@ def needs_of(ckpt: Checkpoint, kernel: str, itemsize: int | None, kv_itemsize: f
 def process_rss() -> int:
     """This process's resident set now, in bytes."""
     return int(psutil.Process().memory_info().rss)
+
+
+def release_freed_memory() -> None:
+    """Hand back to the system what this process has freed but still holds, so that its
+    resident set measures what it uses: Python's unreachable objects, MLX's buffer
+    cache, and glibc's free heap pages (``malloc_trim(0)``, which returns whole free
+    pages inside the heap too: the KV caches of a pool that just finished are freed in
+    chunks of a few hundred KiB, below glibc's mmap threshold, and otherwise stay in
+    the resident set). Costs milliseconds; no-op for glibc's part where there is no
+    glibc (macOS's allocator returns large blocks itself)."""
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def peak_rss() -> int:

@@ -34,6 +34,7 @@ from mlx_tier.defaults import (
     SCHEDULES,
 )
 from mlx_tier.engine.footprint import MemoryBudget, check_kv_bits
+from mlx_tier.engine.sizes import release_freed_memory
 from mlx_tier.errors import (
     CheckpointError,
     ConfigError,
@@ -431,6 +432,9 @@ class Scheduler:
         prompt = build_prompt(self.tokenizer, c.instruction, d.doc.text)
         d.input_tokens = len(prompt)
         context = d.context = self._context_now()
+        if len(prompt) + c.max_tokens > context:  # measure again without what the process freed
+            release_freed_memory()  # (a finished pool's KV caches): else the same input splits or not by chance
+            context = d.context = self._context_now()
         if len(prompt) + c.max_tokens <= context:
             return [Task((d, 0), prompt, c.max_tokens)]
         if can_wait and context < min(self.context, len(prompt) + c.max_tokens):

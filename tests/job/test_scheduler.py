@@ -176,3 +176,33 @@ def test_the_pool_model_calibrates_on_the_shared_prefix(tiered, tiny_moe):
     assert args.num_experts_per_tok <= seen.distinct <= args.num_local_experts
     paced = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="paced"))
     assert paced._seen is None
+
+
+def test_a_document_starting_alone_measures_memory_without_what_the_process_freed(tiered, tiny_moe,
+                                                                                   monkeypatch):
+    """A document that starts with nothing in flight cannot wait, so whether it is read whole
+    or in parts is decided from the memory measured then. A finished pool's KV caches are
+    freed but stay in the resident set (glibc's heap) until handed back: measured so, the
+    same input was read in parts in some runs and whole in others. The room is measured
+    again after handing back what the process freed; only memory really in use splits it."""
+    import mlx_tier.job.scheduler as scheduler_module
+
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=1))
+    plenty = scheduler_module.sequence_room()
+    released = []
+    monkeypatch.setattr(scheduler_module, "release_freed_memory", lambda: released.append(1))
+    monkeypatch.setattr(scheduler_module, "sequence_room",  # freed memory held until released, once per document
+                        lambda memory=None: plenty if len(released) >= len(sched._started) else 0)
+    sched._started = []
+    real_start = sched._start
+
+    def start(d, can_wait=False):
+        sched._started.append(d)
+        return real_start(d, can_wait)
+
+    monkeypatch.setattr(sched, "_start", start)
+    out = list(sched.run(docs(TEXTS)))
+    assert sorted(o.id for o in out) == ["a", "b", "c"]
+    assert all(o.status == "done" and o.parts == 0 for o in out)  # each read whole
+    assert len(released) == 3  # one hand-back per document that did not fit as first measured
