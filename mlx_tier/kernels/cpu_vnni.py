@@ -190,6 +190,15 @@ def _rows4(w, s, bi, xr, er, xsr, out, o, q, per, lanes):
 
 
 @njit(nogil=True, inline="always")
+def _step2(wr, sr, b, g0, lanes, xa, xb, e_a, e_b, acc_a, acc_b):
+    """One 64-byte step of row ``wr`` (scales ``sr``) for two tokens: the codes unpacked and
+    the scales spread once, then each token's lanes added to its accumulator."""
+    sc = spread(sr, g0, lanes)
+    lo, hi = nibbles(load_i(wr, b))
+    return fma(_dots(lo, hi, xa, b), mul(sc, e_a), acc_a), fma(_dots(lo, hi, xb, b), mul(sc, e_b), acc_b)
+
+
+@njit(nogil=True, inline="always")
 def _rows4x2(w, s, bi, xa, ea, xsa, xb, eb, xsb, outa, outb, o, q, per, lanes):
     """:func:`_rows4`'s four rows for two tokens ``a`` and ``b`` of the same slot: each
     weight step is loaded, unpacked and scaled once for both tokens, x's digits once
@@ -202,22 +211,10 @@ def _rows4x2(w, s, bi, xa, ea, xsa, xb, eb, xsb, outa, outb, o, q, per, lanes):
     for c in range(w0.shape[0] // CHUNK):
         b, g0 = c * CHUNK, c * per
         e_a, e_b = load_f(ea, c * 16), load_f(eb, c * 16)
-        sc = spread(s0, g0, lanes)
-        lo, hi = nibbles(load_i(w0, b))
-        a0 = fma(_dots(lo, hi, xa, b), mul(sc, e_a), a0)
-        b0 = fma(_dots(lo, hi, xb, b), mul(sc, e_b), b0)
-        sc = spread(s1, g0, lanes)
-        lo, hi = nibbles(load_i(w1, b))
-        a1 = fma(_dots(lo, hi, xa, b), mul(sc, e_a), a1)
-        b1 = fma(_dots(lo, hi, xb, b), mul(sc, e_b), b1)
-        sc = spread(s2, g0, lanes)
-        lo, hi = nibbles(load_i(w2, b))
-        a2 = fma(_dots(lo, hi, xa, b), mul(sc, e_a), a2)
-        b2 = fma(_dots(lo, hi, xb, b), mul(sc, e_b), b2)
-        sc = spread(s3, g0, lanes)
-        lo, hi = nibbles(load_i(w3, b))
-        a3 = fma(_dots(lo, hi, xa, b), mul(sc, e_a), a3)
-        b3 = fma(_dots(lo, hi, xb, b), mul(sc, e_b), b3)
+        a0, b0 = _step2(w0, s0, b, g0, lanes, xa, xb, e_a, e_b, a0, b0)
+        a1, b1 = _step2(w1, s1, b, g0, lanes, xa, xb, e_a, e_b, a1, b1)
+        a2, b2 = _step2(w2, s2, b, g0, lanes, xa, xb, e_a, e_b, a2, b2)
+        a3, b3 = _step2(w3, s3, b, g0, lanes, xa, xb, e_a, e_b, a3, b3)
     outa[o] = hsum(a0) + _bias(bi[o], xsa)
     outb[o] = hsum(b0) + _bias(bi[o], xsb)
     outa[o + q] = hsum(a1) + _bias(bi[o + q], xsa)
