@@ -100,8 +100,9 @@ def release_freed_memory() -> None:
     cache, and glibc's free heap pages (``malloc_trim(0)``, which returns whole free
     pages inside the heap too: the KV caches of a pool that just finished are freed in
     chunks of a few hundred KiB, below glibc's mmap threshold, and otherwise stay in
-    the resident set). Costs milliseconds; no-op for glibc's part where there is no
-    glibc (macOS's allocator returns large blocks itself)."""
+    the resident set). Costs tens of milliseconds (a full garbage collection): for a
+    decision that changes output, not for every step. No-op for glibc's part where
+    there is no glibc (macOS's allocator returns large blocks itself)."""
     import mlx.core as mx
 
     gc.collect()

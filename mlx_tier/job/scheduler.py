@@ -432,9 +432,9 @@ class Scheduler:
         prompt = build_prompt(self.tokenizer, c.instruction, d.doc.text)
         d.input_tokens = len(prompt)
         context = d.context = self._context_now()
-        if len(prompt) + c.max_tokens > context:  # measure again without what the process freed
-            release_freed_memory()  # (a finished pool's KV caches): else the same input splits or not by chance
-            context = d.context = self._context_now()
+        if len(prompt) + c.max_tokens > context and not can_wait:  # it would be read in parts: measure again
+            release_freed_memory()  # without what the process freed (a finished pool's KV caches), else the same
+            context = d.context = self._context_now()  # input splits or not by chance (not per step: ~45 ms)
         if len(prompt) + c.max_tokens <= context:
             return [Task((d, 0), prompt, c.max_tokens)]
         if can_wait and context < min(self.context, len(prompt) + c.max_tokens):
