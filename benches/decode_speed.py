@@ -37,6 +37,7 @@ from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.load import TieredExperts
 from mlx_tier.job.report import backend_name
 from mlx_tier.kernels import cpu as cpu_kernel
+from mlx_tier.kernels import cpu_dense
 from mlx_tier.tools.demo_model import ensure_demo_model
 
 PROMPT = "The history of the city of Paris begins"
@@ -65,7 +66,7 @@ class Split:
 
 
 SPLIT = Split()
-cpu_kernel.quantized_matmul = SPLIT._timed(cpu_kernel.quantized_matmul, "dense")
+cpu_dense.quantized_matmul = SPLIT._timed(cpu_dense.quantized_matmul, "dense")
 
 
 def measure(model, tokenizer, prompt, max_tokens, stats=None):

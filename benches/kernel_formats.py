@@ -9,7 +9,7 @@ For each format (affine 2/3/4/5/6/8-bit, mxfp4), in one process, interleaved
 rounds (one call of each candidate per round; the median is printed):
 
 - dense: a 1536 x 2048 ``QuantizedLinear`` on one row (a decode step's
-  projection): :func:`mlx_tier.kernels.cpu.quantized_matmul` as the job calls it,
+  projection): :func:`mlx_tier.kernels.cpu_dense.quantized_matmul` as the job calls it,
   its matvec rows forced (``_Quant.matvec``, what it ran before formats without
   fast loops were routed to MLX), and ``mx.quantized_matmul``;
 - experts: a ``SwitchGLU`` of Qwen3-30B-A3B's expert shape (D=2048, H=768,
@@ -35,7 +35,7 @@ import numpy as np
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlx_tier.kernels import cpu
+from mlx_tier.kernels import cpu, cpu_dense
 
 FORMATS = [("affine", 2, 64), ("affine", 3, 64), ("affine", 4, 64), ("affine", 5, 64), ("affine", 6, 64),
            ("affine", 8, 64), ("mxfp4", 4, 32)]
@@ -61,7 +61,7 @@ def dense_row(mode: str, bits: int, gs: int, rounds: int) -> dict:
     quant = cpu._Quant(lin, stacked=False)
     xs = np.asarray(x)
     return side_by_side({
-        "kernel": lambda: cpu.quantized_matmul(lin, x),
+        "kernel": lambda: cpu_dense.quantized_matmul(lin, x),
         "rows": lambda: quant.matvec(xs, np.arange(1), np.zeros(1, np.int64)),
         "mlx": lambda: mx.eval(mx.quantized_matmul(x, lin.weight, lin.scales, lin.get("biases"), transpose=True,
                                                    group_size=gs, bits=bits, mode=mode)),

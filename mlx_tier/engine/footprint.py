@@ -50,7 +50,7 @@ MIN_PROMPT_STEP = 16
 # Workers of the kernel and of the cold tier's reads, for the per-step constants.
 KERNEL_THREADS = 2
 READ_THREADS = 4
-DENSE_TILE_BYTES = 8 << 20  # as mlx_tier.kernels.cpu tiles a dense layer (that module loads Numba)
+DENSE_TILE_BYTES = 8 << 20  # as mlx_tier.kernels.cpu_dense tiles a dense layer (that module loads Numba)
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def step_workspace(shape: ModelShape, kernel: str, tokens: int, context: int, ba
     s = shape
     rows = tokens * _row_bytes(s, context)
     logits = 3 * batch * s.vocab * 4 if tokens == batch else 0  # a decode step: logits, log-probs, sampling
-    # the CPU kernel's threads each dequantise one expert, or a tile of a dense layer (mlx_tier.kernels.cpu)
+    # the CPU kernel's threads each dequantise at most one expert, or a tile of a dense layer (mlx_tier.kernels.cpu)
     tiles = KERNEL_THREADS * max(s.expert_inner * s.hidden * 4, DENSE_TILE_BYTES) if kernel == "cpu" else 0
     reads = READ_THREADS * 3 * s.expert_inner * s.hidden
     return int(WORKSPACE_FACTOR.get(kernel, WORKSPACE_FACTOR["mlx"]) * (rows + logits) + tiles + reads)

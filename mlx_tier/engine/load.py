@@ -112,9 +112,10 @@ class TierConfig:
             place each: :func:`load` uses :data:`LIBRARY_KERNEL` (``"mlx"``),
             the job runner (:class:`mlx_tier.job.config.JobConfig`)
             :data:`mlx_tier.defaults.JOB_KERNEL` (``"auto"``).
-        dense_kernel: with the cpu kernel, also serve the dense quantized
-            layers (``nn.QuantizedLinear``, a tied ``QuantizedEmbedding``'s
-            ``as_linear``) through it (:func:`mlx_tier.kernels.cpu.serve_dense`).
+        dense_kernel: with the cpu kernel, also serve the dense layers
+            (``nn.QuantizedLinear``, float32 ``nn.Linear`` such as a router
+            gate, a tied embedding's ``as_linear``) through it
+            (:func:`mlx_tier.kernels.cpu_dense.serve_dense`).
         attention_kernel: with the cpu kernel, also compute attention on
             numpy's BLAS (:func:`mlx_tier.kernels.cpu_attention.serve_attention`:
             MLX's CPU attention runs on the reference BLAS of the Linux wheel).
@@ -393,7 +394,7 @@ def _wrap_blocks(model: nn.Module, model_dir: Path, found: list, config: TierCon
     _check_computable(model_dir, found)
     mx.eval(model.parameters())
     if config.dense_kernel and kernel_name == "cpu" and not two_tiers:  # with two tiers: the warm tier's kernel
-        from mlx_tier.kernels.cpu import serve_dense
+        from mlx_tier.kernels.cpu_dense import serve_dense
 
         serve_dense(model)
     if config.attention_kernel and kernel_name == "cpu" and mx.default_device() == mx.cpu:

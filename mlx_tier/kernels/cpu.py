@@ -2,8 +2,8 @@
 
 Replaces MLX's CPU ``gather_qmm``/``gather_mm`` (compute-bound at 1-3% of
 memory bandwidth on the build machine, docs/kernels.md) for the
-expert blocks of ``mlx_lm.models.switch_layers`` and, opt-in, for dense
-``nn.QuantizedLinear`` layers.
+expert blocks of ``mlx_lm.models.switch_layers`` (a model's dense layers:
+:mod:`mlx_tier.kernels.cpu_dense`).
 
 Dimension legend: T tokens, k experts per token, N = T*k (token, expert)
 pairs, S slots, O output features, I input features, G = I / group_size.
@@ -20,7 +20,8 @@ pairs, S slots, O output features, I input features, G = I / group_size.
   products instead (:mod:`mlx_tier.kernels.cpu_vnni`), and such a block's share is one
   GIL-free call.
 - Prefill (many rows per expert): pairs grouped by slot; each slot's weight
-  is dequantised once to float32 and fed to numpy's optimized BLAS GEMM.
+  is dequantised once to float32 (each thread its share of the output rows)
+  and fed to numpy's optimized BLAS GEMM.
 
 Packing follows ``mx.quantize``: each row is a little-endian bit stream of
 ``bits``-bit codes (uint32 words); affine: ``w = scale * q + bias`` per group;
@@ -65,13 +66,6 @@ from mlx_tier.kernels import cpu_vnni
 # benches/results/expert-rows/NOTES.md). The same for dense layers.
 GEMM_MIN_ROWS = 8
 VNNI_GEMM_MIN_ROWS = 64
-# Most dequantised float32 weight bytes one thread holds at once in a dense layer's
-# GEMM (quantized_matmul): an output layer is done in tiles of rows, never whole.
-# Whole, a 49k x 2048 output layer took 0.4 GB per decode step of 8 sequences
-# (151k x 2048: 1.2 GB), enough to push a run under a memory limit over it
-# (benches/workspace.py, benches/results/memory/NOTES.md).
-DENSE_TILE_BYTES = 8 << 20
-
 # Threads of the kernel: one per physical core this process may use (a second
 # hardware thread of a core shares its vector units, which the matvec keeps
 # busy). A Python pool over nogil Numba functions measured faster here than
@@ -481,21 +475,26 @@ class _Quant:
 
 
 def _gemm_slots(quant: _Quant | None, weight, x, tok, groups, out) -> None:
-    """out[p] = x[tok[p]] @ W[s].T for each ``(s, p)`` of ``groups``: slots shared among the
-    pool's threads, each dequantising its slot and calling BLAS single-threaded (BLAS's own
-    threads spin-wait and collapse when the cores are shared: measured 1.5-150 ms for one call)."""
+    """out[p] = x[tok[p]] @ W[s].T for each ``(s, p)`` of ``groups``: each slot's output rows
+    shared among the pool's threads (every thread dequantises its rows of every slot and
+    calls BLAS single-threaded: BLAS's own threads spin-wait and collapse when the cores
+    are shared, measured 1.5-150 ms for one call). Sharing rows, not slots, keeps the
+    threads even when one slot carries most pairs (routing is skewed: a prompt pool's
+    largest expert can take every token, the next few a handful)."""
     if not groups:
         return
     if quant is not None:
         x = quant.permute(x)
+    rows = [(s, p, x[tok[p]]) for s, p in groups]  # [len(p), I] each, gathered once
+    out_dims = out.shape[1]
 
-    def work(i0, i1):
-        for s, p in groups[i0:i1]:
-            w = weight[s] if quant is None else quant.dense(s)  # [O, I]
-            out[p] = x[tok[p]] @ w.T
+    def work(o0, o1):
+        for s, p, xg in rows:
+            w = weight[s, o0:o1] if quant is None else quant.dense(s, o0, o1)  # [o1 - o0, I]
+            out[p, o0:o1] = xg @ w.T
 
     with _BLAS.limit(limits=1, user_api="blas"):
-        _parallel(work, len(groups), grain=1)
+        _parallel(work, out_dims, grain=64)
 
 
 def switch_linear(leaf: nn.Module, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -685,104 +684,3 @@ def expert_forward(inner: nn.Module, x: mx.array, slots: mx.array | np.ndarray) 
         raise TypeError(f"CPU kernel: {type(inner).__name__} is not a SwitchGLU/SwitchMLP")
     y = mx.array(y).reshape(*slots.shape, D)
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
-
-
-def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
-    """``x @ W.T`` for a dense quantized layer (``nn.QuantizedLinear`` weight layout).
-
-    Args:
-        layer: holds ``weight`` ``[O, I*bits/32]`` uint32, ``scales``/``biases`` ``[O, G]``.
-        x: ``[..., I]``.
-
-    Returns:
-        ``[..., O]`` in ``x.dtype``, evaluated; no layer ``bias`` added.
-    """
-    T = math.prod(x.shape[:-1])
-    if T < GEMM_MIN_ROWS and _slow_rows(layer):  # MLX's op is faster for these rows
-        y = mx.quantized_matmul(x, layer["weight"], layer["scales"], layer.get("biases"), transpose=True,
-                                group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
-        mx.eval(y)
-        return y
-    quant = _Quant(layer, stacked=False)
-    xs = _host(x).reshape(-1, x.shape[-1])  # [T, I]; a numpy reshape: no MLX op to evaluate
-    if T >= quant.gemm_min_rows:  # output rows shared among the threads, BLAS single-threaded (_gemm_slots)
-        y = np.empty((T, quant.out_dims), np.float32)
-        xp = quant.permute(xs)
-
-        tile = max(1, DENSE_TILE_BYTES // (4 * quant.in_dims))  # output rows per dequantised tile
-
-        def work(o0, o1):
-            for a in range(o0, o1, tile):
-                b = min(o1, a + tile)
-                y[:, a:b] = xp @ quant.dense(0, a, b).T
-
-        with _BLAS.limit(limits=1, user_api="blas"):
-            _parallel(work, quant.out_dims, grain=256)
-    else:
-        y = quant.matvec(xs, np.arange(T), np.zeros(T, np.int64))
-    y = mx.array(y).reshape(*x.shape[:-1], quant.out_dims)
-    return y if x.dtype == mx.float32 else y.astype(x.dtype)
-
-
-class CpuQuantizedLinear(nn.QuantizedLinear):
-    """``nn.QuantizedLinear`` computed by :func:`quantized_matmul` (same parameters)."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = quantized_matmul(self, x)
-        return y + self["bias"] if "bias" in self else y
-
-
-def _prompt_positions(x: mx.array) -> bool:
-    """``x`` ``[B, L, D]`` holds several positions of each sequence (a prompt being read)."""
-    return x.ndim >= 3 and x.shape[-2] > 1
-
-
-class CpuOutputLinear(CpuQuantizedLinear):
-    """A model's own quantized output layer (``lm_head``): one position per sequence
-    (decode) through :func:`quantized_matmul`; several positions (a prompt) through
-    MLX's op, lazily. mlx-lm reads a prompt in steps whose logits it never evaluates
-    (``generate_step``'s prefill, the batch generator's), so a lazy op is skipped,
-    where the eager kernel computed all of them: for the demo's 49k-row output
-    layer, 128 prompt positions cost ~0.6 s. When those logits are evaluated
-    (speculative decoding, scoring a text), they are MLX's own."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if _prompt_positions(x):
-            return nn.QuantizedLinear.__call__(self, x)
-        return super().__call__(x)
-
-
-class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
-    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied output layer) is
-    :func:`quantized_matmul` for one position per sequence, MLX's lazy op for
-    several (the rule and its reason: :class:`CpuOutputLinear`)."""
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        if _prompt_positions(x):
-            return super().as_linear(x)
-        return quantized_matmul(self, x)
-
-
-_DENSE = {nn.QuantizedLinear: CpuQuantizedLinear, nn.QuantizedEmbedding: CpuQuantizedEmbedding}
-
-
-def serve_dense(model: nn.Module) -> int:
-    """Serve ``model``'s dense quantized layers through the CPU kernel; returns how many.
-
-    Each exact ``nn.QuantizedLinear``/``nn.QuantizedEmbedding`` of a supported
-    mode (affine, mxfp4) gets the subclass above as its class: parameters,
-    names and ``parameters()`` stay as they were, only the matmul changes
-    (a dense quantized layer is one always-resident expert). The output layer
-    (a module named ``lm_head``, or a tied embedding's ``as_linear``) leaves prompt
-    positions to MLX, lazily (:class:`CpuOutputLinear`). Subclasses of those
-    layers (model-specific variants) are left alone.
-    """
-    n = 0
-    for name, m in model.named_modules():
-        new = _DENSE.get(type(m))
-        if new is CpuQuantizedLinear and name.rsplit(".", 1)[-1] == "lm_head":
-            new = CpuOutputLinear
-        if new is not None and m.mode in MODES and m.get("global_scale") is None:
-            m.__class__ = new  # same instance dict: only __call__/as_linear change
-            n += 1
-    return n

@@ -140,7 +140,7 @@ class LayerProbe(nn.Module):
         self.set_dtype(mx.float32)
         mx.eval(self.parameters())
         if kernel == "cpu" and quant:
-            from mlx_tier.kernels.cpu import serve_dense
+            from mlx_tier.kernels.cpu_dense import serve_dense
 
             serve_dense(self)
 

@@ -23,7 +23,7 @@ from support.exactness import BOUND, assert_cpu_kernel_agrees, close, greedy_ids
 import mlx_tier
 from mlx_tier import TierConfig
 from mlx_tier.kernels import cpu as cpu_kernel
-from mlx_tier.kernels import cpu_vnni
+from mlx_tier.kernels import cpu_dense, cpu_vnni
 from mlx_tier.kernels import registry as kernels
 
 
@@ -194,8 +194,8 @@ def test_dense_quantized_layers_served(mode, bits, group_size, T):
     want = lin(x), emb.as_linear(x), emb(mx.array([3, 7]))
     model = nn.Sequential(lin, emb)
     keys = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
-    assert cpu_kernel.serve_dense(model) == 2
-    assert isinstance(lin, cpu_kernel.CpuQuantizedLinear)
+    assert cpu_dense.serve_dense(model) == 2
+    assert isinstance(lin, cpu_dense.CpuQuantizedLinear)
     assert [k for k, _ in nn.utils.tree_flatten(model.parameters())] == keys
     got = lin(x), emb.as_linear(x), emb(mx.array([3, 7]))
     assert close(want[0], got[0]) <= BOUND and close(want[1], got[1]) <= BOUND
@@ -215,15 +215,79 @@ def test_output_layer_leaves_prompt_positions_to_mlx(tied, monkeypatch):
     out = (lambda x: model.embed.as_linear(x)) if tied else (lambda x: model.lm_head(x))
     prompt, step = mx.random.normal((3, 7, 128)), mx.random.normal((3, 1, 128))
     want = out(prompt), out(step), model.q_proj(prompt)
-    assert cpu_kernel.serve_dense(model) == 3
-    assert type(model.lm_head) is cpu_kernel.CpuOutputLinear
-    assert type(model.q_proj) is cpu_kernel.CpuQuantizedLinear
+    assert cpu_dense.serve_dense(model) == 3
+    assert type(model.lm_head) is cpu_dense.CpuOutputLinear
+    assert type(model.q_proj) is cpu_dense.CpuQuantizedLinear
     calls = []
-    kernel = cpu_kernel.quantized_matmul
-    monkeypatch.setattr(cpu_kernel, "quantized_matmul", lambda layer, x: calls.append(x.shape) or kernel(layer, x))
+    kernel = cpu_dense.quantized_matmul
+    monkeypatch.setattr(cpu_dense, "quantized_matmul", lambda layer, x: calls.append(x.shape) or kernel(layer, x))
     assert mx.array_equal(out(prompt), want[0]) and calls == []  # MLX's op: bit-equal, no kernel call
     assert close(want[1], out(step)) <= BOUND and calls == [(3, 1, 128)]
     assert close(want[2], model.q_proj(prompt)) <= BOUND and calls[-1] == (3, 7, 128)
+
+
+@pytest.mark.parametrize("T", [1, 12])
+def test_float_linear_layers_served(T, monkeypatch):
+    """Float32 ``nn.Linear`` layers (an unquantized router gate) and a tied float
+    embedding's output layer go through numpy's matmul, within the kernel bound; the
+    output layer leaves a prompt's positions to MLX's lazy op (bit-equal); lookups stay
+    MLX's."""
+    mx.random.seed(3)
+    model = nn.Module()
+    model.gate = nn.Linear(128, 16, bias=False)
+    model.proj = nn.Linear(128, 96, bias=True)
+    model.embed = nn.Embedding(96, 128)
+    model.lm_head = nn.Linear(128, 96, bias=False)
+    mx.eval(model.parameters())
+    x = mx.random.normal((3, T, 128))
+    layers = [model.gate, model.proj, model.embed.as_linear, model.lm_head]
+    want = [f(x) for f in layers]
+    lookup = model.embed(mx.array([3, 7]))
+    assert cpu_dense.serve_dense(model) == 4
+    assert type(model.gate) is cpu_dense.CpuLinear and type(model.lm_head) is cpu_dense.CpuFloatOutputLinear
+    calls = []
+    real = cpu_dense.float_matmul
+    monkeypatch.setattr(cpu_dense, "float_matmul", lambda layer, x: calls.append(layer) or real(layer, x))
+    layers = [model.gate, model.proj, model.embed.as_linear, model.lm_head]
+    for i, (f, w) in enumerate(zip(layers, want)):
+        got = f(x)
+        if i >= 2 and T > 1:  # the output layer over a prompt: MLX's op
+            assert mx.array_equal(got, w)
+        else:
+            assert got.shape == w.shape and close(w, got) <= BOUND
+    assert len(calls) == (4 if T == 1 else 2)
+    assert mx.array_equal(model.embed(mx.array([3, 7])), lookup)
+
+
+def test_float_linear_in_bfloat16_keeps_mlx_op():
+    """numpy has no bfloat16: a bf16 layer (or input) is MLX's own op, bit-equal."""
+    mx.random.seed(4)
+    lin = nn.Linear(64, 32)
+    lin.set_dtype(mx.bfloat16)
+    x = mx.random.normal((2, 5, 64)).astype(mx.bfloat16)
+    want = lin(x)
+    model = nn.Sequential(lin)
+    assert cpu_dense.serve_dense(model) == 1
+    assert mx.array_equal(lin(x), want) and lin(x).dtype == mx.bfloat16
+
+
+def test_a_slot_carrying_most_pairs_is_shared_by_the_threads(monkeypatch, row_loops):
+    """Skewed routing (a prompt pool's busiest expert takes every token, the others a
+    few): each thread dequantises its share of the busy slot's output rows, so neither
+    idles while the other computes it; the block stays within the bound."""
+    b = block("glu", D=128, H=128, experts=4, bias=False, bits=4, group_size=64)
+    monkeypatch.setattr(cpu_kernel, "THREADS", 2)
+    monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    shares = []
+    real = cpu_kernel._Quant.dense
+    monkeypatch.setattr(cpu_kernel._Quant, "dense",
+                        lambda q, s, o0=0, o1=None: shares.append((s, o0, o1)) or real(q, s, o0, o1))
+    T = 160
+    x = mx.random.normal((T, 128))
+    idx = mx.concatenate([mx.zeros((T, 1), mx.uint32), mx.random.randint(1, 4, (T, 1)).astype(mx.uint32)], axis=1)
+    assert close(b(x, idx), cpu_kernel.expert_forward(b, x, idx)) <= BOUND
+    busy = [(o0, o1) for s, o0, o1 in shares if s == 0]
+    assert busy and set(busy) == {(0, 64), (64, 128)}  # gate, up and down: each half by one thread
 
 
 def test_wrong_slot_is_detected():
@@ -407,7 +471,7 @@ def test_the_gemm_path_starts_at_the_layouts_own_row_count(kind, row_loops, monk
 
         def run(rows):
             x = mx.random.normal((rows, 128))
-            assert close(lin(x), cpu_kernel.quantized_matmul(lin, x)) <= BOUND
+            assert close(lin(x), cpu_dense.quantized_matmul(lin, x)) <= BOUND
     run(want - 1)
     assert not dequantised  # the matvec
     run(want)

@@ -14,7 +14,7 @@ from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from mlx_tier.kernels import cpu as cpu_kernel
-from mlx_tier.kernels import cpu_vnni, simd
+from mlx_tier.kernels import cpu_dense, cpu_vnni, simd
 
 needs_vnni = pytest.mark.skipif(not simd.AVAILABLE, reason="needs an x86 CPU with AVX-512 VNNI (vpdpbusd)")
 REL = 2e-6  # max|Δ| / max|exact| of one matvec, float64 exact reference (float32 loops: ~3e-7)
@@ -141,7 +141,7 @@ def test_dense_quantized_layer_through_either_row_loops(row_loops):
     assert cpu_kernel._Quant(layer, stacked=False).vnni == (row_loops == "vnni")
     x = mx.random.normal((1, 1, 256))
     ref = layer(x)
-    got = cpu_kernel.quantized_matmul(layer, x)
+    got = cpu_dense.quantized_matmul(layer, x)
     assert got.shape == ref.shape and mx.abs(got - ref).max().item() <= 1e-5 * mx.abs(ref).max().item()
 
 

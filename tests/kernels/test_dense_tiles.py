@@ -12,7 +12,7 @@ import numpy as np
 from mlx import nn
 
 from mlx_tier.engine import footprint
-from mlx_tier.kernels import cpu
+from mlx_tier.kernels import cpu, cpu_dense
 
 
 def test_a_large_output_layer_is_dequantised_in_tiles():
@@ -23,12 +23,12 @@ def test_a_large_output_layer_is_dequantised_in_tiles():
     rows = cpu._Quant(layer, stacked=False).gemm_min_rows  # the fewest that take the GEMM path
     x = mx.random.normal((rows, in_dims))
     want = np.array(nn.QuantizedLinear.__call__(layer, x))
-    cpu.quantized_matmul(layer, x)  # first call: the kernel's loops compiled, host copies of scales made
+    cpu_dense.quantized_matmul(layer, x)  # first call: the kernel's loops compiled, host copies of scales made
     tracemalloc.start()
-    got = np.array(cpu.quantized_matmul(layer, x))
+    got = np.array(cpu_dense.quantized_matmul(layer, x))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     whole = out_dims * in_dims * 4
-    assert peak < cpu.THREADS * cpu.DENSE_TILE_BYTES + 4 * rows * out_dims * 4 + (4 << 20) < whole
+    assert peak < cpu.THREADS * cpu_dense.DENSE_TILE_BYTES + 4 * rows * out_dims * 4 + (4 << 20) < whole
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    assert footprint.DENSE_TILE_BYTES == cpu.DENSE_TILE_BYTES  # the memory split counts the same tile
+    assert footprint.DENSE_TILE_BYTES == cpu_dense.DENSE_TILE_BYTES  # the memory split counts the same tile
