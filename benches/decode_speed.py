@@ -36,7 +36,6 @@ from mlx_tier import TierConfig
 from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.load import TieredExperts
 from mlx_tier.job.report import backend_name
-from mlx_tier.kernels import cpu as cpu_kernel
 from mlx_tier.kernels import cpu_dense
 from mlx_tier.tools.demo_model import ensure_demo_model
 

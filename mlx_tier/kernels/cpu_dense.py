@@ -24,7 +24,15 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlx_tier.kernels.cpu import _BLAS, GEMM_MIN_ROWS, MODES, _host, _parallel, _Quant, _slow_rows
+from mlx_tier.kernels.cpu import (
+    _BLAS,
+    GEMM_MIN_ROWS,
+    MODES,
+    _host,
+    _parallel,
+    _Quant,
+    _slow_rows,
+)
 
 # Most dequantised float32 weight bytes one thread holds at once in a dense layer's
 # GEMM (quantized_matmul): an output layer is done in tiles of rows, never whole.
