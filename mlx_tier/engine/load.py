@@ -236,28 +236,32 @@ class TieredExperts(nn.Module):
         else:
             mx.eval(indices, ahead)
         idx = np.array(indices)  # [..., k] expert ids
-        out = None
-        for slots, mask in self._cache.assign(idx):
-            if mask is None:  # every needed expert resident at once: one pass
-                out = self._kernel(self._inner, x, mx.array(slots))  # [..., k, D]
-                break
-            # More experts needed than slots: this round computes only the
-            # (token, k) pairs whose expert is resident now, one pair per row.
-            k, D = idx.shape[-1], x.shape[-1]
-            if out is None:
-                out = mx.zeros((idx.size, D), dtype=x.dtype)  # [T*k, D]
-            pairs = np.flatnonzero(mask.reshape(-1))  # rows of [T*k]
-            rows = x.reshape(-1, D)[mx.array(pairs // k)]  # [n, D]
-            y = self._kernel(self._inner, rows, mx.array(slots.reshape(-1)[pairs])[:, None])  # [n, 1, D]
-            out[mx.array(pairs)] = y.squeeze(1)
-            mx.eval(out)  # the next round may overwrite the slots y read
-        else:
-            out = out.reshape(*idx.shape, x.shape[-1])
+        out = self._compute(x, idx)
         self._cache.pending = out
         self._cache.end_call()  # drop this layer's unused prefetched experts
         if ahead is not None:
             self._prefetch.issue(np.array(ahead))
         return out
+
+    def _compute(self, x: mx.array, idx: np.ndarray) -> mx.array:
+        """``[..., k, D]``: the experts of ``idx`` (``[..., k]`` expert ids) on ``x``,
+        made resident by the cache in one pass or, when they exceed the slots, in
+        rounds of one pair per row, gathered back in pair order once at the end."""
+        parts, ys = [], []
+        for slots, mask in self._cache.assign(idx):
+            if mask is None:  # every needed expert resident at once: one pass
+                return self._kernel(self._inner, x, mx.array(slots))
+            # More experts needed than slots: this round computes only the
+            # (token, k) pairs whose expert is resident now, one pair per row.
+            k, D = idx.shape[-1], x.shape[-1]
+            pairs = np.flatnonzero(mask.reshape(-1))  # rows of [T*k]
+            rows = x.reshape(-1, D)[mx.array(pairs // k)]  # [n, D]
+            y = self._kernel(self._inner, rows, mx.array(slots.reshape(-1)[pairs])[:, None])  # [n, 1, D]
+            mx.eval(y)  # the next round may overwrite the slots y read
+            parts.append(pairs)
+            ys.append(y.squeeze(1))
+        order = np.argsort(np.concatenate(parts))  # each pair in exactly one round
+        return mx.concatenate(ys)[mx.array(order)].reshape(*idx.shape, x.shape[-1])
 
 
 def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path) -> tuple[int, dict]:
