@@ -65,11 +65,11 @@ class Loaded:
 
 
 def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None,
-                pools: Callable[[], tuple[int, int]] | None = None) -> Loaded:
+                pools: Callable[[], tuple[int, int, list[str]]] | None = None) -> Loaded:
     """The tiered model (from ``model_dir`` when it was found already), with the context
     checked before any document. ``pools``: when the run uses the throughput schedule (its
     expert cache may give room to its pools), gives ``(characters of a typical document,
-    documents)``; asked only once the model is found and its split fits."""
+    documents, texts of a few)``; asked only once the model is found and its split fits."""
     from mlx_tier.engine.load import load
     from mlx_tier.tools.demo_model import resolve
 
@@ -97,16 +97,22 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
 
 
 def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, reporter: Reporter, chars: int,
-                     documents: int) -> MemoryBudget:
+                     documents: int, samples: list[str]) -> MemoryBudget:
     """``budget`` with fewer expert slots when the pool model predicts more documents/hour from
     the KV room they leave (:mod:`mlx_tier.tools.pool_cache`), said in one line; else as it is.
-    Documents are estimated as the scheduler sizes its pools (``chars`` // 3 tokens and the
-    instruction's, within the context); of unknown length, as ``plan``'s default."""
+    Documents are estimated as the scheduler sizes its pools (``chars`` at the ``samples``'
+    characters per token, :mod:`mlx_tier.job.doc_tokens`, and the instruction's tokens,
+    within the context); of unknown length, as ``plan``'s default."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_tier.job.doc_tokens import chars_per_token, predicted_tokens
     from mlx_tier.tools.pool_cache import cache_for_pools, with_cache
 
     g = config.generation
     room = context_length(model_dir, FALLBACK_CONTEXT) - g.max_tokens  # the scheduler caps its estimate so
-    prompt = max(1, min(room, (chars or 3 * PLAN_DOC_TOKENS) // 3 + len(g.instruction) // 3 + 16))
+    per = chars_per_token(load_tokenizer(model_dir), samples) if samples else None  # ~0.4 s: once a run
+    doc = predicted_tokens(chars, per) if chars else PLAN_DOC_TOKENS
+    prompt = max(1, min(room, doc + predicted_tokens(len(g.instruction), per) + 16))
     found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents, g.batch_size)
     if found is None:
         return budget
@@ -129,7 +135,8 @@ def generation_for(config: JobConfig, budget: MemoryBudget | None) -> Generation
 
 
 def model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir,
-               model_dir: Path | None = None, pools: Callable[[], tuple[int, int]] | None = None) -> Loaded | None:
+               model_dir: Path | None = None, pools: Callable[[], tuple[int, int, list[str]]] | None = None
+               ) -> Loaded | None:
     """The model when there is work, else ``None``: a rerun with nothing to do never loads
     it. A failed load frees the folder (and removes it when this run created it and left
     nothing else there)."""

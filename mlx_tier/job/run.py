@@ -44,6 +44,7 @@ from mlx_tier.job.activity import (
     announce,
 )
 from mlx_tier.job.config import JobConfig
+from mlx_tier.job.doc_tokens import SAMPLE_DOCS
 from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.heartbeat import Heartbeat
@@ -183,6 +184,7 @@ class _Pass:
     batch: BatchOutputs | None = None  # a batch request file's output.jsonl and errors.jsonl
     requests: dict = field(default_factory=dict)  # id -> BatchRequest of each pending request, in input order
     model_name: str = ""  # the model that answers, as each response names it
+    samples: list = field(default_factory=list)  # texts of a few documents: their characters per token
 
 
 def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, beat: Heartbeat) -> dict:
@@ -206,7 +208,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, generation,
                           max(p.sizes.values(), default=0), probes=probes,
                           typical_chars=sum(known) // len(known) if known else None, documents=len(p.sizes),
-                          memory=loaded.budget)
+                          memory=loaded.budget, samples=p.samples)
     p.report.setup["generation"] = scheduler.info
     announce(scheduler, reporter)
     rate, prompt_rate = Rate(), Rate()
@@ -564,11 +566,13 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     by_id = {d.id: d for d in docs}
     pending = [by_id[i] for i in tri.pending]
     sizes: dict[str, int] = {}
+    samples: list[str] = []
 
-    def typical() -> tuple[int, int]:  # sized once the model is found (sizing may convert documents)
+    def typical() -> tuple[int, int, list[str]]:  # sized once the model is found (sizing may convert documents)
         sizes.update(_sizes(pending))
+        samples[:] = _samples(pending, sizes) if share.claim is claim_all else []  # read only documents of this run's
         known = [n for n in sizes.values() if n]
-        return (sum(known) // len(known) if known else 0), len(pending)
+        return (sum(known) // len(known) if known else 0), len(pending), samples
 
     pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
     loaded = model_for(pending, config, reporter, job, model_dir, typical if pooled else None)
@@ -595,7 +599,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
         p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,
-                  ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings)
+                  ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings,
+                  samples=samples)
         if is_batch(docs):
             _batch_pass(p, pending, config, reporter, asked_kv_bits)
         _run_pending(p, config, loaded)
@@ -653,6 +658,14 @@ def _sizes(pending: list) -> dict[str, int]:
     from mlx_tier.job.batch_engine import MAX_AUTO_BATCH
 
     return {d.id: size_hint(d, convert=i < MAX_AUTO_BATCH) for i, d in enumerate(pending)}
+
+
+def _samples(pending: list, sizes: dict[str, int]) -> list[str]:
+    """Texts of the first few sized pending documents (:data:`~mlx_tier.job.doc_tokens.SAMPLE_DOCS`),
+    whose characters per token turn the typical document's characters into tokens for the
+    pools; sized documents were read or converted already, so nothing new is converted."""
+    sized = [d for d in pending if sizes.get(d.id)][:SAMPLE_DOCS]
+    return [d.text or "" for d in sized]
 
 
 def _finish_report(report: JobReport, loaded: Loaded | None, config: JobConfig, t_wall: float,

@@ -54,6 +54,7 @@ from mlx_tier.job.batch_engine import (
     sequence_room,
     stop_token_ids,
 )
+from mlx_tier.job.doc_tokens import chars_per_token, predicted_tokens
 from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
 from mlx_tier.job.pool_engine import PoolEngine
 from mlx_tier.job.prompts import (
@@ -249,6 +250,9 @@ class Scheduler:
         typical_chars: characters of a typical document to run (the mean), and
         documents: how many: the throughput schedule's pools and its predicted
             documents/hour are for those (``None``: as long as the longest; unknown).
+        samples: texts of a few documents to run, whose characters per token
+            (:func:`mlx_tier.job.doc_tokens.chars_per_token`) turn ``typical_chars``
+            into tokens for the pools; ``None``: the sizing estimate (3).
         memory: the run's memory split (:class:`~mlx_tier.engine.footprint.MemoryBudget`):
             sequences are sized within its KV share (:func:`~mlx_tier.job.batch_engine.sequence_room`);
             ``None``: within what the memory limit leaves.
@@ -265,7 +269,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
                  longest_chars: int | None = None, probes: list[list[int]] | None = None,
                  typical_chars: int | None = None, documents: int | None = None,
-                 memory: MemoryBudget | None = None):
+                 memory: MemoryBudget | None = None, samples: list[str] | None = None):
         self.model, self.tokenizer, self.config, self.memory = model, tokenizer, config, memory
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
@@ -290,10 +294,11 @@ class Scheduler:
         check_context(tokenizer, config.instruction, config.max_tokens, self.context,
                       "the memory left allows only a context of" if self.context < context else "a context of")
         self.pools = None
+        self.chars_per_token = None  # measured on the samples (the throughput schedule's pools)
         self.pool_tokens = config.pool_tokens or DEFAULT_PREFILL_STEP
         self.prefill_batch = config.prefill_batch or 1
         if config.schedule == "throughput":
-            self.batch_size = self._plan_pools(typical_chars or longest_chars, documents)
+            self.batch_size = self._plan_pools(typical_chars or longest_chars, documents, samples)
         else:
             self.batch_size = config.batch_size or self._memory_batch(longest_chars)
         if memory is not None:  # a pool's prompt step within the split's workspace
@@ -314,7 +319,8 @@ class Scheduler:
         }
         if config.schedule == "throughput":
             self.info |= {"pool_tokens": self.pool_tokens, "prefill_batch": self.prefill_batch,
-                          "pools": self.pools.as_dict() if self.pools is not None else None}
+                          "pools": self.pools.as_dict() if self.pools is not None else None,
+                          "chars_per_token": round(self.chars_per_token, 2) if self.chars_per_token else None}
 
     def _stored(self, cache: list) -> list:
         """A filled prompt cache as the engine stores its sequences' (quantized with
@@ -336,9 +342,10 @@ class Scheduler:
         return Observed(len(self.prefix), self.prefix.seconds, (phase.hits + phase.misses) / layers,
                         phase.stall_seconds)
 
-    def _plan_pools(self, chars: int | None, documents: int | None) -> int:
+    def _plan_pools(self, chars: int | None, documents: int | None, samples: list[str] | None) -> int:
         """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each
-        size the user gave kept; returns the decode pool (the engine's batch size)."""
+        size the user gave kept, for documents of ``chars`` characters at the ``samples``'
+        characters per token; returns the decode pool (the engine's batch size)."""
         from mlx_tier.tools.pools import (
             MAX_DECODE_POOL,
             calibrate,
@@ -350,7 +357,9 @@ class Scheduler:
         c = self.config
         found = shape_of(self.model, self.plan.kv_per_token)
         if found is not None and not (c.batch_size and c.pool_tokens and c.prefill_batch):
-            prompt = min(self.context - c.max_tokens, (chars or 3 * self.context) // 3 + len(self.prefix) + 16)
+            self.chars_per_token = chars_per_token(self.tokenizer, samples or [])
+            doc = predicted_tokens(chars, self.chars_per_token) if chars else self.context
+            prompt = min(self.context - c.max_tokens, doc + len(self.prefix) + 16)
             shape, rates = calibrate(found[0], rates_for(self.model, found[1]), self._seen)
             room = self.plan.free_bytes - self.plan.prefill_fixed
             self.pools = choose_pools(shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,

@@ -125,10 +125,10 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
 
     class Scheduler(real_scheduler):
         def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, probes=None,
-                     typical_chars=None, documents=None, memory=None):
+                     typical_chars=None, documents=None, memory=None, samples=None):
             seen["generation"], seen["longest_chars"], seen["memory"] = config, longest_chars, memory
             super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes,
-                             typical_chars, documents, memory)
+                             typical_chars, documents, memory, samples)
             seen["batch_size"] = self.batch_size
 
     monkeypatch.setattr(tiered, "load", load)
@@ -206,3 +206,4 @@ def test_progress_moves_inside_long_prompt_steps_and_predicted_beside_achieved(t
     assert any("predicted" in m and "documents/hour" in m for m in seen.messages)
     assert any(m.startswith("achieved") and "predicted" in m for m in seen.messages)
     assert report.setup["generation"]["achieved_docs_per_hour"] > 0 and steps
+    assert report.setup["generation"]["chars_per_token"] > 1  # measured on the documents, not assumed

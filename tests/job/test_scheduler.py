@@ -206,3 +206,21 @@ def test_a_document_starting_alone_measures_memory_without_what_the_process_free
     assert sorted(o.id for o in out) == ["a", "b", "c"]
     assert all(o.status == "done" and o.parts == 0 for o in out)  # each read whole
     assert len(released) == 3  # one hand-back per document that did not fit as first measured
+
+
+def test_the_pools_price_documents_at_their_measured_characters_per_token(tiered, tiny_moe):
+    """The pools and the predicted documents/hour are for documents of the typical length in
+    tokens, at the characters per token measured on a sample of the documents (English prose:
+    ~4.7 with this tokenizer); without a sample, the sizing estimate's 3 (erring long)."""
+    from mlx_tier.job.doc_tokens import chars_per_token
+
+    model, tokenizer = tiered
+    text = "The committee met on Tuesday to discuss the budget for the coming year. " * 30
+    g = GenerationConfig("Summarise this.", 8, schedule="throughput")
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=len(text), documents=4, samples=[text])
+    per = chars_per_token(tokenizer, [text])
+    assert per > 3.5 and sched.info["chars_per_token"] == round(per, 2)
+    extra = len(sched.prefix) + 16
+    assert sched.pools.prompt_tokens == int(len(text) / per) + extra
+    blind = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=len(text), documents=4)
+    assert blind.pools.prompt_tokens == len(text) // 3 + extra and blind.info["chars_per_token"] is None
