@@ -102,6 +102,7 @@ def worker(spec: dict) -> dict:
     from mlx_tier.engine.checkpoint import context_length
     from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.engine.sizes import peak_rss, run_budget
+    from mlx_tier.job.doc_tokens import SAMPLE_DOCS, chars_per_token, predicted_tokens
     from mlx_tier.job.model_setup import FALLBACK_CONTEXT
     from mlx_tier.job.scheduler import GenerationConfig, Scheduler
     from mlx_tier.kernels import cpu_vnni
@@ -125,7 +126,8 @@ def worker(spec: dict) -> dict:
     step = min(PREFILL_STEP, budget.prefill_step) if budget is not None else PREFILL_STEP
     if budget is not None and tier.slots_per_layer is None and tier.cache_gb is None:
         if sched != "paced":
-            prompt = sum(chars) // len(chars) // 3 + len(DEFAULT_PROMPT) // 3 + 16  # run's estimate
+            per = chars_per_token(load_tokenizer(model_dir), [d.text for d in docs])  # run's estimate
+            prompt = predicted_tokens(sum(chars) // len(chars), per) + predicted_tokens(len(DEFAULT_PROMPT), per) + 16
             found = pool_cache.cache_for_pools(model_dir, budget, prompt,
                                                spec["summary_tokens"], len(docs), 1 if sched == "batch1" else None)
             budget = pool_cache.with_cache(budget, found[0]) if found else budget
@@ -139,7 +141,8 @@ def worker(spec: dict) -> dict:
                            prefill_step_size=step, kv_bits=kv_bits)
     t0 = time.perf_counter()
     s = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), gen, max(chars),
-                  typical_chars=sum(chars) // len(chars), documents=len(docs), memory=budget)
+                  typical_chars=sum(chars) // len(chars), documents=len(docs), memory=budget,
+                  samples=[d.text for d in docs[:SAMPLE_DOCS]])
     setup_s = time.perf_counter() - t0
     model.expert_cache.reset_stats()
     acc = {"prompt_tokens": 0, "prompt_s": 0.0, "generated": 0, "decode_s": 0.0, "steps": 0}
