@@ -362,8 +362,9 @@ class Scheduler:
             prompt = min(self.context - c.max_tokens, doc + len(self.prefix) + 16)
             shape, rates = calibrate(found[0], rates_for(self.model, found[1]), self._seen)
             room = self.plan.free_bytes - self.plan.prefill_fixed
+            shared = len(self.prefix) if self._prefix() else 0  # read once, not per document
             self.pools = choose_pools(shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,
-                                      self.memory.prefill_step if self.memory is not None else None)
+                                      self.memory.prefill_step if self.memory is not None else None, shared)
             self.pool_tokens = c.pool_tokens or self.pools.prefill_tokens
             self.prefill_batch = c.prefill_batch or self.pools.prefill_batch
             return c.batch_size or self.pools.decode_pool

@@ -264,7 +264,8 @@ def prefill_transient(shape: Shape, tokens: int, context: float) -> float:
 
 
 def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, free_bytes: int,
-                 cap: int | None = None, documents: int | None = None, max_pool: int | None = None) -> PoolPlan:
+                 cap: int | None = None, documents: int | None = None, max_pool: int | None = None,
+                 shared_tokens: int = 0) -> PoolPlan:
     """Pool sizes for documents of ``prompt_tokens`` prompts and ``output_tokens`` summaries.
 
     Args:
@@ -274,6 +275,9 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         documents: how many documents the job has (a pool larger is not filled).
         max_pool: most prompt tokens a prefill step may carry (the memory split's
             workspace: :attr:`~mlx_tier.engine.footprint.MemoryBudget.prefill_step`).
+        shared_tokens: tokens at the start of every prompt read once for the whole job
+            (a shared prefix, its KV cache copied to each sequence): in each sequence's
+            KV cache, not in the tokens a document's prompt reads.
 
     Returns:
         :class:`PoolPlan`. The decode pool is at least 1 even when one
@@ -298,8 +302,9 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     ctx_decode = prompt_tokens + output_tokens / 2
     decode_s = seconds_per_token(shape, rates, pool, ctx_decode)
     prompt_s = 1 / rate[prefill_tokens]
-    doc_s = prompt_tokens * prompt_s + output_tokens * decode_s
-    one_s = (prompt_tokens * seconds_per_token(shape, rates, min(prefill_tokens, prompt_tokens), ctx_prefill)
+    read = max(1, prompt_tokens - shared_tokens)  # prompt tokens a document reads
+    doc_s = read * prompt_s + output_tokens * decode_s
+    one_s = (read * seconds_per_token(shape, rates, min(prefill_tokens, read), ctx_prefill)
              + output_tokens * seconds_per_token(shape, rates, 1, ctx_decode))
     return PoolPlan(prefill_tokens, prefill_batch, pool, 1 / prompt_s, 1 / decode_s, 3600 / doc_s, 3600 / one_s,
                     limited_by, prompt_tokens, output_tokens)

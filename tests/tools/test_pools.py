@@ -140,3 +140,14 @@ def test_prefill_pools_stay_within_the_splits_prompt_step():
     assert roomy.prefill_tokens > 512 >= capped.prefill_tokens
     assert capped.prompt_tok_s <= roomy.prompt_tok_s
     assert choose_pools(SYNTH, RATES, 2000, 32, free, max_pool=10).prefill_tokens == 10  # below every candidate
+
+
+def test_a_shared_prefix_is_in_each_kv_cache_but_read_once():
+    """A prompt's shared prefix (the instruction, prefilled once and copied) takes KV memory
+    in every sequence but no reading time per document: same pools, fewer seconds a
+    document, by the prefix's share of the prompt at the prefill rate."""
+    plain = choose_pools(SYNTH, RATES, 600, 32, 1 << 30, documents=6)
+    shared = choose_pools(SYNTH, RATES, 600, 32, 1 << 30, documents=6, shared_tokens=60)
+    assert (shared.prefill_tokens, shared.decode_pool) == (plain.prefill_tokens, plain.decode_pool)
+    saved = 3600 / plain.docs_per_hour - 3600 / shared.docs_per_hour
+    assert saved == pytest.approx(60 / plain.prompt_tok_s)
