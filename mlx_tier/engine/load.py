@@ -400,7 +400,7 @@ def _wrap_blocks(model: nn.Module, model_dir: Path, found: list, config: TierCon
     if config.dense_kernel and kernel_name == "cpu" and not two_tiers:  # with two tiers: the warm tier's kernel
         from mlx_tier.kernels.cpu_dense import serve_dense
 
-        serve_dense(model)
+        serve_dense(model, float_layers=mx.default_device() == mx.cpu)  # a GPU's float matmul is its own
     if config.attention_kernel and kernel_name == "cpu" and mx.default_device() == mx.cpu:
         from mlx_tier.kernels.cpu_attention import serve_attention
 

@@ -25,18 +25,25 @@ SAMPLE_DOCS = 4  # documents a measurement reads, at most
 SAMPLE_CHARS = 16_000  # characters of each (the start of its text)
 
 
-def chars_per_token(tokenizer, texts: Iterable[str | None]) -> float | None:
-    """Characters per token of the first :data:`SAMPLE_DOCS` non-empty ``texts``
-    (their first :data:`SAMPLE_CHARS` characters each), tokenized as document text
-    (:func:`mlx_tier.job.prompts.encode_data`); ``None`` when there is no text."""
+def chars_per_token(tokenizer, texts: Iterable[str | tuple[str, int] | None]) -> float | None:
+    """Characters per token of the first :data:`SAMPLE_DOCS` non-empty ``texts`` (their
+    first :data:`SAMPLE_CHARS` characters each), tokenized as document text
+    (:func:`mlx_tier.job.prompts.encode_data`); ``None`` when there is no text.
+
+    "Characters" are the units the documents' sizes are counted in
+    (:func:`mlx_tier.job.documents.size_hint`: bytes for a plain-text file,
+    characters for a converted one): a ``(text, size)`` item gives its text's
+    size in those units (the bytes it was decoded from), a plain ``str`` its length.
+    """
     chars = tokens = used = 0
-    for text in texts:
+    for item in texts:
         if used == SAMPLE_DOCS:
             break
+        text, size = item if isinstance(item, tuple) else (item, None)
         if not text:
             continue
         piece = text[:SAMPLE_CHARS]
-        chars += len(piece)
+        chars += len(piece) if size is None else size * len(piece) // len(text)
         tokens += len(encode_data(tokenizer, piece))
         used += 1
     return chars / tokens if tokens else None

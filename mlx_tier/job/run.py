@@ -44,7 +44,8 @@ from mlx_tier.job.activity import (
     announce,
 )
 from mlx_tier.job.config import JobConfig
-from mlx_tier.job.doc_tokens import SAMPLE_DOCS
+from mlx_tier.job.doc_text import TEXT_SUFFIXES, decode_text
+from mlx_tier.job.doc_tokens import SAMPLE_CHARS, SAMPLE_DOCS
 from mlx_tier.job.documents import discover, discover_list, size_hint
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.heartbeat import Heartbeat
@@ -566,9 +567,9 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     by_id = {d.id: d for d in docs}
     pending = [by_id[i] for i in tri.pending]
     sizes: dict[str, int] = {}
-    samples: list[str] = []
+    samples: list[tuple[str, int]] = []
 
-    def typical() -> tuple[int, int, list[str]]:  # sized once the model is found (sizing may convert documents)
+    def typical() -> tuple[int, int, list[tuple[str, int]]]:  # sized once the model is found (sizing may convert documents)
         sizes.update(_sizes(pending))
         samples[:] = _samples(pending, sizes) if share.claim is claim_all else []  # read only documents of this run's
         known = [n for n in sizes.values() if n]
@@ -660,12 +661,27 @@ def _sizes(pending: list) -> dict[str, int]:
     return {d.id: size_hint(d, convert=i < MAX_AUTO_BATCH) for i, d in enumerate(pending)}
 
 
-def _samples(pending: list, sizes: dict[str, int]) -> list[str]:
-    """Texts of the first few sized pending documents (:data:`~mlx_tier.job.doc_tokens.SAMPLE_DOCS`),
-    whose characters per token turn the typical document's characters into tokens for the
-    pools; sized documents were read or converted already, so nothing new is converted."""
-    sized = [d for d in pending if sizes.get(d.id)][:SAMPLE_DOCS]
-    return [d.text or "" for d in sized]
+def _samples(pending: list, sizes: dict[str, int]) -> list[tuple[str, int]]:
+    """``(text, size)`` of the first few sized pending documents
+    (:data:`~mlx_tier.job.doc_tokens.SAMPLE_DOCS`), whose characters per token turn the
+    typical document's size into tokens for the pools. A plain-text file (sized by its
+    bytes) gives its first bytes, read without converting it; a converted document was
+    converted by sizing already. Sizes in the size hints' units (bytes, characters)."""
+    out = []
+    for d in [d for d in pending if sizes.get(d.id)][:SAMPLE_DOCS]:
+        path = getattr(d, "path", None)
+        if path is not None and path.suffix.lower() in TEXT_SUFFIXES:
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(4 * SAMPLE_CHARS)
+            except OSError:
+                continue
+            text = decode_text(head).text  # a byte-order mark or the encoding decides, as for the whole file
+            if text:
+                out.append((text, len(head)))
+        elif d.text:
+            out.append((d.text, len(d.text)))
+    return out
 
 
 def _finish_report(report: JobReport, loaded: Loaded | None, config: JobConfig, t_wall: float,

@@ -387,7 +387,8 @@ class Scheduler:
         (:func:`mlx_tier.tools.pools.prefill_transient`)."""
         from mlx_tier.tools.pools import prefill_transient, shape_of
 
-        longest = min(self.context, (longest_chars or 3 * self.context) // 3 + len(self.prefix) + 16)
+        longest = min(self.context, (predicted_tokens(longest_chars, None) if longest_chars else self.context)
+                      + len(self.prefix) + 16)
         found = shape_of(self.model, self.plan.kv_per_token)
         if found is None:
             heads = int(getattr(getattr(self.model, "args", None), "num_attention_heads", 1) or 1)
@@ -411,7 +412,7 @@ class Scheduler:
         ``max_tokens``, at most the usable context."""
         if longest_chars is None:
             return self.plan.batch_size(self.context)
-        longest = longest_chars // 3 + len(self.prefix) + 16
+        longest = predicted_tokens(longest_chars, None) + len(self.prefix) + 16  # the sizing estimate
         return self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
 
     def _new_engine(self, batch_size: int) -> BatchEngine | PoolEngine:

@@ -485,13 +485,12 @@ def _gemm_slots(quant: _Quant | None, weight, x, tok, groups, out) -> None:
         return
     if quant is not None:
         x = quant.permute(x)
-    rows = [(s, p, x[tok[p]]) for s, p in groups]  # [len(p), I] each, gathered once
     out_dims = out.shape[1]
 
     def work(o0, o1):
-        for s, p, xg in rows:
+        for s, p in groups:  # a slot's input rows gathered by each thread: one slot's at a time held
             w = weight[s, o0:o1] if quant is None else quant.dense(s, o0, o1)  # [o1 - o0, I]
-            out[p, o0:o1] = xg @ w.T
+            out[p, o0:o1] = x[tok[p]] @ w.T
 
     with _BLAS.limit(limits=1, user_api="blas"):
         _parallel(work, out_dims, grain=64)

@@ -175,22 +175,25 @@ _DENSE = {
 }
 
 
-def serve_dense(model: nn.Module) -> int:
+def serve_dense(model: nn.Module, float_layers: bool = True) -> int:
     """Serve ``model``'s dense layers through the CPU kernel; returns how many.
 
     Each exact ``nn.QuantizedLinear``/``nn.QuantizedEmbedding`` of a supported
     mode (affine, mxfp4) and each ``nn.Linear``/``nn.Embedding`` gets a subclass
     above as its class: parameters, names and ``parameters()`` stay as they
     were, only the matmul changes (a dense quantized layer is one
-    always-resident expert; a float layer is numpy's matmul, float32 only). The
-    output layer (a module named ``lm_head``, or a tied embedding's
+    always-resident expert; a float layer is numpy's matmul, float32 only;
+    ``float_layers`` false leaves float layers to MLX: where MLX computes on a
+    GPU). The output layer (a module named ``lm_head``, or a tied embedding's
     ``as_linear``) leaves prompt positions to MLX, lazily
     (:class:`CpuOutputLinear`). Subclasses of those layers (model-specific
-    variants, the tiered expert blocks) are left alone.
+    variants) are left alone.
     """
     n = 0
     for name, m in model.named_modules():
         served = _DENSE.get(type(m))
+        if not float_layers and type(m) in (nn.Linear, nn.Embedding):
+            continue
         if served is None or (isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
                               and (m.mode not in MODES or m.get("global_scale") is not None)):
             continue

@@ -298,11 +298,11 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     pool, limited_by = min(room, limit), "memory" if room < limit else ("batch size" if cap else "cap")
     if documents is not None and documents < pool:
         pool, limited_by = max(1, documents), "documents"
-    prefill_batch = max(1, min(pool, round(prefill_tokens / max(1, prompt_tokens))))
+    read = max(1, prompt_tokens - shared_tokens)  # prompt tokens a document reads
+    prefill_batch = max(1, min(pool, round(prefill_tokens / read)))
     ctx_decode = prompt_tokens + output_tokens / 2
     decode_s = seconds_per_token(shape, rates, pool, ctx_decode)
     prompt_s = 1 / rate[prefill_tokens]
-    read = max(1, prompt_tokens - shared_tokens)  # prompt tokens a document reads
     doc_s = read * prompt_s + output_tokens * decode_s
     one_s = (read * seconds_per_token(shape, rates, min(prefill_tokens, read), ctx_prefill)
              + output_tokens * seconds_per_token(shape, rates, 1, ctx_decode))

@@ -40,3 +40,32 @@ def test_dense_text_and_no_text(tokenizer):
     assert doc_tokens.chars_per_token(tokenizer, [digits]) < doc_tokens.chars_per_token(tokenizer, [prose])
     assert doc_tokens.chars_per_token(tokenizer, ["", None, prose]) == doc_tokens.chars_per_token(tokenizer, [prose])
     assert doc_tokens.chars_per_token(tokenizer, []) is None and doc_tokens.chars_per_token(tokenizer, ["", None]) is None
+
+
+def test_sizes_in_bytes_measured_in_bytes(tokenizer):
+    """A plain-text file is sized by its bytes: its sample counts bytes too, so text of
+    several bytes a character (here Cyrillic, 2 in UTF-8) is not priced that many times long."""
+    text = "Комитет собрался во вторник, чтобы обсудить бюджет на следующий год. " * 40
+    data = text.encode()
+    per_char = doc_tokens.chars_per_token(tokenizer, [text])
+    per_byte = doc_tokens.chars_per_token(tokenizer, [(text, len(data))])
+    assert per_byte == pytest.approx(per_char * len(data) / len(text), rel=1e-3)
+    tokens = len(encode_data(tokenizer, text))
+    assert abs(doc_tokens.predicted_tokens(len(data), per_byte) - tokens) <= 0.02 * tokens
+
+
+def test_a_run_samples_a_text_files_first_bytes_without_reading_it_whole(tmp_path):
+    """Sampling for the pools reads a plain-text document's first bytes only (it is not
+    converted, nor held, before its turn); a converted kind sized already gives its text."""
+    from mlx_tier.job.documents import discover
+    from mlx_tier.job.run import _samples
+
+    (tmp_path / "big.txt").write_text("The river rose in spring and the farmers moved uphill. " * 20_000)
+    (tmp_path / "small.md").write_text("# Notes\n\nA short document about bridges.\n")
+    docs = discover(tmp_path)
+    sizes = {d.id: (tmp_path / d.name).stat().st_size for d in docs}
+    samples = _samples(docs, sizes)
+    assert len(samples) == 2
+    for (text, size), d in zip(samples, docs):
+        assert size <= 4 * doc_tokens.SAMPLE_CHARS and text and "_converted" not in d.__dict__
+    assert samples[1][1] == sizes[docs[1].id]  # a short file: all of it
