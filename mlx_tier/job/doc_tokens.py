@@ -23,9 +23,11 @@ from mlx_tier.job.prompts import encode_data
 SIZING_CHARS_PER_TOKEN = 3
 SAMPLE_DOCS = 4  # documents a measurement reads, at most
 SAMPLE_CHARS = 16_000  # characters of each (the start of its text)
+# A document's sampled text, or (text, its size in the units the documents' sizes count).
+Sample = str | tuple[str, int]
 
 
-def chars_per_token(tokenizer, texts: Iterable[str | tuple[str, int] | None]) -> float | None:
+def chars_per_token(tokenizer, texts: Iterable[Sample | None]) -> float | None:
     """Characters per token of the first :data:`SAMPLE_DOCS` non-empty ``texts`` (their
     first :data:`SAMPLE_CHARS` characters each), tokenized as document text
     (:func:`mlx_tier.job.prompts.encode_data`); ``None`` when there is no text.

@@ -65,11 +65,11 @@ class Loaded:
 
 
 def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None,
-                pools: Callable[[], tuple[int, int, list[str]]] | None = None) -> Loaded:
+                pools: Callable[[], tuple[int, int, list]] | None = None) -> Loaded:
     """The tiered model (from ``model_dir`` when it was found already), with the context
     checked before any document. ``pools``: when the run uses the throughput schedule (its
     expert cache may give room to its pools), gives ``(characters of a typical document,
-    documents, texts of a few)``; asked only once the model is found and its split fits."""
+    documents, a few documents' samples (:data:`~mlx_tier.job.doc_tokens.Sample`))``; asked only once the model is found and its split fits."""
     from mlx_tier.engine.load import load
     from mlx_tier.tools.demo_model import resolve
 
@@ -97,7 +97,7 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
 
 
 def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, reporter: Reporter, chars: int,
-                     documents: int, samples: list[str]) -> MemoryBudget:
+                     documents: int, samples: list) -> MemoryBudget:
     """``budget`` with fewer expert slots when the pool model predicts more documents/hour from
     the KV room they leave (:mod:`mlx_tier.tools.pool_cache`), said in one line; else as it is.
     Documents are estimated as the scheduler sizes its pools (``chars`` at the ``samples``'
@@ -135,7 +135,7 @@ def generation_for(config: JobConfig, budget: MemoryBudget | None) -> Generation
 
 
 def model_for(pending: list, config: JobConfig, reporter: Reporter, job: JobDir,
-               model_dir: Path | None = None, pools: Callable[[], tuple[int, int, list[str]]] | None = None
+               model_dir: Path | None = None, pools: Callable[[], tuple[int, int, list]] | None = None
                ) -> Loaded | None:
     """The model when there is work, else ``None``: a rerun with nothing to do never loads
     it. A failed load frees the folder (and removes it when this run created it and left

@@ -185,7 +185,7 @@ class _Pass:
     batch: BatchOutputs | None = None  # a batch request file's output.jsonl and errors.jsonl
     requests: dict = field(default_factory=dict)  # id -> BatchRequest of each pending request, in input order
     model_name: str = ""  # the model that answers, as each response names it
-    samples: list = field(default_factory=list)  # texts of a few documents: their characters per token
+    samples: list = field(default_factory=list)  # (text, size) of a few documents: their characters per token
 
 
 def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, beat: Heartbeat) -> dict:

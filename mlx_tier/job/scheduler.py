@@ -54,7 +54,7 @@ from mlx_tier.job.batch_engine import (
     sequence_room,
     stop_token_ids,
 )
-from mlx_tier.job.doc_tokens import chars_per_token, predicted_tokens
+from mlx_tier.job.doc_tokens import Sample, chars_per_token, predicted_tokens
 from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
 from mlx_tier.job.pool_engine import PoolEngine
 from mlx_tier.job.prompts import (
@@ -250,7 +250,7 @@ class Scheduler:
         typical_chars: characters of a typical document to run (the mean), and
         documents: how many: the throughput schedule's pools and its predicted
             documents/hour are for those (``None``: as long as the longest; unknown).
-        samples: texts of a few documents to run, whose characters per token
+        samples: a few documents' texts (:data:`~mlx_tier.job.doc_tokens.Sample`), whose characters per token
             (:func:`mlx_tier.job.doc_tokens.chars_per_token`) turn ``typical_chars``
             into tokens for the pools; ``None``: the sizing estimate (3).
         memory: the run's memory split (:class:`~mlx_tier.engine.footprint.MemoryBudget`):
@@ -269,7 +269,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
                  longest_chars: int | None = None, probes: list[list[int]] | None = None,
                  typical_chars: int | None = None, documents: int | None = None,
-                 memory: MemoryBudget | None = None, samples: list[str] | None = None):
+                 memory: MemoryBudget | None = None, samples: list[Sample] | None = None):
         self.model, self.tokenizer, self.config, self.memory = model, tokenizer, config, memory
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
@@ -342,7 +342,7 @@ class Scheduler:
         return Observed(len(self.prefix), self.prefix.seconds, (phase.hits + phase.misses) / layers,
                         phase.stall_seconds)
 
-    def _plan_pools(self, chars: int | None, documents: int | None, samples: list[str] | None) -> int:
+    def _plan_pools(self, chars: int | None, documents: int | None, samples: list[Sample] | None) -> int:
         """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each
         size the user gave kept, for documents of ``chars`` characters at the ``samples``'
         characters per token; returns the decode pool (the engine's batch size)."""
