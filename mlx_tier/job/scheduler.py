@@ -280,9 +280,10 @@ class Scheduler:
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
         # The throughput schedule's pool model calibrates on this first forward call.
         cache = getattr(model, "expert_cache", None) if config.schedule == "throughput" else None
-        before = cache.snapshot() if cache is not None else None
+        before = (cache.snapshot(), cache.profile_counts()) if cache is not None else None
         self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
-        self._seen = self._observed(cache.snapshot() - before) if cache is not None else None
+        self._seen = self._observed(cache.snapshot() - before[0], cache.profile_counts() - before[1]) \
+            if cache is not None else None
         context = min(model_context, config.context or model_context)
         # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
         step = config.prefill_step_size if memory is None else 0
@@ -331,16 +332,17 @@ class Scheduler:
         """
         return quantized_copy(cache, self.config.kv_bits)
 
-    def _observed(self, phase):
+    def _observed(self, phase, uses):
         """The prefix's prefill as the pool model's calibration point
-        (:class:`mlx_tier.tools.pools.Observed`), when it was one forward call."""
-        from mlx_tier.tools.pools import Observed
+        (:class:`mlx_tier.tools.pools.Observed`), when it was one forward call: its cache
+        counters ``phase`` and expert uses ``uses`` (``[L, E]``)."""
+        from mlx_tier.tools.pools import Observed, popularity
 
         layers = len(self.model.expert_cache.layers)
         if len(self.prefix) > self.config.prefill_step_size or not layers:
             return None
         return Observed(len(self.prefix), self.prefix.seconds, (phase.hits + phase.misses) / layers,
-                        phase.stall_seconds)
+                        phase.stall_seconds, popularity(uses), phase.misses / layers)
 
     def _plan_pools(self, chars: int | None, documents: int | None, samples: list[Sample] | None) -> int:
         """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each

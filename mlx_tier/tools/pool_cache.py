@@ -8,8 +8,9 @@ each expert read serves few tokens. MoE-Lightning (arXiv 2411.11217) chooses
 how memory is shared between weights and KV caches with its roofline model;
 here :func:`mlx_tier.tools.pools.choose_slots` prices each cache size with the
 pool model before the model is loaded (the cache is sized at load): the
-checkpoint's shapes from its headers (uniform routing: nothing has run yet),
-the kernels' and the disk's rates probed here, a few seconds.
+checkpoint's shapes from its headers, its routing from the expert use profile
+earlier runs saved (uniform without one: nothing has run yet), the kernels'
+and the disk's rates probed here, a few seconds.
 """
 
 from __future__ import annotations
@@ -75,12 +76,27 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
     from mlx_tier.engine.budgets import host_available
 
     shape, probe, files = checkpoint_shape(model_dir, budget)
+    shape = with_saved_routing(shape, model_dir)
     if disk_gbps is None:
         disk_gbps = measure_read_gbps(files, warm=sum(f.stat().st_size for f in files) <= 0.8 * host_available())
     rates = probe_rates(disk_gbps, **probe, attention="cpu" if budget.kernel == "cpu" else "mlx")
     slots, plan, own = choose_slots(shape, rates, prompt_tokens, output_tokens, budget.cache + budget.kv,
                                     budget.slot_row, most, documents, cap, budget.prefill_step)
     return (slots, plan, own) if slots < most else None
+
+
+def with_saved_routing(shape: Shape, model_dir: Path) -> Shape:
+    """``shape`` with the experts' shares of the routed entries in the expert use profile
+    earlier runs of ``model_dir`` saved (:mod:`mlx_tier.routing.profile`); unchanged
+    without one, or with one of another shape or unreadable (it only refines a guess)."""
+    from mlx_tier.routing import profile
+    from mlx_tier.tools.pools import popularity
+
+    try:
+        saved = profile.load_for(model_dir, shape.layers, shape.experts)
+    except profile.ProfileError:
+        return shape
+    return shape if saved is None else replace(shape, popularity=popularity(saved.counts))
 
 
 def with_cache(budget: MemoryBudget, slots: int) -> MemoryBudget:

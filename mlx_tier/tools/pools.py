@@ -6,18 +6,24 @@ spirit of MoE-Lightning's hierarchical roofline (arXiv 2411.11217) and
 MoE-Gen's module batch sizes (arXiv 2503.09716), one MoE layer step of ``T``
 tokens (whose average context is ``C`` tokens) costs, per layer::
 
-    D(T)   = E * (1 - (1 - k/E)^T)                 distinct experts routed (uniform routing: the
-                                                   pessimistic case; trained routers share more)
-    read   = D(T) * (1 - S/E) * expert_bytes / disk      misses, read in rounds of S experts (the
+    D(T)   = sum_i 1 - (1 - p_i)^T                 distinct experts routed; p_i the chance a token
+                                                   routes to expert i (sum k): measured, or k/E
+                                                   (uniform routing: the pessimistic case)
+    H(T)   = the same sum over the S most used experts    resident ones (the eviction policy keeps
+                                                   the experts used most: W-TinyLFU)
+    read   = (D(T) - H(T)) * expert_bytes / disk     misses, read in rounds of S experts (the
                                                    resident ones first): each round's read
                                                    overlaps the round before's compute (read
                                                    ahead), so a step waits for max(0, read -
                                                    expert * (rounds - 1) / rounds)
     expert = D(T) * (dequant + rows * flops / gemm)      rows = T*k/D(T) >= gemm_min_rows
-           | T*k * expert_bytes / matvec                 fewer rows: the fused matvec per pair
-    dense  = T * dense_flops / gemm  (T >= gemm_min_rows, else the matvec of the dense bytes)
+           | T*k * pair(rows)                           fewer rows: the loops, one pass per pair
+    pair(r) = bytes / loop + (bytes / matvec - bytes / loop) / r   a slot's pass over its rows
+                                                   shared by its r pairs (loop: many rows a slot;
+                                                   matvec: one)
+    dense  = T * dense_flops / gemm  (T >= gemm_min_rows, else T * pair(T) of the dense bytes)
     attn   = T * C * attn_flops / attention
-    fixed  = overhead + D(T) * per_expert                 dispatch, slot writes, rounds (measured)
+    fixed  = overhead + (D(T) - H(T)) * per_expert       slot writes, rounds, dispatch (measured)
     step   = fixed + read + expert + dense + attn
 
 so the seconds per token, ``L * step(T) / T``, fall as ``T`` grows until the
@@ -30,9 +36,10 @@ prompt and summary length.
 The model is plain arithmetic over :class:`Rates` and :class:`Shape`;
 :func:`probe_rates` measures the rates on this machine in a few seconds, and
 :func:`calibrate` corrects two of its guesses from one real forward call of the
-model (the job's shared prefix): how widely the router spreads tokens (a
-random or trained router is not uniform: fewer distinct experts per step, more
-of them resident) and the fixed cost per expert.
+model (the job's shared prefix): how the router spreads tokens (a random or
+trained router is not uniform: each expert's share of the entries, so fewer
+distinct experts per step, more of them resident; :func:`popularity`) and the
+fixed cost per expert.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ POOL_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Most sequences decoded together when memory allows more (prompt caches, step
 # bookkeeping and the per-sequence Python work grow with it).
 MAX_DECODE_POOL = 64
+# Rows a slot in the probe of the loops' rate on a prompt pool's small slots (below the GEMM's).
+LOOP_PROBE_ROWS = 16
 # Largest prompt chunk of one sequence in one step: attention scores of a chunk
 # against its context are a transient of chunk x context x heads floats.
 MAX_CHUNK = 1024
@@ -64,12 +73,16 @@ class Rates:
     Attributes:
         disk_gbps: reading experts that miss the cache, GB/s.
         gemm_gflops: expert GEMM on dequantised float32 weights, GFLOP/s (all kernel threads).
-        matvec_gbps: fused dequantise + matvec, GB/s of packed expert weights.
+        matvec_gbps: fused dequantise + matvec, GB/s of packed expert weights (a few
+            pairs, one row a slot: a decode step's).
+        loop_gbps: the same loops over many rows a slot (a prompt pool's experts below
+            ``gemm_min_rows``: a slot's pass shared by its rows), GB/s of packed bytes a
+            pair; 0: ``matvec_gbps``.
         dequant_gbps: dequantising packed expert weights to float32, GB/s of packed bytes.
         attention_gflops: attention over a KV cache (scores and weighted sum), GFLOP/s.
         overhead_s: fixed seconds per MoE layer step (dispatch, norms, router, bookkeeping).
-        per_expert_s: fixed seconds per distinct expert a layer step computes (its
-            dispatch to the kernel, its slot write on a miss, the round it is in).
+        per_expert_s: fixed seconds per expert a layer step reads into a slot (a miss:
+            its slot write, its round, its dispatch to the kernel).
         gemm_min_rows: rows of one expert (or tokens of a dense layer) from which the
             kernel dequantises and calls BLAS instead of the fused matvec (the
             layout's: 64 on the VNNI loops, 8 on the float32 loops).
@@ -86,6 +99,14 @@ class Rates:
     overhead_s: float = 0.005
     per_expert_s: float = 0.003
     gemm_min_rows: int = GEMM_MIN_ROWS
+    loop_gbps: float = 0.0
+
+    def pair_seconds(self, nbytes: float, rows: float) -> float:
+        """Seconds of one (token, expert) pair of ``nbytes`` packed weights on the loops, its
+        slot taking ``rows`` rows in the call: the slot's pass over its weights is shared by
+        its rows (``matvec_gbps`` at one row, ``loop_gbps`` at many)."""
+        loop = max(self.loop_gbps, self.matvec_gbps) * 1e9
+        return nbytes / loop + (nbytes / (self.matvec_gbps * 1e9) - nbytes / loop) / max(rows, 1.0)
 
     def as_dict(self) -> dict:
         return {k: round(v, 4) for k, v in asdict(self).items()}
@@ -111,6 +132,9 @@ class Shape:
         inner: an expert's inner width (its hidden rows).
         routed: experts the router spreads a layer's tokens over, measured
             (:func:`calibrate`); ``0.0``: all ``experts``, uniformly.
+        popularity: each expert's share of a layer's routed entries, most used
+            first, per layer (each sums to 1; :func:`popularity`), measured; ``()``:
+            uniform over :attr:`spread`.
         read_ahead: a layer's next round of experts is read while a round computes
             (:attr:`mlx_tier.engine.load.TierConfig.read_ahead`).
     """
@@ -130,6 +154,7 @@ class Shape:
     inner: int = 0
     routed: float = 0.0
     read_ahead: bool = True
+    popularity: tuple[tuple[float, ...], ...] = ()
 
     @property
     def spread(self) -> float:
@@ -142,6 +167,45 @@ def distinct_experts(tokens: float, experts: float, top_k: int) -> float:
     if experts <= top_k:
         return float(experts) if tokens > 0 else 0.0
     return experts * (1.0 - (1.0 - top_k / experts) ** max(tokens, 0.0))
+
+
+def routed_split(shape: Shape, tokens: float) -> tuple[float, float]:
+    """``(distinct, resident)``: expected distinct experts a layer step of ``tokens`` tokens
+    routes to, and how many of them are among the ``slots`` most used (those the eviction
+    policy keeps), averaged over the layers. From :attr:`Shape.popularity` when measured,
+    else uniform over :attr:`Shape.spread` (a ``slots / spread`` share resident)."""
+    if not shape.popularity:
+        d = distinct_experts(tokens, shape.spread, shape.top_k)
+        return d, d * min(1.0, shape.slots / shape.spread)
+    import numpy as np
+
+    shares = np.array(shape.popularity, np.float64)  # [L, E], each row most used first
+    hit = 1.0 - (1.0 - np.minimum(1.0, shape.top_k * shares)) ** max(tokens, 0.0)
+    return float(hit.sum(axis=1).mean()), float(hit[:, : shape.slots].sum(axis=1).mean())
+
+
+def popularity(counts) -> tuple[tuple[float, ...], ...]:
+    """Each expert's share of a layer's routed entries, most used first, per layer, from one
+    call's uses ``counts`` (``[L, E]``, entries routed to each expert in each layer). The
+    experts a layer did not use share the Good-Turing estimate of its unseen mass (the
+    share of entries on experts used once: Good 1953), spread over as many of them as
+    Chao's estimator gives unseen (``f1 (f1 - 1) / (2 (f2 + 1))``, f1 and f2 the experts
+    used once and twice: Chao 1984), and the shares sorted again (an estimated unseen
+    expert may outrank one seen once). Layers where nothing was routed are left out;
+    ``()`` when none was. Kept per layer: layers differ in how concentrated they are,
+    and an average by rank would blur it (more distinct experts predicted per step)."""
+    out = []
+    for layer in counts:
+        r = sorted((int(c) for c in layer), reverse=True)
+        total, unseen = sum(r), sum(c == 0 for c in r)
+        if total <= 0:
+            continue
+        f1, f2 = sum(c == 1 for c in r), sum(c == 2 for c in r)
+        spread = min(unseen, math.ceil(f1 * (f1 - 1) / (2 * (f2 + 1))))
+        missing = f1 / total if spread else 0.0
+        tail = [missing / max(spread, 1)] * spread + [0.0] * (unseen - spread)
+        out.append(tuple(sorted([c / total * (1 - missing) for c in r[: len(r) - unseen]] + tail, reverse=True)))
+    return tuple(out)
 
 
 def routed_experts(distinct: float, tokens: int, experts: int, top_k: int) -> float:
@@ -161,27 +225,34 @@ def routed_experts(distinct: float, tokens: int, experts: int, top_k: int) -> fl
 class Observed:
     """One real forward call of the model (the shared prefix's prefill), which calibrates
     the model: ``tokens`` tokens in ``seconds`` (all layers), ``distinct`` experts per MoE
-    layer (hits plus misses over the layers), ``stall_seconds`` of it waiting on reads."""
+    layer (hits plus misses over the layers), ``stall_seconds`` of it waiting on reads,
+    ``popularity`` its experts' shares of the entries (:func:`popularity`; ``()``: not
+    measured), ``misses`` the experts it read per MoE layer (``None``: all ``distinct``)."""
 
     tokens: int
     seconds: float
     distinct: float
     stall_seconds: float = 0.0
+    popularity: tuple[tuple[float, ...], ...] = ()
+    misses: float | None = None
 
 
 def calibrate(shape: Shape, rates: Rates, seen: Observed | None) -> tuple[Shape, Rates]:
     """``shape`` with the router's measured spread, ``rates`` with ``per_expert_s`` fitted to
     ``seen``'s time: what the forward call took beyond its reads and the modelled compute,
-    per distinct expert of a layer, at most the default (a first call also pays one-time
+    per expert a layer read, at most the default (a first call also pays one-time
     costs: compilation, allocation). Unchanged when ``seen`` is ``None`` or empty."""
     if seen is None or seen.tokens <= 0 or seen.distinct <= 0 or seen.seconds <= 0:
         return shape, rates
-    shape = replace(shape, routed=routed_experts(seen.distinct, seen.tokens, shape.experts, shape.top_k))
+    shape = replace(shape, routed=routed_experts(seen.distinct, seen.tokens, shape.experts, shape.top_k),
+                    popularity=seen.popularity)
     bare = replace(rates, overhead_s=0.0, per_expert_s=0.0)
     parts = layer_step_seconds(shape, bare, seen.tokens, seen.tokens / 2)
     compute = parts["expert"] + parts["dense"] + parts["attn"]
     left = (seen.seconds - seen.stall_seconds) / shape.layers - compute - rates.overhead_s
-    return shape, replace(rates, per_expert_s=min(rates.per_expert_s, max(0.0, left / seen.distinct)))
+    read = seen.distinct if seen.misses is None else seen.misses
+    fitted = left / read if read > 0 else rates.per_expert_s
+    return shape, replace(rates, per_expert_s=min(rates.per_expert_s, max(0.0, fitted)))
 
 
 def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) -> dict:
@@ -192,19 +263,18 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
         what the step waits for (with read ahead, what the reads take beyond the
         compute of the rounds they overlap).
     """
-    d = distinct_experts(tokens, shape.spread, shape.top_k)
-    missing = max(0.0, 1 - shape.slots / shape.spread)
-    read = d * missing * shape.expert_bytes / (max(rates.disk_gbps, 1e-3) * 1e9)
+    d, resident = routed_split(shape, tokens)
+    read = max(0.0, d - resident) * shape.expert_bytes / (max(rates.disk_gbps, 1e-3) * 1e9)
     rows = tokens * shape.top_k / max(d, 1e-9)
     if rows >= rates.gemm_min_rows:
         expert = d * (shape.expert_bytes / (rates.dequant_gbps * 1e9)
                       + rows * shape.expert_flops / (rates.gemm_gflops * 1e9))
     else:
-        expert = tokens * shape.top_k * shape.expert_bytes / (rates.matvec_gbps * 1e9)
+        expert = tokens * shape.top_k * rates.pair_seconds(shape.expert_bytes, rows)
     if tokens >= rates.gemm_min_rows:
         dense = tokens * shape.dense_flops / (rates.gemm_gflops * 1e9)
     else:
-        dense = tokens * shape.dense_bytes / (rates.matvec_gbps * 1e9)
+        dense = tokens * rates.pair_seconds(shape.dense_bytes, tokens)
     attn = tokens * context * shape.attn_flops / (rates.attention_gflops * 1e9)
     rounds = math.ceil(d / max(shape.slots, 1)) if d > shape.slots else 1
     if shape.read_ahead and rounds > 1:
@@ -213,7 +283,7 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
         # reads take beyond the compute of all rounds but the last.
         read = max(0.0, read - expert * (rounds - 1) / rounds)
     parts = {"read": read, "expert": expert, "dense": dense, "attn": attn,
-             "overhead": rates.overhead_s + d * rates.per_expert_s}
+             "overhead": rates.overhead_s + max(0.0, d - resident) * rates.per_expert_s}
     return {**parts, "total": sum(parts.values())}
 
 
@@ -350,7 +420,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     """Measure :class:`Rates` on this machine in a few seconds (the disk rate is given:
     :func:`mlx_tier.tools.plan.measure_disk_gbps`).
 
-    GEMM, dequantisation and matvec run through the CPU expert kernel
+    GEMM, dequantisation and the loops (one row a slot, and :data:`LOOP_PROBE_ROWS`
+    rows a slot) run through the CPU expert kernel
     (:mod:`mlx_tier.kernels.cpu`) on a random quantized expert of ``expert_shape``
     ``(out, in)``; attention (``attention``: ``"mlx"``, MLX's
     ``scaled_dot_product_attention`` on the default device, or ``"cpu"``,
@@ -387,6 +458,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     t_deq = med(lambda: quant.dense(0)) / cpu.THREADS  # one expert, spread over the threads
     pairs = np.arange(2 * cpu.THREADS)  # decode: a few pairs, one row each
     t_mv = med(lambda: cpu.switch_linear(leaf, x[pairs], pairs, pairs % n)) / len(pairs)
+    many = np.arange(n * max(1, min(LOOP_PROBE_ROWS, quant.gemm_min_rows - 1)))  # a prompt pool's small slots
+    t_loop = med(lambda: cpu.switch_linear(leaf, x[many], many, many * n // len(many))) / len(many)
     gemm_s = max(t_gemm - n * t_deq, 1e-6) / n  # one expert's GEMM
     q = mx.random.normal((1, heads, 256, head_dim))
     k = mx.random.normal((1, heads, 1024, head_dim))
@@ -398,7 +471,7 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     else:
         t_att = med(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.1, mask=None)), reps=3)
     return Rates(disk_gbps=disk_gbps, gemm_gflops=2 * rows * in_dim * out_dim / gemm_s / 1e9,
-                 matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9,
+                 matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9, loop_gbps=packed / t_loop / 1e9,
                  attention_gflops=4 * heads * 256 * 1024 * head_dim / t_att / 1e9,
                  gemm_min_rows=quant.gemm_min_rows)
 

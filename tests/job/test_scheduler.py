@@ -174,6 +174,10 @@ def test_the_pool_model_calibrates_on_the_shared_prefix(tiered, tiny_moe):
     seen, args = sched._seen, model.args
     assert seen is not None and seen.tokens == len(sched.prefix) > 1 and seen.seconds == sched.prefix.seconds > 0
     assert args.num_experts_per_tok <= seen.distinct <= args.num_local_experts
+    assert 0 <= seen.misses <= seen.distinct  # the experts it read into slots
+    layers = len(model.expert_cache.layers)  # its routing, each layer's shares most used first
+    assert len(seen.popularity) == layers and all(sum(p) == pytest.approx(1) for p in seen.popularity)
+    assert all(list(p) == sorted(p, reverse=True) and len(p) == args.num_local_experts for p in seen.popularity)
     paced = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="paced"))
     assert paced._seen is None
 

@@ -17,7 +17,10 @@ from mlx_tier.engine.sizes import needs_of
 from mlx_tier.tools import pool_cache
 from mlx_tier.tools.pools import Rates, choose_pools
 
-RATES = Rates(disk_gbps=1.0, gemm_gflops=40.0, matvec_gbps=8.0, dequant_gbps=8.0, attention_gflops=20.0)
+# Fixed costs per expert read off: a tiny expert's slot is worth its read alone (a fixed cost per
+# miss, 3 ms by default, would price a slot of this 8-expert model above any pool).
+RATES = Rates(disk_gbps=1.0, gemm_gflops=40.0, matvec_gbps=8.0, dequant_gbps=8.0, attention_gflops=20.0,
+              per_expert_s=0.0)
 PROMPT, SUMMARY = 600, 32
 
 
@@ -70,3 +73,27 @@ def test_the_splits_cache_stays_when_given_alone_or_roomy(tiny_moe, fixed_rates)
     assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 1, 2.6), PROMPT, SUMMARY, 16) is None
     assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 2.6), PROMPT, SUMMARY, 16, cap=1) is None
     assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 200), PROMPT, SUMMARY, 16) is None
+
+
+def test_the_routing_earlier_runs_saved_refines_the_choice(tiny_moe, tmp_path):
+    """Before loading, nothing has run: routing is taken as uniform unless an earlier run saved
+    the model's expert use profile; then each layer's measured shares price the slots. A
+    profile of another shape, or an unreadable one, leaves the guess as it was."""
+    import numpy as np
+
+    from mlx_tier.routing import profile
+
+    b = budget(tiny_moe, 4, 2.6)
+    shape = pool_cache.checkpoint_shape(tiny_moe, b)[0]
+    model = tmp_path / "model"
+    model.mkdir()
+    assert pool_cache.with_saved_routing(shape, model) == shape  # none saved
+    counts = np.zeros((shape.layers, shape.experts), np.int64)
+    counts[:, :2] = 50  # every token to the same two experts
+    profile.save(profile.from_counts(counts), model / profile.PROFILE_FILE)
+    seen = pool_cache.with_saved_routing(shape, model)
+    assert seen.popularity == ((0.5, 0.5) + (0.0,) * (shape.experts - 2),) * shape.layers
+    profile.save(profile.from_counts(counts[:, :4]), model / profile.PROFILE_FILE)  # another model's shape
+    assert pool_cache.with_saved_routing(shape, model) == shape
+    (model / profile.PROFILE_FILE).write_text("not json")
+    assert pool_cache.with_saved_routing(shape, model) == shape

@@ -91,7 +91,8 @@ def test_routed_experts_inverts_distinct_experts():
 def test_calibrate_from_a_concentrated_router_and_a_fast_step():
     """A router that spreads 40 tokens over 20 distinct experts (uniform: 118) and a forward
     call that spent 1 ms per distinct expert beyond its compute (the fitted default: 3 ms):
-    both are learnt, and the model then predicts the observed call's time."""
+    both are learnt, and the model then predicts the observed call's time (its cache empty:
+    every distinct expert read)."""
     spread, _ = calibrate(SYNTH, RATES, Observed(tokens=40, seconds=1.0, distinct=20.0))
     assert 20 < spread.spread < 40 and spread.experts == 128
     bare = replace(RATES, overhead_s=0.0, per_expert_s=0.0, disk_gbps=1e9)  # reads: in stall_seconds
@@ -99,8 +100,8 @@ def test_calibrate_from_a_concentrated_router_and_a_fast_step():
     seen = Observed(tokens=40, seconds=24 * (compute + 0.005 + 20 * 0.001) + 2.0, distinct=20.0, stall_seconds=2.0)
     shape, rates = calibrate(SYNTH, RATES, seen)
     assert rates.per_expert_s == pytest.approx(0.001)
-    no_reads = replace(rates, disk_gbps=1e9)
-    assert 24 * layer_step_seconds(shape, no_reads, 40, 20)["total"] + 2.0 == pytest.approx(seen.seconds)
+    no_reads, cold = replace(rates, disk_gbps=1e9), replace(shape, slots=0)  # a first call: every expert read
+    assert 24 * layer_step_seconds(cold, no_reads, 40, 20)["total"] + 2.0 == pytest.approx(seen.seconds)
     assert seconds_per_token(shape, rates, 64, 500) < seconds_per_token(SYNTH, RATES, 64, 500)
 
 
@@ -151,3 +152,72 @@ def test_a_shared_prefix_is_in_each_kv_cache_but_read_once():
     assert (shared.prefill_tokens, shared.decode_pool) == (plain.prefill_tokens, plain.decode_pool)
     saved = 3600 / plain.docs_per_hour - 3600 / shared.docs_per_hour
     assert saved == pytest.approx(60 / plain.prompt_tok_s)
+
+
+def test_popularity_keeps_each_layers_shares_and_estimates_the_unseen():
+    """Each layer's experts' shares of its routed entries, most used first. Experts a short
+    call did not use share the Good-Turing unseen mass (entries on experts used once), over
+    Chao's estimate of how many there are; a layer whose experts were all used keeps its
+    shares as counted, and a layer where nothing was routed is left out."""
+    import numpy as np
+
+    from mlx_tier.tools.pools import popularity
+
+    counts = np.zeros((3, 8), np.int64)
+    counts[0] = [0, 6, 1, 1, 1, 1, 0, 0]  # 10 entries; four experts used once, none twice, three unseen
+    counts[1] = [2, 2, 2, 2, 2, 2, 2, 2]  # every expert used: nothing unseen
+    shares = popularity(counts)
+    assert len(shares) == 2  # the empty layer left out
+    first, second = shares
+    assert sum(first) == pytest.approx(1) and list(first) == sorted(first, reverse=True)
+    # 4*3/2 = 6 unseen estimated, at most the 3 there are: 0.4 / 3 each, above the experts seen once
+    assert first == pytest.approx([0.6 * 0.6] + [0.4 / 3] * 3 + [0.1 * 0.6] * 4)
+    assert second == pytest.approx([1 / 8] * 8)
+    few = popularity(np.array([[5, 1, 1, 0, 0, 0, 0, 0]]))[0]  # f1 = 2, f2 = 0: one unseen expert estimated
+    assert few == pytest.approx([5 / 7 * 5 / 7, 2 / 7, 5 / 49, 5 / 49, 0, 0, 0, 0])
+    assert popularity(np.zeros((2, 4), np.int64)) == ()
+
+
+def test_measured_routing_prices_distinct_and_resident_experts():
+    """With each layer's shares measured, a step's distinct experts and the resident ones (the
+    most used, which the eviction policy keeps) follow them: a concentrated router reads far
+    fewer experts a step than uniform routing, and its decode steps mostly hit."""
+    from mlx_tier.tools.pools import routed_split
+
+    uniform = routed_split(SYNTH, 4)
+    assert uniform == pytest.approx((distinct_experts(4, 128, 8), distinct_experts(4, 128, 8) * 11 / 128))
+    hot = tuple([0.1] * 8 + [0.2 / 120] * 120)  # 80% of the entries on 8 experts, the rest spread
+    shape = replace(SYNTH, slots=8, popularity=(hot, hot))
+    d, resident = routed_split(shape, 4)
+    assert d < uniform[0] / 2 and resident > 0.9 * 8 * (1 - 0.2 ** 4)  # the hot eight nearly all hit
+    assert routed_split(replace(shape, popularity=(hot,)), 4) == pytest.approx((d, resident))  # an average
+    plain = replace(shape, read_ahead=False)  # the reads themselves, none hidden behind compute
+    reads = layer_step_seconds(plain, RATES, 4, 500)["read"]
+    assert reads == pytest.approx((d - resident) * SYNTH.expert_bytes / 1e9)
+    assert reads < layer_step_seconds(replace(plain, popularity=()), RATES, 4, 500)["read"] / 2
+
+
+def test_loops_share_a_slots_pass_among_its_rows():
+    """Below the GEMM's rows the loops compute each pair, a slot's pass over its weights shared
+    by its rows: a pair costs ``matvec_gbps`` at one row a slot, ``loop_gbps`` at many. A
+    prompt pool's small slots are priced at the loops' rate, not a decode step's."""
+    fast = replace(RATES, loop_gbps=24.0, gemm_min_rows=64)
+    assert fast.pair_seconds(8e9, 1) == pytest.approx(1.0)  # 8 GB at matvec's 8 GB/s
+    assert fast.pair_seconds(8e9, 1e9) == pytest.approx(1 / 3, rel=1e-6)
+    assert fast.pair_seconds(8e9, 2) == pytest.approx(1 / 3 + (1 - 1 / 3) / 2)
+    assert replace(fast, loop_gbps=0.0).pair_seconds(8e9, 16) == pytest.approx(1.0)  # unmeasured: matvec's
+    pool = 128  # 128 tokens x 8 over ~128 experts: ~8 rows a slot, below 64
+    slow = replace(fast, loop_gbps=0.0)
+    assert layer_step_seconds(SYNTH, fast, pool, 500)["expert"] < 0.5 * layer_step_seconds(SYNTH, slow, pool, 500)["expert"]
+
+
+def test_calibrate_fits_the_fixed_cost_per_expert_read():
+    """The fixed cost a layer step pays is per expert it reads into a slot: fitted over the
+    call's misses when they are known, over its distinct experts when not."""
+    bare = replace(RATES, overhead_s=0.0, per_expert_s=0.0, disk_gbps=1e9)
+    spread, _ = calibrate(SYNTH, RATES, Observed(tokens=40, seconds=1.0, distinct=20.0))
+    compute = layer_step_seconds(spread, bare, 40, 20)["total"]
+    seen = Observed(tokens=40, seconds=24 * (compute + 0.005 + 10 * 0.001), distinct=20.0, misses=10.0)
+    assert calibrate(SYNTH, RATES, seen)[1].per_expert_s == pytest.approx(0.001)
+    assert calibrate(SYNTH, RATES, replace(seen, misses=None))[1].per_expert_s == pytest.approx(0.0005)
+    assert calibrate(SYNTH, RATES, replace(seen, misses=0.0))[1].per_expert_s == RATES.per_expert_s
