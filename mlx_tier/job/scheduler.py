@@ -280,10 +280,7 @@ class Scheduler:
         # The prefix is prefilled even when not reused: its cache measures KV bytes per token.
         # The throughput schedule's pool model calibrates on this first forward call.
         cache = getattr(model, "expert_cache", None) if config.schedule == "throughput" else None
-        before = (cache.snapshot(), cache.profile_counts()) if cache is not None else None
-        self.prefix = PrefixCache(model, probes[0][: max(n, 1)], config.prefill_step_size)
-        self._seen = self._observed(cache.snapshot() - before[0], cache.profile_counts() - before[1]) \
-            if cache is not None else None
+        self.prefix, self._seen = self._measured_prefix(cache, probes[0][: max(n, 1)])
         context = min(model_context, config.context or model_context)
         # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
         step = config.prefill_step_size if memory is None else 0
@@ -332,17 +329,32 @@ class Scheduler:
         """
         return quantized_copy(cache, self.config.kv_bits)
 
-    def _observed(self, phase, uses):
-        """The prefix's prefill as the pool model's calibration point
-        (:class:`mlx_tier.tools.pools.Observed`), when it was one forward call: its cache
-        counters ``phase`` and expert uses ``uses`` (``[L, E]``)."""
+    def _measured_prefix(self, cache, tokens: list[int]):
+        """``(the shared prefix's cache, its prefill as the pool model's calibration point)``:
+        :class:`mlx_tier.tools.pools.Observed` when ``cache`` (the tiered model's expert
+        cache, ``None`` outside the throughput schedule) saw it as one forward call: its
+        counters, its experts' uses, and the median of its MoE layers' times less their read
+        stalls (timed between the layers' starts: the first layer also pays the call's
+        one-time costs)."""
+        from statistics import median
+
         from mlx_tier.tools.pools import Observed, popularity
 
-        layers = len(self.model.expert_cache.layers)
-        if len(self.prefix) > self.config.prefill_step_size or not layers:
-            return None
-        return Observed(len(self.prefix), self.prefix.seconds, (phase.hits + phase.misses) / layers,
-                        phase.stall_seconds, popularity(uses), phase.misses / layers)
+        if cache is None:
+            return PrefixCache(self.model, tokens, self.config.prefill_step_size), None
+        before, uses, starts = cache.snapshot(), cache.profile_counts(), []
+        cache.set_layer_hook(lambda layer: starts.append((time.perf_counter(), cache.stats.stall_seconds)))
+        try:
+            prefix = PrefixCache(self.model, tokens, self.config.prefill_step_size)
+        finally:
+            cache.set_layer_hook(None)
+        phase, uses, layers = cache.snapshot() - before, cache.profile_counts() - uses, len(cache.layers)
+        if len(prefix) > self.config.prefill_step_size or not layers:
+            return prefix, None
+        steps = [(t1 - t0) - (s1 - s0) for (t0, s0), (t1, s1) in itertools.pairwise(starts)]
+        return prefix, Observed(len(prefix), prefix.seconds, (phase.hits + phase.misses) / layers,
+                                phase.stall_seconds, popularity(uses), phase.misses / layers,
+                                median(steps) if len(steps) >= 2 else None)
 
     def _plan_pools(self, chars: int | None, documents: int | None, samples: list[Sample] | None) -> int:
         """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each

@@ -54,6 +54,10 @@ from dataclasses import asdict, dataclass, replace
 GEMM_MIN_ROWS = 8
 # The prefill pool: the smallest pool whose rate is within this fraction of the best.
 NEAR_BEST = 0.97
+# The cache chooser prices each expert cache with this share less of the KV room it leaves: the
+# room a run measures at its start (its resident set after load and the shared prefix) differs
+# from the split's by a few percent.
+ROOM_MARGIN = 0.1
 # Candidate pool sizes, tokens per layer step.
 POOL_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Most sequences decoded together when memory allows more (prompt caches, step
@@ -227,7 +231,10 @@ class Observed:
     the model: ``tokens`` tokens in ``seconds`` (all layers), ``distinct`` experts per MoE
     layer (hits plus misses over the layers), ``stall_seconds`` of it waiting on reads,
     ``popularity`` its experts' shares of the entries (:func:`popularity`; ``()``: not
-    measured), ``misses`` the experts it read per MoE layer (``None``: all ``distinct``)."""
+    measured), ``misses`` the experts it read per MoE layer (``None``: all ``distinct``),
+    ``layer_seconds`` a typical MoE layer's time in it, its read stalls excluded (``None``:
+    ``seconds`` less ``stall_seconds`` over the layers; a first call's total also holds
+    one-time costs: compilation, allocation)."""
 
     tokens: int
     seconds: float
@@ -235,6 +242,7 @@ class Observed:
     stall_seconds: float = 0.0
     popularity: tuple[tuple[float, ...], ...] = ()
     misses: float | None = None
+    layer_seconds: float | None = None
 
 
 def calibrate(shape: Shape, rates: Rates, seen: Observed | None) -> tuple[Shape, Rates]:
@@ -249,7 +257,8 @@ def calibrate(shape: Shape, rates: Rates, seen: Observed | None) -> tuple[Shape,
     bare = replace(rates, overhead_s=0.0, per_expert_s=0.0)
     parts = layer_step_seconds(shape, bare, seen.tokens, seen.tokens / 2)
     compute = parts["expert"] + parts["dense"] + parts["attn"]
-    left = (seen.seconds - seen.stall_seconds) / shape.layers - compute - rates.overhead_s
+    layer = seen.layer_seconds if seen.layer_seconds is not None else (seen.seconds - seen.stall_seconds) / shape.layers
+    left = layer - compute - rates.overhead_s
     read = seen.distinct if seen.misses is None else seen.misses
     fitted = left / read if read > 0 else rates.per_expert_s
     return shape, replace(rates, per_expert_s=min(rates.per_expert_s, max(0.0, fitted)))
@@ -388,10 +397,12 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     Under a memory cap the two compete: every slot row taken from the KV caches
     shrinks the pools (:func:`choose_pools`), every slot row given back adds
     reads. Each count from 1 to ``most`` is priced by the pool model with the KV
-    caches left beside it; the largest count within :data:`NEAR_BEST` of the best
-    predicted documents/hour wins (a larger cache is the safer side: the hit rate
-    it buys is measured in runs, the pools' gain modelled). With room to spare,
-    ``most``.
+    caches left beside it, less :data:`ROOM_MARGIN` (a pool at the edge of fitting
+    in the room the split foresees may not fit in the room the run measures when it
+    starts, and falls to the next size down); the largest count within
+    :data:`NEAR_BEST` of the best predicted documents/hour wins (a larger cache is
+    the safer side: the hit rate it buys is measured in runs, the pools' gain
+    modelled). With room to spare, ``most``.
 
     Args:
         room: bytes for the expert cache and the KV caches together.
@@ -405,8 +416,8 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     Raises:
         ValueError: ``most`` < 1 or no slot row fits in ``room``.
     """
-    plans = {n: choose_pools(replace(shape, slots=n), rates, prompt_tokens, output_tokens, room - n * slot_row,
-                             cap, documents, max_pool)
+    plans = {n: choose_pools(replace(shape, slots=n), rates, prompt_tokens, output_tokens,
+                             int((room - n * slot_row) * (1 - ROOM_MARGIN)), cap, documents, max_pool)
              for n in range(1, most + 1) if room - n * slot_row > 0}
     if not plans:
         raise ValueError(f"no expert slot row ({slot_row} bytes) fits in {room} bytes (most {most})")

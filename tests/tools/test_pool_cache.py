@@ -14,7 +14,7 @@ import pytest
 from mlx_tier.engine import footprint
 from mlx_tier.engine.checkpoint import open_checkpoint
 from mlx_tier.engine.sizes import needs_of
-from mlx_tier.tools import pool_cache
+from mlx_tier.tools import pool_cache, pools
 from mlx_tier.tools.pools import Rates, choose_pools
 
 # Fixed costs per expert read off: a tiny expert's slot is worth its read alone (a fixed cost per
@@ -51,27 +51,28 @@ def test_the_checkpoints_shape(tiny_moe):
 
 
 def test_a_tight_cap_trades_slots_for_pools(tiny_moe, fixed_rates):
-    """KV room just short of a second sequence (a slot row here is 1/12 of a sequence's KV
+    """KV room just short of a second sequence once the chooser's margin is taken (a slot row here is 1/12 of a sequence's KV
     and the prompt step's transient about 0.7 of one): slots given back let it in."""
-    b = budget(tiny_moe, 4, 2.6)
+    b = budget(tiny_moe, 4, 2.9)
     found = pool_cache.cache_for_pools(tiny_moe, b, PROMPT, SUMMARY, 16)
     assert found is not None
     slots, plan, own = found
     assert slots == 2  # two slot rows given back: the second sequence fits, a third row buys nothing more
     assert (own.decode_pool, plan.decode_pool) == (1, 2) and plan.docs_per_hour > own.docs_per_hour
     shape = pool_cache.checkpoint_shape(tiny_moe, b)[0]
-    assert own == choose_pools(replace(shape, slots=4), RATES, PROMPT, SUMMARY, b.kv, documents=16)
+    margin = 1 - pools.ROOM_MARGIN  # each cache priced with a share less of the room it leaves
+    assert own == choose_pools(replace(shape, slots=4), RATES, PROMPT, SUMMARY, int(b.kv * margin), documents=16)
     new = pool_cache.with_cache(b, slots)
     assert new.cache == slots * b.slot_row and new.cache + new.kv == b.cache + b.kv  # the total is unchanged
     assert sum(new.parts().values()) == sum(b.parts().values())
 
 
 def test_the_splits_cache_stays_when_given_alone_or_roomy(tiny_moe, fixed_rates):
-    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 2.6), PROMPT, SUMMARY, 16) is not None
-    assert pool_cache.cache_for_pools(tiny_moe, replace(budget(tiny_moe, 4, 2.6), cache_given=True),
+    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 2.9), PROMPT, SUMMARY, 16) is not None
+    assert pool_cache.cache_for_pools(tiny_moe, replace(budget(tiny_moe, 4, 2.9), cache_given=True),
                                       PROMPT, SUMMARY, 16) is None  # --cache-gb / --slots: the same room, kept
-    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 1, 2.6), PROMPT, SUMMARY, 16) is None
-    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 2.6), PROMPT, SUMMARY, 16, cap=1) is None
+    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 1, 2.9), PROMPT, SUMMARY, 16) is None
+    assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 2.9), PROMPT, SUMMARY, 16, cap=1) is None
     assert pool_cache.cache_for_pools(tiny_moe, budget(tiny_moe, 4, 200), PROMPT, SUMMARY, 16) is None
 
 
@@ -83,7 +84,7 @@ def test_the_routing_earlier_runs_saved_refines_the_choice(tiny_moe, tmp_path):
 
     from mlx_tier.routing import profile
 
-    b = budget(tiny_moe, 4, 2.6)
+    b = budget(tiny_moe, 4, 2.9)
     shape = pool_cache.checkpoint_shape(tiny_moe, b)[0]
     model = tmp_path / "model"
     model.mkdir()

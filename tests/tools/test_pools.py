@@ -14,6 +14,7 @@ import pytest
 
 from mlx_tier.tools.pools import (
     MAX_DECODE_POOL,
+    ROOM_MARGIN,
     Observed,
     Rates,
     Shape,
@@ -121,7 +122,8 @@ def test_slots_given_back_to_the_kv_caches_under_a_cap():
     row = 24 * 2_950_000  # one slot in each of the 24 layers (resident bytes)
     tight = int(0.73 * 2**30)  # the synthetic under a 2 GiB cap: cache + KV
     slots, plan, full = choose_slots(SYNTH, RATES, 600, 32, tight, row, 8, documents=6)
-    assert full == choose_pools(replace(SYNTH, slots=8), RATES, 600, 32, tight - 8 * row, documents=6)
+    left = int((tight - 8 * row) * (1 - ROOM_MARGIN))  # priced with a share less of the room it leaves
+    assert full == choose_pools(replace(SYNTH, slots=8), RATES, 600, 32, left, documents=6)
     assert slots < 8 and plan.docs_per_hour > full.docs_per_hour  # pools bought with slots
     assert plan.decode_pool > full.decode_pool or plan.prefill_tokens > full.prefill_tokens
     roomy = choose_slots(SYNTH, RATES, 600, 32, 64 * 2**30, row, 8, documents=6)[0]
@@ -221,3 +223,18 @@ def test_calibrate_fits_the_fixed_cost_per_expert_read():
     assert calibrate(SYNTH, RATES, seen)[1].per_expert_s == pytest.approx(0.001)
     assert calibrate(SYNTH, RATES, replace(seen, misses=None))[1].per_expert_s == pytest.approx(0.0005)
     assert calibrate(SYNTH, RATES, replace(seen, misses=0.0))[1].per_expert_s == RATES.per_expert_s
+
+
+def test_a_cache_whose_pools_barely_fit_is_priced_at_the_room_a_run_may_find():
+    """The split foresees the room a cache leaves; the run measures its own at its start, a
+    few percent apart. A cache whose prompt pool fits only in the foreseen room is priced
+    as if it fell to the next pool size down: the chooser does not stand at that edge."""
+    from mlx_tier.tools.pools import choose_slots, prefill_transient
+
+    row, seq = 24 * 2_950_000, 632
+    edge = prefill_transient(SYNTH, 256, seq) + SYNTH.kv_bytes * seq  # a 256-token pool and one sequence
+    room = int(2 * edge) + 6 * row + 1024  # 6 slots leave just the room it needs (free / 2)
+    at_edge = choose_pools(replace(SYNTH, slots=6), RATES, 600, 32, room - 6 * row, max_pool=256, documents=6)
+    assert at_edge.prefill_tokens == 256  # fits, barely, in the room foreseen
+    slots, plan, _ = choose_slots(SYNTH, RATES, 600, 32, room, row, 6, documents=6, max_pool=256)
+    assert slots < 6 and plan.prefill_tokens == 256
