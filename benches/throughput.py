@@ -19,7 +19,9 @@ How:
   throughput schedule with its KV caches at 8 bits, ``run --kv-bits 8``:
   larger pools in the same memory); ``throughput-one-token`` (the throughput
   schedule with the VNNI rows computing one token at a time,
-  ``cpu_vnni.TWO_TOKEN`` off: what the two-token step buys). All use the CPU
+  ``cpu_vnni.TWO_TOKEN`` off: what the two-token step buys);
+  ``throughput-prefetch`` (the throughput schedule with ``TierConfig.prefetch``
+  on: the next layer's experts predicted and read while a layer computes). All use the CPU
   expert kernel, greedy with the job's repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
@@ -66,7 +68,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8",
-             "throughput-one-token")
+             "throughput-one-token", "throughput-prefetch")
 
 
 # ------------------------------------------------------------------- documents
@@ -114,7 +116,7 @@ def worker(spec: dict) -> dict:
     cpu_vnni.TWO_TOKEN = sched != "throughput-one-token"
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
                       attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype(),
-                      read_ahead=sched != "throughput-no-ahead")
+                      read_ahead=sched != "throughput-no-ahead", prefetch=sched == "throughput-prefetch")
     docs = documents(load_tokenizer(model_dir), spec["docs"], spec["min_tokens"], spec["max_tokens"])
     if sched == "batch1":
         docs = docs[: spec["batch1_docs"]]
