@@ -22,7 +22,8 @@ tokens (whose average context is ``C`` tokens) costs, per layer::
                                                    shared by its r pairs (loop: many rows a slot;
                                                    matvec: one)
     dense  = T * dense_flops / gemm  (T >= gemm_min_rows, else T * pair(T) of the dense bytes)
-    attn   = T * C * attn_flops / attention
+    attn   = max(T * C * attn_flops / attention,     its products, or its reads of the KV caches
+                 N * C * kv_bytes / L / kv_read)     (N sequences: a decode step reads all of theirs)
     fixed  = overhead + (D(T) - H(T)) * per_expert       slot writes, rounds, dispatch (measured)
     step   = fixed + read + expert + dense + attn
 
@@ -84,6 +85,8 @@ class Rates:
             pair; 0: ``matvec_gbps``.
         dequant_gbps: dequantising packed expert weights to float32, GB/s of packed bytes.
         attention_gflops: attention over a KV cache (scores and weighted sum), GFLOP/s.
+        kv_read_gbps: a decode step's attention (one query a sequence) over KV caches,
+            GB/s of keys and values read; 0: not measured (its products' rate alone).
         overhead_s: fixed seconds per MoE layer step (dispatch, norms, router, bookkeeping).
         per_expert_s: fixed seconds per expert a layer step reads into a slot (a miss:
             its slot write, its round, its dispatch to the kernel).
@@ -104,6 +107,7 @@ class Rates:
     per_expert_s: float = 0.003
     gemm_min_rows: int = GEMM_MIN_ROWS
     loop_gbps: float = 0.0
+    kv_read_gbps: float = 0.0
 
     def pair_seconds(self, nbytes: float, rows: float) -> float:
         """Seconds of one (token, expert) pair of ``nbytes`` packed weights on the loops, its
@@ -255,7 +259,7 @@ def calibrate(shape: Shape, rates: Rates, seen: Observed | None) -> tuple[Shape,
     shape = replace(shape, routed=routed_experts(seen.distinct, seen.tokens, shape.experts, shape.top_k),
                     popularity=seen.popularity)
     bare = replace(rates, overhead_s=0.0, per_expert_s=0.0)
-    parts = layer_step_seconds(shape, bare, seen.tokens, seen.tokens / 2)
+    parts = layer_step_seconds(shape, bare, seen.tokens, seen.tokens / 2, 1)
     compute = parts["expert"] + parts["dense"] + parts["attn"]
     layer = seen.layer_seconds if seen.layer_seconds is not None else (seen.seconds - seen.stall_seconds) / shape.layers
     left = layer - compute - rates.overhead_s
@@ -264,8 +268,11 @@ def calibrate(shape: Shape, rates: Rates, seen: Observed | None) -> tuple[Shape,
     return shape, replace(rates, per_expert_s=min(rates.per_expert_s, max(0.0, fitted)))
 
 
-def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) -> dict:
-    """Seconds of one MoE layer step of ``tokens`` tokens with average ``context``, by part.
+def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float,
+                       sequences: int | None = None) -> dict:
+    """Seconds of one MoE layer step of ``tokens`` tokens with average ``context``, by part;
+    the tokens are of ``sequences`` sequences (``None``: one each, a decode step), each
+    of whose KV caches the step's attention reads once.
 
     Returns:
         ``{"read", "expert", "dense", "attn", "overhead", "total"}`` in seconds; ``read`` is
@@ -285,6 +292,9 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
     else:
         dense = tokens * rates.pair_seconds(shape.dense_bytes, tokens)
     attn = tokens * context * shape.attn_flops / (rates.attention_gflops * 1e9)
+    if rates.kv_read_gbps > 0:
+        kv = (tokens if sequences is None else sequences) * context * shape.kv_bytes / max(shape.layers, 1)
+        attn = max(attn, kv / (rates.kv_read_gbps * 1e9))
     rounds = math.ceil(d / max(shape.slots, 1)) if d > shape.slots else 1
     if shape.read_ahead and rounds > 1:
         # The first round is the resident experts (nothing read); each later round's
@@ -296,9 +306,11 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float) 
     return {**parts, "total": sum(parts.values())}
 
 
-def seconds_per_token(shape: Shape, rates: Rates, tokens: int, context: float) -> float:
-    """Whole-model seconds per token at a pool of ``tokens`` (``L * step / tokens``)."""
-    return shape.layers * layer_step_seconds(shape, rates, tokens, context)["total"] / max(tokens, 1)
+def seconds_per_token(shape: Shape, rates: Rates, tokens: int, context: float,
+                      sequences: int | None = None) -> float:
+    """Whole-model seconds per token at a pool of ``tokens`` of ``sequences`` sequences
+    (``L * step / tokens``; ``None``: one token a sequence, a decode step)."""
+    return shape.layers * layer_step_seconds(shape, rates, tokens, context, sequences)["total"] / max(tokens, 1)
 
 
 @dataclass(frozen=True)
@@ -368,7 +380,8 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     fits = [t for t in candidates
             if prefill_transient(shape, t, min(seq, MAX_CHUNK)) + shape.kv_bytes * seq * math.ceil(t / seq)
             <= free_bytes / 2] or candidates[:1]
-    rate = {t: 1 / seconds_per_token(shape, rates, t, ctx_prefill) for t in fits}
+    read = max(1, prompt_tokens - shared_tokens)  # prompt tokens a document reads
+    rate = {t: 1 / seconds_per_token(shape, rates, t, ctx_prefill, math.ceil(t / read)) for t in fits}
     best = max(rate.values())
     prefill_tokens = min(t for t in fits if rate[t] >= NEAR_BEST * best)
     limit = cap or MAX_DECODE_POOL
@@ -377,13 +390,12 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     pool, limited_by = min(room, limit), "memory" if room < limit else ("batch size" if cap else "cap")
     if documents is not None and documents < pool:
         pool, limited_by = max(1, documents), "documents"
-    read = max(1, prompt_tokens - shared_tokens)  # prompt tokens a document reads
     prefill_batch = max(1, min(pool, round(prefill_tokens / read)))
     ctx_decode = prompt_tokens + output_tokens / 2
     decode_s = seconds_per_token(shape, rates, pool, ctx_decode)
     prompt_s = 1 / rate[prefill_tokens]
     doc_s = read * prompt_s + output_tokens * decode_s
-    one_s = (read * seconds_per_token(shape, rates, min(prefill_tokens, read), ctx_prefill)
+    one_s = (read * seconds_per_token(shape, rates, min(prefill_tokens, read), ctx_prefill, 1)
              + output_tokens * seconds_per_token(shape, rates, 1, ctx_decode))
     return PoolPlan(prefill_tokens, prefill_batch, pool, 1 / prompt_s, 1 / decode_s, 3600 / doc_s, 3600 / one_s,
                     limited_by, prompt_tokens, output_tokens)
@@ -436,7 +448,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     (:mod:`mlx_tier.kernels.cpu`) on a random quantized expert of ``expert_shape``
     ``(out, in)``; attention (``attention``: ``"mlx"``, MLX's
     ``scaled_dot_product_attention`` on the default device, or ``"cpu"``,
-    :func:`mlx_tier.kernels.cpu_attention.sdpa`) at 256 queries over 1024 keys.
+    :func:`mlx_tier.kernels.cpu_attention.sdpa`) at 256 queries over 1024 keys, and
+    a decode step's (8 sequences of one query over 1024 keys: the KV caches' read rate).
     Medians of a few repetitions.
     """
     import mlx.core as mx
@@ -472,19 +485,24 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     many = np.arange(n * max(1, min(LOOP_PROBE_ROWS, quant.gemm_min_rows - 1)))  # a prompt pool's small slots
     t_loop = med(lambda: cpu.switch_linear(leaf, x[many], many, many * n // len(many))) / len(many)
     gemm_s = max(t_gemm - n * t_deq, 1e-6) / n  # one expert's GEMM
-    q = mx.random.normal((1, heads, 256, head_dim))
-    k = mx.random.normal((1, heads, 1024, head_dim))
-    mx.eval(q, k)
     if attention == "cpu":
         from mlx_tier.kernels.cpu_attention import sdpa
 
-        t_att = med(lambda: sdpa(q, k, k, 0.1, None), reps=3)
+        def attend(q, k, v):
+            return sdpa(q, k, v, 0.1, None)
     else:
-        t_att = med(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.1, mask=None)), reps=3)
+        def attend(q, k, v):
+            return mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=None))
+
+    q, k = mx.random.normal((1, heads, 256, head_dim)), mx.random.normal((1, heads, 1024, head_dim))
+    one, keys, values = (mx.random.normal((8, heads, n, head_dim)) for n in (1, 1024, 1024))  # a decode step of 8
+    mx.eval(q, k, one, keys, values)
+    t_att = med(lambda: attend(q, k, k), reps=3)
+    t_kv = med(lambda: attend(one, keys, values), reps=3)
     return Rates(disk_gbps=disk_gbps, gemm_gflops=2 * rows * in_dim * out_dim / gemm_s / 1e9,
                  matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9, loop_gbps=packed / t_loop / 1e9,
                  attention_gflops=4 * heads * 256 * 1024 * head_dim / t_att / 1e9,
-                 gemm_min_rows=quant.gemm_min_rows)
+                 kv_read_gbps=(keys.nbytes + values.nbytes) / t_kv / 1e9, gemm_min_rows=quant.gemm_min_rows)
 
 
 def measure_read_gbps(files: list, total_mb: int = 64, chunk_mb: int = 2, warm: bool = True) -> float:

@@ -238,3 +238,15 @@ def test_a_cache_whose_pools_barely_fit_is_priced_at_the_room_a_run_may_find():
     assert at_edge.prefill_tokens == 256  # fits, barely, in the room foreseen
     slots, plan, _ = choose_slots(SYNTH, RATES, 600, 32, room, row, 6, documents=6, max_pool=256)
     assert slots < 6 and plan.prefill_tokens == 256
+
+
+def test_a_decode_steps_attention_reads_every_sequences_kv_cache():
+    """One query a sequence does a few FLOPs per byte of its KV cache: a decode step's attention
+    is priced at the caches' read rate when that is slower than its products, every sequence's
+    cache read once; a prompt chunk reads its sequence's once for all its tokens."""
+    slow_reads = replace(RATES, kv_read_gbps=1.0)
+    kv = 32 * 1000 * SYNTH.kv_bytes / SYNTH.layers  # 32 sequences' caches of 1,000 tokens, one layer
+    assert layer_step_seconds(SYNTH, slow_reads, 32, 1000)["attn"] == pytest.approx(kv / 1e9)
+    assert layer_step_seconds(SYNTH, RATES, 32, 1000)["attn"] < kv / 1e9  # unmeasured: the products alone
+    chunk = layer_step_seconds(SYNTH, slow_reads, 512, 1000, sequences=1)["attn"]
+    assert chunk == pytest.approx(512 * 1000 * SYNTH.attn_flops / 20e9)  # compute-bound: read once
