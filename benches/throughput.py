@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -197,12 +198,12 @@ def roofline_seconds(shape, rates, acc: dict, sched, prompt_tokens: float) -> fl
     paced = sched.config.schedule == "paced"
     pool = min(sched.pool_tokens, 64) if paced else sched.pool_tokens  # paced steps: tens of tokens
 
-    def per_token(tokens, context):
-        parts = pools.layer_step_seconds(shape, bare, tokens, context)
+    def per_token(tokens, context, sequences=None):
+        parts = pools.layer_step_seconds(shape, bare, tokens, context, sequences)
         compute = parts["expert"] + parts["dense"] + parts["attn"]
         return shape.layers * max(parts["read"], compute) / tokens
 
-    return (acc["prompt_tokens"] * per_token(pool, prompt_tokens / 2)
+    return (acc["prompt_tokens"] * per_token(pool, prompt_tokens / 2, math.ceil(pool / max(1.0, prompt_tokens)))
             + acc["generated"] * per_token(max(1, sched.batch_size), prompt_tokens))
 
 

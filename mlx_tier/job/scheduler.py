@@ -352,9 +352,13 @@ class Scheduler:
         if len(prefix) > self.config.prefill_step_size or not layers:
             return prefix, None
         steps = [(t1 - t0) - (s1 - s0) for (t0, s0), (t1, s1) in itertools.pairwise(starts)]
+        # A fully resident layer stays lazy (its hook fires as its graph is built, its compute
+        # lands in the next layer's interval): then the layers' own times are not measured.
+        timed = len(steps) >= 2 and not any(layer.all_resident() for layer in cache.layers)
+        rows = [u[: layer.num_experts] for u, layer in zip(uses, cache.layers, strict=True)]  # unpadded
         return prefix, Observed(len(prefix), prefix.seconds, (phase.hits + phase.misses) / layers,
-                                phase.stall_seconds, popularity(uses), phase.misses / layers,
-                                median(steps) if len(steps) >= 2 else None)
+                                phase.stall_seconds, popularity(rows), phase.misses / layers,
+                                median(steps) if timed else None)
 
     def _plan_pools(self, chars: int | None, documents: int | None, samples: list[Sample] | None) -> int:
         """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each

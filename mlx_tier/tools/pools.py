@@ -64,6 +64,8 @@ POOL_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Most sequences decoded together when memory allows more (prompt caches, step
 # bookkeeping and the per-sequence Python work grow with it).
 MAX_DECODE_POOL = 64
+# popularity() measures routing only from a sample covering this much of it (Good's coverage).
+MIN_COVERAGE = 0.9
 # Rows a slot in the probe of the loops' rate on a prompt pool's small slots (below the GEMM's).
 LOOP_PROBE_ROWS = 16
 # Largest prompt chunk of one sequence in one step: attention scores of a chunk
@@ -194,26 +196,33 @@ def routed_split(shape: Shape, tokens: float) -> tuple[float, float]:
 
 def popularity(counts) -> tuple[tuple[float, ...], ...]:
     """Each expert's share of a layer's routed entries, most used first, per layer, from one
-    call's uses ``counts`` (``[L, E]``, entries routed to each expert in each layer). The
-    experts a layer did not use share the Good-Turing estimate of its unseen mass (the
-    share of entries on experts used once: Good 1953), spread over as many of them as
-    Chao's estimator gives unseen (``f1 (f1 - 1) / (2 (f2 + 1))``, f1 and f2 the experts
-    used once and twice: Chao 1984), and the shares sorted again (an estimated unseen
-    expert may outrank one seen once). Layers where nothing was routed are left out;
-    ``()`` when none was. Kept per layer: layers differ in how concentrated they are,
-    and an average by rank would blur it (more distinct experts predicted per step)."""
+    call's uses ``counts`` (one row a layer: the entries routed to each of its experts; rows
+    may differ in width). The experts a layer did not use share the Good-Turing estimate
+    of its unseen mass (the share of entries on experts used once: Good 1953), spread over
+    as many of them as Chao's estimator gives unseen (``f1 (f1 - 1) / (2 (f2 + 1))``, f1
+    and f2 the experts used once and twice: Chao 1984), none above an expert seen once.
+    Kept per layer (layers differ in how concentrated they are; an average by rank would
+    predict more distinct experts a step), each padded with zero shares to the widest.
+
+    Returns ``()`` (routing not measured) when nothing was routed, or when the sample
+    covers less than :data:`MIN_COVERAGE` of the routing (Good's coverage, ``1 - f1 /
+    entries`` over the layers): a few tokens over many experts make a uniform router
+    look concentrated."""
+    rows = [sorted((int(c) for c in layer), reverse=True) for layer in counts]
+    rows = [r for r in rows if sum(r) > 0]
+    entries = sum(sum(r) for r in rows)
+    if not rows or 1 - sum(r.count(1) for r in rows) / entries < MIN_COVERAGE:
+        return ()
     out = []
-    for layer in counts:
-        r = sorted((int(c) for c in layer), reverse=True)
-        total, unseen = sum(r), sum(c == 0 for c in r)
-        if total <= 0:
-            continue
-        f1, f2 = sum(c == 1 for c in r), sum(c == 2 for c in r)
+    for r in rows:
+        total, unseen = sum(r), r.count(0)
+        f1, f2 = r.count(1), r.count(2)
         spread = min(unseen, math.ceil(f1 * (f1 - 1) / (2 * (f2 + 1))))
-        missing = f1 / total if spread else 0.0
-        tail = [missing / max(spread, 1)] * spread + [0.0] * (unseen - spread)
-        out.append(tuple(sorted([c / total * (1 - missing) for c in r[: len(r) - unseen]] + tail, reverse=True)))
-    return tuple(out)
+        each = min(f1 / total / spread, 1 / (total + spread)) if spread else 0.0  # at most a seen-once expert's
+        seen = [c / total * (1 - each * spread) for c in r[: len(r) - unseen]]
+        out.append(sorted(seen + [each] * spread + [0.0] * (unseen - spread), reverse=True))
+    width = max(len(r) for r in out)
+    return tuple(tuple(r + [0.0] * (width - len(r))) for r in out)
 
 
 def routed_experts(distinct: float, tokens: int, experts: int, top_k: int) -> float:
@@ -483,7 +492,9 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     pairs = np.arange(2 * cpu.THREADS)  # decode: a few pairs, one row each
     t_mv = med(lambda: cpu.switch_linear(leaf, x[pairs], pairs, pairs % n)) / len(pairs)
     many = np.arange(n * max(1, min(LOOP_PROBE_ROWS, quant.gemm_min_rows - 1)))  # a prompt pool's small slots
-    t_loop = med(lambda: cpu.switch_linear(leaf, x[many], many, many * n // len(many))) / len(many)
+    t_rows = med(lambda: cpu.switch_linear(leaf, x[many], many, many * n // len(many))) / len(many)
+    r = len(many) // n  # a pair at r rows costs loop + (matvec - loop) / r (Rates.pair_seconds): solve for loop
+    t_loop = max((r * t_rows - t_mv) / (r - 1), 0.2 * t_rows) if r > 1 else t_rows
     gemm_s = max(t_gemm - n * t_deq, 1e-6) / n  # one expert's GEMM
     if attention == "cpu":
         from mlx_tier.kernels.cpu_attention import sdpa

@@ -157,27 +157,32 @@ def test_a_shared_prefix_is_in_each_kv_cache_but_read_once():
 
 
 def test_popularity_keeps_each_layers_shares_and_estimates_the_unseen():
-    """Each layer's experts' shares of its routed entries, most used first. Experts a short
-    call did not use share the Good-Turing unseen mass (entries on experts used once), over
-    Chao's estimate of how many there are; a layer whose experts were all used keeps its
-    shares as counted, and a layer where nothing was routed is left out."""
-    import numpy as np
-
+    """Each layer's experts' shares of its routed entries, most used first. Experts a call did
+    not use share the Good-Turing unseen mass (entries on experts used once) over Chao's
+    estimate of how many there are, none above an expert seen once; a layer whose experts
+    were all used keeps its shares as counted; a layer where nothing was routed is left
+    out; narrower layers are padded with zero shares."""
     from mlx_tier.tools.pools import popularity
 
-    counts = np.zeros((3, 8), np.int64)
-    counts[0] = [0, 6, 1, 1, 1, 1, 0, 0]  # 10 entries; four experts used once, none twice, three unseen
-    counts[1] = [2, 2, 2, 2, 2, 2, 2, 2]  # every expert used: nothing unseen
-    shares = popularity(counts)
-    assert len(shares) == 2  # the empty layer left out
-    first, second = shares
-    assert sum(first) == pytest.approx(1) and list(first) == sorted(first, reverse=True)
-    # 4*3/2 = 6 unseen estimated, at most the 3 there are: 0.4 / 3 each, above the experts seen once
-    assert first == pytest.approx([0.6 * 0.6] + [0.4 / 3] * 3 + [0.1 * 0.6] * 4)
-    assert second == pytest.approx([1 / 8] * 8)
-    few = popularity(np.array([[5, 1, 1, 0, 0, 0, 0, 0]]))[0]  # f1 = 2, f2 = 0: one unseen expert estimated
-    assert few == pytest.approx([5 / 7 * 5 / 7, 2 / 7, 5 / 49, 5 / 49, 0, 0, 0, 0])
-    assert popularity(np.zeros((2, 4), np.int64)) == ()
+    first = [40, 30, 20, 5, 2, 1, 1, 0, 0, 0]  # 99 entries; f1 = 2, f2 = 1: one unseen expert estimated
+    shares = popularity([first, [10] * 10, [0] * 10, [25] * 4])
+    assert len(shares) == 3 and all(len(r) == 10 and sum(r) == pytest.approx(1) for r in shares)
+    assert shares[0] == pytest.approx([0.40, 0.30, 0.20, 0.05, 0.02, 0.01, 0.01, 0.01, 0, 0])
+    assert shares[1] == pytest.approx([0.1] * 10)
+    assert shares[2] == pytest.approx([0.25] * 4 + [0] * 6)
+    assert popularity([[0] * 4, [0] * 4]) == ()
+
+
+def test_popularity_is_not_measured_from_a_sample_too_small_to_cover_the_routing():
+    """A few tokens over many experts make any router look concentrated (each expert used once
+    or not at all): under 90% coverage the routing stays unmeasured (uniform over the
+    fitted spread), so a short prefix cannot shrink a step's predicted reads."""
+    from mlx_tier.tools.pools import MIN_COVERAGE, popularity
+
+    assert popularity([[1, 1, 1, 1, 1, 1, 0, 0]]) == ()  # every used expert used once: coverage 0
+    assert popularity([[1, 1, 0, 0, 0, 0, 0, 0]]) == ()  # a one-token prefix of a top-2 model
+    covered = [[9, 9, 9, 9, 9, 9, 9, 1]]  # 64 entries, one used once: coverage 0.98
+    assert 1 - 1 / 64 >= MIN_COVERAGE and popularity(covered) != ()
 
 
 def test_measured_routing_prices_distinct_and_resident_experts():
@@ -225,19 +230,23 @@ def test_calibrate_fits_the_fixed_cost_per_expert_read():
     assert calibrate(SYNTH, RATES, replace(seen, misses=0.0))[1].per_expert_s == RATES.per_expert_s
 
 
-def test_a_cache_whose_pools_barely_fit_is_priced_at_the_room_a_run_may_find():
+def test_a_cache_whose_pools_barely_fit_is_priced_at_the_room_a_run_may_find(monkeypatch):
     """The split foresees the room a cache leaves; the run measures its own at its start, a
     few percent apart. A cache whose prompt pool fits only in the foreseen room is priced
-    as if it fell to the next pool size down: the chooser does not stand at that edge."""
+    as if it fell to the next pool size down: the chooser does not stand at that edge
+    (without the margin it does: one document, so slots buy no decode pool)."""
+    import mlx_tier.tools.pools as pools_module
     from mlx_tier.tools.pools import choose_slots, prefill_transient
 
     row, seq = 24 * 2_950_000, 632
     edge = prefill_transient(SYNTH, 256, seq) + SYNTH.kv_bytes * seq  # a 256-token pool and one sequence
     room = int(2 * edge) + 6 * row + 1024  # 6 slots leave just the room it needs (free / 2)
-    at_edge = choose_pools(replace(SYNTH, slots=6), RATES, 600, 32, room - 6 * row, max_pool=256, documents=6)
+    at_edge = choose_pools(replace(SYNTH, slots=6), RATES, 600, 32, room - 6 * row, max_pool=256, documents=1)
     assert at_edge.prefill_tokens == 256  # fits, barely, in the room foreseen
-    slots, plan, _ = choose_slots(SYNTH, RATES, 600, 32, room, row, 6, documents=6, max_pool=256)
+    slots, plan, _ = choose_slots(SYNTH, RATES, 600, 32, room, row, 6, documents=1, max_pool=256)
     assert slots < 6 and plan.prefill_tokens == 256
+    monkeypatch.setattr(pools_module, "ROOM_MARGIN", 0.0)
+    assert choose_slots(SYNTH, RATES, 600, 32, room, row, 6, documents=1, max_pool=256)[0] == 6
 
 
 def test_a_decode_steps_attention_reads_every_sequences_kv_cache():
