@@ -51,6 +51,7 @@ from mlx_tier.job.batch_engine import (
     Task,
     common_prefix,
     estimate_memory,
+    kv_bytes_per_token,
     sequence_room,
     stop_token_ids,
 )
@@ -379,6 +380,8 @@ class Scheduler:
             doc = predicted_tokens(chars, self.chars_per_token) if chars else self.context
             prompt = min(self.context - c.max_tokens, doc + len(self.prefix) + 16)
             shape, rates = calibrate(found[0], rates_for(self.model, found[1]), self._seen)
+            if c.kv_bits:  # read dequantised: priced at the unquantized prefix cache's bytes
+                shape = replace(shape, kv_read_bytes=kv_bytes_per_token(self.prefix.cache)[0])
             room = self.plan.free_bytes - self.plan.prefill_fixed
             shared = len(self.prefix) if self._prefix() else 0  # read once, not per document
             self.pools = choose_pools(shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,

@@ -40,7 +40,7 @@ The model is plain arithmetic over :class:`Rates` and :class:`Shape`;
 model (the job's shared prefix): how the router spreads tokens (a random or
 trained router is not uniform: each expert's share of the entries, so fewer
 distinct experts per step, more of them resident; :func:`popularity`) and the
-fixed cost per expert.
+fixed cost per expert read.
 """
 
 from __future__ import annotations
@@ -147,6 +147,9 @@ class Shape:
             uniform over :attr:`spread`.
         read_ahead: a layer's next round of experts is read while a round computes
             (:attr:`mlx_tier.engine.load.TierConfig.read_ahead`).
+        kv_read_bytes: bytes a token's keys and values take as the attention reads them,
+            all layers (a quantized cache is dequantised to the compute dtype as it is
+            read); ``0.0``: ``kv_bytes``.
     """
 
     layers: int
@@ -165,6 +168,7 @@ class Shape:
     routed: float = 0.0
     read_ahead: bool = True
     popularity: tuple[tuple[float, ...], ...] = ()
+    kv_read_bytes: float = 0.0
 
     @property
     def spread(self) -> float:
@@ -302,7 +306,8 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float,
         dense = tokens * rates.pair_seconds(shape.dense_bytes, tokens)
     attn = tokens * context * shape.attn_flops / (rates.attention_gflops * 1e9)
     if rates.kv_read_gbps > 0:
-        kv = (tokens if sequences is None else sequences) * context * shape.kv_bytes / max(shape.layers, 1)
+        per_token = shape.kv_read_bytes or shape.kv_bytes
+        kv = (tokens if sequences is None else sequences) * context * per_token / max(shape.layers, 1)
         attn = max(attn, kv / (rates.kv_read_gbps * 1e9))
     rounds = math.ceil(d / max(shape.slots, 1)) if d > shape.slots else 1
     if shape.read_ahead and rounds > 1:

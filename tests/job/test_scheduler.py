@@ -228,3 +228,25 @@ def test_the_pools_price_documents_at_their_measured_characters_per_token(tiered
     assert sched.pools.prompt_tokens == int(len(text) / per) + extra
     blind = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=len(text), documents=4)
     assert blind.pools.prompt_tokens == len(text) // 3 + extra and blind.info["chars_per_token"] is None
+
+
+def test_quantized_kv_caches_are_priced_as_the_attention_reads_them(moe_head_dim_64, monkeypatch):
+    """With ``kv_bits`` the KV caches are stored quantized (fewer bytes a token: more sequences
+    fit) but the attention dequantises them as it reads: the pool model prices a decode
+    step's reads at the unquantized bytes a token, the memory at the stored ones."""
+    import mlx_tier.tools.pools as pools_module
+    from mlx_tier.job.batch_engine import kv_bytes_per_token
+
+    model, tokenizer = mlx_tier.load(moe_head_dim_64, config=mlx_tier.TierConfig(slots_per_layer=2, kernel="cpu"))
+    seen = []
+    real = pools_module.choose_pools
+    monkeypatch.setattr(pools_module, "choose_pools", lambda shape, *a, **k: seen.append(shape) or real(shape, *a, **k))
+    for bits in (None, 8):
+        sched = Scheduler(model, tokenizer, moe_head_dim_64, 4096,
+                          GenerationConfig("Summarise this.", 8, schedule="throughput", kv_bits=bits))
+        unquantized = kv_bytes_per_token(sched.prefix.cache)[0]
+        shape = seen[-1]
+        if bits is None:
+            assert shape.kv_read_bytes == 0.0 and shape.kv_bytes == pytest.approx(unquantized)
+        else:
+            assert shape.kv_read_bytes == pytest.approx(unquantized) and shape.kv_bytes < 0.5 * unquantized

@@ -257,5 +257,7 @@ def test_a_decode_steps_attention_reads_every_sequences_kv_cache():
     kv = 32 * 1000 * SYNTH.kv_bytes / SYNTH.layers  # 32 sequences' caches of 1,000 tokens, one layer
     assert layer_step_seconds(SYNTH, slow_reads, 32, 1000)["attn"] == pytest.approx(kv / 1e9)
     assert layer_step_seconds(SYNTH, RATES, 32, 1000)["attn"] < kv / 1e9  # unmeasured: the products alone
+    dequantised = replace(SYNTH, kv_read_bytes=4 * SYNTH.kv_bytes)  # stored quantized, read as float32
+    assert layer_step_seconds(dequantised, slow_reads, 32, 1000)["attn"] == pytest.approx(4 * kv / 1e9)
     chunk = layer_step_seconds(SYNTH, slow_reads, 512, 1000, sequences=1)["attn"]
     assert chunk == pytest.approx(512 * 1000 * SYNTH.attn_flops / 20e9)  # compute-bound: read once
