@@ -1,6 +1,7 @@
 """Under a real memory limit: a model twice the size of the limit runs with default
 settings to the end, its peak resident set stays under the limit, nobody is OOM-killed,
-and `plan` run inside the limit reports the limit (not the host's memory).
+and `plan` run inside the limit reports the limit (not the host's memory). The run is a
+fresh install's first (Numba's cache empty): the CPU kernel's compile stays out of it.
 
 A child memory cgroup of this process's own is made for it (root, a writable cgroup
 file system; else the test is skipped with the reason). The model is the synthetic
@@ -42,9 +43,10 @@ def synthetic(tmp_path_factory) -> Path:
     return ensure_synthetic(tmp_path_factory.mktemp("synthetic") / "model", spec, progress=lambda line: None)
 
 
-def mlx_tier(group: MemoryCgroup, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+def mlx_tier(group: MemoryCgroup, *args: str, env: dict | None = None, timeout: int = 1200
+             ) -> subprocess.CompletedProcess:
     cmd = group.wrap([sys.executable, "-m", "mlx_tier.cli.main", *args])
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_a_model_twice_the_limit_runs_inside_it_with_default_settings(synthetic, tmp_path):
@@ -61,9 +63,12 @@ def test_a_model_twice_the_limit_runs_inside_it_with_default_settings(synthetic,
         assert p["memory_source"] == group.limit_file and p["memory_total"] == LIMIT
         assert p["memory_split"] is not None and p["memory_split"]["total"] <= LIMIT
         out = tmp_path / "out"
-        run = mlx_tier(group, "run", str(docs), "--out", str(out), "--model", str(synthetic), "--max-tokens", "4")
+        fresh = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # a fresh install's first run
+        run = mlx_tier(group, "run", str(docs), "--out", str(out), "--model", str(synthetic), "--max-tokens", "4",
+                       env=fresh)
         assert group.oom_kills() == 0, run.stderr
     assert run.returncode == 0, run.stderr
+    assert "compiling the CPU kernel" in run.stderr  # in a child process, before the model is loaded
     assert f"({group.limit_file})" in run.stderr  # the run header names the limit it lives under
     report = json.loads((out / "report.json").read_text())
     assert report["totals"]["done"] == 2
