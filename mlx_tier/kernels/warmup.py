@@ -20,8 +20,10 @@ not, and a row they cannot write in digits.
 
 A marker file in the user cache folder (``kernels/<key>.ok``) records that the
 child ran for a key made of what decides Numba's cache: the kernel sources'
-stamps, Numba's and Python's versions, the CPU, ``NUMBA_*`` settings and the
-formats; later runs skip the child (~2 s). Where Numba cannot write its cache
+stamps, Numba's and Python's versions, the CPU, ``NUMBA_*`` settings, the
+formats and the cache's own index files as the child left them (a cache
+removed since, or grown by a run that compiled more, runs the child again);
+later runs skip the child (~2 s). Where Numba cannot write its cache
 (a read-only install and no writable user cache), the run compiles in place
 as before.
 """
@@ -75,11 +77,27 @@ def marker_key(fmts: list[dict]) -> str:
     for name in SOURCES:
         st = (here / name).stat()
         stamps.append([name, st.st_mtime_ns, st.st_size])
-    facts = {"sources": stamps, "numba": numba.__version__, "python": sys.version, "exe": sys.executable,
+    facts = {"sources": stamps, "cache": _cache_stamps(), "numba": numba.__version__, "python": sys.version, "exe": sys.executable,
              "cpu": llvm.get_host_cpu_name(), "features": llvm.get_host_cpu_features().flatten(),
              "machine": platform.machine(), "formats": fmts, "where": str(here),
              "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(("NUMBA_", "MLX_TIER_VNNI")))}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _cache_stamps() -> list:
+    """``[name, size, mtime]`` of each index file of the kernel's Numba cache (a cache
+    removed or grown since the marker was written changes the key); ``[]`` where
+    Numba does not say where its cache is."""
+    from mlx_tier.kernels import cpu
+
+    folder = getattr(getattr(cpu._qmv4, "_cache", None), "cache_path", None)
+    if not folder or not os.path.isdir(folder):
+        return []
+    out = []
+    for path in sorted(Path(folder).glob("cpu*.nbi")):
+        st = path.stat()
+        out.append([path.name, st.st_size, st.st_mtime_ns])
+    return out
 
 
 def ensure_compiled(fmts: list[dict], say: Callable[[str], None] = lambda line: None) -> bool:
@@ -103,6 +121,7 @@ def ensure_compiled(fmts: list[dict], say: Callable[[str], None] = lambda line: 
         last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         say(f"could not compile the CPU kernel ahead ({last}); it compiles during the run")
         return False
+    marker = marker.with_name(f"{marker_key(fmts)}.ok")  # the cache as the child left it
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(marker, json.dumps({"formats": fmts}) + "\n")

@@ -66,6 +66,19 @@ def test_the_child_runs_once_per_key(monkeypatch, tmp_path):
     assert warmup.ensure_compiled([], lines.append) and len(child.calls) == 3  # nothing to compile
 
 
+def test_a_cache_removed_after_the_child_runs_it_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_TIER_CACHE", str(tmp_path))
+    child = Child()
+    monkeypatch.setattr(warmup.subprocess, "run", child)
+    monkeypatch.setattr(warmup, "_cache_stamps", lambda: [["cpu._qmv4-183.py311.nbi", 4096, 1]])
+    assert warmup.ensure_compiled([Q4]) and warmup.ensure_compiled([Q4])
+    assert len(child.calls) == 1
+    monkeypatch.setattr(warmup, "_cache_stamps", lambda: [])  # the cache folder emptied
+    assert warmup.ensure_compiled([Q4])
+    assert len(child.calls) == 2
+
+
+
 def test_a_failed_child_is_said_and_retried_next_run(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_TIER_CACHE", str(tmp_path))
     child, lines = Child(1, "Traceback ...\nMemoryError"), []
@@ -108,6 +121,7 @@ def test_a_run_after_the_child_compiles_nothing(tiny_moe, tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiling the CPU kernel" in done.stdout
+    assert "loading" in done.stderr and "compiling the CPU kernel" not in done.stderr  # the marker found
     result = json.loads(done.stdout.split("RESULT ", 1)[1])
     assert result["hits"] > 0  # the run called the kernel, from the cache
     assert result["misses"] == {}, result
