@@ -110,7 +110,7 @@ def ensure_compiled(fmts: list[dict], say: Callable[[str], None] = lambda line: 
     marker = user_cache_dir() / "kernels" / f"{marker_key(fmts)}.ok"
     if marker.is_file():
         return True
-    say("compiling the CPU kernel for this machine and model format (once; up to a few minutes)")
+    say("compiling the CPU kernel for this machine (first run only; a minute or two)")
     cmd = [sys.executable, "-m", "mlx_tier.kernels.warmup", json.dumps(fmts)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
