@@ -46,6 +46,11 @@ def plan(
         model = str(resolve(model, lambda text: print_wrapped(err, text, style="dim")))
     if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
         fail(f"--memory-gb must be positive, got {memory_gb}")
+    if Path(model).is_dir() and (compute_gbps is None or doc_tokens):  # its kernel is probed: compiled first
+        from mlx_tier.defaults import JOB_KERNEL
+        from mlx_tier.kernels.warmup import compile_for
+
+        compile_for(Path(model), JOB_KERNEL, lambda text: print_wrapped(err, text, style="dim"))
     try:
         p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps,
                       compute_gbps=compute_gbps, doc_tokens=doc_tokens or None, summary_tokens=summary_tokens,

@@ -24,6 +24,7 @@ from mlx_tier.job.activity import Reporter
 from mlx_tier.job.config import JobConfig
 from mlx_tier.job.report import JobReport, machine_info
 from mlx_tier.job.scheduler import GenerationConfig, check_context
+from mlx_tier.kernels.warmup import compile_for
 from mlx_tier.outdir.jobdir import JobDir
 from mlx_tier.outdir.layout import REPORT
 from mlx_tier.units import GIB
@@ -75,7 +76,7 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
 
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)
-    compile_kernel(model_dir, config.tier, reporter)
+    compile_for(model_dir, config.tier.kernel, reporter.message)  # before the split: its memory is not in it
     step = config.generation.prefill_step_size  # the paced schedule's; the throughput schedule's pools reach further
     step = step if pools is None else max(step, DEFAULT_POOL_STEP)
     budget = run_budget(model_dir, config.tier, config.memory_gb, step, config.generation.kv_bits)
@@ -94,27 +95,6 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
     g = config.generation
     check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
     return loaded
-
-
-
-def compile_kernel(model_dir: Path, tier, reporter: Reporter) -> None:
-    """The CPU kernel compiled for the checkpoint's formats in a child process before
-    anything is loaded, where the run will use it (:mod:`mlx_tier.kernels.warmup`:
-    otherwise a fresh install compiles it inside the run, beyond its memory split).
-    An unreadable config is left for the load to report."""
-    from mlx_tier.engine.budgets import backend_of
-    from mlx_tier.kernels.registry import resolve
-    from mlx_tier.kernels.warmup import ensure_compiled, formats
-
-    name = tier.kernel or "auto"
-    if not (resolve(name) == "cpu" or (backend_of() == "cuda" and name == "auto")):  # CUDA: the warm tier's
-        return
-    try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return
-    if isinstance(config, dict):
-        ensure_compiled(formats(config), reporter.message)
 
 
 

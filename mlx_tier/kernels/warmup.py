@@ -130,6 +130,26 @@ def ensure_compiled(fmts: list[dict], say: Callable[[str], None] = lambda line: 
     return True
 
 
+def compile_for(model_dir: Path, kernel: str | None, say: Callable[[str], None] = lambda line: None) -> None:
+    """:func:`ensure_compiled` for the checkpoint in ``model_dir`` where a run of it uses
+    the CPU kernel: ``kernel`` (``None``: ``auto``) resolves to ``cpu``, or ``auto`` on
+    CUDA (its warm tier's kernel). An unreadable config is left for the load to report."""
+    import mlx.core as mx
+
+    from mlx_tier.kernels.registry import resolve
+
+    name = kernel or "auto"
+    cuda = getattr(mx, "cuda", None)
+    if not (resolve(name) == "cpu" or (name == "auto" and cuda is not None and cuda.is_available())):
+        return
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if isinstance(config, dict):
+        ensure_compiled(formats(config), say)
+
+
 def _calls(fmt: dict) -> None:
     """Every path of the CPU kernel on tiny blocks of format ``fmt`` (see the module doc)."""
     import mlx.core as mx

@@ -89,6 +89,42 @@ def test_a_failed_child_is_said_and_retried_next_run(monkeypatch, tmp_path):
     assert len(child.calls) == 2  # no marker left by a failure
 
 
+def test_compile_for_asks_only_where_the_cpu_kernel_runs(monkeypatch, tmp_path):
+    asked = []
+    monkeypatch.setattr(warmup, "ensure_compiled", lambda fmts, say: asked.append(fmts))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization": {"group_size": 32, "bits": 4}}))
+    warmup.compile_for(tmp_path, "cpu")
+    warmup.compile_for(tmp_path, "mlx")  # MLX's own ops: nothing of ours to compile
+    assert asked == [[{"bits": 4, "group_size": 32, "mode": "affine"}]]
+    (tmp_path / "config.json").write_text("{not json")
+    warmup.compile_for(tmp_path, "cpu")  # left for the load to report
+    warmup.compile_for(tmp_path / "missing", "cpu")
+    assert len(asked) == 1
+
+
+def test_plan_and_run_compile_before_they_probe_or_load(monkeypatch, tiny_moe, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlx_tier.cli.main import app
+    from mlx_tier.engine import load as engine_load
+
+    events = []
+    monkeypatch.setattr(warmup, "ensure_compiled", lambda fmts, say: events.append(("compile", fmts)))
+    real_load = engine_load.load
+    monkeypatch.setattr(engine_load, "load", lambda *a, **k: (events.append(("load",)), real_load(*a, **k))[1])
+    runner = CliRunner()
+    r = runner.invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1"])
+    assert r.exit_code == 0, r.output
+    assert events == [("compile", warmup.formats(json.loads((tiny_moe / "config.json").read_text())))]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The river floods every spring and the farmers plant after it recedes.")
+    r = runner.invoke(app, ["run", str(docs), "--out", str(tmp_path / "out"), "--model", str(tiny_moe),
+                            "--max-tokens", "2", "--kernel", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert [e[0] for e in events[1:]] == ["compile", "load"]
+
+
 @pytest.mark.slow
 def test_a_run_after_the_child_compiles_nothing(tiny_moe, tmp_path):
     """Numba's cache in a fresh folder (a fresh install): the child compiles for the
