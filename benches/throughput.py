@@ -21,7 +21,10 @@ How:
   schedule with the VNNI rows computing one token at a time,
   ``cpu_vnni.TWO_TOKEN`` off: what the two-token step buys);
   ``throughput-prefetch`` (the throughput schedule with ``TierConfig.prefetch``
-  on: the next layer's experts predicted and read while a layer computes). All use the CPU
+  on: the next layer's experts predicted and read while a layer computes);
+  ``throughput-separate`` (the throughput schedule with prefill and decode
+  steps apart, ``pool_engine.MODULE_BATCHING`` off: what decoding the pool
+  inside the prefill steps buys; its pools are priced as the default's). All use the CPU
   expert kernel, greedy with the job's repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
@@ -69,7 +72,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8",
-             "throughput-one-token", "throughput-prefetch")
+             "throughput-one-token", "throughput-prefetch", "throughput-separate")
 
 
 # ------------------------------------------------------------------- documents
@@ -105,6 +108,7 @@ def worker(spec: dict) -> dict:
     from mlx_tier.engine.checkpoint import context_length
     from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.engine.sizes import peak_rss, run_budget
+    from mlx_tier.job import pool_engine
     from mlx_tier.job.doc_tokens import SAMPLE_DOCS, chars_per_token, predicted_tokens
     from mlx_tier.job.model_setup import FALLBACK_CONTEXT
     from mlx_tier.job.scheduler import GenerationConfig, Scheduler
@@ -115,6 +119,7 @@ def worker(spec: dict) -> dict:
     sched = spec["schedule"]
     model_dir = Path(spec["model"])
     cpu_vnni.TWO_TOKEN = sched != "throughput-one-token"
+    pool_engine.MODULE_BATCHING = sched != "throughput-separate"
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
                       attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype(),
                       read_ahead=sched != "throughput-no-ahead", prefetch=sched == "throughput-prefetch")

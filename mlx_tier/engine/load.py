@@ -26,6 +26,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlx_tier import defaults
 from mlx_tier.engine import budgets as tier_budgets
+from mlx_tier.engine import module_batch
 from mlx_tier.engine.cache import (
     CacheStats,
     ExpertCache,
@@ -223,6 +224,12 @@ class TieredExperts(nn.Module):
         return slots.reshape(indices.shape)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if module_batch.in_pass():  # beside other forward passes: computed with their rows
+            return module_batch.hand_over(self, x, indices)
+        return self.alone(x, indices)
+
+    def alone(self, x: mx.array, indices: mx.array) -> mx.array:
+        """``[..., k, D]``: this call's rows only (``__call__`` outside module batching)."""
         self._follow_casts()
         if self._cache.hook is not None:  # between layers: a long step may stop here (set_layer_hook)
             self._cache.hook(self._cache.layer)

@@ -19,22 +19,34 @@ step is one of:
 - a **decode step**: every generating sequence (up to ``batch_size``) decodes
   one token together.
 
-Which step comes next (:meth:`PoolEngine.step`): the decode pool is filled
-before it decodes. Prompts being read are read to their end; waiting prompts
-are read once a whole prefill batch waits, or when the decode pool has fallen
-below half its size (or is empty); otherwise the pool decodes. So decode steps
-run on a pool near its chosen size instead of on each prompt batch as it
-arrives (alternating steps decoded 3, 6, 9... sequences while a folder's first
-prompts were read: a generated token cost ~2x a full pool's), and prompt
-batches stay whole while finished sequences free their places one by one.
-Sizes come from :mod:`mlx_tier.tools.pools`; this module only executes them.
+With ``merge`` (the default) a prefill step also decodes every generating
+sequence, in the same layer steps: MoE-Gen's module batching
+(:mod:`mlx_tier.engine.module_batch`). Attention runs per batch (the prompt
+chunk's and the decode pool's own KV caches); each tiered expert block runs
+once on the rows of both, so the decode pool's experts ride on the prompt
+pool's reads and GEMMs instead of being fetched again in a decode step of
+their own. A merged step's time is split between its prompt tokens and its
+generated tokens by their count (its rows in the expert blocks).
+
+Which step comes next (:meth:`PoolEngine.step`): prompts being read are read
+to their end. With ``merge``, waiting prompts are read at once (the pool
+decodes in the same steps). Without, the decode pool is filled before it
+decodes: waiting prompts are read once a whole prefill batch waits, or when the
+decode pool has fallen below half its size (or is empty); otherwise the pool
+decodes. So decode steps run on a pool near its chosen size instead of on each
+prompt batch as it arrives (alternating steps decoded 3, 6, 9... sequences
+while a folder's first prompts were read: a generated token cost ~2x a full
+pool's), and prompt batches stay whole while finished sequences free their
+places one by one. Sizes come from :mod:`mlx_tier.tools.pools`; this module
+only executes them.
 
 Long steps stay responsive: during a prefill step a hook runs before each
 tiered MoE layer (:meth:`mlx_tier.engine.cache.ExpertCache.set_layer_hook`);
 ``interrupt()`` true there abandons the step, and the prompts being read
 are dropped (returned by :meth:`PoolEngine.take_interrupted`), as a stop
 drops prompts still being read in the paced schedule. Decode steps are never
-interrupted (a token half computed would be lost).
+interrupted (a token half computed would be lost): in a merged step the
+decode pass finishes its layers alone.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import mlx.core as mx
 
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
 from mlx_tier.engine.footprint import check_kv_bits
+from mlx_tier.engine.module_batch import Pass, run_together
 from mlx_tier.job.batch_engine import (
     Finished,
     PrefixCache,
@@ -57,6 +70,10 @@ from mlx_tier.job.batch_engine import (
     start_of,
 )
 from mlx_tier.job.quantized_kv import quantizing
+
+# Module batching on by default (module doc); benches/throughput.py turns it off to
+# measure what it buys.
+MODULE_BATCHING = True
 
 
 class StepInterrupted(Exception):
@@ -104,6 +121,9 @@ class PoolEngine:
             (:mod:`mlx_tier.job.quantized_kv`: ~0.28x float32's bytes at 8;
             tokens may differ from an unquantized cache); ``None``: as mlx-lm
             stores them.
+        merge: decode the generating sequences in each prefill step's layer
+            steps (module doc); ``False``: prefill and decode steps apart;
+            ``None``: :data:`MODULE_BATCHING`.
 
     Raises:
         ValueError: a size below 1.
@@ -112,7 +132,7 @@ class PoolEngine:
 
     def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 32, prefill_batch: int = 8,
                  pool_tokens: int = DEFAULT_PREFILL_STEP, repetition_penalty: float = 1.0,
-                 prefix: PrefixCache | None = None, kv_bits: int | None = None):
+                 prefix: PrefixCache | None = None, kv_bits: int | None = None, merge: bool | None = None):
         from mlx_lm.generate import GenerationBatch, StopSequences
         from mlx_lm.sample_utils import greedy_sampler
 
@@ -124,6 +144,7 @@ class PoolEngine:
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.prefill_batch, self.pool_tokens = batch_size, prefill_batch, pool_tokens
         self.repetition_penalty, self.prefix, self.kv_bits = repetition_penalty, prefix, kv_bits
+        self.merge = MODULE_BATCHING if merge is None else merge
         self._stops = StopSequences([[t] for t in sorted(stop_ids)])
         self._sampler = greedy_sampler
         self._gen = GenerationBatch.empty(model, greedy_sampler)
@@ -166,6 +187,8 @@ class PoolEngine:
             return True
         if not self._waiting:
             return False
+        if self.merge:
+            return True
         return (len(self._waiting) >= self.prefill_batch or not self._generating
                 or len(self._generating) < self.batch_size / 2)
 
@@ -197,24 +220,38 @@ class PoolEngine:
             max_tokens=[s.task.max_tokens for s in take])
 
     def _prefill_step(self, interrupt) -> StepInfo:
-        """Read one chunk of every prompt in the prompt batch; prompts read to their last
-        token move to the generation batch."""
+        """Read one chunk of every prompt in the prompt batch (with ``merge``, decoding the
+        generating sequences in the same layer steps); prompts read to their last token
+        move to the generation batch."""
         info = StepInfo()
         self._start_prompts()
         t0 = time.perf_counter()
         chunk = max(1, self.pool_tokens // len(self._reading))
         parts = [s.rest[:chunk] for s in self._reading]
-        if any(parts) and not self._run_prompt(parts, interrupt):
-            info.seconds = info.prefill_seconds = time.perf_counter() - t0
-            return info
-        for s, part in zip(self._reading, parts):
-            del s.rest[: len(part)]
-            s.read += len(part)
-        info.prefill_tokens = sum(len(p) for p in parts)
-        info.prefill = [(s.task.key, s.read, len(s.task.prompt) - s.prefix_tokens) for s in self._reading]
-        self._to_generation()
-        info.seconds = info.prefill_seconds = time.perf_counter() - t0
+        if not any(parts) or self._read(parts, interrupt, info):
+            for s, part in zip(self._reading, parts):
+                del s.rest[: len(part)]
+                s.read += len(part)
+            info.prefill_tokens = sum(len(p) for p in parts)
+            info.prefill = [(s.task.key, s.read, len(s.task.prompt) - s.prefix_tokens) for s in self._reading]
+            self._to_generation()
+        _split_time(info, time.perf_counter() - t0)
         return info
+
+    def _read(self, parts: list[list[int]], interrupt, info: StepInfo) -> bool:
+        """Read ``parts``; with ``merge`` and sequences generating, their decode step runs
+        in the same layer steps (its tokens go to ``info``). ``False``: interrupted (the
+        prompt batch is dropped; a merged decode step still completes)."""
+        if not (self.merge and self._generating):
+            return self._run_prompt(parts, interrupt)
+        prompt = Pass(lambda: self._prompt.prompt(parts), stop=interrupt)
+        decode = Pass(self._gen.next)
+        run_together([prompt, decode])
+        self._take(decode.result, info)
+        if prompt.stopped_at is None:
+            return True
+        self._drop_reading()
+        return False
 
     def _run_prompt(self, parts: list[list[int]], interrupt) -> bool:
         """``PromptProcessingBatch.prompt`` under the layer hook; an interrupt drops the prompt
@@ -233,14 +270,18 @@ class PoolEngine:
             self._prompt.prompt(parts)
             return True
         except StepInterrupted:
-            self._interrupted.extend(s.task for s in self._reading)
-            self._reading, self._prompt = [], None
+            self._drop_reading()
             for layer in getattr(cache, "layers", []):
                 layer.discard_pending()
             return False
         finally:
             if cache is not None:
                 cache.set_layer_hook(None)
+
+    def _drop_reading(self) -> None:
+        """Abandon the prompts being read (an interrupt): their tasks go to :meth:`take_interrupted`."""
+        self._interrupted.extend(s.task for s in self._reading)
+        self._reading, self._prompt = [], None
 
     def _to_generation(self) -> None:
         """Sequences whose prompt is read (all but the last token) start generating: their
@@ -261,8 +302,12 @@ class PoolEngine:
     def _decode_step(self) -> StepInfo:
         info = StepInfo()
         t0 = time.perf_counter()
-        responses = self._gen.next()
+        self._take(self._gen.next(), info)
         info.seconds = info.decode_seconds = time.perf_counter() - t0
+        return info
+
+    def _take(self, responses, info: StepInfo) -> None:
+        """A decode step's responses into ``info``: tokens kept, sequences finished."""
         info.generated = len(responses)
         for r in responses:
             s = self._generating[r.uid]
@@ -274,7 +319,6 @@ class PoolEngine:
             del self._generating[r.uid]
             info.finished.append(Finished(s.task.key, s.tokens, self.tokenizer.decode(s.tokens), r.finish_reason,
                                           time.perf_counter() - s.started, s.prefix_tokens))
-        return info
 
     def take_interrupted(self) -> list[Task]:
         """Tasks whose prompt reading an interrupt abandoned (since the last call)."""
@@ -304,3 +348,12 @@ class PoolEngine:
 
     def close(self) -> None:
         self.cancel()
+
+
+def _split_time(info: StepInfo, seconds: float) -> None:
+    """``seconds`` of a prefill step into ``info``: split between its prompt tokens and its
+    generated tokens (a merged step) by their count."""
+    info.seconds = seconds
+    done = info.prefill_tokens + info.generated
+    info.prefill_seconds = seconds * info.prefill_tokens / done if done else seconds
+    info.decode_seconds = seconds - info.prefill_seconds

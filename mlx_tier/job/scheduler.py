@@ -43,6 +43,7 @@ from mlx_tier.errors import (
     RequestError,
     TooLong,
 )
+from mlx_tier.job import pool_engine
 from mlx_tier.job.batch_api import CHAT, Choice, prompt_tokens
 from mlx_tier.job.batch_engine import (
     BatchEngine,
@@ -385,7 +386,8 @@ class Scheduler:
             room = self.plan.free_bytes - self.plan.prefill_fixed
             shared = len(self.prefix) if self._prefix() else 0  # read once, not per document
             self.pools = choose_pools(shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,
-                                      self.memory.prefill_step if self.memory is not None else None, shared)
+                                      self.memory.prefill_step if self.memory is not None else None, shared,
+                                      pool_engine.MODULE_BATCHING)
             self.pool_tokens = c.pool_tokens or self.pools.prefill_tokens
             self.prefill_batch = c.prefill_batch or self.pools.prefill_batch
             return c.batch_size or self.pools.decode_pool

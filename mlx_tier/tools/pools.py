@@ -34,6 +34,14 @@ largest number of sequences whose KV cache fits (a generated token's cost only
 falls with more sequences). Predicted documents/hour follow for a given
 prompt and summary length.
 
+A prefill step also decodes the sequences generating meanwhile, in the same
+layer steps (module batching, :mod:`mlx_tier.engine.module_batch`): each of
+the ``read / T`` prefill steps a document's prompt takes (its share of them)
+gives a token to each of the ``pool - prefill_batch`` sequences generating
+beside it, a row of the prefill pool's layer steps (priced as a prompt token,
+plus its attention's reads of its KV cache); a document's remaining tokens
+are priced at the decode pool's rate.
+
 The model is plain arithmetic over :class:`Rates` and :class:`Shape`;
 :func:`probe_rates` measures the rates on this machine in a few seconds, and
 :func:`calibrate` corrects two of its guesses from one real forward call of the
@@ -336,12 +344,15 @@ class PoolPlan:
         prefill_batch: prompts read together in one step.
         decode_pool: sequences decoded together (and most in the engine).
         prompt_tok_s: predicted prompt tokens read per second at the prefill pool.
-        decode_tok_s: predicted generated tokens per second at the decode pool.
+        decode_tok_s: predicted generated tokens per second, over a document's
+            tokens decoded in prefill steps and in decode steps.
         docs_per_hour: predicted documents per hour for the given lengths.
         batch1_docs_per_hour: the same model's prediction for one sequence at a time
             (prompt chunks of ``prefill_tokens``), for comparison.
         limited_by: what bounded the decode pool (``memory``, ``cap``, ``documents``).
         prompt_tokens, output_tokens: the document lengths predicted for.
+        merged_tokens: of a document's ``output_tokens``, how many are decoded in
+            prefill steps (module batching; the others in decode steps).
     """
 
     prefill_tokens: int
@@ -354,6 +365,7 @@ class PoolPlan:
     limited_by: str
     prompt_tokens: int
     output_tokens: int
+    merged_tokens: float = 0.0
 
     def as_dict(self) -> dict:
         return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -370,7 +382,7 @@ def prefill_transient(shape: Shape, tokens: int, context: float) -> float:
 
 def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, free_bytes: int,
                  cap: int | None = None, documents: int | None = None, max_pool: int | None = None,
-                 shared_tokens: int = 0) -> PoolPlan:
+                 shared_tokens: int = 0, merged: bool = True) -> PoolPlan:
     """Pool sizes for documents of ``prompt_tokens`` prompts and ``output_tokens`` summaries.
 
     Args:
@@ -383,6 +395,8 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         shared_tokens: tokens at the start of every prompt read once for the whole job
             (a shared prefix, its KV cache copied to each sequence): in each sequence's
             KV cache, not in the tokens a document's prompt reads.
+        merged: prefill steps decode the sequences generating meanwhile (module doc);
+            ``False``: prefill and decode steps apart.
 
     Returns:
         :class:`PoolPlan`. The decode pool is at least 1 even when one
@@ -408,11 +422,15 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     ctx_decode = prompt_tokens + output_tokens / 2
     decode_s = seconds_per_token(shape, rates, pool, ctx_decode)
     prompt_s = 1 / rate[prefill_tokens]
-    doc_s = read * prompt_s + output_tokens * decode_s
+    merged_tokens = min(output_tokens, read / prefill_tokens * max(0, pool - prefill_batch)) if merged else 0.0
+    merged_s = prompt_s + (ctx_decode * (shape.kv_read_bytes or shape.kv_bytes) / (rates.kv_read_gbps * 1e9)
+                           if rates.kv_read_gbps > 0 else 0.0)
+    decode_all_s = merged_tokens * merged_s + (output_tokens - merged_tokens) * decode_s
+    doc_s = read * prompt_s + decode_all_s
     one_s = (read * seconds_per_token(shape, rates, min(prefill_tokens, read), ctx_prefill, 1)
              + output_tokens * seconds_per_token(shape, rates, 1, ctx_decode))
-    return PoolPlan(prefill_tokens, prefill_batch, pool, 1 / prompt_s, 1 / decode_s, 3600 / doc_s, 3600 / one_s,
-                    limited_by, prompt_tokens, output_tokens)
+    return PoolPlan(prefill_tokens, prefill_batch, pool, 1 / prompt_s, output_tokens / max(decode_all_s, 1e-12),
+                    3600 / doc_s, 3600 / one_s, limited_by, prompt_tokens, output_tokens, merged_tokens)
 
 
 def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, room: int, slot_row: int,

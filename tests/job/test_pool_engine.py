@@ -5,9 +5,11 @@ pool (right-padded by mlx-lm, then rolled to left padding: the case of
 mlx-lm#1906) and decoded together give, with kernel ``mlx``, exactly the
 greedy tokens of each prompt decoded alone by mlx-lm's ``stream_generate``;
 with the CPU kernel, the same tokens on these prompts (its logits stay within
-the stated bound, tests/kernels). Also: pools of every shape (one prompt at a
-time, chunks of one token, all at once), the shared prefix, the repetition
-penalty, and a stop that abandons a prefill step between layers.
+the stated bound, tests/kernels). The same with module batching (a prefill
+step decodes the generating sequences in its layer steps) and without. Also:
+pools of every shape (one prompt at a time, chunks of one token, all at once),
+the shared prefix, the repetition penalty, and a stop that abandons a prefill
+step between layers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 import mlx_tier
+from mlx_tier.engine.load import TieredExperts
 from mlx_tier.job.batch_engine import PrefixCache, Task, common_prefix, stop_token_ids
 from mlx_tier.job.pool_engine import PoolEngine
 from mlx_tier.job.prompts import build_prompt
@@ -58,6 +61,7 @@ def prompts_and_refs(tiered):
     return prompts, refs
 
 
+@pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("batch, prefill_batch, pool_tokens", [
     (5, 5, 4096),  # every prompt in one prefill step, all decoding together
     (5, 5, 7),  # chunks of one token each: many padded prefill steps
@@ -65,11 +69,11 @@ def prompts_and_refs(tiered):
     (2, 2, 16),  # fewer places than prompts: later prompts join while others decode
     (1, 1, 512),  # one at a time
 ])
-def test_pool_equals_alone(tiered, tiny_moe, prompts_and_refs, batch, prefill_batch, pool_tokens):
+def test_pool_equals_alone(tiered, tiny_moe, prompts_and_refs, batch, prefill_batch, pool_tokens, merge):
     model, tokenizer = tiered
     prompts, refs = prompts_and_refs
     engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=batch,
-                        prefill_batch=prefill_batch, pool_tokens=pool_tokens)
+                        prefill_batch=prefill_batch, pool_tokens=pool_tokens, merge=merge)
     got = run_pool(engine, prompts)
     assert [g.tokens for g in got] == refs
     assert [g.text for g in got] == [tokenizer.decode(r) for r in refs]
@@ -130,13 +134,13 @@ def test_engine_refuses_overfill_and_bad_sizes(tiered, tiny_moe):
         eng.add(Task("c", [], 4))
 
 
-def test_the_decode_pool_is_filled_before_it_decodes(tiered, tiny_moe, prompts_and_refs):
+def test_the_decode_pool_is_filled_before_it_decodes_without_merging(tiered, tiny_moe, prompts_and_refs):
     """Prompts are read until a prefill batch no longer waits; a lone waiting prompt waits
     for a whole batch while the pool is at least half full, and is read once it is not."""
     model, tokenizer = tiered
     prompts, refs = prompts_and_refs
     engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=4,
-                        prefill_batch=2, pool_tokens=4096)
+                        prefill_batch=2, pool_tokens=4096, merge=False)
     for i in range(4):
         engine.add(Task(i, prompts[i], N - i))  # summaries of different lengths: places free one by one
     kinds = [bool(engine.step().prefill_tokens) for _ in range(3)]
@@ -153,3 +157,62 @@ def test_the_decode_pool_is_filled_before_it_decodes(tiered, tiny_moe, prompts_a
     while engine.active:
         results.update((f.key, f) for f in engine.step().finished)
     assert [results[i].tokens for i in range(5)] == [r[:N - i] for i, r in enumerate(refs)]  # tokens unchanged
+
+
+def _count_block_calls(model, monkeypatch) -> list:
+    """Rows of each tiered expert block call, as ``(layer, rows)``."""
+    calls = []
+    alone = TieredExperts.alone
+
+    def counted(self, x, indices):
+        calls.append((self.cache.layer, indices.size // indices.shape[-1]))
+        return alone(self, x, indices)
+
+    monkeypatch.setattr(TieredExperts, "alone", counted)
+    return calls
+
+
+def test_a_prefill_step_decodes_the_pool_in_its_layer_steps(tiered, tiny_moe, prompts_and_refs, monkeypatch):
+    """With merging, waiting prompts are read at once and each of their prefill steps also
+    decodes the generating sequences: one call of each expert block on the rows of both
+    (prompt chunk and decode pool), not one for each."""
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=5, prefill_batch=1,
+                        pool_tokens=16)
+    for i in range(3):
+        engine.add(Task(i, prompts[i], N))
+    while not engine._generating:  # the first prompt, read alone
+        engine.step()
+    calls = _count_block_calls(model, monkeypatch)
+    info = engine.step()  # the second prompt's first chunk, with the first sequence's next token
+    layers = len(model.expert_cache.layers)
+    assert info.prefill_tokens == 16 and info.generated == 1 and info.generating[0][0] == 0
+    assert calls == [(i, 16 + 1) for i in range(layers)]
+    assert info.seconds == pytest.approx(info.prefill_seconds + info.decode_seconds)
+    assert info.decode_seconds == pytest.approx(info.seconds / 17)
+    results = {}
+    while engine.active:
+        results.update((f.key, f.tokens) for f in engine.step().finished)
+    assert results == {i: refs[i] for i in range(3)}
+
+
+def test_a_stop_in_a_merged_step_drops_the_prompt_and_keeps_the_decoded_token(tiered, tiny_moe, prompts_and_refs):
+    """A stop between layers of a merged step abandons the prompt chunk there; the decode
+    pool finishes its layers alone and keeps its token."""
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=5, prefill_batch=1,
+                        pool_tokens=8)
+    engine.add(Task(0, prompts[0], N))
+    while not engine._generating:
+        engine.step()
+    engine.add(Task(1, prompts[1], N))
+    asked = []
+    info = engine.step(lambda layer: asked.append(layer) or layer == 1)
+    assert asked == [0, 1] and info.prefill_tokens == 0 and info.generated == 1
+    assert [t.key for t in engine.take_interrupted()] == [1]
+    results = {}
+    while engine.active:
+        results.update((f.key, f.tokens) for f in engine.step().finished)
+    assert results == {0: refs[0]}

@@ -148,9 +148,10 @@ def test_prefill_pools_stay_within_the_splits_prompt_step():
 def test_a_shared_prefix_is_in_each_kv_cache_but_read_once():
     """A prompt's shared prefix (the instruction, prefilled once and copied) takes KV memory
     in every sequence but no reading time per document: same pools, fewer seconds a
-    document, by the prefix's share of the prompt at the prefill rate."""
-    plain = choose_pools(SYNTH, RATES, 600, 32, 1 << 30, documents=6)
-    shared = choose_pools(SYNTH, RATES, 600, 32, 1 << 30, documents=6, shared_tokens=60)
+    document, by the prefix's share of the prompt at the prefill rate (prefill and decode
+    steps apart: with module batching fewer prefill steps also decode fewer tokens)."""
+    plain = choose_pools(SYNTH, RATES, 600, 32, 1 << 30, documents=6, merged=False)
+    shared = choose_pools(SYNTH, RATES, 600, 32, 1 << 30, documents=6, shared_tokens=60, merged=False)
     assert (shared.prefill_tokens, shared.decode_pool) == (plain.prefill_tokens, plain.decode_pool)
     saved = 3600 / plain.docs_per_hour - 3600 / shared.docs_per_hour
     assert saved == pytest.approx(60 / plain.prompt_tok_s)
@@ -261,3 +262,25 @@ def test_a_decode_steps_attention_reads_every_sequences_kv_cache():
     assert layer_step_seconds(dequantised, slow_reads, 32, 1000)["attn"] == pytest.approx(4 * kv / 1e9)
     chunk = layer_step_seconds(SYNTH, slow_reads, 512, 1000, sequences=1)["attn"]
     assert chunk == pytest.approx(512 * 1000 * SYNTH.attn_flops / 20e9)  # compute-bound: read once
+
+
+def test_tokens_decoded_in_prefill_steps_are_priced_as_rows_of_them():
+    """Module batching: each prefill step a document's prompt takes gives a token to each
+    sequence generating beside it, priced as a prompt token plus its KV reads; the rest
+    of its summary at the decode pool's rate. One sequence at a time gains nothing."""
+    rates = replace(RATES, kv_read_gbps=6.0)
+    apart = choose_pools(SYNTH, rates, 900, 64, 1 << 30, merged=False)
+    merged = choose_pools(SYNTH, rates, 900, 64, 1 << 30)
+    assert apart.merged_tokens == 0 and (apart.prefill_tokens, apart.decode_pool) == (
+        merged.prefill_tokens, merged.decode_pool)
+    want = min(64, 900 / merged.prefill_tokens * (merged.decode_pool - merged.prefill_batch))
+    assert 0 < merged.merged_tokens == pytest.approx(want)
+    kv = (900 + 32) * SYNTH.kv_bytes / (rates.kv_read_gbps * 1e9)
+    row = 1 / merged.prompt_tok_s + kv
+    summary = want * row + (64 - want) / apart.decode_tok_s  # seconds of a document's 64 tokens
+    assert 64 / merged.decode_tok_s == pytest.approx(summary)
+    assert 3600 / merged.docs_per_hour == pytest.approx(900 / merged.prompt_tok_s + summary)
+    assert merged.docs_per_hour > apart.docs_per_hour  # a merged token costs a row, not a decode step's share
+    alone = choose_pools(SYNTH, rates, 900, 64, 1 << 30, cap=1)
+    assert alone.merged_tokens == 0 and alone.docs_per_hour == choose_pools(
+        SYNTH, rates, 900, 64, 1 << 30, cap=1, merged=False).docs_per_hour
