@@ -153,13 +153,14 @@ def worker(spec: dict) -> dict:
                   samples=[d.text for d in docs[:SAMPLE_DOCS]])
     setup_s = time.perf_counter() - t0
     model.expert_cache.reset_stats()
-    acc = {"prompt_tokens": 0, "prompt_s": 0.0, "generated": 0, "decode_s": 0.0, "steps": 0}
+    acc = {"prompt_tokens": 0, "prompt_s": 0.0, "generated": 0, "decode_s": 0.0, "steps": 0, "merged": 0}
 
     def on_step(info, ids):
         acc["prompt_tokens"] += info.prefill_tokens
         acc["prompt_s"] += info.prefill_seconds
         acc["generated"] += info.generated
         acc["decode_s"] += info.decode_seconds
+        acc["merged"] += info.generated if info.merged else 0
         acc["steps"] += 1
 
     from mlx_tier.engine.memory import model_memory_controls
@@ -178,7 +179,7 @@ def worker(spec: dict) -> dict:
         "errors": [o.error for o in outs if o.error], "parts": sum(o.parts for o in outs),
         "load_s": load_s, "setup_s": setup_s, "docs_per_hour": len(outs) / wall * 3600,
         "prompt_tok_s": acc["prompt_tokens"] / max(acc["prompt_s"], 1e-9), "prompt_tokens": acc["prompt_tokens"],
-        "generated": acc["generated"], "gen_tok_s_wall": acc["generated"] / wall,
+        "generated": acc["generated"], "generated_in_prefill_steps": acc["merged"], "gen_tok_s_wall": acc["generated"] / wall,
         "decode_s_per_token": acc["decode_s"] / max(1, acc["generated"]), "steps": acc["steps"],
         "tokens_per_s": tokens / wall, "roofline_s": roof_s, "roofline_share": roof_s / wall if roof_s else None,
         "hit_rate": st.hit_rate, "bytes_read_per_token": st.bytes_read / max(1, tokens), "read_stall_share": st.stall_seconds / wall,
@@ -194,7 +195,8 @@ def worker(spec: dict) -> dict:
 def roofline_seconds(shape, rates, acc: dict, sched, prompt_tokens: float) -> float:
     """The job's time at the roofline of its own pools: each layer step costs its expert
     reads or its compute (GEMM/matvec, dense, attention), none of the fixed costs
-    (:func:`mlx_tier.tools.pools.layer_step_seconds` with the overheads at 0)."""
+    (:func:`mlx_tier.tools.pools.layer_step_seconds` with the overheads at 0); tokens
+    decoded in prefill steps (module batching) are rows of the prefill pool."""
     from dataclasses import replace
 
     from mlx_tier.tools import pools
@@ -208,8 +210,9 @@ def roofline_seconds(shape, rates, acc: dict, sched, prompt_tokens: float) -> fl
         compute = parts["expert"] + parts["dense"] + parts["attn"]
         return shape.layers * max(parts["read"], compute) / tokens
 
-    return (acc["prompt_tokens"] * per_token(pool, prompt_tokens / 2, math.ceil(pool / max(1.0, prompt_tokens)))
-            + acc["generated"] * per_token(max(1, sched.batch_size), prompt_tokens))
+    rows = acc["prompt_tokens"] + acc["merged"]
+    return (rows * per_token(pool, prompt_tokens / 2, math.ceil(pool / max(1.0, prompt_tokens)))
+            + (acc["generated"] - acc["merged"]) * per_token(max(1, sched.batch_size), prompt_tokens))
 
 
 # ------------------------------------------------------------------ the driver

@@ -285,6 +285,9 @@ class StepInfo:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     prefill_tokens: int = 0  # prompt tokens read in this step
+    # The decode ran in the prefill's layer steps (module batching, mlx_tier.job.pool_engine):
+    # decode_seconds is its share of them, not a decode step's time.
+    merged: bool = False
 
 
 class PrefillPacer:

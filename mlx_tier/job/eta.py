@@ -93,7 +93,7 @@ class EtaTracker:
         self._outputs = sorted(int(n) for n in self.earlier)
 
     def step(self, prefill: list[tuple[str, int, int]], generating: list[tuple[str, int]], prefill_tokens: int,
-             prefill_seconds: float, generated: int, decode_seconds: float) -> None:
+             prefill_seconds: float, generated: int, decode_seconds: float, merged: bool = False) -> None:
         """Record one engine step (:class:`mlx_tier.job.batch_engine.StepInfo`, ids as document ids).
 
         Args:
@@ -101,6 +101,9 @@ class EtaTracker:
             generating: ``(id, tokens so far)`` of documents being written.
             prefill_tokens, prefill_seconds: prompt tokens read in the step and the time it took.
             generated, decode_seconds: tokens decoded in the step (over the batch) and the time.
+            merged: the decode ran in the prefill's layer steps (module batching): its
+                share of their time is not a decode step's, so it stays out of the
+                step-time fit (the tokens left are priced at decode steps: erring long).
         """
         for doc_id, read, length in prefill:
             d = self._left.get(doc_id)
@@ -118,7 +121,7 @@ class EtaTracker:
         if prefill_tokens > 0 and prefill_seconds > 0:
             self._prompt_tokens += prefill_tokens
             self._prompt_seconds += prefill_seconds
-        if generated > 0 and decode_seconds > 0:
+        if generated > 0 and decode_seconds > 0 and not merged:
             self._steps.append((generated, decode_seconds))
         self._step_seconds += max(prefill_seconds, 0.0) + max(decode_seconds, 0.0)
 

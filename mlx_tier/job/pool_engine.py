@@ -248,6 +248,7 @@ class PoolEngine:
         decode = Pass(self._gen.next)
         run_together([prompt, decode])
         self._take(decode.result, info)
+        info.merged = True
         if prompt.stopped_at is None:
             return True
         self._drop_reading()

@@ -228,7 +228,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
         prompt_rate.add(info.prefill_tokens, info.prefill_seconds)
         generated[0] += info.generated
         eta.step(info.prefill, info.generating, info.prefill_tokens, info.prefill_seconds, info.generated,
-                 info.decode_seconds)
+                 info.decode_seconds, info.merged)
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
                             rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(time.monotonic()),
                             stopping=stopping())

@@ -194,3 +194,20 @@ def test_every_recomputes_at_most_once_per_interval_and_counts_down_between():
     assert calls == [100.0]
     tracker.every(102.0)
     assert calls == [100.0, 102.0]
+
+
+def test_a_merged_steps_decode_share_stays_out_of_the_step_fit():
+    """Tokens decoded in a prefill step's layer steps (module batching) took its share of them,
+    not a decode step's time: the decode rate comes from decode steps only (erring long)."""
+    def tracker(generated, merged):
+        t = EtaTracker({"a": 400, "b": 400}, max_tokens=10, batch_size=2, started=0.0)
+        t.step([("a", 100, 100)], [], 100, 1.0, 0, 0.0)
+        t.step([("b", 50, 100)], [("a", 1)], 50, 0.99, generated, 0.01, merged=merged)
+        return t
+
+    merged, as_a_step, left_out = tracker(1, True), tracker(1, False), tracker(0, False)
+    assert merged.eta(2.0) is None  # no decode step yet: a merged one does not count
+    for t in (merged, as_a_step, left_out):
+        t.step([], [("a", 2)], 0, 0.0, 1, 0.5)
+    assert merged.eta(2.5) == pytest.approx(left_out.eta(2.5))
+    assert merged.eta(2.5) > as_a_step.eta(2.5)  # 0.01 s a token would have been priced in

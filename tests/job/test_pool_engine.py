@@ -187,7 +187,7 @@ def test_a_prefill_step_decodes_the_pool_in_its_layer_steps(tiered, tiny_moe, pr
     calls = _count_block_calls(model, monkeypatch)
     info = engine.step()  # the second prompt's first chunk, with the first sequence's next token
     layers = len(model.expert_cache.layers)
-    assert info.prefill_tokens == 16 and info.generated == 1 and info.generating[0][0] == 0
+    assert info.merged and info.prefill_tokens == 16 and info.generated == 1 and info.generating[0][0] == 0
     assert calls == [(i, 16 + 1) for i in range(layers)]
     assert info.seconds == pytest.approx(info.prefill_seconds + info.decode_seconds)
     assert info.decode_seconds == pytest.approx(info.seconds / 17)
