@@ -24,7 +24,8 @@ How:
   on: the next layer's experts predicted and read while a layer computes);
   ``throughput-separate`` (the throughput schedule with prefill and decode
   steps apart, ``pool_engine.MODULE_BATCHING`` off: what decoding the pool
-  inside the prefill steps buys; its pools are priced as the default's). All use the CPU
+  inside the prefill steps buys; the scheduler prices its pools so, its expert
+  cache is chosen as the default's). All use the CPU
   expert kernel, greedy with the job's repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
