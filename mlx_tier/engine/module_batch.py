@@ -49,7 +49,8 @@ class Pass:
     Attributes:
         run: makes the pass (calls the model); its return value becomes ``result``.
         stop: ``stop(layer index)`` asked before each tiered block this pass
-            reaches; true abandons the pass there (``PassStopped`` is raised inside
+            reaches (the passes at one block in their order in the list); true
+            abandons the pass there (``PassStopped`` is raised inside
             it, ``stopped_at`` set); the other passes go on. ``None``: never.
         result: what ``run`` returned (``None`` if stopped).
         stopped_at: the layer where ``stop`` abandoned the pass, else ``None``.
@@ -101,7 +102,7 @@ def run_together(passes: list[Pass]) -> None:
             resume(i)
         while waiting:
             layer = min(c.block.cache.layer for c in waiting.values())
-            group = [i for i, c in waiting.items() if c.block.cache.layer == layer]
+            group = sorted(i for i, c in waiting.items() if c.block.cache.layer == layer)
             going = []
             for i in group:
                 call = waiting.pop(i)

@@ -8,22 +8,25 @@ accumulates tokens and runs the expert modules on large batches of their own
 size; FlexGen's zig-zag schedule loads a layer once for a block of sequences;
 MoE-Lightning (arXiv 2411.11217) sizes those batches with a roofline model.
 Here, on mlx-lm's own batch primitives (``PromptProcessingBatch``,
-``GenerationBatch``: its padding, masks and caches, not a fork of them), a
-step is one of:
+``GenerationBatch``: its masks, caches and sampling, not a fork of them), run
+side by side with their expert blocks merged (MoE-Gen's module batching:
+:mod:`mlx_tier.engine.module_batch`; attention runs per pass on its own KV
+caches, each tiered expert block once on the rows of every pass), a step is
+one of:
 
-- a **prefill step**: up to ``prefill_batch`` prompts read together, each a
-  chunk of ``pool_tokens / n`` tokens (right-padded by mlx-lm to one length),
-  so a layer step carries ``pool_tokens`` prompt tokens and each expert the
-  tiered layer fetches is computed once for all of them (the CPU kernel's
-  GEMM path: rows grouped by expert, dequantised once);
+- a **prefill step**: ``pool_tokens`` prompt tokens, taken from the prompts
+  being read in the order they started and then from waiting ones (at most
+  ``prefill_batch`` read at once): a prompt that ends inside a step leaves the
+  rest of the pool to the next one, so steps stay full. Each prompt's chunk is
+  its own pass (no padding: prompts of different lengths never share a padded
+  batch), and each expert the tiered layer fetches is computed once for the
+  whole pool (the CPU kernel's GEMM path: rows grouped by expert, dequantised
+  once);
 - a **decode step**: every generating sequence (up to ``batch_size``) decodes
   one token together.
 
 With ``merge`` (the default) a prefill step also decodes every generating
-sequence, in the same layer steps: MoE-Gen's module batching
-(:mod:`mlx_tier.engine.module_batch`). Attention runs per batch (the prompt
-chunk's and the decode pool's own KV caches); each tiered expert block runs
-once on the rows of both, so the decode pool's experts ride on the prompt
+sequence, as one more pass: the decode pool's experts ride on the prompt
 pool's reads and GEMMs instead of being fetched again in a decode step of
 their own. A merged step's time is split between its prompt tokens and its
 generated tokens by their count (its rows in the expert blocks).
@@ -36,17 +39,16 @@ decode pool has fallen below half its size (or is empty); otherwise the pool
 decodes. So decode steps run on a pool near its chosen size instead of on each
 prompt batch as it arrives (alternating steps decoded 3, 6, 9... sequences
 while a folder's first prompts were read: a generated token cost ~2x a full
-pool's), and prompt batches stay whole while finished sequences free their
-places one by one. Sizes come from :mod:`mlx_tier.tools.pools`; this module
-only executes them.
+pool's). Sizes come from :mod:`mlx_tier.tools.pools`; this module only
+executes them.
 
-Long steps stay responsive: during a prefill step a hook runs before each
-tiered MoE layer (:meth:`mlx_tier.engine.cache.ExpertCache.set_layer_hook`);
-``interrupt()`` true there abandons the step, and the prompts being read
-are dropped (returned by :meth:`PoolEngine.take_interrupted`), as a stop
-drops prompts still being read in the paced schedule. Decode steps are never
-interrupted (a token half computed would be lost): in a merged step the
-decode pass finishes its layers alone.
+Long steps stay responsive: during a prefill step ``interrupt(layer)`` is
+asked before each tiered MoE layer; true abandons the prompt passes there, and
+the prompts being read are dropped (returned by
+:meth:`PoolEngine.take_interrupted`), as a stop drops prompts still being read
+in the paced schedule. Decode steps are never interrupted (a token half
+computed would be lost): in a merged step the decode pass finishes its layers
+alone.
 """
 
 from __future__ import annotations
@@ -76,10 +78,6 @@ from mlx_tier.job.quantized_kv import quantizing
 MODULE_BATCHING = True
 
 
-class StepInterrupted(Exception):
-    """Raised by the layer hook to abandon a prefill step (a stop request)."""
-
-
 @dataclass(eq=False)
 class _Seq:
     """One sequence in the engine.
@@ -98,6 +96,7 @@ class _Seq:
     prefix_tokens: int
     started: float
     read: int = 0  # prompt tokens read so far, the shared prefix not counted
+    batch: object = None  # its PromptProcessingBatch while its prompt is read
     tokens: list[int] = field(default_factory=list)
 
 
@@ -112,9 +111,8 @@ class PoolEngine:
         model, tokenizer: from :func:`mlx_tier.load` (or ``mlx_lm.load``).
         stop_ids: end-of-sequence token ids.
         batch_size: most sequences in the engine (the decode pool), >= 1.
-        prefill_batch: most prompts read together in one prefill step, >= 1.
-        pool_tokens: prompt tokens per prefill step, over all its prompts
-            (each prompt's chunk is ``pool_tokens // prompts``, at least 1).
+        prefill_batch: most prompts read at once (in one prefill step), >= 1.
+        pool_tokens: prompt tokens per prefill step, over all its prompts.
         repetition_penalty: mlx-lm's (its context includes the prompt).
         prefix: a shared prefix's KV cache, copied into each prompt that starts with it.
         kv_bits: store the pools' KV caches quantized to these bits
@@ -149,8 +147,8 @@ class PoolEngine:
         self._sampler = greedy_sampler
         self._gen = GenerationBatch.empty(model, greedy_sampler)
         self._waiting: deque[_Seq] = deque()
-        self._prompt = None  # PromptProcessingBatch of the prompts being read, or None
-        self._reading: list[_Seq] = []  # aligned with self._prompt.uids
+        self._reading: list[_Seq] = []  # prompts being read, in the order they started
+        self._starting: list[_Seq] = []  # prompts read to their end: they start generating next step
         self._generating: dict[int, _Seq] = {}
         self._interrupted: list[Task] = []
         self._uid = 0
@@ -161,7 +159,7 @@ class PoolEngine:
 
     @property
     def active(self) -> int:
-        return len(self._waiting) + len(self._reading) + len(self._generating)
+        return len(self._waiting) + len(self._reading) + len(self._starting) + len(self._generating)
 
     def add(self, task: Task) -> None:
         """Queue ``task``; its prompt is read in a coming prefill step.
@@ -205,107 +203,91 @@ class PoolEngine:
         with mx.stream(generation_stream):
             return self._prefill_step(interrupt) if self._prefill_next() else self._decode_step()
 
-    def _start_prompts(self) -> None:
-        """Move up to ``prefill_batch`` waiting sequences into the prompt batch (when it is empty)."""
+    def _begin(self, s: _Seq) -> None:
+        """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding)."""
         from mlx_lm.generate import PromptProcessingBatch
 
-        if self._reading or not self._waiting:
-            return
-        take = [self._waiting.popleft() for _ in range(min(self.prefill_batch, len(self._waiting)))]
-        self._reading = take
-        self._prompt = PromptProcessingBatch(
-            self.model, [s.uid for s in take], [s.cache for s in take], tokens=[list(s.seen) for s in take],
-            prefill_step_size=1 << 30, fallback_sampler=self._sampler, samplers=[None] * len(take),
-            logits_processors=[s.processors for s in take], stop_sequences=[self._stops] * len(take),
-            max_tokens=[s.task.max_tokens for s in take])
+        s.batch = PromptProcessingBatch(
+            self.model, [s.uid], [s.cache], tokens=[list(s.seen)], prefill_step_size=1 << 30,
+            fallback_sampler=self._sampler, samplers=[None], logits_processors=[s.processors],
+            stop_sequences=[self._stops], max_tokens=[s.task.max_tokens])
+        self._reading.append(s)
+
+    def _chunks(self) -> list[tuple[_Seq, list[int]]]:
+        """This step's prompt chunks: the prompts being read, in the order they started, then
+        waiting ones (started here while fewer than ``prefill_batch`` are read), each as
+        many tokens as the pool has left."""
+        left, chunks = self.pool_tokens, []
+        for s in self._reading:
+            if left > 0 and s.rest:
+                chunks.append((s, s.rest[:left]))
+                left -= len(chunks[-1][1])
+        while left > 0 and self._waiting and len(self._reading) < self.prefill_batch:
+            s = self._waiting.popleft()
+            self._begin(s)
+            if s.rest:
+                chunks.append((s, s.rest[:left]))
+                left -= len(chunks[-1][1])
+        if not self._reading and self._waiting:  # prompts of one token: nothing to read, they start now
+            self._begin(self._waiting.popleft())
+        return chunks
 
     def _prefill_step(self, interrupt) -> StepInfo:
-        """Read one chunk of every prompt in the prompt batch (with ``merge``, decoding the
-        generating sequences in the same layer steps); prompts read to their last token
-        move to the generation batch."""
+        """Read the pool's prompt chunks (with ``merge``, decoding the generating sequences in
+        the same layer steps); prompts read to their last token start generating in the next step."""
         info = StepInfo()
-        self._start_prompts()
         t0 = time.perf_counter()
-        chunk = max(1, self.pool_tokens // len(self._reading))
-        parts = [s.rest[:chunk] for s in self._reading]
-        if not any(parts) or self._read(parts, interrupt, info):
-            for s, part in zip(self._reading, parts):
-                del s.rest[: len(part)]
-                s.read += len(part)
-            info.prefill_tokens = sum(len(p) for p in parts)
+        chunks = self._chunks()
+        if self._run(chunks, self.merge, interrupt, info):
+            for s, chunk in chunks:
+                del s.rest[: len(chunk)]
+                s.read += len(chunk)
+            info.prefill_tokens = sum(len(c) for _, c in chunks)
             info.prefill = [(s.task.key, s.read, len(s.task.prompt) - s.prefix_tokens) for s in self._reading]
-            self._to_generation()
+            self._starting += [s for s in self._reading if not s.rest]
+            self._reading = [s for s in self._reading if s.rest]
         _split_time(info, time.perf_counter() - t0)
         return info
-
-    def _read(self, parts: list[list[int]], interrupt, info: StepInfo) -> bool:
-        """Read ``parts``; with ``merge`` and sequences generating, their decode step runs
-        in the same layer steps (its tokens go to ``info``). ``False``: interrupted (the
-        prompt batch is dropped; a merged decode step still completes)."""
-        if not (self.merge and self._generating):
-            return self._run_prompt(parts, interrupt)
-        prompt = Pass(lambda: self._prompt.prompt(parts), stop=interrupt)
-        decode = Pass(self._gen.next)
-        run_together([prompt, decode])
-        self._take(decode.result, info)
-        info.merged = True
-        if prompt.stopped_at is None:
-            return True
-        self._drop_reading()
-        return False
-
-    def _run_prompt(self, parts: list[list[int]], interrupt) -> bool:
-        """``PromptProcessingBatch.prompt`` under the layer hook; an interrupt drops the prompt
-        batch (returns ``False``)."""
-        cache = getattr(self.model, "expert_cache", None)
-        cache = cache if hasattr(cache, "set_layer_hook") else None
-        hook = None
-        if interrupt is not None:
-            def hook(layer: int) -> None:
-                if interrupt(layer):
-                    raise StepInterrupted
-
-        if cache is not None:
-            cache.set_layer_hook(hook)
-        try:
-            self._prompt.prompt(parts)
-            return True
-        except StepInterrupted:
-            self._drop_reading()
-            for layer in getattr(cache, "layers", []):
-                layer.discard_pending()
-            return False
-        finally:
-            if cache is not None:
-                cache.set_layer_hook(None)
-
-    def _drop_reading(self) -> None:
-        """Abandon the prompts being read (an interrupt): their tasks go to :meth:`take_interrupted`."""
-        self._interrupted.extend(s.task for s in self._reading)
-        self._reading, self._prompt = [], None
-
-    def _to_generation(self) -> None:
-        """Sequences whose prompt is read (all but the last token) start generating: their
-        first decode input is computed now, as mlx-lm's batch generator does."""
-        done = [i for i, s in enumerate(self._reading) if not s.rest]
-        if not done:
-            return
-        keep = [i for i in range(len(self._reading)) if i not in done]
-        moving = [self._reading[i] for i in done]
-        batch = self._prompt.split(done).generate([[s.last] for s in moving])
-        self._gen.extend(batch)
-        for s in moving:
-            self._generating[s.uid] = s
-        self._reading = [self._reading[i] for i in keep]
-        if not self._reading:
-            self._prompt = None
 
     def _decode_step(self) -> StepInfo:
         info = StepInfo()
         t0 = time.perf_counter()
-        self._take(self._gen.next(), info)
+        self._run([], True, None, info)
         info.seconds = info.decode_seconds = time.perf_counter() - t0
         return info
+
+    def _run(self, chunks: list[tuple[_Seq, list[int]]], decode: bool, interrupt, info: StepInfo) -> bool:
+        """One step's forward passes, their expert blocks computed together
+        (:func:`~mlx_tier.engine.module_batch.run_together`): one for each prompt chunk, the
+        decode pool's step (``decode`` and sequences generating: its tokens go to ``info``),
+        and the first decode input of each sequence whose prompt the last step read to its
+        end (mlx-lm's ``GenerationBatch`` computes it as it starts; it joins the pool then).
+        ``False``: interrupted (every prompt being read is dropped; the other passes complete)."""
+        stop = _LayerStop(interrupt)
+        reads = [Pass(lambda s=s, c=c: s.batch.prompt([c]), stop=stop) for s, c in chunks]
+        starts = [Pass(lambda s=s: s.batch.generate([[s.last]])) for s in self._starting]
+        step = Pass(self._gen.next) if decode and self._generating else None
+        run_together(reads + starts + ([step] if step is not None else []))
+        for s, started in zip(self._starting, starts):
+            self._gen.extend(started.result)
+            s.batch = None
+            self._generating[s.uid] = s
+        self._starting = []
+        if step is not None:
+            self._take(step.result, info)
+            info.merged = bool(chunks)
+        if not stop.stopped:
+            return True
+        self._drop_reading()
+        if step is None and not starts:  # nothing went on past the stop: the layers' last outputs are not needed
+            for layer in getattr(getattr(self.model, "expert_cache", None), "layers", []):
+                layer.discard_pending()
+        return False
+
+    def _drop_reading(self) -> None:
+        """Abandon the prompts being read (an interrupt): their tasks go to :meth:`take_interrupted`."""
+        self._interrupted.extend(s.task for s in self._reading)
+        self._reading = []
 
     def _take(self, responses, info: StepInfo) -> None:
         """A decode step's responses into ``info``: tokens kept, sequences finished."""
@@ -328,14 +310,14 @@ class PoolEngine:
 
     def tasks(self) -> list[Task]:
         """The tasks in the engine."""
-        return [s.task for s in (*self._waiting, *self._reading, *self._generating.values())]
+        return [s.task for s in (*self._waiting, *self._reading, *self._starting, *self._generating.values())]
 
     def cancel_unstarted(self) -> list[Task]:
-        """Drop the sequences that have not produced a token yet (waiting or reading
-        their prompt); returns their tasks."""
-        tasks = [s.task for s in (*self._waiting, *self._reading)]
+        """Drop the sequences that have not produced a token yet (waiting, reading their
+        prompt or about to start generating); returns their tasks."""
+        tasks = [s.task for s in (*self._waiting, *self._reading, *self._starting)]
         self._waiting.clear()
-        self._reading, self._prompt = [], None
+        self._reading, self._starting = [], []
         return tasks
 
     def cancel(self) -> list[Task]:
@@ -358,3 +340,17 @@ def _split_time(info: StepInfo, seconds: float) -> None:
     done = info.prefill_tokens + info.generated
     info.prefill_seconds = seconds * info.prefill_tokens / done if done else seconds
     info.decode_seconds = seconds - info.prefill_seconds
+
+
+class _LayerStop:
+    """A prompt pass's ``stop``: ``interrupt(layer)`` asked once a layer (for the first pass
+    there); once true, every prompt pass stops."""
+
+    def __init__(self, interrupt: Callable[[int], bool] | None):
+        self.interrupt, self.asked, self.stopped = interrupt, set(), False
+
+    def __call__(self, layer: int) -> bool:
+        if not self.stopped and self.interrupt is not None and layer not in self.asked:
+            self.asked.add(layer)
+            self.stopped = bool(self.interrupt(layer))
+        return self.stopped

@@ -341,7 +341,8 @@ class PoolPlan:
 
     Attributes:
         prefill_tokens: prompt tokens per prefill step (over its prompts).
-        prefill_batch: prompts read together in one step.
+        prefill_batch: most prompts read at once (those a step's tokens cover, and
+            one more, where a prompt ends inside a step).
         decode_pool: sequences decoded together (and most in the engine).
         prompt_tok_s: predicted prompt tokens read per second at the prefill pool.
         decode_tok_s: predicted generated tokens per second, over a document's
@@ -418,7 +419,9 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     pool, limited_by = min(room, limit), "memory" if room < limit else ("batch size" if cap else "cap")
     if documents is not None and documents < pool:
         pool, limited_by = max(1, documents), "documents"
-    prefill_batch = max(1, min(pool, round(prefill_tokens / read)))
+    # The prompts a pool's tokens cover, and one more: a prompt that ends inside a step
+    # leaves the rest of the pool to the next one (mlx_tier.job.pool_engine).
+    prefill_batch = max(1, min(pool, math.ceil(prefill_tokens / read) + 1))
     ctx_decode = prompt_tokens + output_tokens / 2
     decode_s = seconds_per_token(shape, rates, pool, ctx_decode)
     prompt_s = 1 / rate[prefill_tokens]

@@ -64,8 +64,8 @@ def prompts_and_refs(tiered):
 @pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("batch, prefill_batch, pool_tokens", [
     (5, 5, 4096),  # every prompt in one prefill step, all decoding together
-    (5, 5, 7),  # chunks of one token each: many padded prefill steps
-    (5, 3, 24),  # pools of 3 prompts, 8-token chunks
+    (5, 5, 7),  # 7-token pools: many steps, prompts ending inside them
+    (5, 3, 24),  # up to 3 prompts read at once, a step's 24 tokens across them
     (2, 2, 16),  # fewer places than prompts: later prompts join while others decode
     (1, 1, 512),  # one at a time
 ])
@@ -99,7 +99,7 @@ def test_interrupt_between_layers_drops_the_prompts_being_read(tiered, tiny_moe,
     model, tokenizer = tiered
     prompts, refs = prompts_and_refs
     engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=5, prefill_batch=2,
-                        pool_tokens=8)
+                        pool_tokens=len(prompts[0]) + 3)  # the first prompt and 4 tokens of the second
     for i, p in enumerate(prompts):
         engine.add(Task(i, p, N))
     calls = []
@@ -216,3 +216,36 @@ def test_a_stop_in_a_merged_step_drops_the_prompt_and_keeps_the_decoded_token(ti
     while engine.active:
         results.update((f.key, f.tokens) for f in engine.step().finished)
     assert results == {0: refs[0]}
+
+
+def test_a_prefill_step_is_filled_across_prompts_without_padding(tiered, tiny_moe, prompts_and_refs, monkeypatch):
+    """A prompt that ends inside a step leaves the rest of the pool to the next prompt: every
+    step but the last carries exactly ``pool_tokens`` prompt rows through each expert block
+    (one call a layer, with the decode pool's rows; no padded rows), and a prompt shorter
+    than the pool shares its step."""
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    pool = 20
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=5, prefill_batch=3,
+                        pool_tokens=pool)
+    for i, p in enumerate(prompts):
+        engine.add(Task(i, p, N))
+    calls = _count_block_calls(model, monkeypatch)
+    layers = len(model.expert_cache.layers)
+    total = sum(len(p) - 1 for p in prompts)  # each prompt's last token is its first decode input
+    steps, read = [], 0
+    while read < total:
+        calls.clear()
+        starting = len(engine._starting)  # prompts read in the last step: their first decode input now
+        info = engine.step()
+        steps.append(info.prefill_tokens)
+        read += info.prefill_tokens
+        # one call a layer on the prompt rows (no padded ones), the decode pool's and the starting ones'
+        assert calls == [(i, info.prefill_tokens + info.generated + starting) for i in range(layers)]
+        assert len(info.prefill) <= 3
+    assert steps[:-1] == [pool] * (len(steps) - 1) and 0 < steps[-1] <= pool
+    assert len(steps) == -(-total // pool)
+    results = {}
+    while engine.active:
+        results.update((f.key, f.tokens) for f in engine.step().finished)
+    assert results == dict(enumerate(refs))

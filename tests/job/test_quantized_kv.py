@@ -102,9 +102,10 @@ def run_pool(engine, prompts):
             engine.add(Task(i, p, N))
         for f in engine.step().finished:
             results[f.key] = f.tokens
-        caches = (engine._prompt.prompt_cache if engine._prompt is not None else []) + engine._gen.prompt_cache
+        caches = [c for s in engine._reading + engine._starting for c in s.batch.prompt_cache]
+        caches += engine._gen.prompt_cache
         assert all(type(c) is BatchQuantizedKVCache for c in caches)
-        assert caches or not (engine._reading or engine._generating)
+        assert caches or not (engine._reading or engine._starting or engine._generating)
     return [results[i] for i in range(len(prompts))]
 
 
