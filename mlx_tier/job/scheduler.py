@@ -66,6 +66,7 @@ from mlx_tier.job.prompts import (
     trim_to_sentence,
 )
 from mlx_tier.job.quantized_kv import quantized_copy
+from mlx_tier.tools.pools import KV_STEP
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
@@ -303,7 +304,7 @@ class Scheduler:
             self.batch_size = config.batch_size or self._memory_batch(longest_chars)
         if memory is not None:  # a pool's prompt step within the split's workspace
             self.pool_tokens = min(self.pool_tokens, memory.prefill_step)
-        self._reserved: dict = {}  # task key -> KV bytes held (throughput schedule's admission)
+        self._reserved: dict = {}  # task key -> its longest length, tokens (throughput schedule's admission)
         self._kv_room = self._pool_room(longest_chars)
         self.info = {
             "batch_size": self.batch_size,
@@ -393,16 +394,18 @@ class Scheduler:
             return c.batch_size or self.pools.decode_pool
         return c.batch_size or min(MAX_DECODE_POOL, self.plan.batch_size(self.context, MAX_DECODE_POOL))
 
-    def _kv_bytes(self, task: Task) -> int:
-        """KV-cache bytes ``task`` holds at its longest (prompt + ``max_tokens``)."""
-        return int(self.plan.kv_per_token * (len(task.prompt) + task.max_tokens)) + self.plan.fixed_per_seq
+    def _held_bytes(self, tokens: list[int]) -> int:
+        """KV-cache bytes sequences of these longest lengths (prompt + ``max_tokens``) hold
+        together in one batch: mlx-lm's ``BatchKVCache`` keeps every sequence at the length
+        of the batch's longest, its buffers grown up to :data:`KV_STEP` tokens ahead."""
+        return len(tokens) * (int(self.plan.kv_per_token * (max(tokens) + KV_STEP)) + self.plan.fixed_per_seq)
 
     def _fits(self, task: Task, engine) -> bool:
         """Throughput schedule: whether ``task``'s KV cache fits beside those in flight (a task
         that does not waits for others to finish; alone, it runs: it was sized to fit)."""
         if self.config.schedule != "throughput" or not engine.active:
             return True
-        return sum(self._reserved.values()) + self._kv_bytes(task) <= self._kv_room
+        return self._held_bytes([*self._reserved.values(), len(task.prompt) + task.max_tokens]) <= self._kv_room
 
     def _pool_room(self, longest_chars: int | None) -> int:
         """Bytes for the KV caches of the sequences in flight: the memory plan's, less one
@@ -420,7 +423,7 @@ class Scheduler:
 
     def _add(self, engine, task: Task) -> None:
         engine.add(task)
-        self._reserved[task.key] = self._kv_bytes(task)
+        self._reserved[task.key] = len(task.prompt) + task.max_tokens
 
     def _release(self, tasks) -> None:
         for t in tasks:

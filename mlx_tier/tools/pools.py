@@ -76,6 +76,10 @@ MAX_DECODE_POOL = 64
 MIN_COVERAGE = 0.9
 # Rows a slot in the probe of the loops' rate on a prompt pool's small slots (below the GEMM's).
 LOOP_PROBE_ROWS = 16
+# Tokens mlx-lm's BatchKVCache grows its buffers by (BatchKVCache.step): a sequence's KV
+# cache holds up to this many more tokens than it has (and a batch holds every sequence at
+# its longest's length: mlx_tier.job.scheduler).
+KV_STEP = 256
 # Largest prompt chunk of one sequence in one step: attention scores of a chunk
 # against its context are a transient of chunk x context x heads floats.
 MAX_CHUNK = 1024
@@ -415,7 +419,7 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     prefill_tokens = min(t for t in fits if rate[t] >= NEAR_BEST * best)
     limit = cap or MAX_DECODE_POOL
     room = max(1, int((free_bytes - prefill_transient(shape, prefill_tokens, min(seq, MAX_CHUNK)))
-                      // max(1.0, shape.kv_bytes * seq)))
+                      // max(1.0, shape.kv_bytes * (seq + KV_STEP))))
     pool, limited_by = min(room, limit), "memory" if room < limit else ("batch size" if cap else "cap")
     if documents is not None and documents < pool:
         pool, limited_by = max(1, documents), "documents"

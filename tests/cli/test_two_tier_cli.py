@@ -70,7 +70,7 @@ def plan_tiers(path, gpu_gb: float, *more: str):
     r = runner.invoke(app, ["plan", str(path), "--disk-gbps", "1", "--compute-gbps", "1", "--memory-gb", "1",
                             "--gpu-gb", f"{gpu_gb!r}", *more])
     assert r.exit_code == 0, r.output
-    return json.loads(r.output) if "--json" in more else r.output
+    return json.loads(r.stdout) if "--json" in more else r.output
 
 
 def test_plan_cli_says_when_the_split_does_not_fit(tiny_moe):
@@ -96,7 +96,7 @@ def test_plan_cli_three_tiers(tiny_moe):
     r = runner.invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1",
                             "--memory-gb", "1", "--gpu-gb", "0.5"])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     tiers = data["tiers"]
     assert tiers["hot_slots"] + tiers["warm_slots"] + tiers["cold_experts"] == data["experts_per_layer"]
     assert tiers["device_free"] == int(0.5 * 2**30) - data["dense_bytes"]
@@ -183,7 +183,7 @@ def test_trace_sim_warm_slots(tmp_path):
     r = runner.invoke(app, ["trace-sim", str(path), "--slots", "2", "--slots", "4", "--warm-slots", "6",
                             "--policy", "lru", "--policy", "belady", "--json"])
     assert r.exit_code == 0, r.output
-    got = json.loads(r.output)["results"]
+    got = json.loads(r.stdout)["results"]
     want = [simulate_two_tier(trace, "lru", n, 6).as_dict() for n in (2, 4)]  # belady skipped: single-tier only
     assert got == json.loads(json.dumps(want))
     assert got[0]["warm_hit_rate"] > 0 and got[1]["hot_hit_rate"] > got[0]["hot_hit_rate"]
@@ -207,7 +207,7 @@ def test_trace_sim_warm_slots_replays_predictions_and_prewarm(tmp_path):
     r = runner.invoke(app, ["trace-sim", str(path), "--slots", "3", "--warm-slots", "6", "--policy", "lfu",
                             "--prewarm", "--json"])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert data["prefetch"] is True and data["prewarm"] is True
     want = simulate_two_tier(trace, "lfu", 3, 6, prewarm=True, prefetch=True).as_dict()
     assert data["results"] == [json.loads(json.dumps(want))] and want["promotions_ahead"] > 0

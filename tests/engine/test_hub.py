@@ -91,7 +91,7 @@ def test_offline_and_absent_is_one_clear_line(hub_cache, tmp_path):
 def test_plan_takes_a_cached_repo_id(hub_cache):
     r = runner.invoke(app, ["plan", REPO, "--json", "--disk-gbps", "1", "--compute-gbps", "1"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["source"] == "local" and json.loads(r.output)["experts_per_layer"] == 8
+    assert json.loads(r.stdout)["source"] == "local" and json.loads(r.stdout)["experts_per_layer"] == 8
 
 
 class FakeHub:

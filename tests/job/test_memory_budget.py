@@ -92,14 +92,14 @@ def test_default_run_takes_the_limit_and_says_so(one_gib_cgroup, docs, tmp_path,
 def test_plan_reports_the_limit_and_the_runs_split(one_gib_cgroup, tiny_moe):
     r = runner.invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1"])
     assert r.exit_code == 0, r.output
-    p = json.loads(r.output)
+    p = json.loads(r.stdout)
     assert (p["memory_total"], p["memory_source"], p["memory_fit"]) == (GIB, CGROUP, None)
     assert p["memory_split"]["total"] <= GIB and p["memory_split"]["source"] == CGROUP
     r = runner.invoke(app, ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1"])
     assert "(cgroup v1" in r.output and "memory.limit_in_bytes)" in r.output  # the table wraps its cells
     r = runner.invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1",
                             "--memory-gb", "0.3"])
-    p = json.loads(r.output)
+    p = json.loads(r.stdout)
     assert p["memory_split"] is None and "too little for this model" in p["memory_fit"]
     assert p["slots_per_layer"] == 0 and p["memory_source"] == "memory_gb"
 
@@ -178,7 +178,7 @@ def test_plan_shows_the_cache_a_throughput_run_would_load(one_gib_cgroup, tiny_m
     args = ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1", "--doc-tokens", "500"]
     r = runner.invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
-    p = json.loads(r.output)
+    p = json.loads(r.stdout)
     assert p["slots_per_layer"] == 1 and p["job"]["cache_for_pools"]["slots"] == 1
     assert p["memory_split"]["experts"] + p["memory_split"]["KV"] > p["memory_split"]["experts"] * 2
     r = runner.invoke(app, args)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 import mlx_tier
+from mlx_tier.job.batch_engine import Task
 from mlx_tier.job.documents import Document
 from mlx_tier.job.scheduler import GenerationConfig, Scheduler
+from mlx_tier.tools.pools import KV_STEP
 
 TEXTS = {
     "a": "The cat sat on the mat and looked at the garden.",
@@ -134,13 +136,32 @@ def test_nothing_outside_the_reasoning_fails_the_document(tiered, tiny_moe):
     assert sched._finish(_Doc(Document("u", "u", "x"), 0.0), "A summary.", "stop").status == "done"
 
 
+def test_kv_caches_are_counted_as_a_batch_holds_them(tiered, tiny_moe):
+    """mlx-lm's batched KV cache holds every sequence at the batch's longest length, its
+    buffers grown up to KV_STEP tokens ahead: a short document beside a long one is counted
+    at the long one's length (counted at its own, a 2 GiB run of 16 documents was killed for
+    memory), and one that would not fit so waits."""
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
+                                                                         pool_tokens=512, prefill_batch=3))
+    per, fixed = sched.plan.kv_per_token, sched.plan.fixed_per_seq
+    assert sched._held_bytes([100, 700]) == 2 * (int(per * (700 + KV_STEP)) + fixed)
+    busy = type("Engine", (), {"active": 1})()
+    sched._reserved = {"long": 700}
+    short = Task("short", list(range(92)), 8)  # 100 tokens at its longest
+    sched._kv_room = sched._held_bytes([700, 100]) - 1
+    assert not sched._fits(short, busy)  # its own 100 tokens would have fitted: 700 + 100 + 2 steps
+    sched._kv_room += 1
+    assert sched._fits(short, busy)
+
+
 def test_documents_whose_kv_cache_does_not_fit_wait(tiered, tiny_moe):
     """Throughput schedule: a document starts only when its KV cache (prompt + max_tokens)
     fits beside those in flight; the others wait for a place, then all finish."""
     model, tokenizer = tiered
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
                                                                          pool_tokens=512, prefill_batch=3))
-    per_doc = sched.plan.kv_per_token * 70  # the prompts here are ~50 tokens + 8 generated
+    per_doc = sched.plan.kv_per_token * (70 + KV_STEP)  # the prompts here are ~50 tokens + 8 generated
     sched._kv_room = int(1.5 * per_doc)  # room for one document at a time
     in_flight = []
     out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))

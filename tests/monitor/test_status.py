@@ -62,7 +62,7 @@ def test_running_job_eta_and_cli(tmp_path):
         assert "running (pid 4321)" in r.output and "3 done, 1 failed, 2 pending" in r.output
         assert "15.5 s" in r.output  # throttled
         r = runner.invoke(app, ["status", str(out), "--json"])
-        assert json.loads(r.output)["eta_seconds"] > 0
+        assert json.loads(r.stdout)["eta_seconds"] > 0
         # the documents in flight, from the progress file the run rewrites every few seconds
         (out / "progress.json").write_text(json.dumps({
             "time": T0 + 198, "in_flight": ["d4", "d5"], "reading": ["d5", 312, 1204], "writing": [["d4", 17]],
@@ -134,7 +134,7 @@ def test_hard_stopped_run_reads_as_interrupted_with_its_real_time_and_the_resume
     assert r.exit_code == 0 and "interrupted at" in r.output and "in 160 s" in r.output, r.output
     assert max(map(len, r.output.splitlines())) <= 80
     r = runner.invoke(app, ["status", str(out), "--json"])
-    assert json.loads(r.output)["state"] == "interrupted"
+    assert json.loads(r.stdout)["state"] == "interrupted"
 
 
 def test_status_html_of_a_hard_stopped_run_says_interrupted_and_how_to_resume(tmp_path):

@@ -200,7 +200,7 @@ def test_trace_sim_split_prewarm_and_profile_cli(tmp_path, tiny_moe):
     r = runner.invoke(app, ["trace-sim", str(tmp_path / "t.npz"), "--json", "--slots", "2", "--split", "adaptive",
                             "--prewarm", "--policy", "lru", "--policy", "belady"])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert data["split"] == "adaptive" and all(sum(x["layer_slots"]) == 4 for x in data["results"])
     for args, msg in [(["--slots", "9"], "between 1 and 8"), (["--split", "fancy"], "uniform or adaptive")]:
         r = runner.invoke(app, ["trace-sim", str(tmp_path / "t.npz"), *args])

@@ -130,6 +130,6 @@ def test_trace_stats_cli(tmp_path):
     assert r.exit_code == 0, r.output
     assert "experts reused at the next token" in r.output and "66.7%" in r.output
     r = CliRunner().invoke(app, ["trace-stats", str(tmp_path / "t.npz"), "--json"])
-    assert json.loads(r.output)[str(tmp_path / "t.npz")]["mean"]["overlap_any"] == pytest.approx(2 / 3)
+    assert json.loads(r.stdout)[str(tmp_path / "t.npz")]["mean"]["overlap_any"] == pytest.approx(2 / 3)
     r = CliRunner().invoke(app, ["trace-stats", str(tmp_path / "missing.npz")])
     assert r.exit_code == 2 and "no such trace file" in r.output

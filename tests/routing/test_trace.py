@@ -73,7 +73,7 @@ def test_trace_sim_cli(tmp_path):
     assert r.exit_code == 0, r.output
     import json
 
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     rates = {(x["policy"], x["slots"]): x["hit_rate"] for x in data["results"]}
     assert rates[("belady", 4)] >= rates[("lru", 4)] and rates[("lru", 8)] >= rates[("lru", 4)]
     r = CliRunner().invoke(app, ["trace-sim", str(tmp_path / "t.npz")])

@@ -43,7 +43,7 @@ def test_plan_matches_arithmetic(which, request):
 def test_plan_cli_json_and_errors(tiny_moe, tiny_dense, tmp_path):
     r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1", "--memory-gb", "0.001"])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert data["total_params"] == expected(TINY_MIXTRAL)["total"] and "active_params" in data
     assert data["slots_per_layer"] == 0 and data["tok_s_high"] == 0.0  # 1 MiB holds no slot row
     r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1"])
