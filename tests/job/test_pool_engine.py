@@ -1,13 +1,14 @@
 """The throughput schedule's engine: a document's tokens do not depend on its pool.
 
 Invariant guarded: prompts of different lengths read together in one prefill
-pool (right-padded by mlx-lm, then rolled to left padding: the case of
-mlx-lm#1906) and decoded together give, with kernel ``mlx``, exactly the
+pool (each its own pass, their expert blocks computed together; the decode
+pool's batched KV caches left-padded by mlx-lm: the case of mlx-lm#1906) and
+decoded together give, with kernel ``mlx``, exactly the
 greedy tokens of each prompt decoded alone by mlx-lm's ``stream_generate``;
 with the CPU kernel, the same tokens on these prompts (its logits stay within
 the stated bound, tests/kernels). The same with module batching (a prefill
 step decodes the generating sequences in its layer steps) and without. Also:
-pools of every shape (one prompt at a time, chunks of one token, all at once),
+pools of every shape (one prompt at a time, 7-token pools, all at once),
 the shared prefix, the repetition penalty, and a stop that abandons a prefill
 step between layers.
 """

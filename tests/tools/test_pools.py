@@ -184,7 +184,10 @@ def test_popularity_is_not_measured_from_a_sample_too_small_to_cover_the_routing
     assert popularity([[1, 1, 1, 1, 1, 1, 0, 0]]) == ()  # every used expert used once: coverage 0
     assert popularity([[1, 1, 0, 0, 0, 0, 0, 0]]) == ()  # a one-token prefix of a top-2 model
     covered = [[9, 9, 9, 9, 9, 9, 9, 1]]  # 64 entries, one used once: coverage 0.98
-    assert 1 - 1 / 64 >= MIN_COVERAGE and popularity(covered) != ()
+    assert popularity(covered) != ()
+    # at the threshold: two experts used once beside one used m times cover 1 - 2 / (m + 2)
+    m = next(m for m in range(1, 10_000) if 1 - 2 / (m + 2) >= MIN_COVERAGE)  # the fewest that cover it
+    assert popularity([[m, 1, 1, 0]]) != () and popularity([[m - 1, 1, 1, 0]]) == ()
 
 
 def test_measured_routing_prices_distinct_and_resident_experts():
