@@ -228,9 +228,7 @@ class PoolEngine:
             if s.rest:
                 chunks.append((s, s.rest[:left]))
                 left -= len(chunks[-1][1])
-        if not self._reading and self._waiting:  # prompts of one token: nothing to read, they start now
-            self._begin(self._waiting.popleft())
-        return chunks
+        return chunks  # a prompt of one token is started with no chunk: nothing to read
 
     def _prefill_step(self, interrupt) -> StepInfo:
         """Read the pool's prompt chunks (with ``merge``, decoding the generating sequences in
