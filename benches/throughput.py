@@ -155,8 +155,15 @@ def worker(spec: dict) -> dict:
     setup_s = time.perf_counter() - t0
     model.expert_cache.reset_stats()
     acc = {"prompt_tokens": 0, "prompt_s": 0.0, "generated": 0, "decode_s": 0.0, "steps": 0, "merged": 0}
+    steps_log = []  # one row a step: [s, prompt tokens, prompts read, generated, merged, misses, stall s]
+    last = [model.expert_cache.snapshot()]
 
     def on_step(info, ids):
+        now = model.expert_cache.snapshot()
+        d = now - last[0]
+        last[0] = now
+        steps_log.append([round(info.seconds, 3), info.prefill_tokens, len(info.prefill), info.generated,
+                          int(info.merged), d.misses, round(d.stall_seconds, 3)])
         acc["prompt_tokens"] += info.prefill_tokens
         acc["prompt_s"] += info.prefill_seconds
         acc["generated"] += info.generated
@@ -190,6 +197,7 @@ def worker(spec: dict) -> dict:
         "pools": s.pools.as_dict() if s.pools is not None else None,
         "rates": rates.as_dict() if rates else None,
         "summaries": {o.id: o.summary for o in outs}, "peak_rss": peak_rss(), "load_start": load0, "load_end": os.getloadavg()[0],
+        "steps_log": steps_log,
     }
 
 
