@@ -14,7 +14,11 @@ Lazy-graph hazard: MLX evaluates lazily, so a slot must not be overwritten
 before the computation that reads its old contents is evaluated. Every write
 first evaluates the layer's last pending output (:meth:`LayerCache.settle`).
 In-place slot writes stay cheap only while no other array references the slab,
-so nothing outside this module holds a slab.
+so nothing outside this module holds a slab. On MLX's CPU backend a slot is
+written through a numpy view of the slab's buffer (one copy, no MLX op), once the
+slab is a buffer no other array shares (:meth:`LayerCache._host_slab`); the
+casts numpy makes as MLX does are made there (:func:`_host_cast`), the others
+and other devices write through MLX.
 
 Dtypes follow the model's: a slab holds its experts as the resident mlx-lm
 model would (as stored, or through the casts made since:
@@ -189,6 +193,24 @@ def _to_mx(buf: np.ndarray, info: TensorInfo, casts: Casts) -> mx.array:
     return apply_casts(a, casts)
 
 
+def _host_cast(info: TensorInfo, casts: Casts):
+    """A numpy function taking raw rows of ``info`` (bfloat16 as uint16) to the slab's
+    dtype exactly as ``casts`` do in MLX, or ``None`` where only MLX casts them alike.
+    Kept as stored, or widened once to float32: bfloat16's 16 bits are float32's top
+    half, float16 -> float32 is exact."""
+    chain, cur = [], info.mx_dtype
+    for d in casts:  # the casts apply_casts makes (one to the current dtype is none)
+        if d != cur:
+            chain.append(cur := d)
+    if not chain:
+        return None if info.dtype == "BF16" else (lambda rows: rows)
+    if chain != [mx.float32] or info.dtype not in ("BF16", "F16"):
+        return None
+    if info.dtype == "BF16":
+        return lambda rows: (rows.astype(np.uint32) << 16).view(np.float32)
+    return lambda rows: rows.astype(np.float32)
+
+
 class LayerCache:
     """The resident experts of one MoE layer.
 
@@ -254,9 +276,11 @@ class LayerCache:
         # Reads the next round's experts while a round computes (assign); None: off.
         self.reader = None  # a mlx_tier.engine.prefetch.BackgroundReader
         self.owner: ExpertCache | None = None
-        for t in tensors.values():
+        self._private: dict[str, mx.array] = {}  # name -> the slab whose buffer no other array shares
+        for name, t in tensors.items():
             # Lazy zeros: memory is taken at the first write, not at load.
             setattr(t.module, t.attr, mx.zeros((num_slots, *t.info.shape[1:]), dtype=t.dtype))
+            self._private[name] = t.module[t.attr]
 
     @property
     def slot_nbytes(self) -> int:
@@ -400,8 +424,14 @@ class LayerCache:
         try:
             written = []
             for name, t in self.tensors.items():
+                cast = _host_cast(t.info, t.casts)
+                host = self._host_slab(name) if cast is not None else None
                 slab = t.module[t.attr]
                 for raw, rows in batches:
+                    if host is not None:
+                        for i, e in rows:  # one copy a row, no MLX op (the CPU kernel reads these views)
+                            host[slot_of_new[e]] = cast(raw[name][i])
+                        continue
                     new = _to_mx(raw[name], t.info, t.casts)  # [rows in raw, ...]
                     for i, e in rows:
                         s = slot_of_new[e]
@@ -413,6 +443,24 @@ class LayerCache:
         except BaseException:
             self.reset()
             raise
+
+    def _host_slab(self, name: str) -> np.ndarray | None:
+        """A writable numpy view of slab ``name``, on MLX's CPU backend only: a slot is then
+        written with one copy and no MLX op. The slab is first made a buffer of this
+        cache's own (MLX shares buffers among arrays: a ``copy.deepcopy`` of the model,
+        a no-op ``astype``), once, and known by identity after: a slab replaced since
+        (a cast) is made its own again."""
+        t = self.tensors[name]
+        slab = t.module[t.attr]
+        if mx.default_device() != mx.cpu or slab.dtype == mx.bfloat16:  # numpy has no bfloat16
+            return None
+        if self._private.get(name) is not slab:
+            mx.eval(slab)
+            slab = mx.array(np.asarray(slab))  # a copy: its buffer is referenced by no other array
+            setattr(t.module, t.attr, slab)
+            self._private[name] = slab
+        view = np.asarray(slab)
+        return view if view.flags.c_contiguous and view.flags.writeable else None
 
     def _update_lut(self) -> None:
         """Once every expert is resident, switch to the lazy device-side remap."""
@@ -526,9 +574,10 @@ class LayerCache:
         stay with the original (the copy reads those experts itself)."""
         new = copy.copy(self)
         memo[id(self)] = new
-        skip = {"incoming": None, "_prefetched": [], "pending": None}
+        skip = {"incoming": None, "_prefetched": [], "pending": None, "_private": {}}
         for key, value in vars(self).items():
             setattr(new, key, skip[key] if key in skip else copy.deepcopy(value, memo))
+        self._private = {}  # the copy's slabs share these buffers: neither writes them in place now
         return new
 
     def prewarm(self, experts: list[int]) -> int:

@@ -1,9 +1,13 @@
 """The hot tier's bookkeeping is encapsulated: stats snapshots do not move,
 the budget invariant is a checked error, a failed pre-warm never leaves the
 store's counters swapped, and prefetched reads enter a layer through one door.
+Slots written in place through numpy hold what MLX's casts give, and never a
+buffer another model shares.
 """
 
+import copy
 from concurrent.futures import Future
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +15,8 @@ import pytest
 
 import mlx_tier
 from mlx_tier import BudgetError, TierConfig
-from mlx_tier.engine.cache import ExpertCache
+from mlx_tier.engine.cache import ExpertCache, _host_cast, _to_mx
+from mlx_tier.engine.checkpoint import TensorInfo
 from mlx_tier.engine.prefetch import PrefetchedRead
 
 
@@ -82,3 +87,56 @@ def test_prefetched_read_enters_through_accept_prefetch(tiny_moe):
     layer.pending = mx.zeros((1,))
     layer.discard_pending()
     assert layer.pending is None
+
+
+def _raw(dtype: str) -> np.ndarray:
+    """Rows of every kind of value a checkpoint may hold in ``dtype``: normals,
+    subnormals, signed zeros, infinities, NaN (raw bits, bfloat16 as uint16)."""
+    rng = np.random.default_rng(0)
+    if dtype == "U32":
+        return rng.integers(0, 2**32, (3, 8), dtype=np.uint32)
+    vals = np.array([1.5, -2.25, 1e-40, -1e-42, 0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, 6e-8, 65504],
+                    np.float32)
+    vals = np.concatenate([vals, rng.standard_normal(12).astype(np.float32) * 10])
+    if dtype == "F16":
+        with np.errstate(over="ignore"):  # 3e38 becomes inf, as a checkpoint may hold
+            return vals.astype(np.float16).reshape(3, 8)
+    return (vals.view(np.uint32) >> 16).astype(np.uint16).reshape(3, 8)  # BF16
+
+
+@pytest.mark.parametrize("stored,casts", [
+    ("BF16", (mx.float32,)), ("F16", (mx.float32,)), ("U32", ()), ("F16", ()), ("BF16", (mx.bfloat16, mx.float32)),
+])
+def test_slots_written_through_numpy_hold_what_mlx_casts_give(stored, casts):
+    info = TensorInfo(Path("x.safetensors"), stored, (3, 8), 0, 0)
+    raw = _raw(stored)
+    cast = _host_cast(info, casts)
+    want = np.asarray(_to_mx(raw, info, casts))
+    got = cast(raw)
+    assert got.dtype == want.dtype and got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()  # bit for bit
+
+
+@pytest.mark.parametrize("stored,casts", [("BF16", ()), ("BF16", (mx.float16,)), ("F32", (mx.float16,)),
+                                          ("BF16", (mx.float16, mx.float32))])
+def test_casts_numpy_does_not_make_alike_are_left_to_mlx(stored, casts):
+    assert _host_cast(TensorInfo(Path("x.safetensors"), stored, (3, 8), 0, 0), casts) is None
+
+
+def test_a_copy_and_its_original_each_write_their_own_slots(tiny_moe):
+    """A deep copy's slabs share MLX buffers with the original's; a slot written in place
+    in either must not change the other's: each model's logits stay those of a model
+    never copied, call after call, while the two read different experts."""
+    config = TierConfig(slots_per_layer=3)
+    model, tokenizer = mlx_tier.load(tiny_moe, config=config)
+    alone_a, _ = mlx_tier.load(tiny_moe, config=config)
+    alone_b, _ = mlx_tier.load(tiny_moe, config=config)
+    a = tokenizer.encode("The weather today is mild and the river runs clear")
+    b = tokenizer.encode("Seven ships sailed north; 42 crates, 19 barrels, one goat.")
+    for m in (model, alone_a, alone_b):
+        run_tokens(m, a)
+    twin = copy.deepcopy(model)
+    for i in range(len(a)):
+        xa, xb = mx.array(a[i:i + 2])[None], mx.array(b[i % len(b):][:3])[None]
+        assert mx.array_equal(model(xa), alone_a(xa)).item(), f"the original, call {i}"
+        assert mx.array_equal(twin(xb), alone_b(xb)).item(), f"the copy, call {i}"
+    assert model.expert_cache.stats.misses > 0 and twin.expert_cache.stats.misses > 0
