@@ -276,6 +276,34 @@ def _med(runs, key):
     return statistics.median(vals) if vals else None
 
 
+def step_kinds(run: dict) -> list[str]:
+    """Lines on a run's steps by kind (prompt only, prompt with decoded tokens riding, decode
+    only): count, seconds, tokens, misses a step; and a least-squares fit of a prompt
+    step's seconds on its prompt tokens, riding tokens and misses (what a riding token
+    adds to the step carrying it). Empty for a run recorded without a step log."""
+    log = run.get("steps_log")
+    if not log:
+        return []
+    kinds = {"prompt only": lambda r: r[1] > 0 and r[3] == 0, "prompt + riding": lambda r: r[1] > 0 and r[3] > 0,
+             "decode only": lambda r: r[1] == 0}
+    lines = []
+    for name, test in kinds.items():
+        rows = [r for r in log if test(r)]
+        if rows:
+            lines.append(f"  {name:<15} {len(rows):4d} steps {sum(r[0] for r in rows):7.1f} s, "
+                         f"{sum(r[0] for r in rows) / len(rows):5.2f} s a step, prompt {sum(r[1] for r in rows):6d}, "
+                         f"generated {sum(r[3] for r in rows):4d}, misses a step {statistics.mean(r[5] for r in rows):5.0f}")
+    prompt = [r for r in log if r[1] > 0]
+    if len(prompt) >= 5 and any(r[3] for r in prompt):
+        import numpy as np
+
+        a = np.array([[1.0, r[1], r[3], r[5]] for r in prompt])
+        c, *_ = np.linalg.lstsq(a, np.array([r[0] for r in prompt]), rcond=None)
+        lines.append(f"  prompt step fit: {c[0]:.2f} s + {c[1] * 1e3:.1f} ms a prompt token + {c[2]:.3f} s a riding "
+                     f"token + {c[3] * 1e3:.1f} ms a miss")
+    return lines
+
+
 def report(out: Path) -> None:
     meta = json.loads((out / "plan.json").read_text())
     runs = [json.loads(ln) for ln in (out / "runs.jsonl").read_text().splitlines() if ln.strip()]
@@ -298,6 +326,9 @@ def report(out: Path) -> None:
     for r in runs:
         if r.get("failed"):
             print(f"FAILED {r['schedule']}: rc {r['returncode']} {r.get('stderr', '')[-300:]}")
+    for r in runs:
+        if lines := step_kinds(r):
+            print(f"\nsteps of {r['schedule']} (round {r['round']}):", *lines, sep="\n")
     base, new, one = by.get("paced"), by.get("throughput"), by.get("batch1")
     if base and new:
         print(f"\nthroughput / paced: documents/hour {_med(new, 'docs_per_hour') / _med(base, 'docs_per_hour'):.2f}x, "
