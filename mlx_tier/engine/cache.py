@@ -565,6 +565,7 @@ class LayerCache:
         for name, dtype in dtypes.items():
             t = self.tensors[name] = self.tensors[name].cast_to(dtype)
             setattr(t.module, t.attr, t.module[t.attr].astype(dtype))
+            self._private.pop(name, None)  # the old slab freed; the new one is made its own at a write
             slabs.append(t.module[t.attr])
         mx.eval(slabs)
 

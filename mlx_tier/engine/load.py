@@ -244,6 +244,7 @@ class TieredExperts(nn.Module):
             mx.eval(indices, ahead)
         idx = np.array(indices)  # [..., k] expert ids
         out = self._compute(x, idx)
+        self._cache.settle()  # the reader it replaces first: a later write must not change what it reads
         self._cache.pending = out
         self._cache.end_call()  # drop this layer's unused prefetched experts
         if ahead is not None:

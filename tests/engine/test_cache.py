@@ -140,3 +140,48 @@ def test_a_copy_and_its_original_each_write_their_own_slots(tiny_moe):
         assert mx.array_equal(model(xa), alone_a(xa)).item(), f"the original, call {i}"
         assert mx.array_equal(twin(xb), alone_b(xb)).item(), f"the copy, call {i}"
     assert model.expert_cache.stats.misses > 0 and twin.expert_cache.stats.misses > 0
+
+
+def test_slots_are_written_in_place_on_the_cpu_backend(tiny_moe):
+    """The numpy write is the path taken here (a slab of the cache's own, the module's)."""
+    model, tokenizer = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2))
+    run_tokens(model, tokenizer.encode("The weather today is mild"))
+    layer = model.expert_cache.layers[0]
+    assert set(layer._private) == set(layer.tensors)
+    assert all(layer._private[n] is t.module[t.attr] for n, t in layer.tensors.items())
+    assert all(layer._host_slab(n) is not None for n in layer.tensors)
+
+
+def _experts_of(model, token: int) -> list[set]:
+    """The experts each MoE layer routes ``token`` to."""
+    before = [layer.counts.copy() for layer in model.expert_cache.layers]
+    mx.eval(model(mx.array([[token]])))
+    return [set(np.flatnonzero(layer.counts - b)) for layer, b in zip(model.expert_cache.layers, before)]
+
+
+def test_an_output_still_lazy_is_not_changed_by_a_later_write(tiny_moe):
+    """MLX's kernels leave a layer's output lazy; a later call that hits every expert
+    replaces the reader the cache knows, and a call after that writes slots: the
+    first output, evaluated last, is still what a model with every expert resident gives."""
+    config = TierConfig(slots_per_layer=2, kernel="mlx")
+    probe, _ = mlx_tier.load(tiny_moe, config=config)
+    routes = {t: _experts_of(probe, t) for t in range(100, 300)}
+    a = 100
+    c = next(t for t, r in routes.items() if not r[-1] & routes[a][-1])  # all misses at the last layer
+    model, _ = mlx_tier.load(tiny_moe, config=config)
+    full, _ = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=8, kernel="mlx"))
+    y1 = model(mx.array([[a]]))
+    y2 = model(mx.array([[a]]))
+    y3 = model(mx.array([[c]]))
+    mx.eval(y1, y2, y3)
+    want = full(mx.array([[a]]))
+    assert mx.array_equal(y2, want).item() and mx.array_equal(y1, want).item()
+
+
+def test_a_cast_lets_the_old_slabs_go(tiny_moe):
+    model, tokenizer = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=8))
+    run_tokens(model, tokenizer.encode("The weather today is mild and the river runs clear"))
+    layer = model.expert_cache.layers[0]
+    model.set_dtype(mx.float16)
+    mx.eval(model(mx.array([[5]])))
+    assert all(p is layer.tensors[n].module[layer.tensors[n].attr] for n, p in layer._private.items())
