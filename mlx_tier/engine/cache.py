@@ -12,7 +12,9 @@ Mechanism only: which expert leaves a slot is the policy's choice
 
 Lazy-graph hazard: MLX evaluates lazily, so a slot must not be overwritten
 before the computation that reads its old contents is evaluated. Every write
-first evaluates the layer's last pending output (:meth:`LayerCache.settle`).
+first evaluates the layer's last pending output (:meth:`LayerCache.settle`), and
+a layer call settles the one its own output replaces, so no reader of the
+slots is left unevaluated and unknown.
 In-place slot writes stay cheap only while no other array references the slab,
 so nothing outside this module holds a slab. On MLX's CPU backend a slot is
 written through a numpy view of the slab's buffer (one copy, no MLX op), once the
