@@ -142,6 +142,7 @@ def test_a_copy_and_its_original_each_write_their_own_slots(tiny_moe):
     assert model.expert_cache.stats.misses > 0 and twin.expert_cache.stats.misses > 0
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the numpy write serves MLX's CPU backend only")
 def test_slots_are_written_in_place_on_the_cpu_backend(tiny_moe):
     """The numpy write is the path taken here (a slab of the cache's own, the module's)."""
     model, tokenizer = mlx_tier.load(tiny_moe, config=TierConfig(slots_per_layer=2))
