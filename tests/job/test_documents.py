@@ -373,3 +373,14 @@ def test_open_inside_reads_real_paths_and_refuses_links_on_the_way(tmp_path):
     assert e.value.errno in (errno.ELOOP, errno.ENOTDIR)
     with pytest.raises(ValueError):
         open_inside(real, tmp_path / "elsewhere" / "b" / "f.txt")
+
+
+def test_the_xml_parser_word_conversion_needs_keeps_namespace_prefixes():
+    """MarkItDown's Word converter parses word/document.xml with BeautifulSoup's
+    lxml-backed XML parser and writes it back; where that drops the ``w:``
+    prefixes (lxml 6.2.0), every .docx fails. pyproject.toml keeps lxml below 6.2."""
+    from bs4 import BeautifulSoup
+
+    xml = ('<?xml version="1.0" encoding="UTF-8"?><w:document xmlns:w='
+           '"http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body><w:p/></w:body></w:document>')
+    assert "<w:body>" in str(BeautifulSoup(xml, features="xml")), "this lxml drops namespace prefixes"
