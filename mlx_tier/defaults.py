@@ -22,6 +22,14 @@ PLAN_DOC_TOKENS = 900
 # shrinks it where the workspace would pass its share. On the demo, 2,048-token pools
 # read prompts 1.2x faster than 512-token ones (benches/results/throughput, round 5).
 DEFAULT_POOL_STEP = 2048
+# Experts a round of a layer call computes with the CPU kernel when the call needs
+# more experts than the layer has slots (mlx_tier.engine.cache.LayerCache.width): the
+# round's experts are copied into scratch slabs shared by the layers, not into the
+# slots one round of S at a time. A round has a fixed cost (a kernel call, its thread
+# hand-offs, a host sync); at 1 slot a layer, a 256-token prompt pool of the 8 GB
+# synthetic ran ~22 rounds a layer. The memory split counts the scratch and the reads
+# (mlx_tier.engine.footprint.read_ahead_bytes).
+ROUND_EXPERTS = 8
 # How documents go through the model: "throughput" reads prompts of several
 # documents in large pools and decodes many documents together, each expert read
 # once per layer step for the whole pool (mlx_tier.job.pool_engine; an overnight job

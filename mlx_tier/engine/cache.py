@@ -22,6 +22,12 @@ slab is a buffer no other array shares (:meth:`LayerCache._host_slab`); the
 casts numpy makes as MLX does are made there (:func:`_host_cast`), the others
 and other devices write through MLX.
 
+Wide rounds: when a layer call needs more experts than its slots and a host
+kernel computes them (the CPU kernel: eager), rounds after the first hold
+:attr:`LayerCache.width` experts copied into scratch slabs shared by the owner's
+layers (:meth:`LayerCache.assign_wide`) instead of S through the slots; the
+last round's experts then enter the slots.
+
 Dtypes follow the model's: a slab holds its experts as the resident mlx-lm
 model would (as stored, or through the casts made since:
 :mod:`mlx_tier.engine.dtypes`), and :meth:`LayerCache.cast` casts a layer's
@@ -279,6 +285,9 @@ class LayerCache:
         self.reader = None  # a mlx_tier.engine.prefetch.BackgroundReader
         self.owner: ExpertCache | None = None
         self._private: dict[str, mx.array] = {}  # name -> the slab whose buffer no other array shares
+        # Experts a round computes (assign_wide); num_slots: rounds of slots only (assign).
+        self.width = num_slots
+        self._scratch: dict = {}  # a layer's own scratch slabs when it has no owner (scratch())
         for name, t in tensors.items():
             # Lazy zeros: memory is taken at the first write, not at load.
             setattr(t.module, t.attr, mx.zeros((num_slots, *t.info.shape[1:]), dtype=t.dtype))
@@ -568,6 +577,9 @@ class LayerCache:
             t = self.tensors[name] = self.tensors[name].cast_to(dtype)
             setattr(t.module, t.attr, t.module[t.attr].astype(dtype))
             self._private.pop(name, None)  # the old slab freed; the new one is made its own at a write
+        pool = self.owner._scratch if self.owner is not None else self._scratch
+        for key in [k for k in pool if k[0] in dtypes]:  # scratch of the old dtypes: made anew at use
+            del pool[key]
             slabs.append(t.module[t.attr])
         mx.eval(slabs)
 
@@ -577,7 +589,7 @@ class LayerCache:
         stay with the original (the copy reads those experts itself)."""
         new = copy.copy(self)
         memo[id(self)] = new
-        skip = {"incoming": None, "_prefetched": [], "pending": None, "_private": {}}
+        skip = {"incoming": None, "_prefetched": [], "pending": None, "_private": {}, "_scratch": {}}
         for key, value in vars(self).items():
             setattr(new, key, skip[key] if key in skip else copy.deepcopy(value, memo))
         self._private = {}  # the copy's slabs share these buffers: neither writes them in place now
@@ -623,11 +635,7 @@ class LayerCache:
             (other entries point at an arbitrary slot). The caller must use the
             round's result, and set :attr:`pending`, before asking for the next.
         """
-        if self.recorder is not None:
-            self.recorder.add(self.layer, idx)
-        uses = np.bincount(idx.reshape(-1), minlength=self.num_experts)  # [E] uses in this call
-        self.counts += uses
-        need = np.flatnonzero(uses).tolist()  # distinct experts, ascending (as np.unique gave)
+        need = self._need(idx)
         if len(need) <= self.num_slots:
             self._ensure(need)
             yield self.slot_of[idx].astype(idx.dtype), None
@@ -649,6 +657,141 @@ class LayerCache:
             if self.incoming is not None and not self.incoming.predicted:
                 self.incoming.result()
                 self.incoming = None
+
+
+    def _need(self, idx: np.ndarray) -> list[int]:
+        """The distinct experts of ``idx`` (router top-k ids ``[..., k]``), ascending; the
+        call's uses counted (and recorded in a trace)."""
+        if self.recorder is not None:
+            self.recorder.add(self.layer, idx)
+        uses = np.bincount(idx.reshape(-1), minlength=self.num_experts)  # [E] uses in this call
+        self.counts += uses
+        return np.flatnonzero(uses).tolist()  # distinct experts, ascending (as np.unique gave)
+
+    def widens(self) -> bool:
+        """Whether :meth:`assign_wide` serves this layer: :attr:`width` is above the slots,
+        and every slab is written from the host (MLX's CPU backend, casts numpy makes)."""
+        return (self.width > self.num_slots and mx.default_device() == mx.cpu
+                and all(_host_cast(t.info, t.casts) is not None and t.dtype != mx.bfloat16
+                        for t in self.tensors.values()))
+
+    def scratch(self, name: str) -> tuple[mx.array, np.ndarray]:
+        """The scratch slab ``[width, ...]`` of tensor ``name`` (shared by the owner's layers
+        of the same shape: one layer computes at a time) and a writable numpy view of it."""
+        t = self.tensors[name]
+        slab = t.module[t.attr]
+        pool = self.owner._scratch if self.owner is not None else self._scratch
+        key = (name, tuple(slab.shape[1:]), slab.dtype)
+        arr = pool.get(key)
+        if arr is None or arr.shape[0] < self.width:
+            host = self._host_slab(name)
+            arr = pool[key] = mx.array(np.zeros((self.width, *host.shape[1:]), host.dtype))  # its own buffer
+            mx.eval(arr)
+        view = np.asarray(arr)
+        if not (view.flags.c_contiguous and view.flags.writeable):
+            raise RuntimeError("a scratch slab has no writable host view")
+        return arr, view
+
+    def assign_wide(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray | None, dict | None]]:
+        """:meth:`assign` for a host kernel, in rounds of :attr:`width` experts.
+
+        When the call needs more experts than the slots, the first round's experts are
+        :meth:`assign`'s (as many as the slots, the resident ones first), each later
+        round's ``width`` more; each round's are copied into the scratch slabs
+        (:meth:`scratch`), the missing ones from their reads, and computed from there;
+        after the last round, its last missing experts (as many as there are slots)
+        stay resident, as :meth:`assign`'s last round leaves them. Each distinct expert
+        is a hit or a miss once, as in :meth:`assign`.
+
+        Yields:
+            ``(ids, mask, slabs)``: ``ids`` as :meth:`assign`'s slots, into ``slabs``
+            (name on disk -> scratch slab) or, when ``slabs`` is ``None``, into the
+            layer's own slabs (every needed expert resident at once); ``mask`` as
+            :meth:`assign`'s (``None`` with the layer's own slabs only). The caller computes each round
+            before asking for the next, and asks until the rounds end (the last
+            missing experts are written into slots then).
+
+        Raises:
+            CheckpointError, OSError: a failed read (the slots stay as they were).
+        """
+        need = self._need(idx)
+        if len(need) <= self.num_slots:
+            self._ensure(need)
+            yield self.slot_of[idx].astype(idx.dtype), None, None
+            return
+        order = [e for e in need if self.slot_of[e] >= 0] + [e for e in need if self.slot_of[e] < 0]
+        # The first round is assign's (the resident experts first: little or nothing to read),
+        # the next ones `width` wide, each read while the round before computes.
+        bounds = [0, *range(self.num_slots, len(order), self.width), len(order)]
+        local, group = np.zeros(self.num_experts, np.int64), []
+        try:
+            for a, b, c in zip(bounds, bounds[1:], [*bounds[2:], len(order)]):
+                group = order[a:b]
+                slabs = self._fill(group)
+                self.stats.rounds += 1
+                self._read_ahead(order[b:c])  # none resident: those all come first
+                local[group] = np.arange(len(group))
+                mask = np.isin(idx, group)
+                yield np.where(mask, local[idx], 0).astype(idx.dtype), mask, slabs
+            self._keep([e for e in group if self.slot_of[e] < 0][-self.num_slots :], group)
+        finally:  # a call abandoned between rounds: its read ahead ends here, unused
+            if self.incoming is not None and not self.incoming.predicted:
+                self.incoming.result()
+                self.incoming = None
+
+    def _fill(self, group: list[int]) -> dict[str, mx.array]:
+        """Copy ``group``'s experts into the scratch slabs, in order: resident ones from
+        their slots (hits), the others read (misses). Returns name -> scratch slab."""
+        missing = []
+        for e in group:
+            if self.slot_of[e] >= 0:
+                self.stats.hits += 1
+                self.policy.access(e)
+            else:
+                missing.append(e)
+        batches = self._read(missing) if missing else []
+        pos = {e: j for j, e in enumerate(group)}
+        slabs = {}
+        for name, t in self.tensors.items():
+            slabs[name], view = self.scratch(name)
+            host, cast = self._host_slab(name), _host_cast(t.info, t.casts)
+            for e in group:
+                if self.slot_of[e] >= 0:
+                    view[pos[e]] = host[self.slot_of[e]]
+            for raw, rows in batches:
+                for i, e in rows:
+                    view[pos[e]] = cast(raw[name][i])
+        self.stats.misses += len(missing)
+        return slabs
+
+    def _keep(self, keep: list[int], group: list[int]) -> None:
+        """Make ``keep`` (experts of the last round ``group``, in the scratch slabs and
+        not resident) resident, copied from there; a failed write resets the layer."""
+        if not keep:
+            return
+        self.settle()
+        slot_of_new = {}
+        for e in keep:
+            if self.free:
+                s = self.free.pop()
+            else:
+                victim = self.policy.evict(protected=keep)
+                s = int(self.slot_of[victim])
+                self.slot_of[victim] = -1
+                self.stats.evictions += 1
+            slot_of_new[e] = s
+        try:
+            for name in self.tensors:
+                host, (_, view) = self._host_slab(name), self.scratch(name)
+                for e, s in slot_of_new.items():
+                    host[s] = view[group.index(e)]
+        except BaseException:
+            self.reset()
+            raise
+        for e, s in slot_of_new.items():
+            self.slot_of[e] = s
+            self.policy.insert(e)
+        self._update_lut()
 
 
 class ExpertCache:
@@ -680,6 +823,16 @@ class ExpertCache:
             )
         for layer in layers:
             layer.owner = self
+        self._scratch: dict = {}  # the layers' scratch slabs (LayerCache.scratch)
+
+    def __deepcopy__(self, memo) -> ExpertCache:
+        """A copy whose layers get scratch slabs of their own (a copied slab shares its
+        buffer with the original's, and the scratch slabs are written in place)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for key, value in vars(self).items():
+            setattr(new, key, {} if key == "_scratch" else copy.deepcopy(value, memo))
+        return new
 
     def admit_cast(self, layer: LayerCache, dtypes: dict[str, mx.Dtype]) -> None:
         """Check the budget before ``layer``'s slabs are cast to ``dtypes`` (name -> dtype).

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_tier.defaults import KV_BITS, KV_GROUP_SIZE
+from mlx_tier.defaults import KV_BITS, KV_GROUP_SIZE, ROUND_EXPERTS
 from mlx_tier.errors import BudgetError, ConfigError
 from mlx_tier.units import GIB, MIB
 
@@ -107,12 +107,16 @@ def kv_element_bytes(bits: int | None, itemsize: float = 4, group_size: int = KV
     return itemsize if bits is None else bits / 8 + 2 * itemsize / group_size
 
 
-def read_ahead_bytes(cache: int, shape: ModelShape) -> int:
+def read_ahead_bytes(cache: int, shape: ModelShape, kernel: str = "mlx", expert: int = 0) -> int:
     """Bytes of a layer's next round of experts, read while a round computes
     (:attr:`mlx_tier.engine.load.TierConfig.read_ahead`): one layer's slots, about the
     cache over the model's layers (exact when every layer has experts; a model with
-    dense layers holds a little more)."""
-    return cache // max(1, shape.layers)
+    dense layers holds a little more). With the CPU kernel a round holds
+    :data:`~mlx_tier.defaults.ROUND_EXPERTS` experts when the slots are fewer
+    (:attr:`mlx_tier.engine.cache.LayerCache.width`): its scratch slab, its reads and the
+    next round's, three times that many of ``expert`` (one expert's resident bytes) then."""
+    ahead = cache // max(1, shape.layers)
+    return max(ahead, 3 * ROUND_EXPERTS * expert) if kernel == "cpu" else ahead
 
 
 def check_kv_bits(bits: int | None, head_dim: int | None = None, group_size: int = KV_GROUP_SIZE) -> None:
@@ -197,6 +201,8 @@ class Needs:
         shape: the sizes a step's workspace and the KV cache follow.
         kernel: the expert kernel the run uses (``"cpu"``, ``"mlx"``, ``"metal"``).
         runtime: the process without its model (:data:`RUNTIME_BYTES`).
+        expert: one expert's resident bytes (the largest layer's); 0: unknown (the
+            CPU kernel's wide rounds then not counted: :func:`read_ahead_bytes`).
     """
 
     dense: int
@@ -205,6 +211,7 @@ class Needs:
     shape: ModelShape
     kernel: str
     runtime: int = RUNTIME_BYTES
+    expert: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,6 +228,7 @@ class MemoryBudget:
         cache_given: ``cache`` was set (``cache_gb``), not derived.
         shape, kernel: what the workspace follows (:meth:`prompt_step`).
         slot_row: one expert slot in every MoE layer (the cache's unit), 0 when unknown.
+        expert: one expert's resident bytes (:attr:`Needs.expert`), 0 when unknown.
     """
 
     total: int
@@ -237,6 +245,7 @@ class MemoryBudget:
     shape: ModelShape | None = None
     kernel: str = "mlx"
     slot_row: int = 0
+    expert: int = 0
 
     def prompt_step(self, done: int) -> int:
         """Most tokens the next step of a prompt may read, ``done`` tokens into it: at most
@@ -244,7 +253,7 @@ class MemoryBudget:
         :attr:`workspace` (at least :data:`MIN_PROMPT_STEP`)."""
         if self.shape is None:
             return self.prefill_step
-        step_room = self.workspace - read_ahead_bytes(self.cache, self.shape)
+        step_room = self.workspace - read_ahead_bytes(self.cache, self.shape, self.kernel, self.expert)
         return prompt_step_for(self.shape, self.kernel, step_room, self.prefill_step, done)
 
     def parts(self) -> dict[str, int]:
@@ -340,10 +349,10 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     room -= workspace
     if cache is None:
         cache = default_cache(room, needs)
-    ahead = read_ahead_bytes(cache, s)
+    ahead = read_ahead_bytes(cache, s, needs.kernel, needs.expert)
     kv = room - cache - ahead
     budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace + ahead, fixed_parts[2],
-                          fixed_parts[3], step, given, s, needs.kernel, needs.slot_row)
+                          fixed_parts[3], step, given, s, needs.kernel, needs.slot_row, needs.expert)
     if cache < needs.slot_row:
         raise BudgetError(f"`cache_gb` {cache / GIB:.3f} GiB is too small: one expert slot per MoE layer needs "
                           f"{needs.slot_row / GIB:.3f} GiB", "cache_gb")

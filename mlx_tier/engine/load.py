@@ -16,6 +16,7 @@ gives an independent tiered model.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -254,22 +255,48 @@ class TieredExperts(nn.Module):
     def _compute(self, x: mx.array, idx: np.ndarray) -> mx.array:
         """``[..., k, D]``: the experts of ``idx`` (``[..., k]`` expert ids) on ``x``,
         made resident by the cache in one pass or, when they exceed the slots, in
-        rounds of one pair per row, gathered back in pair order once at the end."""
-        parts, ys = [], []
-        for slots, mask in self._cache.assign(idx):
-            if mask is None:  # every needed expert resident at once: one pass
-                return self._kernel(self._inner, x, mx.array(slots))
-            # More experts needed than slots: this round computes only the
-            # (token, k) pairs whose expert is resident now, one pair per row.
+        rounds of one pair per row, gathered back in pair order once at the end.
+        A host kernel's later rounds hold :attr:`LayerCache.width` experts each, computed
+        from the cache's scratch slabs (:meth:`LayerCache.assign_wide`); the rounds are
+        asked to their end (the wide ones keep their last experts then)."""
+        cache = self._cache
+        if cache.widens():
+            rounds = cache.assign_wide(idx)
+        else:
+            rounds = ((slots, mask, None) for slots, mask in cache.assign(idx))
+        parts, ys, whole = [], [], None
+        for slots, mask, slabs in rounds:
+            inner = self._inner if slabs is None else self._on(slabs)
+            if mask is None:  # every needed expert resident at once: one pass, the last
+                whole = self._kernel(inner, x, mx.array(slots))
+                continue
+            # More experts needed than a round holds: this round computes only the
+            # (token, k) pairs whose expert is in it, one pair per row.
             k, D = idx.shape[-1], x.shape[-1]
             pairs = np.flatnonzero(mask.reshape(-1))  # rows of [T*k]
             rows = x.reshape(-1, D)[mx.array(pairs // k)]  # [n, D]
-            y = self._kernel(self._inner, rows, mx.array(slots.reshape(-1)[pairs])[:, None])  # [n, 1, D]
-            mx.eval(y)  # the next round may overwrite the slots y read
+            y = self._kernel(inner, rows, mx.array(slots.reshape(-1)[pairs])[:, None])  # [n, 1, D]
+            mx.eval(y)  # the next round may overwrite the slots (or scratch slabs) y read
             parts.append(pairs)
             ys.append(y.squeeze(1))
+        if whole is not None:
+            return whole
         order = np.argsort(np.concatenate(parts))  # each pair in exactly one round
         return mx.concatenate(ys)[mx.array(order)].reshape(*idx.shape, x.shape[-1])
+
+    def _on(self, slabs: dict[str, mx.array]) -> nn.Module:
+        """The expert block over ``slabs`` (name on disk -> a scratch slab) instead of the
+        cache's: shallow copies of the block and of its leaves that hold them."""
+        block = copy.copy(self._inner)
+        names = {id(child): name for name, child in self._inner.children().items() if isinstance(child, nn.Module)}
+        leaves = {}
+        for name, t in self._cache.tensors.items():
+            child = names[id(t.module)]
+            leaf = leaves.setdefault(child, copy.copy(t.module))
+            leaf[t.attr] = slabs[name]
+        for child, leaf in leaves.items():
+            block[child] = leaf
+        return block
 
 
 def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path) -> tuple[int, dict]:
@@ -512,6 +539,9 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
             for wrapper, link in zip(wrappers, links):
                 wrapper._prefetch = link
         expert_cache = ExpertCache(layers, stats, budget, store, budget_in_slots=in_slots)
+        if kernel_name == "cpu":  # an eager host kernel: wide rounds from scratch slabs
+            for layer in layers:
+                layer.width = min(layer.num_experts, max(layer.num_slots, defaults.ROUND_EXPERTS))
     if config.prewarm or (config.prewarm is None and policy.needs_profile):
         expert_cache.prewarm(profile)
     # What computes the experts (mlx_tier.kernels.registry), for reports; with two tiers,

@@ -86,7 +86,7 @@ def needs_of(ckpt: Checkpoint, kernel: str, itemsize: int | None, kv_itemsize: f
     shape = ModelShape.of_config(ckpt.config, expert_inner(weights, hidden), top_k_of(ckpt.config, str(ckpt.path)),
                                  num_experts, kv_itemsize)
     return Needs(dense=dense, slot_row=slot * len(experts), all_experts=sum(slot * n for _, n, _ in experts),
-                 shape=shape, kernel=kernel)
+                 shape=shape, kernel=kernel, expert=slot)
 
 
 def process_rss() -> int:

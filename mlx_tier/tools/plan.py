@@ -534,7 +534,8 @@ def _needs(config: dict, index: dict, expert_names: list[str], blocks: list, num
     shape = ModelShape.of_config(config, expert_inner(weights, int(config.get("hidden_size") or 0)), top_k,
                                  num_experts, footprint.kv_element_bytes(kv_bits, 4 if dtype == mx.float32 else 2))
     kernel = choose(JOB_KERNEL, [b for _, b in blocks], False)
-    return Needs(dense, L * expert_bytes_resident, L * num_experts * expert_bytes_resident, shape, kernel)
+    return Needs(dense, L * expert_bytes_resident, L * num_experts * expert_bytes_resident, shape, kernel,
+                 expert=expert_bytes_resident)
 
 
 def _expert_quant(config: dict, expert_names: list[str], default_gs: int | None) -> dict | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from mlx_tier.defaults import ROUND_EXPERTS
 from mlx_tier.engine.footprint import MemoryBudget
 from mlx_tier.tools.pools import (
     MAX_DECODE_POOL,
@@ -48,7 +49,8 @@ def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict
                   expert_bytes=sum(t.info.nbytes for t in tensors.values()) // count,
                   expert_flops=2.0 * projections * s.hidden * s.expert_inner,
                   **attention_terms(s.hidden, s.heads, s.kv_heads, s.head_dim), kv_bytes=float(s.kv_per_token),
-                  heads=s.heads, hidden=s.hidden, inner=s.expert_inner)
+                  heads=s.heads, hidden=s.hidden, inner=s.expert_inner,
+                  width=ROUND_EXPERTS if budget.kernel == "cpu" else 0)
     quant = ckpt.config.get("quantization") or {}
     probe = {"expert_shape": (s.expert_inner, s.hidden), "bits": int(quant.get("bits", 4)),
              "group_size": int(quant.get("group_size", 64)), "heads": s.heads, "head_dim": s.head_dim}

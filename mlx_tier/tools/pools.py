@@ -162,6 +162,8 @@ class Shape:
         kv_read_bytes: bytes a token's keys and values take as the attention reads them,
             all layers (a quantized cache is dequantised to the compute dtype as it is
             read); ``0.0``: ``kv_bytes``.
+        width: experts a round of a layer call holds when the call needs more than the
+            slots (:attr:`mlx_tier.engine.cache.LayerCache.width`); ``0``: the slots.
     """
 
     layers: int
@@ -181,6 +183,7 @@ class Shape:
     read_ahead: bool = True
     popularity: tuple[tuple[float, ...], ...] = ()
     kv_read_bytes: float = 0.0
+    width: int = 0
 
     @property
     def spread(self) -> float:
@@ -321,7 +324,8 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float,
         per_token = shape.kv_read_bytes or shape.kv_bytes
         kv = (tokens if sequences is None else sequences) * context * per_token / max(shape.layers, 1)
         attn = max(attn, kv / (rates.kv_read_gbps * 1e9))
-    rounds = math.ceil(d / max(shape.slots, 1)) if d > shape.slots else 1
+    # The first round holds the slots' count, each later one the round width (LayerCache.assign_wide).
+    rounds = 1 + math.ceil((d - shape.slots) / max(shape.slots, shape.width, 1)) if d > shape.slots else 1
     if shape.read_ahead and rounds > 1:
         # The first round is the resident experts (nothing read); each later round's
         # read overlaps the compute of the round before: the step waits for what the
@@ -616,7 +620,7 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
                   expert_bytes=expert_bytes, expert_flops=2.0 * params,
                   **attention_terms(hidden, heads, kv_heads, head_dim),
                   kv_bytes=kv_bytes, heads=heads, hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0,
-                  read_ahead=getattr(layer, "reader", None) is not None)
+                  read_ahead=getattr(layer, "reader", None) is not None, width=layer.width)
     probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
              "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim}
     return shape, probe

@@ -122,3 +122,23 @@ def test_a_process_reports_its_own_peak_not_the_peak_of_the_process_that_started
                            capture_output=True, text=True, check=True)
     assert int(child.stdout) < 384 << 20, child.stdout  # the child's imports only
     del ballast
+
+
+def test_the_cpu_kernels_wide_rounds_are_counted_in_the_workspace():
+    """With the CPU kernel a layer call beyond its slots computes rounds of ROUND_EXPERTS
+    experts from scratch slabs: the scratch, a round's reads and the next round's are
+    workspace, whatever the cache (a small one reads ahead less than that)."""
+    from mlx_tier.defaults import ROUND_EXPERTS
+
+    wide = 3 * ROUND_EXPERTS * SLOT
+    assert footprint.read_ahead_bytes(24 * SLOT, SHAPE, "cpu", SLOT) == wide  # 1 slot a layer
+    assert footprint.read_ahead_bytes(24 * SLOT, SHAPE, "mlx", SLOT) == SLOT  # MLX's rounds: the slots
+    big = 24 * 4 * ROUND_EXPERTS * SLOT  # a layer's slots more than the wide rounds' bytes
+    assert footprint.read_ahead_bytes(big, SHAPE, "cpu", SLOT) == big // 24
+    with_wide, without = split(2 * GIB, replace(NEEDS, expert=SLOT)), split(2 * GIB, NEEDS)
+    assert with_wide.expert == SLOT and sum(with_wide.parts().values()) == 2 * GIB
+    ahead = footprint.read_ahead_bytes(with_wide.cache, SHAPE, "cpu", SLOT)
+    assert ahead == max(with_wide.cache // 24, wide)
+    assert with_wide.workspace - without.workspace == ahead - with_wide.cache // 24
+    assert with_wide.kv == without.kv - (ahead - with_wide.cache // 24)
+    assert with_wide.prompt_step(0) == without.prompt_step(0)  # the step is sized without it
