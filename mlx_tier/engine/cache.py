@@ -398,13 +398,7 @@ class LayerCache:
         leaves the table as it was; a failed write resets the layer (nothing
         is ever marked resident over stale slot contents).
         """
-        missing = []
-        for e in group:
-            if self.slot_of[e] >= 0:
-                self.stats.hits += 1
-                self.policy.access(e)
-            else:
-                missing.append(e)
+        missing = self._hits(group)
         if not missing:
             return
         if self.num_slots == self.num_experts:
@@ -415,19 +409,34 @@ class LayerCache:
         self.settle()
         slots = []
         for e in missing:
-            if self.free:
-                s = self.free.pop()
-            else:
-                victim = self.policy.evict(protected=group)
-                s = int(self.slot_of[victim])
-                self.slot_of[victim] = -1
-                self.stats.evictions += 1
+            s = self._take_slot(protected=group)
             self.slot_of[e] = s
             self.policy.insert(e)
             slots.append(s)
         self.stats.misses += len(missing)
         self._write(batches, dict(zip(missing, slots)))
         self._update_lut()
+
+    def _hits(self, group: list[int]) -> list[int]:
+        """Count ``group``'s resident experts as hits (the policy told); returns the others."""
+        missing = []
+        for e in group:
+            if self.slot_of[e] >= 0:
+                self.stats.hits += 1
+                self.policy.access(e)
+            else:
+                missing.append(e)
+        return missing
+
+    def _take_slot(self, protected: list[int]) -> int:
+        """A free slot, else the slot of the policy's victim (evicted and counted)."""
+        if self.free:
+            return self.free.pop()
+        victim = self.policy.evict(protected=protected)
+        s = int(self.slot_of[victim])
+        self.slot_of[victim] = -1
+        self.stats.evictions += 1
+        return s
 
     def _write(self, batches, slot_of_new: dict[int, int]) -> None:
         """Copy read experts into their slots: ``batches`` as :meth:`_read` returns
@@ -742,13 +751,7 @@ class LayerCache:
     def _fill(self, group: list[int]) -> dict[str, mx.array]:
         """Copy ``group``'s experts into the scratch slabs, in order: resident ones from
         their slots (hits), the others read (misses). Returns name -> scratch slab."""
-        missing = []
-        for e in group:
-            if self.slot_of[e] >= 0:
-                self.stats.hits += 1
-                self.policy.access(e)
-            else:
-                missing.append(e)
+        missing = self._hits(group)
         batches = self._read(missing) if missing else []
         pos = {e: j for j, e in enumerate(group)}
         slabs = {}
@@ -770,16 +773,7 @@ class LayerCache:
         if not keep:
             return
         self.settle()
-        slot_of_new = {}
-        for e in keep:
-            if self.free:
-                s = self.free.pop()
-            else:
-                victim = self.policy.evict(protected=keep)
-                s = int(self.slot_of[victim])
-                self.slot_of[victim] = -1
-                self.stats.evictions += 1
-            slot_of_new[e] = s
+        slot_of_new = {e: self._take_slot(protected=keep) for e in keep}
         try:
             for name in self.tensors:
                 host, (_, view) = self._host_slab(name), self.scratch(name)
