@@ -67,6 +67,20 @@ def test_read_ahead_hides_reads_behind_the_rounds_compute():
             replace(shape, read_ahead=False), RATES, tokens, 500)
 
 
+def test_wide_rounds_are_fewer_and_each_later_one_holds_the_width():
+    """With the CPU kernel's wide rounds (Shape.width) the first round holds the slots'
+    count, each later one the width: fewer rounds, so less of the reads hides behind
+    compute; the compute itself is the same."""
+    plain, one_slot = replace(SYNTH, read_ahead=False, slots=1), replace(SYNTH, slots=1)
+    for tokens in (1, 8, 256):
+        off = layer_step_seconds(plain, RATES, tokens, 500)
+        d = distinct_experts(tokens, 128, 8)
+        for width, rounds in ((0, -(-d // 1)), (8, 1 + -(-(d - 1) // 8))):
+            got = layer_step_seconds(replace(one_slot, width=width), RATES, tokens, 500)
+            assert got["read"] == pytest.approx(max(0.0, off["read"] - off["expert"] * (rounds - 1) / rounds))
+            assert got["expert"] == off["expert"]
+
+
 def test_pools_follow_memory_cap_and_documents():
     roomy = choose_pools(SYNTH, RATES, 900, 64, 64 << 30)
     assert roomy.decode_pool == MAX_DECODE_POOL and roomy.limited_by == "cap"
