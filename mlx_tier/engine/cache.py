@@ -219,6 +219,12 @@ def _host_cast(info: TensorInfo, casts: Casts):
     return lambda rows: rows.astype(np.float32)
 
 
+def _role(name: str) -> str:
+    """A stacked expert tensor's role in its block, the same in every layer: the last two
+    parts of its name on disk (``...switch_mlp.gate_proj.weight`` -> ``gate_proj.weight``)."""
+    return ".".join(name.split(".")[-2:])
+
+
 class LayerCache:
     """The resident experts of one MoE layer.
 
@@ -586,11 +592,12 @@ class LayerCache:
             t = self.tensors[name] = self.tensors[name].cast_to(dtype)
             setattr(t.module, t.attr, t.module[t.attr].astype(dtype))
             self._private.pop(name, None)  # the old slab freed; the new one is made its own at a write
-        pool = self.owner._scratch if self.owner is not None else self._scratch
-        for key in [k for k in pool if k[0] in dtypes]:  # scratch of the old dtypes: made anew at use
-            del pool[key]
             slabs.append(t.module[t.attr])
         mx.eval(slabs)
+        pool = self._scratch_pool()
+        roles = {_role(name) for name in dtypes}
+        for key in [k for k in pool if k[0] in roles]:  # scratch of the old dtypes: made anew at use
+            del pool[key]
 
     def __deepcopy__(self, memo) -> LayerCache:
         """A copy with the same resident experts (slabs copied) and counters; the
@@ -684,13 +691,17 @@ class LayerCache:
                 and all(_host_cast(t.info, t.casts) is not None and t.dtype != mx.bfloat16
                         for t in self.tensors.values()))
 
+    def _scratch_pool(self) -> dict:
+        """Scratch slabs by (role in the block, shape, dtype): the owner's, shared by its layers."""
+        return self.owner._scratch if self.owner is not None else self._scratch
+
     def scratch(self, name: str) -> tuple[mx.array, np.ndarray]:
         """The scratch slab ``[width, ...]`` of tensor ``name`` (shared by the owner's layers
         of the same shape: one layer computes at a time) and a writable numpy view of it."""
         t = self.tensors[name]
         slab = t.module[t.attr]
-        pool = self.owner._scratch if self.owner is not None else self._scratch
-        key = (name, tuple(slab.shape[1:]), slab.dtype)
+        pool = self._scratch_pool()
+        key = (_role(name), tuple(slab.shape[1:]), slab.dtype)
         arr = pool.get(key)
         if arr is None or arr.shape[0] < self.width:
             host = self._host_slab(name)
@@ -704,19 +715,19 @@ class LayerCache:
     def assign_wide(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray | None, dict | None]]:
         """:meth:`assign` for a host kernel, in rounds of :attr:`width` experts.
 
-        When the call needs more experts than the slots, the first round's experts are
-        :meth:`assign`'s (as many as the slots, the resident ones first), each later
-        round's ``width`` more; each round's are copied into the scratch slabs
-        (:meth:`scratch`), the missing ones from their reads, and computed from there;
-        after the last round, its last missing experts (as many as there are slots)
-        stay resident, as :meth:`assign`'s last round leaves them. Each distinct expert
-        is a hit or a miss once, as in :meth:`assign`.
+        When the call needs more experts than the slots, the first round is
+        :meth:`assign`'s (as many experts as the slots, the resident ones first, made
+        resident in the slots), each later round ``width`` more, copied from their reads
+        into the scratch slabs (:meth:`scratch`) and computed from there; after the last
+        round, its last experts (as many as there are slots) enter the slots, evicting
+        as :meth:`assign`'s last round does. Each distinct expert is a hit or a miss
+        once, as in :meth:`assign`.
 
         Yields:
             ``(ids, mask, slabs)``: ``ids`` as :meth:`assign`'s slots, into ``slabs``
             (name on disk -> scratch slab) or, when ``slabs`` is ``None``, into the
-            layer's own slabs (every needed expert resident at once); ``mask`` as
-            :meth:`assign`'s (``None`` with the layer's own slabs only). The caller computes each round
+            layer's own slabs; ``mask`` as :meth:`assign`'s (``None``: every needed
+            expert resident at once, one pass). The caller computes each round
             before asking for the next, and asks until the rounds end (the last
             missing experts are written into slots then).
 
@@ -736,12 +747,17 @@ class LayerCache:
         try:
             for a, b, c in zip(bounds, bounds[1:], [*bounds[2:], len(order)]):
                 group = order[a:b]
-                slabs = self._fill(group)
+                if a == 0:  # assign's first round, through the slots
+                    self._ensure(group)
+                    ids, slabs = self.slot_of, None
+                else:
+                    slabs = self._fill(group)
+                    local[group] = np.arange(len(group))
+                    ids = local
                 self.stats.rounds += 1
                 self._read_ahead(order[b:c])  # none resident: those all come first
-                local[group] = np.arange(len(group))
                 mask = np.isin(idx, group)
-                yield np.where(mask, local[idx], 0).astype(idx.dtype), mask, slabs
+                yield np.where(mask, ids[idx], 0).astype(idx.dtype), mask, slabs
             self._keep([e for e in group if self.slot_of[e] < 0][-self.num_slots :], group)
         finally:  # a call abandoned between rounds: its read ahead ends here, unused
             if self.incoming is not None and not self.incoming.predicted:

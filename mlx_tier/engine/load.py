@@ -286,7 +286,11 @@ class TieredExperts(nn.Module):
 
     def _on(self, slabs: dict[str, mx.array]) -> nn.Module:
         """The expert block over ``slabs`` (name on disk -> a scratch slab) instead of the
-        cache's: shallow copies of the block and of its leaves that hold them."""
+        cache's: shallow copies of the block and of its leaves that hold them, made once
+        for the same scratch slabs (known by identity: the block holds them)."""
+        held = getattr(self, "_wide_block", None)
+        if held is not None and len(held[0]) == len(slabs) and all(a is b for a, b in zip(held[0], slabs.values())):
+            return held[1]
         block = copy.copy(self._inner)
         names = {id(child): name for name, child in self._inner.children().items() if isinstance(child, nn.Module)}
         leaves = {}
@@ -296,6 +300,7 @@ class TieredExperts(nn.Module):
             leaf[t.attr] = slabs[name]
         for child, leaf in leaves.items():
             block[child] = leaf
+        object.__setattr__(self, "_wide_block", (tuple(slabs.values()), block))  # not a parameter nor a child
         return block
 
 

@@ -325,12 +325,14 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float,
         kv = (tokens if sequences is None else sequences) * context * per_token / max(shape.layers, 1)
         attn = max(attn, kv / (rates.kv_read_gbps * 1e9))
     # The first round holds the slots' count, each later one the round width (LayerCache.assign_wide).
-    rounds = 1 + math.ceil((d - shape.slots) / max(shape.slots, shape.width, 1)) if d > shape.slots else 1
+    per_round = max(shape.slots, shape.width, 1)
+    rounds = 1 + math.ceil((d - shape.slots) / per_round) if d > shape.slots else 1
     if shape.read_ahead and rounds > 1:
         # The first round is the resident experts (nothing read); each later round's
         # read overlaps the compute of the round before: the step waits for what the
-        # reads take beyond the compute of all rounds but the last.
-        read = max(0.0, read - expert * (rounds - 1) / rounds)
+        # reads take beyond the compute of all rounds but the last (its experts' share).
+        last = d - shape.slots - per_round * (rounds - 2)
+        read = max(0.0, read - expert * (d - last) / d)
     parts = {"read": read, "expert": expert, "dense": dense, "attn": attn,
              "overhead": rates.overhead_s + max(0.0, d - resident) * rates.per_expert_s}
     return {**parts, "total": sum(parts.values())}

@@ -140,3 +140,48 @@ def test_a_cast_after_load_keeps_the_outputs_and_lets_the_old_scratch_go(tiny_mo
     # The float32 scratch of the cast scales and biases is let go (numpy does not make
     # MLX's float16 casts: those layers widen no more, `widens`).
     assert mx.float32 not in {key[2] for key in wide.expert_cache._scratch}
+
+
+def test_the_layers_share_one_scratch_slab_per_role(tiny_moe):
+    """One layer computes at a time: the scratch is `width` experts in all, not per layer."""
+    model, tokenizer = _load(tiny_moe, 1, width=3)
+    mx.eval(model(mx.array(tokenizer.encode(PROMPT))[None]))
+    cache = model.expert_cache
+    assert len(cache.layers) > 1 and all(layer.stats.rounds for layer in cache.layers[:1])
+    assert sum(a.nbytes for a in cache._scratch.values()) == 3 * cache.layers[0].slot_nbytes
+
+
+@pytest.mark.parametrize("slots, width, idx", [
+    (3, 3, [[0, 1], [2, 3]]),  # a cold cache: the first round fills the slots, the last one evicts
+    (2, 3, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    (1, 3, [[5, 2], [7, 0]]),
+])
+def test_wide_rounds_leave_the_slots_full_with_the_last_rounds_experts(tiny_moe, slots, width, idx):
+    model, _ = _load(tiny_moe, slots, width=width)
+    layer = model.expert_cache.layers[0]
+    idx = np.array(idx)
+    rounds = list(layer.assign_wide(idx))
+    assert len(rounds) > 1
+    resident = set(np.flatnonzero(layer.slot_of >= 0).tolist())
+    need = sorted(set(idx.reshape(-1).tolist()))
+    last = sorted(set(idx[rounds[-1][1]].tolist()))
+    assert len(resident) == slots and set(last[-slots:]) <= resident
+    before = layer.stats.hits
+    list(layer.assign_wide(idx))  # the same call again: every resident expert a hit
+    assert layer.stats.hits - before == len(resident & set(need))
+    _slot_contents_are_the_experts(layer)
+
+
+def test_a_cast_evaluates_the_cast_slabs(tiny_moe_fp):
+    """The old float32 slabs are let go at the cast, not kept alive by a lazy astype."""
+    import gc
+
+    model, tokenizer = mlx_tier.load(tiny_moe_fp, config=TierConfig(slots_per_layer=8, kernel="mlx"))
+    mx.eval(model(mx.array(tokenizer.encode(PROMPT))[None]))
+    layer = model.expert_cache.layers[0]
+    fp32 = layer.num_slots * layer.slot_nbytes
+    gc.collect()
+    before = mx.get_active_memory()
+    layer.cast({name: mx.float16 for name in layer.tensors})
+    gc.collect()
+    assert before - mx.get_active_memory() >= 0.4 * fp32

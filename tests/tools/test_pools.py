@@ -57,7 +57,8 @@ def test_read_ahead_hides_reads_behind_the_rounds_compute():
         on, off = layer_step_seconds(SYNTH, RATES, tokens, 500), layer_step_seconds(plain, RATES, tokens, 500)
         d = distinct_experts(tokens, 128, 8)
         rounds = -(-d // 11)
-        want = max(0.0, off["read"] - off["expert"] * (rounds - 1) / rounds)
+        last = d - 11 * (rounds - 1)  # the last round's experts: the others' compute hides reads
+        want = max(0.0, off["read"] - off["expert"] * (d - last) / d)
         assert on["read"] == pytest.approx(want) and on["read"] < off["read"]
         assert on["expert"] == off["expert"] and on["total"] == pytest.approx(off["total"] - off["read"] + want)
     roomy = replace(SYNTH, slots=128)  # every expert resident: nothing read
@@ -69,15 +70,16 @@ def test_read_ahead_hides_reads_behind_the_rounds_compute():
 
 def test_wide_rounds_are_fewer_and_each_later_one_holds_the_width():
     """With the CPU kernel's wide rounds (Shape.width) the first round holds the slots'
-    count, each later one the width: fewer rounds, so less of the reads hides behind
-    compute; the compute itself is the same."""
+    count, each later one the width: the compute of every round but the last hides reads
+    (fewer, larger rounds: a larger last one); the compute itself is the same."""
     plain, one_slot = replace(SYNTH, read_ahead=False, slots=1), replace(SYNTH, slots=1)
     for tokens in (1, 8, 256):
         off = layer_step_seconds(plain, RATES, tokens, 500)
         d = distinct_experts(tokens, 128, 8)
         for width, rounds in ((0, -(-d // 1)), (8, 1 + -(-(d - 1) // 8))):
             got = layer_step_seconds(replace(one_slot, width=width), RATES, tokens, 500)
-            assert got["read"] == pytest.approx(max(0.0, off["read"] - off["expert"] * (rounds - 1) / rounds))
+            last = d - 1 - max(1, width) * (rounds - 2) if rounds > 1 else d
+            assert got["read"] == pytest.approx(max(0.0, off["read"] - off["expert"] * (d - last) / d))
             assert got["expert"] == off["expert"]
 
 
