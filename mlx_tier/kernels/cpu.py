@@ -532,9 +532,10 @@ def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarr
             big = [(s, p) for s, p in groups if len(p) >= quant.gemm_min_rows]
             pairs = np.concatenate(small) if small else None
         if pairs is not None:
-            if quant.layout not in preps:
-                preps[quant.layout] = quant.prepare(x)
-            part, job = quant.matvec_job(x, tok[pairs], slots[pairs], preps[quant.layout])  # [len(pairs), O]
+            if quant.layout not in preps:  # the same pairs for every leaf of one layout
+                preps[quant.layout] = _matvec_rows(quant, x, tok[pairs])
+            xp, tp, prep = preps[quant.layout]
+            part, job = quant.matvec_job(xp, tp, slots[pairs], prep)  # [len(pairs), O]
             jobs.append(job)
             grains.append(quant.grain)
         outs.append((out, part, pairs))
@@ -552,6 +553,18 @@ def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarr
             out += _host(leaf["bias"])[slots]
         result.append(out)
     return result
+
+
+def _matvec_rows(quant: _Quant, x: np.ndarray, tok: np.ndarray) -> tuple:
+    """``(rows, their index per pair, quant.prepare(rows))`` for matvec pairs reading rows
+    ``tok`` of x ``[R, I]``: only the rows they read are prepared (a call whose other
+    experts take the GEMM path reads few of x's rows); each row is prepared alone, so
+    the values are those of preparing all of x."""
+    rows, at = np.unique(tok, return_inverse=True)
+    if len(rows) == len(x):
+        return x, tok, quant.prepare(x)
+    xp = x[rows]
+    return xp, at.reshape(-1), quant.prepare(xp)
 
 
 def unsupported(block: nn.Module) -> str | None:
