@@ -476,3 +476,23 @@ def test_the_gemm_path_starts_at_the_layouts_own_row_count(kind, row_loops, monk
     assert not dequantised  # the matvec
     run(want)
     assert dequantised  # dequantised once, BLAS
+
+
+def test_matvec_pairs_beside_gemm_slots_are_what_they_are_alone(row_loops, monkeypatch):
+    """A call whose busy experts take the GEMM path prepares only the rows its few-row
+    experts read for their matvec: each of those pairs equals the same pair computed in
+    a call of its own (rows are prepared one by one), and the block stays within the bound."""
+    b = block("glu", D=128, H=128, experts=4, bias=False, bits=4, group_size=64)
+    monkeypatch.setattr(cpu_kernel, "_by_pairs", lambda *a: False)
+    T = 160
+    x = mx.random.normal((T, 128))
+    idx = mx.concatenate([mx.zeros((T, 1), mx.uint32), mx.full((T, 1), 3, mx.uint32)], axis=1)
+    idx[:3, 1] = mx.array([1, 2, 1], dtype=mx.uint32)  # experts 1 and 2: 3 pairs, the matvec path
+    prepared = []
+    real = cpu_kernel._Quant.prepare
+    monkeypatch.setattr(cpu_kernel._Quant, "prepare", lambda q, xs: prepared.append(len(xs)) or real(q, xs))
+    got = cpu_kernel.expert_forward(b, x, idx)
+    assert prepared and max(prepared) == 3  # the three rows, not the call's 160
+    alone = cpu_kernel.expert_forward(b, x[:3], idx[:3, 1:])
+    assert mx.array_equal(got[:3, 1], alone[:, 0]).item()
+    assert close(b(x, idx), got) <= BOUND
