@@ -674,7 +674,6 @@ class LayerCache:
                 self.incoming.result()
                 self.incoming = None
 
-
     def _need(self, idx: np.ndarray) -> list[int]:
         """The distinct experts of ``idx`` (router top-k ids ``[..., k]``), ascending; the
         call's uses counted (and recorded in a trace)."""
