@@ -757,34 +757,30 @@ class LayerCache:
                 self._read_ahead(order[b:c])  # none resident: those all come first
                 mask = np.isin(idx, group)
                 yield np.where(mask, ids[idx], 0).astype(idx.dtype), mask, slabs
-            self._keep([e for e in group if self.slot_of[e] < 0][-self.num_slots :], group)
+            self._keep(group[-self.num_slots :], group)
         finally:  # a call abandoned between rounds: its read ahead ends here, unused
             if self.incoming is not None and not self.incoming.predicted:
                 self.incoming.result()
                 self.incoming = None
 
     def _fill(self, group: list[int]) -> dict[str, mx.array]:
-        """Copy ``group``'s experts into the scratch slabs, in order: resident ones from
-        their slots (hits), the others read (misses). Returns name -> scratch slab."""
-        missing = self._hits(group)
-        batches = self._read(missing) if missing else []
+        """Read ``group``'s experts (none resident: the resident ones all go in the first
+        round) into the scratch slabs, in order; misses. Returns name -> scratch slab."""
+        batches = self._read(group)
         pos = {e: j for j, e in enumerate(group)}
         slabs = {}
         for name, t in self.tensors.items():
             slabs[name], view = self.scratch(name)
-            host, cast = self._host_slab(name), _host_cast(t.info, t.casts)
-            for e in group:
-                if self.slot_of[e] >= 0:
-                    view[pos[e]] = host[self.slot_of[e]]
+            cast = _host_cast(t.info, t.casts)
             for raw, rows in batches:
                 for i, e in rows:
                     view[pos[e]] = cast(raw[name][i])
-        self.stats.misses += len(missing)
+        self.stats.misses += len(group)
         return slabs
 
     def _keep(self, keep: list[int], group: list[int]) -> None:
-        """Make ``keep`` (experts of the last round ``group``, in the scratch slabs and
-        not resident) resident, copied from there; a failed write resets the layer."""
+        """Make ``keep`` (experts of the last round ``group``, in the scratch slabs, none
+        resident) resident, copied from there; a failed write resets the layer."""
         if not keep:
             return
         self.settle()
