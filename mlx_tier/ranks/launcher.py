@@ -210,22 +210,58 @@ def _write_plan(config, docs, todo: list[str], launch: Launch, ranks: int, run_i
     return folder / PLAN
 
 
-def _wait(proc: subprocess.Popen, reporter) -> int | None:
-    """Wait for mlx.launch; after a Ctrl-C (which the local ranks get too: they finish the
-    summaries being written) wait on; after a second, end mlx.launch (the local ranks got it
-    too and stop at once). Returns the signal that stopped the run, if any."""
+def all_local(launch: Launch) -> bool:
+    """Every rank runs on this machine (``--ranks``, or a hosts file of ``127.0.0.1`` only,
+    which mlx.launch starts without ssh): a Ctrl-C in the terminal reaches each of them."""
+    return launch.hosts is None or all(h == "127.0.0.1" for h in read_hosts(launch.hosts))
+
+
+def start_launcher(command: list[str], local: bool) -> subprocess.Popen:
+    """Start mlx.launch; with ``local`` ranks, with SIGINT ignored.
+
+    A Ctrl-C then reaches the ranks alone (same process group): they finish the
+    summaries being written while mlx.launch forwards their output and returns
+    after the last one. Interrupted itself, mlx.launch stops forwarding output and
+    can return before its ranks end (a KeyboardInterrupt inside ``Thread.is_alive``
+    marks a running thread stopped: python/cpython#90882), so the report would
+    miss how they ended. Ranks over ssh keep today's behaviour: mlx.launch is
+    what stops them. The disposition is inherited through ``exec`` and restored
+    here at once; a Ctrl-C in those few milliseconds is not seen by this process.
+    """
     import signal
 
-    stopped = None
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if local else None
+    except ValueError:  # not the main thread: no handlers to change, nothing to restore
+        old = None
+    try:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+
+
+def _wait(proc: subprocess.Popen, reporter, local: bool) -> int | None:
+    """Wait for mlx.launch. A first Ctrl-C: the ranks finish the summaries being written.
+    A second stops them now: ``local`` ranks got it themselves; mlx.launch is ended for
+    ranks over ssh (``local``: at a third). Returns the signal that stopped the run, if any."""
+    import signal
+
+    stopped, presses = None, 0
     while True:
         try:
             proc.wait()
             return stopped
         except KeyboardInterrupt:
-            if stopped is not None:
-                proc.terminate()
+            presses += 1
             stopped = signal.SIGINT
-            reporter.message("stopping: the ranks finish the summaries being written (interrupt again to stop now)")
+            if presses == 1:
+                reporter.message("stopping: the ranks finish the summaries being written "
+                                 "(interrupt again to stop now)")
+            elif presses > (2 if local else 1):
+                proc.terminate()
+            else:
+                reporter.message("stopping now: the summaries being written are left for the next run")
 
 
 def run_distributed(config, launch: Launch, reporter=None):
@@ -301,8 +337,8 @@ def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, st
         write_input_list(config.out_dir, docs)
     plan_path = _write_plan(config, docs, tri.pending, launch, ranks, clock.id)
     reporter.message(f"{ranks} rank(s), {len(tri.pending)} document(s) to do; run {plan_path.parent.name}")
-    proc = subprocess.Popen(launch_command(launch, plan_path), stdin=subprocess.DEVNULL)
-    stopped = _wait(proc, reporter)
+    local = all_local(launch)
+    stopped = _wait(start_launcher(launch_command(launch, plan_path), local), reporter, local)
     return finish(config, docs, triaged, plan_path, started, stopped)
 
 

@@ -30,17 +30,21 @@ def _rank_env() -> int:
     return int(os.environ.get("MLX_RANK", "0"))
 
 
-def supervise(plan_path: Path) -> int:
+def supervise(plan_path: Path, command: list[str] | None = None) -> int:
     """Run the worker, record its end in ``exit-<rank>.json``, return 0 whatever happened.
 
     SIGTERM (mlx.launch stopping the job) is passed on to the worker, which then
     finishes the summaries being written; SIGINT from the terminal reaches the
-    worker directly (same process group), so it is not acted on here.
+    worker directly (same process group), so it is not acted on here. The
+    supervisor may start with SIGINT ignored (the launcher starts mlx.launch
+    so); its handler is set before the worker starts, so the worker starts with
+    SIGINT's default (an ignored signal would stay ignored across ``exec``).
+    ``command``: the worker's command line (default: ``worker work PLAN``).
     """
     rank = _rank_env()
     started = time.time()
-    child = subprocess.Popen([sys.executable, "-m", "mlx_tier.ranks.worker", "work", str(plan_path)])
     signal.signal(signal.SIGINT, lambda signum, frame: None)
+    child = subprocess.Popen(command or [sys.executable, "-m", "mlx_tier.ranks.worker", "work", str(plan_path)])
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
     code = child.wait()
     end = {"rank": rank, "host": socket.gethostname(), "pid": child.pid, "returncode": code,

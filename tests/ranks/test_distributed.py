@@ -445,5 +445,9 @@ def test_ctrl_c_stops_every_rank_after_the_summaries_being_written(tmp_path, sma
     report = json.loads((out / "report.json").read_text())
     assert all(a["ended"] == "stopped (signal)" for a in report["runs"][-1]["ranks"]), output
     assert 0 < report["totals"]["done"] < len(ids) and report["totals"]["interrupted"]
+    # mlx.launch, not interrupted, forwarded every rank's lines to the end: each summary finished is announced
+    announced = {line.split("done: ")[1].split()[0] for line in output.splitlines() if "] done: " in line}
+    assert announced == {i for i in ids if (out / f"{i}.md").exists()}, output
+    assert "Traceback" not in output, output
     assert done_records(out) == Counter({i: 1 for i in ids if (out / f"{i}.md").exists()})
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
