@@ -24,8 +24,9 @@ PLAN_DOC_TOKENS = 900
 DEFAULT_POOL_STEP = 2048
 # Experts a round of a layer call computes with the CPU kernel when the call needs
 # more experts than the layer has slots (mlx_tier.engine.cache.LayerCache.width): the
-# round's experts are copied into scratch slabs shared by the layers, not into the
-# slots one round of S at a time. A round has a fixed cost (a kernel call, its thread
+# round's experts are read into scratch slabs shared by the layers (two halves:
+# the next round is read into one while this one computes), not into the slots
+# one round of S at a time. A round has a fixed cost (a kernel call, its thread
 # hand-offs, a host sync); at 1 slot a layer, a 256-token prompt pool of the 8 GB
 # synthetic ran ~22 rounds a layer. The memory split counts the scratch and the reads
 # (mlx_tier.engine.footprint.read_ahead_bytes).

@@ -24,9 +24,11 @@ and other devices write through MLX.
 
 Wide rounds: when a layer call needs more experts than its slots and a host
 kernel computes them (the CPU kernel: eager), rounds after the first hold
-:attr:`LayerCache.width` experts copied into scratch slabs shared by the owner's
-layers (:meth:`LayerCache.assign_wide`) instead of S through the slots; the
-last round's experts then enter the slots.
+:attr:`LayerCache.width` experts in scratch slabs shared by the owner's layers
+(:meth:`LayerCache.assign_wide`) instead of S through the slots; the last
+round's experts then enter the slots. The scratch has two halves: the next
+round is read into one (tensors kept as on disk read in place, no copy) while
+the round computes from the other.
 
 Dtypes follow the model's: a slab holds its experts as the resident mlx-lm
 model would (as stored, or through the casts made since:
@@ -493,10 +495,13 @@ class LayerCache:
         if not self.free and self.num_slots == self.num_experts:
             self.lut = mx.array(self.slot_of.astype(np.uint32))
 
-    def _read(self, missing: list[int]) -> list[tuple[dict[str, np.ndarray], list[tuple[int, int]]]]:
+    def _read(self, missing: list[int], into: dict[str, np.ndarray] | None = None
+              ) -> list[tuple[dict[str, np.ndarray], list[tuple[int, int]]]]:
         """Raw bytes of ``missing``: from the prefetched or read-ahead batches where
-        they hold them (waiting for one in flight), the rest read now. The wait and the
-        read are the forward pass's stall (``stats.stall_seconds``).
+        they hold them (waiting for one in flight), the rest read now (into ``into``'s
+        rows, name -> ``[>= len(missing), ...]``, when the rest are all of ``missing``:
+        its rows are then ``missing``'s order). The wait and the read are the forward
+        pass's stall (``stats.stall_seconds``).
 
         Returns:
             ``[(name -> raw array [R, ...], [(row, expert), ...])]``: which row
@@ -520,7 +525,10 @@ class LayerCache:
                 rest = [e for e in rest if e not in taken]
         self._prefetched = [b for b in self._prefetched if b[1]]  # spent reads freed at once
         if rest:
-            batches.append((self.store.read_experts(list(self.tensors), rest), list(enumerate(rest))))
+            names = list(self.tensors)
+            raw = (self.store.read_experts(names, rest, out=into) if into and len(rest) == len(missing)
+                   else self.store.read_experts(names, rest))
+            batches.append((raw, list(enumerate(rest))))
         self.stats.stall_seconds += time.perf_counter() - t0
         return batches
 
@@ -532,8 +540,9 @@ class LayerCache:
             self._prefetched.append((raw, {e: i for i, e in enumerate(pending.experts)}, pending.expert_nbytes,
                                      pending.predicted))
 
-    def _read_ahead(self, experts: list[int]) -> None:
-        """Start reading ``experts`` (the next round's, none resident) on :attr:`reader`;
+    def _read_ahead(self, experts: list[int], into: dict[str, np.ndarray] | None = None) -> None:
+        """Start reading ``experts`` (the next round's, none resident) on :attr:`reader`
+        (into ``into``'s rows, in order, when no prefetch holds any of them);
         :meth:`_read` serves them from it. Bytes only: slots, the policy and the
         hit/miss counts change when the round comes (:meth:`_ensure`), as without."""
         if self.reader is None or not experts:
@@ -542,11 +551,13 @@ class LayerCache:
             t0 = time.perf_counter()
             self._take_incoming()
             self.stats.stall_seconds += time.perf_counter() - t0
+        wanted = experts
         experts = [e for e in experts if not any(e in row_of for _, row_of, _, _ in self._prefetched)]
         if not experts:  # a prefetch holds them all already
             return
         self.stats.read_ahead += len(experts)
-        self.incoming = PrefetchedRead(experts, self.reader.submit(self.store, list(self.tensors), experts),
+        out = into if len(experts) == len(wanted) else None
+        self.incoming = PrefetchedRead(experts, self.reader.submit(self.store, list(self.tensors), experts, out),
                                        self.raw_expert_nbytes, predicted=False)
 
     def end_call(self) -> None:
@@ -694,30 +705,43 @@ class LayerCache:
         """Scratch slabs by (role in the block, shape, dtype): the owner's, shared by its layers."""
         return self.owner._scratch if self.owner is not None else self._scratch
 
-    def scratch(self, name: str) -> tuple[mx.array, np.ndarray]:
-        """The scratch slab ``[width, ...]`` of tensor ``name`` (shared by the owner's layers
-        of the same shape: one layer computes at a time) and a writable numpy view of it."""
+    def scratch(self, name: str, half: int = 0) -> tuple[mx.array, np.ndarray]:
+        """Scratch slab ``half`` (0 or 1: consecutive rounds alternate) ``[width, ...]`` of
+        tensor ``name`` (shared by the owner's layers of the same shape: one layer
+        computes at a time) and a writable numpy view of it."""
         t = self.tensors[name]
         slab = t.module[t.attr]
         pool = self._scratch_pool()
-        key = (_role(name), tuple(slab.shape[1:]), slab.dtype)
-        arr = pool.get(key)
-        if arr is None or arr.shape[0] < self.width:
+        key = (_role(name), tuple(slab.shape[1:]), slab.dtype, half)
+        got = pool.get(key)
+        if got is None or got[0].shape[0] < self.width:
             host = self._host_slab(name)
-            arr = pool[key] = mx.array(np.zeros((self.width, *host.shape[1:]), host.dtype))  # its own buffer
+            arr = mx.array(np.zeros((self.width, *host.shape[1:]), host.dtype))  # its own buffer
             mx.eval(arr)
-        view = np.asarray(arr)
-        if not (view.flags.c_contiguous and view.flags.writeable):
-            raise RuntimeError("a scratch slab has no writable host view")
-        return arr, view
+            view = np.asarray(arr)
+            if not (view.flags.c_contiguous and view.flags.writeable):
+                raise RuntimeError("a scratch slab has no writable host view")
+            got = pool[key] = (arr, view)
+        return got
+
+    def _stored_as_is(self) -> list[str]:
+        """The tensors whose slabs hold the bytes on disk unchanged (no cast): those a
+        wide round reads straight into its scratch slab."""
+        return [name for name, t in self.tensors.items()
+                if t.info.dtype != "BF16" and t.dtype == t.info.mx_dtype]
+
+    def _destination(self, half: int) -> dict[str, np.ndarray]:
+        """Scratch ``half``'s views of the tensors read into it as they are on disk."""
+        return {name: self.scratch(name, half)[1] for name in self._stored_as_is()}
 
     def assign_wide(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray | None, dict | None]]:
         """:meth:`assign` for a host kernel, in rounds of :attr:`width` experts.
 
         When the call needs more experts than the slots, the first round is
         :meth:`assign`'s (as many experts as the slots, the resident ones first, made
-        resident in the slots), each later round ``width`` more, copied from their reads
-        into the scratch slabs (:meth:`scratch`) and computed from there; after the last
+        resident in the slots), each later round ``width`` more, read into a scratch half
+        (:meth:`scratch`; the tensors stored as on disk in place, the others cast there)
+        and computed from there; after the last
         round, its last experts (as many as there are slots) enter the slots, evicting
         as :meth:`assign`'s last round does. Each distinct expert is a hit or a miss
         once, as in :meth:`assign`.
@@ -741,8 +765,10 @@ class LayerCache:
         order = [e for e in need if self.slot_of[e] >= 0] + [e for e in need if self.slot_of[e] < 0]
         # The first round is assign's (the resident experts first: little or nothing to read),
         # the next ones `width` wide, each read while the round before computes.
+        # A wide round's experts are read into its scratch half (ahead, while the round
+        # before computes from the other half), each tensor kept as on disk read in place.
         bounds = [0, *range(self.num_slots, len(order), self.width), len(order)]
-        local, group = np.zeros(self.num_experts, np.int64), []
+        local, group, half = np.zeros(self.num_experts, np.int64), [], 1
         try:
             for a, b, c in zip(bounds, bounds[1:], [*bounds[2:], len(order)]):
                 group = order[a:b]
@@ -750,36 +776,44 @@ class LayerCache:
                     self._ensure(group)
                     ids, slabs = self.slot_of, None
                 else:
-                    slabs = self._fill(group)
+                    half = 1 - half
+                    slabs = self._fill(group, half)
                     local[group] = np.arange(len(group))
                     ids = local
                 self.stats.rounds += 1
-                self._read_ahead(order[b:c])  # none resident: those all come first
+                self._read_ahead(order[b:c], self._destination(1 - half))  # none resident: all first
                 mask = np.isin(idx, group)
                 yield np.where(mask, ids[idx], 0).astype(idx.dtype), mask, slabs
-            self._keep(group[-self.num_slots :], group)
+            self._keep(group[-self.num_slots :], group, half)
         finally:  # a call abandoned between rounds: its read ahead ends here, unused
             if self.incoming is not None and not self.incoming.predicted:
                 self.incoming.result()
                 self.incoming = None
 
-    def _fill(self, group: list[int]) -> dict[str, mx.array]:
+    def _fill(self, group: list[int], half: int) -> dict[str, mx.array]:
         """Read ``group``'s experts (none resident: the resident ones all go in the first
-        round) into the scratch slabs, in order; misses. Returns name -> scratch slab."""
-        batches = self._read(group)
+        round) into scratch ``half``, in order (the tensors kept as on disk read there in
+        place, by the read ahead or now; the others cast from their reads); misses.
+        Returns name -> scratch slab."""
+        into = self._destination(half)
+        batches = self._read(group, into)
+        # Rows left in a scratch half (served from a prediction instead) hold only until it is written again.
+        self._prefetched = [b for b in self._prefetched if not any(_in_scratch(b[0], self._destination(h)) for h in (0, 1))]
         pos = {e: j for j, e in enumerate(group)}
         slabs = {}
         for name, t in self.tensors.items():
-            slabs[name], view = self.scratch(name)
+            slabs[name], view = self.scratch(name, half)
             cast = _host_cast(t.info, t.casts)
             for raw, rows in batches:
+                if raw[name].base is view and all(i == pos[e] for i, e in rows):
+                    continue  # read in place
                 for i, e in rows:
                     view[pos[e]] = cast(raw[name][i])
         self.stats.misses += len(group)
         return slabs
 
-    def _keep(self, keep: list[int], group: list[int]) -> None:
-        """Make ``keep`` (experts of the last round ``group``, in the scratch slabs, none
+    def _keep(self, keep: list[int], group: list[int], half: int) -> None:
+        """Make ``keep`` (experts of the last round ``group``, in scratch ``half``, none
         resident) resident, copied from there; a failed write resets the layer."""
         if not keep:
             return
@@ -787,7 +821,7 @@ class LayerCache:
         slot_of_new = {e: self._take_slot(protected=keep) for e in keep}
         try:
             for name in self.tensors:
-                host, (_, view) = self._host_slab(name), self.scratch(name)
+                host, (_, view) = self._host_slab(name), self.scratch(name, half)
                 for e, s in slot_of_new.items():
                     host[s] = view[group.index(e)]
         except BaseException:
@@ -797,6 +831,11 @@ class LayerCache:
             self.slot_of[e] = s
             self.policy.insert(e)
         self._update_lut()
+
+
+def _in_scratch(raw: dict[str, np.ndarray], views: dict[str, np.ndarray]) -> bool:
+    """Whether a read's arrays lie in the scratch ``views`` (a read ahead into them)."""
+    return any(raw[name].base is view for name, view in views.items())
 
 
 class ExpertCache:

@@ -113,8 +113,10 @@ def read_ahead_bytes(cache: int, shape: ModelShape, kernel: str = "mlx", expert:
     cache over the model's layers (exact when every layer has experts; a model with
     dense layers holds a little more). With the CPU kernel a round holds
     :data:`~mlx_tier.defaults.ROUND_EXPERTS` experts when the slots are fewer
-    (:attr:`mlx_tier.engine.cache.LayerCache.width`): its scratch slab, its reads and the
-    next round's, three times that many of ``expert`` (one expert's resident bytes) then."""
+    (:attr:`mlx_tier.engine.cache.LayerCache.width`): the two scratch halves consecutive
+    rounds alternate (the next round is read into one while this one computes from the
+    other) and a read that cannot go there, three times that many of ``expert`` (one
+    expert's resident bytes) then."""
     ahead = cache // max(1, shape.layers)
     return max(ahead, 3 * ROUND_EXPERTS * expert) if kernel == "cpu" else ahead
 

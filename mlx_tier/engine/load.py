@@ -287,10 +287,12 @@ class TieredExperts(nn.Module):
     def _on(self, slabs: dict[str, mx.array]) -> nn.Module:
         """The expert block over ``slabs`` (name on disk -> a scratch slab) instead of the
         cache's: shallow copies of the block and of its leaves that hold them, made once
-        for the same scratch slabs (known by identity: the block holds them)."""
-        held = getattr(self, "_wide_block", None)
-        if held is not None and len(held[0]) == len(slabs) and all(a is b for a, b in zip(held[0], slabs.values())):
-            return held[1]
+        for the same scratch slabs (the two halves rounds alternate: known by identity,
+        the blocks hold them)."""
+        held = getattr(self, "_wide_blocks", [])
+        for arrays, block in held:
+            if len(arrays) == len(slabs) and all(a is b for a, b in zip(arrays, slabs.values())):
+                return block
         block = copy.copy(self._inner)
         names = {id(child): name for name, child in self._inner.children().items() if isinstance(child, nn.Module)}
         leaves = {}
@@ -300,7 +302,8 @@ class TieredExperts(nn.Module):
             leaf[t.attr] = slabs[name]
         for child, leaf in leaves.items():
             block[child] = leaf
-        object.__setattr__(self, "_wide_block", (tuple(slabs.values()), block))  # not a parameter nor a child
+        # Not a parameter nor a child; the two latest (scratch made anew after a cast replaces them).
+        object.__setattr__(self, "_wide_blocks", [*held[-1:], (tuple(slabs.values()), block)])
         return block
 
 

@@ -83,9 +83,11 @@ class BackgroundReader:
     def __deepcopy__(self, memo) -> BackgroundReader:
         return BackgroundReader()  # a copied model prefetches on a thread of its own
 
-    def submit(self, store, names: list[str], experts: list[int]) -> Future:
-        """Start ``store.read_experts(names, experts)``; returns its future."""
-        return self._pool.submit(store.read_experts, names, experts)
+    def submit(self, store, names: list[str], experts: list[int], out: dict | None = None) -> Future:
+        """Start ``store.read_experts(names, experts, out=out)``; returns its future."""
+        if out is None:
+            return self._pool.submit(store.read_experts, names, experts)
+        return self._pool.submit(store.read_experts, names, experts, out=out)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -235,7 +235,8 @@ class ExpertStore:
         Args:
             names: stacked tensor names, each of shape ``[E, ...]``.
             experts: expert ids, in the order the rows are wanted.
-            out: optional caller-owned destination per name, C-contiguous,
+            out: optional caller-owned destination per name (some of
+                ``names`` or all; the others are allocated), C-contiguous,
                 the on-disk dtype, shape ``[R, *shape[1:]]`` with
                 ``R >= len(experts)``; rows ``[:len(experts)]`` are filled.
                 Reusing them across calls saves the page faults of fresh
@@ -255,7 +256,7 @@ class ExpertStore:
         jobs = []
         for name in names:
             info = self.info(name)
-            if out is None:
+            if out is None or name not in out:
                 buf = np.empty((len(experts), *info.shape[1:]), dtype=info.np_dtype)
             else:
                 dest = out[name]

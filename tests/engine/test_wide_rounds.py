@@ -1,6 +1,7 @@
 """Wide rounds: with the CPU kernel, a layer call that needs more experts than the
-layer has slots is computed in rounds of ``width`` experts copied into scratch
-slabs, not in rounds of S through the slots. The outputs are those of slot
+layer has slots is computed in rounds of ``width`` experts read into scratch
+slabs (two halves; the tensors kept as on disk read there in place), not in
+rounds of S through the slots. The outputs are those of slot
 rounds, each distinct expert is still one hit or one miss, the slots hold what
 they claim after, and a deep copy gets scratch slabs of its own.
 """
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="scratch s
 PROMPT = "Seven ships sailed north; 42 crates, 19 barrels, one goat, and the river ran clear."
 
 
-def _load(path, slots: int, width: int | None = None, kernel: str = "cpu"):
-    model, tokenizer = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots, kernel=kernel))
+def _load(path, slots: int, width: int | None = None, kernel: str = "cpu", **config):
+    model, tokenizer = mlx_tier.load(path, config=TierConfig(slots_per_layer=slots, kernel=kernel, **config))
     if width is not None:
         for layer in model.expert_cache.layers:
             layer.width = width
@@ -58,6 +59,33 @@ def test_wide_rounds_give_what_slot_rounds_give(tiny_moe, slots, width):
     a, b = rounds.expert_cache.stats, wide.expert_cache.stats
     assert a.hits + a.misses == b.hits + b.misses  # each distinct expert of a call: one hit or one miss
     assert b.rounds < a.rounds
+
+
+@pytest.mark.parametrize("read_ahead, prefetch", [(True, False), (False, False), (True, True)])
+def test_wide_rounds_read_in_place_and_give_what_slot_rounds_give(tiny_moe, read_ahead, prefetch):
+    """The tensors kept as on disk are read straight into a scratch half (ahead of the
+    round, or when it comes); a predicted prefetch serving some of a round's experts,
+    and rows read ahead into a half later written again, change nothing."""
+    config = {"read_ahead": read_ahead, "prefetch": prefetch}
+    rounds, tokenizer = _load(tiny_moe, 1, width=1, **config)
+    wide, _ = _load(tiny_moe, 1, width=3, **config)
+    store, real, into = wide.expert_cache.store, wide.expert_cache.store.read_experts, []
+
+    def recording(names, experts, out=None):
+        into.append(sorted(out or ()))
+        return real(names, experts, out)
+
+    store.read_experts = recording
+    ids = tokenizer.encode(PROMPT)
+    want, want_tokens = _run(rounds, ids)
+    got, got_tokens = _run(wide, ids)
+    assert got_tokens == want_tokens
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert mx.allclose(g, w, atol=1e-4, rtol=1e-4).item(), f"call {i}: {mx.abs(g - w).max().item()}"
+    as_is = sorted(wide.expert_cache.layers[0]._stored_as_is())
+    assert as_is and as_is in into  # the packed weights at least: read in place
+    for layer in wide.expert_cache.layers:
+        _slot_contents_are_the_experts(layer)
 
 
 def _slot_contents_are_the_experts(layer) -> None:
@@ -114,11 +142,11 @@ def test_a_failed_read_in_a_wide_round_leaves_the_layer_usable(tiny_moe):
     store, real = model.expert_cache.store, model.expert_cache.store.read_experts
     calls = []
 
-    def fail_after_one(names, experts):  # a failed read ahead is read again, and fails then
+    def fail_after_one(names, experts, out=None):  # a failed read ahead is read again, and fails then
         calls.append(experts)
         if len(calls) >= 2:
             raise OSError("disk went away")
-        return real(names, experts)
+        return real(names, experts, out)
 
     store.read_experts = fail_after_one
     with pytest.raises(OSError, match="disk went away"):
@@ -143,12 +171,13 @@ def test_a_cast_after_load_keeps_the_outputs_and_lets_the_old_scratch_go(tiny_mo
 
 
 def test_the_layers_share_one_scratch_slab_per_role(tiny_moe):
-    """One layer computes at a time: the scratch is `width` experts in all, not per layer."""
+    """One layer computes at a time: the scratch is two halves of `width` experts in all
+    (consecutive rounds alternate), not per layer."""
     model, tokenizer = _load(tiny_moe, 1, width=3)
     mx.eval(model(mx.array(tokenizer.encode(PROMPT))[None]))
     cache = model.expert_cache
     assert len(cache.layers) > 1 and all(layer.stats.rounds for layer in cache.layers[:1])
-    assert sum(a.nbytes for a in cache._scratch.values()) == 3 * cache.layers[0].slot_nbytes
+    assert sum(a.nbytes for a, _ in cache._scratch.values()) == 2 * 3 * cache.layers[0].slot_nbytes
 
 
 @pytest.mark.parametrize("slots, width, idx", [
