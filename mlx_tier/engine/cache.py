@@ -805,10 +805,10 @@ class LayerCache:
             slabs[name], view = self.scratch(name, half)
             cast = _host_cast(t.info, t.casts)
             for raw, rows in batches:
-                if raw[name].base is view and all(i == pos[e] for i, e in rows):
+                src, dst = [i for i, _ in rows], [pos[e] for _, e in rows]
+                if raw[name].base is view and src == dst:
                     continue  # read in place
-                for i, e in rows:
-                    view[pos[e]] = cast(raw[name][i])
+                view[dst] = cast(raw[name][src])  # one cast a batch
         self.stats.misses += len(group)
         return slabs
 
