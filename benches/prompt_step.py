@@ -61,7 +61,8 @@ class Timer:
 def instrument(model, timer: Timer) -> None:
     """Wrap each layer's attention, router gate, expert block and kernel."""
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
+        mlp = layer.mlp if "mlp" in layer else layer.block_sparse_moe  # qwen3_moe's, mixtral's (the demo)
         layer.self_attn = _Wrapped(attn, timer.wrap("attention", attn))
         mlp.gate = _Wrapped(mlp.gate, timer.wrap("router", mlp.gate))
         tiered = mlp.switch_mlp

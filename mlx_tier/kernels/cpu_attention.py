@@ -129,6 +129,7 @@ def sdpa(q: mx.array, k, v, scale: float, mask=None, group_size: int | None = No
     qs = cpu._host(q).reshape(B, Hk, G, Lq, D)
     m = _mask_array(mask, B, H, Lq, Lk)
     spans = _key_spans(m, B, Lk)
+    blocks = _block_spans(m, B, Lq, Lk, spans) if Lq > 1 else None
     out = np.empty((B, Hk, G, Lq, D), np.float32)
     s = np.float32(scale)
 
@@ -137,17 +138,18 @@ def sdpa(q: mx.array, k, v, scale: float, mask=None, group_size: int | None = No
             b, h = divmod(j, Hk)
             k0, k1 = spans[b]
             kb, vb = ks.rows(b, h, k0, k1), vs.rows(b, h, k0, k1)  # [k1 - k0, D]
-            for r0 in range(0, Lq, QUERY_BLOCK):
+            for i, r0 in enumerate(range(0, Lq, QUERY_BLOCK)):
                 r1 = min(Lq, r0 + QUERY_BLOCK)
-                scores = (qs[b, h, :, r0:r1] * s) @ kb.T  # [G, r, k1 - k0]
+                c0, c1 = blocks[b][i] if blocks is not None else (k0, k1)  # the keys the block attends
+                scores = (qs[b, h, :, r0:r1] * s) @ kb[c0 - k0:c1 - k0].T  # [G, r, c1 - c0]
                 if m is not None:
                     mb = _block_mask(m, b, h, G, r0, r1)
-                    mb = mb[..., k0:k1] if mb.shape[-1] > 1 else mb
+                    mb = mb[..., c0:c1] if mb.shape[-1] > 1 else mb
                     scores = np.where(mb, scores, -np.inf) if mb.dtype == np.bool_ else scores + mb
                 scores -= scores.max(axis=-1, keepdims=True)
                 np.exp(scores, out=scores)
                 scores /= scores.sum(axis=-1, keepdims=True)
-                out[b, h, :, r0:r1] = scores @ vb
+                out[b, h, :, r0:r1] = scores @ vb[c0 - k0:c1 - k0]
 
     def decode(b0, b1):  # one query a sequence: all heads of a sequence in one batched matmul
         for b in range(b0, b1):
@@ -189,6 +191,33 @@ def _key_spans(m: np.ndarray | None, B: int, Lk: int) -> list[tuple[int, int]]:
         hit = np.flatnonzero(cols)
         spans.append((int(hit[0]), int(hit[-1]) + 1) if hit.size else (0, Lk))
     return spans
+
+
+def _block_spans(m: np.ndarray | None, B: int, Lq: int, Lk: int,
+                 spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]] | None:
+    """Per sequence and block of :data:`QUERY_BLOCK` queries, the keys ``[c0, c1)`` (within
+    the sequence's span) outside of which no query of the block attends: a causal mask's
+    later keys. A prompt chunk of Lq queries over Lk keys then does ~Lq/2 fewer keys'
+    work a query (FlashAttention's skipping of fully masked blocks, arXiv 2205.14135);
+    the keys left out have weight exactly 0. A block that attends to no key keeps its
+    sequence's span (its output is MLX's NaN). ``None``: no mask, every block all keys."""
+    if m is None or m.shape[-1] == 1:
+        return None
+    out = []
+    for b in range(B):
+        mb = m if m.ndim == 2 else m[b if m.shape[0] > 1 else 0]  # [(H or 1,) Lq or 1, Lk]
+        attend = (mb if mb.dtype == np.bool_ else mb != -np.inf).reshape(-1, *mb.shape[-2:]).any(axis=0)
+        if attend.shape[0] == 1:  # one row for every query
+            attend = np.broadcast_to(attend, (Lq, Lk))
+        k0, k1 = spans[b]
+        row = []
+        for r0 in range(0, Lq, QUERY_BLOCK):
+            cols = np.flatnonzero(attend[r0:r0 + QUERY_BLOCK].any(axis=0))
+            row.append((max(k0, int(cols[0])), min(k1, int(cols[-1]) + 1)) if cols.size else (k0, k1))
+            if row[-1][0] >= row[-1][1]:
+                row[-1] = (k0, k1)
+        out.append(row)
+    return out
 
 
 def _block_mask(m: np.ndarray, b: int, h: int, G: int, r0: int, r1: int) -> np.ndarray:

@@ -31,6 +31,9 @@ def qkv(B, H, Hk, Lq, Lk, D, seed=0):
     (2, 6, 2, 5, 5, 32, "causal"),  # a prompt from empty
     (1, 4, 4, 7, 300, 16, "causal"),  # a chunk over a long cache: the last Lq of Lk
     (1, 8, 2, 600, 600, 8, "causal"),  # several query blocks
+    (1, 4, 2, 600, 900, 8, "causal"),  # several blocks of a chunk over a cache: each skips its later keys
+    (3, 4, 2, 520, 700, 8, "left_padding"),  # the same with a batch's padding (mlx-lm's prompt pool)
+    (2, 4, 2, 520, 700, 8, "additive_causal"),
     (3, 4, 1, 4, 12, 16, "left_padding"),  # a batch's boolean mask
     (2, 4, 2, 3, 8, 16, "additive"),
     (3, 4, 2, 1, 40, 16, "decode_left_padding"),  # a decode pool: keys left of each sequence skipped
@@ -41,6 +44,9 @@ def test_sdpa_matches_mlx(B, H, Hk, Lq, Lk, D, mask):
     q, k, v = qkv(B, H, Hk, Lq, Lk, D)
     if mask == "left_padding":
         mask = create_causal_mask(Lq, offset=Lk - Lq, left_padding=mx.array([0, 3, 6][:B]))
+    elif mask == "additive_causal":
+        causal = create_causal_mask(Lq, offset=Lk - Lq)
+        mask = mx.where(causal, mx.random.normal((B, 1, Lq, Lk)), -mx.inf)
     elif mask == "additive":
         mask = mx.random.normal((B, 1, Lq, Lk))
     elif mask == "decode_left_padding":
@@ -124,6 +130,24 @@ def test_key_spans_leave_out_only_keys_no_query_attends():
     assert cpu_attention._key_spans(additive, 4, 10) == [(3, 10), (2, 8), (0, 10), (0, 10)]
     assert cpu_attention._key_spans(np.ones((2, 1, 1, 1), bool), 2, 10) == [(0, 10)] * 2
     assert cpu_attention._key_spans(None, 2, 10) == cpu_attention._key_spans(np.ones((3, 10), bool), 2, 10)
+
+
+def test_a_query_block_leaves_out_the_keys_none_of_its_queries_attends():
+    """A causal chunk of 600 queries over 900 keys: block i (256 queries) attends keys up to
+    300 + 256 (i + 1); with left padding, from the padding on; a block attending to no key
+    keeps its sequence's span; no mask: every block all keys."""
+    import numpy as np
+
+    causal = cpu_attention._mask_array("causal", 1, 4, 600, 900)
+    assert cpu_attention._block_spans(causal, 1, 600, 900, [(0, 900)]) == [[(0, 556), (0, 812), (0, 900)]]
+    padded = np.array(create_causal_mask(600, offset=300, left_padding=mx.array([0, 40])))  # [2, 1, 600, 900]
+    spans = cpu_attention._key_spans(padded, 2, 900)
+    assert cpu_attention._block_spans(padded, 2, 600, 900, spans) == [[(0, 556), (0, 812), (0, 900)],
+                                                                      [(40, 556), (40, 812), (40, 900)]]
+    none = np.zeros((1, 1, 600, 900), bool)
+    none[..., 300:, :] = True  # the first block's queries attend to nothing
+    assert cpu_attention._block_spans(none, 1, 600, 900, [(0, 900)])[0][0] == (0, 900)
+    assert cpu_attention._block_spans(None, 1, 600, 900, [(0, 900)]) is None
 
 
 def test_refuses_ungrouped_heads_and_unknown_masks():
