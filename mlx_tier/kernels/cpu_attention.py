@@ -17,7 +17,9 @@ expert kernel does), queries in blocks so that the scores stay small. Masks as
 mlx-lm makes them: ``None``, ``"causal"`` (the last Lq of Lk positions), a
 boolean array (``True`` = attend) or an additive float array, broadcastable
 to ``[B, H, Lq, Lk]``. Keys a sequence's mask never attends (a batch's left
-padding: mlx-lm pads each sequence to the longest) are left out of its work;
+padding: mlx-lm pads each sequence to the longest) are left out of its work,
+and so are the keys none of a block of queries attends (a causal mask's later
+keys: about half of a long prompt chunk's scores, :func:`_block_spans`);
 in a decode pool (one query a sequence, more sequences than threads) all
 heads of a sequence go in one batched product. On 32 sequences of 300-1,500
 tokens the two halve a decode step's attention (benches/results/throughput/
