@@ -662,6 +662,7 @@ class LayerCache:
             (other entries point at an arbitrary slot). The caller must use the
             round's result, and set :attr:`pending`, before asking for the next.
         """
+        self._drop_scratch_reads()
         need = self._need(idx)
         if len(need) <= self.num_slots:
             self._ensure(need)
@@ -684,6 +685,18 @@ class LayerCache:
             if self.incoming is not None and not self.incoming.predicted:
                 self.incoming.result()
                 self.incoming = None
+
+    def _drop_scratch_reads(self) -> None:
+        """Forget reads into the scratch left by a call abandoned between rounds (its
+        generator not closed): the halves are shared and rewritten by other layers since.
+        A read of the next round still in flight is waited for first."""
+        if self.incoming is not None and not self.incoming.predicted:
+            self.incoming.result()
+            self.incoming = None
+        pool = self._scratch_pool()
+        if self._prefetched and pool:
+            views = [got[1] for got in pool.values()]
+            self._prefetched = [b for b in self._prefetched if not any(a.base is v for a in b[0].values() for v in views)]
 
     def _need(self, idx: np.ndarray) -> list[int]:
         """The distinct experts of ``idx`` (router top-k ids ``[..., k]``), ascending; the
@@ -757,6 +770,7 @@ class LayerCache:
         Raises:
             CheckpointError, OSError: a failed read (the slots stay as they were).
         """
+        self._drop_scratch_reads()
         need = self._need(idx)
         if len(need) <= self.num_slots:
             self._ensure(need)
@@ -797,8 +811,6 @@ class LayerCache:
         Returns name -> scratch slab."""
         into = self._destination(half)
         batches = self._read(group, into)
-        # Rows left in a scratch half (served from a prediction instead) hold only until it is written again.
-        self._prefetched = [b for b in self._prefetched if not any(_in_scratch(b[0], self._destination(h)) for h in (0, 1))]
         pos = {e: j for j, e in enumerate(group)}
         slabs = {}
         for name, t in self.tensors.items():
@@ -831,11 +843,6 @@ class LayerCache:
             self.slot_of[e] = s
             self.policy.insert(e)
         self._update_lut()
-
-
-def _in_scratch(raw: dict[str, np.ndarray], views: dict[str, np.ndarray]) -> bool:
-    """Whether a read's arrays lie in the scratch ``views`` (a read ahead into them)."""
-    return any(raw[name].base is view for name, view in views.items())
 
 
 class ExpertCache:

@@ -212,6 +212,7 @@ class TieredExperts(nn.Module):
         changed = self._stand_ins.changed(self, self._cache.tensors) if self._stand_ins is not None else None
         if changed:
             self._cache.cast(changed)
+            object.__setattr__(self, "_wide_blocks", [])  # they hold the scratch of the old dtypes
 
     def _resident_slots(self, indices: mx.array) -> mx.array:
         """Slot ids ``[..., k]`` (uint32) of a fully resident layer, lazy; the
@@ -264,6 +265,13 @@ class TieredExperts(nn.Module):
             rounds = cache.assign_wide(idx)
         else:
             rounds = ((slots, mask, None) for slots, mask in cache.assign(idx))
+        try:
+            return self._rounds(x, idx, rounds)
+        finally:  # a round that raised: the rest are abandoned now (a read ahead into scratch ends)
+            rounds.close()
+
+    def _rounds(self, x: mx.array, idx: np.ndarray, rounds) -> mx.array:
+        """:meth:`_compute`'s rounds, each computed before the next is asked for."""
         parts, ys, whole = [], [], None
         for slots, mask, slabs in rounds:
             inner = self._inner if slabs is None else self._on(slabs)

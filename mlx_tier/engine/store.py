@@ -34,7 +34,7 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -275,7 +275,9 @@ class ExpertStore:
         for path in {job[0].file for job in jobs}:
             self._open(path)  # on this thread: the workers only read the dicts
         t0 = time.perf_counter()
-        for fut in [self._pool.submit(self._read_into, *job) for job in jobs]:
+        futures = [self._pool.submit(self._read_into, *job) for job in jobs]
+        wait(futures)  # all of them, even past a failure: no read lands in ``out`` after this returns or raises
+        for fut in futures:
             fut.result()
         self.stats.read_seconds += time.perf_counter() - t0
         self.stats.reads += len(jobs)

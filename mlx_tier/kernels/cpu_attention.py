@@ -183,7 +183,8 @@ def _key_spans(m: np.ndarray | None, B: int, Lk: int) -> list[tuple[int, int]]:
     batch's left padding: mlx-lm's ``BatchKVCache`` pads each sequence to the longest).
     Leaving those keys out changes nothing (their weights are exactly 0) and saves their
     share of the work: in a decode pool of documents of 300-1,500 tokens, about a third.
-    A sequence that attends to no key keeps them all (its output is MLX's NaN)."""
+    A sequence that attends to no key keeps them all (its rows come out NaN; MLX's CPU
+    kernel gives finite values there: rows of padding, which no query reads)."""
     if m is None or m.ndim < 4 or m.shape[-1] == 1:
         return [(0, Lk)] * B
     spans = []
@@ -202,7 +203,8 @@ def _block_spans(m: np.ndarray | None, B: int, Lq: int, Lk: int,
     later keys. A prompt chunk of Lq queries over Lk keys then does ~Lq/2 fewer keys'
     work a query (FlashAttention's skipping of fully masked blocks, arXiv 2205.14135);
     the keys left out have weight exactly 0. A block that attends to no key keeps its
-    sequence's span (its output is MLX's NaN). ``None``: no mask, every block all keys."""
+    sequence's span (its rows come out NaN as before: a batch's padding, never read).
+    ``None``: no mask, every block all keys."""
     if m is None or m.shape[-1] == 1:
         return None
     out = []
@@ -216,8 +218,6 @@ def _block_spans(m: np.ndarray | None, B: int, Lq: int, Lk: int,
         for r0 in range(0, Lq, QUERY_BLOCK):
             cols = np.flatnonzero(attend[r0:r0 + QUERY_BLOCK].any(axis=0))
             row.append((max(k0, int(cols[0])), min(k1, int(cols[-1]) + 1)) if cols.size else (k0, k1))
-            if row[-1][0] >= row[-1][1]:
-                row[-1] = (k0, k1)
         out.append(row)
     return out
 

@@ -211,9 +211,14 @@ def _write_plan(config, docs, todo: list[str], launch: Launch, ranks: int, run_i
 
 
 def all_local(launch: Launch) -> bool:
-    """Every rank runs on this machine (``--ranks``, or a hosts file of ``127.0.0.1`` only,
-    which mlx.launch starts without ssh): a Ctrl-C in the terminal reaches each of them."""
-    return launch.hosts is None or all(h == "127.0.0.1" for h in read_hosts(launch.hosts))
+    """Every rank runs on this machine, started by mlx.launch itself (``--ranks``, or a ring
+    hosts file of ``127.0.0.1`` only, which it starts without ssh): a Ctrl-C in the terminal
+    reaches each of them. Other backends (``mpirun``...) start ranks their own way: no."""
+    if launch.hosts is None:
+        return True
+    data = json.loads(Path(launch.hosts).read_text())
+    backend = (data.get("backend") if isinstance(data, dict) else None) or "ring"
+    return backend == "ring" and all(h == "127.0.0.1" for h in read_hosts(launch.hosts))
 
 
 def start_launcher(command: list[str], local: bool) -> subprocess.Popen:
@@ -230,15 +235,18 @@ def start_launcher(command: list[str], local: bool) -> subprocess.Popen:
     """
     import signal
 
-    try:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if local else None
-    except ValueError:  # not the main thread: no handlers to change, nothing to restore
-        old = None
+    unchanged = object()
+    old = unchanged
+    if local:
+        try:
+            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: no handlers to change, nothing to restore
+            pass
     try:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL)
     finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
+        if old is not unchanged:  # None: a handler set from C, which Python cannot restore
+            signal.signal(signal.SIGINT, signal.default_int_handler if old is None else old)
 
 
 def _wait(proc: subprocess.Popen, reporter, local: bool) -> int | None:
@@ -259,6 +267,7 @@ def _wait(proc: subprocess.Popen, reporter, local: bool) -> int | None:
                 reporter.message("stopping: the ranks finish the summaries being written "
                                  "(interrupt again to stop now)")
             elif presses > (2 if local else 1):
+                reporter.message("stopping now: mlx.launch is ended")
                 proc.terminate()
             else:
                 reporter.message("stopping now: the summaries being written are left for the next run")

@@ -157,6 +157,41 @@ def test_a_failed_read_in_a_wide_round_leaves_the_layer_usable(tiny_moe):
     assert mx.allclose(model(ids), want, atol=1e-5).item()
 
 
+def test_a_call_abandoned_between_rounds_leaves_no_read_into_the_scratch(tiny_moe):
+    """A round that raised: the call's rounds are closed at once (its read ahead into a
+    scratch half ends there); and a layer whose rounds were left open (a generator kept
+    alive) drops that read at its next call, before other layers have rewritten the
+    halves it lies in: no slot ever gets another expert's bytes."""
+    from mlx_tier.engine.load import TieredExperts
+
+    model, tokenizer = _load(tiny_moe, 1, width=3)
+    blocks = [m for _, m in model.named_modules() if isinstance(m, TieredExperts)]
+    kernel, calls = blocks[1]._kernel, []
+
+    def fails_in_round_two(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the kernel failed")
+        return kernel(*args)
+
+    blocks[1]._kernel = fails_in_round_two
+    with pytest.raises(RuntimeError, match="kernel failed") as kept:  # the traceback kept alive
+        mx.eval(model(mx.array(tokenizer.encode(PROMPT))[None]))
+    assert kept.value is not None
+    assert all(layer.incoming is None or layer.incoming.predicted for layer in model.expert_cache.layers)
+    blocks[1]._kernel = kernel
+
+    l0, l1 = model.expert_cache.layers[:2]
+    idx = np.arange(l1.num_experts).reshape(-1, 2)
+    left_open = l1.assign_wide(idx)
+    next(left_open), next(left_open)  # abandoned in its first wide round, its next one read ahead
+    for _ in l0.assign_wide(idx[::-1].copy()):  # another layer rewrites both halves
+        pass
+    for _ in l1.assign_wide(np.array([[4, 0]])):
+        pass
+    _slot_contents_are_the_experts(l1)
+
+
 def test_a_cast_after_load_keeps_the_outputs_and_lets_the_old_scratch_go(tiny_moe):
     rounds, tokenizer = _load(tiny_moe, 1, width=1)
     wide, _ = _load(tiny_moe, 1, width=3)
@@ -168,6 +203,9 @@ def test_a_cast_after_load_keeps_the_outputs_and_lets_the_old_scratch_go(tiny_mo
     # The float32 scratch of the cast scales and biases is let go (numpy does not make
     # MLX's float16 casts: those layers widen no more, `widens`).
     assert mx.float32 not in {key[2] for key in wide.expert_cache._scratch}
+    from mlx_tier.engine.load import TieredExperts
+
+    assert not any(getattr(m, "_wide_blocks", None) for _, m in wide.named_modules() if isinstance(m, TieredExperts))
 
 
 def test_the_layers_share_one_scratch_slab_per_role(tiny_moe):

@@ -39,11 +39,14 @@ def qkv(B, H, Hk, Lq, Lk, D, seed=0):
     (3, 4, 2, 1, 40, 16, "decode_left_padding"),  # a decode pool: keys left of each sequence skipped
     (2, 4, 2, 2, 30, 16, "window"),  # keys masked at both ends (a sliding window)
     (2, 4, 2, 2, 30, 16, "additive_window"),
+    (2, 4, 2, 600, 900, 8, "sliding"),  # a sliding window over several blocks: each leaves out keys on both sides
 ])
 def test_sdpa_matches_mlx(B, H, Hk, Lq, Lk, D, mask):
     q, k, v = qkv(B, H, Hk, Lq, Lk, D)
     if mask == "left_padding":
         mask = create_causal_mask(Lq, offset=Lk - Lq, left_padding=mx.array([0, 3, 6][:B]))
+    elif mask == "sliding":
+        mask = create_causal_mask(Lq, offset=Lk - Lq, window_size=200)
     elif mask == "additive_causal":
         causal = create_causal_mask(Lq, offset=Lk - Lq)
         mask = mx.where(causal, mx.random.normal((B, 1, Lq, Lk)), -mx.inf)

@@ -28,13 +28,16 @@ _SIGINT_AT_START = ("import signal, sys; h = signal.getsignal(signal.SIGINT); op
 
 
 def test_mlx_launch_starts_with_sigint_ignored_only_when_every_rank_is_local(tmp_path):
-    before = signal.getsignal(signal.SIGINT)
-    for local, expected in [(True, "ignored"), (False, "default")]:
-        answer = tmp_path / f"local-{local}"
-        proc = start_launcher([sys.executable, "-c", _SIGINT_AT_START, str(answer)], local)
-        assert proc.wait(timeout=120) == 0
-        assert answer.read_text() == expected
-        assert signal.getsignal(signal.SIGINT) is before  # the launcher's own Ctrl-C is back at once
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as `mlx-tier run` has it
+    try:
+        for local, expected in [(True, "ignored"), (False, "default")]:
+            answer = tmp_path / f"local-{local}"
+            proc = start_launcher([sys.executable, "-c", _SIGINT_AT_START, str(answer)], local)
+            assert proc.wait(timeout=120) == 0
+            assert answer.read_text() == expected
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launcher's Ctrl-C is back
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_supervisor_started_with_sigint_ignored_starts_its_worker_with_the_default(tmp_path):
@@ -57,6 +60,8 @@ def test_ranks_are_local_with_ranks_or_a_hosts_file_of_loopback_only(tmp_path):
     assert all_local(Launch(ranks=3)) and all_local(Launch(hosts=hosts))
     hosts.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]))
     assert not all_local(Launch(hosts=Path(hosts)))
+    hosts.write_text(json.dumps({"backend": "mpi", "hosts": [{"ssh": "127.0.0.1"}] * 2}))  # mpirun starts them
+    assert not all_local(Launch(hosts=hosts))
 
 
 class _Launch:
