@@ -45,17 +45,21 @@ def _run(model, ids: list[int], decode: int = 6) -> tuple[list[mx.array], list[i
     return logits, tokens
 
 
-@pytest.mark.parametrize("slots, width", [(1, 3), (1, 8), (2, 5), (3, 4)])
-def test_wide_rounds_give_what_slot_rounds_give(tiny_moe, slots, width):
-    rounds, tokenizer = _load(tiny_moe, slots, width=slots)  # width = slots: assign's rounds
-    wide, _ = _load(tiny_moe, slots, width=width)
-    assert wide.expert_cache.layers[0].widens() and not rounds.expert_cache.layers[0].widens()
-    ids = tokenizer.encode(PROMPT)
+def _same_outputs(rounds, wide, ids: list[int]) -> None:
+    """The wide model's greedy tokens are the slot rounds' and its logits within the bound."""
     want, want_tokens = _run(rounds, ids)
     got, got_tokens = _run(wide, ids)
     assert got_tokens == want_tokens
     for i, (g, w) in enumerate(zip(got, want)):
         assert mx.allclose(g, w, atol=1e-4, rtol=1e-4).item(), f"call {i}: {mx.abs(g - w).max().item()}"
+
+
+@pytest.mark.parametrize("slots, width", [(1, 3), (1, 8), (2, 5), (3, 4)])
+def test_wide_rounds_give_what_slot_rounds_give(tiny_moe, slots, width):
+    rounds, tokenizer = _load(tiny_moe, slots, width=slots)  # width = slots: assign's rounds
+    wide, _ = _load(tiny_moe, slots, width=width)
+    assert wide.expert_cache.layers[0].widens() and not rounds.expert_cache.layers[0].widens()
+    _same_outputs(rounds, wide, tokenizer.encode(PROMPT))
     a, b = rounds.expert_cache.stats, wide.expert_cache.stats
     assert a.hits + a.misses == b.hits + b.misses  # each distinct expert of a call: one hit or one miss
     assert b.rounds < a.rounds
@@ -64,8 +68,8 @@ def test_wide_rounds_give_what_slot_rounds_give(tiny_moe, slots, width):
 @pytest.mark.parametrize("read_ahead, prefetch", [(True, False), (False, False), (True, True)])
 def test_wide_rounds_read_in_place_and_give_what_slot_rounds_give(tiny_moe, read_ahead, prefetch):
     """The tensors kept as on disk are read straight into a scratch half (ahead of the
-    round, or when it comes); a predicted prefetch serving some of a round's experts,
-    and rows read ahead into a half later written again, change nothing."""
+    round, or when it comes); a predicted prefetch serving some of a round's experts
+    (those rounds' reads are then cast or copied there) changes nothing."""
     config = {"read_ahead": read_ahead, "prefetch": prefetch}
     rounds, tokenizer = _load(tiny_moe, 1, width=1, **config)
     wide, _ = _load(tiny_moe, 1, width=3, **config)
@@ -76,12 +80,7 @@ def test_wide_rounds_read_in_place_and_give_what_slot_rounds_give(tiny_moe, read
         return real(names, experts, out)
 
     store.read_experts = recording
-    ids = tokenizer.encode(PROMPT)
-    want, want_tokens = _run(rounds, ids)
-    got, got_tokens = _run(wide, ids)
-    assert got_tokens == want_tokens
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert mx.allclose(g, w, atol=1e-4, rtol=1e-4).item(), f"call {i}: {mx.abs(g - w).max().item()}"
+    _same_outputs(rounds, wide, tokenizer.encode(PROMPT))
     as_is = sorted(wide.expert_cache.layers[0]._stored_as_is())
     assert as_is and as_is in into  # the packed weights at least: read in place
     for layer in wide.expert_cache.layers:
