@@ -682,17 +682,19 @@ class LayerCache:
                 mask = np.isin(idx, group)
                 yield np.where(mask, self.slot_of[idx], 0).astype(idx.dtype), mask
         finally:  # a call abandoned between rounds (an error): its read ahead ends here, unused
-            if self.incoming is not None and not self.incoming.predicted:
-                self.incoming.result()
-                self.incoming = None
+            self._end_read_ahead()
+
+    def _end_read_ahead(self) -> None:
+        """Wait for a read of a next round still in flight and forget it (a prediction's stays)."""
+        if self.incoming is not None and not self.incoming.predicted:
+            self.incoming.result()
+            self.incoming = None
 
     def _drop_scratch_reads(self) -> None:
         """Forget reads into the scratch left by a call abandoned between rounds (its
         generator not closed): the halves are shared and rewritten by other layers since.
         A read of the next round still in flight is waited for first."""
-        if self.incoming is not None and not self.incoming.predicted:
-            self.incoming.result()
-            self.incoming = None
+        self._end_read_ahead()
         pool = self._scratch_pool()
         if self._prefetched and pool:
             views = [got[1] for got in pool.values()]
@@ -800,9 +802,7 @@ class LayerCache:
                 yield np.where(mask, ids[idx], 0).astype(idx.dtype), mask, slabs
             self._keep(group[-self.num_slots :], group, half)
         finally:  # a call abandoned between rounds: its read ahead ends here, unused
-            if self.incoming is not None and not self.incoming.predicted:
-                self.incoming.result()
-                self.incoming = None
+            self._end_read_ahead()
 
     def _fill(self, group: list[int], half: int) -> dict[str, mx.array]:
         """Read ``group``'s experts (none resident: the resident ones all go in the first
