@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -73,10 +74,14 @@ VNNI_GEMM_MIN_ROWS = 64
 # vectorisation: benches/kernel.py, benches/results/kernel/NOTES.md).
 _USABLE = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 THREADS = max(1, min(_USABLE, psutil.cpu_count(logical=False) or _USABLE))
-_POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="mlx-tier-kernel")
+_POOL_NAME = "mlx-tier-kernel"
+_POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix=_POOL_NAME)
 # Least weight bytes a thread's share of a matvec gets: below it, handing work to
 # another thread costs more than it saves (small attention projections).
 SHARE_BYTES = 2**18
+# Least elements of a thread's share of an elementwise pass over host rows (the SwiGLU,
+# the column permutation): below it one thread does it all (a decode step's few rows).
+ELEMENTWISE_GRAIN = 2**16
 _BLAS = ThreadpoolController()  # numpy's BLAS, limited to one thread inside the pool's shares
 
 MODES = {"affine": 0, "mxfp4": 1}
@@ -338,7 +343,7 @@ def _parallel(fn, total: int, grain: int = 64) -> None:
     """Run ``fn(f0, f1)`` over [0, total) split among the pool's threads (Numba kernels and
     BLAS drop the GIL), at least ``grain`` items a share."""
     n = min(THREADS, max(1, total // grain))
-    if n == 1:
+    if n == 1 or threading.current_thread().name.startswith(_POOL_NAME):  # a share never waits on the pool
         fn(0, total)
         return
     step = -(-total // n)
@@ -413,8 +418,19 @@ class _Quant:
         return self.gs, self.w, self.scales, self.biases
 
     def permute(self, x: np.ndarray) -> np.ndarray:
-        """x ``[R, I]`` with its columns in the order of :meth:`dense`'s."""
-        return np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1) if self.deinterleaved else x
+        """x ``[R, I]`` with its columns in the order of :meth:`dense`'s: a copy made by the
+        pool's threads, rows shared (a prompt pool's rows are megabytes: serial, the copy
+        took a tenth of a step's expert time), or x itself in natural order."""
+        if not self.deinterleaved:
+            return x
+        out, half = np.empty(x.shape, x.dtype), (x.shape[1] + 1) // 2
+
+        def rows(a, b):
+            out[a:b, :half] = x[a:b, 0::2]
+            out[a:b, half:] = x[a:b, 1::2]
+
+        _parallel(rows, x.shape[0], grain=ELEMENTWISE_GRAIN // max(x.shape[1], 1) + 1)
+        return out
 
     def matvec(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """``[len(slots), O]`` float32: row n = W[slots[n]] @ x[tok[n]] (x [R, I] float32)."""
@@ -475,7 +491,8 @@ class _Quant:
 
 
 def _gemm_slots(quant: _Quant | None, weight, x, tok, groups, out) -> None:
-    """out[p] = x[tok[p]] @ W[s].T for each ``(s, p)`` of ``groups``: each slot's output rows
+    """out[p] = x[tok[p]] @ W[s].T for each ``(s, p)`` of ``groups`` (x in the columns'
+    order of ``quant``'s dequantised rows: :meth:`_Quant.permute`): each slot's output rows
     shared among the pool's threads (every thread dequantises its rows of every slot and
     calls BLAS single-threaded: BLAS's own threads spin-wait and collapse when the cores
     are shared, measured 1.5-150 ms for one call). Sharing rows, not slots, keeps the
@@ -483,8 +500,6 @@ def _gemm_slots(quant: _Quant | None, weight, x, tok, groups, out) -> None:
     largest expert can take every token, the next few a handful)."""
     if not groups:
         return
-    if quant is not None:
-        x = quant.permute(x)
     out_dims = out.shape[1]
 
     def work(o0, o1):
@@ -521,7 +536,7 @@ def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarr
     up projections): the fused matvecs of all leaves run as one parallel call, so the
     pool is handed work once per call, not once per leaf. Returns ``[N, O_leaf]`` each."""
     groups = _groups(slots)
-    outs, jobs, grains, preps = [], [], [], {}
+    outs, jobs, grains, preps, permuted = [], [], [], {}, {}
     for leaf in leaves:
         quant = _Quant(leaf, stacked=True) if isinstance(leaf, QuantizedSwitchLinear) else None
         weight = None if quant is not None else _host(leaf["weight"])  # [S, O, I]
@@ -539,7 +554,12 @@ def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarr
             jobs.append(job)
             grains.append(quant.grain)
         outs.append((out, part, pairs))
-        _gemm_slots(quant, weight, x, tok, big, out)
+        xp = x
+        if quant is not None and big:  # x's columns permuted once for every leaf of one layout
+            if quant.deinterleaved not in permuted:
+                permuted[quant.deinterleaved] = quant.permute(x)
+            xp = permuted[quant.deinterleaved]
+        _gemm_slots(quant, weight, xp, tok, big, out)
     if jobs:
         _parallel_jobs(jobs, min(grains))
     result = []
@@ -580,12 +600,30 @@ def unsupported(block: nn.Module) -> str | None:
 
 def _glu(activation: nn.Module, up: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """A SwitchGLU's ``activation(up, gate)`` on ``[N, H]`` float32 rows. mlx-lm's own
-    ``SwiGLU`` (``silu(gate) * up``) is computed in numpy, saving two MLX round trips per
-    call; any other activation (gpt_oss's clamped variant...) runs as the block defines it."""
+    ``SwiGLU`` (``silu(gate) * up``) is computed in numpy (:func:`_swiglu`), saving two MLX
+    round trips per call; any other activation (gpt_oss's clamped variant...) runs as
+    the block defines it."""
     if type(activation) is SwiGLU:
-        with np.errstate(over="ignore"):  # exp(-gate) -> inf for gate << 0: silu -> -0, as in MLX
-            return gate / (np.float32(1.0) + np.exp(-gate)) * up
+        return _swiglu(up, gate)
     return _host(activation(mx.array(up), mx.array(gate)))
+
+
+def _swiglu(up: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """``gate / (1 + exp(-gate)) * up``, ``[N, H]`` float32, rows shared among the pool's
+    threads (numpy's ufuncs drop the GIL), in place in one output array: the same float32
+    operations in the same order as the plain expression, so bit-equal to it."""
+    out = np.empty(gate.shape, np.float32)
+
+    def rows(a, b):
+        g, t = gate[a:b], out[a:b]
+        with np.errstate(over="ignore"):  # exp(-gate) -> inf for gate << 0: silu -> -0, as in MLX
+            np.exp(np.negative(g, out=t), out=t)
+            t += np.float32(1.0)
+            np.divide(g, t, out=t)
+            t *= up[a:b]
+
+    _parallel(rows, gate.shape[0], grain=ELEMENTWISE_GRAIN // max(gate.shape[1], 1) + 1)
+    return out
 
 
 def _leaf_min_rows(leaf: nn.Module) -> int:

@@ -10,6 +10,7 @@ dequantise + BLAS GEMM for many), at 1, top-k and E slots per layer.
 
 import importlib
 import itertools
+import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -496,3 +497,51 @@ def test_matvec_pairs_beside_gemm_slots_are_what_they_are_alone(row_loops, monke
     alone = cpu_kernel.expert_forward(b, x[:3], idx[:3, 1:])
     assert mx.array_equal(got[:3, 1], alone[:, 0]).item()
     assert close(b(x, idx), got) <= BOUND
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700, 2049])
+def test_swiglu_shared_among_threads_is_bit_equal_to_the_plain_expression(rows):
+    """:func:`cpu._swiglu` (rows split among the pool's threads, computed in place) gives
+    the plain ``gate / (1 + exp(-gate)) * up`` bit for bit, overflowing gates (-> -0) and
+    products (-> inf) included, with no warning, at row counts one thread takes alone and ones split unevenly."""
+    rng = np.random.default_rng(rows)
+    gate = (rng.standard_normal((rows, 96)) * 40).astype(np.float32)  # |gate| > 88: exp overflows
+    up = rng.standard_normal((rows, 96)).astype(np.float32)
+    up[-1, :2], gate[-1, :2] = 3e38, 10.0  # the product overflows (-> inf), silently as before
+    with np.errstate(over="ignore"):
+        want = gate / (np.float32(1.0) + np.exp(-gate)) * up
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = cpu_kernel._swiglu(up, gate)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_permute_shared_among_threads_equals_even_then_odd_columns(dtype):
+    """:meth:`_Quant.permute` of many rows (copied by the pool's threads) is the even
+    columns then the odd ones, in x's dtype; the natural-order formats get x itself."""
+    lin = nn.QuantizedLinear(128, 8, bias=False, group_size=64, bits=4)
+    quant = cpu_kernel._Quant(lin, stacked=False)
+    x = np.arange(3001 * 128).reshape(3001, 128).astype(dtype)
+    got = quant.permute(x)
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(got, np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1))
+    eight = cpu_kernel._Quant(nn.QuantizedLinear(128, 8, bias=False, group_size=64, bits=8), stacked=False)
+    assert eight.permute(x) is x
+
+
+def test_a_share_that_shares_again_runs_alone_instead_of_waiting_on_the_pool():
+    """A :func:`cpu._parallel` call made from inside a share (a pair's SwiGLU inside a
+    decode share) runs on the calling thread: a pool thread that waited on the pool
+    would wait on itself when the pool has one thread."""
+    seen = []
+
+    def inner(a, b):
+        seen.append((a, b))
+
+    def outer(a, b):
+        cpu_kernel._parallel(inner, 1 << 20, grain=1)
+
+    cpu_kernel._parallel(outer, 1 << 20, grain=1)
+    assert sum(b - a for a, b in seen) == cpu_kernel.THREADS * (1 << 20)
