@@ -76,6 +76,8 @@ MAX_DECODE_POOL = 64
 MIN_COVERAGE = 0.9
 # Rows a slot in the probe of the loops' rate on a prompt pool's small slots (below the GEMM's).
 LOOP_PROBE_ROWS = 16
+# Least seconds each of probe_rates' kernel probes runs (in repetitions, the median taken).
+PROBE_SECONDS = 0.25
 # Tokens mlx-lm's BatchKVCache grows its buffers by (BatchKVCache.step): a sequence's KV
 # cache holds up to this many more tokens than it has (and a batch holds every sequence at
 # its longest's length: mlx_tier.job.scheduler).
@@ -495,7 +497,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     ``scaled_dot_product_attention`` on the default device, or ``"cpu"``,
     :func:`mlx_tier.kernels.cpu_attention.sdpa`) at 256 queries over 1024 keys, and
     a decode step's (8 sequences of one query over 1024 keys: the KV caches' read rate).
-    Medians of a few repetitions.
+    Medians of at least a few repetitions, repeated until each probe has run
+    :data:`PROBE_SECONDS` (a probe of a few milliseconds moved by half between runs).
     """
     import mlx.core as mx
     import numpy as np
@@ -515,8 +518,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
 
     def med(fn, reps=5) -> float:
         fn()
-        times = []
-        for _ in range(reps):
+        times: list[float] = []
+        while len(times) < reps or (sum(times) < PROBE_SECONDS and len(times) < 64):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
