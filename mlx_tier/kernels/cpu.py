@@ -79,8 +79,8 @@ _POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix=_POOL_NAME)
 # Least weight bytes a thread's share of a matvec gets: below it, handing work to
 # another thread costs more than it saves (small attention projections).
 SHARE_BYTES = 2**18
-# Least elements of a thread's share of an elementwise pass over host rows (the SwiGLU,
-# the column permutation): below it one thread does it all (a decode step's few rows).
+# Least elements of a thread's share of an elementwise pass over host rows (the SwiGLU):
+# below it one thread does it all (a decode step's few rows).
 ELEMENTWISE_GRAIN = 2**16
 _BLAS = ThreadpoolController()  # numpy's BLAS, limited to one thread inside the pool's shares
 
@@ -270,20 +270,19 @@ def _qmv(w, scales, biases, bits, gs, mode, xd, xsum, tok, slots, out, f0, f1):
 
 @njit(fastmath=FM, nogil=True, cache=True)
 def _dequant4(wr, sr, br, gs, out):
-    """Affine 4-bit row wr [I/2] uint8 -> out [I] float32 in *de-interleaved* column order
-    (even elements, then odd: contiguous stores vectorise; see _Quant.permute)."""
+    """Affine 4-bit row wr [I/2] uint8 -> out [I] float32 in natural column order (byte i
+    holds codes 2i, low nibble, and 2i + 1; the paired stores vectorise as well as
+    split halves did, and no caller permutes its input rows to match)."""
     bpg = gs // 2
-    half = wr.shape[0]
     for g in range(sr.shape[0]):
         sc, bi = sr[g], br[g]
         wg = wr[g * bpg:(g + 1) * bpg]  # slices, not computed indices: the loop vectorises
-        lo_out = out[g * bpg:(g + 1) * bpg]
-        hi_out = out[half + g * bpg:half + (g + 1) * bpg]
+        og = out[g * gs:(g + 1) * gs]
         for i in range(bpg):
             fb = np.float32(wg[i])
             hi = np.floor(fb * np.float32(0.0625))
-            lo_out[i] = sc * (fb - np.float32(16.0) * hi) + bi
-            hi_out[i] = sc * hi + bi
+            og[2 * i] = sc * (fb - np.float32(16.0) * hi) + bi
+            og[2 * i + 1] = sc * hi + bi
 
 
 @njit(fastmath=FM, nogil=True, cache=True)
@@ -399,9 +398,6 @@ class _Quant:
             self.biases = self.biases[None] if bi is not None else self.biases
         self.out_dims = self.w.shape[1]
         self.in_dims = self.scales.shape[2] * self.gs
-        # Column order of dense(): 4-bit affine rows come de-interleaved (even then odd
-        # input features), so inputs are permuted alike; other formats: natural order.
-        self.deinterleaved = (self.bits, self.mode) == (4, 0)
         self.vnni = (cpu_vnni.usable(self.bits, self.gs, self.mode, self.in_dims) and self.w.strides[-1] == 1
                      and self.scales.strides[-1] == self.biases.strides[-1] == 4)  # rows read as vectors
 
@@ -416,21 +412,6 @@ class _Quant:
     def arrays(self) -> tuple:
         """``(group size, w, scales, biases)``: the layer as :func:`cpu_vnni.glu_pairs` takes it."""
         return self.gs, self.w, self.scales, self.biases
-
-    def permute(self, x: np.ndarray) -> np.ndarray:
-        """x ``[R, I]`` with its columns in the order of :meth:`dense`'s: a copy made by the
-        pool's threads, rows shared (a prompt pool's rows are megabytes: serial, the copy
-        took a tenth of a step's expert time), or x itself in natural order."""
-        if not self.deinterleaved:
-            return x
-        out, half = np.empty(x.shape, x.dtype), (x.shape[1] + 1) // 2
-
-        def rows(a, b):
-            out[a:b, :half] = x[a:b, 0::2]
-            out[a:b, half:] = x[a:b, 1::2]
-
-        _parallel(rows, x.shape[0], grain=ELEMENTWISE_GRAIN // max(x.shape[1], 1) + 1)
-        return out
 
     def matvec(self, x: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """``[len(slots), O]`` float32: row n = W[slots[n]] @ x[tok[n]] (x [R, I] float32)."""
@@ -482,7 +463,7 @@ class _Quant:
 
     def dense(self, s: int, o0: int = 0, o1: int | None = None) -> np.ndarray:
         """``[o1 - o0, I]`` float32: rows o0..o1 of slot ``s``'s dequantised weight, columns
-        in :meth:`permute`'s order (one thread)."""
+        in natural order (one thread)."""
         o1 = self.out_dims if o1 is None else o1
         out = np.empty((o1 - o0, self.in_dims), np.float32)
         _dequant(self.w[:, o0:o1], self.scales[:, o0:o1], self.biases[:, o0:o1] if self.mode == 0 else self.biases,
@@ -491,8 +472,7 @@ class _Quant:
 
 
 def _gemm_slots(quant: _Quant | None, weight, x, tok, groups, out) -> None:
-    """out[p] = x[tok[p]] @ W[s].T for each ``(s, p)`` of ``groups`` (x in the columns'
-    order of ``quant``'s dequantised rows: :meth:`_Quant.permute`): each slot's output rows
+    """out[p] = x[tok[p]] @ W[s].T for each ``(s, p)`` of ``groups``: each slot's output rows
     shared among the pool's threads (every thread dequantises its rows of every slot and
     calls BLAS single-threaded: BLAS's own threads spin-wait and collapse when the cores
     are shared, measured 1.5-150 ms for one call). Sharing rows, not slots, keeps the
@@ -536,7 +516,7 @@ def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarr
     up projections): the fused matvecs of all leaves run as one parallel call, so the
     pool is handed work once per call, not once per leaf. Returns ``[N, O_leaf]`` each."""
     groups = _groups(slots)
-    outs, jobs, grains, preps, permuted = [], [], [], {}, {}
+    outs, jobs, grains, preps = [], [], [], {}
     for leaf in leaves:
         quant = _Quant(leaf, stacked=True) if isinstance(leaf, QuantizedSwitchLinear) else None
         weight = None if quant is not None else _host(leaf["weight"])  # [S, O, I]
@@ -554,12 +534,7 @@ def switch_linears(leaves: list, x: np.ndarray, tok: np.ndarray, slots: np.ndarr
             jobs.append(job)
             grains.append(quant.grain)
         outs.append((out, part, pairs))
-        xp = x
-        if quant is not None and big:  # x's columns permuted once for every leaf of one layout
-            if quant.deinterleaved not in permuted:
-                permuted[quant.deinterleaved] = quant.permute(x)
-            xp = permuted[quant.deinterleaved]
-        _gemm_slots(quant, weight, xp, tok, big, out)
+        _gemm_slots(quant, weight, x, tok, big, out)
     if jobs:
         _parallel_jobs(jobs, min(grains))
     result = []

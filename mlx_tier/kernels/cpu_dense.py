@@ -62,14 +62,13 @@ def quantized_matmul(layer: nn.Module, x: mx.array) -> mx.array:
     xs = _host(x).reshape(-1, x.shape[-1])  # [T, I]; a numpy reshape: no MLX op to evaluate
     if T >= quant.gemm_min_rows:  # output rows shared among the threads, BLAS single-threaded (_gemm_slots)
         y = np.empty((T, quant.out_dims), np.float32)
-        xp = quant.permute(xs)
 
         tile = max(1, DENSE_TILE_BYTES // (4 * quant.in_dims))  # output rows per dequantised tile
 
         def work(o0, o1):
             for a in range(o0, o1, tile):
                 b = min(o1, a + tile)
-                y[:, a:b] = xp @ quant.dense(0, a, b).T
+                y[:, a:b] = xs @ quant.dense(0, a, b).T
 
         with _BLAS.limit(limits=1, user_api="blas"):
             _parallel(work, quant.out_dims, grain=256)

@@ -400,16 +400,15 @@ def test_auto_kernel_falls_back_where_the_cpu_kernel_cannot_serve_and_cpu_is_ref
                                                      ("affine", 8, 128), ("mxfp4", 4, 32)])
 def test_dequantised_rows_equal_mlx_dequantize(mode, bits, group_size):
     """The GEMM path's dequantised weight (:meth:`_Quant.dense`, whole and by row tiles) is
-    ``mx.dequantize``'s, in its stated column order, for every format the kernel serves
+    ``mx.dequantize``'s, in natural column order, for every format the kernel serves
     (4- and 8-bit affine rows have their own loops, the others one loop of 8-code blocks)."""
     mx.random.seed(3)
     lin = nn.QuantizedLinear(256, 40, bias=False, group_size=group_size, bits=bits, mode=mode)
     want = np.asarray(mx.dequantize(lin.weight, lin.scales, lin.get("biases"), group_size=group_size, bits=bits,
                                     mode=mode).astype(mx.float32))
     quant = cpu_kernel._Quant(lin, stacked=False)
-    cols = quant.permute(np.arange(256)[None])[0]
-    np.testing.assert_allclose(quant.dense(0), want[:, cols], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(quant.dense(0, 7, 29), want[7:29, cols], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(quant.dense(0), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(quant.dense(0, 7, 29), want[7:29], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode, bits, group_size", [("affine", 2, 64), ("affine", 3, 32), ("affine", 5, 64),
@@ -515,20 +514,6 @@ def test_swiglu_shared_among_threads_is_bit_equal_to_the_plain_expression(rows):
         got = cpu_kernel._swiglu(up, gate)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.int64])
-def test_permute_shared_among_threads_equals_even_then_odd_columns(dtype):
-    """:meth:`_Quant.permute` of many rows (copied by the pool's threads) is the even
-    columns then the odd ones, in x's dtype; the natural-order formats get x itself."""
-    lin = nn.QuantizedLinear(128, 8, bias=False, group_size=64, bits=4)
-    quant = cpu_kernel._Quant(lin, stacked=False)
-    x = np.arange(3001 * 128).reshape(3001, 128).astype(dtype)
-    got = quant.permute(x)
-    assert got.dtype == x.dtype
-    np.testing.assert_array_equal(got, np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1))
-    eight = cpu_kernel._Quant(nn.QuantizedLinear(128, 8, bias=False, group_size=64, bits=8), stacked=False)
-    assert eight.permute(x) is x
 
 
 def test_a_share_that_shares_again_runs_alone_instead_of_waiting_on_the_pool():
