@@ -12,9 +12,9 @@ import importlib
 
 _EXPORTS = {
     "BudgetError": "mlx_tier.errors",
-    "CacheStats": "mlx_tier.engine.cache",
+    "CacheStats": "mlx_tier.engine.cache_stats",
     "CheckpointError": "mlx_tier.errors",
-    "ExpertCache": "mlx_tier.engine.cache",
+    "ExpertCache": "mlx_tier.engine.expert_cache",
     "TierConfig": "mlx_tier.engine.load",
     "TieredExperts": "mlx_tier.engine.load",
     "cache_stats": "mlx_tier.engine.load",

@@ -19,7 +19,7 @@ In-place slot writes stay cheap only while no other array references the slab,
 so nothing outside this module holds a slab. On MLX's CPU backend a slot is
 written through a numpy view of the slab's buffer (one copy, no MLX op), once the
 slab is a buffer no other array shares (:meth:`LayerCache._host_slab`); the
-casts numpy makes as MLX does are made there (:func:`_host_cast`), the others
+casts numpy makes as MLX does are made there (:func:`mlx_tier.engine.slabs.host_cast`), the others
 and other devices write through MLX.
 
 Wide rounds: when a layer call needs more experts than its slots and a host
@@ -42,189 +42,19 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
-from mlx import nn
 
-from mlx_tier.engine.checkpoint import TensorInfo
-from mlx_tier.engine.dtypes import Casts, apply_casts, then
+from mlx_tier.engine.cache_stats import CacheStats
 from mlx_tier.engine.prefetch import PrefetchedRead
-from mlx_tier.engine.store import ExpertStore, ReadStats
-from mlx_tier.errors import BudgetError
+from mlx_tier.engine.slabs import SlabTensor, host_cast, slab_role, to_mx
+from mlx_tier.engine.store import ExpertStore
 from mlx_tier.policy.eviction import DEFAULT_POLICY, PolicySpec
 
-
-@dataclass
-class CacheStats:
-    """Counters over all MoE layers; read them outside the decode loop.
-
-    A *hit* or *miss* is counted once per distinct expert needed by one layer
-    in one forward call (one decode step, or one prefill chunk): that is the
-    unit that costs a read.
-    """
-
-    hits: int = 0
-    misses: int = 0  # experts read from the cold tier
-    evictions: int = 0
-    bytes_read: int = 0
-    read_seconds: float = 0.0  # wall time of the store's reads (with prefetch, background ones too)
-    rounds: int = 0  # extra expert-block passes when a layer needed more experts than slots
-    prewarmed: int = 0  # experts read at load from a profile (not misses; their bytes are not in bytes_read)
-    prewarm_bytes: int = 0
-    prewarm_seconds: float = 0.0
-    # Prefetch (mlx_tier.engine.prefetch). A prefetched expert that serves a miss is
-    # still a miss (read from the cold tier, only earlier); with prefetch,
-    # read_seconds also holds the background reads' wall time.
-    prefetch_predicted: int = 0  # predicted non-resident experts whose read was issued
-    prefetch_used: int = 0  # of those, experts that then served a miss
-    prefetch_wasted_bytes: int = 0  # bytes prefetched and dropped unused
-    # Experts of a layer's next round read while its current round computed
-    # (LayerCache.assign: more experts needed than slots); misses all the same.
-    read_ahead: int = 0
-    # Wall time the forward pass blocked on reads (its own, and waiting for
-    # in-flight prefetches), as opposed to read_seconds, the reads' total.
-    stall_seconds: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    @property
-    def prefetch_precision(self) -> float:
-        """Prefetched experts that served a miss / prefetched experts."""
-        return self.prefetch_used / self.prefetch_predicted if self.prefetch_predicted else 0.0
-
-    @property
-    def prefetch_recall(self) -> float:
-        """Misses served by a prefetch / all misses."""
-        return self.prefetch_used / self.misses if self.misses else 0.0
-
-    def __sub__(self, earlier: CacheStats) -> CacheStats:
-        """Counters of the phase between two snapshots: ``later - earlier``."""
-        return CacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["hit_rate"] = self.hit_rate
-        d["prefetch_precision"] = self.prefetch_precision
-        d["prefetch_recall"] = self.prefetch_recall
-        return d
-
-
-@dataclass(frozen=True)
-class SlabTensor:
-    """One stacked expert tensor of one layer and where its slab lives.
-
-    Attributes:
-        module: the mlx-lm (Quantized)SwitchLinear that reads the slab.
-        attr: its attribute name (``"weight"``, ``"scales"``, ``"biases"``, ``"bias"``).
-        info: the stacked tensor on disk, shape ``[E, ...]``.
-        casts: the casts an expert goes through after it is read, in order
-            (:mod:`mlx_tier.engine.dtypes`); ``()``: kept as stored.
-    """
-
-    module: nn.Module
-    attr: str
-    info: TensorInfo
-    casts: Casts = ()
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        """The slab's dtype: the last cast's, else as stored."""
-        return self.casts[-1] if self.casts else self.info.mx_dtype
-
-    def slot_nbytes(self, dtype: mx.Dtype | None = None) -> int:
-        """Bytes of one slot, in ``dtype`` (``None``: the slab's)."""
-        return int(np.prod(self.info.shape[1:])) * (dtype or self.dtype).size
-
-    def cast_to(self, dtype: mx.Dtype) -> SlabTensor:
-        """This tensor after one more cast, to ``dtype``."""
-        return replace(self, casts=then(self.casts, dtype))
-
-    def __deepcopy__(self, memo) -> SlabTensor:
-        # Dtypes cannot be copied (MLX does not pickle them); they are immutable anyway.
-        return replace(self, module=copy.deepcopy(self.module, memo))
-
-
-class StandIns:
-    """A tiered expert block's experts shown as its parameters.
-
-    For each stacked expert tensor the block holds, at the path the resident
-    mlx-lm block has it (``gate_proj.scales`` under the block), a zero-row
-    array ``[0, ...]`` in the slab's dtype. Whatever is done to a model's
-    parameters -- ``set_dtype``, ``update`` with ``astype`` (as mlx-lm's own
-    model tests do), ``apply``, :func:`mlx_tier.engine.dtypes.cast_model` -- reaches
-    them, with mlx-lm's paths for ``cast_predicate``; before each call the
-    block casts its slabs to their dtypes (:meth:`changed`,
-    :meth:`LayerCache.cast`). Zero rows: ``parameters()`` counts no expert
-    bytes, and weights saved from a tiered model (no experts) cannot load as a
-    checkpoint. Only the dtype is followed, not the values or shape.
-
-    Args:
-        keys: name on disk -> the keys leading to its stand-in in the block.
-    """
-
-    def __init__(self, keys: dict[str, tuple[str, ...]]):
-        self.keys = keys
-
-    @classmethod
-    def show(cls, block: nn.Module, path: str, tensors: dict[str, SlabTensor]) -> StandIns:
-        """Put a stand-in for each of ``tensors`` (name on disk -> SlabTensor, the
-        experts of the block at parameter path ``path``) into ``block``."""
-        keys = {}
-        for name, t in tensors.items():
-            *parents, leaf = keys[name] = tuple(name.removeprefix(path + ".").split("."))
-            node = block
-            for k in parents:
-                node = node.setdefault(k, {})
-            node[leaf] = mx.zeros((0, *t.info.shape[1:]), dtype=t.dtype)
-        return cls(keys)
-
-    def changed(self, block: nn.Module, tensors: dict[str, SlabTensor]) -> dict[str, mx.Dtype]:
-        """name -> its stand-in's dtype, for each of ``tensors`` whose slab's dtype differs."""
-        out = {}
-        for name, keys in self.keys.items():
-            node = block
-            for k in keys:
-                node = node[k]
-            if node.dtype != tensors[name].dtype:
-                out[name] = node.dtype
-        return out
-
-
-def _to_mx(buf: np.ndarray, info: TensorInfo, casts: Casts) -> mx.array:
-    """Raw bytes of ``info``'s experts (numpy, bfloat16 as uint16) through ``casts``."""
-    a = mx.array(buf)
-    if info.dtype == "BF16":
-        a = a.view(mx.bfloat16)
-    return apply_casts(a, casts)
-
-
-def _host_cast(info: TensorInfo, casts: Casts):
-    """A numpy function taking raw rows of ``info`` (bfloat16 as uint16) to the slab's
-    dtype exactly as ``casts`` do in MLX, or ``None`` where only MLX casts them alike.
-    Kept as stored, or widened once to float32: bfloat16's 16 bits are float32's top
-    half, float16 -> float32 is exact."""
-    chain, cur = [], info.mx_dtype
-    for d in casts:  # the casts apply_casts makes (one to the current dtype is none)
-        if d != cur:
-            chain.append(cur := d)
-    if not chain:
-        return None if info.dtype == "BF16" else (lambda rows: rows)
-    if chain != [mx.float32] or info.dtype not in ("BF16", "F16"):
-        return None
-    if info.dtype == "BF16":
-        return lambda rows: (rows.astype(np.uint32) << 16).view(np.float32)
-    return lambda rows: rows.astype(np.float32)
-
-
-def _role(name: str) -> str:
-    """A stacked expert tensor's role in its block, the same in every layer: the last two
-    parts of its name on disk (``...switch_mlp.gate_proj.weight`` -> ``gate_proj.weight``)."""
-    return ".".join(name.split(".")[-2:])
+if TYPE_CHECKING:  # the owner of a layer's cache (it imports this module)
+    from mlx_tier.engine.expert_cache import ExpertCache
 
 
 class LayerCache:
@@ -452,7 +282,7 @@ class LayerCache:
         try:
             written = []
             for name, t in self.tensors.items():
-                cast = _host_cast(t.info, t.casts)
+                cast = host_cast(t.info, t.casts)
                 host = self._host_slab(name) if cast is not None else None
                 slab = t.module[t.attr]
                 for raw, rows in batches:
@@ -460,7 +290,7 @@ class LayerCache:
                         for i, e in rows:  # one copy a row, no MLX op (the CPU kernel reads these views)
                             host[slot_of_new[e]] = cast(raw[name][i])
                         continue
-                    new = _to_mx(raw[name], t.info, t.casts)  # [rows in raw, ...]
+                    new = to_mx(raw[name], t.info, t.casts)  # [rows in raw, ...]
                     for i, e in rows:
                         s = slot_of_new[e]
                         # In place (the module holds `slab`); a slice write is ~10x
@@ -606,7 +436,7 @@ class LayerCache:
             slabs.append(t.module[t.attr])
         mx.eval(slabs)
         pool = self._scratch_pool()
-        roles = {_role(name) for name in dtypes}
+        roles = {slab_role(name) for name in dtypes}
         for key in [k for k in pool if k[0] in roles]:  # scratch of the old dtypes: made anew at use
             del pool[key]
 
@@ -713,7 +543,7 @@ class LayerCache:
         """Whether :meth:`assign_wide` serves this layer: :attr:`width` is above the slots,
         and every slab is written from the host (MLX's CPU backend, casts numpy makes)."""
         return (self.width > self.num_slots and mx.default_device() == mx.cpu
-                and all(_host_cast(t.info, t.casts) is not None and t.dtype != mx.bfloat16
+                and all(host_cast(t.info, t.casts) is not None and t.dtype != mx.bfloat16
                         for t in self.tensors.values()))
 
     def _scratch_pool(self) -> dict:
@@ -727,7 +557,7 @@ class LayerCache:
         t = self.tensors[name]
         slab = t.module[t.attr]
         pool = self._scratch_pool()
-        key = (_role(name), tuple(slab.shape[1:]), slab.dtype, half)
+        key = (slab_role(name), tuple(slab.shape[1:]), slab.dtype, half)
         got = pool.get(key)
         if got is None or got[0].shape[0] < self.width:
             host = self._host_slab(name)
@@ -815,7 +645,7 @@ class LayerCache:
         slabs = {}
         for name, t in self.tensors.items():
             slabs[name], view = self.scratch(name, half)
-            cast = _host_cast(t.info, t.casts)
+            cast = host_cast(t.info, t.casts)
             for raw, rows in batches:
                 src, dst = [i for i, _ in rows], [pos[e] for _, e in rows]
                 if raw[name].base is view and src == dst:
@@ -843,179 +673,3 @@ class LayerCache:
             self.slot_of[e] = s
             self.policy.insert(e)
         self._update_lut()
-
-
-class ExpertCache:
-    """All layers' caches of one model, their budget and shared counters.
-
-    Attributes:
-        layers: one LayerCache per MoE layer, in model order.
-        stats: counters summed over layers.
-        budget_bytes: the configured budget; resident expert bytes never exceed it.
-        budget_in_slots: the budget was configured as slots (``slots_per_layer``,
-            ``layer_slots``): a cast after load keeps the slots and restates
-            ``budget_bytes`` in the new dtypes. Otherwise it is bytes, and a
-            cast that would need more is refused (:meth:`admit_cast`).
-        kernel, dtype_name: what computes the experts and the cast made at load
-            (``"as stored"`` for none), set by :func:`mlx_tier.engine.load.tier_model`
-            for reports.
-    """
-
-    def __init__(self, layers: list[LayerCache], stats: CacheStats, budget_bytes: int, store: ExpertStore,
-                 budget_in_slots: bool = False):
-        self.layers = layers
-        self._stats = stats
-        self.budget_bytes = budget_bytes
-        self.budget_in_slots = budget_in_slots
-        self.store = store
-        if self.resident_bytes > budget_bytes:  # invariant 2 (docs/architecture.md): checked, not assumed
-            raise BudgetError(
-                f"slabs of {self.resident_bytes} bytes exceed the cache budget of {budget_bytes} bytes"
-            )
-        for layer in layers:
-            layer.owner = self
-        self._scratch: dict = {}  # the layers' scratch slabs (LayerCache.scratch)
-
-    def __deepcopy__(self, memo) -> ExpertCache:
-        """A copy whose layers get scratch slabs of their own (a copied slab shares its
-        buffer with the original's, and the scratch slabs are written in place)."""
-        new = copy.copy(self)
-        memo[id(self)] = new
-        for key, value in vars(self).items():
-            setattr(new, key, {} if key == "_scratch" else copy.deepcopy(value, memo))
-        return new
-
-    def admit_cast(self, layer: LayerCache, dtypes: dict[str, mx.Dtype]) -> None:
-        """Check the budget before ``layer``'s slabs are cast to ``dtypes`` (name -> dtype).
-
-        Raises:
-            BudgetError: a byte budget the cast slabs would exceed (invariant 2).
-        """
-        grow = layer.num_slots * (layer.slot_nbytes_as(dtypes) - layer.slot_nbytes)
-        if self.budget_in_slots:
-            self.budget_bytes += grow
-        elif self.resident_bytes + grow > self.budget_bytes:
-            names = ", ".join(sorted({str(d).removeprefix("mlx.core.") for d in dtypes.values()}))
-            raise BudgetError(
-                f"casting the experts to {names} needs {(self.resident_bytes + grow) / 2**30:.3f} GiB of slots, "
-                f"over the cache budget of {self.budget_bytes / 2**30:.3f} GiB: load with "
-                "TierConfig(dtype=...) so that the budget plans for it, or give a larger cache_gb", "dtype"
-            )
-
-    @property
-    def stats(self) -> CacheStats:
-        """The live counters (mutated as the model runs), with every deferred
-        hit counted and the store's read totals (the store serves only this
-        cache). Counting deferred hits reads router outputs that the step that
-        made them has already evaluated. For a value that does not move, take
-        :meth:`snapshot`."""
-        self._count_deferred()
-        self._stats.bytes_read = self.store.stats.bytes_read
-        self._stats.read_seconds = self.store.stats.read_seconds
-        return self._stats
-
-    def _count_deferred(self) -> None:
-        """Every layer's deferred counts, their lazy arrays evaluated in one
-        ``mx.eval`` (with kernel ``metal``: one wait for the device per read of
-        the stats instead of two per MoE layer)."""
-        pending = [a for layer in self.layers for a in layer.deferred_arrays()]
-        if pending:
-            mx.eval(*pending)
-        for layer in self.layers:
-            layer.count_deferred()
-
-    def set_layer_hook(self, hook) -> None:
-        """Call ``hook(layer index)`` before each MoE layer computes, ``None`` to stop.
-
-        Between layers is where a long step can react: the job's throughput
-        schedule checks for a stop there (the hook raises to abandon the step,
-        :mod:`mlx_tier.job.pool_engine`). With a lazy kernel on fully resident
-        layers the calls come while the graph is built, before it is computed.
-        """
-        for layer in self.layers:
-            layer.hook = hook
-
-    def snapshot(self) -> CacheStats:
-        """A copy of the counters now; ``later - earlier`` measures a phase."""
-        return replace(self.stats)
-
-    @property
-    def slots_per_layer(self) -> int | None:
-        """Slots of every layer when they are all equal, else ``None`` (an
-        adaptive split or per-layer counts: see :attr:`layer_slots`)."""
-        counts = set(self.layer_slots)
-        return counts.pop() if len(counts) == 1 else None
-
-    @property
-    def layer_slots(self) -> tuple[int, ...]:
-        """Slots of each layer (they differ under an adaptive split)."""
-        return tuple(layer.num_slots for layer in self.layers)
-
-    @property
-    def num_experts(self) -> int:
-        return self.layers[0].num_experts
-
-    def profile_counts(self) -> np.ndarray:
-        """Expert uses since load, ``[L, E]`` int64 (a copy): one per (token, k)
-        entry routed to the expert, prefill and decode — the unit of a
-        :class:`~mlx_tier.routing.profile.Profile` (``mlx_tier.routing.profile.from_counts``).
-        Layers with fewer experts than the widest are zero-padded."""
-        out = np.zeros((len(self.layers), max(layer.num_experts for layer in self.layers)), np.int64)
-        self._count_deferred()
-        for i, layer in enumerate(self.layers):
-            out[i, : layer.num_experts] = layer.counts
-        return out
-
-    def prewarm(self, profile) -> int:
-        """Fill each layer's free slots with ``profile``'s most used experts
-        (:meth:`LayerCache.prewarm`). The reads are counted in
-        ``stats.prewarmed``/``prewarm_bytes``/``prewarm_seconds``, not in
-        ``bytes_read``. Returns the number of experts read.
-
-        Args:
-            profile: a :class:`~mlx_tier.routing.profile.Profile` of this model's shape.
-        """
-        before, self.store.stats = self.store.stats, ReadStats()
-        try:
-            n = sum(self._prewarm_layer(i, profile) for i in range(len(self.layers)))
-            self._stats.prewarmed += n
-            self._stats.prewarm_bytes += self.store.stats.bytes_read
-            self._stats.prewarm_seconds += self.store.stats.read_seconds
-        finally:
-            self.store.stats = before  # prewarm reads are never counted as bytes_read
-        return n
-
-    def _prewarm_layer(self, i: int, profile) -> int:
-        layer = self.layers[i]
-        return layer.prewarm(profile.hottest(i, layer.num_slots))
-
-    @property
-    def resident_bytes(self) -> int:
-        """Bytes of all slabs once allocated (the most the cache can hold)."""
-        return sum(layer.resident_bytes for layer in self.layers)
-
-    def start_trace(self, source: str = ""):
-        """Record the router's top-k of every layer call until :meth:`stop_trace`.
-
-        Recording needs the expert ids on the host, so fully resident layers
-        leave their lazy path meanwhile (one sync per layer per step).
-        """
-        from mlx_tier.routing.trace import TraceRecorder
-
-        rec = TraceRecorder(len(self.layers), self.num_experts, source=source)
-        for layer in self.layers:
-            layer.recorder = rec
-        return rec
-
-    def stop_trace(self):
-        """Stop recording; returns the :class:`~mlx_tier.routing.trace.Trace`."""
-        rec = self.layers[0].recorder
-        for layer in self.layers:
-            layer.recorder = None
-        return rec.trace() if rec is not None else None
-
-    def reset_stats(self) -> None:
-        stats = self.stats
-        for k, v in asdict(CacheStats()).items():
-            setattr(stats, k, v)
-        self.store.stats = ReadStats()

@@ -10,7 +10,7 @@ Dtypes are mlx-lm's (:mod:`mlx_tier.engine.dtypes`): by default none is cast,
 as ``mlx_lm.load``; ``TierConfig(dtype=...)`` casts as ``mlx_lm.convert
 --dtype`` would. The model survives what mlx-lm does to its models after
 load: a cast (``set_dtype``, ``update``) reaches the experts through their
-stand-ins (:class:`mlx_tier.engine.cache.StandIns`), and ``copy.deepcopy``
+stand-ins (:class:`mlx_tier.engine.slabs.StandIns`), and ``copy.deepcopy``
 gives an independent tiered model.
 """
 
@@ -28,17 +28,14 @@ from mlx_lm.utils import load_tokenizer
 from mlx_tier import defaults
 from mlx_tier.engine import budgets as tier_budgets
 from mlx_tier.engine import module_batch
-from mlx_tier.engine.cache import (
-    CacheStats,
-    ExpertCache,
-    LayerCache,
-    SlabTensor,
-    StandIns,
-)
+from mlx_tier.engine.cache import LayerCache
+from mlx_tier.engine.cache_stats import CacheStats
 from mlx_tier.engine.checkpoint import expert_tensors as _stored_expert_tensors
 from mlx_tier.engine.checkpoint import module_at, moe_blocks, open_checkpoint, set_child
 from mlx_tier.engine.dtypes import cast_model, compute_dtype, gather_mm_computes
+from mlx_tier.engine.expert_cache import ExpertCache
 from mlx_tier.engine.prefetch import BackgroundReader, link_layers
+from mlx_tier.engine.slabs import SlabTensor, StandIns
 from mlx_tier.engine.store import (
     DEFAULT_PAGE_CACHE,
     DEFAULT_READ_METHOD,
@@ -204,7 +201,7 @@ class TieredExperts(nn.Module):
 
     def show(self, path: str, tensors: dict[str, SlabTensor]) -> None:
         """Show the experts ``tensors`` of the block at ``path`` as this module's
-        parameters (:class:`mlx_tier.engine.cache.StandIns`)."""
+        parameters (:class:`mlx_tier.engine.slabs.StandIns`)."""
         self._stand_ins = StandIns.show(self, path, tensors)
 
     def _follow_casts(self) -> None:
@@ -585,7 +582,7 @@ def load(path, cache_gb: float | None = None, *, config: TierConfig | None = Non
     Returns:
         ``(model, tokenizer)`` exactly as ``mlx_lm.load`` returns them, with each
         expert block replaced by :class:`TieredExperts`; ``model.expert_cache``
-        is the :class:`~mlx_tier.engine.cache.ExpertCache` (counters in ``.stats``).
+        is the :class:`~mlx_tier.engine.expert_cache.ExpertCache` (counters in ``.stats``).
         Its dtypes are ``mlx_lm.load``'s unless ``config.dtype`` casts them
         (:class:`TierConfig`); a later cast, or ``copy.deepcopy``, works as on
         mlx-lm's model.

@@ -39,9 +39,12 @@ import numpy as np
 from mlx import nn
 
 from mlx_tier.engine.budgets import widen_memory_limit
-from mlx_tier.engine.cache import CacheStats, ExpertCache, LayerCache, StandIns, _to_mx
+from mlx_tier.engine.cache import LayerCache
+from mlx_tier.engine.cache_stats import CacheStats
 from mlx_tier.engine.dtypes import then
+from mlx_tier.engine.expert_cache import ExpertCache
 from mlx_tier.engine.prefetch import BackgroundReader, NextLayerPrefetch, link_layers
+from mlx_tier.engine.slabs import StandIns, to_mx
 from mlx_tier.engine.warm_pool import WarmPool, pool_slot_nbytes
 from mlx_tier.errors import BudgetError
 from mlx_tier.policy.cost_model import TransferCosts
@@ -66,7 +69,7 @@ TIER_COUNTERS = ("hot_hits", "warm_hits", "promotions", "misses_hot", "misses_wa
 
 @dataclass
 class TwoTierStats(CacheStats):
-    """:class:`~mlx_tier.engine.cache.CacheStats` plus per-tier counts (per distinct
+    """:class:`~mlx_tier.engine.cache_stats.CacheStats` plus per-tier counts (per distinct
     expert per layer call, as hits and misses). ``hits`` = hot + warm hits +
     promotions, ``misses`` = cold reads, ``evictions`` = experts dropped from
     both tiers.
@@ -223,7 +226,7 @@ class TwoTierLayer:
         host = tier != "hot"
         with mx.stream(self.warm.stream if host else mx.default_stream(mx.default_device())):
             if not isinstance(rows, mx.array):  # the slab's casts, then the pool's dtype
-                rows = _to_mx(rows, t.info, then(t.casts, self.warm.dtypes[name]) if host else t.casts)
+                rows = to_mx(rows, t.info, then(t.casts, self.warm.dtypes[name]) if host else t.casts)
             (self.warm.arrays[name] if host else t.module[t.attr])[slot : slot + 1] = rows
 
     def prewarm(self, ranked: list[int]) -> int:
@@ -332,7 +335,7 @@ class WarmAwarePrefetch(NextLayerPrefetch):
 
 
 class TwoTierCache(ExpertCache):
-    """:class:`~mlx_tier.engine.cache.ExpertCache` of a two-tier model: ``layers`` are
+    """:class:`~mlx_tier.engine.expert_cache.ExpertCache` of a two-tier model: ``layers`` are
     the hot tiers, ``tier_layers`` the full layers; each tier's budget is
     checked (invariant 2, docs/architecture.md).
 

@@ -43,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlx_tier.engine.cache import SlabTensor
+from mlx_tier.engine.slabs import SlabTensor
 
 
 def pool_dtype(dtype: mx.Dtype, host_kernel: bool) -> mx.Dtype:

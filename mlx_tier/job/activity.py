@@ -104,7 +104,7 @@ class Speed:
 
     def compare(self, budget: MemoryBudget | None, cache, report: JobReport, reporter: Reporter) -> None:
         """Record achieved and predicted rates in ``report.setup["speed"]`` and say them in one
-        line (``cache``: the model's :class:`~mlx_tier.engine.cache.ExpertCache`)."""
+        line (``cache``: the model's :class:`~mlx_tier.engine.expert_cache.ExpertCache`)."""
         if budget is None or budget.shape is None or not (self.decode_seconds and self.prompt_seconds):
             return
         from mlx_tier.tools.kernel_probe import measure_kernel, predict, quant_of

@@ -3,7 +3,7 @@
 A profile is a count matrix ``[L, E]`` int64: entry ``(l, e)`` is the number of
 (token, layer ``l``) records whose router top-k chose expert ``e`` — the same
 unit for a routing trace (:func:`from_trace`) and for a live model's counters
-(:meth:`mlx_tier.engine.cache.ExpertCache.profile_counts`). It drives frequency
+(:meth:`mlx_tier.engine.expert_cache.ExpertCache.profile_counts`). It drives frequency
 pinning (the ``pinned`` policy keeps the profile's hottest experts), pre-warm
 at load (each layer starts with its most used experts resident) and the
 adaptive split of slots across layers (:func:`adaptive_slots`).

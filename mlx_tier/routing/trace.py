@@ -143,7 +143,7 @@ def load(path: Path) -> Trace:
 
 
 class TraceRecorder:
-    """Collects records from a live model (see :meth:`mlx_tier.engine.cache.ExpertCache.start_trace`)."""
+    """Collects records from a live model (see :meth:`mlx_tier.engine.expert_cache.ExpertCache.start_trace`)."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int | None = None, source: str = ""):
         self.meta = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k, "source": source}

@@ -15,9 +15,10 @@ import pytest
 
 import mlx_tier
 from mlx_tier import BudgetError, TierConfig
-from mlx_tier.engine.cache import ExpertCache, _host_cast, _to_mx
 from mlx_tier.engine.checkpoint import TensorInfo
+from mlx_tier.engine.expert_cache import ExpertCache
 from mlx_tier.engine.prefetch import PrefetchedRead
+from mlx_tier.engine.slabs import host_cast, to_mx
 
 
 def run_tokens(model, ids):
@@ -110,8 +111,8 @@ def _raw(dtype: str) -> np.ndarray:
 def test_slots_written_through_numpy_hold_what_mlx_casts_give(stored, casts):
     info = TensorInfo(Path("x.safetensors"), stored, (3, 8), 0, 0)
     raw = _raw(stored)
-    cast = _host_cast(info, casts)
-    want = np.asarray(_to_mx(raw, info, casts))
+    cast = host_cast(info, casts)
+    want = np.asarray(to_mx(raw, info, casts))
     got = cast(raw)
     assert got.dtype == want.dtype and got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()  # bit for bit
 
@@ -119,7 +120,7 @@ def test_slots_written_through_numpy_hold_what_mlx_casts_give(stored, casts):
 @pytest.mark.parametrize("stored,casts", [("BF16", ()), ("BF16", (mx.float16,)), ("F32", (mx.float16,)),
                                           ("BF16", (mx.float16, mx.float32))])
 def test_casts_numpy_does_not_make_alike_are_left_to_mlx(stored, casts):
-    assert _host_cast(TensorInfo(Path("x.safetensors"), stored, (3, 8), 0, 0), casts) is None
+    assert host_cast(TensorInfo(Path("x.safetensors"), stored, (3, 8), 0, 0), casts) is None
 
 
 def test_a_copy_and_its_original_each_write_their_own_slots(tiny_moe):

@@ -15,7 +15,7 @@ import pytest
 import mlx_tier
 from mlx_tier import TierConfig
 from mlx_tier.defaults import ROUND_EXPERTS
-from mlx_tier.engine.cache import _host_cast
+from mlx_tier.engine.slabs import host_cast
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="scratch slabs serve MLX's CPU backend only")
 
@@ -92,7 +92,7 @@ def _slot_contents_are_the_experts(layer) -> None:
     resident = [int(e) for e in np.flatnonzero(layer.slot_of >= 0)]
     raw = layer.store.read_experts(list(layer.tensors), resident)
     for name, t in layer.tensors.items():
-        host, cast = layer._host_slab(name), _host_cast(t.info, t.casts)
+        host, cast = layer._host_slab(name), host_cast(t.info, t.casts)
         for i, e in enumerate(resident):
             assert np.array_equal(host[layer.slot_of[e]], cast(raw[name][i])), (name, e)
 
