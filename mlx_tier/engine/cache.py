@@ -70,7 +70,7 @@ class LayerCache:
         policy: how this layer's eviction policy is made (:class:`mlx_tier.policy.eviction.PolicySpec`).
 
     Attributes:
-        owner: the :class:`ExpertCache` whose budget the slabs count against
+        owner: the :class:`~mlx_tier.engine.expert_cache.ExpertCache` whose budget the slabs count against
             (set by it; ``None`` for a layer on its own).
     """
 
@@ -166,7 +166,7 @@ class LayerCache:
 
         Two lazy device arrays hold the running sums: the uses, and the hits
         (experts used by each call, summed over calls: the unit of
-        :class:`CacheStats`, as :meth:`count_deferred` counts router outputs).
+        :class:`~mlx_tier.engine.cache_stats.CacheStats`, as :meth:`count_deferred` counts router outputs).
         Every 256 calls their graph is handed to ``mx.async_eval``, which
         evaluates it without waiting, so it stays short. uint32 sums: exact
         until 2**32 entries of one layer between two reads of the stats.
@@ -420,7 +420,7 @@ class LayerCache:
         """Cast the slabs named in ``dtypes`` (name on disk -> dtype), resident
         experts included, as the model's parameters were cast; experts read
         later go through the same cast (:attr:`SlabTensor.casts`). The owner's
-        budget is checked first (:meth:`ExpertCache.admit_cast`).
+        budget is checked first (:meth:`mlx_tier.engine.expert_cache.ExpertCache.admit_cast`).
 
         Raises:
             BudgetError: the cast slabs would exceed a byte budget.

@@ -64,7 +64,7 @@ class StandIns:
     model tests do), ``apply``, :func:`mlx_tier.engine.dtypes.cast_model` -- reaches
     them, with mlx-lm's paths for ``cast_predicate``; before each call the
     block casts its slabs to their dtypes (:meth:`changed`,
-    :meth:`LayerCache.cast`). Zero rows: ``parameters()`` counts no expert
+    :meth:`mlx_tier.engine.cache.LayerCache.cast`). Zero rows: ``parameters()`` counts no expert
     bytes, and weights saved from a tiered model (no experts) cannot load as a
     checkpoint. Only the dtype is followed, not the values or shape.
 

@@ -74,8 +74,8 @@ VNNI_GEMM_MIN_ROWS = 64
 # vectorisation: benches/kernel.py, benches/results/kernel/NOTES.md).
 _USABLE = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 THREADS = max(1, min(_USABLE, psutil.cpu_count(logical=False) or _USABLE))
-_POOL_NAME = "mlx-tier-kernel"
-_POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix=_POOL_NAME)
+_POOL = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="mlx-tier-kernel")
+_IN_SHARE = threading.local()  # .on: this thread runs a share of a _parallel call
 # Least weight bytes a thread's share of a matvec gets: below it, handing work to
 # another thread costs more than it saves (small attention projections).
 SHARE_BYTES = 2**18
@@ -342,14 +342,25 @@ def _parallel(fn, total: int, grain: int = 64) -> None:
     """Run ``fn(f0, f1)`` over [0, total) split among the pool's threads (Numba kernels and
     BLAS drop the GIL), at least ``grain`` items a share."""
     n = min(THREADS, max(1, total // grain))
-    if n == 1 or threading.current_thread().name.startswith(_POOL_NAME):  # a share never waits on the pool
+    if n == 1 or getattr(_IN_SHARE, "on", False):  # inside a share: the other threads are busy with theirs
         fn(0, total)
         return
     step = -(-total // n)
-    rest = [_POOL.submit(fn, i * step, min(total, (i + 1) * step)) for i in range(1, n)]
-    fn(0, step)  # the calling thread takes the first share
+    rest = [_POOL.submit(_share, fn, i * step, min(total, (i + 1) * step)) for i in range(1, n)]
+    _share(fn, 0, step)  # the calling thread takes the first share
     for f in rest:
         f.result()
+
+
+def _share(fn, f0: int, f1: int) -> None:
+    """``fn(f0, f1)`` as one share of a :func:`_parallel` call: a call it makes in turn runs
+    on its own thread (a pool thread that waited on the pool could wait on itself; the
+    calling thread would wait for the other shares to end before its own could)."""
+    _IN_SHARE.on = True
+    try:
+        fn(f0, f1)
+    finally:
+        _IN_SHARE.on = False
 
 
 def _parallel_jobs(jobs: list, grain: int) -> None:

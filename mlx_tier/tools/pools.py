@@ -519,7 +519,7 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     def med(fn, reps=5) -> float:
         fn()
         times: list[float] = []
-        while len(times) < reps or (sum(times) < PROBE_SECONDS and len(times) < 64):
+        while len(times) < reps or (sum(times) < PROBE_SECONDS and len(times) < 10_000):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)

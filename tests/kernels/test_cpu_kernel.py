@@ -10,6 +10,7 @@ dequantise + BLAS GEMM for many), at 1, top-k and E slots per layer.
 
 import importlib
 import itertools
+import threading
 import warnings
 
 import mlx.core as mx
@@ -518,15 +519,33 @@ def test_swiglu_shared_among_threads_is_bit_equal_to_the_plain_expression(rows):
 
 def test_a_share_that_shares_again_runs_alone_instead_of_waiting_on_the_pool():
     """A :func:`cpu._parallel` call made from inside a share (a pair's SwiGLU inside a
-    decode share) runs on the calling thread: a pool thread that waited on the pool
-    would wait on itself when the pool has one thread."""
+    decode share) runs on that share's thread, the calling thread's share included: a
+    pool thread that waited on the pool would wait on itself when the pool has one
+    thread, and the calling thread would wait for the other shares to end. Run in a
+    thread with a time limit, so that a regression fails instead of hanging."""
     seen = []
 
     def inner(a, b):
-        seen.append((a, b))
+        seen.append((threading.get_ident(), a, b))
 
     def outer(a, b):
         cpu_kernel._parallel(inner, 1 << 20, grain=1)
 
-    cpu_kernel._parallel(outer, 1 << 20, grain=1)
-    assert sum(b - a for a, b in seen) == cpu_kernel.THREADS * (1 << 20)
+    errors = []
+
+    def top():
+        try:
+            cpu_kernel._parallel(outer, 1 << 20, grain=1)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            errors.append(e)
+
+    runner = threading.Thread(target=top, daemon=True)
+    runner.start()
+    runner.join(timeout=30)
+    assert not runner.is_alive(), "a nested _parallel call waited on the pool"
+    assert not errors, errors
+    # Each share's nested call covered the whole range, on the share's own thread.
+    per_thread = {}
+    for t, a, b in seen:
+        per_thread[t] = per_thread.get(t, 0) + b - a
+    assert sorted(per_thread.values()) == [1 << 20] * min(cpu_kernel.THREADS, 1 << 20)
