@@ -271,8 +271,8 @@ def _qmv(w, scales, biases, bits, gs, mode, xd, xsum, tok, slots, out, f0, f1):
 @njit(fastmath=FM, nogil=True, cache=True)
 def _dequant4(wr, sr, br, gs, out):
     """Affine 4-bit row wr [I/2] uint8 -> out [I] float32 in natural column order (byte i
-    holds codes 2i, low nibble, and 2i + 1; the paired stores vectorise as well as
-    split halves did, and no caller permutes its input rows to match)."""
+    holds code 2i in its low nibble, 2i + 1 in its high one; the paired stores vectorise),
+    so a GEMM's input rows go to BLAS unpermuted."""
     bpg = gs // 2
     for g in range(sr.shape[0]):
         sc, bi = sr[g], br[g]

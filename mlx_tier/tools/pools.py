@@ -519,10 +519,12 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     def med(fn, reps=5) -> float:
         fn()
         times: list[float] = []
-        while len(times) < reps or (sum(times) < PROBE_SECONDS and len(times) < 10_000):
+        spent = 0.0
+        while len(times) < reps or (spent < PROBE_SECONDS and len(times) < 10_000):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+            spent += times[-1]
         return sorted(times)[len(times) // 2]
 
     slots = np.repeat(np.arange(n), rows)
