@@ -159,25 +159,28 @@ def achieved(scheduler: Scheduler, finished: int, seconds: float, reporter: Repo
 class LayerProgress:
     """Progress during a long prefill step: before MoE layers, at most every
     :data:`LAYER_PROGRESS_SECONDS`, the last step's activity is sent again with the
-    prompt being read advanced by the layers done (an estimate)."""
+    step's latest prompt shown as read up to the layers done (an estimate), and the
+    hit rate so far. The step's own prompts are shown, so the first step of a run and
+    a step that starts a new prompt show what they read."""
 
-    def __init__(self, reporter: Reporter, progress, layers: int, pool_tokens: int):
-        self.reporter, self.progress, self.layers, self.pool = reporter, progress, max(1, layers), pool_tokens
-        self.last: Activity | None = None
+    def __init__(self, reporter: Reporter, progress, layers: int, hit_rate=lambda: 0.0):
+        self.reporter, self.progress, self.layers, self.hit_rate = reporter, progress, max(1, layers), hit_rate
+        self.last = Activity([], None, [], 0.0, 0.0, 0.0)
         self.sent = time.monotonic()
 
     def step_done(self, activity: Activity) -> None:
         self.last, self.sent = activity, time.monotonic()
 
-    def layer(self, layer: int) -> None:
+    def layer(self, layer: int, reading: list[tuple[str, int, int, int]]) -> None:
+        """Before MoE layer ``layer`` of a prefill step reading ``reading``: ``(document id,
+        prompt tokens read before the step, tokens in this step, prompt length)`` each."""
         now = time.monotonic()
-        if self.last is None or now - self.sent < LAYER_PROGRESS_SECONDS:
+        if not reading or now - self.sent < LAYER_PROGRESS_SECONDS:
             return
         self.sent = now
-        reading = self.last.reading
-        if reading is not None:
-            doc, done, total = reading
-            reading = (doc, min(total, done + int(self.pool * layer / self.layers)), total)
-        activity = replace(self.last, reading=reading)
+        doc, before, chunk, total = reading[-1]
+        in_flight = self.last.in_flight + [d for d, *_ in reading if d not in self.last.in_flight]
+        activity = replace(self.last, in_flight=in_flight, hit_rate=self.hit_rate(),
+                           reading=(doc, min(total, before + chunk * layer // self.layers), total))
         self.reporter.working(activity)
         self.progress.update(activity)

@@ -313,12 +313,15 @@ class PrefillPacer:
         seed: a first ``(tokens, seconds)`` observation (e.g. the shared prefix's prefill).
         min_tokens: the smallest step.
         window: how many recent steps the fit uses.
+        first_tokens: the first step, before any is measured; ``None``: ``min_tokens``.
     """
 
     def __init__(self, max_tokens: int, target_seconds: float = STEP_SECONDS,
-                 seed: tuple[int, float] | None = None, min_tokens: int = 4, window: int = 6):
+                 seed: tuple[int, float] | None = None, min_tokens: int = 4, window: int = 6,
+                 first_tokens: int | None = None):
         self.max_tokens, self.target = max(1, max_tokens), target_seconds
         self.min_tokens = min(min_tokens, self.max_tokens)
+        self.first_tokens = min(max(self.min_tokens, first_tokens or 0), self.max_tokens)
         self._seen: deque[tuple[int, float]] = deque(maxlen=window)
         if seed is not None:
             self.observe(*seed)
@@ -346,7 +349,7 @@ class PrefillPacer:
         """Tokens for the next step, given the decode step's recent duration (it shares the step)."""
         fit = self.model()
         if fit is None:
-            return self.min_tokens
+            return self.first_tokens
         a, b = fit
         budget = max(self.target - decode_seconds, 0.25 * self.target)
         n = min(max((budget - a) / b, a / b), 2 * self._seen[-1][0])

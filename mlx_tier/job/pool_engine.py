@@ -42,8 +42,14 @@ while a folder's first prompts were read: a generated token cost ~2x a full
 pool's). Sizes come from :mod:`mlx_tier.tools.pools`; this module only
 executes them.
 
-Long steps stay responsive: during a prefill step ``interrupt(layer)`` is
-asked before each tiered MoE layer; true abandons the prompt passes there, and
+Long steps stay responsive: a prefill step carries at most the prompt tokens
+whose layer step takes about :data:`LAYER_SECONDS`, as measured on this
+machine's steps (:class:`~mlx_tier.job.batch_engine.PrefillPacer`; the first
+step carries :data:`FIRST_POOL_TOKENS`, each next one at most twice the last),
+so the pool planned from the probes is reached in a few steps where it is
+quick enough, and a model slower than they say gets smaller pools. During a
+prefill step ``interrupt(layer)`` is asked before each tiered MoE layer; true
+abandons the prompt passes there, and
 the prompts being read are dropped (returned by
 :meth:`PoolEngine.take_interrupted`), as a stop drops prompts still being read
 in the paced schedule. Decode steps are never interrupted (a token half
@@ -65,6 +71,7 @@ from mlx_tier.engine.footprint import check_kv_bits
 from mlx_tier.engine.module_batch import Pass, run_together
 from mlx_tier.job.batch_engine import (
     Finished,
+    PrefillPacer,
     PrefixCache,
     StepInfo,
     Task,
@@ -76,6 +83,12 @@ from mlx_tier.job.quantized_kv import quantizing
 # Module batching on by default (module doc); benches/throughput.py turns it off to
 # measure what it buys.
 MODULE_BATCHING = True
+# Wall time one layer step of a prefill step should take at most: a stop is asked
+# between layers, so it acts within about this. The benches' planned pools (the demo's
+# and the synthetic's under a 2 GiB cap) take a small fraction of it a layer here.
+LAYER_SECONDS = 4.0
+# Prompt tokens of the first prefill step, before any step is measured.
+FIRST_POOL_TOKENS = 256
 
 
 @dataclass(eq=False)
@@ -122,6 +135,8 @@ class PoolEngine:
         merge: decode the generating sequences in each prefill step's layer
             steps (module doc); ``False``: prefill and decode steps apart;
             ``None``: :data:`MODULE_BATCHING`.
+        layer_seconds: aim of a prefill step's time per decoder layer (module doc);
+            ``None``: every prefill step carries ``pool_tokens`` (unpaced).
 
     Raises:
         ValueError: a size below 1.
@@ -130,7 +145,8 @@ class PoolEngine:
 
     def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 32, prefill_batch: int = 8,
                  pool_tokens: int = DEFAULT_PREFILL_STEP, repetition_penalty: float = 1.0,
-                 prefix: PrefixCache | None = None, kv_bits: int | None = None, merge: bool | None = None):
+                 prefix: PrefixCache | None = None, kv_bits: int | None = None, merge: bool | None = None,
+                 layer_seconds: float | None = LAYER_SECONDS):
         from mlx_lm.generate import GenerationBatch, StopSequences
         from mlx_lm.sample_utils import greedy_sampler
 
@@ -143,6 +159,9 @@ class PoolEngine:
         self.batch_size, self.prefill_batch, self.pool_tokens = batch_size, prefill_batch, pool_tokens
         self.repetition_penalty, self.prefix, self.kv_bits = repetition_penalty, prefix, kv_bits
         self.merge = MODULE_BATCHING if merge is None else merge
+        self.pacer = None if layer_seconds is None else PrefillPacer(
+            pool_tokens, layer_seconds * max(1, len(getattr(model, "layers", ()))), min_tokens=16,
+            first_tokens=FIRST_POOL_TOKENS)
         self._stops = StopSequences([[t] for t in sorted(stop_ids)])
         self._sampler = greedy_sampler
         self._gen = GenerationBatch.empty(model, greedy_sampler)
@@ -151,6 +170,9 @@ class PoolEngine:
         self._starting: list[_Seq] = []  # prompts read to their end: they start generating next step
         self._generating: dict[int, _Seq] = {}
         self._interrupted: list[Task] = []
+        # The prefill step under way: (task key, prompt tokens read before it, its chunk's
+        # tokens, prompt length) of each prompt it reads; empty between steps.
+        self.reading_now: list[tuple[tuple, int, int, int]] = []
         self._uid = 0
 
     @property
@@ -217,7 +239,7 @@ class PoolEngine:
         """This step's prompt chunks: the prompts being read, in the order they started, then
         waiting ones (started here while fewer than ``prefill_batch`` are read), each as
         many tokens as the pool has left."""
-        left, chunks = self.pool_tokens, []
+        left, chunks = self.pool_tokens if self.pacer is None else self.pacer.size(), []
         for s in self._reading:
             if left > 0 and s.rest:
                 chunks.append((s, s.rest[:left]))
@@ -236,7 +258,14 @@ class PoolEngine:
         info = StepInfo()
         t0 = time.perf_counter()
         chunks = self._chunks()
-        if self._run(chunks, self.merge, interrupt, info):
+        self.reading_now = [(s.task.key, s.read, len(c), len(s.task.prompt) - s.prefix_tokens) for s, c in chunks]
+        try:
+            done = self._run(chunks, self.merge, interrupt, info)
+        finally:
+            self.reading_now = []
+        if done:
+            if self.pacer is not None:
+                self.pacer.observe(sum(len(c) for _, c in chunks), time.perf_counter() - t0)
             for s, chunk in chunks:
                 del s.rest[: len(chunk)]
                 s.read += len(chunk)

@@ -213,7 +213,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
     p.report.setup["generation"] = scheduler.info
     announce(scheduler, reporter)
     rate, prompt_rate = Rate(), Rate()
-    layers = LayerProgress(reporter, progress, len(loaded.cache.layers), scheduler.pool_tokens)
+    layers = LayerProgress(reporter, progress, len(loaded.cache.layers), lambda: loaded.cache.stats.hit_rate)
     generated = [0]  # tokens generated this run, for the samples the watch page plots
     earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
                if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
@@ -244,11 +244,8 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
 
     t_start, finished = time.perf_counter(), 0
 
-    def on_layer(layer: int) -> None:
-        layers.layer(layer)
-
     throttled_before = 0.0
-    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step, on_layer=on_layer,
+    for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step, on_layer=layers.layer,
                                  give_up=lambda: stop.seconds_stopping() > STOP_GRACE_SECONDS):
         finished += 1
         throttled_before = _take_outcome(outcome, p, config, loaded, eta, throttle, throttled_before,

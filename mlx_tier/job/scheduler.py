@@ -533,7 +533,7 @@ class Scheduler:
 
     def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None,
-            on_layer: Callable[[int], None] = lambda layer: None,
+            on_layer: Callable[[int, list[tuple[str, int, int, int]]], None] = lambda layer, reading: None,
             give_up: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
         """Summarise ``docs`` (:class:`~mlx_tier.job.documents.Document` or
         :class:`~mlx_tier.job.documents.FileDocument`: anything with ``id``, ``text``
@@ -550,8 +550,10 @@ class Scheduler:
         ``on_step(info, ids in flight)`` runs after every engine step
         (``info.prefill``: ``(document id, prompt tokens done, prompt length)``).
         With the throughput schedule, a prefill step (a minute, on a slow
-        machine) also calls ``on_layer(layer index)`` before each MoE layer and checks
-        ``should_stop()`` there: a stop then abandons the step at once.
+        machine) also calls ``on_layer(layer index, reading)`` before each MoE layer, where
+        ``reading`` lists the step's prompt chunks as ``(document id, prompt tokens read
+        before the step, tokens in this step, prompt length)``, and checks ``should_stop()``
+        there: a stop then abandons the step at once.
         """
         q = _Queues(_Pulled(docs))
         engine = self._new_engine(self.batch_size)
@@ -592,7 +594,11 @@ class Scheduler:
         (its prompts are left for the next run, as :meth:`BatchEngine.cancel_unstarted` leaves them)."""
         if not isinstance(engine, PoolEngine):
             return engine.step()
-        info = engine.step(lambda layer: on_layer(layer) or should_stop())
+        def interrupt(layer: int) -> bool:
+            on_layer(layer, [(key[0].doc.id, read, n, total) for key, read, n, total in engine.reading_now])
+            return should_stop()
+
+        info = engine.step(interrupt)
         self._release(engine.take_interrupted())
         return info
 

@@ -177,9 +177,9 @@ def test_progress_moves_inside_long_prompt_steps_and_predicted_beside_achieved(t
     beats = []
 
     class Beat(activity.LayerProgress):
-        def layer(self, layer):
+        def layer(self, layer, reading):
             before = self.sent
-            super().layer(layer)
+            super().layer(layer, reading)
             if self.sent != before:
                 beats.append(layer)
 

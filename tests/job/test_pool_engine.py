@@ -250,3 +250,57 @@ def test_a_prefill_step_is_filled_across_prompts_without_padding(tiered, tiny_mo
     while engine.active:
         results.update((f.key, f.tokens) for f in engine.step().finished)
     assert results == dict(enumerate(refs))
+
+
+def _long_prompt(tokenizer, words: int = 1200):
+    text = " ".join(TEXTS[i % len(TEXTS)] for i in range(words // 8))
+    return build_prompt(tokenizer, "Summarise this.", text)
+
+
+def _prefill_steps(engine, prompt) -> list[int]:
+    engine.add(Task(0, prompt, 2))
+    steps = []
+    while engine.active:
+        info = engine.step()
+        if info.prefill_tokens:
+            steps.append(info.prefill_tokens)
+    return steps
+
+
+def test_prefill_steps_start_small_and_grow_to_the_pool_while_layers_are_quick(tiered, tiny_moe):
+    """Before any step is measured the first carries FIRST_POOL_TOKENS; quick layer steps let
+    each next one double, up to ``pool_tokens``."""
+    from mlx_tier.job.pool_engine import FIRST_POOL_TOKENS
+
+    model, tokenizer = tiered
+    prompt = _long_prompt(tokenizer, 2400)
+    assert len(prompt) > 2 * 1024
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=1, prefill_batch=1,
+                        pool_tokens=1024, layer_seconds=60.0)
+    steps = _prefill_steps(engine, prompt)
+    assert steps[:3] == [FIRST_POOL_TOKENS, 2 * FIRST_POOL_TOKENS, 1024] and set(steps[3:-1]) <= {1024}
+    assert sum(steps) == len(prompt) - 1
+    unpaced = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=1, prefill_batch=1,
+                         pool_tokens=1024, layer_seconds=None)
+    assert _prefill_steps(unpaced, prompt)[:2] == [1024, 1024]
+
+
+def test_a_model_slower_than_planned_gets_prefill_steps_of_about_layer_seconds(tiered, tiny_moe, monkeypatch):
+    """Each expert block sleeps 1 ms a row (a model far slower than its pool was planned for):
+    a 0.1 s layer step is ~100 tokens, so steps shrink from the first one's 256 to about that,
+    and a stop asked between layers acts within about 0.1 s, not the pool's 2 s a layer."""
+    import time
+
+    model, tokenizer = tiered
+    alone_ = TieredExperts.alone
+
+    def slow(self, x, indices):
+        time.sleep(0.001 * (indices.size // indices.shape[-1]))
+        return alone_(self, x, indices)
+
+    monkeypatch.setattr(TieredExperts, "alone", slow)
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=1, prefill_batch=1,
+                        pool_tokens=2048, layer_seconds=0.1)
+    steps = _prefill_steps(engine, _long_prompt(tokenizer))
+    assert steps[0] == 256 and len(steps) >= 5
+    assert all(50 <= n <= 130 for n in steps[1:-1]), steps

@@ -109,8 +109,11 @@ def test_stop_abandons_a_prompt_pool_between_layers(tiered, tiny_moe):
                                                                          pool_tokens=512, prefill_batch=3))
     layers, steps = [], []
     out = list(sched.run(docs(TEXTS), should_stop=lambda: bool(layers), on_step=lambda info, ids: steps.append(info),
-                         on_layer=layers.append))
-    assert out == [] and layers == [0]  # asked once, before the first layer: the step went no further
+                         on_layer=lambda layer, reading: layers.append((layer, reading))))
+    assert out == [] and [layer for layer, _ in layers] == [0]  # asked once, before the first layer: no further
+    reading = layers[0][1]  # the step's own prompts, with nothing read before it: 512 tokens over three
+    assert [d for d, *_ in reading] == ["a", "b", "c"][:len(reading)] and all(r == 0 for _, r, _, _ in reading)
+    assert sum(n for _, _, n, _ in reading) <= 512 and all(0 < n <= total for _, _, n, total in reading)
     assert [s.prefill_tokens for s in steps] == [0] and sched._reserved == {}  # one step, nothing read
 
 

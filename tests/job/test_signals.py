@@ -73,7 +73,10 @@ def reading(out: Path) -> bool:
 @pytest.mark.parametrize("schedule", ["throughput", "paced"])
 def test_first_signal_stops_at_the_next_step_while_a_long_prompt_is_read(tmp_path, tiny_moe, schedule):
     """25 prompt tokens/s: one 512-token prompt step would take 20 s. The paced schedule's
-    steps are paced to ~4 s; the throughput schedule's pool step stops between layers."""
+    steps are paced to ~4 s; the throughput schedule's pool steps to ~4 s a layer (the probes
+    plan pools of up to 2,048 tokens: 41 s a layer of this 2-layer model), and a stop is
+    taken between layers. The prompt being read shows in the progress file from the run's
+    first step on (it once showed only after a step that left the prompt unfinished)."""
     proc, out = start(tmp_path, tiny_moe, "sleep", "--schedule", schedule)
     wait_for(proc, lambda: reading(out))
     proc.send_signal(signal.SIGINT)
