@@ -78,6 +78,7 @@ from mlx_tier.job.batch_engine import (
     check_add,
     start_of,
 )
+from mlx_tier.job.pool_kv import make_roomy
 from mlx_tier.job.quantized_kv import quantizing
 
 # Module batching on by default (module doc); benches/throughput.py turns it off to
@@ -297,6 +298,7 @@ class PoolEngine:
         run_together(reads + starts + ([step] if step is not None else []))
         for s, started in zip(self._starting, starts):
             self._gen.extend(started.result)
+            make_roomy(self._gen.prompt_cache, self.batch_size)  # later joins and finishes in place
             s.batch = None
             self._generating[s.uid] = s
         self._starting = []

@@ -1,0 +1,135 @@
+"""The decode pool's KV cache: sequences join and leave it in place.
+
+mlx-lm's ``BatchKVCache`` holds a batch's keys and values as one array per
+layer, ``[B, kv heads, L, head dim]``, each sequence right-justified at the
+last written column (left padding before it). A sequence joins a batch with
+``extend`` and leaves with ``filter``, and both build the whole array anew:
+``extend`` pads and concatenates every row, ``filter`` gathers the rows kept.
+In the throughput schedule the decode pool holds many long sequences and
+sequences join and leave it every few steps, so each join and each finish
+copied the pool's whole KV cache, every layer: 76 s of a 215 s demo job
+(32 documents of 300-1,500 tokens, 32 sequences, ~2 GB of float32 KV),
+timed in benches/results/throughput/NOTES.md.
+
+:class:`RoomyKVCache` is ``BatchKVCache`` with spare rows (room for the pool's
+planned size) and spare columns: a sequence that is not longer than the
+batch's last column is written into a free row where it stands; a finish
+moves only the rows after the first one that left, one row each (the
+order mlx-lm's ``GenerationBatch`` keeps its lists in); left padding that
+every row shares is dropped only once it reaches :data:`SHIFT_COLUMNS`. Only
+a joining sequence longer than the batch's last column, a full buffer, or a
+column shift copies the cache, once, into a larger buffer.
+
+Numerics: a row's columns outside its sequence may hold an earlier
+sequence's finite values instead of zeros. The attention mask (from
+``left_padding``) gives them a weight of exactly 0, so every token is the
+same as with mlx-lm's cache (tests/job/test_pool_kv.py, and the pool
+engine's tokens against mlx-lm's, tests/job/test_pool_engine.py).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+# Left padding every row of a pool shares, in columns, before it is dropped (a copy of
+# the cache): without dropping it the columns would grow with every decode step of a
+# long job; dropping it at each finish, as mlx-lm does, copies the cache each time.
+SHIFT_COLUMNS = 256
+
+
+class RoomyKVCache(BatchKVCache):
+    """``BatchKVCache`` whose ``keys``/``values`` ``[rows, H, L, D]`` have spare rows and
+    columns; the batch is the first :attr:`batch` rows and ``[0, _idx)`` columns (module doc).
+    Made from a filled ``BatchKVCache`` by :func:`make_roomy`."""
+
+    rows: int  # rows to make room for when the buffer grows (the pool's planned size)
+    batch: int  # live rows
+
+    def _grow(self, rows: int, columns: int, shift: int = 0) -> None:
+        """A larger buffer: at least ``rows`` rows and ``columns`` columns (rounded up to
+        ``step``), the live rows copied ``shift`` columns to the right."""
+        B, H, L, D = self.keys.shape
+        M = self.values.shape[3]
+        rows = max(rows, self.rows, B)
+        columns = max(L, -(-columns // self.step) * self.step)
+        keys = mx.zeros((rows, H, columns, D), self.keys.dtype)
+        values = mx.zeros((rows, H, columns, M), self.values.dtype)
+        n, idx = self.batch, self._idx
+        keys[:n, :, shift:shift + idx, :] = self.keys[:n, :, :idx, :]
+        values[:n, :, shift:shift + idx, :] = self.values[:n, :, :idx, :]
+        self.keys, self.values = keys, values
+        if shift:
+            self.left_padding = self.left_padding + shift
+            self._idx += shift
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n, prev = keys.shape[2], self._idx
+        if prev + n > self.keys.shape[2]:
+            self._grow(self.batch, prev + n)
+        self.offset = self.offset + n
+        self._idx += n
+        self.keys[: self.batch, :, prev:self._idx, :] = keys
+        self.values[: self.batch, :, prev:self._idx, :] = values
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        return self.keys[: self.batch, :, : self._idx, :], self.values[: self.batch, :, : self._idx, :]
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.left_padding, self._idx
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset, self.left_padding, self._idx = v
+        self.batch = int(self.offset.shape[0])
+
+    def filter(self, batch_indices) -> None:
+        """Keep rows ``batch_indices`` (in that order): each row whose place changes is
+        moved alone, into its new place."""
+        keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        moved = [(to, src) for to, src in enumerate(keep) if to != src]
+        if moved:
+            dst = mx.array([to for to, _ in moved])
+            src = mx.array([s for _, s in moved])
+            k, v = mx.contiguous(self.keys[src]), mx.contiguous(self.values[src])
+            mx.eval(k, v)  # read before the writes: the buffer is then updated in place
+            self.keys[dst] = k
+            self.values[dst] = v
+        index = mx.array(keep, dtype=mx.int32)
+        self.offset, self.left_padding, self.batch = self.offset[index], self.left_padding[index], len(keep)
+        shared = min(self.left_padding.tolist()) if keep else 0
+        if shared >= SHIFT_COLUMNS:
+            self.keys = mx.contiguous(self.keys[:, :, shared:, :])
+            self.values = mx.contiguous(self.values[:, :, shared:, :])
+            self._idx, self.left_padding = self._idx - shared, self.left_padding - shared
+
+    def extend(self, other: BatchKVCache) -> None:
+        """Add ``other``'s rows after this batch's, right-justified at the last column:
+        in place when they fit (module doc)."""
+        if other.keys is None:
+            raise ValueError("a sequence joins a decode pool with its prompt read (empty cache)")
+        b, oi = other.keys.shape[0], other._idx
+        shift = max(0, oi - self._idx)
+        if shift or self.batch + b > self.keys.shape[0]:
+            self._grow(self.batch + b, self._idx + shift, shift)
+        left = self._idx - oi
+        n = self.batch
+        self.keys[n:n + b, :, left:self._idx, :] = other.keys[..., :oi, :]
+        self.values[n:n + b, :, left:self._idx, :] = other.values[..., :oi, :]
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.left_padding = mx.concatenate([self.left_padding, other.left_padding + left])
+        self.batch = n + b
+
+
+def make_roomy(cache: list, rows: int) -> list:
+    """Turn the plain ``BatchKVCache`` layers of a decode pool's ``cache`` (a
+    ``GenerationBatch.prompt_cache``) into :class:`RoomyKVCache` in place, with room
+    for ``rows`` sequences when they next grow; other cache kinds (quantized,
+    rotating) are left as they are. Returns ``cache``."""
+    for c in cache:
+        if type(c) is BatchKVCache and c.keys is not None:
+            c.__class__ = RoomyKVCache
+            c.rows, c.batch = rows, int(c.keys.shape[0])
+    return cache

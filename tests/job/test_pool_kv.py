@@ -1,0 +1,90 @@
+"""The decode pool's KV cache with room (mlx_tier.job.pool_kv): sequences join and leave
+in place, and every sequence's keys, values, offset and mask are what mlx-lm's
+BatchKVCache holds for it, through joins (shorter and longer than the batch), decode
+steps, finishes and shifts of the shared padding."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+import mlx_tier.job.pool_kv as pool_kv
+from mlx_tier.job.pool_kv import RoomyKVCache, make_roomy
+
+H, D = 2, 8
+
+
+def sequence(n: int) -> BatchKVCache:
+    """A one-sequence batch cache of ``n`` random tokens, as a started sequence joins the pool."""
+    c = KVCache()
+    c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
+    return BatchKVCache.merge([c])
+
+
+def spans(c: BatchKVCache) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """Each row's keys and values over its own tokens, and its offset."""
+    k, v = (np.array(a) for a in c.keys_and_values())
+    pad, off = c.left_padding.tolist(), c.offset.tolist()
+    return [(k[i, :, pad[i]:], v[i, :, pad[i]:], off[i]) for i in range(len(pad))]
+
+
+def attended(c: BatchKVCache) -> list[int]:
+    """How many keys each row's decode query attends (from the cache's own mask)."""
+    mask = c.make_mask(1, return_array=True)
+    m = np.array(mask).reshape(len(c.offset.tolist()), -1) if mask is not None else None
+    return [int(r.sum()) for r in m] if m is not None else [c._idx] * len(c.offset.tolist())
+
+
+def same(ref: BatchKVCache, ours: BatchKVCache) -> None:
+    a, b = spans(ref), spans(ours)
+    assert len(a) == len(b) and ours.batch == len(b)
+    for (ka, va, oa), (kb, vb, ob) in zip(a, b):
+        assert oa == ob and ka.shape == kb.shape and (ka == kb).all() and (va == vb).all()
+    assert attended(ref) == attended(ours)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_joins_steps_and_finishes_keep_every_sequence_as_mlx_lm_does(seed, monkeypatch):
+    monkeypatch.setattr(pool_kv, "SHIFT_COLUMNS", 8)  # shifts of the shared padding happen here too
+    rng = random.Random(seed)
+    mx.random.seed(seed)
+    first = sequence(rng.randrange(5, 30))
+    ref, ours = first, make_roomy([copy.deepcopy(first)], rows=4)[0]
+    assert isinstance(ours, RoomyKVCache)
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.25 and ref.offset.shape[0] < 12:  # a sequence joins: shorter or longer than the batch
+            s = sequence(rng.randrange(1, ref._idx + 12))
+            ref.extend(copy.deepcopy(s))
+            ours.extend(s)
+        elif op < 0.4 and ref.offset.shape[0] > 1:  # some finish
+            n = ref.offset.shape[0]
+            keep = sorted(rng.sample(range(n), rng.randrange(1, n)))
+            ref.filter(keep)
+            ours.filter(keep)
+        else:  # a decode step
+            n = ref.offset.shape[0]
+            k, v = mx.random.normal((n, H, 1, D)), mx.random.normal((n, H, 1, D))
+            ref.update_and_fetch(k, v)
+            ours.update_and_fetch(k, v)
+        same(ref, ours)
+
+
+def test_a_shorter_join_and_a_finish_write_in_place_without_a_new_buffer():
+    """The rows live in one buffer while they fit: a join shorter than the batch and a
+    finish leave ``keys`` the same size, and only a longer join grows it."""
+    big = make_roomy([sequence(40)], rows=8)[0]
+    big.extend(sequence(3))  # grows once to the pool's 8 rows
+    shape = big.keys.shape
+    for n in (10, 39, 1):
+        big.extend(sequence(n))
+    big.update_and_fetch(mx.zeros((5, H, 1, D)), mx.zeros((5, H, 1, D)))
+    big.filter([0, 2, 4])
+    assert big.keys.shape == shape and big.batch == 3 and big._idx == 41
+    big.extend(sequence(60))  # longer than the batch: the rows move right, once
+    assert big._idx == 60 and big.left_padding.tolist() == [0 + 19, 30 + 19, 39 + 19, 0]  # paddings of 40, 10, 1
