@@ -14,8 +14,9 @@ timed in benches/results/throughput/NOTES.md.
 :class:`RoomyKVCache` is ``BatchKVCache`` with spare rows (room for the pool's
 planned size) and spare columns: a sequence that is not longer than the
 batch's last column is written into a free row where it stands; a finish
-moves only the rows after the first one that left, one row each (the
-order mlx-lm's ``GenerationBatch`` keeps its lists in); left padding that
+moves one row for each sequence that left (the last rows fill the holes:
+:func:`fill_holes_on_filter` has mlx-lm's ``GenerationBatch`` order its lists
+the same way); left padding that
 every row shares is dropped only once it reaches :data:`SHIFT_COLUMNS`. Only
 a joining sequence longer than the batch's last column, a full buffer, or a
 column shift copies the cache, once, into a larger buffer.
@@ -87,16 +88,15 @@ class RoomyKVCache(BatchKVCache):
 
     def filter(self, batch_indices) -> None:
         """Keep rows ``batch_indices`` (in that order): each row whose place changes is
-        moved alone, into its new place."""
+        copied alone into its new place (with :func:`tail_into_holes`' order, only rows
+        from beyond the new size move, one for each row that left)."""
         keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
         moved = [(to, src) for to, src in enumerate(keep) if to != src]
-        if moved:
-            dst = mx.array([to for to, _ in moved])
-            src = mx.array([s for _, s in moved])
-            k, v = mx.contiguous(self.keys[src]), mx.contiguous(self.values[src])
-            mx.eval(k, v)  # read before the writes: the buffer is then updated in place
-            self.keys[dst] = k
-            self.values[dst] = v
+        rows = [(mx.contiguous(self.keys[s:s + 1]), mx.contiguous(self.values[s:s + 1])) for _, s in moved]
+        mx.eval(rows)  # read before the writes: the buffer is then updated in place
+        for (to, _), (k, v) in zip(moved, rows):
+            self.keys[to:to + 1] = k
+            self.values[to:to + 1] = v
         index = mx.array(keep, dtype=mx.int32)
         self.offset, self.left_padding, self.batch = self.offset[index], self.left_padding[index], len(keep)
         shared = min(self.left_padding.tolist()) if keep else 0
@@ -121,6 +121,27 @@ class RoomyKVCache(BatchKVCache):
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.concatenate([self.left_padding, other.left_padding + left])
         self.batch = n + b
+
+
+def tail_into_holes(keep: list[int]) -> list[int]:
+    """``keep`` (rows to keep, ascending, as mlx-lm's ``GenerationBatch`` filters its
+    batch) reordered so that each row beyond the new size fills the place of a row
+    that left, and every other row keeps its place: ``[0, 1, 3, 4, 5]`` (row 2 left)
+    becomes ``[0, 1, 5, 3, 4]``. A batch's rows are independent, so the order of its
+    sequences changes nothing they compute."""
+    size, kept = len(keep), set(keep)
+    order = list(range(size))
+    for hole, row in zip((i for i in range(size) if i not in kept), (i for i in keep if i >= size)):
+        order[hole] = row
+    return order
+
+
+def fill_holes_on_filter(batch) -> None:
+    """Make a ``GenerationBatch`` filter its sequences in :func:`tail_into_holes`' order
+    (its lists and its caches alike), so that a :class:`RoomyKVCache` moves one row for
+    each sequence that finishes."""
+    filter_ = batch.filter
+    batch.filter = lambda keep: filter_(tail_into_holes([int(i) for i in keep]))
 
 
 def make_roomy(cache: list, rows: int) -> list:

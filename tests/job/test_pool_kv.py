@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import mlx_tier.job.pool_kv as pool_kv
-from mlx_tier.job.pool_kv import RoomyKVCache, make_roomy
+from mlx_tier.job.pool_kv import RoomyKVCache, make_roomy, tail_into_holes
 
 H, D = 2, 8
 
@@ -65,6 +65,7 @@ def test_joins_steps_and_finishes_keep_every_sequence_as_mlx_lm_does(seed, monke
         elif op < 0.4 and ref.offset.shape[0] > 1:  # some finish
             n = ref.offset.shape[0]
             keep = sorted(rng.sample(range(n), rng.randrange(1, n)))
+            keep = tail_into_holes(keep) if rng.random() < 0.5 else keep  # the pool engine's order, or mlx-lm's
             ref.filter(keep)
             ours.filter(keep)
         else:  # a decode step
@@ -88,3 +89,22 @@ def test_a_shorter_join_and_a_finish_write_in_place_without_a_new_buffer():
     assert big.keys.shape == shape and big.batch == 3 and big._idx == 41
     big.extend(sequence(60))  # longer than the batch: the rows move right, once
     assert big._idx == 60 and big.left_padding.tolist() == [0 + 19, 30 + 19, 39 + 19, 0]  # paddings of 40, 10, 1
+
+
+def test_finished_rows_are_filled_from_the_tail():
+    assert tail_into_holes([0, 1, 3, 4, 5]) == [0, 1, 5, 3, 4]
+    assert tail_into_holes([2, 5, 6, 7]) == [5, 6, 2, 7]
+    assert tail_into_holes([0, 1, 2]) == [0, 1, 2] and tail_into_holes([4]) == [4] and tail_into_holes([]) == []
+    order = tail_into_holes([1, 2, 4, 6, 7, 9])
+    assert sorted(order) == [1, 2, 4, 6, 7, 9] and sum(i != r for i, r in enumerate(order) if r < 6) == 0
+
+
+def test_a_finish_moves_one_row_for_each_sequence_that_left(monkeypatch):
+    big = make_roomy([sequence(30)], rows=8)[0]
+    for n in (5, 10, 20, 25, 29):
+        big.extend(sequence(n))
+    copied = []
+    real = mx.contiguous
+    monkeypatch.setattr(pool_kv.mx, "contiguous", lambda a: copied.append(a.shape[0]) or real(a))
+    big.filter(tail_into_holes([0, 2, 3, 5]))  # rows 1 and 4 left: row 5 fills 1, row 4 is beyond
+    assert copied == [1, 1] and big.batch == 4  # keys and values of one row
