@@ -92,8 +92,12 @@ class RoomyKVCache(BatchKVCache):
         from beyond the new size move, one for each row that left)."""
         keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
         moved = [(to, src) for to, src in enumerate(keep) if to != src]
-        rows = [(mx.contiguous(self.keys[s:s + 1]), mx.contiguous(self.values[s:s + 1])) for _, s in moved]
-        mx.eval(rows)  # read before the writes: the buffer is then updated in place
+        # Each moved row gathered into a buffer of its own (a contiguous slice would share the
+        # cache's buffer, and a write into a buffer still shared copies all of it), read before
+        # the writes, which then update the cache's buffer in place.
+        rows = [(mx.take(self.keys, mx.array([s]), axis=0), mx.take(self.values, mx.array([s]), axis=0))
+                for _, s in moved]
+        mx.eval(rows)
         for (to, _), (k, v) in zip(moved, rows):
             self.keys[to:to + 1] = k
             self.values[to:to + 1] = v
