@@ -78,7 +78,7 @@ from mlx_tier.job.batch_engine import (
     check_add,
     start_of,
 )
-from mlx_tier.job.pool_kv import fill_holes_on_filter, make_roomy
+from mlx_tier.job.pool_kv import in_place_pool, make_roomy
 from mlx_tier.job.quantized_kv import quantizing
 
 # Module batching on by default (module doc); benches/throughput.py turns it off to
@@ -166,7 +166,7 @@ class PoolEngine:
         self._stops = StopSequences([[t] for t in sorted(stop_ids)])
         self._sampler = greedy_sampler
         self._gen = GenerationBatch.empty(model, greedy_sampler)
-        fill_holes_on_filter(self._gen)  # finishes move one KV row each (job/pool_kv.py)
+        in_place_pool(self._gen)  # finishes move one KV row each (job/pool_kv.py)
         self._waiting: deque[_Seq] = deque()
         self._reading: list[_Seq] = []  # prompts being read, in the order they started
         self._starting: list[_Seq] = []  # prompts read to their end: they start generating next step
@@ -357,7 +357,7 @@ class PoolEngine:
         tasks = self.cancel_unstarted() + [s.task for s in self._generating.values()]
         self._generating.clear()
         self._gen = GenerationBatch.empty(self.model, self._sampler)
-        fill_holes_on_filter(self._gen)
+        in_place_pool(self._gen)
         return tasks
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ timed in benches/results/throughput/NOTES.md.
 planned size) and spare columns: a sequence that is not longer than the
 batch's last column is written into a free row where it stands; a finish
 moves one row for each sequence that left (the last rows fill the holes:
-:func:`fill_holes_on_filter` has mlx-lm's ``GenerationBatch`` order its lists
+:func:`in_place_pool` has mlx-lm's ``GenerationBatch`` order its lists
 the same way); left padding that
 every row shares is dropped only once it reaches :data:`SHIFT_COLUMNS`. Only
 a joining sequence longer than the batch's last column, a full buffer, or a
@@ -92,9 +92,9 @@ class RoomyKVCache(BatchKVCache):
         from beyond the new size move, one for each row that left)."""
         keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
         moved = [(to, src) for to, src in enumerate(keep) if to != src]
-        # Each moved row gathered into a buffer of its own (a contiguous slice would share the
-        # cache's buffer, and a write into a buffer still shared copies all of it), read before
-        # the writes, which then update the cache's buffer in place.
+        # A write into a buffer that something else still references copies all of it: so
+        # each moved row is gathered into a buffer of its own (a contiguous row slice would
+        # share the cache's); the graphs that read the cache are gone (in_place_pool).
         rows = [(mx.take(self.keys, mx.array([s]), axis=0), mx.take(self.values, mx.array([s]), axis=0))
                 for _, s in moved]
         mx.eval(rows)
@@ -140,12 +140,24 @@ def tail_into_holes(keep: list[int]) -> list[int]:
     return order
 
 
-def fill_holes_on_filter(batch) -> None:
-    """Make a ``GenerationBatch`` filter its sequences in :func:`tail_into_holes`' order
-    (its lists and its caches alike), so that a :class:`RoomyKVCache` moves one row for
-    each sequence that finishes."""
+def in_place_pool(batch) -> None:
+    """Let a ``GenerationBatch``'s :class:`RoomyKVCache` layers change in place as its
+    sequences finish: its filter orders them as :func:`tail_into_holes` does (its lists
+    and caches alike: one row moved for each sequence that left), after evaluating the
+    next step that mlx-lm started ahead (its lazy graph reads the caches, and a write
+    into a buffer still read copies all of it); a finished sequence's cache is not
+    extracted into its response (mlx-lm copies it out, lazily, from the same buffer;
+    the pool engine never reads it)."""
     filter_ = batch.filter
-    batch.filter = lambda keep: filter_(tail_into_holes([int(i) for i in keep]))
+
+    def filter_in_place(keep):
+        pending = [a for a in (getattr(batch, "_next_tokens", None), *(getattr(batch, "_next_logprobs", None) or ()))
+                   if a is not None]
+        mx.eval(pending)
+        filter_(tail_into_holes([int(i) for i in keep]))
+
+    batch.filter = filter_in_place
+    batch.extract_cache = lambda idx: None
 
 
 def make_roomy(cache: list, rows: int) -> list:
