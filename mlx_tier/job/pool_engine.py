@@ -78,7 +78,7 @@ from mlx_tier.job.batch_engine import (
     check_add,
     start_of,
 )
-from mlx_tier.job.pool_kv import in_place_pool, make_roomy
+from mlx_tier.job.pool_kv import in_place_pool, make_roomy, settle
 from mlx_tier.job.quantized_kv import quantizing
 
 # Module batching on by default (module doc); benches/throughput.py turns it off to
@@ -298,6 +298,7 @@ class PoolEngine:
         step = Pass(self._gen.next) if decode and self._generating else None
         run_together(reads + starts + ([step] if step is not None else []))
         for s, started in zip(self._starting, starts):
+            settle(self._gen)  # a join writes into the pool's KV cache in place
             self._gen.extend(started.result)
             make_roomy(self._gen.prompt_cache, self.batch_size)  # later joins and finishes in place
             s.batch = None

@@ -151,13 +151,21 @@ def in_place_pool(batch) -> None:
     filter_ = batch.filter
 
     def filter_in_place(keep):
-        pending = [a for a in (getattr(batch, "_next_tokens", None), *(getattr(batch, "_next_logprobs", None) or ()))
-                   if a is not None]
-        mx.eval(pending)
+        settle(batch)
         filter_(tail_into_holes([int(i) for i in keep]))
 
     batch.filter = filter_in_place
     batch.extract_cache = lambda idx: None
+
+
+def settle(batch) -> None:
+    """Evaluate the step a ``GenerationBatch`` started ahead (its next tokens and
+    log-probabilities): until then its lazy graph reads the batch's caches, and a
+    :class:`RoomyKVCache` written meanwhile would be copied whole instead of in place.
+    Call before a sequence joins or leaves."""
+    pending = [a for a in (getattr(batch, "_next_tokens", None), *(getattr(batch, "_next_logprobs", None) or ()))
+               if a is not None]
+    mx.eval(pending)
 
 
 def make_roomy(cache: list, rows: int) -> list:
