@@ -7,25 +7,25 @@ last written column (left padding before it). A sequence joins a batch with
 ``extend`` pads and concatenates every row, ``filter`` gathers the rows kept.
 In the throughput schedule the decode pool holds many long sequences and
 sequences join and leave it every few steps, so each join and each finish
-copied the pool's whole KV cache, every layer: 76 s of a 215 s demo job
-(32 documents of 300-1,500 tokens, 32 sequences, ~2 GB of float32 KV),
-timed in benches/results/throughput/NOTES.md.
+copied the pool's whole KV cache, every layer (benches/kv_joins.py times
+them inside the demo job; benches/results/throughput/NOTES.md).
 
 :class:`RoomyKVCache` is ``BatchKVCache`` with spare rows (room for the pool's
 planned size) and spare columns: a sequence that is not longer than the
 batch's last column is written into a free row where it stands; a finish
 moves one row for each sequence that left (the last rows fill the holes:
-:func:`in_place_pool` has mlx-lm's ``GenerationBatch`` order its lists
-the same way); left padding that
-every row shares is dropped only once it reaches :data:`SHIFT_COLUMNS`. Only
-a joining sequence longer than the batch's last column, a full buffer, or a
-column shift copies the cache, once, into a larger buffer.
+:func:`in_place_pool` has mlx-lm's ``GenerationBatch`` order its lists the
+same way); left padding that every row shares is dropped only once it
+reaches :data:`SHIFT_COLUMNS`. Only a joining sequence longer than the
+batch's last column, a full buffer, or a column shift copies the cache, once,
+into a larger buffer.
 
 Numerics: a row's columns outside its sequence may hold an earlier
-sequence's finite values instead of zeros. The attention mask (from
-``left_padding``) gives them a weight of exactly 0, so every token is the
-same as with mlx-lm's cache (tests/job/test_pool_kv.py, and the pool
-engine's tokens against mlx-lm's, tests/job/test_pool_engine.py).
+sequence's finite values instead of zeros; the attention mask (from
+``left_padding``) gives them a weight of exactly 0, and the CPU attention
+skips them. Each sequence's keys, values, offset and mask are mlx-lm's
+(tests/job/test_pool_kv.py), and the pool engine's tokens equal mlx-lm's
+alone (tests/job/test_pool_engine.py).
 """
 
 from __future__ import annotations
