@@ -159,12 +159,13 @@ def achieved(scheduler: Scheduler, finished: int, seconds: float, reporter: Repo
 class LayerProgress:
     """Progress during a long prefill step: before MoE layers, at most every
     :data:`LAYER_PROGRESS_SECONDS`, the last step's activity is sent again with the
-    step's latest prompt shown as read up to the layers done (an estimate), and the
-    hit rate so far. The step's own prompts are shown, so the first step of a run and
+    step's latest prompt shown as read up to the layers done (an estimate), the
+    hit rate so far and whether a stop was asked. The step's own prompts are shown, so the first step of a run and
     a step that starts a new prompt show what they read."""
 
-    def __init__(self, reporter: Reporter, progress, layers: int, hit_rate=lambda: 0.0):
+    def __init__(self, reporter: Reporter, progress, layers: int, hit_rate=lambda: 0.0, stopping=lambda: False):
         self.reporter, self.progress, self.layers, self.hit_rate = reporter, progress, max(1, layers), hit_rate
+        self.stopping = stopping
         self.last = Activity([], None, [], 0.0, 0.0, 0.0)
         self.sent = time.monotonic()
 
@@ -179,8 +180,8 @@ class LayerProgress:
             return
         self.sent = now
         doc, before, chunk, total = reading[-1]
-        in_flight = self.last.in_flight + [d for d, *_ in reading if d not in self.last.in_flight]
-        activity = replace(self.last, in_flight=in_flight, hit_rate=self.hit_rate(),
+        in_flight = list(dict.fromkeys(self.last.in_flight + [d for d, *_ in reading]))  # a document's parts: once
+        activity = replace(self.last, in_flight=in_flight, hit_rate=self.hit_rate(), stopping=self.stopping(),
                            reading=(doc, min(total, before + chunk * layer // self.layers), total))
         self.reporter.working(activity)
         self.progress.update(activity)

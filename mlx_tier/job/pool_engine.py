@@ -161,8 +161,8 @@ class PoolEngine:
         self.repetition_penalty, self.prefix, self.kv_bits = repetition_penalty, prefix, kv_bits
         self.merge = MODULE_BATCHING if merge is None else merge
         self.pacer = None if layer_seconds is None else PrefillPacer(
-            pool_tokens, layer_seconds * max(1, len(getattr(model, "layers", ()))), min_tokens=16,
-            first_tokens=FIRST_POOL_TOKENS)
+            pool_tokens, layer_seconds * _layers(model), min_tokens=16, first_tokens=FIRST_POOL_TOKENS)
+        self._asked = pool_tokens  # prompt tokens the last prefill step was given room for
         self._stops = StopSequences([[t] for t in sorted(stop_ids)])
         self._sampler = greedy_sampler
         self._gen = GenerationBatch.empty(model, greedy_sampler)
@@ -241,7 +241,8 @@ class PoolEngine:
         """This step's prompt chunks: the prompts being read, in the order they started, then
         waiting ones (started here while fewer than ``prefill_batch`` are read), each as
         many tokens as the pool has left."""
-        left, chunks = self.pool_tokens if self.pacer is None else self.pacer.size(), []
+        left = self._asked = self.pool_tokens if self.pacer is None else self.pacer.size()
+        chunks = []
         for s in self._reading:
             if left > 0 and s.rest:
                 chunks.append((s, s.rest[:left]))
@@ -266,8 +267,10 @@ class PoolEngine:
         finally:
             self.reading_now = []
         if done:
-            if self.pacer is not None:
-                self.pacer.observe(sum(len(c) for _, c in chunks), time.perf_counter() - t0)
+            if self.pacer is not None and sum(len(c) for _, c in chunks) == self._asked:
+                # only full steps: one cut short by the prompts left (a prompt's tail) would
+                # hold the next ones to twice its size
+                self.pacer.observe(self._asked, time.perf_counter() - t0)
             for s, chunk in chunks:
                 del s.rest[: len(chunk)]
                 s.read += len(chunk)
@@ -372,6 +375,20 @@ def _split_time(info: StepInfo, seconds: float) -> None:
     done = info.prefill_tokens + info.generated
     info.prefill_seconds = seconds * info.prefill_tokens / done if done else seconds
     info.decode_seconds = seconds - info.prefill_seconds
+
+
+def _layers(model) -> int:
+    """Decoder layers of ``model`` (an mlx-lm model, or one from :func:`mlx_tier.load`).
+
+    Raises:
+        ValueError: neither ``layers`` nor an expert cache to count them by.
+    """
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        layers = getattr(getattr(model, "expert_cache", None), "layers", None)
+    if not layers:
+        raise ValueError("the model has no `layers` to pace prompt pools by (pass layer_seconds=None)")
+    return len(layers)
 
 
 class _LayerStop:

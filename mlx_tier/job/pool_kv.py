@@ -20,10 +20,10 @@ reaches :data:`SHIFT_COLUMNS`. Only a joining sequence longer than the
 batch's last column, a full buffer, or a column shift copies the cache, once,
 into a larger buffer.
 
-Numerics: a row's columns outside its sequence may hold an earlier
-sequence's finite values instead of zeros; the attention mask (from
-``left_padding``) gives them a weight of exactly 0, and the CPU attention
-skips them. Each sequence's keys, values, offset and mask are mlx-lm's
+Numerics: a row's padding is zeros, as in mlx-lm's cache; its columns
+after the batch's last one may hold an earlier sequence's values until a
+decode step writes them (nothing reads them before). Each sequence's keys,
+values, offset and mask are mlx-lm's
 (tests/job/test_pool_kv.py), and the pool engine's tokens equal mlx-lm's
 alone (tests/job/test_pool_engine.py).
 """
@@ -122,6 +122,9 @@ class RoomyKVCache(BatchKVCache):
         n = self.batch
         self.keys[n:n + b, :, left:self._idx, :] = other.keys[..., :oi, :]
         self.values[n:n + b, :, left:self._idx, :] = other.values[..., :oi, :]
+        if left:  # a reused row's padding: zeros, as mlx-lm's (an earlier sequence's inf or nan, times 0, is nan)
+            self.keys[n:n + b, :, :left, :] = 0
+            self.values[n:n + b, :, :left, :] = 0
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.concatenate([self.left_padding, other.left_padding + left])
         self.batch = n + b
@@ -154,6 +157,9 @@ def in_place_pool(batch) -> None:
         settle(batch)
         filter_(tail_into_holes([int(i) for i in keep]))
 
+    missing = [a for a in ("_next_tokens", "_next_logprobs", "filter", "extract_cache") if not hasattr(batch, a)]
+    if missing:  # a newer mlx-lm: settle() would do nothing, and the pool be copied at every finish
+        raise TypeError(f"mlx-lm's GenerationBatch has no {', '.join(missing)}: pool_kv needs updating")
     batch.filter = filter_in_place
     batch.extract_cache = lambda idx: None
 

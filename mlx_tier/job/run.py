@@ -213,7 +213,8 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
     p.report.setup["generation"] = scheduler.info
     announce(scheduler, reporter)
     rate, prompt_rate = Rate(), Rate()
-    layers = LayerProgress(reporter, progress, len(loaded.cache.layers), lambda: loaded.cache.stats.hit_rate)
+    layers = LayerProgress(reporter, progress, len(loaded.cache.layers), lambda: loaded.cache.stats.hit_rate,
+                           stopping)
     generated = [0]  # tokens generated this run, for the samples the watch page plots
     earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
                if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]

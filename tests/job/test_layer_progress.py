@@ -60,3 +60,14 @@ def test_at_most_one_update_every_few_seconds_and_none_for_decode_steps():
     assert seen.sent == []
     layers.layer(1, [("a", 0, 100, 100)])
     assert len(seen.sent) == 1
+
+
+def test_a_stop_asked_during_the_step_shows_and_a_documents_parts_count_once(monkeypatch):
+    monkeypatch.setattr(activity, "LAYER_PROGRESS_SECONDS", 0.0)
+    seen, asked = Seen(), [False]
+    layers = LayerProgress(seen, Progress(), 4, stopping=lambda: asked[0])
+    layers.step_done(Activity(["long"], None, [], 0.0, 0.0, 0.0))
+    layers.layer(1, [("long", 0, 300, 300), ("long", 0, 200, 200)])  # two parts of one document
+    asked[0] = True
+    layers.layer(2, [("long", 0, 300, 300), ("long", 0, 200, 200)])
+    assert seen.sent[0].in_flight == ["long"] and not seen.sent[0].stopping and seen.sent[1].stopping

@@ -74,7 +74,8 @@ def test_pool_equals_alone(tiered, tiny_moe, prompts_and_refs, batch, prefill_ba
     model, tokenizer = tiered
     prompts, refs = prompts_and_refs
     engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=batch,
-                        prefill_batch=prefill_batch, pool_tokens=pool_tokens, merge=merge)
+                        prefill_batch=prefill_batch, pool_tokens=pool_tokens, merge=merge,
+                        layer_seconds=None)  # the pools as given (4096: every prompt in one step)
     got = run_pool(engine, prompts)
     assert [g.tokens for g in got] == refs
     assert [g.text for g in got] == [tokenizer.decode(r) for r in refs]
@@ -303,4 +304,22 @@ def test_a_model_slower_than_planned_gets_prefill_steps_of_about_layer_seconds(t
                         pool_tokens=2048, layer_seconds=0.1)
     steps = _prefill_steps(engine, _long_prompt(tokenizer))
     assert steps[0] == 256 and len(steps) >= 5
-    assert all(50 <= n <= 130 for n in steps[1:-1]), steps
+    assert all(20 <= n <= 130 for n in steps[1:-1]), steps  # ~90 here; less on a loaded machine
+
+
+def test_a_prompts_short_tail_does_not_shrink_the_next_steps(tiered, tiny_moe):
+    """One prompt at a time: the first ends in a short step (its tail), the next prompt's
+    first step is still twice the last full one, not twice the tail."""
+    model, tokenizer = tiered
+    short, long = _long_prompt(tokenizer, 240), _long_prompt(tokenizer, 2400)
+    assert 256 < len(short) < 512
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=2, prefill_batch=1,
+                        pool_tokens=1024, layer_seconds=60.0, merge=False)
+    engine.add(Task(0, short, 2))
+    engine.add(Task(1, long, 2))
+    steps = []
+    while engine.active:
+        info = engine.step()
+        if info.prefill_tokens:
+            steps.append(info.prefill_tokens)
+    assert steps[:3] == [256, len(short) - 1 - 256, 512], steps

@@ -41,6 +41,9 @@ def attended(c: BatchKVCache) -> list[int]:
 
 
 def same(ref: BatchKVCache, ours: BatchKVCache) -> None:
+    assert ours.keys_and_values()[0].shape[0] == ours.batch == ours.offset.shape[0]  # no spare row leaks out
+    mask = ours.make_mask(1, return_array=True)
+    assert mask is None or mask.shape[0] == ours.batch
     a, b = spans(ref), spans(ours)
     assert len(a) == len(b) and ours.batch == len(b)
     for (ka, va, oa), (kb, vb, ob) in zip(a, b):
@@ -108,3 +111,29 @@ def test_a_finish_moves_one_row_for_each_sequence_that_left(monkeypatch):
     monkeypatch.setattr(pool_kv.mx, "take", lambda a, i, axis: copied.append(i.size) or real(a, i, axis=axis))
     big.filter(tail_into_holes([0, 2, 3, 5]))  # rows 1 and 4 left: row 5 fills 1, row 4 is beyond
     assert copied == [1, 1] and big.batch == 4  # keys and values of one row
+
+
+def test_a_reused_rows_padding_is_zeros_as_mlx_lm_s():
+    """A sequence that holds inf leaves; the row it held is reused by a shorter one, whose
+    padding must not carry the inf (times a weight of 0 it would be nan)."""
+    c = make_roomy([sequence(20)], rows=4)[0]
+    bad = KVCache()
+    bad.update_and_fetch(mx.full((1, H, 20, D), mx.inf), mx.full((1, H, 20, D), mx.inf))
+    c.extend(BatchKVCache.merge([bad]))
+    c.filter([0])
+    c.extend(sequence(5))
+    k, v = (np.array(a) for a in c.keys_and_values())
+    assert np.isfinite(k).all() and np.isfinite(v).all() and (k[1, :, :15] == 0).all()
+
+
+def test_mlx_lm_still_has_what_the_pool_needs():
+    """in_place_pool reads a GenerationBatch's pending step (private attributes): a newer
+    mlx-lm without them fails here, not silently copying the pool at every finish."""
+    from mlx_lm.generate import GenerationBatch
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from mlx_tier.job.pool_kv import in_place_pool
+
+    batch = GenerationBatch.empty(None, greedy_sampler)
+    in_place_pool(batch)
+    assert batch.extract_cache(0) is None

@@ -119,7 +119,7 @@ def test_pool_with_quantized_kv_equals_mlx_lm_quantized_alone(moe_head_dim_64, k
     stops = stop_token_ids(tokenizer, tiny_moe)
     for batch, prefill_batch, pool_tokens in [(5, 5, 4096), (2, 2, 16), (5, 3, 7)]:
         engine = PoolEngine(model, tokenizer, stops, batch_size=batch, prefill_batch=prefill_batch,
-                            pool_tokens=pool_tokens, kv_bits=bits)
+                            pool_tokens=pool_tokens, kv_bits=bits, layer_seconds=None)  # pools as given
         assert run_pool(engine, prompts) == refs, (batch, prefill_batch, pool_tokens)
     prefix = PrefixCache(model, prompts[0][: common_prefix(prompts)])
     refs = [quantized_alone(model, tokenizer, p, bits, prefix) for p in prompts]
