@@ -258,8 +258,10 @@ def _long_prompt(tokenizer, words: int = 1200):
     return build_prompt(tokenizer, "Summarise this.", text)
 
 
-def _prefill_steps(engine, prompt) -> list[int]:
-    engine.add(Task(0, prompt, 2))
+def _prefill_steps(engine, *prompts) -> list[int]:
+    """Prompt tokens of each prefill step while ``prompts`` are read and 2 tokens written."""
+    for i, prompt in enumerate(prompts):
+        engine.add(Task(i, prompt, 2))
     steps = []
     while engine.active:
         info = engine.step()
@@ -315,11 +317,5 @@ def test_a_prompts_short_tail_does_not_shrink_the_next_steps(tiered, tiny_moe):
     assert 256 < len(short) < 512
     engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=2, prefill_batch=1,
                         pool_tokens=1024, layer_seconds=60.0, merge=False)
-    engine.add(Task(0, short, 2))
-    engine.add(Task(1, long, 2))
-    steps = []
-    while engine.active:
-        info = engine.step()
-        if info.prefill_tokens:
-            steps.append(info.prefill_tokens)
+    steps = _prefill_steps(engine, short, long)
     assert steps[:3] == [256, len(short) - 1 - 256, 512], steps
