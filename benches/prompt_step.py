@@ -127,7 +127,7 @@ def single_call(model, tokens: int, prompts: int) -> float:
     return (time.perf_counter() - t) / (x.size)
 
 
-def engine_prompts(tokenizer, model_dir: Path, n: int, lo: int, hi: int) -> list[list[int]]:
+def engine_prompts(tokenizer, n: int, lo: int, hi: int) -> list[list[int]]:
     """The job's prompts (its instruction, the shared prefix) for throughput.py's documents."""
     import sys
 
@@ -165,7 +165,7 @@ def engine_steps(model, tokenizer, model_dir: Path, prompts: list[list[int]], to
 
 
 def compare_engine(model, tokenizer, a) -> None:
-    prompts = engine_prompts(tokenizer, a.model, a.engine, a.min_tokens, a.max_tokens)
+    prompts = engine_prompts(tokenizer, a.engine, a.min_tokens, a.max_tokens)
     print(f"\n{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
     print(f"{'pool':>5} {'round':>5} {'single call':>12} {'engine':>8} {'steps':>6} {'ratio':>6}   ms per prompt token")
     for tokens in (int(t) for t in a.pools.split(",")):

@@ -160,8 +160,9 @@ class LayerProgress:
     """Progress during a long prefill step: before MoE layers, at most every
     :data:`LAYER_PROGRESS_SECONDS`, the last step's activity is sent again with the
     step's latest prompt shown as read up to the layers done (an estimate), the
-    hit rate so far and whether a stop was asked. The step's own prompts are shown, so the first step of a run and
-    a step that starts a new prompt show what they read."""
+    hit rate so far and whether a stop was asked. The step's own prompts are
+    shown, so the first step of a run and a step that starts a new prompt show
+    what they read."""
 
     def __init__(self, reporter: Reporter, progress, layers: int, hit_rate=lambda: 0.0, stopping=lambda: False):
         self.reporter, self.progress, self.layers, self.hit_rate = reporter, progress, max(1, layers), hit_rate

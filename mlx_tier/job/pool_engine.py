@@ -267,14 +267,14 @@ class PoolEngine:
         finally:
             self.reading_now = []
         if done:
-            if self.pacer is not None and sum(len(c) for _, c in chunks) == self._asked:
+            info.prefill_tokens = sum(len(c) for _, c in chunks)
+            if self.pacer is not None and info.prefill_tokens == self._asked:
                 # only full steps: one cut short by the prompts left (a prompt's tail) would
                 # hold the next ones to twice its size
                 self.pacer.observe(self._asked, time.perf_counter() - t0)
             for s, chunk in chunks:
                 del s.rest[: len(chunk)]
                 s.read += len(chunk)
-            info.prefill_tokens = sum(len(c) for _, c in chunks)
             info.prefill = [(s.task.key, s.read, len(s.task.prompt) - s.prefix_tokens) for s in self._reading]
             self._starting += [s for s in self._reading if not s.rest]
             self._reading = [s for s in self._reading if s.rest]
