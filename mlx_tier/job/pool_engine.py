@@ -303,7 +303,7 @@ class PoolEngine:
         for s, started in zip(self._starting, starts):
             settle(self._gen)  # a join writes into the pool's KV cache in place
             self._gen.extend(started.result)
-            make_roomy(self._gen.prompt_cache, self.batch_size)  # later joins and finishes in place
+            make_roomy(self._gen.prompt_cache, self.batch_size, self._longest())  # later joins and finishes in place
             s.batch = None
             self._generating[s.uid] = s
         self._starting = []
@@ -317,6 +317,12 @@ class PoolEngine:
             for layer in getattr(getattr(self.model, "expert_cache", None), "layers", []):
                 layer.discard_pending()
         return False
+
+    def _longest(self) -> int:
+        """Tokens the longest sequence in the engine may reach (its prompt and ``max_tokens``):
+        the decode pool's KV cache makes room for it once (job/pool_kv.py)."""
+        seqs = [*self._waiting, *self._reading, *self._starting, *self._generating.values()]
+        return max((len(s.task.prompt) + s.task.max_tokens for s in seqs), default=0)
 
     def _drop_reading(self) -> None:
         """Abandon the prompts being read (an interrupt): their tasks go to :meth:`take_interrupted`."""

@@ -11,14 +11,19 @@ copied the pool's whole KV cache, every layer (benches/kv_joins.py times
 them inside the demo job; benches/results/throughput/NOTES.md).
 
 :class:`RoomyKVCache` is ``BatchKVCache`` with spare rows (room for the pool's
-planned size) and spare columns: a sequence that is not longer than the
-batch's last column is written into a free row where it stands; a finish
-moves one row for each sequence that left (the last rows fill the holes:
-:func:`in_place_pool` has mlx-lm's ``GenerationBatch`` order its lists the
-same way); left padding that every row shares is dropped only once it
-reaches :data:`SHIFT_COLUMNS`. Only a joining sequence longer than the
-batch's last column, a full buffer, or a column shift copies the cache, once,
-into a larger buffer.
+planned size) and spare columns (room for the longest sequence the pool
+engine holds, and :data:`SHIFT_COLUMNS` more): a sequence that is not longer
+than the batch's last column is written into a free row where it stands; a
+finish moves one row for each sequence that left (the last rows fill the
+holes: :func:`in_place_pool` has mlx-lm's ``GenerationBatch`` order its
+lists the same way); left padding that every row shares is dropped only once
+it reaches :data:`SHIFT_COLUMNS`. A joining sequence longer than the batch's
+last column, and a drop of the shared padding, move the live columns within
+the buffer, a row at a time through a copy of the row. Only a pool that
+outgrows its room is copied into a larger buffer. Fresh memory is dear: a
+pool grown as its sequences come allocates its whole size again at each
+growth, and on a VM each first touch of a page can cost tens of
+microseconds (benches/results/throughput/NOTES.md).
 
 Numerics: a row's padding is zeros, as in mlx-lm's cache; its columns
 after the batch's last one may hold an earlier sequence's values until a
@@ -33,8 +38,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-# Left padding every row of a pool shares, in columns, before it is dropped (a copy of
-# the cache): without dropping it the columns would grow with every decode step of a
+# Left padding every row of a pool shares, in columns, before it is dropped (a move of
+# the live rows): without dropping it the columns would grow with every decode step of a
 # long job; dropping it at each finish, as mlx-lm does, copies the cache each time.
 SHIFT_COLUMNS = 256
 
@@ -46,14 +51,20 @@ class RoomyKVCache(BatchKVCache):
 
     rows: int  # rows to make room for when the buffer grows (the pool's planned size)
     batch: int  # live rows
+    longest: int = 0  # tokens of the longest sequence to make room for when the buffer grows
 
     def _grow(self, rows: int, columns: int, shift: int = 0) -> None:
-        """A larger buffer: at least ``rows`` rows and ``columns`` columns (rounded up to
-        ``step``), the live rows copied ``shift`` columns to the right."""
+        """Room for ``rows`` rows and ``columns`` columns, the live rows moved ``shift``
+        columns to the right: in place when the buffer has the room, else in a larger
+        buffer (room for :attr:`rows` rows of :attr:`longest` tokens and
+        :data:`SHIFT_COLUMNS`, at least; columns rounded up to ``step``)."""
         B, H, L, D = self.keys.shape
         M = self.values.shape[3]
+        if rows <= B and columns <= L:
+            self._move(shift)
+            return
         rows = max(rows, self.rows, B)
-        columns = max(L, -(-columns // self.step) * self.step)
+        columns = max(L, -(-max(columns, self.longest + SHIFT_COLUMNS) // self.step) * self.step)
         keys = mx.zeros((rows, H, columns, D), self.keys.dtype)
         values = mx.zeros((rows, H, columns, M), self.values.dtype)
         n, idx = self.batch, self._idx
@@ -63,6 +74,30 @@ class RoomyKVCache(BatchKVCache):
         if shift:
             self.left_padding = self.left_padding + shift
             self._idx += shift
+
+    def _move(self, shift: int) -> None:
+        """Move the live rows' columns ``shift`` to the right (``< 0``: to the left, dropping
+        that much shared padding) within the buffer; columns left behind on the left are
+        zeros (padding). A row at a time goes through a copy of its own (a write from a slice
+        of the same buffer would copy the whole buffer; a copy of all rows at once, fresh
+        memory each layer where MLX's buffer cache is smaller than it)."""
+        if shift == 0:
+            return
+        n, idx = self.batch, self._idx
+        first = max(0, -shift)  # the first column kept
+        columns, to = mx.arange(first, idx), first + shift
+        for r in range(n):
+            k, v = (mx.take(a[r:r + 1], columns, axis=2) for a in (self.keys, self.values))
+            mx.eval(k, v)
+            self.keys[r:r + 1, :, to:to + idx - first, :] = k
+            self.values[r:r + 1, :, to:to + idx - first, :] = v
+            del k, v
+            mx.eval(self.keys, self.values)
+        if shift > 0:
+            self.keys[:n, :, :shift, :] = 0
+            self.values[:n, :, :shift, :] = 0
+        self.left_padding = self.left_padding + shift
+        self._idx += shift
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n, prev = keys.shape[2], self._idx
@@ -94,20 +129,20 @@ class RoomyKVCache(BatchKVCache):
         moved = [(to, src) for to, src in enumerate(keep) if to != src]
         # A write into a buffer that something else still references copies all of it: so
         # each moved row is gathered into a buffer of its own (a contiguous row slice would
-        # share the cache's); the graphs that read the cache are gone (in_place_pool).
-        rows = [(mx.take(self.keys, mx.array([s]), axis=0), mx.take(self.values, mx.array([s]), axis=0))
-                for _, s in moved]
+        # share the cache's); the graphs that read the cache are gone (in_place_pool). Only the
+        # live columns: those after them are not read before a decode step writes them.
+        idx = self._idx
+        rows = [(mx.take(self.keys[..., :idx, :], mx.array([s]), axis=0),
+                 mx.take(self.values[..., :idx, :], mx.array([s]), axis=0)) for _, s in moved]
         mx.eval(rows)
         for (to, _), (k, v) in zip(moved, rows):
-            self.keys[to:to + 1] = k
-            self.values[to:to + 1] = v
+            self.keys[to:to + 1, :, :idx, :] = k
+            self.values[to:to + 1, :, :idx, :] = v
         index = mx.array(keep, dtype=mx.int32)
         self.offset, self.left_padding, self.batch = self.offset[index], self.left_padding[index], len(keep)
         shared = min(self.left_padding.tolist()) if keep else 0
         if shared >= SHIFT_COLUMNS:
-            self.keys = mx.contiguous(self.keys[:, :, shared:, :])
-            self.values = mx.contiguous(self.values[:, :, shared:, :])
-            self._idx, self.left_padding = self._idx - shared, self.left_padding - shared
+            self._move(-shared)
 
     def extend(self, other: BatchKVCache) -> None:
         """Add ``other``'s rows after this batch's, right-justified at the last column:
@@ -174,13 +209,16 @@ def settle(batch) -> None:
     mx.eval(pending)
 
 
-def make_roomy(cache: list, rows: int) -> list:
+def make_roomy(cache: list, rows: int, longest: int = 0) -> list:
     """Turn the plain ``BatchKVCache`` layers of a decode pool's ``cache`` (a
     ``GenerationBatch.prompt_cache``) into :class:`RoomyKVCache` in place, with room
-    for ``rows`` sequences when they next grow; other cache kinds (quantized,
+    for ``rows`` sequences of up to ``longest`` tokens when they next grow (its
+    :class:`RoomyKVCache` layers get the new sizes); other cache kinds (quantized,
     rotating) are left as they are. Returns ``cache``."""
     for c in cache:
         if type(c) is BatchKVCache and c.keys is not None:
             c.__class__ = RoomyKVCache
-            c.rows, c.batch = rows, int(c.keys.shape[0])
+            c.batch = int(c.keys.shape[0])
+        if type(c) is RoomyKVCache:
+            c.rows, c.longest = rows, longest
     return cache

@@ -319,3 +319,29 @@ def test_a_prompts_short_tail_does_not_shrink_the_next_steps(tiered, tiny_moe):
                         pool_tokens=1024, layer_seconds=60.0, merge=False)
     steps = _prefill_steps(engine, short, long)
     assert steps[:3] == [256, len(short) - 1 - 256, 512], steps
+
+
+def test_the_decode_pool_makes_room_once_for_the_longest_sequence_it_holds(tiered, tiny_moe, prompts_and_refs):
+    """The pool's KV cache is told the engine's longest sequence (prompt and max_tokens, of
+    every task it holds: waiting ones too) and its planned rows, so it grows once."""
+    from mlx_tier.job.pool_kv import RoomyKVCache
+
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=5,
+                        prefill_batch=1, pool_tokens=4096, layer_seconds=None)
+    lengths = [N - 2 * i for i in range(5)]
+    for i, p in enumerate(prompts):
+        engine.add(Task(i, p, lengths[i]))
+    while len(engine._generating) < 2:
+        engine.step()
+    layers = [c for c in engine._gen.prompt_cache if isinstance(c, RoomyKVCache)]
+    assert layers and all(c.rows == 5 for c in layers)
+    assert {c.longest for c in layers} == {max(len(p) + n for p, n in zip(prompts, lengths))}
+    assert all(c.keys.shape[2] >= c.longest for c in layers)  # grown once, to the longest
+    shapes = {c.keys.shape for c in layers}
+    results = {}
+    while engine.active:
+        results.update((f.key, f) for f in engine.step().finished)
+    assert {c.keys.shape for c in engine._gen.prompt_cache if isinstance(c, RoomyKVCache)} <= shapes | {None}
+    assert [results[i].tokens for i in range(5)] == [r[:n] for r, n in zip(refs, lengths)]

@@ -137,3 +137,57 @@ def test_mlx_lm_still_has_what_the_pool_needs():
     batch = GenerationBatch.empty(None, greedy_sampler)
     in_place_pool(batch)
     assert batch.extract_cache(0) is None
+
+
+def held_peak(fn) -> int:
+    """Bytes MLX allocated beyond what it held before ``fn()``, at the peak."""
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    fn()
+    mx.synchronize()
+    return mx.get_peak_memory() - before
+
+
+def test_the_pool_is_allocated_once_with_room_for_the_longest_sequence_expected():
+    """Room for 8 rows of up to 300 tokens from the first growth: later joins (longer than
+    the batch too), decode steps and drops of the shared padding stay in that buffer, each
+    through a copy of the live part only."""
+    c = make_roomy([sequence(40)], rows=8, longest=300)[0]
+    c.extend(sequence(3))  # grows once
+    mx.eval(c.keys, c.values)
+    shape = c.keys.shape
+    assert shape[0] == 8 and shape[2] >= 300 + pool_kv.SHIFT_COLUMNS
+    whole = c.keys.nbytes + c.values.nbytes
+    assert held_peak(lambda: c.extend(sequence(120))) < whole / 4  # longer: the rows move right in place
+    assert c._idx == 120 and c.left_padding.tolist() == [80, 117, 0]
+    for n in (7, 119, 60):
+        c.extend(sequence(n))
+    for _ in range(150):  # decode steps, each evaluated as the pool's are
+        mx.eval(c.update_and_fetch(mx.zeros((c.batch, H, 1, D)), mx.zeros((c.batch, H, 1, D))))
+    assert held_peak(lambda: c.filter([3, 5])) < whole / 4  # the shared padding (60) is kept: below 256
+    assert c._idx == 270 and c.left_padding.tolist() == [113, 60]
+    c.update_and_fetch(mx.zeros((2, H, 1, D)), mx.zeros((2, H, 1, D)))
+    assert c.keys.shape == shape
+
+
+def test_a_drop_of_the_shared_padding_moves_the_rows_left_in_place(monkeypatch):
+    monkeypatch.setattr(pool_kv, "SHIFT_COLUMNS", 16)
+    ref = sequence(100)
+    c = make_roomy([copy.deepcopy(ref)], rows=4, longest=600)[0]
+    for n in (10, 30):
+        s = sequence(n)
+        ref.extend(copy.deepcopy(s))
+        c.extend(s)
+    mx.eval(c.keys, c.values)
+    shape = c.keys.shape
+    whole = c.keys.nbytes + c.values.nbytes
+    ref.filter([1, 2])
+    assert held_peak(lambda: c.filter([1, 2])) < whole / 4
+    assert c._idx == 30 and c.left_padding.tolist() == [20, 0] and c.keys.shape == shape
+    same(ref, c)
+    s = sequence(50)  # longer again: moved right, in place
+    ref.extend(copy.deepcopy(s))
+    c.extend(s)
+    same(ref, c)
+    assert c.keys.shape == shape
