@@ -132,6 +132,7 @@ def sdpa(q: mx.array, k, v, scale: float, mask=None, group_size: int | None = No
     m = _mask_array(mask, B, H, Lq, Lk)
     spans = _key_spans(m, B, Lk)
     blocks = _block_spans(m, B, Lq, Lk, spans) if Lq > 1 else None
+    masked = _masked_from(m, B, Lq, blocks)
     out = np.empty((B, Hk, G, Lq, D), np.float32)
     s = np.float32(scale)
 
@@ -144,7 +145,12 @@ def sdpa(q: mx.array, k, v, scale: float, mask=None, group_size: int | None = No
                 r1 = min(Lq, r0 + QUERY_BLOCK)
                 c0, c1 = blocks[b][i] if blocks is not None else (k0, k1)  # the keys the block attends
                 scores = (qs[b, h, :, r0:r1] * s) @ kb[c0 - k0:c1 - k0].T  # [G, r, c1 - c0]
-                if m is not None:
+                if masked is not None:  # a boolean mask, only on the keys some query leaves out
+                    f = masked[b][i]
+                    if f < c1:
+                        mb = _block_mask(m, b, h, G, r0, r1)[..., f:c1]
+                        np.copyto(scores[..., f - c0:], -np.inf, where=~mb)
+                elif m is not None:
                     mb = _block_mask(m, b, h, G, r0, r1)
                     mb = mb[..., c0:c1] if mb.shape[-1] > 1 else mb
                     scores = np.where(mb, scores, -np.inf) if mb.dtype == np.bool_ else scores + mb
@@ -163,7 +169,10 @@ def sdpa(q: mx.array, k, v, scale: float, mask=None, group_size: int | None = No
                     mb = mb.reshape(Hk, G, 1, -1)
                 if mb.shape[-1] > 1:
                     mb = mb[..., k0:k1]
-                scores = np.where(mb, scores, -np.inf) if mb.dtype == np.bool_ else scores + mb
+                if mb.dtype != np.bool_:
+                    scores = scores + mb
+                elif not mb.all():  # a sequence's span attended throughout (its left padding): no mask
+                    scores = np.where(mb, scores, -np.inf)
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
             scores /= scores.sum(axis=-1, keepdims=True)
@@ -218,6 +227,29 @@ def _block_spans(m: np.ndarray | None, B: int, Lq: int, Lk: int,
         for r0 in range(0, Lq, QUERY_BLOCK):
             cols = np.flatnonzero(attend[r0:r0 + QUERY_BLOCK].any(axis=0))
             row.append((max(k0, int(cols[0])), min(k1, int(cols[-1]) + 1)) if cols.size else (k0, k1))
+        out.append(row)
+    return out
+
+
+def _masked_from(m: np.ndarray | None, B: int, Lq: int,
+                 blocks: list[list[tuple[int, int]]] | None) -> list[list[int]] | None:
+    """Per sequence and block of :data:`QUERY_BLOCK` queries (spans from :func:`_block_spans`),
+    the first key of the block's span that some query or head of the block does not attend:
+    before it the mask changes no score, so it is applied from there on only (a causal
+    chunk over a cache: the last ~``QUERY_BLOCK`` keys of each block, instead of all of
+    them). ``None`` for other than a boolean mask over the keys."""
+    if m is None or blocks is None or m.dtype != np.bool_ or m.shape[-1] == 1:
+        return None
+    out = []
+    for b in range(B):
+        mb = m if m.ndim == 2 else m[b if m.shape[0] > 1 else 0]  # [(H or 1,) Lq or 1, Lk]
+        every = mb.reshape(-1, *mb.shape[-2:]).all(axis=0)  # attended by every head
+        if every.shape[0] == 1:  # one row for every query
+            every = np.broadcast_to(every, (Lq, every.shape[-1]))
+        row = []
+        for (c0, c1), r0 in zip(blocks[b], range(0, Lq, QUERY_BLOCK)):
+            left_out = np.flatnonzero(~every[r0:r0 + QUERY_BLOCK, c0:c1].all(axis=0))
+            row.append(c0 + int(left_out[0]) if left_out.size else c1)
         out.append(row)
     return out
 

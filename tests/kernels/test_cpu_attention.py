@@ -64,17 +64,20 @@ def test_sdpa_matches_mlx(B, H, Hk, Lq, Lk, D, mask):
     assert close(ref, got) <= BOUND
 
 
-@pytest.mark.parametrize("additive", [False, True])
-def test_a_decode_pool_matches_mlx(additive):
+@pytest.mark.parametrize("kind", ["bool", "additive", "holes"])
+def test_a_decode_pool_matches_mlx(kind):
     """A decode pool (one query a sequence, more sequences than the kernel's threads):
-    each sequence's heads in one batched product, its left padding left out."""
+    each sequence's heads in one batched product, its left padding left out; a mask with
+    keys left out inside a sequence's span (holes) is applied there."""
     from mlx_tier.kernels import cpu
 
     B = 2 * cpu.THREADS + 1
     q, k, v = qkv(B, 9, 3, 1, 50, 16, seed=4)
     mask = create_causal_mask(1, offset=49, left_padding=mx.array([(7 * b) % 50 for b in range(B)]))
-    if additive:
+    if kind == "additive":
         mask = mx.where(mask, mx.random.normal(mask.shape), -mx.inf)
+    elif kind == "holes":
+        mask = mask & (mx.arange(50) % 5 != 3)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     got = cpu_attention.sdpa(q, k, v, 0.25, mask)
     assert got.shape == ref.shape and close(ref, got) <= BOUND
@@ -151,6 +154,25 @@ def test_a_query_block_leaves_out_the_keys_none_of_its_queries_attends():
     none[..., 300:, :] = True  # the first block's queries attend to nothing
     assert cpu_attention._block_spans(none, 1, 600, 900, [(0, 900)])[0][0] == (0, 900)
     assert cpu_attention._block_spans(None, 1, 600, 900, [(0, 900)]) is None
+
+
+def test_a_boolean_mask_is_applied_only_from_the_first_key_a_block_leaves_out():
+    """A causal chunk of 600 queries over 900 keys: block i's queries all attend keys up to
+    300 + 256 i, so its scores are masked from the next key on only; a head that leaves
+    out key 5 makes every block mask from there; an additive mask is added everywhere."""
+    import numpy as np
+
+    causal = cpu_attention._mask_array("causal", 1, 4, 600, 900)
+    blocks = cpu_attention._block_spans(causal, 1, 600, 900, [(0, 900)])
+    assert cpu_attention._masked_from(causal, 1, 600, blocks) == [[301, 557, 813]]
+    per_head = np.broadcast_to(causal, (1, 4, 600, 900)).copy()
+    per_head[0, 2, :, 5] = False
+    assert cpu_attention._masked_from(per_head, 1, 600, blocks) == [[5, 5, 5]]
+    assert cpu_attention._masked_from(causal.astype(np.float32), 1, 600, blocks) is None
+    q, k, v = qkv(1, 4, 2, 600, 900, 8, seed=3)
+    mask = mx.array(per_head)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=8**-0.5, mask=mask)
+    assert close(ref, cpu_attention.sdpa(q, k, v, 8**-0.5, mask)) <= BOUND
 
 
 def test_refuses_ungrouped_heads_and_unknown_masks():
