@@ -468,7 +468,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
                   4.0 * heads * head_dim, float(kv), heads, hidden, inner)
     on_cpu = mx.default_device() == mx.cpu
     rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
-                        head_dim, attention="cpu" if on_cpu else "mlx")
+                        head_dim, attention="cpu" if on_cpu else "mlx", kv_heads=kv_heads)
     pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes), max_pool=max_pool)
     return {**pools.as_dict(), "rates": rates.as_dict()}
 

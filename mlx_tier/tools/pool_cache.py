@@ -53,7 +53,8 @@ def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict
                   width=ROUND_EXPERTS if budget.kernel == "cpu" else 0)
     quant = ckpt.config.get("quantization") or {}
     probe = {"expert_shape": (s.expert_inner, s.hidden), "bits": int(quant.get("bits", 4)),
-             "group_size": int(quant.get("group_size", 64)), "heads": s.heads, "head_dim": s.head_dim}
+             "group_size": int(quant.get("group_size", 64)), "heads": s.heads, "head_dim": s.head_dim,
+             "kv_heads": s.kv_heads}
     return shape, probe, sorted({t.info.file for _, _, ts in experts for t in ts.values()})
 
 

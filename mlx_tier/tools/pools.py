@@ -486,7 +486,8 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
 
 
 def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), bits: int = 4,
-                group_size: int = 64, heads: int = 16, head_dim: int = 64, attention: str = "mlx") -> Rates:
+                group_size: int = 64, heads: int = 16, head_dim: int = 64, attention: str = "mlx",
+                kv_heads: int | None = None) -> Rates:
     """Measure :class:`Rates` on this machine in a few seconds (the disk rate is given:
     :func:`mlx_tier.tools.plan.measure_disk_gbps`).
 
@@ -495,8 +496,11 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     (:mod:`mlx_tier.kernels.cpu`) on a random quantized expert of ``expert_shape``
     ``(out, in)``; attention (``attention``: ``"mlx"``, MLX's
     ``scaled_dot_product_attention`` on the default device, or ``"cpu"``,
-    :func:`mlx_tier.kernels.cpu_attention.sdpa`) at 256 queries over 1024 keys, and
-    a decode step's (8 sequences of one query over 1024 keys: the KV caches' read rate).
+    :func:`mlx_tier.kernels.cpu_attention.sdpa`) as the job runs it: ``heads`` query
+    heads over ``kv_heads`` key/value heads (``None``: as many), a prompt chunk of 256
+    queries over a cache of 768 keys and its own (mlx-lm's causal mask of a batch),
+    and a decode step of a pool (8 sequences, or twice the kernel's threads) of one
+    query over 1024 keys (a decode pool's mask: the KV caches' read rate).
     Medians of at least a few repetitions, repeated until each probe has run
     :data:`PROBE_SECONDS` (a probe of a few milliseconds moved by half between runs).
     """
@@ -540,20 +544,27 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     if attention == "cpu":
         from mlx_tier.kernels.cpu_attention import sdpa
 
-        def attend(q, k, v):
-            return sdpa(q, k, v, 0.1, None)
+        def attend(q, k, v, mask):
+            return sdpa(q, k, v, 0.1, mask)
     else:
-        def attend(q, k, v):
-            return mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=None))
+        def attend(q, k, v, mask):
+            return mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask))
 
-    q, k = mx.random.normal((1, heads, 256, head_dim)), mx.random.normal((1, heads, 1024, head_dim))
-    one, keys, values = (mx.random.normal((8, heads, n, head_dim)) for n in (1, 1024, 1024))  # a decode step of 8
-    mx.eval(q, k, one, keys, values)
-    t_att = med(lambda: attend(q, k, k), reps=3)
-    t_kv = med(lambda: attend(one, keys, values), reps=3)
+    from mlx_lm.models.base import create_causal_mask
+
+    kv_heads = kv_heads or heads
+    q, k = mx.random.normal((1, heads, 256, head_dim)), mx.random.normal((1, kv_heads, 1024, head_dim))
+    chunk = create_causal_mask(256, offset=768, left_padding=mx.array([0]))  # [1, 1, 256, 1024]
+    seqs = max(8, 2 * cpu.THREADS)  # a decode pool's sequences
+    one, keys, values = (mx.random.normal((seqs, n_heads, n, head_dim))
+                         for n_heads, n in ((heads, 1), (kv_heads, 1024), (kv_heads, 1024)))
+    pool = create_causal_mask(1, offset=1023, left_padding=mx.zeros((seqs,), mx.int32))
+    mx.eval(q, k, one, keys, values, chunk, pool)
+    t_att = med(lambda: attend(q, k, k, chunk), reps=3)
+    t_kv = med(lambda: attend(one, keys, values, pool), reps=3)
     return Rates(disk_gbps=disk_gbps, gemm_gflops=2 * rows * in_dim * out_dim / gemm_s / 1e9,
                  matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9, loop_gbps=packed / t_loop / 1e9,
-                 attention_gflops=4 * heads * 256 * 1024 * head_dim / t_att / 1e9,
+                 attention_gflops=4 * heads * 256 * (768 + 128.5) * head_dim / t_att / 1e9,  # keys attended
                  kv_read_gbps=(keys.nbytes + values.nbytes) / t_kv / 1e9, gemm_min_rows=quant.gemm_min_rows)
 
 
@@ -629,7 +640,8 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
                   kv_bytes=kv_bytes, heads=heads, hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0,
                   read_ahead=getattr(layer, "reader", None) is not None, width=layer.width)
     probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
-             "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim}
+             "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim,
+             "kv_heads": kv_heads}
     return shape, probe
 
 

@@ -304,3 +304,24 @@ def test_tokens_decoded_in_prefill_steps_are_priced_as_rows_of_them():
     alone = choose_pools(SYNTH, rates, 900, 64, 1 << 30, cap=1)
     assert alone.merged_tokens == 0 and alone.docs_per_hour == choose_pools(
         SYNTH, rates, 900, 64, 1 << 30, cap=1, merged=False).docs_per_hour
+
+
+def test_the_attention_probes_run_as_the_job_does(monkeypatch):
+    """probe_rates times attention with grouped heads and mlx-lm's masks (a prompt chunk's
+    causal mask over a cache, a decode pool's), through the CPU kernel or MLX: rates
+    measured, positive and finite, on both paths."""
+    import math
+
+    from mlx_tier.kernels import cpu, cpu_attention
+    from mlx_tier.tools import pools
+
+    monkeypatch.setattr(pools, "PROBE_SECONDS", 0.01)
+    seen = []
+    real = cpu_attention.sdpa
+    monkeypatch.setattr(cpu_attention, "sdpa", lambda q, k, v, scale, mask: seen.append(
+        (q.shape, k.shape, None if mask is None else mask.shape)) or real(q, k, v, scale, mask))
+    for attention in ("cpu", "mlx"):
+        r = pools.probe_rates(1.0, (64, 32), 4, 32, heads=6, head_dim=16, attention=attention, kv_heads=2)
+        assert all(math.isfinite(x) and x > 0 for x in (r.attention_gflops, r.kv_read_gbps))
+    assert (1, 6, 256, 16) in [s[0] for s in seen] and {s[1][1] for s in seen} == {2}
+    assert {s[2] for s in seen} == {(1, 1, 256, 1024), (max(8, 2 * cpu.THREADS), 1, 1, 1024)}
