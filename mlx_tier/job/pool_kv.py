@@ -12,15 +12,16 @@ them inside the demo job; benches/results/throughput/NOTES.md).
 
 :class:`RoomyKVCache` is ``BatchKVCache`` with spare rows (room for the pool's
 planned size) and spare columns (room for the longest sequence the pool
-engine holds, and :data:`SHIFT_COLUMNS` more): a sequence that is not longer
+engine holds, and :data:`ROOM_SLACK` more): a sequence that is not longer
 than the batch's last column is written into a free row where it stands; a
 finish moves one row for each sequence that left (the last rows fill the
 holes: :func:`in_place_pool` has mlx-lm's ``GenerationBatch`` order its
 lists the same way); left padding that every row shares is dropped only once
-it reaches :data:`SHIFT_COLUMNS`. A joining sequence longer than the batch's
-last column, and a drop of the shared padding, move the live columns within
-the buffer, a row at a time through a copy of the row. Only a pool that
-outgrows its room is copied into a larger buffer. Fresh memory is dear: a
+it reaches :data:`SHIFT_COLUMNS`, or a decode step finds no room after the
+rows. A joining sequence longer than the batch's last column, and a drop of
+the shared padding, move the live columns within the buffer, a row at a time
+through a copy of the row. Only a pool that outgrows its room is copied into
+a larger buffer. Fresh memory is dear: a
 pool grown as its sequences come allocates its whole size again at each
 growth, and on a VM each first touch of a page can cost tens of
 microseconds (benches/results/throughput/NOTES.md).
@@ -42,6 +43,10 @@ from mlx_lm.models.cache import BatchKVCache
 # the live rows): without dropping it the columns would grow with every decode step of a
 # long job; dropping it at each finish, as mlx-lm does, copies the cache each time.
 SHIFT_COLUMNS = 256
+# Columns of room beyond the longest sequence expected: the pool's rows end together, so a
+# shorter row's left padding adds to the columns; when a decode step finds no room, the
+# shared padding (at least this much then) is dropped in place instead of growing.
+ROOM_SLACK = 64
 
 
 class RoomyKVCache(BatchKVCache):
@@ -57,14 +62,15 @@ class RoomyKVCache(BatchKVCache):
         """Room for ``rows`` rows and ``columns`` columns, the live rows moved ``shift``
         columns to the right: in place when the buffer has the room, else in a larger
         buffer (room for :attr:`rows` rows of :attr:`longest` tokens and
-        :data:`SHIFT_COLUMNS`, at least; columns rounded up to ``step``)."""
+        :data:`ROOM_SLACK`, at least; beyond that, columns rounded up to ``step``)."""
         B, H, L, D = self.keys.shape
         M = self.values.shape[3]
         if rows <= B and columns <= L:
             self._move(shift)
             return
         rows = max(rows, self.rows, B)
-        columns = max(L, -(-max(columns, self.longest + SHIFT_COLUMNS) // self.step) * self.step)
+        room = self.longest + ROOM_SLACK if self.longest else 0
+        columns = max(L, room if room >= columns else -(-columns // self.step) * self.step)
         keys = mx.zeros((rows, H, columns, D), self.keys.dtype)
         values = mx.zeros((rows, H, columns, M), self.values.dtype)
         n, idx = self.batch, self._idx
@@ -102,7 +108,12 @@ class RoomyKVCache(BatchKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n, prev = keys.shape[2], self._idx
         if prev + n > self.keys.shape[2]:
-            self._grow(self.batch, prev + n)
+            shared = min(self.left_padding.tolist()) if self.batch else 0
+            if shared >= max(n, ROOM_SLACK):  # room behind the rows: they move left, in place
+                self._move(-shared)
+                prev = self._idx
+            else:
+                self._grow(self.batch, prev + n)
         self.offset = self.offset + n
         self._idx += n
         self.keys[: self.batch, :, prev:self._idx, :] = keys

@@ -157,7 +157,7 @@ def test_the_pool_is_allocated_once_with_room_for_the_longest_sequence_expected(
     c.extend(sequence(3))  # grows once
     mx.eval(c.keys, c.values)
     shape = c.keys.shape
-    assert shape[0] == 8 and shape[2] >= 300 + pool_kv.SHIFT_COLUMNS
+    assert shape == (8, H, 300 + pool_kv.ROOM_SLACK, D)
     whole = c.keys.nbytes + c.values.nbytes
     assert held_peak(lambda: c.extend(sequence(120))) < whole / 4  # longer: the rows move right in place
     assert c._idx == 120 and c.left_padding.tolist() == [80, 117, 0]
@@ -191,3 +191,26 @@ def test_a_drop_of_the_shared_padding_moves_the_rows_left_in_place(monkeypatch):
     c.extend(s)
     same(ref, c)
     assert c.keys.shape == shape
+
+
+def test_a_decode_step_without_room_drops_the_shared_padding_in_place():
+    """Room for sequences of up to 100 tokens: the longest finishes, the others decode on
+    past the buffer's end, and the shared padding moves out of their way (the buffer is
+    not grown); every sequence stays mlx-lm's."""
+    ref = sequence(100)
+    c = make_roomy([copy.deepcopy(ref)], rows=4, longest=100)[0]
+    for n in (20, 30):
+        s = sequence(n)
+        ref.extend(copy.deepcopy(s))
+        c.extend(s)
+    ref.filter([1, 2])
+    c.filter([1, 2])  # shared padding 70: kept (below SHIFT_COLUMNS)
+    mx.eval(c.keys, c.values)
+    shape = c.keys.shape
+    assert shape[2] == 100 + pool_kv.ROOM_SLACK
+    for _ in range(80):
+        k, v = mx.random.normal((2, H, 1, D)), mx.random.normal((2, H, 1, D))
+        ref.update_and_fetch(k, v)
+        mx.eval(c.update_and_fetch(k, v))
+        same(ref, c)
+    assert c.keys.shape == shape and c.left_padding.tolist() == [10, 0]
