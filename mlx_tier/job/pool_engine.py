@@ -78,7 +78,7 @@ from mlx_tier.job.batch_engine import (
     check_add,
     start_of,
 )
-from mlx_tier.job.pool_kv import in_place_pool, make_roomy, settle
+from mlx_tier.job.pool_kv import in_place_pool, make_room, make_roomy, settle
 from mlx_tier.job.quantized_kv import quantizing
 
 # Module batching on by default (module doc); benches/throughput.py turns it off to
@@ -298,7 +298,10 @@ class PoolEngine:
         stop = _LayerStop(interrupt)
         reads = [Pass(lambda s=s, c=c: s.batch.prompt([c]), stop=stop) for s, c in chunks]
         starts = [Pass(lambda s=s: s.batch.generate([[s.last]])) for s in self._starting]
-        step = Pass(self._gen.next) if decode and self._generating else None
+        step = None
+        if decode and self._generating:
+            make_room(self._gen)  # between steps: the pool's rows may move left (job/pool_kv.py)
+            step = Pass(self._gen.next)
         run_together(reads + starts + ([step] if step is not None else []))
         for s, started in zip(self._starting, starts):
             settle(self._gen)  # a join writes into the pool's KV cache in place

@@ -17,8 +17,8 @@ than the batch's last column is written into a free row where it stands; a
 finish moves one row for each sequence that left (the last rows fill the
 holes: :func:`in_place_pool` has mlx-lm's ``GenerationBatch`` order its
 lists the same way); left padding that every row shares is dropped only once
-it reaches :data:`SHIFT_COLUMNS`, or a decode step finds no room after the
-rows. A joining sequence longer than the batch's last column, and a drop of
+it reaches :data:`SHIFT_COLUMNS`, or before a decode step that would find
+no room after the rows (:func:`make_room`). A joining sequence longer than the batch's last column, and a drop of
 the shared padding, move the live columns within the buffer, a row at a time
 through a copy of the row. Only a pool that outgrows its room is copied into
 a larger buffer. Fresh memory is dear: a
@@ -44,8 +44,8 @@ from mlx_lm.models.cache import BatchKVCache
 # long job; dropping it at each finish, as mlx-lm does, copies the cache each time.
 SHIFT_COLUMNS = 256
 # Columns of room beyond the longest sequence expected: the pool's rows end together, so a
-# shorter row's left padding adds to the columns; when a decode step finds no room, the
-# shared padding (at least this much then) is dropped in place instead of growing.
+# shorter row's left padding adds to the columns; before a decode step that would find no
+# room, the shared padding (at least this much then) is dropped in place (make_room).
 ROOM_SLACK = 64
 
 
@@ -105,15 +105,23 @@ class RoomyKVCache(BatchKVCache):
         self.left_padding = self.left_padding + shift
         self._idx += shift
 
+    def make_room(self, tokens: int) -> bool:
+        """Before a step writes ``tokens`` columns: with no room for them after the rows, drop
+        the shared padding in place when there is :data:`ROOM_SLACK` of it (else the step
+        grows the buffer). Between steps only: a step's mask is made from the cache before
+        its layers write. Returns whether the rows moved."""
+        if self.keys is None or not self.batch or self._idx + tokens <= self.keys.shape[2]:
+            return False
+        shared = min(self.left_padding.tolist())
+        if shared < max(tokens, ROOM_SLACK):
+            return False
+        self._move(-shared)
+        return True
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n, prev = keys.shape[2], self._idx
         if prev + n > self.keys.shape[2]:
-            shared = min(self.left_padding.tolist()) if self.batch else 0
-            if shared >= max(n, ROOM_SLACK):  # room behind the rows: they move left, in place
-                self._move(-shared)
-                prev = self._idx
-            else:
-                self._grow(self.batch, prev + n)
+            self._grow(self.batch, prev + n)
         self.offset = self.offset + n
         self._idx += n
         self.keys[: self.batch, :, prev:self._idx, :] = keys
@@ -218,6 +226,18 @@ def settle(batch) -> None:
     pending = [a for a in (getattr(batch, "_next_tokens", None), *(getattr(batch, "_next_logprobs", None) or ()))
                if a is not None]
     mx.eval(pending)
+
+
+def make_room(batch, tokens: int = 1) -> None:
+    """Before ``batch`` (a ``GenerationBatch``) decodes a step of ``tokens`` columns: each of
+    its :class:`RoomyKVCache` layers without room for them drops its shared padding in
+    place (:meth:`RoomyKVCache.make_room`), the step evaluated ahead settled first."""
+    layers = [c for c in batch.prompt_cache or [] if type(c) is RoomyKVCache and c.keys is not None
+              and c._idx + tokens > c.keys.shape[2]]
+    if layers:
+        settle(batch)
+        for c in layers:
+            c.make_room(tokens)
 
 
 def make_roomy(cache: list, rows: int, longest: int = 0) -> list:

@@ -614,7 +614,7 @@ def attention_terms(hidden: int, heads: int, kv_heads: int, head_dim: int) -> di
 def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
     """The :class:`Shape` of a model loaded by :func:`mlx_tier.load`, and what
     :func:`probe_rates` needs to measure its kernels (``expert_shape``, ``bits``,
-    ``group_size``, ``heads``, ``head_dim``); ``None`` without an expert cache.
+    ``group_size``, ``heads``, ``head_dim``, ``kv_heads``); ``None`` without an expert cache.
 
     ``kv_bytes``: KV-cache bytes per token (measured on a filled prompt cache).
     """

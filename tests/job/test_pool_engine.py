@@ -345,3 +345,32 @@ def test_the_decode_pool_makes_room_once_for_the_longest_sequence_it_holds(tiere
         results.update((f.key, f) for f in engine.step().finished)
     assert {c.keys.shape for c in engine._gen.prompt_cache if isinstance(c, RoomyKVCache)} <= shapes | {None}
     assert [results[i].tokens for i in range(5)] == [r[:n] for r, n in zip(refs, lengths)]
+
+
+def test_a_pool_decoding_past_its_room_moves_its_rows_between_steps(tiered, tiny_moe):
+    """A long prompt with a short summary beside a short prompt with a long one: once the
+    long one finishes, the short one decodes past the room the pool made (the longest
+    sequence and its slack) and the shared padding is dropped between two steps; the
+    tokens are mlx-lm's alone."""
+    from mlx_tier.job import pool_kv
+
+    model, tokenizer = tiered
+    long = build_prompt(tokenizer, "Summarise this.", " ".join(["rivers and mountains"] * 60))
+    short = build_prompt(tokenizer, "Summarise this.", "The cat sat.")
+    assert len(long) - len(short) > pool_kv.ROOM_SLACK
+    budget = pool_kv.ROOM_SLACK + 40
+    engine = PoolEngine(model, tokenizer, [], batch_size=2, prefill_batch=2, pool_tokens=4096,
+                        layer_seconds=None)  # no stop token: every summary runs to its max_tokens
+    engine.add(Task(0, long, 2))
+    engine.add(Task(1, short, len(long) - len(short) + budget))
+    moved, results = [], {}
+    real = pool_kv.RoomyKVCache._move
+    pool_kv.RoomyKVCache._move = lambda self, shift: moved.append(shift) or real(self, shift)
+    try:
+        while engine.active:
+            results.update((f.key, f) for f in engine.step().finished)
+    finally:
+        pool_kv.RoomyKVCache._move = real
+    assert moved and all(s < 0 for s in moved)  # the rows moved left, in place
+    ref = [r.token for r in stream_generate(model, tokenizer, short, max_tokens=len(results[1].tokens))]
+    assert results[1].tokens == ref and len(results[0].tokens) == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import random
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +25,11 @@ def sequence(n: int) -> BatchKVCache:
     c = KVCache()
     c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
     return BatchKVCache.merge([c])
+
+
+def pool(c: RoomyKVCache) -> SimpleNamespace:
+    """A stand-in for the ``GenerationBatch`` whose cache ``c`` is (nothing evaluated ahead)."""
+    return SimpleNamespace(prompt_cache=[c], _next_tokens=None, _next_logprobs=None)
 
 
 def spans(c: BatchKVCache) -> list[tuple[np.ndarray, np.ndarray, int]]:
@@ -71,11 +77,14 @@ def test_joins_steps_and_finishes_keep_every_sequence_as_mlx_lm_does(seed, monke
             keep = tail_into_holes(keep) if rng.random() < 0.5 else keep  # the pool engine's order, or mlx-lm's
             ref.filter(keep)
             ours.filter(keep)
-        else:  # a decode step
+        else:  # a decode step: its mask made before its layers write (as the model does)
             n = ref.offset.shape[0]
             k, v = mx.random.normal((n, H, 1, D)), mx.random.normal((n, H, 1, D))
             ref.update_and_fetch(k, v)
-            ours.update_and_fetch(k, v)
+            pool_kv.make_room(pool(ours))
+            mask = ours.make_mask(1, return_array=True)
+            keys, _ = ours.update_and_fetch(k, v)
+            assert mask is None or mask.shape[-1] == keys.shape[2]
         same(ref, ours)
 
 
@@ -193,10 +202,11 @@ def test_a_drop_of_the_shared_padding_moves_the_rows_left_in_place(monkeypatch):
     assert c.keys.shape == shape
 
 
-def test_a_decode_step_without_room_drops_the_shared_padding_in_place():
+def test_a_decode_step_without_room_drops_the_shared_padding_in_place_before_it():
     """Room for sequences of up to 100 tokens: the longest finishes, the others decode on
-    past the buffer's end, and the shared padding moves out of their way (the buffer is
-    not grown); every sequence stays mlx-lm's."""
+    past the buffer's end, and before the step that would find no room the shared padding
+    moves out of their way (the buffer is not grown; each step's mask, made before it
+    writes, fits its keys); every sequence stays mlx-lm's."""
     ref = sequence(100)
     c = make_roomy([copy.deepcopy(ref)], rows=4, longest=100)[0]
     for n in (20, 30):
@@ -208,9 +218,18 @@ def test_a_decode_step_without_room_drops_the_shared_padding_in_place():
     mx.eval(c.keys, c.values)
     shape = c.keys.shape
     assert shape[2] == 100 + pool_kv.ROOM_SLACK
+    moved = []
     for _ in range(80):
         k, v = mx.random.normal((2, H, 1, D)), mx.random.normal((2, H, 1, D))
         ref.update_and_fetch(k, v)
-        mx.eval(c.update_and_fetch(k, v))
+        before = c._idx
+        pool_kv.make_room(pool(c))
+        moved += [c._idx != before]
+        mask = c.make_mask(1, return_array=True)
+        keys, values = c.update_and_fetch(k, v)
+        assert mask.shape[-1] == keys.shape[2]
+        mx.eval(keys, values)
         same(ref, c)
+    assert moved.count(True) == 1 and moved.index(True) == 64  # once, at the step that found no room
     assert c.keys.shape == shape and c.left_padding.tolist() == [10, 0]
+    assert not c.make_room(1)  # room now: nothing moves
