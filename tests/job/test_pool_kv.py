@@ -180,15 +180,22 @@ def test_the_pool_is_allocated_once_with_room_for_the_longest_sequence_expected(
     assert c.keys.shape == shape
 
 
-def test_a_drop_of_the_shared_padding_moves_the_rows_left_in_place(monkeypatch):
-    monkeypatch.setattr(pool_kv, "SHIFT_COLUMNS", 16)
-    ref = sequence(100)
-    c = make_roomy([copy.deepcopy(ref)], rows=4, longest=600)[0]
-    for n in (10, 30):
+def pool_of(lengths, longest: int) -> tuple[BatchKVCache, RoomyKVCache]:
+    """mlx-lm's batch cache of sequences of these lengths, and the same as a pool with room
+    for 4 rows of up to ``longest`` tokens (evaluated)."""
+    ref = sequence(lengths[0])
+    c = make_roomy([copy.deepcopy(ref)], rows=4, longest=longest)[0]
+    for n in lengths[1:]:
         s = sequence(n)
         ref.extend(copy.deepcopy(s))
         c.extend(s)
     mx.eval(c.keys, c.values)
+    return ref, c
+
+
+def test_a_drop_of_the_shared_padding_moves_the_rows_left_in_place(monkeypatch):
+    monkeypatch.setattr(pool_kv, "SHIFT_COLUMNS", 16)
+    ref, c = pool_of((100, 10, 30), longest=600)
     shape = c.keys.shape
     whole = c.keys.nbytes + c.values.nbytes
     ref.filter([1, 2])
@@ -207,12 +214,7 @@ def test_a_decode_step_without_room_drops_the_shared_padding_in_place_before_it(
     past the buffer's end, and before the step that would find no room the shared padding
     moves out of their way (the buffer is not grown; each step's mask, made before it
     writes, fits its keys); every sequence stays mlx-lm's."""
-    ref = sequence(100)
-    c = make_roomy([copy.deepcopy(ref)], rows=4, longest=100)[0]
-    for n in (20, 30):
-        s = sequence(n)
-        ref.extend(copy.deepcopy(s))
-        c.extend(s)
+    ref, c = pool_of((100, 20, 30), longest=100)
     ref.filter([1, 2])
     c.filter([1, 2])  # shared padding 70: kept (below SHIFT_COLUMNS)
     mx.eval(c.keys, c.values)
