@@ -159,32 +159,36 @@ def sdpa(q: mx.array, k, v, scale: float, mask=None, group_size: int | None = No
                 scores /= scores.sum(axis=-1, keepdims=True)
                 out[b, h, :, r0:r1] = scores @ vb[c0 - k0:c1 - k0]
 
-    def decode(b0, b1):  # one query a sequence: all heads of a sequence in one batched matmul
-        for b in range(b0, b1):
-            k0, k1 = spans[b]
-            scores = (qs[b] * s) @ ks.rows(b, None, k0, k1)[:, None].swapaxes(-1, -2)  # [Hk, G, 1, k1 - k0]
-            if m is not None:
-                mb = m[b if m.shape[0] > 1 else 0]  # [H or 1, 1, Lk or 1]
-                if mb.shape[0] > 1:
-                    mb = mb.reshape(Hk, G, 1, -1)
-                if mb.shape[-1] > 1:
-                    mb = mb[..., k0:k1]
-                if mb.dtype != np.bool_:
-                    scores = scores + mb
-                elif not mb.all():  # a sequence's span attended throughout (its left padding): no mask
-                    scores = np.where(mb, scores, -np.inf)
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            out[b] = scores @ vs.rows(b, None, k0, k1)[:, None]
-
     with cpu._BLAS.limit(limits=1, user_api="blas"):
         if Lq == 1 and m is not None and m.ndim == 4 and B >= 2 * cpu.THREADS:
-            cpu._parallel(decode, B, grain=1)
+            cpu._parallel(lambda b0, b1: _decode(qs, ks, vs, m, spans, s, out, b0, b1), B, grain=1)
         else:
             cpu._parallel(work, B * Hk, grain=1)
     y = mx.array(out.reshape(B, H, Lq, D))
     return y if q.dtype == mx.float32 else y.astype(q.dtype)
+
+
+def _decode(qs, ks, vs, m, spans, s, out, b0: int, b1: int) -> None:
+    """:func:`sdpa`'s decode pool (one query a sequence): sequences ``b0:b1``, all heads of
+    a sequence in one batched matmul, into ``out`` (``[B, Hk, G, 1, D]``)."""
+    Hk, G = qs.shape[1], qs.shape[2]
+    for b in range(b0, b1):
+        k0, k1 = spans[b]
+        scores = (qs[b] * s) @ ks.rows(b, None, k0, k1)[:, None].swapaxes(-1, -2)  # [Hk, G, 1, k1 - k0]
+        if m is not None:
+            mb = m[b if m.shape[0] > 1 else 0]  # [H or 1, 1, Lk or 1]
+            if mb.shape[0] > 1:
+                mb = mb.reshape(Hk, G, 1, -1)
+            if mb.shape[-1] > 1:
+                mb = mb[..., k0:k1]
+            if mb.dtype != np.bool_:
+                scores = scores + mb
+            elif not mb.all():  # a sequence's span attended throughout (its left padding): no mask
+                scores = np.where(mb, scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[b] = scores @ vs.rows(b, None, k0, k1)[:, None]
 
 
 def _key_spans(m: np.ndarray | None, B: int, Lk: int) -> list[tuple[int, int]]:

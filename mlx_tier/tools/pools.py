@@ -541,6 +541,20 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     r = len(many) // n  # a pair at r rows costs loop + (matvec - loop) / r (Rates.pair_seconds): solve for loop
     t_loop = max((r * t_rows - t_mv) / (r - 1), 0.2 * t_rows) if r > 1 else t_rows
     gemm_s = max(t_gemm - n * t_deq, 1e-6) / n  # one expert's GEMM
+    att_gflops, kv_gbps = _attention_rates(med, heads, kv_heads or heads, head_dim, attention)
+    return Rates(disk_gbps=disk_gbps, gemm_gflops=2 * rows * in_dim * out_dim / gemm_s / 1e9,
+                 matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9, loop_gbps=packed / t_loop / 1e9,
+                 attention_gflops=att_gflops, kv_read_gbps=kv_gbps, gemm_min_rows=quant.gemm_min_rows)
+
+
+def _attention_rates(med, heads: int, kv_heads: int, head_dim: int, attention: str) -> tuple[float, float]:
+    """:func:`probe_rates`' attention probes, timed with ``med(fn, reps)``: ``(GFLOP/s of a
+    256-query chunk over 1024 keys with mlx-lm's causal mask, GB/s of KV read by a decode
+    pool's step)``, through ``attention`` (``"cpu"`` or ``"mlx"``)."""
+    import mlx.core as mx
+
+    from mlx_tier.kernels import cpu
+
     if attention == "cpu":
         from mlx_tier.kernels.cpu_attention import sdpa
 
@@ -552,7 +566,6 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
 
     from mlx_lm.models.base import create_causal_mask
 
-    kv_heads = kv_heads or heads
     q, k = mx.random.normal((1, heads, 256, head_dim)), mx.random.normal((1, kv_heads, 1024, head_dim))
     chunk = create_causal_mask(256, offset=768, left_padding=mx.array([0]))  # [1, 1, 256, 1024]
     seqs = max(8, 2 * cpu.THREADS)  # a decode pool's sequences
@@ -562,10 +575,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     mx.eval(q, k, one, keys, values, chunk, pool)
     t_att = med(lambda: attend(q, k, k, chunk), reps=3)
     t_kv = med(lambda: attend(one, keys, values, pool), reps=3)
-    return Rates(disk_gbps=disk_gbps, gemm_gflops=2 * rows * in_dim * out_dim / gemm_s / 1e9,
-                 matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9, loop_gbps=packed / t_loop / 1e9,
-                 attention_gflops=4 * heads * 256 * (768 + 128.5) * head_dim / t_att / 1e9,  # keys attended
-                 kv_read_gbps=(keys.nbytes + values.nbytes) / t_kv / 1e9, gemm_min_rows=quant.gemm_min_rows)
+    return (4 * heads * 256 * (768 + 128.5) * head_dim / t_att / 1e9,  # keys attended
+            (keys.nbytes + values.nbytes) / t_kv / 1e9)
 
 
 def measure_read_gbps(files: list, total_mb: int = 64, chunk_mb: int = 2, warm: bool = True) -> float:
