@@ -1,11 +1,14 @@
 """Device diagnosis: which two-tier case hangs on CUDA (one case per process)."""
-import sys, time, os
+import os
+import sys
+import time
 from pathlib import Path
+
 sys.path.insert(0, "tests")
-import mlx.core as mx
 from mlx_lm import load as mlx_load
 from support.checkpoints import make_mixtral
 from support.prompts import SHORT, greedy
+
 import mlx_tier
 from mlx_tier import TierConfig
 
