@@ -306,7 +306,9 @@ class PoolEngine:
         for s, started in zip(self._starting, starts):
             settle(self._gen)  # a join writes into the pool's KV cache in place
             self._gen.extend(started.result)
-            make_roomy(self._gen.prompt_cache, self.batch_size, self._longest())  # later joins and finishes in place
+            # Room for the sequences the engine holds (the scheduler admitted their KV caches),
+            # not for the planned pool: under a memory cap fewer may be admitted.
+            make_roomy(self._gen.prompt_cache, min(self.batch_size, self.active), self._longest())
             s.batch = None
             self._generating[s.uid] = s
         self._starting = []

@@ -10,9 +10,10 @@ sequences join and leave it every few steps, so each join and each finish
 copied the pool's whole KV cache, every layer (benches/kv_joins.py times
 them inside the demo job; benches/results/throughput/NOTES.md).
 
-:class:`RoomyKVCache` is ``BatchKVCache`` with spare rows (room for the pool's
-planned size) and spare columns (room for the longest sequence the pool
-engine holds, and :data:`ROOM_SLACK` more): a sequence that is not longer
+:class:`RoomyKVCache` is ``BatchKVCache`` with spare rows (room for the
+sequences the pool engine holds: those whose KV caches the scheduler
+admitted) and spare columns (room for the longest of them, and
+:data:`ROOM_SLACK` more): a sequence that is not longer
 than the batch's last column is written into a free row where it stands; a
 finish moves one row for each sequence that left (the last rows fill the
 holes: :func:`in_place_pool` has mlx-lm's ``GenerationBatch`` order its
@@ -54,7 +55,7 @@ class RoomyKVCache(BatchKVCache):
     columns; the batch is the first :attr:`batch` rows and ``[0, _idx)`` columns (module doc).
     Made from a filled ``BatchKVCache`` by :func:`make_roomy`."""
 
-    rows: int  # rows to make room for when the buffer grows (the pool's planned size)
+    rows: int  # rows to make room for when the buffer grows (the sequences the engine holds)
     batch: int  # live rows
     longest: int = 0  # tokens of the longest sequence to make room for when the buffer grows
 

@@ -347,6 +347,29 @@ def test_the_decode_pool_makes_room_once_for_the_longest_sequence_it_holds(tiere
     assert [results[i].tokens for i in range(5)] == [r[:n] for r, n in zip(refs, lengths)]
 
 
+def test_the_decode_pool_makes_room_only_for_the_sequences_the_engine_holds(tiered, tiny_moe, prompts_and_refs):
+    """Under a memory cap the scheduler admits fewer sequences than the planned pool (their
+    KV caches are what it counted): the pool's KV cache makes room for those it holds, not
+    for ``batch_size`` rows; one admitted later grows it, and tokens stay mlx-lm's."""
+    from mlx_tier.job.pool_kv import RoomyKVCache
+
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=5,
+                        prefill_batch=1, pool_tokens=4096, layer_seconds=None)
+    for i in range(3):
+        engine.add(Task(i, prompts[i], N))
+    while len(engine._generating) < 2:
+        engine.step()
+    layers = [c for c in engine._gen.prompt_cache if isinstance(c, RoomyKVCache)]
+    assert layers and all(c.rows == 3 and c.keys.shape[0] == 3 for c in layers)
+    engine.add(Task(3, prompts[3], N))
+    results = {}
+    while engine.active:
+        results.update((f.key, f) for f in engine.step().finished)
+    assert [results[i].tokens for i in range(4)] == [r[:N] for r in refs[:4]]
+
+
 def test_a_pool_decoding_past_its_room_moves_its_rows_between_steps(tiered, tiny_moe):
     """A long prompt with a short summary beside a short prompt with a long one: once the
     long one finishes, the short one decodes past the room the pool made (the longest
