@@ -24,22 +24,29 @@ SIZE_GB=${SIZE_GB:-2}
 RUNS=${RUNS:-3}
 TOKENS=${TOKENS:-24}
 step() { echo; echo "== $* ($(date -u +%H:%M:%S))"; }
-# bounded SECONDS CMD...: run CMD; still running after SECONDS, print where it
-# stands (native stacks with py-spy where it is on PATH, then Python's own:
-# PYTHONFAULTHANDLER dumps every thread on SIGABRT) and fail with 124.
+# bounded SECONDS CMD...: run CMD (no core dump); still running after SECONDS, print
+# where it stands (native stacks with py-spy where it is on PATH, then Python's own:
+# PYTHONFAULTHANDLER dumps every thread on SIGABRT), kill it within 10 s more, and
+# fail with 124. An interrupted script takes CMD down with it (it holds the GPU).
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
 bounded() {
   local limit=$1 waited=0 pid; shift
-  "$@" & pid=$!
+  ( ulimit -c 0; exec "$@" ) & pid=$!
+  trap 'kill -KILL "$pid" 2>/dev/null || true' EXIT
   while kill -0 "$pid" 2>/dev/null; do
     if [ "$waited" -ge "$limit" ]; then
       echo "!! still running after $limit s; its stacks:" >&2
-      if command -v py-spy >/dev/null; then py-spy dump --native --pid "$pid" >&2 || true; fi
-      kill -ABRT "$pid" 2>/dev/null || true; wait "$pid" || true
+      if command -v py-spy >/dev/null; then timeout 30 py-spy dump --native --pid "$pid" >&2 || true; fi
+      kill -ABRT "$pid" 2>/dev/null || true
+      for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+      kill -KILL "$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || true
+      trap - EXIT
       return 124
     fi
     sleep 1; waited=$((waited + 1))
   done
+  trap - EXIT
   wait "$pid"
 }
 
@@ -49,7 +56,7 @@ if [ -n "${PYTHON_READY:-}" ]; then
   # other needs were installed beforehand (pip install --no-index --target DIR,
   # DIR on PYTHONPATH; benches/results/gpu/NOTES.md has the commands).
   PY=python3
-  step "install skipped (PYTHON_READY): $(command -v $PY) imports mlx as it is"
+  step "install skipped (PYTHON_READY): $(command -v "$PY") imports mlx as it is"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   step "install (mlx[cuda]; the base install also brings mlx-cpu, whose files overlap mlx-cuda's: it is removed and the CUDA wheel reinstalled)"
@@ -68,7 +75,7 @@ else
   "${PIP[@]}" --force-reinstall --no-deps "$CUDA_PKG==$MLX_VERSION"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-$PY - <<'PY'
+"$PY" - <<'PY'
 import mlx.core as mx
 ok = mx.default_device() == mx.gpu and mx.cuda.is_available()
 print("mlx", mx.__version__, "default device", mx.default_device(), "cuda", mx.cuda.is_available())
@@ -83,20 +90,20 @@ step "exactness on the GPU: tiered and two-tier greedy tokens equal mlx-lm fully
 # them (MLX_PTX_CACHE_DIR, default under /tmp/mlx): the first tiered step of a
 # fresh machine has stalled here (benches/results/gpu/NOTES.md), hence -v and stacks.
 du -sh /tmp/mlx* 2>/dev/null || echo "no PTX cache yet"
-bounded "${TEST_S:-240}" $PY -m pytest -v -x -p no:cacheprovider --durations=5 \
+bounded "${TEST_S:-240}" "$PY" -m pytest -v -x -p no:cacheprovider --durations=5 \
   tests/engine/test_tiered_equals_resident.py tests/engine/test_two_tier.py \
   tests/policy/test_placement.py tests/engine/test_budgets.py
 du -sh /tmp/mlx* 2>/dev/null || true
 
 step "default budgets: hot from free GPU memory, warm from available host memory"
-$PY -c 'import mlx.core as mx; from mlx_tier.engine.budgets import describe_defaults, probe
+"$PY" -c 'import mlx.core as mx; from mlx_tier.engine.budgets import describe_defaults, probe
 print(describe_defaults(probe(), mx.get_memory_limit()))'
 
 step "synthetic MoE ($SIZE_GB GiB, float32 scales: the CPU stream computes warm experts, and bf16 is slow there)"
 if [ ! -f "$SYN/config.json" ]; then
-  bounded 100 $PY benches/make_synthetic_moe.py "$SYN" --size-gb "$SIZE_GB" --dtype float32
+  bounded 100 "$PY" benches/make_synthetic_moe.py "$SYN" --size-gb "$SIZE_GB" --dtype float32
 fi
 
 step "warm tier off vs two tiers (MLX ops / CPU kernel / + prefetch): hot 25% of the experts on the GPU, warm 50% in host memory"
-bounded "${BENCH_S:-200}" $PY benches/two_tier.py "$SYN" --hot-fraction 0.25 --warm-fraction 0.5 --runs "$RUNS" --tokens "$TOKENS"
+bounded "${BENCH_S:-200}" "$PY" benches/two_tier.py "$SYN" --hot-fraction 0.25 --warm-fraction 0.5 --runs "$RUNS" --tokens "$TOKENS"
 step "done in ${SECONDS} s"

@@ -40,7 +40,10 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     from mlx_tier.tools.demo_model import _save_tokenizer, gguf_path
 
     if os.environ.get("MLX_TIER_TEST_TOKENIZER"):
-        return Path(os.environ["MLX_TIER_TEST_TOKENIZER"])
+        given = Path(os.environ["MLX_TIER_TEST_TOKENIZER"])
+        if not (given / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"MLX_TIER_TEST_TOKENIZER={given}: no tokenizer.json there")
+        return given
     out = tmp_path_factory.mktemp("tokenizer")
     _, meta = mx.load(str(gguf_path()), return_metadata=True)
     _save_tokenizer(meta, out)

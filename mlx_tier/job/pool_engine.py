@@ -306,9 +306,9 @@ class PoolEngine:
         for s, started in zip(self._starting, starts):
             settle(self._gen)  # a join writes into the pool's KV cache in place
             self._gen.extend(started.result)
-            # Room for the sequences the engine holds (the scheduler admitted their KV caches),
-            # not for the planned pool: under a memory cap fewer may be admitted.
-            make_roomy(self._gen.prompt_cache, min(self.batch_size, self.active), self._longest())
+            # Rows for the sequences the engine holds (those the scheduler admitted), not for
+            # the planned pool: under a memory cap fewer may be admitted.
+            make_roomy(self._gen.prompt_cache, self.active, self._longest())
             s.batch = None
             self._generating[s.uid] = s
         self._starting = []

@@ -61,17 +61,20 @@ class RoomyKVCache(BatchKVCache):
 
     def _grow(self, rows: int, columns: int, shift: int = 0) -> None:
         """Room for ``rows`` rows and ``columns`` columns, the live rows moved ``shift``
-        columns to the right: in place when the buffer has the room, else in a larger
-        buffer (room for :attr:`rows` rows of :attr:`longest` tokens and
-        :data:`ROOM_SLACK`, at least; beyond that, columns rounded up to ``step``)."""
+        columns to the right: in place when the buffer has the room, else in a new
+        buffer of :attr:`rows` rows (or ``rows``, if more) and :attr:`longest` +
+        :data:`ROOM_SLACK` columns (or ``columns`` rounded up to ``step``, if more):
+        sized from the sequences held now, so it may be narrower than the old one."""
         B, H, L, D = self.keys.shape
         M = self.values.shape[3]
         if rows <= B and columns <= L:
             self._move(shift)
             return
-        rows = max(rows, self.rows, B)
+        # Sized anew from the sequences held, not from the old buffer's shape: only the
+        # live rows and columns ([:batch], [:_idx]) are copied, and ``rows``/``columns`` cover them.
+        rows = max(rows, self.rows)
         room = self.longest + ROOM_SLACK if self.longest else 0
-        columns = max(L, room if room >= columns else -(-columns // self.step) * self.step)
+        columns = room if room >= columns else -(-columns // self.step) * self.step
         keys = mx.zeros((rows, H, columns, D), self.keys.dtype)
         values = mx.zeros((rows, H, columns, M), self.values.dtype)
         n, idx = self.batch, self._idx

@@ -323,7 +323,7 @@ def test_a_prompts_short_tail_does_not_shrink_the_next_steps(tiered, tiny_moe):
 
 def test_the_decode_pool_makes_room_once_for_the_longest_sequence_it_holds(tiered, tiny_moe, prompts_and_refs):
     """The pool's KV cache is told the engine's longest sequence (prompt and max_tokens, of
-    every task it holds: waiting ones too) and its planned rows, so it grows once."""
+    every task it holds: waiting ones too) and its rows (every task it holds), so it grows once."""
     from mlx_tier.job.pool_kv import RoomyKVCache
 
     model, tokenizer = tiered
@@ -365,6 +365,10 @@ def test_the_decode_pool_makes_room_only_for_the_sequences_the_engine_holds(tier
     assert layers and all(c.rows == 3 and c.keys.shape[0] == 3 for c in layers)
     engine.add(Task(3, prompts[3], N))
     results = {}
+    while 3 not in engine._generating:
+        results.update((f.key, f) for f in engine.step().finished)
+    layers = [c for c in engine._gen.prompt_cache if isinstance(c, RoomyKVCache)]
+    assert all(c.rows == 4 and c.keys.shape[0] == 4 for c in layers)  # grown by the one admitted
     while engine.active:
         results.update((f.key, f) for f in engine.step().finished)
     assert [results[i].tokens for i in range(4)] == [r[:N] for r in refs[:4]]

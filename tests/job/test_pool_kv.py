@@ -180,6 +180,28 @@ def test_the_pool_is_allocated_once_with_room_for_the_longest_sequence_expected(
     assert c.keys.shape == shape
 
 
+def test_a_new_buffer_is_sized_from_the_sequences_held_not_from_the_old_one():
+    """After the long sequences left, a join that needs another row makes a buffer for the
+    rows and the longest sequence held now (what the scheduler admitted), narrower than the
+    old one; every sequence stays mlx-lm's."""
+    first, second = sequence(40), sequence(30)
+    ref = copy.deepcopy(first)
+    c = make_roomy([first], rows=2, longest=300)[0]
+    ref.extend(copy.deepcopy(second))
+    c.extend(second)
+    assert c.keys.shape == (2, H, 300 + pool_kv.ROOM_SLACK, D)
+    ref.filter([0])
+    c.filter([0])
+    make_roomy([c], rows=3, longest=60)
+    for n in (20, 25):
+        s = sequence(n)
+        ref.extend(copy.deepcopy(s))
+        c.extend(s)
+    mx.eval(c.keys, c.values)
+    assert c.keys.shape == (3, H, 60 + pool_kv.ROOM_SLACK, D)
+    same(ref, c)
+
+
 def pool_of(lengths, longest: int) -> tuple[BatchKVCache, RoomyKVCache]:
     """mlx-lm's batch cache of sequences of these lengths, and the same as a pool with room
     for 4 rows of up to ``longest`` tokens (evaluated)."""
