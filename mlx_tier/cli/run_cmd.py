@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import typer
 
@@ -68,9 +69,6 @@ KERNEL_HELP = ("What computes the experts: cpu, own kernel (within fp32 rounding
                "else mlx.")
 
 
-# run() is ~106 lines only by its 35 declared options and their --help text (Typer reads
-# options from the signature); the body (checks, one JobConfig, dispatch) is ~45, and a
-# helper split from it would take the 35 options as arguments again.
 def run(
     input: Path = typer.Argument(..., metavar="INPUT", help=INPUT_HELP),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
@@ -135,49 +133,55 @@ def run(
     stopped early (disk full, checkpoint unreadable; rerun to resume), 130
     interrupted (SIGINT), 143 terminated (SIGTERM).
     """
+    _run(SimpleNamespace(**locals()))
+
+
+def _run(o: SimpleNamespace) -> None:
+    """:func:`run`'s body, its options by name in ``o``: the checks (a bad option: one
+    line, exit 2), one :class:`~mlx_tier.job.config.JobConfig`, then the job in the
+    background, over ranks, or here."""
     from mlx_tier.engine.load import DEFAULT_PREFETCH, TierConfig
     from mlx_tier.errors import MlxTierError
     from mlx_tier.job.config import JobConfig, read_prompt
     from mlx_tier.job.convert_limits import ConversionLimits
     from mlx_tier.job.scheduler import GenerationConfig
 
-    throttle = _checked_options(cache_gb, host_cache_gb, prewarm, policy, output_format, kernel, model,
-                                max_temp, pause_on_battery, min_battery, max_tok_s)
-    if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
-        fail(f"--memory-gb must be a finite positive number of GiB, got {memory_gb}")
-    from_stdin = str(input) == "-"
+    throttle = _checked_options(o.cache_gb, o.host_cache_gb, o.prewarm, o.policy, o.output_format, o.kernel,
+                                o.model, o.max_temp, o.pause_on_battery, o.min_battery, o.max_tok_s)
+    if o.memory_gb is not None and not (math.isfinite(o.memory_gb) and o.memory_gb > 0):
+        fail(f"--memory-gb must be a finite positive number of GiB, got {o.memory_gb}")
+    from_stdin = str(o.input) == "-"
     paths = _stdin_paths() if from_stdin else None
-    command = resume_command(ctx, out_dir, from_stdin)
-    distributed = ranks is not None or hosts is not None
+    command = resume_command(o.ctx, o.out_dir, from_stdin)
+    distributed = o.ranks is not None or o.hosts is not None
     if distributed:
-        ranks_cmd.check(ranks, hosts, background, trace, save_profile)
+        ranks_cmd.check(o.ranks, o.hosts, o.background, o.trace, o.save_profile)
     try:
         config = JobConfig(
-            input=input, out_dir=out_dir, model=model,
-            tier=TierConfig(cache_gb=cache_gb, policy=PolicySpec(policy), prewarm=prewarm,
-                            prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch,
-                            host_cache_gb=host_cache_gb, kernel=kernel),
+            input=o.input, out_dir=o.out_dir, model=o.model,
+            tier=TierConfig(cache_gb=o.cache_gb, policy=PolicySpec(o.policy), prewarm=o.prewarm,
+                            prefetch=DEFAULT_PREFETCH if o.prefetch is None else o.prefetch,
+                            host_cache_gb=o.host_cache_gb, kernel=o.kernel),
             generation=GenerationConfig(
-                instruction=DEFAULT_PROMPT if prompt is None else read_prompt(prompt), max_tokens=max_tokens,
-                repetition_penalty=repetition_penalty, batch_size=batch_size, context=context,
-                prefill_step_size=prefill_step, schedule=schedule, kv_bits=kv_bits),
-            throttle=throttle, trace=trace, input_paths=paths,
-            output_format=output_format, retry_failed=retry_failed, redo_changed=redo_changed, command=command,
-            nice=nice,
-            background_qos=background_qos, save_profile=save_profile, follow_links=follow_links,
-            conversion=ConversionLimits(memory_mb=convert_memory_mb, seconds=convert_seconds),
-            memory_gb=memory_gb,
+                instruction=DEFAULT_PROMPT if o.prompt is None else read_prompt(o.prompt),
+                max_tokens=o.max_tokens, repetition_penalty=o.repetition_penalty, batch_size=o.batch_size,
+                context=o.context, prefill_step_size=o.prefill_step, schedule=o.schedule, kv_bits=o.kv_bits),
+            throttle=throttle, trace=o.trace, input_paths=paths,
+            output_format=o.output_format, retry_failed=o.retry_failed, redo_changed=o.redo_changed,
+            command=command, nice=o.nice,
+            background_qos=o.background_qos, save_profile=o.save_profile, follow_links=o.follow_links,
+            conversion=ConversionLimits(memory_mb=o.convert_memory_mb, seconds=o.convert_seconds),
+            memory_gb=o.memory_gb,
         )
     except MlxTierError as e:  # an empty --prompt, an unreadable --prompt @FILE
         fail(str(e))
-    if background:
+    if o.background:
         _start_background(config, [sys.executable, "-m", "mlx_tier.cli.main", "run",
-                                   *command_args(ctx, drop=("background",))])
+                                   *command_args(o.ctx, drop=("background",))])
     elif distributed:
-        ranks_cmd.run_ranks(config, ranks, hosts, command)
+        ranks_cmd.run_ranks(config, o.ranks, o.hosts, command)
     else:
-        _run_job_and_exit(config, out_dir, command)
-
+        _run_job_and_exit(config, o.out_dir, command)
 
 def _stdin_paths() -> tuple[str, ...]:
     """``mlx-tier run -``: the file paths on stdin, one a line. Read as bytes, split on
