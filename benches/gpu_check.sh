@@ -86,9 +86,9 @@ step "exactness on the GPU: tiered and two-tier greedy tokens equal mlx-lm fully
 # On CUDA a warm tier is on by default, so test_tiered_equals_resident.py runs two tiers here
 # too: its misses land warm and are computed on the CPU (a failure here means
 # CPU and GPU rounding changed a greedy token: see docs/cuda.md).
-# MLX compiles its CUDA gather/scatter kernels with NVRTC on first use and caches
-# them (MLX_PTX_CACHE_DIR, default under /tmp/mlx): the first tiered step of a
-# fresh machine has stalled here (benches/results/gpu/NOTES.md), hence -v and stacks.
+# The first tiered step of a process has stalled here, cause not established
+# (benches/results/gpu/NOTES.md), hence -v and stacks; one candidate is MLX compiling
+# its CUDA kernels with NVRTC on first use (cached under MLX_PTX_CACHE_DIR, /tmp/mlx).
 du -sh /tmp/mlx* 2>/dev/null || echo "no PTX cache yet"
 bounded "${TEST_S:-240}" "$PY" -m pytest -v -x -p no:cacheprovider --durations=5 \
   tests/engine/test_tiered_equals_resident.py tests/engine/test_two_tier.py \
