@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
-from mlx_tier.engine.footprint import check_kv_bits
+from mlx_tier.engine.footprint import KV_STEP, check_kv_bits
 from mlx_tier.engine.module_batch import Pass, run_together
 from mlx_tier.job.batch_engine import (
     Finished,
@@ -78,7 +78,13 @@ from mlx_tier.job.batch_engine import (
     check_add,
     start_of,
 )
-from mlx_tier.job.pool_kv import in_place_pool, make_room, make_roomy, settle
+from mlx_tier.job.pool_kv import (
+    ROOM_SLACK,
+    in_place_pool,
+    make_room,
+    make_roomy,
+    settle,
+)
 from mlx_tier.job.quantized_kv import quantizing
 
 # Module batching on by default (module doc); benches/throughput.py turns it off to
@@ -104,7 +110,6 @@ class _Seq:
     task: Task
     rest: list[int]
     last: int
-    cache: list
     seen: list[int]
     processors: list
     prefix_tokens: int
@@ -191,15 +196,13 @@ class PoolEngine:
         Raises:
             ValueError: no free place, or an empty prompt.
         """
-        from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.sample_utils import make_logits_processors
 
         check_add(self.free, task)
-        prompt, cache, seen, used = start_of(self.prefix, task.prompt)
+        prompt, _, seen, used = start_of(self.prefix, task.prompt, copy=False)  # its cache made as it is read
         procs = make_logits_processors(repetition_penalty=self.repetition_penalty) \
             if self.repetition_penalty != 1.0 else []
-        cache = quantizing(cache if cache is not None else make_prompt_cache(self.model), self.kv_bits)
-        self._waiting.append(_Seq(self._uid, task, list(prompt[:-1]), prompt[-1], cache, seen, procs, used,
+        self._waiting.append(_Seq(self._uid, task, list(prompt[:-1]), prompt[-1], seen, procs, used,
                                   time.perf_counter()))
         self._uid += 1
 
@@ -228,11 +231,15 @@ class PoolEngine:
             return self._prefill_step(interrupt) if self._prefill_next() else self._decode_step()
 
     def _begin(self, s: _Seq) -> None:
-        """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding)."""
+        """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding).
+        Its KV cache (a copy of the shared prefix's, or empty) is made here and merged into the
+        batch's own, which holds it from then on: a sequence waiting holds none."""
         from mlx_lm.generate import PromptProcessingBatch
+        from mlx_lm.models.cache import make_prompt_cache
 
+        cache = self.prefix.copy() if s.prefix_tokens else make_prompt_cache(self.model)
         s.batch = PromptProcessingBatch(
-            self.model, [s.uid], [s.cache], tokens=[list(s.seen)], prefill_step_size=1 << 30,
+            self.model, [s.uid], [quantizing(cache, self.kv_bits)], tokens=[list(s.seen)], prefill_step_size=1 << 30,
             fallback_sampler=self._sampler, samplers=[None], logits_processors=[s.processors],
             stop_sequences=[self._stops], max_tokens=[s.task.max_tokens])
         self._reading.append(s)
@@ -305,9 +312,11 @@ class PoolEngine:
         run_together(reads + starts + ([step] if step is not None else []))
         for s, started in zip(self._starting, starts):
             settle(self._gen)  # a join writes into the pool's KV cache in place
+            # Rows for the sequences the engine holds now (those the scheduler admitted), not for
+            # the planned pool: under a memory cap fewer may be admitted. Set before the join (a
+            # join that grows the buffer sizes it so) and after (the first join makes the buffer).
+            make_roomy(self._gen.prompt_cache or [], self.active, self._longest())
             self._gen.extend(started.result)
-            # Rows for the sequences the engine holds (those the scheduler admitted), not for
-            # the planned pool: under a memory cap fewer may be admitted.
             make_roomy(self._gen.prompt_cache, self.active, self._longest())
             s.batch = None
             self._generating[s.uid] = s
@@ -328,6 +337,43 @@ class PoolEngine:
         the decode pool's KV cache makes room for it once (job/pool_kv.py)."""
         seqs = [*self._waiting, *self._reading, *self._starting, *self._generating.values()]
         return max((len(s.task.prompt) + s.task.max_tokens for s in seqs), default=0)
+
+    def kv_tokens(self, extra: Task | None = None) -> int:
+        """The most token rows (one sequence's keys and values of one token, every layer) the
+        engine's KV caches hold with its sequences and ``extra`` (a task that may be added):
+        the decode pool's buffer as it is, or as a join that grows it makes it anew (a row
+        for each sequence, :data:`~mlx_tier.job.pool_kv.ROOM_SLACK` columns beyond the
+        longest; mlx-lm's :data:`~mlx_tier.engine.footprint.KV_STEP` for a quantized pool),
+        plus the own prompt cache of each sequence not in the pool yet (its prompt, grown in
+        ``KV_STEP`` steps). Not counted: while a growth copies, one layer's old buffer."""
+        tasks = self.tasks() + ([extra] if extra is not None else [])
+        if not tasks:
+            return 0
+        longest = max(len(t.prompt) + t.max_tokens for t in tasks)
+        slack = ROOM_SLACK if self.kv_bits is None else KV_STEP
+        keys = next((c.keys for c in self._gen.prompt_cache or [] if isinstance(getattr(c, "keys", None), mx.array)),
+                    None)
+        now = keys.shape[0] * keys.shape[2] if keys is not None else 0
+        pool = max(now, len(tasks) * (longest + slack))
+        unjoined = [s.task for s in self._unjoined()] + ([extra] if extra is not None else [])
+        return pool + sum(len(t.prompt) + KV_STEP for t in unjoined)
+
+    def _unjoined(self) -> list[_Seq]:
+        """Sequences not in the decode pool yet (waiting, being read, about to start)."""
+        return [*self._waiting, *self._reading, *self._starting]
+
+    def kv_bytes(self) -> int:
+        """Bytes the engine's KV caches hold now: the decode pool's buffers (their spare rows
+        and columns included) and the prompt caches of the sequences not in it yet (each
+        buffer counted once)."""
+        seen, total = set(), 0
+        caches = [self._gen.prompt_cache or [], *(s.batch.prompt_cache or [] for s in self._unjoined() if s.batch)]
+        for cache in caches:
+            for a in _kv_arrays(cache):
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    total += a.nbytes
+        return total
 
     def _drop_reading(self) -> None:
         """Abandon the prompts being read (an interrupt): their tasks go to :meth:`take_interrupted`."""
@@ -386,6 +432,19 @@ def _split_time(info: StepInfo, seconds: float) -> None:
     done = info.prefill_tokens + info.generated
     info.prefill_seconds = seconds * info.prefill_tokens / done if done else seconds
     info.decode_seconds = seconds - info.prefill_seconds
+
+
+def _kv_arrays(cache: list) -> list:
+    """The key and value buffers of a prompt cache's layers (a quantized layer's codes,
+    scales and biases; a ``CacheList``'s members)."""
+    out = []
+    for c in cache:
+        if hasattr(c, "caches"):
+            out += _kv_arrays(list(c.caches))
+            continue
+        for a in (getattr(c, "keys", None), getattr(c, "values", None)):
+            out += [x for x in (a if isinstance(a, (tuple, list)) else [a]) if isinstance(x, mx.array)]
+    return out
 
 
 def _layers(model) -> int:

@@ -66,7 +66,6 @@ from mlx_tier.job.prompts import (
     trim_to_sentence,
 )
 from mlx_tier.job.quantized_kv import quantized_copy
-from mlx_tier.tools.pools import KV_STEP
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
@@ -304,7 +303,6 @@ class Scheduler:
             self.batch_size = config.batch_size or self._memory_batch(longest_chars)
         if memory is not None:  # a pool's prompt step within the split's workspace
             self.pool_tokens = min(self.pool_tokens, memory.prefill_step)
-        self._reserved: dict = {}  # task key -> its longest length, tokens (throughput schedule's admission)
         self._kv_room = self._pool_room(longest_chars)
         self.info = {
             "batch_size": self.batch_size,
@@ -394,18 +392,19 @@ class Scheduler:
             return c.batch_size or self.pools.decode_pool
         return c.batch_size or min(MAX_DECODE_POOL, self.plan.batch_size(self.context, MAX_DECODE_POOL))
 
-    def _held_bytes(self, tokens: list[int]) -> int:
-        """KV-cache bytes sequences of these longest lengths (prompt + ``max_tokens``) hold
-        together in one batch: mlx-lm's ``BatchKVCache`` keeps every sequence at the length
-        of the batch's longest, its buffers grown up to :data:`KV_STEP` tokens ahead."""
-        return len(tokens) * (int(self.plan.kv_per_token * (max(tokens) + KV_STEP)) + self.plan.fixed_per_seq)
+    def _held_bytes(self, engine: PoolEngine, task: Task | None = None) -> int:
+        """KV-cache bytes the pool engine's sequences, and ``task`` if added, hold at most
+        (:meth:`~mlx_tier.job.pool_engine.PoolEngine.kv_tokens`: the decode pool's buffer,
+        every sequence at the longest's length, and the prompt caches of those being read)."""
+        sequences = engine.active + (task is not None)
+        return int(self.plan.kv_per_token * engine.kv_tokens(task)) + sequences * self.plan.fixed_per_seq
 
     def _fits(self, task: Task, engine) -> bool:
         """Throughput schedule: whether ``task``'s KV cache fits beside those in flight (a task
         that does not waits for others to finish; alone, it runs: it was sized to fit)."""
         if self.config.schedule != "throughput" or not engine.active:
             return True
-        return self._held_bytes([*self._reserved.values(), len(task.prompt) + task.max_tokens]) <= self._kv_room
+        return self._held_bytes(engine, task) <= self._kv_room
 
     def _pool_room(self, longest_chars: int | None) -> int:
         """Bytes for the KV caches of the sequences in flight: the memory plan's, less one
@@ -421,14 +420,6 @@ class Scheduler:
             return self.plan.free_bytes - self.plan.prefill_fixed - 4 * heads * min(self.pool_tokens, longest) * longest
         return int(self.plan.free_bytes - self.plan.prefill_fixed - prefill_transient(found[0], self.pool_tokens, longest))
 
-    def _add(self, engine, task: Task) -> None:
-        engine.add(task)
-        self._reserved[task.key] = len(task.prompt) + task.max_tokens
-
-    def _release(self, tasks) -> None:
-        for t in tasks:
-            self._reserved.pop(t.key if isinstance(t, Task) else t, None)
-
     def _prefix(self) -> PrefixCache | None:
         return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
 
@@ -443,7 +434,6 @@ class Scheduler:
 
     def _new_engine(self, batch_size: int) -> BatchEngine | PoolEngine:
         c = self.config
-        self._reserved.clear()
         if c.schedule == "throughput":
             return PoolEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                               prefill_batch=self.prefill_batch, pool_tokens=self.pool_tokens,
@@ -563,7 +553,7 @@ class Scheduler:
             if stopping and not abandoned:
                 # Documents still reading their prompt are left for the next run
                 # (a long prefill would delay the stop); those already writing finish.
-                self._release(engine.cancel_unstarted())
+                engine.cancel_unstarted()
                 abandoned = True
             if q.alone is not None and q.alone.finished:
                 q.alone = None
@@ -599,7 +589,7 @@ class Scheduler:
             return should_stop()
 
         info = engine.step(interrupt)
-        self._release(engine.take_interrupted())
+        engine.take_interrupted()  # its tasks' documents are left for the next run
         return info
 
     def _admit(self, engine: BatchEngine, q: _Queues) -> Iterator[Outcome]:
@@ -610,7 +600,7 @@ class Scheduler:
             if q.ready:
                 if not self._fits(q.ready[0], engine):
                     return  # its KV cache would not fit yet: it waits for a sequence to finish
-                self._add(engine, q.ready.popleft())
+                engine.add(q.ready.popleft())
                 continue
             source = q.solo if q.solo else q.waiting
             if not source or q.alone is not None or (q.solo and engine.active):
@@ -662,7 +652,6 @@ class Scheduler:
     def _take_finished(self, finished, ready: deque) -> Iterator[Outcome]:
         """Outcomes of the calls that finished in a step: a document's summary, or
         for a map-reduce document its next calls (queued first in ``ready``)."""
-        self._release([f.key for f in finished])
         for f in finished:
             d, index = f.key
             if d.choices is not None:

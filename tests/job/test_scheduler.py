@@ -28,6 +28,13 @@ def tiered(tiny_moe):
     return mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2))
 
 
+def engines_of(sched: Scheduler) -> list:
+    """The engines ``sched`` makes from now on, as it makes them."""
+    engines, new_engine = [], sched._new_engine
+    sched._new_engine = lambda n: engines.append(new_engine(n)) or engines[-1]
+    return engines
+
+
 def run(model, tokenizer, path, texts, *, batch, model_context=4096, **kw):
     config = GenerationConfig("Summarise this.", max_tokens=8, batch_size=batch, **kw)
     sched = Scheduler(model, tokenizer, path, model_context, config)
@@ -107,14 +114,14 @@ def test_stop_abandons_a_prompt_pool_between_layers(tiered, tiny_moe):
     model, tokenizer = tiered
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
                                                                          pool_tokens=512, prefill_batch=3))
-    layers, steps = [], []
+    layers, steps, engines = [], [], engines_of(sched)
     out = list(sched.run(docs(TEXTS), should_stop=lambda: bool(layers), on_step=lambda info, ids: steps.append(info),
                          on_layer=lambda layer, reading: layers.append((layer, reading))))
     assert out == [] and [layer for layer, _ in layers] == [0]  # asked once, before the first layer: no further
     reading = layers[0][1]  # the step's own prompts, with nothing read before it: 512 tokens over three
     assert [d for d, *_ in reading] == ["a", "b", "c"][:len(reading)] and all(r == 0 for _, r, _, _ in reading)
     assert sum(n for _, _, n, _ in reading) <= 512 and all(0 < n <= total for _, _, n, total in reading)
-    assert [s.prefill_tokens for s in steps] == [0] and sched._reserved == {}  # one step, nothing read
+    assert [s.prefill_tokens for s in steps] == [0] and engines[-1].tasks() == []  # one step, nothing read
 
 
 def test_impossible_context_is_refused_before_any_document(tiered, tiny_moe):
@@ -139,23 +146,28 @@ def test_nothing_outside_the_reasoning_fails_the_document(tiered, tiny_moe):
     assert sched._finish(_Doc(Document("u", "u", "x"), 0.0), "A summary.", "stop").status == "done"
 
 
-def test_kv_caches_are_counted_as_a_batch_holds_them(tiered, tiny_moe):
-    """mlx-lm's batched KV cache holds every sequence at the batch's longest length, its
-    buffers grown up to KV_STEP tokens ahead: a short document beside a long one is counted
-    at the long one's length (counted at its own, a 2 GiB run of 16 documents was killed for
-    memory), and one that would not fit so waits."""
+def test_kv_caches_are_counted_as_the_pool_engine_holds_them(tiered, tiny_moe):
+    """The decode pool holds every sequence at the longest one's length (ROOM_SLACK columns
+    more), and a sequence not in it yet holds its own prompt cache besides (grown in KV_STEP
+    steps): a short document beside a long one is counted at the long one's length (counted
+    at its own, a 2 GiB run of 16 documents was killed for memory) and at its own prompt,
+    and one that would not fit so waits."""
+    from mlx_tier.job.pool_kv import ROOM_SLACK
+
     model, tokenizer = tiered
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
                                                                          pool_tokens=512, prefill_batch=3))
-    per, fixed = sched.plan.kv_per_token, sched.plan.fixed_per_seq
-    assert sched._held_bytes([100, 700]) == 2 * (int(per * (700 + KV_STEP)) + fixed)
-    busy = type("Engine", (), {"active": 1})()
-    sched._reserved = {"long": 700}
+    engine = sched._new_engine(3)
+    engine.add(Task("long", list(range(600)), 100))
+    assert engine.kv_tokens() == 700 + ROOM_SLACK + 600 + KV_STEP
     short = Task("short", list(range(92)), 8)  # 100 tokens at its longest
-    sched._kv_room = sched._held_bytes([700, 100]) - 1
-    assert not sched._fits(short, busy)  # its own 100 tokens would have fitted: 700 + 100 + 2 steps
+    assert engine.kv_tokens(short) == 2 * (700 + ROOM_SLACK) + (600 + KV_STEP) + (92 + KV_STEP)
+    per, fixed = sched.plan.kv_per_token, sched.plan.fixed_per_seq
+    assert sched._held_bytes(engine, short) == int(per * engine.kv_tokens(short)) + 2 * fixed
+    sched._kv_room = sched._held_bytes(engine, short) - 1
+    assert not sched._fits(short, engine)  # its own 100 tokens would have fitted
     sched._kv_room += 1
-    assert sched._fits(short, busy)
+    assert sched._fits(short, engine)
 
 
 def test_documents_whose_kv_cache_does_not_fit_wait(tiered, tiny_moe):
@@ -166,10 +178,10 @@ def test_documents_whose_kv_cache_does_not_fit_wait(tiered, tiny_moe):
                                                                          pool_tokens=512, prefill_batch=3))
     per_doc = sched.plan.kv_per_token * (70 + KV_STEP)  # the prompts here are ~50 tokens + 8 generated
     sched._kv_room = int(1.5 * per_doc)  # room for one document at a time
-    in_flight = []
+    in_flight, engines = [], engines_of(sched)
     out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
     assert sorted(o.id for o in out) == ["a", "b", "c"] and all(o.status == "done" for o in out)
-    assert max(in_flight) == 1 and sched._reserved == {}
+    assert max(in_flight) == 1 and engines[-1].tasks() == []
 
 
 def test_a_document_that_finds_no_memory_waits_instead_of_failing(tiered, tiny_moe, monkeypatch):
@@ -181,9 +193,9 @@ def test_a_document_that_finds_no_memory_waits_instead_of_failing(tiered, tiny_m
     model, tokenizer = tiered
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
                                                                          pool_tokens=512, prefill_batch=3))
-    plenty = scheduler_module.sequence_room()
+    plenty, engines = scheduler_module.sequence_room(), engines_of(sched)
     monkeypatch.setattr(scheduler_module, "sequence_room",
-                        lambda memory=None: plenty if not sched._reserved else 0)
+                        lambda memory=None: plenty if not (engines and engines[-1].active) else 0)
     in_flight = []
     out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
     assert sorted(o.id for o in out) == ["a", "b", "c"]
@@ -274,3 +286,32 @@ def test_quantized_kv_caches_are_priced_as_the_attention_reads_them(moe_head_dim
             assert shape.kv_read_bytes == 0.0 and shape.kv_bytes == pytest.approx(unquantized)
         else:
             assert shape.kv_read_bytes == pytest.approx(unquantized) and shape.kv_bytes < 0.5 * unquantized
+
+
+VARIED = {f"d{i}": " ".join(f"word{j} of document {i}." for j in range(3 + 9 * (i % 4))) for i in range(8)}
+
+
+@pytest.mark.parametrize("room", [2.5, 3.5])
+def test_the_kv_caches_the_engine_holds_stay_within_what_the_scheduler_counted(tiered, tiny_moe, room):
+    """Throughput schedule, a KV room for a few sequences, prompts of different lengths
+    read a few tokens a step: after every step the bytes the engine's KV caches hold (the
+    decode pool's buffer with its spare rows and columns, the prompt caches of sequences
+    being read) stay within what the scheduler counted for them, and that within its room
+    (under a memory cap, more is an OOM kill). Before: 64 of 85 steps held more, up to 1.9x
+    (each sequence kept a copy of the shared prefix's cache; prompt caches beside their
+    rows in the pool were not counted)."""
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=5,
+                                                                         pool_tokens=16, prefill_batch=2))
+    sched._kv_room = int(room * sched.plan.kv_per_token * (100 + KV_STEP))
+    engines, held = engines_of(sched), []
+
+    def on_step(info, ids):
+        e = engines[-1]
+        held.append((e.kv_bytes(), sched._held_bytes(e) if e.active else 0, e.active))
+
+    out = list(sched.run(docs(VARIED), on_step=on_step))
+    assert sorted(o.id for o in out) == sorted(VARIED) and all(o.status == "done" for o in out)
+    assert max(n for *_, n in held) >= 2  # sequences shared the room
+    assert all(h <= counted for h, counted, _ in held), [(h, c) for h, c, _ in held if h > c]
+    assert all(counted <= sched._kv_room for _, counted, n in held if n > 1)
