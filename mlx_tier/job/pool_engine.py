@@ -344,8 +344,10 @@ class PoolEngine:
         the decode pool's buffer as it is, or as a join that grows it makes it anew (a row
         for each sequence, :data:`~mlx_tier.job.pool_kv.ROOM_SLACK` columns beyond the
         longest; mlx-lm's :data:`~mlx_tier.engine.footprint.KV_STEP` for a quantized pool),
-        plus the own prompt cache of each sequence not in the pool yet (its prompt, grown in
-        ``KV_STEP`` steps). Not counted: while a growth copies, one layer's old buffer."""
+        plus the own prompt caches of sequences not in the pool yet (each its prompt, grown
+        in ``KV_STEP`` steps): at most ``2 x prefill_batch`` at once, those being read and
+        those read that join in the next step (a waiting one holds none), so the longest
+        prompts of that many. Not counted: while a growth copies, one layer's old buffer."""
         tasks = self.tasks() + ([extra] if extra is not None else [])
         if not tasks:
             return 0
@@ -356,7 +358,8 @@ class PoolEngine:
         now = keys.shape[0] * keys.shape[2] if keys is not None else 0
         pool = max(now, len(tasks) * (longest + slack))
         unjoined = [s.task for s in self._unjoined()] + ([extra] if extra is not None else [])
-        return pool + sum(len(t.prompt) + KV_STEP for t in unjoined)
+        prompts = sorted((len(t.prompt) for t in unjoined), reverse=True)[: 2 * self.prefill_batch]
+        return pool + sum(p + KV_STEP for p in prompts)
 
     def _unjoined(self) -> list[_Seq]:
         """Sequences not in the decode pool yet (waiting, being read, about to start)."""

@@ -155,9 +155,9 @@ def test_kv_caches_are_counted_as_the_pool_engine_holds_them(tiered, tiny_moe):
     from mlx_tier.job.pool_kv import ROOM_SLACK
 
     model, tokenizer = tiered
-    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=3,
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=8,
                                                                          pool_tokens=512, prefill_batch=3))
-    engine = sched._new_engine(3)
+    engine = sched._new_engine(8)
     engine.add(Task("long", list(range(600)), 100))
     assert engine.kv_tokens() == 700 + ROOM_SLACK + 600 + KV_STEP
     short = Task("short", list(range(92)), 8)  # 100 tokens at its longest
@@ -168,6 +168,9 @@ def test_kv_caches_are_counted_as_the_pool_engine_holds_them(tiered, tiny_moe):
     assert not sched._fits(short, engine)  # its own 100 tokens would have fitted
     sched._kv_room += 1
     assert sched._fits(short, engine)
+    for i in range(6):  # prompt caches of at most 2 x prefill_batch at once: the longest 6 of 7 counted
+        engine.add(Task(i, list(range(10 * (i + 1))), 8))
+    assert engine.kv_tokens() == 7 * (700 + ROOM_SLACK) + 600 + sum(10 * i for i in range(2, 7)) + 6 * KV_STEP
 
 
 def test_documents_whose_kv_cache_does_not_fit_wait(tiered, tiny_moe):
