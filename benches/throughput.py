@@ -196,6 +196,10 @@ def worker(spec: dict) -> dict:
         "prefill_batch": s.prefill_batch if sched != "paced" else None,
         "pools": s.pools.as_dict() if s.pools is not None else None,
         "rates": rates.as_dict() if rates else None,
+        # the memory the pools were planned in: the split's shares, the room the plan found, the KV room
+        "memory_mib": {k: round(v / 2**20, 1) for k, v in (
+            [(f, getattr(budget, f)) for f in ("total", "cache", "kv", "workspace", "margin")] if budget else [])
+            + [("plan_free", s.plan.free_bytes), ("kv_room", s._kv_room)]},
         "summaries": {o.id: o.summary for o in outs}, "peak_rss": peak_rss(), "load_start": load0, "load_end": os.getloadavg()[0],
         "steps_log": steps_log,
     }
