@@ -353,9 +353,8 @@ class PoolEngine:
             return 0
         longest = max(len(t.prompt) + t.max_tokens for t in tasks)
         slack = ROOM_SLACK if self.kv_bits is None else KV_STEP
-        keys = next((c.keys for c in self._gen.prompt_cache or [] if isinstance(getattr(c, "keys", None), mx.array)),
-                    None)
-        now = keys.shape[0] * keys.shape[2] if keys is not None else 0
+        keys = next((k for c in self._gen.prompt_cache or [] for k in _kv_arrays([c])[:1]), None)
+        now = keys.shape[0] * keys.shape[2] if keys is not None else 0  # [rows, heads, columns, ...]
         pool = max(now, len(tasks) * (longest + slack))
         unjoined = [s.task for s in self._unjoined()] + ([extra] if extra is not None else [])
         prompts = sorted((len(t.prompt) for t in unjoined), reverse=True)[: 2 * self.prefill_batch]

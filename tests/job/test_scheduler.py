@@ -294,18 +294,23 @@ def test_quantized_kv_caches_are_priced_as_the_attention_reads_them(moe_head_dim
 VARIED = {f"d{i}": " ".join(f"word{j} of document {i}." for j in range(3 + 9 * (i % 4))) for i in range(8)}
 
 
-@pytest.mark.parametrize("room", [2.5, 3.5])
-def test_the_kv_caches_the_engine_holds_stay_within_what_the_scheduler_counted(tiered, tiny_moe, room):
+@pytest.mark.parametrize("room,kv_bits", [(2.5, None), (3.5, None), (3.5, 8)])
+def test_the_kv_caches_the_engine_holds_stay_within_what_the_scheduler_counted(tiered, tiny_moe, room, kv_bits,
+                                                                              request):
     """Throughput schedule, a KV room for a few sequences, prompts of different lengths
     read a few tokens a step: after every step the bytes the engine's KV caches hold (the
     decode pool's buffer with its spare rows and columns, the prompt caches of sequences
     being read) stay within what the scheduler counted for them, and that within its room
     (under a memory cap, more is an OOM kill). Before: 64 of 85 steps held more, up to 1.9x
     (each sequence kept a copy of the shared prefix's cache; prompt caches beside their
-    rows in the pool were not counted)."""
+    rows in the pool were not counted). Quantized KV caches too (8 bits, head dim 64)."""
     model, tokenizer = tiered
+    if kv_bits:
+        tiny_moe = request.getfixturevalue("moe_head_dim_64")
+        model, tokenizer = mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2))
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, batch_size=5,
-                                                                         pool_tokens=16, prefill_batch=2))
+                                                                         pool_tokens=16, prefill_batch=2,
+                                                                         kv_bits=kv_bits))
     sched._kv_room = int(room * sched.plan.kv_per_token * (100 + KV_STEP))
     engines, held = engines_of(sched), []
 
