@@ -231,9 +231,9 @@ class PoolEngine:
             return self._prefill_step(interrupt) if self._prefill_next() else self._decode_step()
 
     def _begin(self, s: _Seq) -> None:
-        """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding).
-        Its KV cache (a copy of the shared prefix's, or empty) is made here and merged into the
-        batch's own, which holds it from then on: a sequence waiting holds none."""
+        """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding),
+        its KV cache (a copy of the shared prefix's, or empty) made here and merged into the
+        batch's own."""
         from mlx_lm.generate import PromptProcessingBatch
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -303,6 +303,8 @@ class PoolEngine:
         end (mlx-lm's ``GenerationBatch`` computes it as it starts; it joins the pool then).
         ``False``: interrupted (every prompt being read is dropped; the other passes complete)."""
         stop = _LayerStop(interrupt)
+        # the pool's targets for a growth, from the sequences held now (finishes and drops lower them)
+        make_roomy(self._gen.prompt_cache or [], self.active, self._longest())
         reads = [Pass(lambda s=s, c=c: s.batch.prompt([c]), stop=stop) for s, c in chunks]
         starts = [Pass(lambda s=s: s.batch.generate([[s.last]])) for s in self._starting]
         step = None
@@ -320,6 +322,8 @@ class PoolEngine:
             make_roomy(self._gen.prompt_cache, self.active, self._longest())
             s.batch = None
             self._generating[s.uid] = s
+        if starts:  # the joins' copies made now: until then they keep the joiners' caches (and a grown-from buffer)
+            mx.eval([a for c in self._gen.prompt_cache for a in _kv_arrays([c])])
         self._starting = []
         if step is not None:
             self._take(step.result, info)
@@ -339,23 +343,28 @@ class PoolEngine:
         return max((len(s.task.prompt) + s.task.max_tokens for s in seqs), default=0)
 
     def kv_tokens(self, extra: Task | None = None) -> int:
-        """The most token rows (one sequence's keys and values of one token, every layer) the
-        engine's KV caches hold with its sequences and ``extra`` (a task that may be added):
-        the decode pool's buffer as it is, or as a join that grows it makes it anew (a row
-        for each sequence, :data:`~mlx_tier.job.pool_kv.ROOM_SLACK` columns beyond the
-        longest; mlx-lm's :data:`~mlx_tier.engine.footprint.KV_STEP` for a quantized pool),
+        """The most KV slots (one sequence's keys and values at one token position, every
+        layer) the engine's caches hold with its sequences and ``extra`` (a task that may be
+        added): the decode pool's buffer as it is, or as a growth makes it anew (a row for
+        each sequence, :data:`~mlx_tier.job.pool_kv.ROOM_SLACK` columns beyond the longest,
+        or its last written column rounded up to :data:`~mlx_tier.engine.footprint.KV_STEP`
+        if further; ``KV_STEP`` beyond the longest for a quantized pool, mlx-lm's growth),
         plus the own prompt caches of sequences not in the pool yet (each its prompt, grown
         in ``KV_STEP`` steps): at most ``2 x prefill_batch`` at once, those being read and
-        those read that join in the next step (a waiting one holds none), so the longest
-        prompts of that many. Not counted: while a growth copies, one layer's old buffer."""
+        those read that join in the next step, so the longest prompts of that many. Not
+        counted: while a growth copies, one layer's old buffer; a quantized join's copy."""
         tasks = self.tasks() + ([extra] if extra is not None else [])
         if not tasks:
             return 0
         longest = max(len(t.prompt) + t.max_tokens for t in tasks)
-        slack = ROOM_SLACK if self.kv_bits is None else KV_STEP
-        keys = next((k for c in self._gen.prompt_cache or [] for k in _kv_arrays([c])[:1]), None)
+        layer = next((c for c in self._gen.prompt_cache or [] if _kv_arrays([c])), None)
+        keys = _kv_arrays([layer])[0] if layer is not None else None
         now = keys.shape[0] * keys.shape[2] if keys is not None else 0  # [rows, heads, columns, ...]
-        pool = max(now, len(tasks) * (longest + slack))
+        columns = longest + (ROOM_SLACK if self.kv_bits is None else KV_STEP)
+        written = getattr(layer, "_idx", 0) + 1  # the next step's column
+        if written > columns:
+            columns = -(-written // KV_STEP) * KV_STEP
+        pool = max(now, len(tasks) * columns)
         unjoined = [s.task for s in self._unjoined()] + ([extra] if extra is not None else [])
         prompts = sorted((len(t.prompt) for t in unjoined), reverse=True)[: 2 * self.prefill_batch]
         return pool + sum(p + KV_STEP for p in prompts)
@@ -365,9 +374,10 @@ class PoolEngine:
         return [*self._waiting, *self._reading, *self._starting]
 
     def kv_bytes(self) -> int:
-        """Bytes the engine's KV caches hold now: the decode pool's buffers (their spare rows
-        and columns included) and the prompt caches of the sequences not in it yet (each
-        buffer counted once)."""
+        """Bytes of the engine's KV cache arrays now: the decode pool's (their spare rows and
+        columns included) and the prompt caches of the sequences not in it yet, by their
+        shapes (a buffer an array only views, or one a lazy copy still reads, not seen:
+        ``mx.get_active_memory`` sees those)."""
         seen, total = set(), 0
         caches = [self._gen.prompt_cache or [], *(s.batch.prompt_cache or [] for s in self._unjoined() if s.batch)]
         for cache in caches:

@@ -98,7 +98,8 @@ class BatchQuantizedKVCache(BatchKVCache):
         shift = min(self.left_padding.tolist())  # drop the padding every sequence has
         if shift > 0:
             if self.keys is not None:
-                self.keys, self.values = tree_map(lambda a: a[..., shift:, :], (self.keys, self.values))
+                # a copy, not a view: a view would keep the whole gathered buffer alive
+                self.keys, self.values = tree_map(lambda a: mx.contiguous(a[..., shift:, :]), (self.keys, self.values))
             self._idx -= shift
             self.left_padding -= shift
 

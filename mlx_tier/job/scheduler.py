@@ -395,7 +395,8 @@ class Scheduler:
     def _held_bytes(self, engine: PoolEngine, task: Task | None = None) -> int:
         """KV-cache bytes the pool engine's sequences, and ``task`` if added, hold at most
         (:meth:`~mlx_tier.job.pool_engine.PoolEngine.kv_tokens`: the decode pool's buffer,
-        every sequence at the longest's length, and the prompt caches of those being read)."""
+        every sequence at the longest's length, and the prompt caches of those being read or
+        about to join it)."""
         sequences = engine.active + (task is not None)
         return int(self.plan.kv_per_token * engine.kv_tokens(task)) + sequences * self.plan.fixed_per_seq
 

@@ -401,3 +401,35 @@ def test_a_pool_decoding_past_its_room_moves_its_rows_between_steps(tiered, tiny
     assert moved and all(s < 0 for s in moved)  # the rows moved left, in place
     ref = [r.token for r in stream_generate(model, tokenizer, short, max_tokens=len(results[1].tokens))]
     assert results[1].tokens == ref and len(results[0].tokens) == 2
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_join_leaves_no_prompt_cache_alive_behind_the_pool(tiered, tiny_moe, prompts_and_refs, merge):
+    """After a step in which sequences join the decode pool, their own prompt caches are
+    freed: the copies into the pool's buffer are made in that step, not left to the next
+    forward pass (until then they would hold every joiner's cache, uncounted by admission,
+    for as many prompt steps as run before the pool next decodes)."""
+    import gc
+
+    import mlx.core as mx
+
+    from mlx_tier.job.pool_engine import _kv_arrays
+
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=4,
+                        prefill_batch=1, pool_tokens=4096, layer_seconds=None, merge=merge)
+    for i in range(3):
+        engine.add(Task(i, prompts[i], N))
+    joined, freed_later = 0, []
+    while engine.active:
+        before = len(engine._generating)
+        engine.step()
+        if len(engine._generating) > before:
+            joined += 1
+            gc.collect()
+            held = mx.get_active_memory()
+            mx.eval([a for c in engine._gen.prompt_cache for a in _kv_arrays([c])])
+            gc.collect()
+            freed_later.append(held - mx.get_active_memory())
+    assert joined >= 2 and freed_later == [0] * joined

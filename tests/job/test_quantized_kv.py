@@ -180,3 +180,28 @@ def test_a_run_bounded_by_memory_names_kv_bits_and_one_using_it_says_so():
     said.clear()
     announce(scheduler("documents", None), reporter)
     assert not any("would store" in m or "KV caches at" in m for m in said)
+
+
+def test_a_filter_that_drops_shared_padding_keeps_no_larger_buffer():
+    """A finish that leaves every row with left padding drops it with a copy of the columns
+    kept, not a view: a view keeps the whole gathered buffer alive (the longest sequence's
+    columns, every row) beside what the cache shows."""
+    import gc
+
+    caches = []
+    for n in (40, 1000):
+        c = KVCache()
+        c.update_and_fetch(*kv(n, 11))
+        caches.append(c)
+    batch = BatchQuantizedKVCache.merge(caches, 64, 8)
+    del caches
+    batch.filter([0])  # the long one leaves: 960 columns of shared padding dropped
+    arrays = [*batch.keys, *batch.values]
+    mx.eval(arrays)
+    gc.collect()
+    assert batch.keys[0].shape[2] == 40 and batch.left_padding.tolist() == [0]
+    shown = sum(a.nbytes for a in arrays)
+    held = mx.get_active_memory()
+    del batch, arrays
+    gc.collect()
+    assert held - mx.get_active_memory() <= 2 * shown  # what it held: its arrays' own bytes (a view: ~25x)
