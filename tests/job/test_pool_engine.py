@@ -433,3 +433,23 @@ def test_a_join_leaves_no_prompt_cache_alive_behind_the_pool(tiered, tiny_moe, p
             gc.collect()
             freed_later.append(held - mx.get_active_memory())
     assert joined >= 2 and freed_later == [0] * joined
+
+
+def test_the_pools_growth_targets_follow_the_sequences_held(tiered, tiny_moe, prompts_and_refs):
+    """Once a sequence finishes, a growth of the decode pool's KV cache (a decode step past
+    its room) is sized for the sequences held then, not for those held at the last join."""
+    from mlx_tier.job.pool_kv import RoomyKVCache
+
+    model, tokenizer = tiered
+    prompts, _ = prompts_and_refs
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=3,
+                        prefill_batch=3, pool_tokens=4096, layer_seconds=None)
+    for i, n in enumerate((2, N, N)):
+        engine.add(Task(i, prompts[i], n))
+    finished = []
+    while not finished:
+        finished += engine.step().finished
+    assert [f.key for f in finished] == [0] and engine.active == 2
+    engine.step()
+    layers = [c for c in engine._gen.prompt_cache if isinstance(c, RoomyKVCache)]
+    assert layers and all(c.rows == 2 for c in layers)
