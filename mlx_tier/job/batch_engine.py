@@ -205,14 +205,12 @@ class PrefixCache:
         return copy.deepcopy(self.cache)
 
 
-def start_of(prefix: PrefixCache | None, prompt: list[int],
-             copy: bool = True) -> tuple[list[int], list | None, list[int], int]:
+def start_of(prefix: PrefixCache | None, prompt: list[int]) -> tuple[list[int], list | None, list[int], int]:
     """How a prompt starts in an engine: ``(tokens to read, its KV cache or None for a
     fresh one, tokens already in that cache, prefix tokens used)``: after a copy of
-    ``prefix``'s cache when the prompt starts with it (``copy=False``: no copy yet, the
-    cache ``None``; the caller makes it when the prompt is read)."""
+    ``prefix``'s cache when the prompt starts with it."""
     if prefix is not None and prefix.applies(prompt):
-        return prompt[len(prefix):], prefix.copy() if copy else None, list(prefix.tokens), len(prefix)
+        return prompt[len(prefix):], prefix.copy(), list(prefix.tokens), len(prefix)
     return prompt, None, [], 0
 
 

@@ -110,6 +110,7 @@ class _Seq:
     task: Task
     rest: list[int]
     last: int
+    cache: list
     seen: list[int]
     processors: list
     prefix_tokens: int
@@ -196,13 +197,15 @@ class PoolEngine:
         Raises:
             ValueError: no free place, or an empty prompt.
         """
+        from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.sample_utils import make_logits_processors
 
         check_add(self.free, task)
-        prompt, _, seen, used = start_of(self.prefix, task.prompt, copy=False)  # its cache made as it is read
+        prompt, cache, seen, used = start_of(self.prefix, task.prompt)
         procs = make_logits_processors(repetition_penalty=self.repetition_penalty) \
             if self.repetition_penalty != 1.0 else []
-        self._waiting.append(_Seq(self._uid, task, list(prompt[:-1]), prompt[-1], seen, procs, used,
+        cache = quantizing(cache if cache is not None else make_prompt_cache(self.model), self.kv_bits)
+        self._waiting.append(_Seq(self._uid, task, list(prompt[:-1]), prompt[-1], cache, seen, procs, used,
                                   time.perf_counter()))
         self._uid += 1
 
@@ -231,15 +234,11 @@ class PoolEngine:
             return self._prefill_step(interrupt) if self._prefill_next() else self._decode_step()
 
     def _begin(self, s: _Seq) -> None:
-        """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding),
-        its KV cache (a copy of the shared prefix's, or empty) made here and merged into the
-        batch's own."""
+        """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding)."""
         from mlx_lm.generate import PromptProcessingBatch
-        from mlx_lm.models.cache import make_prompt_cache
 
-        cache = self.prefix.copy() if s.prefix_tokens else make_prompt_cache(self.model)
         s.batch = PromptProcessingBatch(
-            self.model, [s.uid], [quantizing(cache, self.kv_bits)], tokens=[list(s.seen)], prefill_step_size=1 << 30,
+            self.model, [s.uid], [s.cache], tokens=[list(s.seen)], prefill_step_size=1 << 30,
             fallback_sampler=self._sampler, samplers=[None], logits_processors=[s.processors],
             stop_sequences=[self._stops], max_tokens=[s.task.max_tokens])
         self._reading.append(s)
@@ -303,7 +302,8 @@ class PoolEngine:
         end (mlx-lm's ``GenerationBatch`` computes it as it starts; it joins the pool then).
         ``False``: interrupted (every prompt being read is dropped; the other passes complete)."""
         stop = _LayerStop(interrupt)
-        # the pool's targets for a growth, from the sequences held now (finishes and drops lower them)
+        # The pool's targets for a growth: rows for the sequences the engine holds now (those the
+        # scheduler admitted, not the planned pool), room for the longest (finishes lower them).
         make_roomy(self._gen.prompt_cache or [], self.active, self._longest())
         reads = [Pass(lambda s=s, c=c: s.batch.prompt([c]), stop=stop) for s, c in chunks]
         starts = [Pass(lambda s=s: s.batch.generate([[s.last]])) for s in self._starting]
@@ -314,12 +314,8 @@ class PoolEngine:
         run_together(reads + starts + ([step] if step is not None else []))
         for s, started in zip(self._starting, starts):
             settle(self._gen)  # a join writes into the pool's KV cache in place
-            # Rows for the sequences the engine holds now (those the scheduler admitted), not for
-            # the planned pool: under a memory cap fewer may be admitted. Set before the join (a
-            # join that grows the buffer sizes it so) and after (the first join makes the buffer).
-            make_roomy(self._gen.prompt_cache or [], self.active, self._longest())
-            self._gen.extend(started.result)
-            make_roomy(self._gen.prompt_cache, self.active, self._longest())
+            self._gen.extend(started.result)  # a growth sized by the targets set above
+            make_roomy(self._gen.prompt_cache, self.active, self._longest())  # the first join made the buffer
             s.batch = None
             self._generating[s.uid] = s
         if starts:  # the joins' copies made now: until then they keep the joiners' caches (and a grown-from buffer)
