@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 PROGRESS_EVERY = 8
 
@@ -99,7 +100,9 @@ def load_mlx_tier(spec: RunSpec) -> Loaded:
     import mlx_tier
     from mlx_tier import TierConfig
     from mlx_tier.engine.dtypes import job_compute_dtype
+    from mlx_tier.kernels.warmup import compile_for
 
+    compile_for(Path(spec.model), spec.tier_kernel)  # as `run` does: Numba's memory not in this process's peak
     model, _ = mlx_tier.load(spec.model, config=TierConfig(cache_gb=spec.cache_gb, kernel=spec.tier_kernel,
                                                               dtype=job_compute_dtype()))
     cache = model.expert_cache

@@ -30,9 +30,11 @@ How:
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
   order), summaries of at most ``--summary-tokens``.
-- Each run loads and sizes its job as ``mlx-tier run`` does: the job's compute
-  dtype, the memory split of the limit it runs under
-  (:func:`mlx_tier.engine.sizes.run_budget`) and the prompt step it allows.
+- Each run loads and sizes its job as ``mlx-tier run`` does: the CPU kernel
+  compiled ahead in a child process of its own
+  (:func:`mlx_tier.kernels.warmup.compile_for`: Numba's working memory is not
+  the run's), the job's compute dtype, the memory split of the limit it runs
+  under (:func:`mlx_tier.engine.sizes.run_budget`) and the prompt step it allows.
 - Each run is a fresh process (``--worker``), inside a cgroup v1 memory group
   of ``--cap-gb`` when given (page cache charged: ``benches/capped.py``), the
   checkpoint's pages evicted first under a cap (every run starts cold). Rounds
@@ -114,11 +116,17 @@ def worker(spec: dict) -> dict:
     from mlx_tier.job.model_setup import FALLBACK_CONTEXT
     from mlx_tier.job.scheduler import GenerationConfig, Scheduler
     from mlx_tier.kernels import cpu_vnni
+    from mlx_tier.kernels.warmup import compile_for
     from mlx_tier.tools import pool_cache, pools
 
     load0 = os.getloadavg()[0]
     sched = spec["schedule"]
     model_dir = Path(spec["model"])
+    # As `run` does before its split: a first run in a fresh tree compiled the kernel in
+    # this process, and LLVM's memory it kept (~170 MB) shrank the room its pools were planned in.
+    t0 = time.perf_counter()
+    compile_for(model_dir, "cpu")
+    compile_s = time.perf_counter() - t0
     cpu_vnni.TWO_TOKEN = sched != "throughput-one-token"
     pool_engine.MODULE_BATCHING = sched != "throughput-separate"
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
@@ -185,7 +193,7 @@ def worker(spec: dict) -> dict:
     return {
         "schedule": sched, "docs": len(outs), "done": sum(o.status == "done" for o in outs), "wall_s": wall,
         "errors": [o.error for o in outs if o.error], "parts": sum(o.parts for o in outs),
-        "load_s": load_s, "setup_s": setup_s, "docs_per_hour": len(outs) / wall * 3600,
+        "compile_s": compile_s, "load_s": load_s, "setup_s": setup_s, "docs_per_hour": len(outs) / wall * 3600,
         "prompt_tok_s": acc["prompt_tokens"] / max(acc["prompt_s"], 1e-9), "prompt_tokens": acc["prompt_tokens"],
         "generated": acc["generated"], "generated_in_prefill_steps": acc["merged"], "gen_tok_s_wall": acc["generated"] / wall,
         "decode_s_per_token": acc["decode_s"] / max(1, acc["generated"]), "steps": acc["steps"],
