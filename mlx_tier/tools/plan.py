@@ -360,7 +360,7 @@ def make_plan(
     if doc_tokens and slots and memory.split is not None:  # the split's KV share, as a run sizes its pools
         job = job_pools(config, L, num_experts, top_k, slots, sizes["expert_bytes_disk"], 2 * sizes["expert_params"],
                         speed["disk_gbps"], memory.split.kv, doc_tokens, summary_tokens,
-                        memory.split.prefill_step, kv_bits) | traded
+                        memory.split.prefill_step, kv_bits, _head_bytes(index)) | traded
     return Plan(
         job=job,
         kv_bits=kv_bits,
@@ -451,10 +451,11 @@ def _measured(source, needs: Needs, expert_names: list, top_k: int, slots: int, 
 
 def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, expert_bytes: int,
               expert_flops: float, disk_gbps: float, free_bytes: int, doc_tokens: int, summary_tokens: int,
-              max_pool: int | None = None, kv_bits: int | None = None) -> dict:
+              max_pool: int | None = None, kv_bits: int | None = None, head_bytes: int = 0) -> dict:
     """The overnight job's pools and predicted documents/hour (:func:`mlx_tier.tools.pools.choose_pools`)
-    from a checkpoint's config, its kernels' rates probed here (:func:`mlx_tier.tools.pools.probe_rates`)."""
-    from mlx_tier.tools.pools import Shape, choose_pools, probe_rates
+    from a checkpoint's config, its kernels' rates probed here (:func:`mlx_tier.tools.pools.probe_rates`);
+    ``head_bytes``: its output layer's (:func:`mlx_tier.tools.pools.output_layer_bytes`; 0: not priced)."""
+    from mlx_tier.tools.pools import Shape, choose_pools, head_terms, probe_rates
 
     hidden = int(config.get("hidden_size") or 0)
     heads = int(config.get("num_attention_heads") or 1)
@@ -465,12 +466,20 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     dense = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     kv = _kv_bytes(config, layers, job_compute_dtype(), 1, kv_bits)
     shape = Shape(layers, experts, top_k, slots, expert_bytes, expert_flops, int(dense * 0.6), 2.0 * dense,
-                  4.0 * heads * head_dim, float(kv), heads, hidden, inner)
+                  4.0 * heads * head_dim, float(kv), heads, hidden, inner,
+                  **head_terms(head_bytes, int(config.get("vocab_size") or 0), hidden))
     on_cpu = mx.default_device() == mx.cpu
     rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
                         head_dim, attention="cpu" if on_cpu else "mlx", kv_heads=kv_heads)
     pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes), max_pool=max_pool)
     return {**pools.as_dict(), "rates": rates.as_dict()}
+
+
+def _head_bytes(index: dict) -> int:
+    """The output layer's bytes in a checkpoint's ``index`` (name -> :class:`~mlx_tier.engine.checkpoint.TensorInfo`)."""
+    from mlx_tier.tools.pools import output_layer_bytes
+
+    return output_layer_bytes((name, info.nbytes) for name, info in index.items())
 
 
 def _for_pools(memory: _Memory, source, doc_tokens: int | None, summary_tokens: int,

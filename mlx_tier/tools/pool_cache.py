@@ -26,7 +26,9 @@ from mlx_tier.tools.pools import (
     Shape,
     attention_terms,
     choose_slots,
+    head_terms,
     measure_read_gbps,
+    output_layer_bytes,
     probe_rates,
 )
 
@@ -50,7 +52,8 @@ def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict
                   expert_flops=2.0 * projections * s.hidden * s.expert_inner,
                   **attention_terms(s.hidden, s.heads, s.kv_heads, s.head_dim), kv_bytes=float(s.kv_per_token),
                   heads=s.heads, hidden=s.hidden, inner=s.expert_inner,
-                  width=ROUND_EXPERTS if budget.kernel == "cpu" else 0)
+                  width=ROUND_EXPERTS if budget.kernel == "cpu" else 0,
+                  **head_terms(output_layer_bytes((n, t.nbytes) for n, t in ckpt.index.items()), s.vocab, s.hidden))
     quant = ckpt.config.get("quantization") or {}
     probe = {"expert_shape": (s.expert_inner, s.hidden), "bits": int(quant.get("bits", 4)),
              "group_size": int(quant.get("group_size", 64)), "heads": s.heads, "head_dim": s.head_dim,

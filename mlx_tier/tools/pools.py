@@ -166,6 +166,10 @@ class Shape:
             read); ``0.0``: ``kv_bytes``.
         width: experts a round of a layer call holds when the call needs more than the
             slots (:attr:`mlx_tier.engine.cache.LayerCache.width`); ``0``: the slots.
+        head_bytes: packed bytes of the output layer (``lm_head``, or a tied embedding),
+            which a step runs on one position a sequence (:func:`head_seconds`);
+            ``0.0``: not priced.
+        head_flops: FLOPs of one position through it (2 x vocabulary x hidden).
     """
 
     layers: int
@@ -186,6 +190,8 @@ class Shape:
     popularity: tuple[tuple[float, ...], ...] = ()
     kv_read_bytes: float = 0.0
     width: int = 0
+    head_bytes: float = 0.0
+    head_flops: float = 0.0
 
     @property
     def spread(self) -> float:
@@ -340,11 +346,44 @@ def layer_step_seconds(shape: Shape, rates: Rates, tokens: int, context: float,
     return {**parts, "total": sum(parts.values())}
 
 
+def head_seconds(shape: Shape, rates: Rates, rows: float) -> float:
+    """Seconds of the output layer on ``rows`` positions at once (one a sequence: a decode
+    step's, or the tokens riding a prompt step): below the GEMM's rows each row is a pair of
+    the loops (:meth:`Rates.pair_seconds`, the pass over the weights shared by the rows),
+    else the layer is dequantised once and multiplied. ``0.0`` where it is not priced."""
+    if shape.head_bytes <= 0 or rows <= 0:
+        return 0.0
+    if rows >= rates.gemm_min_rows:
+        return shape.head_bytes / (rates.dequant_gbps * 1e9) + rows * shape.head_flops / (rates.gemm_gflops * 1e9)
+    return rows * rates.pair_seconds(shape.head_bytes, rows)
+
+
 def seconds_per_token(shape: Shape, rates: Rates, tokens: int, context: float,
                       sequences: int | None = None) -> float:
     """Whole-model seconds per token at a pool of ``tokens`` of ``sequences`` sequences
-    (``L * step / tokens``; ``None``: one token a sequence, a decode step)."""
-    return shape.layers * layer_step_seconds(shape, rates, tokens, context, sequences)["total"] / max(tokens, 1)
+    (``L * step / tokens``; ``None``: one token a sequence, a decode step, whose output
+    layer runs on every token: :func:`head_seconds`; a prompt's runs on its last token
+    only, priced with the tokens it generates)."""
+    head = head_seconds(shape, rates, tokens) if sequences is None else 0.0
+    return (shape.layers * layer_step_seconds(shape, rates, tokens, context, sequences)["total"] + head) / max(tokens, 1)
+
+
+def head_terms(head_bytes: int, vocab: int, hidden: int) -> dict:
+    """:class:`Shape`'s output-layer terms: ``head_bytes`` and ``head_flops`` (none without
+    the layer's bytes or the vocabulary)."""
+    if head_bytes <= 0 or vocab <= 0:
+        return {"head_bytes": 0.0, "head_flops": 0.0}
+    return {"head_bytes": float(head_bytes), "head_flops": 2.0 * vocab * hidden}
+
+
+def output_layer_bytes(tensors) -> int:
+    """Bytes of a model's output layer from ``(name, bytes)`` pairs of its tensors (a
+    checkpoint's index, or a loaded model's parameters): those of ``lm_head``, or of the
+    token embedding where the output layer is tied to it (no ``lm_head``); 0 when neither
+    is found."""
+    pairs = list(tensors)
+    head = [n for name, n in pairs if name.split(".")[0] == "lm_head" or ".lm_head." in f".{name}"]
+    return int(sum(head) if head else sum(n for name, n in pairs if "embed_tokens." in name))
 
 
 @dataclass(frozen=True)
@@ -437,9 +476,10 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     ctx_decode = prompt_tokens + output_tokens / 2
     decode_s = seconds_per_token(shape, rates, pool, ctx_decode)
     prompt_s = 1 / rate[prefill_tokens]
+    riding = max(1, pool - prefill_batch)  # tokens decoded in a prefill step: one output-layer row each
     merged_tokens = min(output_tokens, read / prefill_tokens * max(0, pool - prefill_batch)) if merged else 0.0
     merged_s = prompt_s + (ctx_decode * (shape.kv_read_bytes or shape.kv_bytes) / (rates.kv_read_gbps * 1e9)
-                           if rates.kv_read_gbps > 0 else 0.0)
+                           if rates.kv_read_gbps > 0 else 0.0) + head_seconds(shape, rates, riding) / riding
     decode_all_s = merged_tokens * merged_s + (output_tokens - merged_tokens) * decode_s
     doc_s = read * prompt_s + decode_all_s
     one_s = (read * seconds_per_token(shape, rates, min(prefill_tokens, read), ctx_prefill, 1)
@@ -645,11 +685,15 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
     head_dim = int(getattr(args, "head_dim", None) or hidden // heads)
     top_k = next((int(getattr(args, k)) for k in ("num_experts_per_tok", "top_k", "moe_k")
                   if isinstance(getattr(args, k, None), int)), 2)
+    from mlx.utils import tree_flatten
+
+    head = output_layer_bytes((name, a.nbytes) for name, a in tree_flatten(model.parameters()))
     shape = Shape(layers=len(cache.layers), experts=E, top_k=top_k, slots=min(cache.layer_slots),
                   expert_bytes=expert_bytes, expert_flops=2.0 * params,
                   **attention_terms(hidden, heads, kv_heads, head_dim),
                   kv_bytes=kv_bytes, heads=heads, hidden=hidden, inner=int(params / (3 * hidden)) if hidden else 0,
-                  read_ahead=getattr(layer, "reader", None) is not None, width=layer.width)
+                  read_ahead=getattr(layer, "reader", None) is not None, width=layer.width,
+                  **head_terms(head, int(getattr(args, "vocab_size", 0) or 0), hidden))
     probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
              "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim,
              "kv_heads": kv_heads}

@@ -48,6 +48,19 @@ def test_the_checkpoints_shape(tiny_moe):
     assert shape.expert_bytes * shape.experts * shape.layers == pytest.approx(stored, rel=0.01)
     assert shape.kv_bytes == b.shape.kv_per_token and probe["bits"] == 4 and probe["group_size"] == 32
     assert files and all(f.exists() for f in files)
+    head = [i.nbytes for name, i in ckpt.index.items() if name.startswith("lm_head.")]
+    assert head and shape.head_bytes == sum(head) and shape.head_flops == 2 * b.shape.vocab * b.shape.hidden
+
+
+def test_a_loaded_models_shape_prices_its_output_layer(tiny_moe):
+    """The run's shape (:func:`pools.shape_of`) holds the output layer as loaded."""
+    import mlx_tier
+
+    model, _ = mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2, kernel="cpu"))
+    shape = pools.shape_of(model, 1.0)[0]
+    head = model.lm_head
+    assert shape.head_bytes == sum(head[k].nbytes for k in ("weight", "scales", "biases")) > 0
+    assert shape.head_flops == 2 * model.args.vocab_size * model.args.hidden_size
 
 
 def test_a_tight_cap_trades_slots_for_pools(tiny_moe, fixed_rates):

@@ -21,7 +21,10 @@ from mlx_tier.tools.pools import (
     calibrate,
     choose_pools,
     distinct_experts,
+    head_seconds,
+    head_terms,
     layer_step_seconds,
+    output_layer_bytes,
     routed_experts,
     seconds_per_token,
 )
@@ -304,6 +307,44 @@ def test_tokens_decoded_in_prefill_steps_are_priced_as_rows_of_them():
     alone = choose_pools(SYNTH, rates, 900, 64, 1 << 30, cap=1)
     assert alone.merged_tokens == 0 and alone.docs_per_hour == choose_pools(
         SYNTH, rates, 900, 64, 1 << 30, cap=1, merged=False).docs_per_hour
+
+
+def test_the_output_layer_is_priced_once_a_step_on_one_row_a_sequence():
+    """A decode step runs the output layer (vocabulary x hidden: on the demo model as many
+    weights as all its attention projections) on one position a sequence: its pass over
+    the weights shared by the rows below the GEMM's, one dequantisation and a GEMM above;
+    a prompt's tokens do not run it (only its last, priced with what it generates). The
+    job's price of a summary carries each decode step's and each riding token's share."""
+    head = replace(SYNTH, **head_terms(60_000_000, 49_152, 2048))
+    assert head.head_flops == 2 * 49_152 * 2048 and head_terms(0, 49_152, 2048)["head_bytes"] == 0.0
+    rates = replace(RATES, loop_gbps=30.0, gemm_min_rows=64)
+    assert head_seconds(SYNTH, rates, 32) == 0.0  # not priced without its bytes
+    assert head_seconds(head, rates, 32) == pytest.approx(32 * rates.pair_seconds(60e6, 32))
+    assert head_seconds(head, rates, 128) == pytest.approx(60e6 / 8e9 + 128 * head.head_flops / 40e9)
+    for pool in (1, 5, 32, 128):  # decode steps: the layer's share per token
+        assert seconds_per_token(head, rates, pool, 900) - seconds_per_token(SYNTH, rates, pool, 900) == (
+            pytest.approx(head_seconds(head, rates, pool) / pool))
+    assert seconds_per_token(head, rates, 256, 450, 1) == seconds_per_token(SYNTH, rates, 256, 450, 1)  # a prompt
+    rates = replace(rates, kv_read_gbps=6.0)
+    bare, priced = (choose_pools(sh, rates, 900, 64, 1 << 30, documents=32) for sh in (SYNTH, head))
+    assert (bare.prefill_tokens, bare.decode_pool, bare.merged_tokens) == (
+        priced.prefill_tokens, priced.decode_pool, priced.merged_tokens)
+    riding = max(1, priced.decode_pool - priced.prefill_batch)
+    added = (priced.merged_tokens * head_seconds(head, rates, riding) / riding
+             + (64 - priced.merged_tokens) * head_seconds(head, rates, priced.decode_pool) / priced.decode_pool)
+    assert 0 < added and 3600 / priced.docs_per_hour - 3600 / bare.docs_per_hour == pytest.approx(added)
+
+
+def test_the_output_layers_bytes_are_lm_heads_or_the_tied_embeddings():
+    """Checkpoint or loaded model: ``lm_head``'s tensors (also under a wrapper's prefix),
+    else the token embedding's (a tied output layer); nothing else counts."""
+    untied = [("model.embed_tokens.weight", 10), ("lm_head.weight", 7), ("lm_head.scales", 2),
+              ("model.layers.0.self_attn.q_proj.weight", 100)]
+    assert output_layer_bytes(untied) == 9
+    assert output_layer_bytes([("language_model.lm_head.weight", 5), ("language_model.model.embed_tokens.weight", 3)]) == 5
+    tied = [("model.embed_tokens.weight", 10), ("model.embed_tokens.biases", 1), ("model.norm.weight", 4)]
+    assert output_layer_bytes(iter(tied)) == 11
+    assert output_layer_bytes([("model.norm.weight", 4), ("lm_header.weight", 3)]) == 0
 
 
 def test_the_attention_probes_run_as_the_job_does(monkeypatch):
