@@ -1,7 +1,20 @@
-"""Diagnose the resident set at planning: run the throughput worker up to the pool plan in
-the bench's cgroup, dumping RssAnon and the largest anonymous mappings at each stage."""
-import json, os, sys, time, subprocess
+"""Round 19's diagnosis: the resident set of benches/throughput.py's worker up to its pool plan.
+
+Runs the worker (the 8 GB synthetic at /tmp/throughput/synth-24, throughput schedule)
+N times in a 2 GiB cgroup v1 group, the checkpoint's pages evicted first, and prints
+RssAnon, RssFile, threads, MLX's memory and the largest anonymous mappings at each
+stage (start, after the cache chooser's probes, after the load, after the shared
+prefix, after the plan), then the decode pool planned. Needs root (the cgroup).
+
+    python diag_plan.py PATH/TO/benches N
+"""
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
+
 BENCH = Path(sys.argv[1]).resolve()  # benches dir of the tree under test
 sys.path.insert(0, str(BENCH))
 
@@ -39,9 +52,10 @@ def child(spec):
     global T0
     T0 = time.time()
     import throughput
+
     import mlx_tier
-    from mlx_tier.tools import pool_cache
     from mlx_tier.job import scheduler as sch
+    from mlx_tier.tools import pool_cache
     dump("start")
     orig_cfp = pool_cache.cache_for_pools
     def cfp(*a, **k):
