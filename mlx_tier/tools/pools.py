@@ -382,7 +382,7 @@ def output_layer_bytes(tensors) -> int:
     token embedding where the output layer is tied to it (no ``lm_head``); 0 when neither
     is found."""
     pairs = list(tensors)
-    head = [n for name, n in pairs if name.split(".")[0] == "lm_head" or ".lm_head." in f".{name}"]
+    head = [n for name, n in pairs if ".lm_head." in f".{name}"]
     return int(sum(head) if head else sum(n for name, n in pairs if "embed_tokens." in name))
 
 
@@ -669,6 +669,8 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
 
     ``kv_bytes``: KV-cache bytes per token (measured on a filled prompt cache).
     """
+    from mlx.utils import tree_flatten
+
     cache = getattr(model, "expert_cache", None)
     args = getattr(model, "args", None)
     if cache is None or args is None:
@@ -685,8 +687,6 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
     head_dim = int(getattr(args, "head_dim", None) or hidden // heads)
     top_k = next((int(getattr(args, k)) for k in ("num_experts_per_tok", "top_k", "moe_k")
                   if isinstance(getattr(args, k, None), int)), 2)
-    from mlx.utils import tree_flatten
-
     head = output_layer_bytes((name, a.nbytes) for name, a in tree_flatten(model.parameters()))
     shape = Shape(layers=len(cache.layers), experts=E, top_k=top_k, slots=min(cache.layer_slots),
                   expert_bytes=expert_bytes, expert_flops=2.0 * params,
