@@ -102,7 +102,8 @@ def load_mlx_tier(spec: RunSpec) -> Loaded:
     from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.kernels.warmup import compile_for
 
-    compile_for(Path(spec.model), spec.tier_kernel)  # as `run` does: Numba's memory not in this process's peak
+    # As `run` does: Numba's memory not in this process's peak (a first run's load_s holds the compile).
+    compile_for(Path(spec.model), spec.tier_kernel, lambda line: print(line, file=sys.stderr))
     model, _ = mlx_tier.load(spec.model, config=TierConfig(cache_gb=spec.cache_gb, kernel=spec.tier_kernel,
                                                               dtype=job_compute_dtype()))
     cache = model.expert_cache

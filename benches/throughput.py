@@ -125,7 +125,7 @@ def worker(spec: dict) -> dict:
     # As `run` does before its split: a first run in a fresh tree compiled the kernel in
     # this process, and LLVM's memory it kept (~170 MB) shrank the room its pools were planned in.
     t0 = time.perf_counter()
-    compile_for(model_dir, "cpu")
+    compile_for(model_dir, "cpu", lambda line: print(line, file=sys.stderr))
     compile_s = time.perf_counter() - t0
     cpu_vnni.TWO_TOKEN = sched != "throughput-one-token"
     pool_engine.MODULE_BATCHING = sched != "throughput-separate"

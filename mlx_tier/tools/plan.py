@@ -454,7 +454,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
               max_pool: int | None = None, kv_bits: int | None = None, head_bytes: int = 0) -> dict:
     """The overnight job's pools and predicted documents/hour (:func:`mlx_tier.tools.pools.choose_pools`)
     from a checkpoint's config, its kernels' rates probed here (:func:`mlx_tier.tools.pools.probe_rates`);
-    ``head_bytes``: its output layer's (:func:`mlx_tier.tools.pools.output_layer_bytes`; 0: not priced)."""
+    ``head_bytes``: its output layer's bytes (:func:`mlx_tier.tools.pools.output_layer_bytes`; 0: not priced)."""
     from mlx_tier.tools.pools import Shape, choose_pools, head_terms, probe_rates
 
     hidden = int(config.get("hidden_size") or 0)

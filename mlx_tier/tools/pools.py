@@ -26,8 +26,11 @@ tokens (whose average context is ``C`` tokens) costs, per layer::
                  N * C * kv_bytes / L / kv_read)     (N sequences: a decode step reads all of theirs)
     fixed  = overhead + (D(T) - H(T)) * per_expert       slot writes, rounds, dispatch (measured)
     step   = fixed + read + expert + dense + attn
+    head(N) = N * pair(N) of the output layer's bytes   a decode step's output layer (the logits),
+              (N >= gemm_min_rows: dequant + GEMM)      one row a sequence, once a step
 
-so the seconds per token, ``L * step(T) / T``, fall as ``T`` grows until the
+so the seconds per token, ``L * step(T) / T`` (a decode step of ``T``
+sequences: ``(L * step(T) + head(T)) / T``), fall as ``T`` grows until the
 per-token terms dominate. The prefill pool is the smallest ``T`` within
 :data:`NEAR_BEST` of the best rate that memory allows; the decode pool the
 largest number of sequences whose KV cache fits (a generated token's cost only
@@ -39,8 +42,8 @@ layer steps (module batching, :mod:`mlx_tier.engine.module_batch`): each of
 the ``read / T`` prefill steps a document's prompt takes (its share of them)
 gives a token to each of the ``pool - prefill_batch`` sequences generating
 beside it, a row of the prefill pool's layer steps (priced as a prompt token,
-plus its attention's reads of its KV cache); a document's remaining tokens
-are priced at the decode pool's rate.
+plus its attention's reads of its KV cache and its share of ``head`` over the
+riding rows); a document's remaining tokens are priced at the decode pool's rate.
 
 The model is plain arithmetic over :class:`Rates` and :class:`Shape`;
 :func:`probe_rates` measures the rates on this machine in a few seconds, and
@@ -166,9 +169,9 @@ class Shape:
             read); ``0.0``: ``kv_bytes``.
         width: experts a round of a layer call holds when the call needs more than the
             slots (:attr:`mlx_tier.engine.cache.LayerCache.width`); ``0``: the slots.
-        head_bytes: packed bytes of the output layer (``lm_head``, or a tied embedding),
-            which a step runs on one position a sequence (:func:`head_seconds`);
-            ``0.0``: not priced.
+        head_bytes: bytes of the output layer (``lm_head``, or a tied embedding; as
+            stored in a checkpoint, or as loaded), which a step runs on one position a
+            sequence (:func:`head_seconds`); ``0.0``: not priced.
         head_flops: FLOPs of one position through it (2 x vocabulary x hidden).
     """
 
@@ -350,7 +353,12 @@ def head_seconds(shape: Shape, rates: Rates, rows: float) -> float:
     """Seconds of the output layer on ``rows`` positions at once (one a sequence: a decode
     step's, or the tokens riding a prompt step): below the GEMM's rows each row is a pair of
     the loops (:meth:`Rates.pair_seconds`, the pass over the weights shared by the rows),
-    else the layer is dequantised once and multiplied. ``0.0`` where it is not priced."""
+    else the layer is dequantised once and multiplied. ``0.0`` where it is not priced.
+
+    An approximation: the rates and the GEMM's row threshold are the experts' (probed on
+    their format), while the output layer may be stored otherwise (the demo's is 8-bit,
+    whose kernel takes the GEMM from 8 rows). Measured on the demo's layer alone at 32
+    rows: 37.9 ms, priced 41.0 (at the GEMM's price: 17.5)."""
     if shape.head_bytes <= 0 or rows <= 0:
         return 0.0
     if rows >= rates.gemm_min_rows:

@@ -329,6 +329,7 @@ def test_the_output_layer_is_priced_once_a_step_on_one_row_a_sequence():
     bare, priced = (choose_pools(sh, rates, 900, 64, 1 << 30, documents=32) for sh in (SYNTH, head))
     assert (bare.prefill_tokens, bare.decode_pool, bare.merged_tokens) == (
         priced.prefill_tokens, priced.decode_pool, priced.merged_tokens)
+    assert priced.merged_tokens > 0 and priced.decode_pool < rates.gemm_min_rows  # both shares, on the loops
     riding = max(1, priced.decode_pool - priced.prefill_batch)
     added = (priced.merged_tokens * head_seconds(head, rates, riding) / riding
              + (64 - priced.merged_tokens) * head_seconds(head, rates, priced.decode_pool) / priced.decode_pool)
