@@ -357,8 +357,8 @@ def head_seconds(shape: Shape, rates: Rates, rows: float) -> float:
 
     An approximation: the rates and the GEMM's row threshold are the experts' (probed on
     their format), while the output layer may be stored otherwise (the demo's is 8-bit,
-    whose kernel takes the GEMM from 8 rows). Measured on the demo's layer alone at 32
-    rows: 37.9 ms, priced 41.0 (at the GEMM's price: 17.5)."""
+    whose kernel takes the GEMM from 8 rows); on that layer the loops' price came closer
+    to its measured time than the GEMM's (benches/results/throughput/NOTES.md)."""
     if shape.head_bytes <= 0 or rows <= 0:
         return 0.0
     if rows >= rates.gemm_min_rows:
