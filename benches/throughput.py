@@ -75,7 +75,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8",
-             "throughput-one-token", "throughput-prefetch", "throughput-separate")
+             "throughput-one-token", "throughput-prefetch", "throughput-separate", "throughput-no-lend")
 
 
 # ------------------------------------------------------------------- documents
@@ -129,6 +129,7 @@ def worker(spec: dict) -> dict:
     compile_s = time.perf_counter() - t0
     cpu_vnni.TWO_TOKEN = sched != "throughput-one-token"
     pool_engine.MODULE_BATCHING = sched != "throughput-separate"
+    pool_engine.LEND_SLOTS = sched != "throughput-no-lend"
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
                       attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype(),
                       read_ahead=sched != "throughput-no-ahead", prefetch=sched == "throughput-prefetch")

@@ -412,6 +412,60 @@ class LayerCache:
         self.policy = self.policy_spec.make(self.layer, self.num_slots)
         self.lut = None
 
+    def resize(self, num_slots: int) -> None:
+        """Hold ``num_slots`` slots from now on (``1 <= num_slots <= E``).
+
+        Growing keeps every resident expert in its slot and adds free slots;
+        shrinking forgets the experts of the slots dropped (neither hits nor
+        evictions: the caller lends and takes back room, see
+        :meth:`mlx_tier.engine.expert_cache.ExpertCache.lend_slots`). Each slab is
+        made anew at its new size, its kept rows copied (a buffer no other array
+        shares: the old one is freed once its readers are done, :meth:`settle`
+        first); the policy is made anew for the new count, the kept experts
+        inserted in slot order. Which slot holds an expert never changes what a
+        kernel computes from it, so tokens do not depend on the resizes.
+
+        Raises:
+            ValueError: ``num_slots`` outside ``[1, E]``.
+        """
+        if not 1 <= num_slots <= self.num_experts:
+            raise ValueError(f"slots must be in [1, {self.num_experts}], got {num_slots}")
+        if num_slots == self.num_slots:
+            return
+        self.settle()
+        self._end_read_ahead()
+        keep = min(num_slots, self.num_slots)
+        slabs = []
+        for name, t in self.tensors.items():
+            old = t.module[t.attr]
+            host = self._host_slab(name)
+            view = None
+            if host is not None:  # the kept rows copied through a host view, no MLX op (CPU backend)
+                new = mx.zeros((num_slots, *old.shape[1:]), old.dtype)
+                mx.eval(new)
+                view = np.asarray(new)
+            if view is not None and view.flags.c_contiguous and view.flags.writeable:
+                view[:keep] = host[:keep]
+            else:
+                parts = [old[:keep]] + ([mx.zeros((num_slots - keep, *old.shape[1:]), old.dtype)]
+                                        if num_slots > keep else [])
+                new = mx.concatenate(parts)
+            setattr(t.module, t.attr, new)
+            self._private[name] = new
+            slabs.append(new)
+        mx.eval(slabs)
+        dropped = np.flatnonzero(self.slot_of >= num_slots)
+        self.slot_of[dropped] = -1
+        self.num_slots = num_slots
+        kept = sorted(np.flatnonzero(self.slot_of >= 0).tolist(), key=lambda e: self.slot_of[e])
+        used = {int(self.slot_of[e]) for e in kept}
+        self.free = [s for s in range(num_slots - 1, -1, -1) if s not in used]
+        self.policy = self.policy_spec.make(self.layer, num_slots)
+        for e in kept:
+            self.policy.insert(e)
+        self.lut = None
+        self._update_lut()
+
     def slot_nbytes_as(self, dtypes: dict[str, mx.Dtype]) -> int:
         """Bytes of one expert with the tensors named in ``dtypes`` in those dtypes."""
         return sum(t.slot_nbytes(dtypes.get(name)) for name, t in self.tensors.items())

@@ -49,6 +49,8 @@ class ExpertCache:
         for layer in layers:
             layer.owner = self
         self._scratch: dict = {}  # the layers' scratch slabs (LayerCache.scratch)
+        self._base_slots: tuple[int, ...] | None = None  # each layer's slots as loaded, once some are lent
+        self.lent = 0  # slots each layer holds beyond those (lend_slots)
 
     def __deepcopy__(self, memo) -> ExpertCache:
         """A copy whose layers get scratch slabs of their own (a copied slab shares its
@@ -162,6 +164,36 @@ class ExpertCache:
     def _prewarm_layer(self, i: int, profile) -> int:
         layer = self.layers[i]
         return layer.prewarm(profile.hottest(i, layer.num_slots))
+
+    def lend_slots(self, extra: int) -> None:
+        """Give every layer ``extra`` slots beyond the ones it was loaded with (``0``:
+        back to those), for room its caller knows is idle meanwhile: the job's
+        throughput schedule lends a prompt step's workspace to its decode steps
+        (:class:`mlx_tier.job.pool_engine.PoolEngine`'s ``decode_slots``; MoE-Gen,
+        arXiv 2503.09716, sizes prefill and decode apart for the same reason). The
+        budget moves with the lent slots: lent bytes are the caller's to account for.
+        Taking them back forgets the experts in them (:meth:`LayerCache.resize`).
+
+        Raises:
+            ValueError: ``extra`` below 0, or a layer that would exceed its experts.
+        """
+        if extra < 0:
+            raise ValueError(f"extra slots must be >= 0, got {extra}")
+        base = self._base_slots = self._base_slots or self.layer_slots
+        if any(n + extra > layer.num_experts for n, layer in zip(base, self.layers)):
+            raise ValueError(f"{extra} extra slots exceed a layer's experts")
+        before = self.resident_bytes
+        for n, layer in zip(base, self.layers):
+            layer.resize(n + extra)
+        self.budget_bytes += self.resident_bytes - before
+        self.lent = extra
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of the slots lent now (:meth:`lend_slots`), 0 when none."""
+        if not self.lent:
+            return 0
+        return sum(self.lent * layer.slot_nbytes for layer in self.layers)
 
     @property
     def resident_bytes(self) -> int:

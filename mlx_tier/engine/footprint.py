@@ -258,6 +258,21 @@ class MemoryBudget:
         step_room = self.workspace - read_ahead_bytes(self.cache, self.shape, self.kernel, self.expert)
         return prompt_step_for(self.shape, self.kernel, step_room, self.prefill_step, done)
 
+    def decode_slots(self, batch: int, context: int) -> int:
+        """Expert slots per layer a decode step of ``batch`` sequences (``context`` tokens
+        each at most) can borrow from :attr:`workspace`: what a prompt step's workspace
+        holds beyond the decode step's own and the read ahead of the grown cache
+        (:func:`read_ahead_bytes`), in whole slot rows (:attr:`slot_row`); 0 when the
+        shape or the slot row is unknown."""
+        if self.shape is None or self.slot_row <= 0:
+            return 0
+        step = step_workspace(self.shape, self.kernel, batch, context, batch)
+        n = 0
+        while (n + 1) * self.slot_row + step + read_ahead_bytes(
+                self.cache + (n + 1) * self.slot_row, self.shape, self.kernel, self.expert) <= self.workspace:
+            n += 1
+        return n
+
     def parts(self) -> dict[str, int]:
         """The parts by name, in the order a run holds them; they sum to ``total``."""
         return {"runtime": self.runtime, "dense part": self.dense, "experts": self.cache, "KV": self.kv,

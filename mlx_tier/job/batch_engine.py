@@ -141,15 +141,17 @@ def headroom() -> int:
     return CGROUP_HEADROOM_BYTES if probe_limit().limited else HEADROOM_BYTES
 
 
-def sequence_room(budget: MemoryBudget | None = None) -> int:
+def sequence_room(budget: MemoryBudget | None = None, lent: int = 0) -> int:
     """Bytes new sequences may take now: within a run's memory split
     (:func:`mlx_tier.engine.footprint.room_now`), else what this process's memory
     limit leaves (its cgroup's or the host's, :mod:`mlx_tier.engine.limits`)
-    less :func:`headroom`."""
+    less :func:`headroom`. ``lent``: bytes of the split's workspace the expert cache
+    holds now (slots lent to decode steps, given back before a prompt step): the
+    workspace is reserved already, so they are not counted twice."""
     available = probe_limit().available
     if budget is None:
         return available - headroom()
-    return room_now(budget, psutil.Process().memory_info().rss, available)
+    return room_now(budget, psutil.Process().memory_info().rss - lent, available + lent)
 
 
 def estimate_memory(cache: list, model_args, prefill_step: int, free_bytes: int | None = None) -> MemoryPlan:

@@ -42,6 +42,16 @@ while a folder's first prompts were read: a generated token cost ~2x a full
 pool's). Sizes come from :mod:`mlx_tier.tools.pools`; this module only
 executes them.
 
+Decode steps borrow slots: a layer of a prompt pool reads nearly every expert
+whatever the slots hold, while a decode pool's few sequences each keep to a
+few experts from token to token (routing is sticky: ~0.9 of a token's experts
+were its previous token's on the 8 GB synthetic), so slots pay in decode steps,
+and the workspace a prompt step needs sits idle in them. ``decode_slots``
+lends that room to the expert cache as extra slots before a decode step and
+takes it back before the next prefill step
+(:meth:`~mlx_tier.engine.expert_cache.ExpertCache.lend_slots`; MoE-Gen, arXiv
+2503.09716, sizes prefill and decode apart). Tokens do not depend on it.
+
 Long steps stay responsive: a prefill step carries at most the prompt tokens
 whose layer step takes about :data:`LAYER_SECONDS`, as measured on this
 machine's steps (:class:`~mlx_tier.job.batch_engine.PrefillPacer`; the first
@@ -69,6 +79,7 @@ import mlx.core as mx
 from mlx_tier.defaults import DEFAULT_PREFILL_STEP
 from mlx_tier.engine.footprint import KV_STEP, check_kv_bits
 from mlx_tier.engine.module_batch import Pass, run_together
+from mlx_tier.engine.sizes import release_freed_memory
 from mlx_tier.job.batch_engine import (
     Finished,
     PrefillPacer,
@@ -90,6 +101,9 @@ from mlx_tier.job.quantized_kv import quantizing
 # Module batching on by default (module doc); benches/throughput.py turns it off to
 # measure what it buys.
 MODULE_BATCHING = True
+# Decode steps borrow the prompt step's idle workspace as expert slots (module doc);
+# benches/throughput.py turns it off to measure what it buys.
+LEND_SLOTS = True
 # Wall time one layer step of a prefill step should take at most: a stop is asked
 # between layers, so it acts within about this. The benches' planned pools (the demo's
 # and the synthetic's under a 2 GiB cap) take a small fraction of it a layer here.
@@ -144,6 +158,8 @@ class PoolEngine:
             ``None``: :data:`MODULE_BATCHING`.
         layer_seconds: aim of a prefill step's time per decoder layer (module doc);
             ``None``: every prefill step carries ``pool_tokens`` (unpaced).
+        decode_slots: expert slots per layer lent to the expert cache for decode steps,
+            taken back before a prefill step (module doc); 0: none.
 
     Raises:
         ValueError: a size below 1.
@@ -153,7 +169,7 @@ class PoolEngine:
     def __init__(self, model, tokenizer, stop_ids, *, batch_size: int = 32, prefill_batch: int = 8,
                  pool_tokens: int = DEFAULT_PREFILL_STEP, repetition_penalty: float = 1.0,
                  prefix: PrefixCache | None = None, kv_bits: int | None = None, merge: bool | None = None,
-                 layer_seconds: float | None = LAYER_SECONDS):
+                 layer_seconds: float | None = LAYER_SECONDS, decode_slots: int = 0):
         from mlx_lm.generate import GenerationBatch, StopSequences
         from mlx_lm.sample_utils import greedy_sampler
 
@@ -169,6 +185,7 @@ class PoolEngine:
         self.pacer = None if layer_seconds is None else PrefillPacer(
             pool_tokens, layer_seconds * _layers(model), min_tokens=16, first_tokens=FIRST_POOL_TOKENS)
         self._asked = pool_tokens  # prompt tokens the last prefill step was given room for
+        self.decode_slots = max(0, decode_slots)
         self._stops = StopSequences([[t] for t in sorted(stop_ids)])
         self._sampler = greedy_sampler
         self._gen = GenerationBatch.empty(model, greedy_sampler)
@@ -230,8 +247,23 @@ class PoolEngine:
         """
         from mlx_lm.generate import generation_stream
 
+        prefill = self._prefill_next()
+        self._lend_slots(0 if prefill else self.decode_slots)
         with mx.stream(generation_stream):
-            return self._prefill_step(interrupt) if self._prefill_next() else self._decode_step()
+            return self._prefill_step(interrupt) if prefill else self._decode_step()
+
+    def _lend_slots(self, extra: int) -> None:
+        """Lend the expert cache ``extra`` slots a layer (module doc), the memory the last
+        steps freed handed back first where slots grow, the lent slabs' after they shrink."""
+        cache = getattr(self.model, "expert_cache", None)
+        if cache is None or getattr(cache, "lent", extra) == extra:
+            return
+        growing = extra > cache.lent
+        if growing:
+            release_freed_memory()
+        cache.lend_slots(extra)
+        if not growing:
+            release_freed_memory()
 
     def _begin(self, s: _Seq) -> None:
         """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding)."""
@@ -431,6 +463,7 @@ class PoolEngine:
 
     def close(self) -> None:
         self.cancel()
+        self._lend_slots(0)
 
 
 def _split_time(info: StepInfo, seconds: float) -> None:

@@ -304,6 +304,7 @@ class Scheduler:
         if memory is not None:  # a pool's prompt step within the split's workspace
             self.pool_tokens = min(self.pool_tokens, memory.prefill_step)
         self._kv_room = self._pool_room(longest_chars)
+        self._longest = (predicted_tokens(longest_chars, None) if longest_chars else self.context) + len(self.prefix) + 16
         self.info = {
             "batch_size": self.batch_size,
             "batch_size_from": "batch_size" if config.batch_size else "memory headroom",  # the setting, or why
@@ -438,16 +439,31 @@ class Scheduler:
         if c.schedule == "throughput":
             return PoolEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                               prefill_batch=self.prefill_batch, pool_tokens=self.pool_tokens,
-                              repetition_penalty=c.repetition_penalty, prefix=self._prefix(), kv_bits=c.kv_bits)
+                              repetition_penalty=c.repetition_penalty, prefix=self._prefix(), kv_bits=c.kv_bits,
+                              decode_slots=self._decode_slots(batch_size))
         return BatchEngine(self.model, self.tokenizer, self.stop_ids, batch_size=batch_size,
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
                            prefix=self._prefix(), step_cap=self.memory.prompt_step if self.memory else None)
+
+    def _decode_slots(self, batch_size: int) -> int:
+        """Expert slots per layer the pool engine lends its decode steps
+        (:meth:`~mlx_tier.engine.footprint.MemoryBudget.decode_slots`: the prompt step's
+        workspace they leave idle, for sequences of the longest document's length), at
+        most the experts a layer has beyond its slots; 0 without a memory split or an
+        expert cache, or where :data:`~mlx_tier.job.pool_engine.LEND_SLOTS` is off."""
+        cache = getattr(self.model, "expert_cache", None)
+        if self.memory is None or cache is None or not pool_engine.LEND_SLOTS:
+            return 0
+        n = self.memory.decode_slots(batch_size, min(self.context, self._longest + self.config.max_tokens))
+        return max(0, min(n, cache.num_experts - max(cache.layer_slots)))
 
     def _context_now(self) -> int:
         """The usable context for a sequence starting now: memory now (sequences in
         flight already hold theirs), so a document that would not fit is split
         smaller, a request refused, instead of failing the process."""
-        now = replace(self.plan, free_bytes=sequence_room(self.memory))
+        cache = getattr(self.model, "expert_cache", None)
+        lent = getattr(cache, "lent_bytes", 0)
+        now = replace(self.plan, free_bytes=sequence_room(self.memory, lent))
         return min(self.context, now.max_tokens())
 
     def _tasks(self, d: _Doc, can_wait: bool = False) -> list[Task] | None:

@@ -142,3 +142,20 @@ def test_the_cpu_kernels_wide_rounds_are_counted_in_the_workspace():
     assert with_wide.workspace - without.workspace == ahead - with_wide.cache // 24
     assert with_wide.kv == without.kv - (ahead - with_wide.cache // 24)
     assert with_wide.prompt_step(0) == without.prompt_step(0)  # the step is sized without it
+
+
+def test_decode_steps_borrow_the_prompt_steps_workspace_in_whole_slot_rows():
+    """What a decode step leaves of the workspace a prompt step holds, less the grown cache's
+    read ahead, is lent as slot rows: the largest count that fits, never one more."""
+    b = split(2 * GIB, replace(NEEDS, expert=SLOT))
+    n = b.decode_slots(4, 1000)
+    assert n >= 1
+
+    def held(k: int) -> int:
+        cache = b.cache + k * b.slot_row
+        return (k * b.slot_row + step_workspace(SHAPE, "cpu", 4, 1000, 4)
+                + footprint.read_ahead_bytes(cache, SHAPE, "cpu", SLOT))
+
+    assert held(n) <= b.workspace < held(n + 1)
+    assert b.decode_slots(32, 30000) <= n  # a larger decode step borrows no more
+    assert replace(b, slot_row=0).decode_slots(4, 1000) == 0 and replace(b, shape=None).decode_slots(4, 1000) == 0

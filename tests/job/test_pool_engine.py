@@ -453,3 +453,28 @@ def test_the_pools_growth_targets_follow_the_sequences_held(tiered, tiny_moe, pr
     engine.step()
     layers = [c for c in engine._gen.prompt_cache if isinstance(c, RoomyKVCache)]
     assert layers and all(c.rows == 2 for c in layers)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_decode_steps_borrow_slots_and_give_them_back_before_a_prefill_step(tiered, tiny_moe, prompts_and_refs,
+                                                                             monkeypatch, merge):
+    """``decode_slots``: each decode step runs with the slots lent, each prefill step
+    without; the tokens are each prompt's alone; closing gives the slots back."""
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    cache = model.expert_cache
+    base = cache.layer_slots
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=2, prefill_batch=2,
+                        pool_tokens=16, merge=merge, layer_seconds=None, decode_slots=2)
+    seen = []
+    for name in ("_prefill_step", "_decode_step"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, real=real, name=name: (seen.append((name, cache.lent)), real(*a))[1])
+    got = run_pool(engine, prompts)
+    assert [g.tokens for g in got] == refs
+    assert {lent for name, lent in seen if name == "_decode_step"} == {2}
+    assert {lent for name, lent in seen if name == "_prefill_step"} == {0}
+    kinds = [name for name, _ in seen]
+    assert any(a == "_decode_step" and b == "_prefill_step" for a, b in zip(kinds, kinds[1:]))  # taken back
+    engine.close()
+    assert cache.lent == 0 and cache.layer_slots == base
