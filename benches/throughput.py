@@ -201,6 +201,7 @@ def worker(spec: dict) -> dict:
         "tokens_per_s": tokens / wall, "roofline_s": roof_s, "roofline_share": roof_s / wall if roof_s else None,
         "hit_rate": st.hit_rate, "bytes_read_per_token": st.bytes_read / max(1, tokens), "read_stall_share": st.stall_seconds / wall,
         "slots_per_layer": model.expert_cache.slots_per_layer, "cache_gib": model.expert_cache.budget_bytes / 2**30,
+        "decode_slots": s.info.get("decode_slots"), "cache_lent_at_end": model.expert_cache.lent,
         "batch_size": s.batch_size, "pool_tokens": s.pool_tokens if sched != "paced" else None,
         "prefill_batch": s.prefill_batch if sched != "paced" else None,
         "pools": s.pools.as_dict() if s.pools is not None else None,

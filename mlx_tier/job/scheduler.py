@@ -319,6 +319,7 @@ class Scheduler:
         }
         if config.schedule == "throughput":
             self.info |= {"pool_tokens": self.pool_tokens, "prefill_batch": self.prefill_batch,
+                          "decode_slots": self._decode_slots(self.batch_size),
                           "pools": self.pools.as_dict() if self.pools is not None else None,
                           "chars_per_token": round(self.chars_per_token, 2) if self.chars_per_token else None}
 
