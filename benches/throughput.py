@@ -108,6 +108,7 @@ def worker(spec: dict) -> dict:
         DEFAULT_REPETITION_PENALTY,
     )
     from mlx_tier.defaults import DEFAULT_PREFILL_STEP as PREFILL_STEP
+    from mlx_tier.engine import footprint
     from mlx_tier.engine.checkpoint import context_length
     from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.engine.sizes import peak_rss, run_budget
@@ -129,7 +130,7 @@ def worker(spec: dict) -> dict:
     compile_s = time.perf_counter() - t0
     cpu_vnni.TWO_TOKEN = sched != "throughput-one-token"
     pool_engine.MODULE_BATCHING = sched != "throughput-separate"
-    pool_engine.LEND_SLOTS = sched != "throughput-no-lend"
+    footprint.LEND_SLOTS = sched != "throughput-no-lend"
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
                       attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype(),
                       read_ahead=sched != "throughput-no-ahead", prefetch=sched == "throughput-prefetch")

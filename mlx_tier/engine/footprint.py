@@ -188,6 +188,10 @@ BUFFERS_MIN = 32 * MIB
 BUFFERS_MAX = 256 * MIB
 # Rows mlx-lm allocates a KV cache by (its KVCache.step): a sequence may hold this many more.
 KV_STEP = 256
+# The throughput schedule's decode steps borrow a prompt step's idle workspace as expert
+# slots (MemoryBudget.decode_slots, mlx_tier.job.pool_engine); benches/throughput.py turns
+# it off to measure what it buys.
+LEND_SLOTS = True
 # Most sequences a decode step may hold (mlx_tier.job.batch_engine.MAX_AUTO_BATCH): its workspace is reserved.
 DECODE_BATCH = 8
 

@@ -101,9 +101,6 @@ from mlx_tier.job.quantized_kv import quantizing
 # Module batching on by default (module doc); benches/throughput.py turns it off to
 # measure what it buys.
 MODULE_BATCHING = True
-# Decode steps borrow the prompt step's idle workspace as expert slots (module doc);
-# benches/throughput.py turns it off to measure what it buys.
-LEND_SLOTS = True
 # Wall time one layer step of a prefill step should take at most: a stop is asked
 # between layers, so it acts within about this. The benches' planned pools (the demo's
 # and the synthetic's under a 2 GiB cap) take a small fraction of it a layer here.

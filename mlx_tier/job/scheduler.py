@@ -297,6 +297,7 @@ class Scheduler:
         self.chars_per_token = None  # measured on the samples (the throughput schedule's pools)
         self.pool_tokens = config.pool_tokens or DEFAULT_PREFILL_STEP
         self.prefill_batch = config.prefill_batch or 1
+        self._longest = (predicted_tokens(longest_chars, None) if longest_chars else self.context) + len(self.prefix) + 16
         if config.schedule == "throughput":
             self.batch_size = self._plan_pools(typical_chars or longest_chars, documents, samples)
         else:
@@ -304,7 +305,6 @@ class Scheduler:
         if memory is not None:  # a pool's prompt step within the split's workspace
             self.pool_tokens = min(self.pool_tokens, memory.prefill_step)
         self._kv_room = self._pool_room(longest_chars)
-        self._longest = (predicted_tokens(longest_chars, None) if longest_chars else self.context) + len(self.prefix) + 16
         self.info = {
             "batch_size": self.batch_size,
             "batch_size_from": "batch_size" if config.batch_size else "memory headroom",  # the setting, or why
@@ -386,9 +386,11 @@ class Scheduler:
                 shape = replace(shape, kv_read_bytes=kv_bytes_per_token(self.prefix.cache)[0])
             room = self.plan.free_bytes - self.plan.prefill_fixed
             shared = len(self.prefix) if self._prefix() else 0  # read once, not per document
-            self.pools = choose_pools(shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,
-                                      self.memory.prefill_step if self.memory is not None else None, shared,
-                                      pool_engine.MODULE_BATCHING)
+            args = (shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,
+                    self.memory.prefill_step if self.memory is not None else None, shared, pool_engine.MODULE_BATCHING)
+            self.pools = choose_pools(*args, decode_slots=self._decode_slots(c.batch_size or MAX_DECODE_POOL))
+            lend = self._decode_slots(c.batch_size or self.pools.decode_pool)  # what the engine will lend
+            self.pools = choose_pools(*args, decode_slots=lend)
             self.pool_tokens = c.pool_tokens or self.pools.prefill_tokens
             self.prefill_batch = c.prefill_batch or self.pools.prefill_batch
             return c.batch_size or self.pools.decode_pool
@@ -451,11 +453,13 @@ class Scheduler:
         (:meth:`~mlx_tier.engine.footprint.MemoryBudget.decode_slots`: the prompt step's
         workspace they leave idle, for sequences of the longest document's length), at
         most the experts a layer has beyond its slots; 0 without a memory split or an
-        expert cache, or where :data:`~mlx_tier.job.pool_engine.LEND_SLOTS` is off."""
+        expert cache, or where :data:`~mlx_tier.engine.footprint.LEND_SLOTS` is off."""
+        from mlx_tier.tools.pool_cache import lent_slots
+
         cache = getattr(self.model, "expert_cache", None)
-        if self.memory is None or cache is None or not pool_engine.LEND_SLOTS:
+        if self.memory is None or cache is None:
             return 0
-        n = self.memory.decode_slots(batch_size, min(self.context, self._longest + self.config.max_tokens))
+        n = lent_slots(self.memory, batch_size, min(self.context, self._longest + self.config.max_tokens))
         return max(0, min(n, cache.num_experts - max(cache.layer_slots)))
 
     def _context_now(self) -> int:

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mlx_tier.defaults import ROUND_EXPERTS
+from mlx_tier.engine import footprint
 from mlx_tier.engine.footprint import MemoryBudget
 from mlx_tier.tools.pools import (
     MAX_DECODE_POOL,
@@ -87,7 +88,8 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
         disk_gbps = measure_read_gbps(files, warm=sum(f.stat().st_size for f in files) <= 0.8 * host_available())
     rates = probe_rates(disk_gbps, **probe, attention="cpu" if budget.kernel == "cpu" else "mlx")
     slots, plan, own = choose_slots(shape, rates, prompt_tokens, output_tokens, budget.cache + budget.kv,
-                                    budget.slot_row, most, documents, cap, budget.prefill_step)
+                                    budget.slot_row, most, documents, cap, budget.prefill_step,
+                                    lambda n: lent_slots(with_cache(budget, n), pool, prompt_tokens + output_tokens))
     return (slots, plan, own) if slots < most else None
 
 
@@ -103,6 +105,17 @@ def with_saved_routing(shape: Shape, model_dir: Path) -> Shape:
     except profile.ProfileError:
         return shape
     return shape if saved is None else replace(shape, popularity=popularity(saved.counts))
+
+
+def lent_slots(budget: MemoryBudget, batch: int, context: int) -> int:
+    """Slots per layer the throughput schedule's decode steps borrow within ``budget``
+    (:meth:`~mlx_tier.engine.footprint.MemoryBudget.decode_slots`), at most a layer's
+    experts beyond the cache's slots; 0 where :data:`~mlx_tier.engine.footprint.LEND_SLOTS`
+    is off."""
+    if not footprint.LEND_SLOTS or budget.shape is None or budget.slot_row <= 0:
+        return 0
+    slots = budget.cache // budget.slot_row
+    return max(0, min(budget.decode_slots(batch, context), budget.shape.experts - slots))
 
 
 def with_cache(budget: MemoryBudget, slots: int) -> MemoryBudget:

@@ -442,7 +442,7 @@ def prefill_transient(shape: Shape, tokens: int, context: float) -> float:
 
 def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, free_bytes: int,
                  cap: int | None = None, documents: int | None = None, max_pool: int | None = None,
-                 shared_tokens: int = 0, merged: bool = True) -> PoolPlan:
+                 shared_tokens: int = 0, merged: bool = True, decode_slots: int = 0) -> PoolPlan:
     """Pool sizes for documents of ``prompt_tokens`` prompts and ``output_tokens`` summaries.
 
     Args:
@@ -457,6 +457,10 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
             KV cache, not in the tokens a document's prompt reads.
         merged: prefill steps decode the sequences generating meanwhile (module doc);
             ``False``: prefill and decode steps apart.
+        decode_slots: expert slots per layer a decode step holds beyond ``shape.slots``
+            (lent by the prompt step's idle workspace:
+            :meth:`~mlx_tier.engine.footprint.MemoryBudget.decode_slots`); decode steps
+            are priced with them, prefill steps without.
 
     Returns:
         :class:`PoolPlan`. The decode pool is at least 1 even when one
@@ -482,7 +486,8 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     # leaves the rest of the pool to the next one (mlx_tier.job.pool_engine).
     prefill_batch = max(1, min(pool, math.ceil(prefill_tokens / read) + 1))
     ctx_decode = prompt_tokens + output_tokens / 2
-    decode_s = seconds_per_token(shape, rates, pool, ctx_decode)
+    decoding = replace(shape, slots=min(shape.experts, shape.slots + max(0, decode_slots)))
+    decode_s = seconds_per_token(decoding, rates, pool, ctx_decode)
     prompt_s = 1 / rate[prefill_tokens]
     riding = max(1, pool - prefill_batch)  # tokens decoded in a prefill step: one output-layer row each
     merged_tokens = min(output_tokens, read / prefill_tokens * max(0, pool - prefill_batch)) if merged else 0.0
@@ -491,14 +496,14 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     decode_all_s = merged_tokens * merged_s + (output_tokens - merged_tokens) * decode_s
     doc_s = read * prompt_s + decode_all_s
     one_s = (read * seconds_per_token(shape, rates, min(prefill_tokens, read), ctx_prefill, 1)
-             + output_tokens * seconds_per_token(shape, rates, 1, ctx_decode))
+             + output_tokens * seconds_per_token(decoding, rates, 1, ctx_decode))
     return PoolPlan(prefill_tokens, prefill_batch, pool, 1 / prompt_s, output_tokens / max(decode_all_s, 1e-12),
                     3600 / doc_s, 3600 / one_s, limited_by, prompt_tokens, output_tokens, merged_tokens)
 
 
 def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, room: int, slot_row: int,
                  most: int, documents: int | None = None, cap: int | None = None,
-                 max_pool: int | None = None) -> tuple[int, PoolPlan, PoolPlan]:
+                 max_pool: int | None = None, decode_slots=None) -> tuple[int, PoolPlan, PoolPlan]:
     """Expert slots per layer for a run whose expert cache and KV caches share ``room`` bytes.
 
     Under a memory cap the two compete: every slot row taken from the KV caches
@@ -516,6 +521,8 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         slot_row: bytes of one slot in every MoE layer.
         most: the most slots per layer to consider (the memory split's default cache).
         documents, cap, max_pool: as :func:`choose_pools` takes them.
+        decode_slots: ``decode_slots(n)``, the slots a decode step borrows beside ``n``
+            (:func:`choose_pools`' ``decode_slots``); ``None``: none.
 
     Returns:
         ``(slots, the pools they leave, the pools ``most`` slots leave)``.
@@ -524,7 +531,8 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         ValueError: ``most`` < 1 or no slot row fits in ``room``.
     """
     plans = {n: choose_pools(replace(shape, slots=n), rates, prompt_tokens, output_tokens,
-                             int((room - n * slot_row) * (1 - ROOM_MARGIN)), cap, documents, max_pool)
+                             int((room - n * slot_row) * (1 - ROOM_MARGIN)), cap, documents, max_pool,
+                             decode_slots=decode_slots(n) if decode_slots else 0)
              for n in range(1, most + 1) if room - n * slot_row > 0}
     if not plans:
         raise ValueError(f"no expert slot row ({slot_row} bytes) fits in {room} bytes (most {most})")

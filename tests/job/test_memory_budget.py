@@ -183,3 +183,24 @@ def test_plan_shows_the_cache_a_throughput_run_would_load(one_gib_cgroup, tiny_m
     assert p["memory_split"]["experts"] + p["memory_split"]["KV"] > p["memory_split"]["experts"] * 2
     r = runner.invoke(app, args)
     assert "expert cache for pools" in r.output
+
+
+def test_the_room_for_sequences_leaves_out_the_slots_lent_from_the_workspace(monkeypatch):
+    """``sequence_room(budget, lent)``: bytes the expert cache holds as slots lent from the
+    workspace are taken out of the resident set and given back to the limit's available
+    memory before the split's reserve (the workspace among it) is taken, so they are not
+    counted twice."""
+    GIB = 2**30
+    b = footprint.MemoryBudget(total=2 * GIB, source="memory_gb", runtime=0, dense=0, cache=0, kv=GIB,
+                               workspace=GIB // 4, buffers=0, margin=0, prefill_step=128)
+
+    class Proc:
+        def memory_info(self):
+            return type("M", (), {"rss": int(1.5 * GIB)})()
+
+    monkeypatch.setattr(batch_engine.psutil, "Process", Proc)
+    monkeypatch.setattr(batch_engine, "probe_limit", lambda: type("L", (), {"available": GIB // 2})())
+    lent = GIB // 8
+    assert batch_engine.sequence_room(b) == footprint.room_now(b, int(1.5 * GIB), GIB // 2) == GIB // 4
+    assert batch_engine.sequence_room(b, lent) == footprint.room_now(b, int(1.5 * GIB) - lent, GIB // 2 + lent)
+    assert batch_engine.sequence_room(b, lent) == GIB // 4 + lent

@@ -207,7 +207,7 @@ def test_a_document_that_finds_no_memory_waits_instead_of_failing(tiered, tiny_m
                                                                          pool_tokens=512, prefill_batch=3))
     plenty, engines = scheduler_module.sequence_room(), engines_of(sched)
     monkeypatch.setattr(scheduler_module, "sequence_room",
-                        lambda memory=None: plenty if not (engines and engines[-1].active) else 0)
+                        lambda memory=None, lent=0: plenty if not (engines and engines[-1].active) else 0)
     in_flight = []
     out = list(sched.run(docs(TEXTS), on_step=lambda info, ids: in_flight.append(len(ids))))
     assert sorted(o.id for o in out) == ["a", "b", "c"]
@@ -245,7 +245,7 @@ def test_a_document_starting_alone_measures_memory_without_what_the_process_free
     released = []
     monkeypatch.setattr(scheduler_module, "release_freed_memory", lambda: released.append(1))
     monkeypatch.setattr(scheduler_module, "sequence_room",  # freed memory held until released, once per document
-                        lambda memory=None: plenty if len(released) >= len(sched._started) else 0)
+                        lambda memory=None, lent=0: plenty if len(released) >= len(sched._started) else 0)
     sched._started = []
     real_start = sched._start
 
@@ -332,3 +332,24 @@ def test_the_kv_caches_the_engine_holds_stay_within_what_the_scheduler_counted(t
     assert max(n for *_, n in held) >= 2  # sequences shared the room
     assert all(h <= counted for h, counted, _ in held), [(h, c) for h, c, _ in held if h > c]
     assert all(counted <= sched._kv_room for _, counted, n in held if n > 1)
+
+
+def test_slots_lent_to_decode_steps_are_not_counted_twice_in_the_room_for_a_new_document(tiered, tiny_moe,
+                                                                                       monkeypatch):
+    """While decode steps hold the prompt step's workspace as expert slots, a document starting
+    then is sized without them: the workspace is reserved in the room already."""
+    import mlx_tier.job.scheduler as scheduler_module
+
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="throughput"))
+    asked = []
+    monkeypatch.setattr(scheduler_module, "sequence_room", lambda memory=None, lent=0: asked.append(lent) or 1 << 30)
+    cache = model.expert_cache
+    try:
+        cache.lend_slots(2)
+        sched._context_now()
+        assert asked == [cache.lent_bytes] and cache.lent_bytes == 2 * sum(la.slot_nbytes for la in cache.layers) > 0
+    finally:
+        cache.lend_slots(0)
+    sched._context_now()
+    assert asked[-1] == 0

@@ -367,3 +367,30 @@ def test_the_attention_probes_run_as_the_job_does(monkeypatch):
         assert all(math.isfinite(x) and x > 0 for x in (r.attention_gflops, r.kv_read_gbps))
     assert (1, 6, 256, 16) in [s[0] for s in seen] and {s[1][1] for s in seen} == {2}
     assert {s[2] for s in seen} == {(1, 1, 256, 1024), (max(8, 2 * cpu.THREADS), 1, 1, 1024)}
+
+
+def test_decode_steps_are_priced_with_the_slots_they_borrow():
+    """Slots lent to decode steps price decode steps with them, prefill steps without; the
+    cache chooser prices each count with what it would lend there."""
+    from mlx_tier.tools.pools import choose_slots
+
+    base = choose_pools(replace(SYNTH, slots=5), RATES, 600, 32, int(0.4 * 2**30), documents=6)
+    lent = choose_pools(replace(SYNTH, slots=5), RATES, 600, 32, int(0.4 * 2**30), documents=6, decode_slots=3)
+    assert (lent.prefill_tokens, lent.decode_pool, lent.prompt_tok_s) == (
+        base.prefill_tokens, base.decode_pool, base.prompt_tok_s)
+    pool = replace(SYNTH, slots=8)  # decode steps at 5 + 3 slots
+    ctx = 600 + 32 / 2
+    want = seconds_per_token(pool, RATES, lent.decode_pool, ctx)
+    assert want < seconds_per_token(replace(SYNTH, slots=5), RATES, lent.decode_pool, ctx)
+    assert lent.decode_tok_s > base.decode_tok_s and lent.docs_per_hour > base.docs_per_hour
+    capped = choose_pools(replace(SYNTH, slots=126), RATES, 600, 32, int(0.4 * 2**30), documents=6, decode_slots=9)
+    assert capped == choose_pools(replace(SYNTH, slots=126), RATES, 600, 32, int(0.4 * 2**30), documents=6,
+                                  decode_slots=2)  # at most every expert resident
+
+    row, tight = 24 * 2_950_000, int(0.73 * 2**30)
+    asked = []
+    n, plan, _ = choose_slots(SYNTH, RATES, 600, 32, tight, row, 8, documents=6,
+                              decode_slots=lambda k: asked.append(k) or 2)
+    assert sorted(asked) == list(range(1, 9))
+    left = int((tight - n * row) * (1 - ROOM_MARGIN))
+    assert plan == choose_pools(replace(SYNTH, slots=n), RATES, 600, 32, left, documents=6, decode_slots=2)
