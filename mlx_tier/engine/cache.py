@@ -423,7 +423,8 @@ class LayerCache:
         shares: the old one is freed once its readers are done, :meth:`settle`
         first); the policy is made anew for the new count, the kept experts
         inserted in slot order. Which slot holds an expert never changes what a
-        kernel computes from it, so tokens do not depend on the resizes.
+        kernel computes from it; the CPU kernel's rounds follow the slot count, so
+        it sums a token's experts in another order after a resize (within its bound).
 
         Raises:
             ValueError: ``num_slots`` outside ``[1, E]``.

@@ -50,7 +50,9 @@ and the workspace a prompt step needs sits idle in them. ``decode_slots``
 lends that room to the expert cache as extra slots before a decode step and
 takes it back before the next prefill step
 (:meth:`~mlx_tier.engine.expert_cache.ExpertCache.lend_slots`; MoE-Gen, arXiv
-2503.09716, sizes prefill and decode apart). Tokens do not depend on it.
+2503.09716, sizes prefill and decode apart). With kernel ``mlx`` the tokens do not
+depend on it; with the CPU kernel a layer's rounds follow its slots, so the
+experts' outputs are summed in another order (within its stated bound).
 
 Long steps stay responsive: a prefill step carries at most the prompt tokens
 whose layer step takes about :data:`LAYER_SECONDS`, as measured on this

@@ -181,8 +181,10 @@ def test_plan_shows_the_cache_a_throughput_run_would_load(one_gib_cgroup, tiny_m
     p = json.loads(r.stdout)
     assert p["slots_per_layer"] == 1 and p["job"]["cache_for_pools"]["slots"] == 1
     assert p["memory_split"]["experts"] + p["memory_split"]["KV"] > p["memory_split"]["experts"] * 2
+    # the decode steps' lent slots: the split's workspace they leave idle, at most the experts beyond the slots
+    assert 1 <= p["job"]["decode_slots"] <= p["experts_per_layer"] - p["slots_per_layer"]
     r = runner.invoke(app, args)
-    assert "expert cache for pools" in r.output
+    assert "expert cache for pools" in r.output and "expert slots lent to decode steps" in r.output
 
 
 def test_the_room_for_sequences_leaves_out_the_slots_lent_from_the_workspace(monkeypatch):
