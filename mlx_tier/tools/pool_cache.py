@@ -111,8 +111,8 @@ def lent_slots(budget: MemoryBudget, batch: int, context: int) -> int:
     """Slots per layer the throughput schedule's decode steps borrow within ``budget``
     (:meth:`~mlx_tier.engine.footprint.MemoryBudget.decode_slots`), at most a layer's
     experts beyond the cache's slots; 0 where :data:`~mlx_tier.engine.footprint.LEND_SLOTS`
-    is off."""
-    if not footprint.LEND_SLOTS or budget.shape is None or budget.slot_row <= 0:
+    is off or the cache was given (``--cache-gb``, ``--slots``: the user's size is kept)."""
+    if not footprint.LEND_SLOTS or budget.cache_given or budget.shape is None or budget.slot_row <= 0:
         return 0
     slots = budget.cache // budget.slot_row
     return max(0, min(budget.decode_slots(batch, context), budget.shape.experts - slots))

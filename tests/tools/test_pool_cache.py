@@ -115,7 +115,8 @@ def test_the_routing_earlier_runs_saved_refines_the_choice(tiny_moe, tmp_path):
 
 def test_decode_steps_borrow_the_idle_workspace_up_to_a_layers_experts(tiny_moe, monkeypatch):
     """``lent_slots``: the split's :meth:`decode_slots`, at most a layer's experts beyond the
-    cache's slots; none where lending is switched off or the slot row is unknown."""
+    cache's slots; none where lending is switched off, the cache was given or the slot row
+    is unknown."""
     b = budget(tiny_moe, 2, 2)
     three = (3 * b.slot_row + footprint.step_workspace(b.shape, "cpu", 4, 700, 4)
              + footprint.read_ahead_bytes(b.cache + 3 * b.slot_row, b.shape, "cpu", b.expert))
@@ -124,5 +125,6 @@ def test_decode_steps_borrow_the_idle_workspace_up_to_a_layers_experts(tiny_moe,
     roomy = replace(b, workspace=1 << 34)
     assert pool_cache.lent_slots(roomy, 4, 700) == b.shape.experts - 2  # every expert resident, no more
     assert pool_cache.lent_slots(replace(some, slot_row=0), 4, 700) == 0
+    assert pool_cache.lent_slots(replace(some, cache_given=True), 4, 700) == 0  # the user's cache size kept
     monkeypatch.setattr(footprint, "LEND_SLOTS", False)
     assert pool_cache.lent_slots(some, 4, 700) == 0
