@@ -418,13 +418,15 @@ class LayerCache:
         Growing keeps every resident expert in its slot and adds free slots;
         shrinking forgets the experts of the slots dropped (neither hits nor
         evictions: the caller lends and takes back room, see
-        :meth:`mlx_tier.engine.expert_cache.ExpertCache.lend_slots`). Each slab is
-        made anew at its new size, its kept rows copied (a buffer no other array
-        shares: the old one is freed once its readers are done, :meth:`settle`
-        first); the policy is made anew for the new count, the kept experts
-        inserted in slot order. Which slot holds an expert never changes what a
-        kernel computes from it; the CPU kernel's rounds follow the slot count, so
-        it sums a token's experts in another order after a resize (within its bound).
+        :meth:`mlx_tier.engine.expert_cache.ExpertCache.lend_slots`). Every slab is
+        first made anew at its new size, its kept rows copied into a buffer of its
+        own (the old one is freed once its readers are done: :meth:`settle` first);
+        only then are they swapped in, so a failed allocation leaves the layer as it
+        was. The policy is made anew for the new count, the kept experts inserted in
+        slot order (their use counts start again). Which slot holds an expert never
+        changes what a kernel computes from it; the CPU kernel's rounds follow the
+        slot count, so it sums a token's experts in another order after a resize
+        (within its bound).
 
         Raises:
             ValueError: ``num_slots`` outside ``[1, E]``.
@@ -435,28 +437,13 @@ class LayerCache:
             return
         self.settle()
         self._end_read_ahead()
-        keep = min(num_slots, self.num_slots)
-        slabs = []
-        for name, t in self.tensors.items():
-            old = t.module[t.attr]
-            host = self._host_slab(name)
-            view = None
-            if host is not None:  # the kept rows copied through a host view, no MLX op (CPU backend)
-                new = mx.zeros((num_slots, *old.shape[1:]), old.dtype)
-                mx.eval(new)
-                view = np.asarray(new)
-            if view is not None and view.flags.c_contiguous and view.flags.writeable:
-                view[:keep] = host[:keep]
-            else:
-                parts = [old[:keep]] + ([mx.zeros((num_slots - keep, *old.shape[1:]), old.dtype)]
-                                        if num_slots > keep else [])
-                new = mx.concatenate(parts)
+        slabs = {name: self._resized(name, num_slots) for name in self.tensors}
+        mx.eval(list(slabs.values()))
+        for name, new in slabs.items():  # nothing below allocates: the swap does not fail half way
+            t = self.tensors[name]
             setattr(t.module, t.attr, new)
             self._private[name] = new
-            slabs.append(new)
-        mx.eval(slabs)
-        dropped = np.flatnonzero(self.slot_of >= num_slots)
-        self.slot_of[dropped] = -1
+        self.slot_of[self.slot_of >= num_slots] = -1
         self.num_slots = num_slots
         kept = sorted(np.flatnonzero(self.slot_of >= 0).tolist(), key=lambda e: self.slot_of[e])
         used = {int(self.slot_of[e]) for e in kept}
@@ -466,6 +453,25 @@ class LayerCache:
             self.policy.insert(e)
         self.lut = None
         self._update_lut()
+
+    def _resized(self, name: str, num_slots: int) -> mx.array:
+        """Slab ``name`` at ``num_slots`` slots, its first ``min(num_slots, S)`` rows copied
+        from the current one, in a buffer no other array shares (lazy on the MLX path)."""
+        t = self.tensors[name]
+        old = t.module[t.attr]
+        keep = min(num_slots, self.num_slots)
+        host = self._host_slab(name)
+        if host is not None:  # the kept rows copied through a host view, no MLX op (CPU backend)
+            new = mx.zeros((num_slots, *old.shape[1:]), old.dtype)
+            mx.eval(new)
+            view = np.asarray(new)
+            if view.flags.c_contiguous and view.flags.writeable:
+                view[:keep] = host[:keep]
+                return new
+        rows = old[mx.arange(keep)]  # a gather: a copy (a slice would be a view of the old buffer)
+        if num_slots > keep:
+            rows = mx.concatenate([rows, mx.zeros((num_slots - keep, *old.shape[1:]), old.dtype)])
+        return rows
 
     def slot_nbytes_as(self, dtypes: dict[str, mx.Dtype]) -> int:
         """Bytes of one expert with the tensors named in ``dtypes`` in those dtypes."""

@@ -35,6 +35,8 @@ class ExpertCache:
             for reports.
     """
 
+    can_lend = True  # lend_slots resizes every layer (a two-tier cache's hot tier does not)
+
     def __init__(self, layers: list[LayerCache], stats: CacheStats, budget_bytes: int, store: ExpertStore,
                  budget_in_slots: bool = False):
         self.layers = layers
@@ -170,23 +172,34 @@ class ExpertCache:
         back to those), for room its caller knows is idle meanwhile: the job's
         throughput schedule lends a prompt step's workspace to its decode steps
         (:class:`mlx_tier.job.pool_engine.PoolEngine`'s ``decode_slots``; MoE-Gen,
-        arXiv 2503.09716, sizes prefill and decode apart for the same reason). The
-        budget moves with the lent slots: lent bytes are the caller's to account for.
-        Taking them back forgets the experts in them (:meth:`LayerCache.resize`).
+        arXiv 2503.09716, sizes prefill and decode apart). The budget moves with the
+        lent slots: lent bytes are the caller's to account for. Taking them back
+        forgets the experts in them (:meth:`LayerCache.resize`). A layer that fails to
+        resize (memory) puts every layer back to the slots lent before, then the error
+        is raised: the layers never disagree with :attr:`lent`.
 
         Raises:
-            ValueError: ``extra`` below 0, or a layer that would exceed its experts.
+            ValueError: ``extra`` below 0, a layer that would exceed its experts, or a
+                cache that does not lend (:attr:`can_lend`).
         """
+        if not self.can_lend:
+            raise ValueError(f"{type(self).__name__} does not lend slots")
         if extra < 0:
             raise ValueError(f"extra slots must be >= 0, got {extra}")
         base = self._base_slots = self._base_slots or self.layer_slots
         if any(n + extra > layer.num_experts for n, layer in zip(base, self.layers)):
             raise ValueError(f"{extra} extra slots exceed a layer's experts")
-        before = self.resident_bytes
-        for n, layer in zip(base, self.layers):
-            layer.resize(n + extra)
-        self.budget_bytes += self.resident_bytes - before
-        self.lent = extra
+        before, lent = self.resident_bytes, self.lent
+        try:
+            for n, layer in zip(base, self.layers):
+                layer.resize(n + extra)
+            self.lent = extra
+        except BaseException:
+            for n, layer in zip(base, self.layers):  # back as lent before (shrinking frees first)
+                layer.resize(n + lent)
+            raise
+        finally:
+            self.budget_bytes += self.resident_bytes - before
 
     @property
     def lent_bytes(self) -> int:

@@ -267,7 +267,8 @@ class MemoryBudget:
         each at most) can borrow from :attr:`workspace`: what a prompt step's workspace
         holds beyond the decode step's own and the read ahead of the grown cache
         (:func:`read_ahead_bytes`), in whole slot rows (:attr:`slot_row`); 0 when the
-        shape or the slot row is unknown."""
+        shape or the slot row is unknown. Not capped at a layer's experts
+        (:func:`mlx_tier.tools.pool_cache.lent_slots` is)."""
         if self.shape is None or self.slot_row <= 0:
             return 0
         step = step_workspace(self.shape, self.kernel, batch, context, batch)

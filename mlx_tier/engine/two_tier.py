@@ -337,11 +337,14 @@ class WarmAwarePrefetch(NextLayerPrefetch):
 class TwoTierCache(ExpertCache):
     """:class:`~mlx_tier.engine.expert_cache.ExpertCache` of a two-tier model: ``layers`` are
     the hot tiers, ``tier_layers`` the full layers; each tier's budget is
-    checked (invariant 2, docs/architecture.md).
+    checked (invariant 2, docs/architecture.md). Lends no slots (its index shares
+    the hot tiers' slot tables): :attr:`can_lend` is false.
 
     Raises:
         BudgetError: the hot slabs or the warm pools exceed their budget.
     """
+
+    can_lend = False
 
     def __init__(self, tier_layers: list[TwoTierLayer], stats: TwoTierStats, budget_bytes: int,
                  warm_budget_bytes: int, store, budget_in_slots: bool = False):

@@ -246,16 +246,15 @@ class PoolEngine:
         """
         from mlx_lm.generate import generation_stream
 
-        prefill = self._prefill_next()
-        self._lend_slots(0 if prefill else self.decode_slots)
         with mx.stream(generation_stream):
-            return self._prefill_step(interrupt) if prefill else self._decode_step()
+            return self._prefill_step(interrupt) if self._prefill_next() else self._decode_step()
 
     def _lend_slots(self, extra: int) -> None:
         """Lend the expert cache ``extra`` slots a layer (module doc), the memory the last
-        steps freed handed back first where slots grow, the lent slabs' after they shrink."""
+        steps freed handed back first where slots grow, the lent slabs' after they shrink.
+        Called inside the step it serves: its time is the step's."""
         cache = getattr(self.model, "expert_cache", None)
-        if cache is None or getattr(cache, "lent", extra) == extra:
+        if cache is None or not getattr(cache, "can_lend", False) or cache.lent == extra:
             return
         growing = extra > cache.lent
         if growing:
@@ -297,6 +296,8 @@ class PoolEngine:
         the same layer steps); prompts read to their last token start generating in the next step."""
         info = StepInfo()
         t0 = time.perf_counter()
+        self._lend_slots(0)
+        t1 = time.perf_counter()  # the pacer sizes the layers' time, not the slots' hand-back
         chunks = self._chunks()
         self.reading_now = [(s.task.key, s.read, len(c), len(s.task.prompt) - s.prefix_tokens) for s, c in chunks]
         try:
@@ -308,7 +309,7 @@ class PoolEngine:
             if self.pacer is not None and info.prefill_tokens == self._asked:
                 # only full steps: one cut short by the prompts left (a prompt's tail) would
                 # hold the next ones to twice its size
-                self.pacer.observe(self._asked, time.perf_counter() - t0)
+                self.pacer.observe(self._asked, time.perf_counter() - t1)
             for s, chunk in chunks:
                 del s.rest[: len(chunk)]
                 s.read += len(chunk)
@@ -321,6 +322,7 @@ class PoolEngine:
     def _decode_step(self) -> StepInfo:
         info = StepInfo()
         t0 = time.perf_counter()
+        self._lend_slots(self.decode_slots)
         self._run([], True, None, info)
         info.seconds = info.decode_seconds = time.perf_counter() - t0
         return info

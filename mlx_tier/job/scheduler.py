@@ -453,14 +453,15 @@ class Scheduler:
         (:meth:`~mlx_tier.engine.footprint.MemoryBudget.decode_slots`: the prompt step's
         workspace they leave idle, for sequences of the longest document's length), at
         most the experts a layer has beyond its slots; 0 without a memory split or an
-        expert cache, or where :data:`~mlx_tier.engine.footprint.LEND_SLOTS` is off."""
+        expert cache, with per-layer slot counts (given or adaptive), where the user gave the
+        cache's size, or where :data:`~mlx_tier.engine.footprint.LEND_SLOTS` is off."""
         from mlx_tier.tools.pool_cache import lent_slots
 
         cache = getattr(self.model, "expert_cache", None)
-        if self.memory is None or cache is None:
-            return 0
+        if self.memory is None or cache is None or not cache.can_lend or cache.slots_per_layer is None:
+            return 0  # per-layer slots (given or adaptive) are kept as they are
         n = lent_slots(self.memory, batch_size, min(self.context, self._longest + self.config.max_tokens))
-        return max(0, min(n, cache.num_experts - max(cache.layer_slots)))
+        return max(0, min([n] + [layer.num_experts - layer.num_slots for layer in cache.layers]))
 
     def _context_now(self) -> int:
         """The usable context for a sequence starting now: memory now (sequences in
@@ -567,6 +568,15 @@ class Scheduler:
         before the step, tokens in this step, prompt length)``, and checks ``should_stop()``
         there: a stop then abandons the step at once.
         """
+        try:
+            yield from self._run(docs, should_stop, on_step, on_layer, give_up)
+        finally:  # an error or a generator closed early: the slots lent to decode steps go back
+            cache = getattr(self.model, "expert_cache", None)
+            if getattr(cache, "lent", 0):
+                cache.lend_slots(0)
+
+    def _run(self, docs, should_stop, on_step, on_layer, give_up) -> Iterator[Outcome]:
+        """:meth:`run`'s loop."""
         q = _Queues(_Pulled(docs))
         engine = self._new_engine(self.batch_size)
         abandoned = False

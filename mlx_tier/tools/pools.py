@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 # A slot used by at least this many rows in one call takes the GEMM path where the
@@ -503,7 +504,8 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
 
 def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, room: int, slot_row: int,
                  most: int, documents: int | None = None, cap: int | None = None,
-                 max_pool: int | None = None, decode_slots=None) -> tuple[int, PoolPlan, PoolPlan]:
+                 max_pool: int | None = None,
+                 decode_slots: Callable[[int], int] | None = None) -> tuple[int, PoolPlan, PoolPlan]:
     """Expert slots per layer for a run whose expert cache and KV caches share ``room`` bytes.
 
     Under a memory cap the two compete: every slot row taken from the KV caches

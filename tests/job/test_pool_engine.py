@@ -466,15 +466,17 @@ def test_decode_steps_borrow_slots_and_give_them_back_before_a_prefill_step(tier
     base = cache.layer_slots
     engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=2, prefill_batch=2,
                         pool_tokens=16, merge=merge, layer_seconds=None, decode_slots=2)
-    seen = []
-    for name in ("_prefill_step", "_decode_step"):
-        real = getattr(engine, name)
-        monkeypatch.setattr(engine, name, lambda *a, real=real, name=name: (seen.append((name, cache.lent)), real(*a))[1])
-    got = run_pool(engine, prompts)
-    assert [g.tokens for g in got] == refs
-    assert {lent for name, lent in seen if name == "_decode_step"} == {2}
-    assert {lent for name, lent in seen if name == "_prefill_step"} == {0}
-    kinds = [name for name, _ in seen]
-    assert any(a == "_decode_step" and b == "_prefill_step" for a, b in zip(kinds, kinds[1:]))  # taken back
-    engine.close()
+    seen = []  # (step, slots lent while its passes ran)
+    real_run = engine._run
+    monkeypatch.setattr(engine, "_run", lambda chunks, *a: (seen.append(("prefill" if chunks else "decode",
+                                                                          cache.lent)), real_run(chunks, *a))[1])
+    try:
+        got = run_pool(engine, prompts)
+        assert [g.tokens for g in got] == refs
+        assert {lent for kind, lent in seen if kind == "decode"} == {2}
+        assert {lent for kind, lent in seen if kind == "prefill"} == {0}
+        kinds = [kind for kind, _ in seen]
+        assert any(a == "decode" and b == "prefill" for a, b in zip(kinds, kinds[1:]))  # taken back between
+    finally:
+        engine.close()
     assert cache.lent == 0 and cache.layer_slots == base

@@ -353,3 +353,20 @@ def test_slots_lent_to_decode_steps_are_not_counted_twice_in_the_room_for_a_new_
         cache.lend_slots(0)
     sched._context_now()
     assert asked[-1] == 0
+
+
+def test_no_slots_are_lent_where_the_layers_slots_differ_or_the_cache_does_not_lend(tiered, tiny_moe, monkeypatch):
+    """Per-layer slot counts (given, or an adaptive split) are kept as they are, and a cache
+    that does not lend (two-tier) gets none: the engine is given 0 slots to lend."""
+    model, tokenizer = tiered
+    cache = model.expert_cache
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="throughput"))
+    assert sched._decode_slots(4) == 0  # no memory split: nothing known idle
+    sched.memory = object()  # a split (what it lends is lent_slots', stubbed)
+    monkeypatch.setattr("mlx_tier.tools.pool_cache.lent_slots", lambda *a: 3)
+    assert sched._decode_slots(4) == min(3, min(la.num_experts - la.num_slots for la in cache.layers)) > 0
+    monkeypatch.setattr(type(cache), "layer_slots", property(lambda self: (1,) + (2,) * (len(self.layers) - 1)))
+    assert sched._decode_slots(4) == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(cache, "can_lend", False)
+    assert sched._decode_slots(4) == 0
