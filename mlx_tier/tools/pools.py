@@ -61,6 +61,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
+from mlx_tier.engine.footprint import KV_STEP
+
 # A slot used by at least this many rows in one call takes the GEMM path where the
 # rows take the float32 loops (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the
 # model must not import MLX); the probe reads the layout's own (Rates.gemm_min_rows).
@@ -82,10 +84,6 @@ MIN_COVERAGE = 0.9
 LOOP_PROBE_ROWS = 16
 # Least seconds each of probe_rates' kernel probes runs (in repetitions, the median taken).
 PROBE_SECONDS = 0.25
-# Tokens mlx-lm's BatchKVCache grows its buffers by (BatchKVCache.step): a sequence's KV
-# cache holds up to this many more tokens than it has (and a batch holds every sequence at
-# its longest's length: mlx_tier.job.scheduler).
-KV_STEP = 256
 # Largest prompt chunk of one sequence in one step: attention scores of a chunk
 # against its context are a transient of chunk x context x heads floats.
 MAX_CHUNK = 1024
