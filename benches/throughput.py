@@ -25,7 +25,10 @@ How:
   ``throughput-separate`` (the throughput schedule with prefill and decode
   steps apart, ``pool_engine.MODULE_BATCHING`` off: what decoding the pool
   inside the prefill steps buys; the scheduler prices its pools so, its expert
-  cache is chosen as the default's). All use the CPU
+  cache is chosen as the default's); ``throughput-no-lend`` (no expert slots lent
+  to decode steps: ``footprint.LEND_SLOTS`` off); ``throughput-workspace-lend``
+  (decode steps borrow the prompt step's idle workspace only, not the KV room no
+  sequence holds: ``footprint.LEND_KV_ROOM`` off). All use the CPU
   expert kernel, greedy with the job's repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
@@ -75,7 +78,8 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8",
-             "throughput-one-token", "throughput-prefetch", "throughput-separate", "throughput-no-lend")
+             "throughput-one-token", "throughput-prefetch", "throughput-separate", "throughput-no-lend",
+             "throughput-workspace-lend")
 
 
 # ------------------------------------------------------------------- documents
@@ -131,6 +135,7 @@ def worker(spec: dict) -> dict:
     cpu_vnni.TWO_TOKEN = sched != "throughput-one-token"
     pool_engine.MODULE_BATCHING = sched != "throughput-separate"
     footprint.LEND_SLOTS = sched != "throughput-no-lend"
+    footprint.LEND_KV_ROOM = sched != "throughput-workspace-lend"
     tier = TierConfig(slots_per_layer=spec.get("slots"), cache_gb=spec.get("cache_gb"), kernel="cpu",
                       attention_kernel=sched not in ("paced", "throughput-mlx-attn"), dtype=job_compute_dtype(),
                       read_ahead=sched != "throughput-no-ahead", prefetch=sched == "throughput-prefetch")

@@ -167,6 +167,18 @@ class ExpertCache:
         layer = self.layers[i]
         return layer.prewarm(profile.hottest(i, layer.num_slots))
 
+    @property
+    def lendable(self) -> int:
+        """The most slots :meth:`lend_slots` can lend: every layer's experts beyond the slots
+        it was loaded with, the least of them."""
+        base = self._base_slots or self.layer_slots
+        return min(layer.num_experts - n for n, layer in zip(base, self.layers))
+
+    @property
+    def slot_row_bytes(self) -> int:
+        """Bytes of one slot in every layer: what each slot lent holds."""
+        return sum(layer.slot_nbytes for layer in self.layers)
+
     def lend_slots(self, extra: int) -> None:
         """Give every layer ``extra`` slots beyond the ones it was loaded with (``0``:
         back to those), for room its caller knows is idle meanwhile: the job's
@@ -204,9 +216,7 @@ class ExpertCache:
     @property
     def lent_bytes(self) -> int:
         """Bytes of the slots lent now (:meth:`lend_slots`), 0 when none."""
-        if not self.lent:
-            return 0
-        return sum(self.lent * layer.slot_nbytes for layer in self.layers)
+        return self.lent * self.slot_row_bytes
 
     @property
     def resident_bytes(self) -> int:

@@ -192,6 +192,9 @@ KV_STEP = 256
 # slots (MemoryBudget.decode_slots, mlx_tier.job.pool_engine); benches/throughput.py turns
 # it off to measure what it buys.
 LEND_SLOTS = True
+# ... and the KV room no sequence in flight holds (mlx_tier.job.scheduler.Scheduler._lend_idle_kv);
+# benches/throughput.py turns it off to measure what it buys.
+LEND_KV_ROOM = True
 # Most sequences a decode step may hold (mlx_tier.job.batch_engine.MAX_AUTO_BATCH): its workspace is reserved.
 DECODE_BATCH = 8
 

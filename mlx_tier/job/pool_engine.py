@@ -398,6 +398,11 @@ class PoolEngine:
         prompts = sorted((len(t.prompt) for t in unjoined), reverse=True)[: 2 * self.prefill_batch]
         return pool + sum(p + KV_STEP for p in prompts)
 
+    @property
+    def reads_prompts(self) -> bool:
+        """Whether a prefill step is ahead: prompts waiting or being read."""
+        return bool(self._waiting or self._reading)
+
     def _unjoined(self) -> list[_Seq]:
         """Sequences not in the decode pool yet (waiting, being read, about to start)."""
         return [*self._waiting, *self._reading, *self._starting]

@@ -17,6 +17,7 @@ fails alone is reported failed with its error and the job goes on.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -33,6 +34,7 @@ from mlx_tier.defaults import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
 )
+from mlx_tier.engine import footprint
 from mlx_tier.engine.footprint import MemoryBudget, check_kv_bits
 from mlx_tier.engine.sizes import release_freed_memory
 from mlx_tier.errors import (
@@ -69,6 +71,9 @@ from mlx_tier.job.quantized_kv import quantized_copy
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
+# Least seconds between two releases of freed memory before a document waits for room
+# (Scheduler._context_for): each costs ~45 ms, a decode step of a pool ~0.1-1 s.
+WAIT_RELEASE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -286,6 +291,8 @@ class Scheduler:
         context = min(model_context, config.context or model_context)
         # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
         step = config.prefill_step_size if memory is None else 0
+        release_freed_memory()  # the room is measured once for the whole job: without what was freed
+        self._released_at = -math.inf  # when _context_for last released freed memory
         self.plan = estimate_memory(self._stored(self.prefix.cache), getattr(model, "args", None), step,
                                     sequence_room(memory))
         keys = [c.keys for c in self.prefix.cache if isinstance(getattr(c, "keys", None), mx.array)]
@@ -448,6 +455,30 @@ class Scheduler:
                            repetition_penalty=c.repetition_penalty, prefill_step_size=c.prefill_step_size,
                            prefix=self._prefix(), step_cap=self.memory.prompt_step if self.memory else None)
 
+    def _lend_idle_kv(self, engine) -> None:
+        """Set the slots the pool engine lends its next decode step: the prompt step's idle
+        workspace (:meth:`_decode_slots`, fixed) and the KV room no sequence holds now, in
+        whole slot rows. That room is the sequences' at most (:meth:`_held_bytes`: the
+        decode pool at its longest, the prompts read and joining), so a sequence in flight
+        never needs it; a document started later gets it back before its KV cache exists
+        (the prefill step that reads it takes every lent slot back first). In a job's
+        tail, with one or two documents left decoding, it lends most of the KV share:
+        a lone sequence keeps to few experts from token to token, and a step's misses
+        fall 5-6x from 4 to 8 slots a layer on the capped synthetic's routing."""
+        if not isinstance(engine, PoolEngine) or not self._lends():
+            return
+        cache = self.model.expert_cache
+        base = self._decode_slots(engine.batch_size)
+        idle = max(0, self._kv_room - self._held_bytes(engine)) // max(1, cache.slot_row_bytes)
+        idle = idle if footprint.LEND_KV_ROOM else 0
+        engine.decode_slots = max(0, min(cache.lendable, base + idle))
+
+    def _lends(self) -> bool:
+        """Whether the expert cache lends slots to decode steps (:meth:`_decode_slots`' conditions)."""
+        cache = getattr(self.model, "expert_cache", None)
+        return (footprint.LEND_SLOTS and self.memory is not None and not self.memory.cache_given
+                and cache is not None and cache.can_lend and cache.slots_per_layer is not None)
+
     def _decode_slots(self, batch_size: int) -> int:
         """Expert slots per layer the pool engine lends its decode steps
         (:meth:`~mlx_tier.engine.footprint.MemoryBudget.decode_slots`: the prompt step's
@@ -457,11 +488,10 @@ class Scheduler:
         cache's size, or where :data:`~mlx_tier.engine.footprint.LEND_SLOTS` is off."""
         from mlx_tier.tools.pool_cache import lent_slots
 
-        cache = getattr(self.model, "expert_cache", None)
-        if self.memory is None or cache is None or not cache.can_lend or cache.slots_per_layer is None:
+        if not self._lends():
             return 0  # per-layer slots (given or adaptive) are kept as they are
         n = lent_slots(self.memory, batch_size, min(self.context, self._longest + self.config.max_tokens))
-        return max(0, min([n] + [layer.num_experts - layer.num_slots for layer in cache.layers]))
+        return max(0, min(n, self.model.expert_cache.lendable))
 
     def _context_now(self) -> int:
         """The usable context for a sequence starting now: memory now (sequences in
@@ -472,6 +502,23 @@ class Scheduler:
         now = replace(self.plan, free_bytes=sequence_room(self.memory, lent))
         return min(self.context, now.max_tokens())
 
+    def _context_for(self, need: int, can_wait: bool) -> int:
+        """:meth:`_context_now`, measured again without what the process freed but still holds
+        (:func:`~mlx_tier.engine.sizes.release_freed_memory`: a finished pool's KV caches,
+        the kernels' temporaries, ~45 ms) when ``need`` tokens do not fit as first measured:
+        always before a document would be read in parts (else it splits or not by chance),
+        at most every :data:`WAIT_RELEASE_S` before it would wait (else it waits on memory
+        that is free)."""
+        context = self._context_now()
+        if need <= context:
+            return context
+        now = time.perf_counter()
+        if can_wait and now - self._released_at < WAIT_RELEASE_S:
+            return context
+        self._released_at = now
+        release_freed_memory()
+        return self._context_now()
+
     def _tasks(self, d: _Doc, can_wait: bool = False) -> list[Task] | None:
         """The first calls of a document (raises TooLong, RequestError, or the tokenizer's
         errors); ``None`` when ``can_wait`` and the memory left now is what makes it not
@@ -481,10 +528,7 @@ class Scheduler:
         c = self.config
         prompt = build_prompt(self.tokenizer, c.instruction, d.doc.text)
         d.input_tokens = len(prompt)
-        context = d.context = self._context_now()
-        if len(prompt) + c.max_tokens > context and not can_wait:  # it would be read in parts: measure again
-            release_freed_memory()  # without what the process freed (a finished pool's KV caches), else the same
-            context = d.context = self._context_now()  # input splits or not by chance (not per step: ~45 ms)
+        context = d.context = self._context_for(len(prompt) + c.max_tokens, can_wait)
         if len(prompt) + c.max_tokens <= context:
             return [Task((d, 0), prompt, c.max_tokens)]
         if can_wait and context < min(self.context, len(prompt) + c.max_tokens):
@@ -504,7 +548,7 @@ class Scheduler:
         """
         req = d.doc.request
         prompt = prompt_tokens(self.tokenizer, req, self.vocab_size)
-        d.input_tokens, d.context = len(prompt), self._context_now()
+        d.input_tokens, d.context = len(prompt), self._context_for(len(prompt) + (req.plan.max_tokens or 1), can_wait)
         room, limit = d.context - len(prompt), req.plan.max_tokens
         if can_wait and room < (limit or 1) and self.context - len(prompt) >= (limit or 1):
             return None
@@ -596,6 +640,7 @@ class Scheduler:
                     break
                 continue
             in_flight = [t.key[0] for t in engine.tasks()]
+            self._lend_idle_kv(engine)
             try:
                 info = self._step(engine, should_stop, on_layer)
             except (CheckpointError, OSError) as e:  # expert reads: no later document could run either

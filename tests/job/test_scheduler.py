@@ -3,6 +3,8 @@ document fails alone while the others finish; a stop request starts nothing new.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import pytest
 
@@ -362,7 +364,7 @@ def test_no_slots_are_lent_where_the_layers_slots_differ_or_the_cache_does_not_l
     cache = model.expert_cache
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="throughput"))
     assert sched._decode_slots(4) == 0  # no memory split: nothing known idle
-    sched.memory = object()  # a split (what it lends is lent_slots', stubbed)
+    sched.memory = SimpleNamespace(cache_given=False)  # a split (what it lends is lent_slots', stubbed)
     monkeypatch.setattr("mlx_tier.tools.pool_cache.lent_slots", lambda *a: 3)
     assert sched._decode_slots(4) == min(3, min(la.num_experts - la.num_slots for la in cache.layers)) > 0
     monkeypatch.setattr(type(cache), "layer_slots", property(lambda self: (1,) + (2,) * (len(self.layers) - 1)))
@@ -370,3 +372,92 @@ def test_no_slots_are_lent_where_the_layers_slots_differ_or_the_cache_does_not_l
     monkeypatch.undo()
     monkeypatch.setattr(cache, "can_lend", False)
     assert sched._decode_slots(4) == 0
+
+
+def test_decode_steps_also_borrow_the_kv_room_no_sequence_holds(tiered, tiny_moe, monkeypatch):
+    """Beside the prompt step's idle workspace, a decode step borrows the KV room that the
+    sequences in flight will never hold (at their longest, with the prompts being read and
+    joining), in whole slot rows, at most a layer's experts beyond its slots: a job's tail
+    (one document left decoding) runs with most of the KV share as slots. A document started
+    later has it back before its KV cache exists (the prefill step reading it takes every lent
+    slot back first: tests/job/test_pool_engine.py)."""
+    from mlx_tier.engine import footprint
+
+    model, tokenizer = tiered
+    cache = model.expert_cache
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="throughput"))
+    sched.memory = SimpleNamespace(cache_given=False)
+    monkeypatch.setattr("mlx_tier.tools.pool_cache.lent_slots", lambda *a: 1)  # the workspace's: one slot row
+    engine = sched._new_engine(4)
+    row = cache.slot_row_bytes
+    assert engine.decode_slots == 1 and cache.lendable >= 3
+    sched._kv_room = 2 * row + row // 2  # nothing in flight: two whole rows idle
+    sched._lend_idle_kv(engine)
+    assert engine.decode_slots == 3
+    engine.add(Task(("a", 0), tokenizer.encode(TEXTS["a"]), 8))
+    held = sched._held_bytes(engine)
+    assert held > 0
+    sched._kv_room = held + row  # one row beside what the sequence may hold at its longest
+    sched._lend_idle_kv(engine)
+    assert engine.decode_slots == 2
+    sched._kv_room = held - 1  # none idle: the workspace's only
+    sched._lend_idle_kv(engine)
+    assert engine.decode_slots == 1
+    sched._kv_room = 1 << 40
+    sched._lend_idle_kv(engine)
+    assert engine.decode_slots == cache.lendable  # every expert of a layer at most
+    monkeypatch.setattr(footprint, "LEND_KV_ROOM", False)
+    sched._lend_idle_kv(engine)
+    assert engine.decode_slots == 1  # the workspace's only (benches/throughput.py's throughput-workspace-lend)
+    monkeypatch.setattr(footprint, "LEND_SLOTS", False)
+    engine.decode_slots = 0
+    sched._lend_idle_kv(engine)
+    assert engine.decode_slots == 0  # lending off: none
+    engine.close()
+
+
+def test_the_room_for_the_whole_job_is_measured_without_what_the_process_freed(tiered, tiny_moe, monkeypatch):
+    """The pools and the room documents are admitted against are measured once, at the start:
+    after handing back what loading and the shared prefix freed (glibc's heap held 70 MiB
+    of the capped synthetic's then), not with it counted as in use."""
+    import mlx_tier.job.scheduler as scheduler_module
+
+    model, tokenizer = tiered
+    events = []
+    monkeypatch.setattr(scheduler_module, "release_freed_memory", lambda: events.append("release"))
+    monkeypatch.setattr(scheduler_module, "sequence_room",
+                        lambda memory=None, lent=0: events.append("measure") or 1 << 30)
+    Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8, schedule="throughput"))
+    assert events[:2] == ["release", "measure"]
+
+
+def test_a_document_about_to_wait_measures_the_room_without_what_the_process_freed(tiered, tiny_moe, monkeypatch):
+    """A document that does not fit as first measured while others are in flight would wait
+    for them to finish; but memory the process freed and still holds (a finished pool's KV
+    caches, the kernels' temporaries in glibc's heap: 200-400 MiB of the capped synthetic's
+    resident set) is room too. It is handed back and measured again before the document
+    waits, at most every WAIT_RELEASE_S (each hand-back costs a full garbage collection);
+    before a document would be read in parts, always."""
+    import mlx_tier.job.scheduler as scheduler_module
+
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 8))
+    released, clock = [], [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "perf_counter", lambda: clock[0])
+    held = [True]  # freed memory still held until handed back
+    monkeypatch.setattr(sched, "_context_now", lambda: 100 if held[0] else 4096)
+
+    def release():
+        released.append(clock[0])
+        held[0] = False
+
+    monkeypatch.setattr(scheduler_module, "release_freed_memory", release)
+    assert sched._context_for(50, can_wait=True) == 100 and not released  # fits: nothing to hand back
+    assert sched._context_for(500, can_wait=True) == 4096 and released == [1000.0]
+    held[0] = True  # the next step's temporaries, held again
+    clock[0] += scheduler_module.WAIT_RELEASE_S / 2
+    assert sched._context_for(500, can_wait=True) == 100 and len(released) == 1  # it waits: too soon
+    assert sched._context_for(500, can_wait=False) == 4096 and len(released) == 2  # would split: always
+    held[0] = True
+    clock[0] += scheduler_module.WAIT_RELEASE_S
+    assert sched._context_for(500, can_wait=True) == 4096 and len(released) == 3
