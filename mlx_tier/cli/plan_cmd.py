@@ -110,7 +110,7 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
                                                 f"document(s) read together: {job['prompt_tok_s']:.1f} tok/s"),
         ("  decode pool", f"{job['decode_pool']} sequences ({job['limited_by']}): {job['decode_tok_s']:.1f} tok/s"),
         *([("  expert slots lent to decode steps", f"{job['decode_slots']} a layer, from the prompt steps' "
-                                                   "workspace")] if job.get("decode_slots") else []),
+                                                   "workspace; more from KV room left idle")] if job.get("decode_slots") else []),
         *([("  decoded in prompt steps", f"{job['merged_tokens']:.0f} of a document's {job['output_tokens']} tokens "
                                          "(module batching)")] if job.get("merged_tokens") else []),
         ("  predicted documents/hour", f"{job['docs_per_hour']:.0f} (one document at a time: "
