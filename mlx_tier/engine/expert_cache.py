@@ -182,7 +182,8 @@ class ExpertCache:
     def lend_slots(self, extra: int) -> None:
         """Give every layer ``extra`` slots beyond the ones it was loaded with (``0``:
         back to those), for room its caller knows is idle meanwhile: the job's
-        throughput schedule lends a prompt step's workspace to its decode steps
+        throughput schedule lends a prompt step's workspace, and KV room no sequence
+        will hold, to its decode steps
         (:class:`mlx_tier.job.pool_engine.PoolEngine`'s ``decode_slots``; MoE-Gen,
         arXiv 2503.09716, sizes prefill and decode apart). The budget moves with the
         lent slots: lent bytes are the caller's to account for. Taking them back

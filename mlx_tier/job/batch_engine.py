@@ -145,9 +145,9 @@ def sequence_room(budget: MemoryBudget | None = None, lent: int = 0) -> int:
     """Bytes new sequences may take now: within a run's memory split
     (:func:`mlx_tier.engine.footprint.room_now`), else what this process's memory
     limit leaves (its cgroup's or the host's, :mod:`mlx_tier.engine.limits`)
-    less :func:`headroom`. ``lent``: bytes of the split's workspace the expert cache
-    holds now (slots lent to decode steps, given back before a prompt step): the
-    workspace is reserved already, so they are not counted twice."""
+    less :func:`headroom`. ``lent``: bytes the expert cache holds now as slots lent to
+    decode steps (the split's idle workspace and KV room), given back before the
+    prompt step that would read a new sequence: room for it, not counted as in use."""
     available = probe_limit().available
     if budget is None:
         return available - headroom()

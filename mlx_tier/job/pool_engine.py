@@ -185,6 +185,7 @@ class PoolEngine:
             pool_tokens, layer_seconds * _layers(model), min_tokens=16, first_tokens=FIRST_POOL_TOKENS)
         self._asked = pool_tokens  # prompt tokens the last prefill step was given room for
         self.decode_slots = max(0, decode_slots)
+        self._lend_cap = 1 << 30  # most slots a growth may lend (lowered when one fails: _lend_slots)
         self._stops = StopSequences([[t] for t in sorted(stop_ids)])
         self._sampler = greedy_sampler
         self._gen = GenerationBatch.empty(model, greedy_sampler)
@@ -252,16 +253,22 @@ class PoolEngine:
     def _lend_slots(self, extra: int) -> None:
         """Lend the expert cache ``extra`` slots a layer (module doc), the memory the last
         steps freed handed back first where slots grow, the lent slabs' after they shrink.
-        Called inside the step it serves: its time is the step's."""
+        Slots lent are spare: a growth that fails for memory leaves those lent before, and
+        no later step asks for more than that. Called inside the step it serves: its time
+        is the step's."""
         cache = getattr(self.model, "expert_cache", None)
+        extra = min(extra, self._lend_cap)
         if cache is None or not getattr(cache, "can_lend", False) or cache.lent == extra:
             return
-        growing = extra > cache.lent
-        if growing:
+        if extra < cache.lent:
+            cache.lend_slots(extra)
             release_freed_memory()
-        cache.lend_slots(extra)
-        if not growing:
-            release_freed_memory()
+            return
+        release_freed_memory()
+        try:
+            cache.lend_slots(extra)
+        except (MemoryError, RuntimeError):  # the layers are back as lent before (ExpertCache.lend_slots)
+            self._lend_cap = cache.lent
 
     def _begin(self, s: _Seq) -> None:
         """Start reading ``s``'s prompt: its own ``PromptProcessingBatch`` (one prompt: no padding)."""
@@ -397,11 +404,6 @@ class PoolEngine:
         unjoined = [s.task for s in self._unjoined()] + ([extra] if extra is not None else [])
         prompts = sorted((len(t.prompt) for t in unjoined), reverse=True)[: 2 * self.prefill_batch]
         return pool + sum(p + KV_STEP for p in prompts)
-
-    @property
-    def reads_prompts(self) -> bool:
-        """Whether a prefill step is ahead: prompts waiting or being read."""
-        return bool(self._waiting or self._reading)
 
     def _unjoined(self) -> list[_Seq]:
         """Sequences not in the decode pool yet (waiting, being read, about to start)."""

@@ -457,21 +457,25 @@ class Scheduler:
 
     def _lend_idle_kv(self, engine) -> None:
         """Set the slots the pool engine lends its next decode step: the prompt step's idle
-        workspace (:meth:`_decode_slots`, fixed) and the KV room no sequence holds now, in
-        whole slot rows. That room is the sequences' at most (:meth:`_held_bytes`: the
-        decode pool at its longest, the prompts read and joining), so a sequence in flight
-        never needs it; a document started later gets it back before its KV cache exists
-        (the prefill step that reads it takes every lent slot back first). In a job's
-        tail, with one or two documents left decoding, it lends most of the KV share:
-        a lone sequence keeps to few experts from token to token, and a step's misses
-        fall 5-6x from 4 to 8 slots a layer on the capped synthetic's routing."""
+        workspace (:meth:`_decode_slots`) and the KV room no sequence in flight will hold, in
+        whole slot rows. The sequences' share is counted at their longest
+        (:meth:`_held_bytes`: the decode pool at the longest's length, the prompts read and
+        joining) plus one layer's pool buffer, copied while the pool grows or a sequence
+        joins; each row lent also reads ahead its layer's share
+        (:func:`~mlx_tier.engine.footprint.read_ahead_bytes`). A document started later
+        gets the room back before its KV cache exists (the prefill step that reads it
+        takes every lent slot back first). In a job's tail, with a document or two left
+        decoding, most of the KV share is lent: a lone sequence keeps to few experts from
+        token to token, and its decode steps' misses fell 4x on the capped synthetic."""
         if not isinstance(engine, PoolEngine) or not self._lends():
             return
         cache = self.model.expert_cache
-        base = self._decode_slots(engine.batch_size)
-        idle = max(0, self._kv_room - self._held_bytes(engine)) // max(1, cache.slot_row_bytes)
-        idle = idle if footprint.LEND_KV_ROOM else 0
-        engine.decode_slots = max(0, min(cache.lendable, base + idle))
+        idle = 0
+        if footprint.LEND_KV_ROOM:
+            held, layers = self._held_bytes(engine), len(cache.layers)
+            spare = self._kv_room - held - held // layers
+            idle = max(0, spare) // max(1, cache.slot_row_bytes + cache.slot_row_bytes // layers)
+        engine.decode_slots = max(0, min(cache.lendable, self._decode_slots(engine.batch_size) + idle))
 
     def _lends(self) -> bool:
         """Whether the expert cache lends slots to decode steps (:meth:`_decode_slots`' conditions)."""
@@ -510,7 +514,7 @@ class Scheduler:
         at most every :data:`WAIT_RELEASE_S` before it would wait (else it waits on memory
         that is free)."""
         context = self._context_now()
-        if need <= context:
+        if need <= context or context >= self.context:  # fits, or memory is not what bounds it
             return context
         now = time.perf_counter()
         if can_wait and now - self._released_at < WAIT_RELEASE_S:

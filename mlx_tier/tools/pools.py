@@ -31,12 +31,11 @@ tokens (whose average context is ``C`` tokens) costs, per layer::
 
 so the seconds per token, ``L * step(T) / T`` (a decode step of ``T``
 sequences: ``(L * step(T) + head(T)) / T``), fall as ``T`` grows until the
-per-token terms dominate. The prefill pool is the largest ``T`` within
-:data:`NEAR_BEST` of the best rate that memory allows (fewer steps read each
-expert for more tokens: the safer side, where reads are priced optimistically);
-the decode pool the largest number of sequences whose KV cache fits (a
-generated token's cost only falls with more sequences). Predicted
-documents/hour follow for a given prompt and summary length.
+per-token terms dominate. The prefill pool is the smallest ``T`` within
+:data:`NEAR_BEST` of the best rate that memory allows; the decode pool the
+largest number of sequences whose KV cache fits (a generated token's cost only
+falls with more sequences). Predicted documents/hour follow for a given
+prompt and summary length.
 
 A prefill step also decodes the sequences generating meanwhile, in the same
 layer steps (module batching, :mod:`mlx_tier.engine.module_batch`): each of
@@ -68,7 +67,7 @@ from mlx_tier.engine.footprint import KV_STEP
 # rows take the float32 loops (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the
 # model must not import MLX); the probe reads the layout's own (Rates.gemm_min_rows).
 GEMM_MIN_ROWS = 8
-# The prefill pool: the largest pool whose rate is within this fraction of the best.
+# The prefill pool: the smallest pool whose rate is within this fraction of the best.
 NEAR_BEST = 0.97
 # The cache chooser prices each expert cache with this share less of the KV room it leaves: the
 # room a run measures at its start (its resident set after load and the shared prefix) differs
@@ -475,7 +474,7 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     read = max(1, prompt_tokens - shared_tokens)  # prompt tokens a document reads
     rate = {t: 1 / seconds_per_token(shape, rates, t, ctx_prefill, math.ceil(t / read)) for t in fits}
     best = max(rate.values())
-    prefill_tokens = max(t for t in fits if rate[t] >= NEAR_BEST * best)
+    prefill_tokens = min(t for t in fits if rate[t] >= NEAR_BEST * best)
     limit = cap or MAX_DECODE_POOL
     room = max(1, int((free_bytes - prefill_transient(shape, prefill_tokens, min(seq, MAX_CHUNK)))
                       // max(1.0, shape.kv_bytes * (seq + KV_STEP))))

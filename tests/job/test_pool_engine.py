@@ -480,3 +480,33 @@ def test_decode_steps_borrow_slots_and_give_them_back_before_a_prefill_step(tier
     finally:
         engine.close()
     assert cache.lent == 0 and cache.layer_slots == base
+
+
+def test_a_growth_of_lent_slots_that_fails_for_memory_leaves_those_lent_before(tiered, tiny_moe, prompts_and_refs,
+                                                                              monkeypatch):
+    """Lent slots are spare: when growing them fails for memory the step runs with the slots
+    lent before (the cache puts every layer back), the documents finish with their own
+    tokens, and no later step asks for more than that."""
+    model, tokenizer = tiered
+    prompts, refs = prompts_and_refs
+    cache = model.expert_cache
+    real_lend, asked = cache.lend_slots, []
+
+    def lend(extra):
+        asked.append(extra)
+        if extra > 1:
+            raise MemoryError("no room for the slabs")
+        real_lend(extra)
+
+    monkeypatch.setattr(cache, "lend_slots", lend)
+    engine = PoolEngine(model, tokenizer, stop_token_ids(tokenizer, tiny_moe), batch_size=2, prefill_batch=2,
+                        pool_tokens=16, layer_seconds=None, decode_slots=1)
+    try:
+        got = run_pool(engine, prompts[:1])
+        engine.decode_slots = 2  # more asked for: refused once, never asked again
+        got += run_pool(engine, prompts[1:2])
+        assert [g.tokens for g in got] == refs[:2]
+        assert asked.count(2) == 1 and cache.lent <= 1
+    finally:
+        engine.close()
+    assert cache.lent == 0

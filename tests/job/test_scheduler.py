@@ -389,7 +389,8 @@ def test_decode_steps_also_borrow_the_kv_room_no_sequence_holds(tiered, tiny_moe
     sched.memory = SimpleNamespace(cache_given=False)
     monkeypatch.setattr("mlx_tier.tools.pool_cache.lent_slots", lambda *a: 1)  # the workspace's: one slot row
     engine = sched._new_engine(4)
-    row = cache.slot_row_bytes
+    layers = len(cache.layers)
+    row = cache.slot_row_bytes + cache.slot_row_bytes // layers  # a slot row and its layer's read ahead
     assert engine.decode_slots == 1 and cache.lendable >= 3
     sched._kv_room = 2 * row + row // 2  # nothing in flight: two whole rows idle
     sched._lend_idle_kv(engine)
@@ -397,10 +398,10 @@ def test_decode_steps_also_borrow_the_kv_room_no_sequence_holds(tiered, tiny_moe
     engine.add(Task(("a", 0), tokenizer.encode(TEXTS["a"]), 8))
     held = sched._held_bytes(engine)
     assert held > 0
-    sched._kv_room = held + row  # one row beside what the sequence may hold at its longest
+    sched._kv_room = held + held // layers + row  # one row beside what the sequence may hold, and a layer's copy
     sched._lend_idle_kv(engine)
     assert engine.decode_slots == 2
-    sched._kv_room = held - 1  # none idle: the workspace's only
+    sched._kv_room -= 1  # not a whole row: the workspace's only
     sched._lend_idle_kv(engine)
     assert engine.decode_slots == 1
     sched._kv_room = 1 << 40
@@ -414,6 +415,19 @@ def test_decode_steps_also_borrow_the_kv_room_no_sequence_holds(tiered, tiny_moe
     sched._lend_idle_kv(engine)
     assert engine.decode_slots == 0  # lending off: none
     engine.close()
+
+
+def test_the_job_sets_the_slots_to_lend_before_every_step(tiered, tiny_moe, monkeypatch):
+    """The throughput job sizes what its decode steps borrow before each step, from what is
+    in flight then (the test above: the arithmetic)."""
+    model, tokenizer = tiered
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, GenerationConfig("Summarise this.", 4, schedule="throughput"))
+    calls, steps = [], []
+    real_step = sched._step
+    monkeypatch.setattr(sched, "_lend_idle_kv", lambda engine: calls.append(len(steps)))
+    monkeypatch.setattr(sched, "_step", lambda *a: steps.append(1) or real_step(*a))
+    out = list(sched.run(docs(TEXTS)))
+    assert len(out) == 3 and steps and calls == list(range(len(steps)))
 
 
 def test_the_room_for_the_whole_job_is_measured_without_what_the_process_freed(tiered, tiny_moe, monkeypatch):
@@ -461,3 +475,7 @@ def test_a_document_about_to_wait_measures_the_room_without_what_the_process_fre
     held[0] = True
     clock[0] += scheduler_module.WAIT_RELEASE_S
     assert sched._context_for(500, can_wait=True) == 4096 and len(released) == 3
+    monkeypatch.setattr(sched, "context", 100)  # the usable context itself bounds it, not memory
+    held[0] = True
+    clock[0] += scheduler_module.WAIT_RELEASE_S
+    assert sched._context_for(500, can_wait=False) == 100 and len(released) == 3  # a hand-back cannot help

@@ -395,17 +395,3 @@ def test_decode_steps_are_priced_with_the_slots_they_borrow():
     left = int((tight - n * row) * (1 - ROOM_MARGIN))
     assert plan == choose_pools(replace(SYNTH, slots=n), RATES, 600, 32, left, documents=6, decode_slots=2)
 
-
-def test_the_prefill_pool_is_the_largest_within_reach_of_the_best_rate(monkeypatch):
-    """Near a tie the larger prompt step is taken: it reads each expert for more tokens, where
-    the model prices reads optimistically (a 128-token step measured 0.87x a 256-token
-    step's prompt rate on the capped synthetic, predicted even). Outside the tie, the best."""
-    import mlx_tier.tools.pools as pools_module
-
-    def rate_curve(curve):
-        monkeypatch.setattr(pools_module, "seconds_per_token", lambda shape, rates, t, *a: 1 / curve.get(t, 1.0))
-
-    rate_curve({128: 100.0, 256: 98.0, 512: 90.0})  # 256 within 3% of the best, 512 not
-    assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, max_pool=512).prefill_tokens == 256
-    rate_curve({128: 100.0, 256: 96.0, 512: 90.0})  # none within: the best
-    assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, max_pool=512).prefill_tokens == 128
