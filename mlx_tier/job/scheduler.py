@@ -466,7 +466,7 @@ class Scheduler:
         gets the room back before its KV cache exists (the prefill step that reads it
         takes every lent slot back first). In a job's tail, with a document or two left
         decoding, most of the KV share is lent: a lone sequence keeps to few experts from
-        token to token, and its decode steps' misses fell 4x on the capped synthetic."""
+        token to token (benches/results/throughput/NOTES.md, rounds 20 and 21)."""
         if not isinstance(engine, PoolEngine) or not self._lends():
             return
         cache = self.model.expert_cache

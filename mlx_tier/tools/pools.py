@@ -32,7 +32,10 @@ tokens (whose average context is ``C`` tokens) costs, per layer::
 so the seconds per token, ``L * step(T) / T`` (a decode step of ``T``
 sequences: ``(L * step(T) + head(T)) / T``), fall as ``T`` grows until the
 per-token terms dominate. The prefill pool is the smallest ``T`` within
-:data:`NEAR_BEST` of the best rate that memory allows; the decode pool the
+:data:`NEAR_BEST` of the best rate that memory allows, or the next size up
+when that is within it too (a larger step reads each expert for more tokens,
+which the model prices optimistically under a memory cap:
+benches/results/throughput/NOTES.md, round 21); the decode pool the
 largest number of sequences whose KV cache fits (a generated token's cost only
 falls with more sequences). Predicted documents/hour follow for a given
 prompt and summary length.
@@ -67,7 +70,8 @@ from mlx_tier.engine.footprint import KV_STEP
 # rows take the float32 loops (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the
 # model must not import MLX); the probe reads the layout's own (Rates.gemm_min_rows).
 GEMM_MIN_ROWS = 8
-# The prefill pool: the smallest pool whose rate is within this fraction of the best.
+# The prefill pool: the smallest pool whose rate is within this fraction of the best (or the
+# next size up, within it too).
 NEAR_BEST = 0.97
 # The cache chooser prices each expert cache with this share less of the KV room it leaves: the
 # room a run measures at its start (its resident set after load and the shared prefix) differs
@@ -474,7 +478,8 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     read = max(1, prompt_tokens - shared_tokens)  # prompt tokens a document reads
     rate = {t: 1 / seconds_per_token(shape, rates, t, ctx_prefill, math.ceil(t / read)) for t in fits}
     best = max(rate.values())
-    prefill_tokens = min(t for t in fits if rate[t] >= NEAR_BEST * best)
+    near = [t for t in fits if rate[t] >= NEAR_BEST * best]
+    prefill_tokens = max(t for t in near if t <= 2 * min(near))  # a near tie: one size up at most
     limit = cap or MAX_DECODE_POOL
     room = max(1, int((free_bytes - prefill_transient(shape, prefill_tokens, min(seq, MAX_CHUNK)))
                       // max(1.0, shape.kv_bytes * (seq + KV_STEP))))

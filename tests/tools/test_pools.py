@@ -395,3 +395,22 @@ def test_decode_steps_are_priced_with_the_slots_they_borrow():
     left = int((tight - n * row) * (1 - ROOM_MARGIN))
     assert plan == choose_pools(replace(SYNTH, slots=n), RATES, 600, 32, left, documents=6, decode_slots=2)
 
+
+
+def test_a_near_tie_between_prompt_steps_goes_one_size_up(monkeypatch):
+    """The prefill pool is the smallest within NEAR_BEST of the best rate, or the next size
+    up when that is within it too: a larger step reads each expert for more tokens, which
+    the model prices optimistically (a 128-token step read 0.85-0.87x a 256-token step's
+    prompt rate on the capped synthetic, priced within 3%). Never further than one size:
+    where the rate keeps rising by a hair, the step stays near the smallest."""
+    import mlx_tier.tools.pools as pools_module
+
+    def rate_curve(curve):
+        monkeypatch.setattr(pools_module, "seconds_per_token", lambda shape, rates, t, *a: 1 / curve.get(t, 1.0))
+
+    rate_curve({128: 100.0, 256: 98.0, 512: 90.0})  # 128 best, 256 within 3%: 256
+    assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, max_pool=512).prefill_tokens == 256
+    rate_curve({128: 100.0, 256: 96.0, 512: 90.0})  # none within: the best
+    assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, max_pool=512).prefill_tokens == 128
+    rate_curve({512: 99.0, 1024: 99.5, 2048: 100.0})  # rising by a hair: one size up from the smallest
+    assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, max_pool=2048).prefill_tokens == 1024
