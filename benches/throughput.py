@@ -46,7 +46,8 @@ How:
 - Per run: wall time, documents/hour, prompt tok/s (prompt tokens over the
   time of the steps that read prompts), generated tok/s and decode seconds per
   generated token (decode steps only), bytes read per token, hit rate, read
-  stall, peak RSS, the share of the roofline (the job's time if every layer
+  stall, the bytes fetched from storage (Linux: `/proc/self/io`; what the
+  page cache served aside), peak RSS, the share of the roofline (the job's time if every layer
   step of its own pools cost only max(its expert reads / read rate, its
   compute / compute rates), rates probed in the run:
   :func:`mlx_tier.tools.pools.probe_rates`; ``roofline_seconds``), and for
@@ -170,15 +171,18 @@ def worker(spec: dict) -> dict:
     setup_s = time.perf_counter() - t0
     model.expert_cache.reset_stats()
     acc = {"prompt_tokens": 0, "prompt_s": 0.0, "generated": 0, "decode_s": 0.0, "steps": 0, "merged": 0}
-    steps_log = []  # one row a step: [s, prompt tokens, prompts read, generated, merged, misses, stall s]
-    last = [model.expert_cache.snapshot()]
+    # one row a step: [s, prompt tokens, prompts read, generated, merged, misses, stall s, MiB from storage]
+    steps_log = []
+    last = [model.expert_cache.snapshot(), storage_read_bytes()]
+    storage0 = last[1]
 
     def on_step(info, ids):
-        now = model.expert_cache.snapshot()
+        now, io = model.expert_cache.snapshot(), storage_read_bytes()
         d = now - last[0]
-        last[0] = now
+        io_mib = round((io - last[1]) / 2**20, 1) if io is not None and last[1] is not None else None
+        last[:] = [now, io]
         steps_log.append([round(info.seconds, 3), info.prefill_tokens, len(info.prefill), info.generated,
-                          int(info.merged), d.misses, round(d.stall_seconds, 3)])
+                          int(info.merged), d.misses, round(d.stall_seconds, 3), io_mib])
         acc["prompt_tokens"] += info.prefill_tokens
         acc["prompt_s"] += info.prefill_seconds
         acc["generated"] += info.generated
@@ -192,6 +196,7 @@ def worker(spec: dict) -> dict:
     with model_memory_controls(model, s.context, s.batch_size):  # MLX's buffer cache bounded, as run_job does
         outs = list(s.run(docs, on_step=on_step))
     wall = time.perf_counter() - t0
+    storage1 = storage_read_bytes()
     st = model.expert_cache.stats
     tokens = acc["prompt_tokens"] + acc["generated"]
     found = pools.shape_of(model, s.plan.kv_per_token)
@@ -206,6 +211,9 @@ def worker(spec: dict) -> dict:
         "decode_s_per_token": acc["decode_s"] / max(1, acc["generated"]), "steps": acc["steps"],
         "tokens_per_s": tokens / wall, "roofline_s": roof_s, "roofline_share": roof_s / wall if roof_s else None,
         "hit_rate": st.hit_rate, "bytes_read_per_token": st.bytes_read / max(1, tokens), "read_stall_share": st.stall_seconds / wall,
+        # the expert bytes the misses read, against what the process fetched from storage (page cache aside)
+        "expert_bytes_read": st.bytes_read, "misses": st.misses,
+        "storage_read_bytes": storage1 - storage0 if storage0 is not None and storage1 is not None else None,
         "slots_per_layer": model.expert_cache.slots_per_layer, "cache_gib": model.expert_cache.budget_bytes / 2**30,
         "decode_slots": s.info.get("decode_slots"), "cache_lent_at_end": model.expert_cache.lent,
         "batch_size": s.batch_size, "pool_tokens": s.pool_tokens if sched != "paced" else None,
@@ -296,6 +304,19 @@ def _med(runs, key):
     return statistics.median(vals) if vals else None
 
 
+def storage_read_bytes() -> int | None:
+    """Bytes this process has caused to be fetched from storage (``read_bytes`` of Linux's
+    ``/proc/self/io``: reads served from the page cache not counted), or ``None`` where
+    the file is missing or unreadable."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def step_kinds(run: dict) -> list[str]:
     """Lines on a run's steps by kind (prompt only, prompt with decoded tokens riding, decode
     only): count, seconds, tokens, misses a step; and a least-squares fit of a prompt
@@ -312,7 +333,8 @@ def step_kinds(run: dict) -> list[str]:
         if rows:
             lines.append(f"  {name:<15} {len(rows):4d} steps {sum(r[0] for r in rows):7.1f} s, "
                          f"{sum(r[0] for r in rows) / len(rows):5.2f} s a step, prompt {sum(r[1] for r in rows):6d}, "
-                         f"generated {sum(r[3] for r in rows):4d}, misses a step {statistics.mean(r[5] for r in rows):5.0f}")
+                         f"generated {sum(r[3] for r in rows):4d}, misses a step {statistics.mean(r[5] for r in rows):5.0f}"
+                         + storage_share(run, rows))
     prompt = [r for r in log if r[1] > 0]
     if len(prompt) >= 5 and any(r[3] for r in prompt):
         import numpy as np
@@ -322,6 +344,17 @@ def step_kinds(run: dict) -> list[str]:
         lines.append(f"  prompt step fit: {c[0]:.2f} s + {c[1] * 1e3:.1f} ms a prompt token + {c[2]:.3f} s a riding "
                      f"token + {c[3] * 1e3:.1f} ms a miss")
     return lines
+
+
+def storage_share(run: dict, rows: list) -> str:
+    """", from storage N%": the share of these steps' missed expert bytes the process
+    fetched from storage (the rest came from the page cache; prompt steps also read
+    their KV and activations, a few MiB), or "" for a run recorded without it."""
+    if not rows or any(len(r) < 8 or r[7] is None for r in rows) or not run.get("misses"):
+        return ""
+    per_miss = run["expert_bytes_read"] / run["misses"]
+    missed = sum(r[5] for r in rows) * per_miss
+    return f", from storage {sum(r[7] for r in rows) * 2**20 / missed:4.0%}" if missed else ""
 
 
 def report(out: Path) -> None:
