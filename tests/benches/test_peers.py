@@ -7,27 +7,15 @@ peer instead of failing, and fits its table in 80 columns.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCHES = Path(__file__).resolve().parents[2] / "benches"
-
 
 @pytest.fixture(scope="module")
-def peers():
-    sys.path.insert(0, str(BENCHES))
-    try:
-        spec = importlib.util.spec_from_file_location("peers_bench", BENCHES / "peers.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["peers_bench"] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("peers_bench", None)
-        sys.path.remove(str(BENCHES))
+def peers(load_bench):
+    return load_bench("peers.py", "peers_bench")
 
 
 def run(outcome="ok", **kw):

@@ -7,27 +7,14 @@ nothing is printed for a run recorded without the storage counter.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHES = Path(__file__).resolve().parents[2] / "benches"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHES))
-    try:
-        spec = importlib.util.spec_from_file_location("throughput_bench", BENCHES / "throughput.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["throughput_bench"] = module
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("throughput_bench", None)
-        sys.path.remove(str(BENCHES))
+def bench(load_bench):
+    return load_bench("throughput.py", "throughput_bench")
 
 
 def _run(rows, misses=100, expert_bytes=100 * 2**20):
