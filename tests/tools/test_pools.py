@@ -396,7 +396,6 @@ def test_decode_steps_are_priced_with_the_slots_they_borrow():
     assert plan == choose_pools(replace(SYNTH, slots=n), RATES, 600, 32, left, documents=6, decode_slots=2)
 
 
-
 def test_a_near_tie_between_prompt_steps_goes_one_size_up(monkeypatch):
     """The prefill pool is the smallest within NEAR_BEST of the best rate, or the next size
     up when that is within it too: a larger step reads each expert for more tokens, which
