@@ -47,8 +47,8 @@ How:
   time of the steps that read prompts), generated tok/s and decode seconds per
   generated token (decode steps only), bytes read per token, hit rate, read
   stall, the bytes fetched from storage (Linux: `/proc/self/io`; what the
-  page cache served aside), peak RSS, the share of the roofline (the job's time if every layer
-  step of its own pools cost only max(its expert reads / read rate, its
+  page cache served aside), peak RSS, the share of the roofline (the job's time if each
+  of its own steps cost only max(what it fetched from storage / read rate, its
   compute / compute rates), rates probed in the run:
   :func:`mlx_tier.tools.pools.probe_rates`; ``roofline_seconds``), and for
   the throughput schedule its pools and predicted documents/hour.
@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -201,7 +200,7 @@ def worker(spec: dict) -> dict:
     tokens = acc["prompt_tokens"] + acc["generated"]
     found = pools.shape_of(model, s.plan.kv_per_token)
     rates = pools.rates_for(model, found[1]) if found else None
-    roof_s = roofline_seconds(found[0], rates, acc, s, acc["prompt_tokens"] / max(1, len(outs))) if found else None
+    roof_s = roofline_seconds(found[0], rates, steps_log, acc["prompt_tokens"] / max(1, len(outs))) if found else None
     return {
         "schedule": sched, "docs": len(outs), "done": sum(o.status == "done" for o in outs), "wall_s": wall,
         "errors": [o.error for o in outs if o.error], "parts": sum(o.parts for o in outs),
@@ -229,27 +228,45 @@ def worker(spec: dict) -> dict:
     }
 
 
-def roofline_seconds(shape, rates, acc: dict, sched, prompt_tokens: float) -> float:
-    """The job's time at the roofline of its own pools: each layer step costs its expert
-    reads or its compute (GEMM/matvec, dense, attention), none of the fixed costs
-    (:func:`mlx_tier.tools.pools.layer_step_seconds` with the overheads at 0); tokens
-    decoded in prefill steps (module batching) are rows of the prefill pool."""
+def roofline_seconds(shape, rates, steps_log: list, prompt_tokens: float) -> float:
+    """The job's time at the roofline of its own steps: each logged step costs the larger of
+    its compute at the probed rates (experts, dense layers, attention:
+    :func:`mlx_tier.tools.pools.layer_step_seconds` with the fixed costs at 0) and what it
+    fetched from storage at the probed read rate (the step log's MiB from storage: a miss
+    the page cache served costs no read; a step logged without them prices its misses as
+    the pool model does, every one from storage). A prefill step's rows are its prompt
+    tokens and the tokens decoded in it (module batching), of its prompts and riding
+    sequences.
+
+    Args:
+        shape, rates: :func:`mlx_tier.tools.pools.shape_of`'s shape, the run's probed rates.
+        steps_log: the run's rows ``[s, prompt tokens, prompts, generated, merged, misses,
+            stall s, MiB from storage]`` (the last may be missing or ``None``).
+        prompt_tokens: a document's mean prompt tokens (a prompt token's mean context is half).
+
+    Returns:
+        Seconds.
+    """
     from dataclasses import replace
 
     from mlx_tier.tools import pools
 
     bare = replace(rates, overhead_s=0.0, per_expert_s=0.0)
-    paced = sched.config.schedule == "paced"
-    pool = min(sched.pool_tokens, 64) if paced else sched.pool_tokens  # paced steps: tens of tokens
-
-    def per_token(tokens, context, sequences=None):
-        parts = pools.layer_step_seconds(shape, bare, tokens, context, sequences)
-        compute = parts["expert"] + parts["dense"] + parts["attn"]
-        return shape.layers * max(parts["read"], compute) / tokens
-
-    rows = acc["prompt_tokens"] + acc["merged"]
-    return (rows * per_token(pool, prompt_tokens / 2, math.ceil(pool / max(1.0, prompt_tokens)))
-            + (acc["generated"] - acc["merged"]) * per_token(max(1, sched.batch_size), prompt_tokens))
+    total = 0.0
+    for row in steps_log:
+        prompt, prompts, generated = row[1], row[2], row[3]
+        rows = prompt + generated
+        if rows == 0:
+            continue
+        if prompt:
+            parts = pools.layer_step_seconds(shape, bare, rows, prompt_tokens / 2, max(1, prompts) + generated)
+        else:
+            parts = pools.layer_step_seconds(shape, bare, rows, prompt_tokens)
+        compute = shape.layers * (parts["expert"] + parts["dense"] + parts["attn"])
+        mib = row[7] if len(row) > 7 else None
+        read = mib * 2**20 / (max(rates.disk_gbps, 1e-3) * 1e9) if mib is not None else shape.layers * parts["read"]
+        total += max(compute, read)
+    return total
 
 
 # ------------------------------------------------------------------ the driver
