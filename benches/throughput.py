@@ -28,7 +28,9 @@ How:
   cache is chosen as the default's); ``throughput-no-lend`` (no expert slots lent
   to decode steps: ``footprint.LEND_SLOTS`` off); ``throughput-workspace-lend``
   (decode steps borrow the prompt step's idle workspace only, not the KV room no
-  sequence holds: ``footprint.LEND_KV_ROOM`` off). All use the CPU
+  sequence holds: ``footprint.LEND_KV_ROOM`` off); ``throughput-b1``,
+  ``throughput-b2`` (the throughput schedule with its decode pool fixed at 1 or 2,
+  as ``run --batch-size N`` fixes it, the expert cache chosen for it). All use the CPU
   expert kernel, greedy with the job's repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
@@ -79,7 +81,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8",
              "throughput-one-token", "throughput-prefetch", "throughput-separate", "throughput-no-lend",
-             "throughput-workspace-lend")
+             "throughput-workspace-lend", "throughput-b1", "throughput-b2")
 
 
 # ------------------------------------------------------------------- documents
@@ -152,8 +154,8 @@ def worker(spec: dict) -> dict:
         if sched != "paced":
             per = chars_per_token(load_tokenizer(model_dir), [d.text for d in docs])  # run's estimate
             prompt = predicted_tokens(sum(chars) // len(chars), per) + predicted_tokens(len(DEFAULT_PROMPT), per) + 16
-            found = pool_cache.cache_for_pools(model_dir, budget, prompt,
-                                               spec["summary_tokens"], len(docs), 1 if sched == "batch1" else None)
+            found = pool_cache.cache_for_pools(model_dir, budget, prompt, spec["summary_tokens"], len(docs),
+                                               1 if sched == "batch1" else _pool_given(sched))
             budget = pool_cache.with_cache(budget, found[0]) if found else budget
         tier = replace(tier, cache_gb=budget.cache / 2**30)
     t0 = time.perf_counter()
@@ -161,7 +163,8 @@ def worker(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     gen = GenerationConfig(DEFAULT_PROMPT, spec["summary_tokens"], DEFAULT_REPETITION_PENALTY,
                            schedule="paced" if sched == "paced" else "throughput",
-                           batch_size=1 if sched == "batch1" else None, prefill_batch=1 if sched == "batch1" else None,
+                           batch_size=1 if sched == "batch1" else _pool_given(sched),
+                           prefill_batch=1 if sched == "batch1" else None,
                            prefill_step_size=step, kv_bits=kv_bits)
     t0 = time.perf_counter()
     s = Scheduler(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), gen, max(chars),
@@ -226,6 +229,11 @@ def worker(spec: dict) -> dict:
         "summaries": {o.id: o.summary for o in outs}, "peak_rss": peak_rss(), "load_start": load0, "load_end": os.getloadavg()[0],
         "steps_log": steps_log,
     }
+
+
+def _pool_given(sched: str) -> int | None:
+    """The decode pool a ``throughput-bN`` schedule fixes (``run --batch-size N``), else ``None``."""
+    return int(sched.removeprefix("throughput-b")) if sched.startswith("throughput-b") and sched[-1].isdigit() else None
 
 
 def roofline_seconds(shape, rates, steps_log: list, prompt_tokens: float) -> float:

@@ -3,7 +3,8 @@
 The invariants it guards: the share printed beside a kind of step is the bytes
 the process fetched from storage over those steps' missed expert bytes, and
 nothing is printed for a run recorded without the storage counter; the
-roofline prices a step's reads at what storage gave it, not at its misses.
+roofline prices a step's reads at what storage gave it, not at its misses;
+the `throughput-bN` schedules fix the decode pool at N.
 """
 
 from __future__ import annotations
@@ -94,3 +95,10 @@ def test_roofline_prefill_rows_and_old_logs(bench):
         assert bench.roofline_seconds(shape, rates, [old], 500) == pytest.approx(model_read)
     # a step that carried nothing (all its sequences finished) costs nothing at the roofline
     assert bench.roofline_seconds(shape, rates, [[0.1, 0, 0, 0, 0, 0, 0.0, 0.0]], 500) == 0.0
+
+
+def test_fixed_pool_schedules(bench):
+    assert bench._pool_given("throughput-b1") == 1 and bench._pool_given("throughput-b2") == 2
+    for other in ("throughput", "throughput-separate", "throughput-no-ahead", "batch1", "paced"):
+        assert bench._pool_given(other) is None
+    assert {"throughput-b1", "throughput-b2"} <= set(bench.SCHEDULES)
