@@ -232,8 +232,10 @@ def worker(spec: dict) -> dict:
 
 
 def _pool_given(sched: str) -> int | None:
-    """The decode pool a ``throughput-bN`` schedule fixes (``run --batch-size N``), else ``None``."""
-    return int(sched.removeprefix("throughput-b")) if sched.startswith("throughput-b") and sched[-1].isdigit() else None
+    """The decode pool a ``throughput-bN`` schedule fixes (``run --batch-size N``, N >= 1),
+    else ``None``."""
+    n = sched.removeprefix("throughput-b")
+    return int(n) if n != sched and n.isdigit() and int(n) >= 1 else None
 
 
 def roofline_seconds(shape, rates, steps_log: list, prompt_tokens: float) -> float:
@@ -241,8 +243,9 @@ def roofline_seconds(shape, rates, steps_log: list, prompt_tokens: float) -> flo
     its compute at the probed rates (experts, dense layers, attention:
     :func:`mlx_tier.tools.pools.layer_step_seconds` with the fixed costs at 0) and what it
     fetched from storage at the probed read rate (the step log's MiB from storage: a miss
-    the page cache served costs no read; a step logged without them prices its misses as
-    the pool model does, every one from storage). A prefill step's rows are its prompt
+    the page cache served costs no read; a step logged without them prices its reads as
+    the pool model does: every miss from storage, less what read ahead overlaps with
+    compute). A prefill step's rows are its prompt
     tokens and the tokens decoded in it (module batching), of its prompts and riding
     sequences.
 
@@ -446,6 +449,9 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
         return
+    unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
+    if unknown and not args.report_only:
+        ap.error(f"unknown schedule {', '.join(unknown)}; one of {', '.join(SCHEDULES)}")
     if args.report_only:
         report(args.out)
         return

@@ -99,6 +99,22 @@ def test_roofline_prefill_rows_and_old_logs(bench):
 
 def test_fixed_pool_schedules(bench):
     assert bench._pool_given("throughput-b1") == 1 and bench._pool_given("throughput-b2") == 2
-    for other in ("throughput", "throughput-separate", "throughput-no-ahead", "batch1", "paced"):
+    for other in ("throughput", "throughput-separate", "throughput-no-ahead", "batch1", "paced", "throughput-bad2",
+                  "throughput-b0", "throughput-b"):
         assert bench._pool_given(other) is None
     assert {"throughput-b1", "throughput-b2"} <= set(bench.SCHEDULES)
+
+
+def test_roofline_sums_the_steps(bench):
+    shape, rates = _synth()
+    decode, _ = _compute(shape, rates, 4, 500)
+    prefill, _ = _compute(shape, rates, 256, 250, 8)
+    log = [[7.0, 250, 2, 6, 1, 900, 0.1, 0.0], [2.0, 0, 0, 4, 0, 400, 0.5, 1024.0], [2.0, 0, 0, 4, 0, 400, 0.5, 0.0]]
+    assert bench.roofline_seconds(shape, rates, log, 500) == pytest.approx(prefill + max(decode, 2**30 / 1e9) + decode)
+
+
+def test_unknown_schedule_is_refused(bench, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["throughput.py", "--out", "x", "--schedules", "throughput,throughput-bogus"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2 and "unknown schedule throughput-bogus" in capsys.readouterr().err
