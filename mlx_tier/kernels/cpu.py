@@ -56,7 +56,7 @@ from mlx_lm.models.switch_layers import (
 from numba import njit
 from threadpoolctl import ThreadpoolController
 
-from mlx_tier.kernels import cpu_vnni
+from mlx_tier.kernels import cpu_vnni, simd
 
 # A slot used by at least this many pairs in one call is dequantised once and
 # multiplied with BLAS; fewer pairs use the fused matvec. Where the rows take the
@@ -67,6 +67,11 @@ from mlx_tier.kernels import cpu_vnni
 # benches/results/expert-rows/NOTES.md). The same for dense layers.
 GEMM_MIN_ROWS = 8
 VNNI_GEMM_MIN_ROWS = 64
+# The same loops on AVX2 (vpdpbusd as two instructions a half: kernels/simd.py)
+# compute a pair ~1.5x faster than the float32 loops there, and as fast as
+# dequantising + BLAS at 16 rows; at 32, BLAS is 1.4x faster (benches/expert_rows.py,
+# benches/results/kernel-avx2/NOTES.md).
+AVX2_GEMM_MIN_ROWS = 16
 # Threads of the kernel: one per physical core this process may use (a second
 # hardware thread of a core shares its vector units, which the matvec keeps
 # busy). A Python pool over nogil Numba functions measured faster here than
@@ -415,9 +420,9 @@ class _Quant:
     @property
     def gemm_min_rows(self) -> int:
         """Rows of one slot from which a call dequantises it and multiplies with BLAS
-        (:data:`VNNI_GEMM_MIN_ROWS` where the rows take the VNNI loops, else
+        (:func:`integer_min_rows` where the rows take the integer loops, else
         :data:`GEMM_MIN_ROWS`)."""
-        return VNNI_GEMM_MIN_ROWS if self.vnni else GEMM_MIN_ROWS
+        return integer_min_rows() if self.vnni else GEMM_MIN_ROWS
 
     @property
     def arrays(self) -> tuple:
@@ -617,7 +622,14 @@ def _leaf_min_rows(leaf: nn.Module) -> int:
     host views of its arrays)."""
     in_dims = leaf["scales"].shape[-1] * leaf.group_size
     vnni = cpu_vnni.usable(leaf.bits, leaf.group_size, MODES.get(leaf.mode, -1), in_dims)
-    return VNNI_GEMM_MIN_ROWS if vnni else GEMM_MIN_ROWS
+    return integer_min_rows() if vnni else GEMM_MIN_ROWS
+
+
+def integer_min_rows() -> int:
+    """Rows of one slot from which a layout the integer loops serve takes dequantise + BLAS:
+    :data:`VNNI_GEMM_MIN_ROWS` on AVX-512 VNNI, :data:`AVX2_GEMM_MIN_ROWS` where its
+    instruction is emulated (:data:`mlx_tier.kernels.simd.EMULATED`)."""
+    return VNNI_GEMM_MIN_ROWS if simd.NATIVE else AVX2_GEMM_MIN_ROWS
 
 
 def _by_pairs(inner: nn.Module, slots: np.ndarray) -> bool:

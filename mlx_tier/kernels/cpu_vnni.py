@@ -1,4 +1,4 @@
-"""4-bit affine matvec rows on AVX-512 VNNI integer dot products (decode path).
+"""4-bit affine matvec rows on integer dot products: AVX-512 VNNI's, or AVX2's pair (decode path).
 
 Why: the float32 row loops of :mod:`mlx_tier.kernels.cpu` spend ~3.5 vector ops
 per 8 weights (widen, convert, FMA...) and run at the FP pipes' limit, ~40% of
@@ -29,6 +29,11 @@ Goto and van de Geijn, "Anatomy of high-performance matrix multiplication",
 to the one-token rows. Needs the row length ``I`` a multiple of 128; other
 shapes, other bit widths, non-finite x and rows whose largest |x| is below
 2**-80 (their 2**e would leave float32's normal range) use the float32 loops.
+
+On a CPU with AVX2 but no VNNI the same loops run with ``vpdpbusd`` written as
+``vpmaddubsw`` + ``vpmaddwd`` (:mod:`mlx_tier.kernels.simd`): bit-identical
+results, ~1.6x the float32 loops' speed on an AVX2-only EPYC
+(benches/results/kernel-avx2/NOTES.md).
 
 Off switch: ``MLX_TIER_VNNI=0`` in the environment (or :data:`ENABLED` = False).
 """
@@ -75,7 +80,7 @@ def layout_fits(bits: int, gs: int, mode: int, in_dims: int) -> bool:
 
 def usable(bits: int, gs: int, mode: int, in_dims: int) -> bool:
     """Whether :func:`qmv4` serves this layout on this machine: the layout fits
-    (:func:`layout_fits`), the CPU has AVX-512 VNNI (:data:`AVAILABLE`) and the loops
+    (:func:`layout_fits`), the CPU has AVX-512 VNNI or AVX2 (:data:`AVAILABLE`) and the loops
     are not switched off (:data:`ENABLED`)."""
     return AVAILABLE and ENABLED and layout_fits(bits, gs, mode, in_dims)
 
@@ -281,7 +286,7 @@ def qmv4(gs, w, scales, biases, xl, ex, xs, tok, slots, out, f0, f1, two=True):
     w [S, O, I/2] uint8 (4-bit affine codes, rows contiguous); scales, biases [S, O, G]
     float32; xl, ex, xs: :func:`prepare`'s arrays; tok, slots [N] int64; out [N, O]
     float32; ``two``: adjacent pairs of one slot take the two-token step (bit-equal
-    either way; :data:`TWO_TOKEN`). Call only where :func:`usable` (an AVX-512 VNNI CPU).
+    either way; :data:`TWO_TOKEN`). Call only where :func:`usable` (AVX-512 VNNI or AVX2).
     """
     if gs != 32 and gs != 64 and gs != 128:
         raise ValueError("qmv4: group size must be 32, 64 or 128")

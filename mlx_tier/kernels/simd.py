@@ -1,20 +1,29 @@
-"""The few AVX-512 vector values and ops the VNNI row loops need, as Numba intrinsics.
+"""The few 512-bit vector values and ops the integer row loops need, as Numba intrinsics.
 
 Numba has no vector types, and its loop vectoriser cannot emit VNNI's integer
 dot products (``vpdpbusd``), so :mod:`mlx_tier.kernels.cpu_vnni` writes its inner
 loop with these: two value types that lower to LLVM's ``<16 x i32>`` and
-``<16 x float>`` (one zmm register each), and one intrinsic per instruction.
-Loop control, indexing and the arrays stay ordinary Numba code; the values
-live in registers (the technique: Numba's ``@intrinsic`` + ``PrimitiveModel``,
-numba docs "Low-level extension API").
+``<16 x float>`` (one zmm register each, or two ymm registers on AVX2), and one
+intrinsic per instruction. Loop control, indexing and the arrays stay ordinary
+Numba code; the values live in registers (the technique: Numba's ``@intrinsic``
++ ``PrimitiveModel``, numba docs "Low-level extension API").
 
-Only call these where :data:`AVAILABLE` is true: LLVM cannot lower the VNNI
-intrinsic for a CPU without AVX-512 VNNI, and its error ends the process.
+On a CPU with AVX2 and FMA but no AVX-512 VNNI (:data:`EMULATED`), :func:`dpbusd`
+is two AVX2 instructions a 256-bit half: ``vpmaddubsw`` (unsigned by signed
+bytes, adjacent pairs summed to int16) then ``vpmaddwd`` by ones (int16 pairs
+summed to int32), added to the accumulator: the same sums (the row loops' bytes
+are 4-bit codes of at most 15 and digits of at most 128 in magnitude, so a pair
+is at most 3,840 and int16 never saturates), so the loops' results are
+bit-identical to VNNI's (llama.cpp's AVX2 q4/q8 dot products use the same pair).
+
+Only call these where :data:`AVAILABLE` is true: LLVM cannot lower the
+intrinsics for a CPU without them, and its error ends the process.
 The loads take contiguous 1-D arrays only (the typing refuses others).
 
 Numba's cache (``cache=True`` in cpu_vnni) is invalidated by its own file's
 changes only: after editing this file, touch ``cpu_vnni.py`` (or clear its
-``__pycache__``) so the loops are compiled again with the new intrinsics.
+``__pycache__``) so the loops are compiled again with the new intrinsics. (Its
+index is keyed by the CPU, so a native and an emulated build never mix.)
 """
 
 from __future__ import annotations
@@ -26,8 +35,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 
-def _host_has_vnni() -> bool:
-    """AVX-512 F/BW/VNNI on this CPU, and Numba compiling for this CPU (``NUMBA_CPU_NAME``
+def _host_has(*features: str) -> bool:
+    """All of ``features`` on this CPU, and Numba compiling for this CPU (``NUMBA_CPU_NAME``
     set to a generic target would leave the instructions out)."""
     if config.CPU_NAME not in (None, "host") or config.CPU_FEATURES or config.DISABLE_JIT:
         return False
@@ -35,10 +44,12 @@ def _host_has_vnni() -> bool:
         feats = llvm.get_host_cpu_features()
     except RuntimeError:  # a host LLVM cannot describe (e.g. some emulators)
         return False
-    return all(feats.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
+    return all(feats.get(f, False) for f in features)
 
 
-AVAILABLE = _host_has_vnni()
+NATIVE = _host_has("avx512f", "avx512bw", "avx512vnni")  # vpdpbusd itself
+EMULATED = not NATIVE and _host_has("avx2", "fma")  # vpdpbusd as vpmaddubsw + vpmaddwd (module doc)
+AVAILABLE = NATIVE or EMULATED
 
 
 class Vec16(types.Type):
@@ -129,10 +140,29 @@ def fzero(typingctx):
 @intrinsic
 def dpbusd(typingctx, acc, u, s):
     """``vpdpbusd``: each int32 lane of ``acc`` plus the sum of its 4 products of
-    unsigned bytes of ``u`` and signed bytes of ``s`` (AVX-512 VNNI)."""
+    unsigned bytes of ``u`` and signed bytes of ``s`` (AVX-512 VNNI; on AVX2,
+    :func:`_dpbusd_avx2`: exact while no adjacent pair of products leaves int16)."""
     def codegen(context, builder, sig, args):
+        if not NATIVE:
+            return _dpbusd_avx2(builder, *args)
         return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.512", _LI, [_LI] * 3), list(args))
     return I16(I16, I16, I16), codegen
+
+
+def _dpbusd_avx2(builder, acc, u, s):
+    """:func:`dpbusd` on AVX2, per 256-bit half: ``vpmaddubsw`` (u8 x s8, adjacent pairs
+    summed with int16 saturation), ``vpmaddwd`` by ones (int16 pairs to int32), added."""
+    i8, i16, i32 = (ir.VectorType(ir.IntType(b), n) for b, n in ((8, 32), (16, 16), (32, 8)))
+    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16, [i8, i8])
+    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", i32, [i16, i16])
+    undef, ones = ir.Constant(_LI, ir.Undefined), ir.Constant(i16, [1] * 16)
+    halves = []
+    for h in range(2):
+        lanes = ir.Constant(i32, list(range(8 * h, 8 * h + 8)))
+        uh, sh, ah = (builder.shuffle_vector(v, undef, lanes) for v in (u, s, acc))
+        pairs = builder.call(maddubs, [builder.bitcast(uh, i8), builder.bitcast(sh, i8)])
+        halves.append(builder.add(ah, builder.call(maddwd, [pairs, ones])))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_MASK_TY, list(range(16))))
 
 
 @intrinsic

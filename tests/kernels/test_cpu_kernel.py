@@ -25,7 +25,7 @@ from support.exactness import BOUND, assert_cpu_kernel_agrees, close, greedy_ids
 import mlx_tier
 from mlx_tier import TierConfig
 from mlx_tier.kernels import cpu as cpu_kernel
-from mlx_tier.kernels import cpu_dense, cpu_vnni
+from mlx_tier.kernels import cpu_dense, cpu_vnni, simd
 from mlx_tier.kernels import registry as kernels
 
 
@@ -448,9 +448,11 @@ def test_few_rows_of_formats_without_fast_loops_go_to_mlx(mode, bits, monkeypatc
 def test_the_gemm_path_starts_at_the_layouts_own_row_count(kind, row_loops, monkeypatch):
     """A slot of an expert block (or a dense layer) is dequantised and multiplied with
     BLAS from ``gemm_min_rows`` rows on: 64 where the rows take the VNNI loops (a pair
-    there costs less than a share of the expert's dequantisation up to that), 8 on the
-    float32 loops. Fewer rows take the fused matvec; both sides match MLX."""
-    want = cpu_kernel.VNNI_GEMM_MIN_ROWS if row_loops == "vnni" else cpu_kernel.GEMM_MIN_ROWS
+    there costs less than a share of the expert's dequantisation up to that), 16 where
+    those loops run on AVX2, 8 on the float32 loops. Fewer rows take the fused matvec;
+    both sides match MLX."""
+    integer = cpu_kernel.VNNI_GEMM_MIN_ROWS if simd.NATIVE else cpu_kernel.AVX2_GEMM_MIN_ROWS
+    want = integer if row_loops == "vnni" else cpu_kernel.GEMM_MIN_ROWS
     dequantised = []
     real = cpu_kernel._Quant.dense
     monkeypatch.setattr(cpu_kernel._Quant, "dense", lambda q, *a: dequantised.append(1) or real(q, *a))

@@ -16,7 +16,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_tier.kernels import cpu as cpu_kernel
 from mlx_tier.kernels import cpu_dense, cpu_vnni, simd
 
-needs_vnni = pytest.mark.skipif(not simd.AVAILABLE, reason="needs an x86 CPU with AVX-512 VNNI (vpdpbusd)")
+needs_vnni = pytest.mark.skipif(not simd.AVAILABLE, reason="needs an x86 CPU with AVX-512 VNNI or AVX2 (vpdpbusd, or vpmaddubsw + vpmaddwd)")
 REL = 2e-6  # max|Δ| / max|exact| of one matvec, float64 exact reference (float32 loops: ~3e-7)
 
 
@@ -115,7 +115,7 @@ def test_other_layouts_and_shapes_use_the_float32_loops(monkeypatch):
     assert not cpu_vnni.layout_fits(8, 64, 0, 2048) and not cpu_vnni.layout_fits(4, 64, 1, 2048)  # 8-bit, mxfp4
     assert not cpu_vnni.layout_fits(4, 16, 0, 2048)
     monkeypatch.setattr(cpu_vnni, "ENABLED", True)
-    assert cpu_vnni.usable(4, 64, 0, 2048) == simd.AVAILABLE  # never on a CPU without VNNI
+    assert cpu_vnni.usable(4, 64, 0, 2048) == simd.AVAILABLE  # never on a CPU without VNNI or AVX2
     monkeypatch.setattr(cpu_vnni, "ENABLED", False)
     assert not cpu_vnni.usable(4, 64, 0, 2048)  # MLX_TIER_VNNI=0
 
@@ -274,3 +274,18 @@ def test_pairs_sharing_a_slot_equal_each_pair_alone_bit_for_bit(gs, O):
         for f0, f1 in zip(cuts[:-1], cuts[1:]):
             cpu_vnni.qmv4(gs, w, sc, bi, *prep, tok, slots, out, f0, f1)
         assert np.array_equal(out, alone), cuts
+
+
+def test_the_integer_loops_run_natively_or_emulated_never_both():
+    """VNNI's vpdpbusd where the CPU has it, else its AVX2 pair where that exists; the
+    loops are available exactly when one of them is (and never on a CPU name Numba was
+    told to compile for instead of this host)."""
+    assert not (simd.NATIVE and simd.EMULATED)
+    assert simd.AVAILABLE == (simd.NATIVE or simd.EMULATED)
+    assert cpu_kernel_rows() == (64 if simd.NATIVE else 16)
+
+
+def cpu_kernel_rows() -> int:
+    from mlx_tier.kernels import cpu
+
+    return cpu.integer_min_rows()
