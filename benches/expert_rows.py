@@ -28,7 +28,7 @@ from kernel_formats import side_by_side
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlx_tier.kernels import cpu, cpu_vnni
+from mlx_tier.kernels import cpu, cpu_vnni, simd
 
 # (name, D, H, experts, top-k, group size, experts used per call)
 SHAPES = [("qwen3-30b-a3b", 2048, 768, 32, 8, 64, 16), ("demo", 576, 1536, 8, 2, 32, 8)]
@@ -47,18 +47,18 @@ def shape_rows(D: int, H: int, experts: int, k: int, gs: int, used: int, rows: i
     idx = mx.array(np.stack([rng.permutation(used)[:k] for _ in range(tokens)]).astype(np.uint32))
     x = mx.random.normal((tokens, D))
     mx.eval(block.parameters(), x, idx)
-    keep = cpu.GEMM_MIN_ROWS, cpu.VNNI_GEMM_MIN_ROWS
+    keep = cpu.GEMM_MIN_ROWS, cpu.VNNI_GEMM_MIN_ROWS, cpu.AVX2_GEMM_MIN_ROWS
 
     def run(threshold):
         def call():
-            cpu.GEMM_MIN_ROWS, cpu.VNNI_GEMM_MIN_ROWS = threshold or keep
+            cpu.GEMM_MIN_ROWS, cpu.VNNI_GEMM_MIN_ROWS, cpu.AVX2_GEMM_MIN_ROWS = threshold or keep
             try:
                 cpu.expert_forward(block, x, idx)
             finally:
-                cpu.GEMM_MIN_ROWS, cpu.VNNI_GEMM_MIN_ROWS = keep
+                cpu.GEMM_MIN_ROWS, cpu.VNNI_GEMM_MIN_ROWS, cpu.AVX2_GEMM_MIN_ROWS = keep
         return call
 
-    t = side_by_side({"matvec": run((1 << 30, 1 << 30)), "gemm": run((1, 1)), "kernel": run(None)}, rounds)
+    t = side_by_side({"matvec": run((1 << 30,) * 3), "gemm": run((1, 1, 1)), "kernel": run(None)}, rounds)
     return {name: s / (tokens * k) * 1e6 for name, s in t.items()}
 
 
@@ -68,7 +68,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"caliber: {platform.machine()} {os.cpu_count()} cores, kernel threads {cpu.THREADS}, "
           f"load {os.getloadavg()[0]:.2f}, mlx {mx.__version__}, float32, 4-bit, median of {args.rounds} rounds; "
-          f"thresholds: float32 loops {cpu.GEMM_MIN_ROWS}, VNNI loops {cpu.VNNI_GEMM_MIN_ROWS} rows")
+          f"thresholds: float32 loops {cpu.GEMM_MIN_ROWS}, integer loops {cpu.integer_min_rows()} rows "
+          f"({'VNNI' if simd.NATIVE else 'vpdpbusd emulated on AVX2' if simd.EMULATED else 'not on this CPU'})")
     loops = ["vnni", "float32"] if cpu_vnni.AVAILABLE else ["float32"]
     for loop in loops:
         cpu_vnni.ENABLED = loop == "vnni"

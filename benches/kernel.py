@@ -150,8 +150,9 @@ def main() -> None:
           f"({cpu_kernel.THREADS} kernel threads); numpy {np.__version__}")
     print(f"  block: SwitchGLU D={D} H={H}, {E} experts, {BITS}-bit affine g{GS}, float32 scales; "
           f"{per_expert / 2**20:.2f} MiB per expert; medians of {args.runs} runs after a warm-up")
-    print(f"  CPU: AVX-512 VNNI {'yes' if simd.AVAILABLE else 'no'}, row loops: "
-          f"{'VNNI where the layout allows' if cpu_vnni.ENABLED else 'float32'}")
+    native = "AVX-512 VNNI" if simd.NATIVE else "AVX2 (vpdpbusd emulated)" if simd.EMULATED else "none"
+    print(f"  CPU: integer dot products {native}, row loops: "
+          f"{'integer where the layout allows' if cpu_vnni.ENABLED else 'float32'}")
 
     x = mx.random.normal((1, D))
     xs = np.asarray(x)
@@ -162,7 +163,7 @@ def main() -> None:
     def kernel():
         return cpu_kernel.expert_forward(blk, x, pick())
 
-    vnni = "kernel, VNNI integer dots" if cpu_vnni.ENABLED else "kernel (no VNNI on this CPU)"
+    vnni = "kernel, integer dots" if cpu_vnni.ENABLED else "kernel (no integer dots on this CPU)"
     decode = {
         vnni: kernel,
         "  float32 row loops": lambda: with_vnni(False, kernel),

@@ -12,7 +12,7 @@ says so.
     python benches/vnni_pairs.py [--rounds 7]
 
 Prints microseconds per pair (medians) and the ratio, per shape and rows per
-expert. Needs an x86 CPU with AVX-512 VNNI.
+expert. Needs an x86 CPU with AVX-512 VNNI or AVX2 (vpdpbusd emulated).
 """
 
 from __future__ import annotations

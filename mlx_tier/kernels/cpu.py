@@ -16,7 +16,7 @@ pairs, S slots, O output features, I input features, G = I / group_size.
   loop per group size whose inner trip count is a compile-time constant. A
   bias-free SwiGLU block whose pairs split evenly among the threads is
   computed by whole pairs per thread (one hand-off per block). On an AVX-512
-  VNNI CPU, 4-bit affine rows of 128-multiple length run on integer dot
+  VNNI or AVX2 CPU, 4-bit affine rows of 128-multiple length run on integer dot
   products instead (:mod:`mlx_tier.kernels.cpu_vnni`), and such a block's share is one
   GIL-free call.
 - Prefill (many rows per expert): pairs grouped by slot; each slot's weight

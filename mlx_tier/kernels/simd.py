@@ -40,6 +40,8 @@ def _host_has(*features: str) -> bool:
     set to a generic target would leave the instructions out)."""
     if config.CPU_NAME not in (None, "host") or config.CPU_FEATURES or config.DISABLE_JIT:
         return False
+    if not config.ENABLE_AVX:  # NUMBA_ENABLE_AVX=0: Numba's target drops every avx* feature
+        return False
     try:
         feats = llvm.get_host_cpu_features()
     except RuntimeError:  # a host LLVM cannot describe (e.g. some emulators)

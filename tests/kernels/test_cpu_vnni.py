@@ -2,9 +2,10 @@
 float32 loops compute within fp32 rounding, and everything else falls back.
 
 The digit decomposition, :func:`cpu_vnni.reference` and the layout rule run on any
-CPU; the loops themselves need AVX-512 VNNI and are skipped elsewhere (the marker
-says so). Tests taking ``row_loops`` (tests/kernels/conftest.py) run with the
-float32 loops too, which is what an AVX2-only or Arm CPU computes.
+CPU; the loops themselves need AVX-512 VNNI or AVX2 (vpdpbusd emulated) and are
+skipped elsewhere (the marker says so). Tests taking ``row_loops``
+(tests/kernels/conftest.py) run with the float32 loops too, which is what an Arm
+CPU computes.
 """
 
 import mlx.core as mx
@@ -226,7 +227,7 @@ def test_fused_share_hands_overflowing_hidden_rows_to_the_float32_loops(monkeypa
 @pytest.mark.parametrize("name, gs", [("mixtral", 64), ("qwen3_moe", 128), ("gpt_oss", 32)])
 def test_whole_models_through_either_row_loops_keep_mlx_lms_greedy_tokens(name, gs, row_loops, tmp_path,
                                                                          tokenizer_dir, monkeypatch):
-    """Invariant 1 on own kernels with the VNNI loops, or the float32 loops an AVX2/Arm CPU
+    """Invariant 1 on own kernels with the VNNI loops, or the float32 loops an Arm CPU
     runs, doing the experts' matvecs (dims of 128, so every projection would qualify for
     VNNI): logits within BOUND of mlx-lm's, greedy tokens equal, at 1, top-k and E slots.
     gpt_oss: per-expert biases and its own activation."""
@@ -289,3 +290,12 @@ def cpu_kernel_rows() -> int:
     from mlx_tier.kernels import cpu
 
     return cpu.integer_min_rows()
+
+
+def test_no_integer_loops_when_numba_drops_avx(monkeypatch):
+    """NUMBA_ENABLE_AVX=0 makes Numba's target drop every avx* feature: LLVM could lower
+    neither vpdpbusd nor its AVX2 pair, so the loops must not be offered."""
+    from numba import config
+
+    monkeypatch.setattr(config, "ENABLE_AVX", False)
+    assert not simd._host_has("avx2", "fma") and not simd._host_has("avx512vnni")
