@@ -69,7 +69,7 @@ def main() -> None:
     print(f"caliber: {platform.machine()} {os.cpu_count()} cores, kernel threads {cpu.THREADS}, "
           f"load {os.getloadavg()[0]:.2f}, mlx {mx.__version__}, float32, 4-bit, median of {args.rounds} rounds; "
           f"thresholds: float32 loops {cpu.GEMM_MIN_ROWS}, integer loops {cpu.integer_min_rows()} rows "
-          f"({'VNNI' if simd.NATIVE else 'vpdpbusd emulated on AVX2' if simd.EMULATED else 'not on this CPU'})")
+          f"(integer dot products: {simd.DOT})")
     loops = ["vnni", "float32"] if cpu_vnni.AVAILABLE else ["float32"]
     for loop in loops:
         cpu_vnni.ENABLED = loop == "vnni"

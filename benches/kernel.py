@@ -150,8 +150,7 @@ def main() -> None:
           f"({cpu_kernel.THREADS} kernel threads); numpy {np.__version__}")
     print(f"  block: SwitchGLU D={D} H={H}, {E} experts, {BITS}-bit affine g{GS}, float32 scales; "
           f"{per_expert / 2**20:.2f} MiB per expert; medians of {args.runs} runs after a warm-up")
-    native = "AVX-512 VNNI" if simd.NATIVE else "AVX2 (vpdpbusd emulated)" if simd.EMULATED else "none"
-    print(f"  CPU: integer dot products {native}, row loops: "
+    print(f"  CPU: integer dot products {simd.DOT}, row loops: "
           f"{'integer where the layout allows' if cpu_vnni.ENABLED else 'float32'}")
 
     x = mx.random.normal((1, D))

@@ -245,9 +245,8 @@ def roofline_seconds(shape, rates, steps_log: list, prompt_tokens: float) -> flo
     fetched from storage at the probed read rate (the step log's MiB from storage: a miss
     the page cache served costs no read; a step logged without them prices its reads as
     the pool model does: every miss from storage, less what read ahead overlaps with
-    compute). A prefill step's rows are its prompt
-    tokens and the tokens decoded in it (module batching), of its prompts and riding
-    sequences.
+    compute). A prefill step's rows are its prompt tokens and the tokens decoded in it
+    (module batching), of its prompts and riding sequences.
 
     Args:
         shape, rates: :func:`mlx_tier.tools.pools.shape_of`'s shape, the run's probed rates.

@@ -52,6 +52,8 @@ def _host_has(*features: str) -> bool:
 NATIVE = _host_has("avx512f", "avx512bw", "avx512vnni")  # vpdpbusd itself
 EMULATED = not NATIVE and _host_has("avx2", "fma")  # vpdpbusd as vpmaddubsw + vpmaddwd (module doc)
 AVAILABLE = NATIVE or EMULATED
+# What computes the integer loops' dot products here, in words (the benches' captions).
+DOT = "AVX-512 VNNI" if NATIVE else "AVX2 (vpdpbusd emulated)" if EMULATED else "none"
 
 
 class Vec16(types.Type):

@@ -17,7 +17,8 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_tier.kernels import cpu as cpu_kernel
 from mlx_tier.kernels import cpu_dense, cpu_vnni, simd
 
-needs_vnni = pytest.mark.skipif(not simd.AVAILABLE, reason="needs an x86 CPU with AVX-512 VNNI or AVX2 (vpdpbusd, or vpmaddubsw + vpmaddwd)")
+needs_vnni = pytest.mark.skipif(
+    not simd.AVAILABLE, reason="needs an x86 CPU with AVX-512 VNNI or AVX2 (vpdpbusd, or vpmaddubsw + vpmaddwd)")
 REL = 2e-6  # max|Δ| / max|exact| of one matvec, float64 exact reference (float32 loops: ~3e-7)
 
 
@@ -279,17 +280,11 @@ def test_pairs_sharing_a_slot_equal_each_pair_alone_bit_for_bit(gs, O):
 
 def test_the_integer_loops_run_natively_or_emulated_never_both():
     """VNNI's vpdpbusd where the CPU has it, else its AVX2 pair where that exists; the
-    loops are available exactly when one of them is (and never on a CPU name Numba was
-    told to compile for instead of this host)."""
+    loops are available exactly when one of them is, and take BLAS from their own row
+    count."""
     assert not (simd.NATIVE and simd.EMULATED)
     assert simd.AVAILABLE == (simd.NATIVE or simd.EMULATED)
-    assert cpu_kernel_rows() == (64 if simd.NATIVE else 16)
-
-
-def cpu_kernel_rows() -> int:
-    from mlx_tier.kernels import cpu
-
-    return cpu.integer_min_rows()
+    assert cpu_kernel.integer_min_rows() == (64 if simd.NATIVE else 16)
 
 
 def test_no_integer_loops_when_numba_drops_avx(monkeypatch):
