@@ -29,7 +29,7 @@ FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--ma
          "batch_size": "--batch-size", "kv_bits": "--kv-bits",
          "slots": "--slots", "retry_failed": "--retry-failed", "pause_on_battery": "--pause-on-battery",
          "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt",
-         "redo_changed": "--redo-changed",
+         "redo_changed": "--redo-changed", "repetition_penalty": "--repetition-penalty",
          "convert_seconds": "--convert-seconds", "convert_memory_mb": "--convert-memory-mb"}
 
 
@@ -255,7 +255,7 @@ def summary_line(report, out_dir: Path) -> str:
 def redone_text(stale: int, changed: int) -> str:
     """How many summaries a run rewrote and why, e.g. ``"2 stale (document changed)"``; ``""`` when none."""
     parts = [f"{stale} stale (document changed)" if stale else "",
-             f"{changed} with another model or prompt" if changed else ""]
+             f"{changed} written with other settings" if changed else ""]
     return ", ".join(p for p in parts if p)
 
 

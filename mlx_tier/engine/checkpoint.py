@@ -468,6 +468,42 @@ def model_shape(model_dir: Path) -> tuple[int, int]:
     return len(experts), max(n for _, n, _ in experts)
 
 
+# The files beside the weights that change a checkpoint's tokens: its architecture
+# (config.json: experts per token, rope...), generation defaults (eos ids), tokenizer
+# and chat template. Anything else in the folder (a README, a saved profile) is not.
+TOKEN_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+               "chat_template.jinja", "chat_template.json")
+
+
+def config_fingerprint(model_dir: Path) -> str:
+    """A short fingerprint of what beside its weights decides a checkpoint's tokens.
+
+    sha256 over each of :data:`TOKEN_FILES` present in ``model_dir`` (its name and
+    its bytes, in that order; a missing one is left out): a copy of a model with
+    ``num_experts_per_tok`` or the chat template edited differs from the original
+    though its weights (:func:`weights_fingerprint`) are the same.
+
+    Returns:
+        16 hex digits (the first 64 bits of the sha256).
+    Raises:
+        CheckpointError: one of the files is there but unreadable.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in TOKEN_FILES:
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+        digest.update(f"{name}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()[:16]
+
+
 def weights_fingerprint(model_dir: Path, samples: int = 16, block: int = 4096) -> str:
     """A short fingerprint of a checkpoint's weights, taken without reading them.
 

@@ -13,19 +13,25 @@ A ``done`` record carries:
   JSONL line has no bytes of its own: the sha256 of its text in UTF-8
   (``"hashed": "text"``, ``mtime`` ``None``). Only the hash decides; size and
   mtime are there for people (a ``touch`` changes the mtime, not the hash).
-- ``model``: ``{"name", "weights"}``: the model as the user gave it (a folder, a
-  repo id, or ``demo``) and its weights' fingerprint
-  (:func:`mlx_tier.engine.checkpoint.weights_fingerprint`).
+- ``model``: ``{"name", "weights", "config"}``: the model as the user gave it (a
+  folder, a repo id, or ``demo``), its weights' fingerprint
+  (:func:`mlx_tier.engine.checkpoint.weights_fingerprint`) and that of the files
+  beside them that decide its tokens: config, tokenizer, chat template
+  (:func:`mlx_tier.engine.checkpoint.config_fingerprint`).
 - ``prompt``: the instruction's hash (:func:`prompt_hash`); the run's start
   record holds the text once.
 - ``kv_bits``: the bits of the KV caches it was generated with, when quantized
   (``run --kv-bits``: the tokens depend on them); absent: unquantized.
+- ``generation``: the options of :data:`GENERATION_KEYS` it was generated with
+  (``max_tokens``, ``repetition_penalty``, ``context``: each may change the
+  summary; the schedule, pools and batch size do not, by the engine's exactness).
 
 What a rerun does with them (decided by :func:`mlx_tier.job.triage.triage`):
 a summary whose source's hash changed is *stale* and redone by default (the
 old one is replaced only when the new one is complete: outputs are renamed into
-place); one written with another model or prompt is kept, said in one line,
-and redone with ``redo_changed``; a document under a new name whose content
+place); one written with another model, prompt or option is kept, said in one line,
+and redone with ``redo_changed`` (the same for a model whose config or tokenizer
+changed, and for other generation options); a document under a new name whose content
 equals a summarised one's (a rename, a copy) gets that summary under its own
 name, copied, not generated again (``reused`` in its record); records written
 before these fields existed are taken as current, with a note.
@@ -89,6 +95,43 @@ def text_stamp(text: str) -> SourceStamp:
     return SourceStamp(hashlib.sha256(data).hexdigest(), len(data), None, "text")
 
 
+def writing_record(doc_id: str, made_from: dict | None, data: bytes) -> dict:
+    """The journal record a run appends just before it renames a summary into place:
+    ``{"event": "writing", "doc", "made_from", "output_sha256"}`` (the sha256 of the
+    output's bytes ``data``). A crash between that rename and the ``done`` record leaves
+    an output with no record; a rerun adopts it only as this record vouches for it
+    (:func:`vouched`)."""
+    return {"event": "writing", "doc": doc_id, "output_sha256": hashlib.sha256(data).hexdigest(),
+            **({"made_from": made_from} if made_from is not None else {})}
+
+
+def vouched(entries, doc_id: str, output: bytes, now: str | None) -> dict | str | None:
+    """What the journal ``entries`` say of an output of ``doc_id`` with no ``done`` record
+    (a crash after its rename), whose bytes are ``output`` and whose source hashes to
+    ``now`` (``None``: unknown).
+
+    Returns:
+        the ``made_from`` of the last ``writing`` record (:func:`writing_record`) for
+        exactly these bytes, when the source is still what it was made from (adopt it);
+        ``"stale"`` when it was made from another version of the source; ``"unwritten"``
+        when no record names these bytes though some name the document (the old output
+        of a redo that crashed before its rename, or someone's edit): redo it; ``None``
+        when no record names the document (a journal of an older version: adopted as
+        before).
+    """
+    mine = [r for r in entries if r.get("event") == "writing" and r.get("doc") == doc_id]
+    if not mine:
+        return None
+    digest = hashlib.sha256(output).hexdigest()
+    match = next((r for r in reversed(mine) if r.get("output_sha256") == digest), None)
+    if match is None:
+        return "unwritten"
+    made = match.get("made_from") if isinstance(match.get("made_from"), dict) else {}
+    if now is not None and made.get("sha256") not in (None, now):
+        return "stale"
+    return made
+
+
 def prompt_hash(instruction: str) -> str:
     """The instruction's fingerprint: 16 hex digits of its sha256 (UTF-8)."""
     return hashlib.sha256(instruction.encode("utf-8", "surrogatepass")).hexdigest()[:16]
@@ -101,9 +144,19 @@ def recorded_hash(rec: dict) -> str | None:
     return sha if isinstance(sha, str) else None
 
 
+# The generation options a summary's record keeps (``generation``), in this order.
+GENERATION_KEYS = ("max_tokens", "repetition_penalty", "context")
+
+
+def generation_fields(generation) -> dict:
+    """``{key: value}`` of :data:`GENERATION_KEYS` from a
+    :class:`~mlx_tier.job.scheduler.GenerationConfig` (``context`` ``None``: the model's)."""
+    return {k: getattr(generation, k) for k in GENERATION_KEYS}
+
+
 @dataclass(frozen=True)
 class Settings:
-    """The model, prompt and KV cache of this run, as records name them.
+    """The model, prompt, KV cache and generation options of this run, as records name them.
 
     Attributes:
         model: the model as given: a folder, a repo id, or ``demo``.
@@ -112,41 +165,55 @@ class Settings:
         prompt: :func:`prompt_hash` of the instruction.
         kv_bits: the KV caches' bits (``run --kv-bits``: the tokens depend on
             them), ``None`` unquantized.
+        config: the fingerprint of its config, tokenizer and chat template
+            (:func:`mlx_tier.engine.checkpoint.config_fingerprint`); ``None`` unknown.
+        generation: :func:`generation_fields` of the run (``None``: not compared).
     """
 
     model: str
     weights: str | None
     prompt: str
     kv_bits: int | None = None
+    config: str | None = None
+    generation: dict | None = None
 
     def fields(self) -> dict:
         """The ``model`` and ``prompt`` fields of a record this run writes (and
-        ``kv_bits`` when quantized)."""
-        return {"model": {"name": self.model, "weights": self.weights}, "prompt": self.prompt,
-                **({"kv_bits": self.kv_bits} if self.kv_bits is not None else {})}
+        ``kv_bits`` when quantized, ``generation`` when known)."""
+        model = {"name": self.model, "weights": self.weights, **({"config": self.config} if self.config else {})}
+        return {"model": model, "prompt": self.prompt,
+                **({"kv_bits": self.kv_bits} if self.kv_bits is not None else {}),
+                **({"generation": dict(self.generation)} if self.generation is not None else {})}
 
     def differences(self, rec: dict) -> list[str]:
         """What the ``done`` record ``rec`` names otherwise than these settings: ``[]``, or
-        some of ``"model"``, ``"prompt"``, ``"kv_bits"``. A model or prompt it lacks (a
-        record of an older version) never differs; a record naming either without
-        ``kv_bits`` was generated unquantized; models are compared by weights when both
-        are known, else by name."""
+        some of ``"model"``, ``"prompt"``, ``"kv_bits"`` and the keys of
+        :data:`GENERATION_KEYS`, in that order. What a record lacks (a record of an
+        older version) never differs, but a record naming a model or prompt without
+        ``kv_bits`` was generated unquantized; models are compared by weights when
+        both are known, else by name, and by config where both records have it."""
         model = rec.get("model") if isinstance(rec.get("model"), dict) else None
         prompt = rec.get("prompt")
         out = []
-        if model is not None:
-            weights = model.get("weights")
-            same = (weights == self.weights if isinstance(weights, str) and self.weights is not None
-                    else model.get("name") == self.model)
-            if not same:
-                out.append("model")
+        if model is not None and not self._same_model(model):
+            out.append("model")
         if isinstance(prompt, str) and prompt != self.prompt:
             out.append("prompt")
         if (model is not None or isinstance(prompt, str)) and rec.get("kv_bits") != self.kv_bits:
             out.append("kv_bits")  # a stamped record without it was generated unquantized
+        made = rec.get("generation")
+        if isinstance(made, dict) and self.generation is not None:
+            out += [k for k in GENERATION_KEYS if k in made and k in self.generation and made[k] != self.generation[k]]
         return out
 
+    def _same_model(self, model: dict) -> bool:
+        """Whether a record's ``model`` field names this run's model (:meth:`differences`)."""
+        weights, config = model.get("weights"), model.get("config")
+        if isinstance(weights, str) and self.weights is not None:
+            return weights == self.weights and not (isinstance(config, str) and self.config and config != self.config)
+        return model.get("name") == self.model
+
     def differs(self, rec: dict) -> bool:
-        """Whether the ``done`` record ``rec`` names another model, prompt or KV cache
-        (:meth:`differences`)."""
+        """Whether the ``done`` record ``rec`` names another model, prompt, KV cache or
+        generation option (:meth:`differences`)."""
         return bool(self.differences(rec))

@@ -45,6 +45,7 @@ class DocResult:
     model: dict | None = None  # {"name", "weights"}: the model that wrote it
     prompt: str | None = None  # the instruction's hash (its text: report.json "prompts")
     kv_bits: int | None = None  # the KV caches' bits it was generated with; None: unquantized (not recorded)
+    generation: dict | None = None  # {"max_tokens", "repetition_penalty", "context"} it was generated with
     redo: str | None = None  # this run redoes it: "stale" (its source changed) or "changed" (model or prompt)
     reused: str | None = None  # the id whose summary it got (the same content under another name)
     error_code: str | None = None  # a failed batch request: the API's error code ("server_error": generating failed)
@@ -241,11 +242,10 @@ class RunRecord:
         output_tokens: tokens generated this run.
         throttled_seconds: time slowed, paused or capped by the throttle.
         cache: the cache's figures; ``None``: nothing to do, the model was not loaded.
-        settings: ``{"model": {"name", "weights"}, "prompt": hash}`` of the run
+        settings: :meth:`~mlx_tier.job.provenance.Settings.fields` of the run
             (``{}``: the model was not loaded).
         rerun: what it did with earlier summaries: ``redone_stale``, ``redone_changed``
-            (summaries it rewrote because their source, or their model or prompt,
-            changed), ``kept_changed`` (written with another model or prompt, kept),
+            (summaries it rewrote because their source, or their settings, changed), ``kept_changed`` (written with other settings, kept),
             ``reused`` (copied under a new name), ``unstamped`` (older records taken as current).
     """
 

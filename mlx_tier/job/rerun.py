@@ -17,31 +17,39 @@ from pathlib import Path
 
 from mlx_tier.errors import CheckpointError
 from mlx_tier.fsio import read_nofollow, write_atomic
-from mlx_tier.job.provenance import Settings, prompt_hash, recorded_hash
+from mlx_tier.job.provenance import (
+    GENERATION_KEYS,
+    Settings,
+    generation_fields,
+    prompt_hash,
+    recorded_hash,
+)
 from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.journal import Journal
 
 # What a reused summary's record takes from the record of the summary it copies.
 _REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter", "model",
-                 "prompt")
+                 "prompt", "kv_bits", "generation")
 
 
 def current_hashes(docs, records: Mapping[str, dict]) -> dict[str, str | None]:
     """``id -> sha256`` of each document's source now (:attr:`~mlx_tier.job.documents.FileDocument.stamp`:
-    a file is read once, not converted), or ``{}`` when no earlier summary recorded a hash
-    (a first run, or a journal of an older version: nothing to compare with).
+    a file is read once, not converted), or ``{}`` when no earlier summary or failure recorded
+    a hash (a first run, or a journal of an older version: nothing to compare with).
 
-    Hashed: every document with a summary (is it stale?), and a pending one only when its
+    Hashed: every document with a summary (is it stale?) or a failure (was it fixed?), and a
+    pending one only when its
     size equals a summarised source's (could it be one renamed or copied?); the others
     are ``None``, so that a rerun of a large job reads only what it compares."""
     stamped = [r for r in records.values() if r.get("status") == "done" and recorded_hash(r)]
-    if not stamped:
+    failed = {i for i, r in records.items() if r.get("status") == "failed" and recorded_hash(r)}
+    if not stamped and not failed:
         return {}
     sizes = {r["made_from"].get("size") for r in stamped}
     out = {}
     for d in docs:
         rec = records.get(d.id) or {}
-        if (rec.get("status") == "done" and recorded_hash(rec)) or _size(d) in sizes:
+        if (rec.get("status") == "done" and recorded_hash(rec)) or d.id in failed or _size(d) in sizes:
             out[d.id] = d.stamp.sha256 if d.stamp is not None else None
         else:
             out[d.id] = None
@@ -80,20 +88,21 @@ def locate_model(model: Path | str | None) -> Path | None:
     return cached_snapshot(str(model)) if is_repo_id(model) else None
 
 
-def run_settings(model: Path | str | None, instruction: str, model_dir: Path | None,
-                 kv_bits: int | None = None) -> Settings:
-    """This run's :class:`~mlx_tier.job.provenance.Settings`; the weights' fingerprint when
-    ``model_dir`` is known and readable (else ``None``: compared by name; the load says
-    what is wrong with an unreadable one)."""
-    from mlx_tier.engine.checkpoint import weights_fingerprint
+def run_settings(model: Path | str | None, generation, model_dir: Path | None) -> Settings:
+    """This run's :class:`~mlx_tier.job.provenance.Settings` from its model and
+    :class:`~mlx_tier.job.scheduler.GenerationConfig`; the weights' and config's
+    fingerprints when ``model_dir`` is known and readable (else ``None``: compared by
+    name; the load says what is wrong with an unreadable one)."""
+    from mlx_tier.engine.checkpoint import config_fingerprint, weights_fingerprint
 
-    weights = None
+    weights = config = None
     if model_dir is not None:
         try:
-            weights = weights_fingerprint(model_dir)
+            weights, config = weights_fingerprint(model_dir), config_fingerprint(model_dir)
         except CheckpointError:
             pass
-    return Settings(model_name(model), weights, prompt_hash(instruction), kv_bits)
+    return Settings(model_name(model), weights, prompt_hash(generation.instruction), generation.kv_bits, config,
+                    generation_fields(generation))
 
 
 def copy_reused(tri: Triage, records: Mapping[str, dict], docs, out_dir: Path, journal: Journal) -> list[str]:
@@ -139,6 +148,9 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
                      + (f"left for a plain rerun, which redoes {'it' if one else 'them'}" if retry_failed else
                         f"redoing {'it; its' if one else 'them; each'} old summary stays until the new one is "
                         "complete"))
+    if tri.failed_changed:
+        notes.append(f"{_some(len(tri.failed_changed), 'document')} that failed in an earlier run changed since: "
+                     f"trying {'it' if len(tri.failed_changed) == 1 else 'them'} again")
     if tri.reused:
         notes.append(f"{_some(len(tri.reused), 'document')} renamed or copied: the summary of the same content "
                      "copied under the new name, not written again")
@@ -156,8 +168,8 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
 
 
 def _what(ids: list[str], records: Mapping[str, dict], settings: Settings) -> str:
-    """``model``, ``prompt``, ```kv_bits``` or several joined by "or": what the summaries
-    ``ids`` were written with otherwise."""
+    """``model``, ``prompt``, ```kv_bits```, ```max_tokens```... or several joined by "or":
+    what the summaries ``ids`` were written with otherwise."""
     seen = Counter(x for i in ids for x in settings.differences(records[i]))
-    names = {"model": "model", "prompt": "prompt", "kv_bits": "`kv_bits`"}
+    names = {"model": "model", "prompt": "prompt", "kv_bits": "`kv_bits`"} | {k: f"`{k}`" for k in GENERATION_KEYS}
     return " or ".join(name for x, name in names.items() if seen[x]) or "model or prompt"

@@ -32,7 +32,7 @@ from mlx_tier.defaults import (
     DEFAULT_REPETITION_PENALTY,
 )
 from mlx_tier.errors import InputError, JobError
-from mlx_tier.fsio import DISK_FULL, write_atomic
+from mlx_tier.fsio import DISK_FULL, read_nofollow, write_atomic
 from mlx_tier.job import batch_api
 from mlx_tier.job.activity import (
     Activity,
@@ -61,7 +61,7 @@ from mlx_tier.job.model_setup import (
 )
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
 from mlx_tier.job.process import keep_awake, lower_priority
-from mlx_tier.job.provenance import Settings
+from mlx_tier.job.provenance import Settings, vouched, writing_record
 from mlx_tier.job.report import (
     DocResult,
     JobReport,
@@ -115,8 +115,10 @@ def _figures(outcome: Outcome, res: DocResult) -> None:
     res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
 
 
-def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
-    """Write a finished summary (atomically) and fill ``res``; a write error fails the document.
+def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal) -> None:
+    """Write a finished summary (atomically, its ``writing`` record journalled first:
+    :func:`~mlx_tier.job.provenance.writing_record`) and fill ``res``; a write error
+    fails the document.
 
     Raises:
         JobError: the disk is full (the document stays pending: no later one could be written either).
@@ -126,7 +128,9 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path) -> None:
         res.status, res.error = "failed", outcome.error
         return
     try:
-        write_atomic(out_dir / f"{res.id}.md", outcome.summary + "\n")
+        data = (outcome.summary + "\n").encode("utf-8", "surrogateescape")  # as write_atomic encodes text
+        journal.append(writing_record(res.id, res.made_from, data))
+        write_atomic(out_dir / f"{res.id}.md", data)
         res.status, res.output = "done", f"{res.id}.md"
     except OSError as e:
         if e.errno in DISK_FULL:
@@ -264,11 +268,12 @@ def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded,
     if p.batch is not None:
         _record_request(outcome, res, p)
     else:
-        _record(outcome, res, config.out_dir)
+        _record(outcome, res, config.out_dir, journal)
     eta.finished(res.id, res.output_tokens if res.status == "done" else None)
     spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
     if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
         res.model, res.prompt, res.kv_bits = p.settings.fields()["model"], p.settings.prompt, p.settings.kv_bits
+        res.generation = p.settings.generation
     record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
     record["throttled_seconds"] = round(spent - throttled_before, 3)  # per record: `mlx-tier status` adds them up
     record["sample"] = progress_sample(loaded.cache, rate, generated)
@@ -522,8 +527,11 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     if part:
         return journal, records, tri
     by_id = {d.id: d for d in docs}
+    if batch is None:
+        _doubt_recovered(tri, view.entries(), job, by_id, [d.id for d in docs])
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
-        made = {"made_from": by_id[i].stamp.as_dict()} if by_id[i].stamp is not None and batch is None else {}
+        made = tri.recovered_from.get(i) or (by_id[i].stamp.as_dict() if by_id[i].stamp is not None else None)
+        made = {"made_from": made} if made is not None and batch is None else {}
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
                         "name": by_id[i].name, **made})
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
@@ -534,6 +542,32 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     if batch is not None:
         _keep_errors(batch, [by_id[i] for i in tri.failed], tri.failed)
     return journal, records, tri
+
+
+def _doubt_recovered(tri: Triage, entries: list, job: JobDir, by_id: dict, order: list[str]) -> None:
+    """Check each of ``tri.recovered`` (an output with no ``done`` record) against the
+    ``writing`` record its run journalled (:func:`~mlx_tier.job.provenance.vouched`):
+    adopted with that record's ``made_from``; redone (pending, in input order) when it
+    was made from another version of its source (``tri.stale``) or is not the output
+    the run wrote; adopted as before when no record names it (an older journal)."""
+    redo = []
+    for i in tri.recovered:
+        try:
+            output = read_nofollow(job.output(i))
+        except OSError:
+            continue  # adopted as before; its record says what it is
+        stamp = by_id[i].stamp
+        said = vouched(entries, i, output, stamp.sha256 if stamp is not None else None)
+        if isinstance(said, dict):
+            tri.recovered_from[i] = said
+        elif said is not None:
+            redo.append(i)
+            if said == "stale":
+                tri.stale.append(i)
+    if redo:
+        tri.recovered[:] = [i for i in tri.recovered if i not in redo]
+        pending = set(tri.pending) | set(redo)
+        tri.pending[:] = [i for i in order if i in pending]
 
 
 def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:
@@ -554,7 +588,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if is_batch(docs):  # requests run on the batch engine, unquantized (said by _batch_pass)
         config = replace(config, generation=replace(config.generation, kv_bits=None))
     model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
-    settings = run_settings(config.model, config.generation.instruction, model_dir, config.generation.kv_bits)
+    settings = run_settings(config.model, config.generation, model_dir)
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock,
                                       None if is_batch(docs) else settings)
     if not share.part:
@@ -576,7 +610,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
     loaded = model_for(pending, config, reporter, job, model_dir, typical if pooled else None)
     if loaded is not None and settings.weights is None:  # downloaded or built just now
-        settings = run_settings(config.model, config.generation.instruction, loaded.model_dir, settings.kv_bits)
+        settings = run_settings(config.model, config.generation, loaded.model_dir)
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
                           settings.fields() if loaded is not None else {}, rerun_counts(tri))
     if loaded is not None:

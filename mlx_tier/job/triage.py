@@ -55,13 +55,17 @@ class Triage:
         left: ids neither done nor failed that ``retry_failed`` leaves for a plain rerun.
         stale: done ids whose source changed since their summary: pending (redone),
             or left done with ``retry_failed``.
-        changed: done ids written with another model or prompt, pending because
+        changed: done ids written with other settings (model, prompt, generation options), pending because
             ``redo_changed`` asked for them.
-        kept_changed: done ids written with another model or prompt, kept (no ``redo_changed``).
+        kept_changed: done ids written with other settings, kept (no ``redo_changed``).
         unstamped: done ids whose record keeps no source hash (an older version): taken as current.
         reused: ``id -> done id`` whose summary this document gets as its own (the same
             content under another name: a rename or a copy; same model and prompt):
             copied by the runner, not generated again.
+        failed_changed: ids that failed on another version of their source (pending:
+            a failure stands for the content it failed on only).
+        recovered_from: ``id -> made_from`` of recovered outputs, from the ``writing``
+            record of the run that wrote them (filled by the runner, which reads them).
     """
 
     done: dict[str, dict] = field(default_factory=dict)
@@ -74,6 +78,8 @@ class Triage:
     kept_changed: list[str] = field(default_factory=list)
     unstamped: list[str] = field(default_factory=list)
     reused: dict[str, str] = field(default_factory=dict)
+    recovered_from: dict[str, dict] = field(default_factory=dict)
+    failed_changed: list[str] = field(default_factory=list)
 
 
 def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str, OutputState],
@@ -89,12 +95,14 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
         outputs: the state of each id's output file (missing ids: no output).
         attempted: ids an earlier run of this job named or recorded; only
             their unrecorded outputs are adopted (a user's own file never is).
-        retry_failed: run only the documents that failed earlier.
+        retry_failed: run only the documents that failed earlier (without it, one that
+            failed is run again only when its source changed since).
         current: the sha256 of each document's source now
             (:class:`~mlx_tier.job.provenance.SourceStamp`; ``None`` or missing:
             unknown, the summary is taken as current).
         settings: this run's model and prompt (``None``: not compared).
-        redo_changed: also redo summaries written with another model or prompt.
+        redo_changed: also redo summaries written with other settings
+            (:meth:`~mlx_tier.job.provenance.Settings.differences`).
     """
     t, current = Triage(), current or {}
     for i in ids:
@@ -104,6 +112,9 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
             _sort_done(t, i, rec, current.get(i), settings, redo_changed, retry_failed)
         elif i in attempted and out.regular and status != "failed":  # failed: a redo's old summary is left
             t.recovered.append(i)
+        elif status == "failed" and not retry_failed and _changed(rec, current.get(i)):
+            t.pending.append(i)  # failed on another version of its source: this one is tried
+            t.failed_changed.append(i)
         elif status == "failed" and not retry_failed:
             t.failed[i] = rec  # stays failed until --retry-failed
         elif retry_failed and status != "failed":
@@ -113,6 +124,12 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
     if settings is not None and not retry_failed:
         _reuse(t, records, outputs, current, settings)
     return t
+
+
+def _changed(rec: dict, now: str | None) -> bool:
+    """Whether the source ``rec`` was made (or failed) from hashed otherwise than ``now`` (both known)."""
+    was = recorded_hash(rec)
+    return was is not None and now is not None and now != was
 
 
 def _sort_done(t: Triage, i: str, rec: dict, now: str | None, settings: Settings | None, redo_changed: bool,

@@ -179,7 +179,7 @@ class JobStatus:
         finished_this_run: documents finished or failed by the (last) run.
         done_this_run: documents it finished (the documents/hour count these).
         redone_stale, redone_changed: summaries it rewrote because their document
-            changed, or (asked to) because they were written with another model or prompt.
+            changed, or (asked to) because they were written with other settings.
         eta_seconds: while running, the run's own estimate in ``progress.json``
             (:mod:`mlx_tier.job.eta`, from tokens left and rates measured) less the
             snapshot's age (:func:`snapshot_age`); without one (a run of an older

@@ -306,8 +306,7 @@ def run_distributed(config, launch: Launch, reporter=None):
         raise InputError(f"{config.out_dir / RANKS_DIR}: is a link; remove it (ranks write their files there)")
     started, clock = (time.perf_counter(), time.time()), RunClock()
     with JobDir(config.out_dir) as job:
-        settings = run_settings(config.model, config.generation.instruction, locate_model(config.model),
-                                config.generation.kv_bits)
+        settings = run_settings(config.model, config.generation, locate_model(config.model))
         _, records, tri = start_run(job, docs, config, reporter, clock=clock, settings=settings)
         for note in rerun_notes(tri, records, settings, config.retry_failed):
             reporter.message(note)

@@ -230,7 +230,7 @@ def test_another_model_is_kept_then_redone_with_redo_changed(s1, tmp_path, small
     code, output = run(s1, "--out", out, "--model", other_moe, "--max-tokens", "5", "--redo-changed")
     assert code == 0 and "--redo-changed: redoing 2 summaries written with another model" in output, output
     rep = report(out)
-    assert rep["runs"][-1]["redone_changed"] == 2 and "redone 2 with another model or prompt" in output
+    assert rep["runs"][-1]["redone_changed"] == 2 and "redone 2 written with other settings" in output
     weights = {d["model"]["weights"] for d in rep["documents"]}
     assert weights == {rep["runs"][-1]["model"]["weights"]} and len(rep["written_by"]) == 1
     assert read_status(out).redone_changed == 2
@@ -284,3 +284,119 @@ def test_triage_of_earlier_summaries_from_plain_data():
     assert q8.fields()["kv_bits"] == 8 and "kv_bits" not in here.fields()
     assert here.differences({**records["gone"], "kv_bits": 8}) == ["kv_bits"]
     assert not q8.differs({**records["gone"], **q8.fields()})
+    # generation options and the model's config: compared where the record keeps them
+    gen = {"max_tokens": 16, "repetition_penalty": 1.1, "context": None}
+    longer = Settings("m", "w1", "p1", config="c1", generation={**gen, "max_tokens": 40})
+    assert longer.differences({**records["gone"], "generation": gen}) == ["max_tokens"]
+    assert not longer.differs(records["gone"])  # an older record keeps neither
+    assert longer.differences({**records["gone"], "model": {"name": "m", "weights": "w1", "config": "c0"}}) == ["model"]
+    assert longer.fields()["model"]["config"] == "c1" and longer.fields()["generation"]["max_tokens"] == 40
+    assert not longer.differs({**records["gone"], **longer.fields()})
+
+
+def test_other_generation_options_are_kept_said_and_redone_on_request(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: `--max-tokens 16`, then `--max-tokens 40 --redo-changed --repetition-penalty 1.0
+    --context 128` said "nothing to do" and kept the 16-token summaries. Each option that can change
+    a summary is recorded with it; another value keeps them with a note, `--redo-changed` redoes them."""
+    out = tmp_path / "out"
+    base = (s1, "--out", out, "--model", small_moe)
+    assert run(*base, "--max-tokens", "4")[0] == 0
+    before = {p.name: p.read_bytes() for p in out.glob("*.md")}
+    assert last_record(out, "a")["generation"] == {"max_tokens": 4, "repetition_penalty": 1.1, "context": None}
+    code, output = run(*base, "--max-tokens", "6")
+    assert code == 0 and "keeping 2 summaries written with another --max-tokens; redo them with --redo-changed" \
+        in output, output
+    assert {p.name: p.read_bytes() for p in out.glob("*.md")} == before
+    code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--redo-changed")
+    assert code == 0 and "--redo-changed: redoing 2 summaries written with another --max-tokens or " \
+        "--repetition-penalty" in output, output
+    assert last_record(out, "b")["generation"] == {"max_tokens": 6, "repetition_penalty": 1.0, "context": None}
+    assert last_record(out, "b")["output_tokens"] > 4  # written again, not kept
+    code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--context", "512")
+    assert code == 0 and "written with another --context" in output, output
+    code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0")
+    assert code == 0 and "keeping" not in output and "skipping 2 document(s)" in output, output
+
+
+def test_a_model_whose_config_or_tokenizer_changed_is_another_model(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: a copy of the model with `num_experts_per_tok` edited in config.json (the
+    weights as they were) counted as the same model and its stale summaries were kept silently.
+    The same for the chat template; a file that does not decide tokens (a saved profile) is not
+    a change."""
+    copy = tmp_path / "copy"
+    shutil.copytree(small_moe, copy)
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", copy, "--max-tokens", "4")[0] == 0
+    (copy / "mlx-tier-profile.json").write_text("{}")
+    code, output = run(s1, "--out", out, "--model", copy, "--max-tokens", "4")
+    assert code == 0 and "keeping" not in output and "skipping 2 document(s)" in output, output
+    config = json.loads((copy / "config.json").read_text())
+    config["num_experts_per_tok"] = 1
+    (copy / "config.json").write_text(json.dumps(config))
+    code, output = run(s1, "--out", out, "--model", copy, "--max-tokens", "4")
+    assert code == 0 and "keeping 2 summaries written with another model" in output, output
+    code, output = run(s1, "--out", out, "--model", copy, "--max-tokens", "4", "--redo-changed")
+    assert code == 0 and "redoing 2 summaries written with another model" in output, output
+    tok = copy / "tokenizer_config.json"
+    tok.write_text(json.dumps({**json.loads(tok.read_text()), "chat_template": "{{ messages[0]['content'] }}"}))
+    code, output = run(s1, "--out", out, "--model", copy, "--max-tokens", "4")
+    assert code == 0 and "keeping 2 summaries written with another model" in output, output
+
+
+def _lose_done_record(out, doc_id):
+    """A crash between a summary's rename and its ``done`` record: the record is not there."""
+    path = out / "journal.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [x for x in lines if not (json.loads(x).get("id") == doc_id and json.loads(x).get("status") == "done")]
+    assert len(keep) == len(lines) - 1
+    path.write_text("".join(keep))
+
+
+def test_an_unrecorded_output_is_adopted_only_for_the_source_it_was_made_from(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: b's done record lost (a crash after the rename), then b.txt rewritten: the
+    rerun recorded the old summary as b's, stamped with the new text's hash. Now the run journals
+    what it is about to rename (source hash, output hash) first, and a rerun adopts an unrecorded
+    output only when both still match: the same source is adopted as it is (not regenerated), a
+    rewritten one is redone as stale, an output whose bytes no run wrote is redone."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    assert run(*args)[0] == 0
+    old_b = (out / "b.md").read_bytes()
+    made = last_record(out, "b")["made_from"]
+    _lose_done_record(out, "b")
+    code, output = run(*args)  # nothing changed: adopted, with what it was made from
+    assert code == 0 and "skipping 2 document(s)" in output, output
+    rec = last_record(out, "b")
+    assert rec["recovered"] and rec["made_from"] == made and (out / "b.md").read_bytes() == old_b
+
+    _lose_done_record(out, "b")
+    (s1 / "b.txt").write_text("Sales report: the shop sold four hundred bicycles in May, up from ninety.")
+    code, output = run(*args)
+    assert code == 0 and "1 document changed since summarised (stale): redoing it" in output, output
+    rec = last_record(out, "b")
+    assert "recovered" not in rec and rec["made_from"]["sha256"] == hashlib.sha256((s1 / "b.txt").read_bytes()
+                                                                                    ).hexdigest()
+
+    _lose_done_record(out, "a")
+    (out / "a.md").write_text("not what any run wrote\n")
+    code, output = run(*args)
+    assert code == 0 and "recovered" not in last_record(out, "a") and last_record(out, "a")["status"] == "done"
+    assert (out / "a.md").read_text() != "not what any run wrote\n"
+
+
+def test_a_failed_document_fixed_since_is_tried_again(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: empty.txt failed ("empty document"), then got its text; a plain rerun kept it
+    failed with the old reason. A failure stands for the content it failed on: a changed source
+    is tried again; an unchanged one (a `touch`) stays failed until --retry-failed."""
+    (s1 / "empty.txt").write_text("")
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    assert run(*args)[0] == 1 and last_record(out, "empty")["status"] == "failed"  # 1: a document failed
+    os.utime(s1 / "empty.txt")
+    code, output = run(*args)
+    assert code == 1 and "1 document(s) failed in an earlier run; not retried" in output, output
+    (s1 / "empty.txt").write_text("The river flooded the farm; the farmer planted seed again in May.")
+    code, output = run(*args)
+    assert code == 0 and "1 document that failed in an earlier run changed since: trying it again" in output, output
+    assert last_record(out, "empty")["status"] == "done" and (out / "empty.md").is_file()
+    assert read_status(out).failed == 0
