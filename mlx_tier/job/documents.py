@@ -9,8 +9,10 @@ Text comes from :mod:`mlx_tier.job.doc_text` (any common text encoding; PDF,
 Word, PowerPoint, Excel, HTML, EPUB… through MarkItDown).
 
 A folder walk skips what is not a document (:func:`skip_reason`: dot-files
-and dot-folders, macOS ``._`` AppleDouble files, editor lock/backup files) and,
-unless ``follow_links``, links that lead outside the folder.
+and dot-folders, macOS ``._`` AppleDouble files, editor lock/backup files), the
+job's output folder and any other mlx-tier job's
+(:func:`~mlx_tier.outdir.layout.is_job_folder`: its summaries are not documents)
+and, unless ``follow_links``, links that lead outside the folder.
 JSONL lines are either documents, ``{"custom_id" or "id", "text"}``, named by
 that key (kept as given, numbers as their literal text, in :attr:`Document.key`
 so JSONL output can echo it back), or, in a file of their own, OpenAI Batch API
@@ -44,6 +46,7 @@ from mlx_tier.job.doc_text import (
 )
 from mlx_tier.job.naming import MAX_ID_BYTES, assign, fold, safe_id
 from mlx_tier.job.provenance import SourceStamp, file_stamp, text_stamp
+from mlx_tier.outdir.layout import is_job_folder
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "decode_text", "discover",
            "discover_list", "safe_id", "skip_reason"]
@@ -256,7 +259,9 @@ def _folder_skip(p: Path, exclude: Path | None) -> str | None:
     """Why the folder ``p`` is not searched, or ``None`` when it is."""
     if skip_reason(p.name) is not None:
         return "hidden folder" if p.name.startswith(".") else "metadata folder"
-    return "output folder" if exclude is not None and p.resolve().is_relative_to(exclude) else None
+    if exclude is not None and p.resolve().is_relative_to(exclude):
+        return "output folder"
+    return "mlx-tier output folder" if is_job_folder(p) else None  # another job's summaries, not documents
 
 
 def _file_skip(p: Path, exclude: Path | None, follow_links: bool, real_root: Path) -> str | None:

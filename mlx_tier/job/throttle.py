@@ -98,6 +98,23 @@ class ThrottleConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
+def unserved(config: ThrottleConfig, reading: Reading) -> list[str]:
+    """One line for each limit of ``config`` that no sensor of ``reading`` (every sensor
+    read once) can serve: ``max_temp`` without a temperature, ``pause_on_battery`` or
+    ``min_battery`` without a battery; ``[]`` when each can act. Setting names in
+    backquotes (the CLI shows them as flags)."""
+    out = []
+    if config.max_temp is not None and reading.max_temp_c is None:
+        out.append(f"`max_temp` {config.max_temp:g} °C: no temperature sensor on this machine "
+                   "(mlx-tier thermal lists them); it cannot act")
+    asked = [name for name, on in (("`pause_on_battery`", config.pause_on_battery),
+                                   ("`min_battery`", config.min_battery is not None)) if on]
+    if asked and reading.on_battery is None and reading.battery_percent is None:
+        out.append(f"{' and '.join(asked)}: no battery sensor on this machine (mlx-tier thermal lists them); "
+                   f"{'they' if len(asked) > 1 else 'it'} cannot act")
+    return out
+
+
 @dataclass(frozen=True)
 class Decision:
     """What the runner does between decode steps.

@@ -33,6 +33,7 @@ summaries with documents.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -101,6 +102,21 @@ def progress_files(out_dir: Path) -> list[Path]:
     """The progress files ``out_dir`` may hold: the run's, then its ranks'."""
     out_dir = Path(out_dir)
     return [out_dir / PROGRESS_FILE, *sorted(out_dir.glob("progress-*.json"))]
+
+
+def is_job_folder(folder: Path) -> bool:
+    """Whether ``folder`` is an mlx-tier job's output folder: its ``journal.jsonl`` is a
+    regular file whose first line is a journal record (a JSON object with ``run``,
+    ``event`` or ``status``), not merely a file of that name. Reads one line."""
+    path = Path(folder) / JOURNAL
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            first = json.loads(f.readline(1 << 16) or b"null")
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and any(k in first for k in ("run", "event", "status"))
 
 
 def lock_held(out_dir: Path) -> bool:

@@ -384,3 +384,26 @@ def test_the_xml_parser_word_conversion_needs_keeps_namespace_prefixes():
     xml = ('<?xml version="1.0" encoding="UTF-8"?><w:document xmlns:w='
            '"http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body><w:p/></w:body></w:document>')
     assert "<w:body>" in str(BeautifulSoup(xml, features="xml")), "this lxml drops namespace prefixes"
+
+
+def test_another_jobs_output_folder_inside_the_input_is_not_read(tmp_path):
+    """A user trial: `run D --out D/out`, then `run D --out other` summarised D/out's summaries
+    and its report.html as documents (out__a, out__report). A folder that is an mlx-tier job's
+    output (its journal.jsonl starts with a journal record) is skipped wherever it lies; a
+    user's own file named journal.jsonl does not make a folder an output folder."""
+    (tmp_path / "a.txt").write_text("The river flooded the farm.")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").write_text(json.dumps({"event": "start", "run": "20261205T080000-abcdef"}) + "\n")
+    (out / "a.md").write_text("A summary of a.txt.\n")
+    (out / "report.html").write_text("<html><body>report</body></html>")
+    deep = tmp_path / "old" / "runs"
+    deep.mkdir(parents=True)
+    (deep / "journal.jsonl").write_text(json.dumps({"id": "x", "status": "done"}) + "\n")  # an older version's
+    (deep / "x.md").write_text("A summary.\n")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "journal.jsonl").write_text('["my diary", "day 1"]\n')
+    (notes / "day1.md").write_text("Day one: rain.\n")
+    assert sorted(d.source.removeprefix(str(tmp_path) + os.sep) for d in discover(tmp_path)) == [
+        "a.txt", os.path.join("notes", "day1.md")]

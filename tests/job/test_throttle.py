@@ -322,3 +322,21 @@ def test_thermal_cli_shows_values_reasons_and_errors(tmp_path, monkeypatch):
     assert "hottest_c=71.5" in result.output and "not on this machine" in result.output
     assert "read failed: OSError: device busy" in result.output
     assert "throttle input: thermal nominal (thermal-zones); hottest 71.5 °C" in result.output
+
+
+def test_limits_no_sensor_can_serve_are_said():
+    """A user trial: `--max-temp 70 --pause-on-battery --min-battery 20` were taken without a word
+    on a machine with no sensor (`mlx-tier thermal`: none available): none of them could act."""
+    from mlx_tier.job.sensors import Reading
+    from mlx_tier.job.throttle import ThrottleConfig, unserved
+
+    asked = ThrottleConfig(max_temp=70, pause_on_battery=True, min_battery=20)
+    lines = unserved(asked, Reading())
+    assert lines == ["`max_temp` 70 °C: no temperature sensor on this machine (mlx-tier thermal lists them); "
+                     "it cannot act",
+                     "`pause_on_battery` and `min_battery`: no battery sensor on this machine (mlx-tier thermal "
+                     "lists them); they cannot act"]
+    assert unserved(asked, Reading(max_temp_c=55.0, on_battery=False, battery_percent=80.0)) == []
+    assert unserved(ThrottleConfig(min_battery=20), Reading(max_temp_c=40.0)) == [
+        "`min_battery`: no battery sensor on this machine (mlx-tier thermal lists them); it cannot act"]
+    assert unserved(ThrottleConfig(), Reading()) == []  # nothing asked: nothing to say
