@@ -79,9 +79,8 @@ from mlx_tier.job.rerun import (
     run_settings,
 )
 from mlx_tier.job.scheduler import Outcome, Scheduler
-from mlx_tier.job.sensors import read_all
 from mlx_tier.job.stopflag import STOP_GRACE_SECONDS, StopFlag
-from mlx_tier.job.throttle import Throttle, unserved
+from mlx_tier.job.throttle import Throttle
 from mlx_tier.job.triage import (
     DONE_KEEPS,
     FAILED_KEEPS,
@@ -206,10 +205,8 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
 
     _lower_priority(config, reporter)
     throttle = Throttle(config.throttle, should_stop=stopping)
-    t = config.throttle
-    if t.max_temp is not None or t.pause_on_battery or t.min_battery is not None:
-        for line in unserved(t, read_all(throttle.sensors)):
-            reporter.message(line)
+    for line in throttle.unserved():
+        reporter.message(line)
     known = [n for n in p.sizes.values() if n]
     probes = batch_api.probe_prompts(loaded.tokenizer, list(p.requests.values())) if p.requests else None
     generation = generation_for(config, loaded.budget)

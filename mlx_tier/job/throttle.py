@@ -243,6 +243,14 @@ class Throttle:
         self._last_poll = -math.inf
         self._pace = 0.0  # virtual time by which the tokens so far may have been produced (max_tok_s)
 
+    def unserved(self) -> list[str]:
+        """:func:`unserved` for this throttle's limits, its sensors read once (only when a
+        limit that needs one is set)."""
+        c = self.config
+        if c.max_temp is None and not c.pause_on_battery and c.min_battery is None:
+            return []
+        return unserved(c, read_all(self.sensors))
+
     def step(self, tokens: int = 1) -> float:
         """Call after each decode step that produced ``tokens`` tokens; returns seconds slept."""
         now = self.clock()

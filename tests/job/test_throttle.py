@@ -340,3 +340,5 @@ def test_limits_no_sensor_can_serve_are_said():
     assert unserved(ThrottleConfig(min_battery=20), Reading(max_temp_c=40.0)) == [
         "`min_battery`: no battery sensor on this machine (mlx-tier thermal lists them); it cannot act"]
     assert unserved(ThrottleConfig(), Reading()) == []  # nothing asked: nothing to say
+    from mlx_tier.job.throttle import Throttle
+    assert Throttle(asked, sensors=[]).unserved() == lines  # what the run says, no sensor here
