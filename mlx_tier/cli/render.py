@@ -29,7 +29,7 @@ FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--ma
          "batch_size": "--batch-size", "kv_bits": "--kv-bits",
          "slots": "--slots", "retry_failed": "--retry-failed", "pause_on_battery": "--pause-on-battery",
          "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt",
-         "redo_changed": "--redo-changed", "repetition_penalty": "--repetition-penalty",
+         "redo_changed": "--redo-changed", "repetition_penalty": "--repetition-penalty", "output_format": "--format",
          "convert_seconds": "--convert-seconds", "convert_memory_mb": "--convert-memory-mb"}
 
 

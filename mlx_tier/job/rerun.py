@@ -138,10 +138,19 @@ def _some(n: int, noun: str) -> str:
     return f"{n} {noun if n == 1 else noun[:-1] + 'ies' if noun.endswith('y') else noun + 's'}"
 
 
-def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, retry_failed: bool) -> list[str]:
-    """One line for each thing this run does with earlier summaries (``[]``: nothing to say).
-    Library setting names are in backquotes (the CLI shows them as flags)."""
+def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, retry_failed: bool,
+                ids: list[str] | None = None) -> list[str]:
+    """One line for each thing this run does with earlier summaries (``[]``: nothing to say);
+    ``ids``: the job's documents (summaries of others are counted as left out). Library
+    setting names are in backquotes (the CLI shows them as flags)."""
     notes = []
+    if ids is not None:
+        job, renamed = set(ids), set(tri.reused.values())
+        gone = [i for i, r in records.items() if r.get("status") == "done" and i not in job and i not in renamed]
+        if gone:
+            notes.append(f"{_some(len(gone), 'summary')} in the output folder {'is' if len(gone) == 1 else 'are'} "
+                         "of documents not in this input (another input, or removed): left on disk, not part "
+                         "of this job")
     if tri.stale:
         one = len(tri.stale) == 1
         notes.append(f"{_some(len(tri.stale), 'document')} changed since summarised (stale): "

@@ -594,7 +594,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock,
                                       None if is_batch(docs) else settings)
     if not share.part:
-        for note in rerun_notes(tri, records, settings, config.retry_failed):
+        for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs]):
             reporter.message(note)
     results = doc_results(docs, tri, records)
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))

@@ -308,7 +308,7 @@ def run_distributed(config, launch: Launch, reporter=None):
     with JobDir(config.out_dir) as job:
         settings = run_settings(config.model, config.generation, locate_model(config.model))
         _, records, tri = start_run(job, docs, config, reporter, clock=clock, settings=settings)
-        for note in rerun_notes(tri, records, settings, config.retry_failed):
+        for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs]):
             reporter.message(note)
         report = (_launch(config, launch, ranks, job, docs, (tri, records), reporter, started, clock)
                   if tri.pending else None)

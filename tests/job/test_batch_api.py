@@ -360,7 +360,7 @@ def test_an_answer_written_before_a_crash_is_recorded_not_regenerated(tmp_path, 
     (out / "output.jsonl").write_text(json.dumps(answer) + "\n")
     r = runner.invoke(app, ["run", str(inp), "--out", str(out), "--model", str(tiny_moe), "--repetition-penalty", "1.3"])
     assert r.exit_code == 0, r.output
-    assert "`repetition_penalty` applies to documents only" in " ".join(r.output.split())  # said, not ignored
+    assert "--repetition-penalty applies to documents only" in " ".join(r.output.split())  # said, not ignored
     lines = lines_of(out / "output.jsonl")
     assert [x["custom_id"] for x in lines] == ["text", "sampled"] and lines[0] == answer
     assert Journal(out).records()["text"]["recovered"]

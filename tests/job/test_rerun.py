@@ -400,3 +400,21 @@ def test_a_failed_document_fixed_since_is_tried_again(s1, tmp_path, small_moe): 
     assert code == 0 and "1 document that failed in an earlier run changed since: trying it again" in output, output
     assert last_record(out, "empty")["status"] == "done" and (out / "empty.md").is_file()
     assert read_status(out).failed == 0
+
+
+def test_summaries_of_documents_not_in_this_input_are_said(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: another input run into an existing output folder; the earlier summaries
+    quietly dropped out of the job. Now one line says how many are left out (and a rename,
+    whose summary moves with it, is not counted)."""
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "4")[0] == 0
+    (s1 / "a.txt").rename(s1 / "c.txt")  # a rename: said as such, not as left out
+    code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    assert code == 0 and "renamed or copied" in output and "not in this input" not in output, output
+    s2 = tmp_path / "s2"
+    s2.mkdir()
+    (s2 / "d.txt").write_text("The orchard's apples ripened early after the warm spring.")
+    code, output = run(s2, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    assert code == 0 and "3 summaries in the output folder are of documents not in this input (another input, " \
+        "or removed): left on disk, not part of this job" in output, output
+    assert (out / "a.md").is_file() and (out / "b.md").is_file() and (out / "d.md").is_file()
