@@ -12,7 +12,10 @@ NTP or by hand, changes neither):
   throttle pauses happen inside it and count.
 
 Output tok/s is the tokens the run generated over its generation time;
-documents/hour is the documents it summarised (``done``) over the same time.
+documents/hour is the documents it summarised (``done``) over the same time
+(failed documents and refused batch requests are not counted); the achieved rate
+said beside the throughput schedule's prediction is this figure
+(:func:`mlx_tier.job.activity.achieved`).
 Documents of a batch are written together, so neither is a sum of per-document
 figures. Both are published rounded to 3 decimals, and every display formats
 that one number (formatting the unrounded figure can round the other way:

@@ -40,6 +40,18 @@ def as_flags(message: str) -> str:
     return message
 
 
+def failure_text(result) -> str:
+    """A failed document's error as the terminal says it (``result``: a
+    :class:`~mlx_tier.job.report.DocResult`): the settings it names (`max_tokens`) as their
+    flags; but a batch request's error (``error_code`` set) names a field of the request's
+    body, as errors.jsonl does, never a flag: `max_tokens` of request <custom_id>."""
+    text = str(result.error)
+    if result.error_code is None:
+        return as_flags(text)
+    param = f"`{result.error_param}`" if result.error_param else None
+    return text.replace(param, f"{param} of request {result.name or result.id}", 1) if param else text
+
+
 def print_with_command(console: Console, prose: str, command: str, label: str = "") -> None:
     """``prose`` word-wrapped to the console's width, then ``command`` alone on its own line
     (:func:`mlx_tier.messages.with_command`: copyable, never cut mid-word); ``label``
@@ -177,7 +189,7 @@ class RichReporter:
     def finished(self, result, cache: dict) -> None:
         if result.status == "failed":
             self.failed += 1
-            print_wrapped(err, f"failed {result.id}: {as_flags(str(result.error))}", "red", len("failed"))
+            print_wrapped(err, f"failed {result.id}: {failure_text(result)}", "red", len("failed"))
             return
         self.done += 1
         if self.live is None:  # a log file gets one line per document instead of a live line

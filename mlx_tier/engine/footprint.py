@@ -379,8 +379,8 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace + ahead, fixed_parts[2],
                           fixed_parts[3], step, given, s, needs.kernel, needs.slot_row, needs.expert)
     if cache < needs.slot_row:
-        raise BudgetError(f"`cache_gb` {cache / GIB:.3f} GiB is too small: one expert slot per MoE layer needs "
-                          f"{needs.slot_row / GIB:.3f} GiB", "cache_gb")
+        raise BudgetError(f"`cache_gb` {cache / GIB:.3g} GiB is too small: one expert slot per MoE layer needs "
+                          f"{needs.slot_row / GIB:.3g} GiB", "cache_gb")  # .3g: 0.0001 GiB is not "0.000"
     if kv < min_kv(s):
         raise _does_not_fit(budget, needs)
     return budget

@@ -369,8 +369,8 @@ def plan_slots(budget_bytes: int, num_layers: int, slot_nbytes: int, num_experts
     if slots < 1:
         need = per_slot_row / GIB
         raise BudgetError(
-            f"cache budget {budget_bytes / GIB:.3f} GiB is too small: one expert slot per "
-            f"MoE layer needs {need:.3f} GiB ({num_layers} layers x {slot_nbytes / 2**20:.2f} MiB)", "cache_gb"
+            f"cache budget {budget_bytes / GIB:.3g} GiB is too small: one expert slot per "  # .3g: not "0.000"
+            f"MoE layer needs {need:.3g} GiB ({num_layers} layers x {slot_nbytes / 2**20:.2f} MiB)", "cache_gb"
         )
     return int(slots)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from mlx_tier.engine.footprint import MemoryBudget, kv_element_bytes
 from mlx_tier.job.report import DocResult, JobReport
 from mlx_tier.job.scheduler import Scheduler
+from mlx_tier.rates import RunSpeed
 
 # Least seconds between two progress updates sent from inside a long prompt step.
 LAYER_PROGRESS_SECONDS = 2.0
@@ -146,14 +147,31 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
                              f"their KV caches in {share:.2f}x the bytes (summaries may then differ)")
 
 
-def achieved(scheduler: Scheduler, finished: int, seconds: float, reporter: Reporter) -> None:
-    """Documents/hour this run achieved, beside the prediction (report.json and a message)."""
-    if not finished or seconds <= 0:
+def achieved(scheduler: Scheduler, run: RunSpeed, failed: int, reporter: Reporter) -> None:
+    """Documents/hour this run achieved, beside the prediction: ``generation.achieved_docs_per_hour``
+    in report.json and, with the throughput schedule's prediction, a message.
+
+    The figure is ``run.documents_per_hour`` (:mod:`mlx_tier.rates`): the documents this run
+    summarised (``done``; failed documents and refused batch requests are not counted, ``failed``
+    of them are named beside it) over its generation time, from its model loaded to its last
+    document. So it is the summary line's "this run: N documents/hour", one number. The
+    prediction (``scheduler.pools.docs_per_hour``) is documents per hour of generation too, but
+    models the steps alone: what it leaves out (planning the pools before the first step,
+    waiting for a conversion, throttle pauses) counts here, which a job of a few documents
+    shows as an achieved rate well under the prediction. Nothing summarised: 0 recorded and
+    said so; no time measured (no document finished): nothing."""
+    if run.generation_seconds <= 0:
         return
-    achieved = finished / seconds * 3600
-    scheduler.info["achieved_docs_per_hour"] = round(achieved, 2)
-    if scheduler.pools is not None:
-        reporter.message(f"achieved {achieved:.0f} documents/hour (predicted {scheduler.pools.docs_per_hour:.0f})")
+    scheduler.info["achieved_docs_per_hour"] = run.documents_per_hour
+    if scheduler.pools is None:
+        return
+    predicted = f"predicted {scheduler.pools.docs_per_hour:.0f}"
+    if not run.documents:
+        reporter.message(f"achieved 0 documents/hour: none summarised, {failed} failed ({predicted})")
+        return
+    counted = f"{run.documents} summarised over {run.generation_seconds:.0f} s of generation" \
+        + (f"; {failed} failed, not counted" if failed else "")
+    reporter.message(f"achieved {run.documents_per_hour:.1f} documents/hour ({counted}; {predicted})")
 
 
 class LayerProgress:

@@ -102,6 +102,7 @@ from mlx_tier.outdir.layout import (
     REPORT,
     check_out_dir,
 )
+from mlx_tier.rates import RunSpeed
 
 # What fails one document without stopping the job. MLX's out-of-memory errors
 # surface as RuntimeError ("[metal::malloc] ...", "[malloc] ...") or, from a
@@ -249,15 +250,15 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
             if change["mode"] != "full":
                 reporter.message(f"throttle: {change['mode']} ({change['reason']})")
 
-    t_start, finished = time.perf_counter(), 0
-
     throttled_before = 0.0
     for outcome in scheduler.run(p.docs, should_stop=stopping, on_step=on_step, on_layer=layers.layer,
                                  give_up=lambda: stop.seconds_stopping() > STOP_GRACE_SECONDS):
-        finished += 1
         throttled_before = _take_outcome(outcome, p, config, loaded, eta, throttle, throttled_before,
                                          rate.value, generated[0])
-    achieved(scheduler, finished, time.perf_counter() - t_start, reporter)
+    if p.last_t is not None:  # the run's figure (its RunRecord's): done documents over its generation time
+        report = p.report
+        achieved(scheduler, RunSpeed(report.output_tokens, report.this_run("done"), _generation_seconds(p)),
+                 report.this_run("failed"), reporter)
     if not stopping():
         speed.compare(loaded.budget, loaded.cache, p.report, reporter)
     return throttle.as_dict()
@@ -639,9 +640,15 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         if is_batch(docs):
             _batch_pass(p, pending, config, reporter, asked_kv_bits)
         _run_pending(p, config, loaded)
-        end = p.last_t if p.last_t is not None else clock.t()  # the last document, else the end
-        report.generation_seconds = max(end - (report.load_seconds or 0.0), 0.0)
+        report.generation_seconds = _generation_seconds(p, clock.t())
     return report, loaded
+
+
+def _generation_seconds(p: _Pass, now: float | None = None) -> float:
+    """This run's generation time (:mod:`mlx_tier.rates`): from its model loaded to its last
+    document recorded, else to ``now`` (the run's clock); 0 when neither is known."""
+    end = p.last_t if p.last_t is not None else now
+    return max(end - (p.report.load_seconds or 0.0), 0.0) if end is not None else 0.0
 
 
 def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: Share, tri: Triage, ids: list[str],

@@ -334,3 +334,30 @@ def test_run_output_lines_wrap_between_words_at_80_columns(monkeypatch):
     assert f"failed ok: {pdf}" in text
     assert f"1/7 {name}: 102 tokens, 36.2 s of its own, hit rate so far 98.6%" in text
     assert len(lines) >= 7
+
+
+@pytest.mark.parametrize("body,field", [({"max_tokens": 0}, "max_tokens"),
+                                        ({"max_completion_tokens": True}, "max_completion_tokens")])
+def test_a_refused_requests_line_names_its_field_not_a_flag(monkeypatch, body, field):
+    """The issue: a request with `"max_tokens": 0` was shown as "--max-tokens must be at least 1,
+    got 0", naming the command-line flag; errors.jsonl named the request's field. The terminal
+    names the field of that request too; a document's error still names the flag."""
+    from rich.console import Console
+
+    import mlx_tier.cli.render as render
+    from mlx_tier.errors import RequestError
+    from mlx_tier.job.batch_api import CHAT, plan
+
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(render, "err", console)
+    with pytest.raises(RequestError) as e:
+        plan(CHAT, {"messages": [{"role": "user", "content": "Hi."}], **body})
+    assert e.value.field == field
+    reporter = render.RichReporter()
+    reporter.total = 2
+    reporter.finished(DocResult("req_1", "failed", error=str(e.value), error_code=e.value.code,
+                                error_param=e.value.field, name="req/1"), {"hit_rate": 0.0})
+    reporter.finished(DocResult("doc", "failed", error="no summary within `max_tokens` 160"), {"hit_rate": 0.0})
+    lines = console.export_text().splitlines()
+    assert lines[0].startswith(f"failed req_1: `{field}` of request req/1 must be ") and "--" not in lines[0], lines
+    assert lines[1] == "failed doc: no summary within --max-tokens 160", lines

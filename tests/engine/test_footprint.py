@@ -70,6 +70,19 @@ def test_a_cache_too_large_for_the_limit_is_refused_naming_every_figure():
     assert ok.cache_given and ok.cache == int(0.3 * GIB)
 
 
+def test_a_cache_too_small_for_one_slot_row_is_echoed_with_its_digits():
+    """The issue: --cache-gb 0.0001 was echoed as "0.000 GiB"; the refusal says what was given."""
+    from mlx_tier.engine.load import plan_slots
+
+    with pytest.raises(BudgetError) as e:
+        split(4 * GIB, NEEDS, cache=int(0.0001 * GIB))
+    assert e.value.field == "cache_gb"
+    assert str(e.value).startswith("`cache_gb` 0.0001 GiB is too small: one expert slot per MoE layer needs "
+                                   f"{NEEDS.slot_row / GIB:.3g} GiB")
+    with pytest.raises(BudgetError, match=r"^cache budget 0\.0001 GiB is too small: .* needs 0\.0659 GiB"):
+        plan_slots(int(0.0001 * GIB), 24, SLOT, 128)
+
+
 def test_a_total_below_the_fixed_parts_is_refused():
     with pytest.raises(BudgetError, match=r"1.00 GiB \(`memory_gb`\) is too little for this model: it needs runtime") as e:
         split(1 * GIB, NEEDS)

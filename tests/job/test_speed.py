@@ -7,12 +7,14 @@ counted apart, the same figure in the terminal, report.json, report.html and
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 from support.jobs import _short_context, make_docs, small_moe  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
+from mlx_tier.job.activity import achieved
 from mlx_tier.job.report import JobReport
 from mlx_tier.monitor.status import read_status
 from mlx_tier.rates import RunSpeed
@@ -40,11 +42,14 @@ def test_terminal_report_page_and_status_give_one_speed(tmp_path, small_moe, mon
     monkeypatch.setattr(tiered, "load", slow_load)
     docs, out = tmp_path / "docs", tmp_path / "out"
     make_docs(docs, 4)
+    for i in range(2):  # failures in the mix: not summarised, so not counted in documents/hour
+        (docs / f"empty{i}.txt").write_text("")
     r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "5",
                             "--batch-size", "2"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output  # some documents failed
     report = json.loads((out / "report.json").read_text())
     run, totals = report["runs"][-1], report["totals"]
+    assert (run["done"], run["failed"]) == (4, 2)
     assert run["load_seconds"] >= BUILD_SECONDS and run["seconds"] >= run["load_seconds"] + run["generation_seconds"]
     speed = RunSpeed(run["output_tokens"], run["done"], run["generation_seconds"])
     assert run["output_tok_per_s"] == round(speed.output_tok_per_s, 3) > 0
@@ -61,6 +66,11 @@ def test_terminal_report_page_and_status_give_one_speed(tmp_path, small_moe, mon
     tok_s, per_hour = f"{run['output_tok_per_s']:.2f}", f"{run['documents_per_hour']:.1f}"
     terminal = " ".join(r.output.split())
     assert f"{per_hour} documents/hour, {tok_s} output tok/s over" in terminal, terminal
+    # The achieved rate beside the prediction is the same figure (it counted the failures, over
+    # the scheduler's time alone: 2583 beside "this run: 1683.6 documents/hour").
+    assert report["generation"]["achieved_docs_per_hour"] == run["documents_per_hour"]
+    assert f"achieved {per_hour} documents/hour (4 summarised over " in terminal, terminal
+    assert "2 failed, not counted; predicted " in terminal, terminal
     status = " ".join(runner.invoke(app, ["status", str(out)]).output.split())
     assert f"{per_hour} documents/hour, {tok_s} output tok/s" in status, status
     page = (out / "report.html").read_text()
@@ -94,3 +104,48 @@ def test_every_display_formats_the_one_published_figure(tokens, documents, secon
     assert speed.output_tok_per_s == published["output_tok_per_s"] == round(tokens / seconds, 3)
     assert speed.documents_per_hour == published["documents_per_hour"] == round(documents / seconds * 3600, 3)
     assert f"{speed.output_tok_per_s:.2f}" == f"{published['output_tok_per_s']:.2f}"
+
+
+class Said:
+    """A reporter that keeps its messages."""
+
+    def __init__(self):
+        self.messages = []
+
+    def message(self, text):
+        self.messages.append(text)
+
+
+def scheduler_with(predicted: float | None) -> SimpleNamespace:
+    pools = SimpleNamespace(docs_per_hour=predicted) if predicted is not None else None
+    return SimpleNamespace(info={}, pools=pools)
+
+
+def test_the_achieved_rate_counts_only_summaries_over_the_generation_time():
+    """The issues: 13 files with 3 failures said "achieved 2583" beside "this run: 1683.6
+    documents/hour"; a batch of 24 requests with 20 refused recorded 171573.76 beside
+    totals.documents_per_hour 4180. The achieved rate is the run's own figure: documents
+    done over the generation time; failures are named, not counted."""
+    sched, said = scheduler_with(2000.0), Said()
+    run = RunSpeed(80, 10, 21.383)  # 10 done of 13 in 21.4 s of generation
+    achieved(sched, run, 3, said)
+    assert sched.info["achieved_docs_per_hour"] == run.documents_per_hour == 1683.58
+    assert said.messages == ["achieved 1683.6 documents/hour (10 summarised over 21 s of generation; "
+                             "3 failed, not counted; predicted 2000)"]
+
+    sched, said = scheduler_with(None), Said()  # batch requests run paced: recorded, nothing to compare with
+    run = RunSpeed(32, 4, 3.445)
+    achieved(sched, run, 20, said)
+    assert sched.info["achieved_docs_per_hour"] == run.documents_per_hour == 4179.971 and not said.messages
+
+
+def test_a_run_that_summarised_nothing_achieved_none():
+    """Every document failed or refused: 0 documents/hour, said as such; no document recorded
+    at all (no generation time): no figure."""
+    sched, said = scheduler_with(2000.0), Said()
+    achieved(sched, RunSpeed(0, 0, 0.5), 24, said)
+    assert sched.info["achieved_docs_per_hour"] == 0.0
+    assert said.messages == ["achieved 0 documents/hour: none summarised, 24 failed (predicted 2000)"]
+    sched, said = scheduler_with(2000.0), Said()
+    achieved(sched, RunSpeed(0, 0, 0.0), 0, said)
+    assert sched.info == {} and not said.messages
