@@ -234,6 +234,18 @@ def print_summary(report, out_dir: Path) -> None:
         out.print(part, highlight=False, markup=False)
 
 
+def _reread_text(read: int, experts: int, evictions: int, ranks: int | None) -> str:
+    """Why a run read more expert bytes than the experts hold on disk (``""`` when it did
+    not): each of a distributed run's ``ranks`` reads its own copy, and experts a cache
+    evicted are read again when next needed; what is left unexplained is not guessed."""
+    if not experts or read <= experts:
+        return ""
+    why = ([f"each of the {ranks} ranks reads its own copy"] if ranks and ranks > 1 else []) \
+        + (["experts evicted from the cache are read again when next needed"] if evictions else [])
+    return f" = {read / experts:.1f}x the experts' {experts / 2**20:.0f} MiB on disk" + (
+        ": " + "; ".join(why) if why else "")
+
+
 def summary_line(report, out_dir: Path) -> str:
     """The final line: the job's totals, then this run's own figures, then where the report
     (and a batch request file's answers) are."""
@@ -252,8 +264,7 @@ def summary_line(report, out_dir: Path) -> str:
     c = run["cache"]
     read = c["bytes_read"]
     experts = report.setup.get("expert_bytes_on_disk") or 0
-    reread = (f" = {read / experts:.1f}x the experts' {experts / 2**20:.0f} MiB on disk: experts evicted "
-              "from the cache are read again when next needed" if experts and read > experts else "")
+    reread = _reread_text(read, experts, c.get("evictions", 0), (report.setup.get("distributed") or {}).get("ranks"))
     redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0))
     loading = f" (loading {run['load_seconds']:.0f} s apart)" if run.get("load_seconds") is not None else ""
     return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} documents/hour, "

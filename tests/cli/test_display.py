@@ -99,11 +99,12 @@ def test_usage_errors_are_one_line_exit_2(args, message):
     assert len(r.output.strip().splitlines()) == 1 and message in r.output, r.output
 
 
-def report_with(bytes_read, experts=100 * 2**20, earlier=2):
+def report_with(bytes_read, experts=100 * 2**20, earlier=2, evictions=40, ranks=None):
     results = [DocResult(f"d{i}", "done", earlier_run=i < earlier) for i in range(3)] + [DocResult("p", "pending")]
     run = {"already_done": earlier, "loaded_model": True, "output_tok_per_s": 1.5, "throttled_seconds": 0.0,
-           "cache": {"bytes_read": bytes_read, "hit_rate": 0.8}}
-    return JobReport(results=results, runs=[run], setup={"expert_bytes_on_disk": experts})
+           "cache": {"bytes_read": bytes_read, "hit_rate": 0.8, "evictions": evictions}}
+    setup = {"expert_bytes_on_disk": experts} | ({"distributed": {"ranks": ranks}} if ranks else {})
+    return JobReport(results=results, runs=[run], setup=setup)
 
 
 def test_summary_line_explains_rereads(tmp_path):
@@ -112,6 +113,18 @@ def test_summary_line_explains_rereads(tmp_path):
     assert ("read 21248 MiB = 212.5x the experts' 100 MiB on disk: experts evicted from the cache are read "
             "again when next needed") in line
     assert "x the experts'" not in summary_line(report_with(50 * 2**20), tmp_path)  # less than the experts: no note
+
+
+def test_summary_line_says_why_ranks_read_more_without_inventing_evictions(tmp_path):
+    """A user trial: `--ranks 2` printed "read 759 MiB = 2.0x ...: experts evicted from the cache are
+    read again" with no eviction at all: each rank had loaded its own copy."""
+    line = summary_line(report_with(200 * 2**20, evictions=0, ranks=2), tmp_path)
+    assert "= 2.0x the experts' 100 MiB on disk: each of the 2 ranks reads its own copy," in line, line
+    assert "evicted" not in line
+    both = summary_line(report_with(500 * 2**20, evictions=7, ranks=2), tmp_path)
+    assert "each of the 2 ranks reads its own copy; experts evicted from the cache are read again" in both
+    bare = summary_line(report_with(150 * 2**20, evictions=0), tmp_path)  # one process, no eviction: no guess
+    assert "= 1.5x the experts' 100 MiB on disk," in bare and "evicted" not in bare and "ranks" not in bare
 
 
 @pytest.mark.parametrize("width", [80, 60])
