@@ -242,7 +242,8 @@ def summary_line(report, out_dir: Path) -> str:
     experts = report.setup.get("expert_bytes_on_disk") or 0
     reread = (f" = {read / experts:.1f}x the experts' {experts / 2**20:.0f} MiB on disk: experts evicted "
               "from the cache are read again when next needed" if experts and read > experts else "")
-    redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0))
+    redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0),
+                         "request" if report.setup.get("batch_requests") else "document")
     loading = f" (loading {run['load_seconds']:.0f} s apart)" if run.get("load_seconds") is not None else ""
     return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} documents/hour, "
             f"{run.get('output_tok_per_s', 0.0):.2f} output tok/s over "
@@ -252,9 +253,10 @@ def summary_line(report, out_dir: Path) -> str:
             f"throttled {run.get('throttled_seconds', 0.0):.0f} s" + where)
 
 
-def redone_text(stale: int, changed: int) -> str:
-    """How many summaries a run rewrote and why, e.g. ``"2 stale (document changed)"``; ``""`` when none."""
-    parts = [f"{stale} stale (document changed)" if stale else "",
+def redone_text(stale: int, changed: int, what: str = "document") -> str:
+    """How many summaries (or a batch request file's answers: ``what`` ``"request"``) a run
+    rewrote and why, e.g. ``"2 stale (document changed)"``; ``""`` when none."""
+    parts = [f"{stale} stale ({what} changed)" if stale else "",
              f"{changed} with another model or prompt" if changed else ""]
     return ", ".join(p for p in parts if p)
 
