@@ -265,7 +265,8 @@ def summary_line(report, out_dir: Path) -> str:
     read = c["bytes_read"]
     experts = report.setup.get("expert_bytes_on_disk") or 0
     reread = _reread_text(read, experts, c.get("evictions", 0), (report.setup.get("distributed") or {}).get("ranks"))
-    redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0))
+    redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0),
+                         "request" if report.setup.get("batch_requests") else "document")
     loading = f" (loading {run['load_seconds']:.0f} s apart)" if run.get("load_seconds") is not None else ""
     return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} documents/hour, "
             f"{run.get('output_tok_per_s', 0.0):.2f} output tok/s over "
@@ -275,9 +276,10 @@ def summary_line(report, out_dir: Path) -> str:
             f"throttled {run.get('throttled_seconds', 0.0):.0f} s" + where)
 
 
-def redone_text(stale: int, changed: int) -> str:
-    """How many summaries a run rewrote and why, e.g. ``"2 stale (document changed)"``; ``""`` when none."""
-    parts = [f"{stale} stale (document changed)" if stale else "",
+def redone_text(stale: int, changed: int, what: str = "document") -> str:
+    """How many summaries (or a batch request file's answers: ``what`` ``"request"``) a run
+    rewrote and why, e.g. ``"2 stale (document changed)"``; ``""`` when none."""
+    parts = [f"{stale} stale ({what} changed)" if stale else "",
              f"{changed} written with other settings" if changed else ""]
     return ", ".join(p for p in parts if p)
 

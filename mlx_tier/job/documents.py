@@ -45,7 +45,7 @@ from mlx_tier.job.doc_text import (
     decode_text,
 )
 from mlx_tier.job.naming import MAX_ID_BYTES, assign, fold, safe_id
-from mlx_tier.job.provenance import SourceStamp, file_stamp, text_stamp
+from mlx_tier.job.provenance import SourceStamp, file_stamp, request_stamp, text_stamp
 from mlx_tier.outdir.layout import is_job_folder
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "decode_text", "discover",
@@ -69,7 +69,8 @@ class Document:
         converter: how the text was obtained (``text (utf-8)``,
             ``markitdown 0.1.3``…), ``None`` for JSONL text.
         stamp: what its summary is made from (:mod:`mlx_tier.job.provenance`):
-            a single document file's bytes; by default, its text's.
+            a single document file's bytes; a batch request's url and body; by
+            default, its text's.
         request: a batch request line's request, run as written
             (``text`` is then its message contents, to size batches); ``None``
             for a document to summarise.
@@ -423,11 +424,13 @@ def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
 
 
 def _from_requests(path: Path, parsed: list, previous: dict[str, str] | None) -> list[Document]:
-    """One document per batch request line (:func:`mlx_tier.job.batch_api.read_requests`)."""
+    """One document per batch request line (:func:`mlx_tier.job.batch_api.read_requests`),
+    stamped with its whole request (:func:`mlx_tier.job.provenance.request_stamp`: a
+    changed option is a changed request, redone on the next run)."""
     requests = read_requests([(n, obj) for n, _, obj in parsed], str(path))
     ids = assign([r.custom_id for r in requests], previous=previous)
     return [Document(doc_id, f"{path}:{r.line}", r.text, key=("custom_id", r.custom_id), name=r.custom_id,
-                     request=r) for doc_id, r in zip(ids, requests)]
+                     stamp=request_stamp(r.url, r.body), request=r) for doc_id, r in zip(ids, requests)]
 
 
 def discover(path: Path, exclude: Path | None = None, follow_links: bool = False,

@@ -7,7 +7,8 @@ from it, appended and fsync'ed before the document's journal record, one line pe
 document id, never two. A summary redone (its document changed, or its model
 or prompt with ``redo_changed``) replaces its line: the file is rewritten
 whole, atomically, so the old line stays until the new one is in. A batch
-request's durable unit is its ``output.jsonl`` line (:class:`BatchOutputs`).
+request's durable unit is its ``output.jsonl`` line (:class:`BatchOutputs`),
+replaced the same way when the request changed since its answer.
 """
 
 from __future__ import annotations
@@ -146,9 +147,14 @@ class BatchOutputs:
     error files of a batch request file (lines from :mod:`mlx_tier.job.batch_api`).
 
     An ``output.jsonl`` line is the durable unit of a finished request, as ``<id>.md``
-    is of a summary: appended and fsync'ed before the journal's ``done`` record, never
-    rewritten; a rerun that finds a line whose record was lost (a crash between the
-    two) records it instead of running the request again. ``errors.jsonl`` holds one
+    is of a summary: appended and fsync'ed before the journal's ``done`` record; a
+    rerun that finds a line whose record was lost (a crash between the two) records it
+    instead of running the request again. A line is rewritten only when its request
+    changed since (a *stale* answer, :mod:`mlx_tier.job.provenance`) and is redone: the
+    file is rewritten whole, atomically, with the new answer in place of the old one's
+    line, so the old line stays until the new one is complete; a redo that fails drops
+    the old answer's line (atomically) before its error's line is appended (the old
+    answer was to another request). ``errors.jsonl`` holds one
     line per request that stays failed: a failure's line is appended before its
     ``failed`` record, and when a run starts :meth:`keep_errors` makes the file hold
     exactly the failures that stand (a request retried by ``retry_failed`` loses its
@@ -170,28 +176,47 @@ class BatchOutputs:
         self.errors: dict[str, bytes] = {c: line for line in _whole_lines(self.errors_path)
                                          if (c := _custom_id(line)) is not None}
 
-    def add_output(self, custom_id: str, line: dict) -> None:
+    def add_output(self, custom_id: str, line: dict, redo: bool = False) -> None:
         """Append a finished request's line (:func:`~mlx_tier.job.batch_api.output_line`)
-        unless its ``custom_id`` has one already.
+        unless its ``custom_id`` has one already; ``redo`` (its request changed since that
+        one): the file is rewritten atomically with the new line in place of the old.
 
         Raises:
             OSError: the disk is full, or the file cannot be written.
         """
-        if custom_id not in self.done:
+        if custom_id in self.done and redo:
+            self._rewrite_output(custom_id, _encode(line) + b"\n")
+        elif custom_id not in self.done:
             _append_line(self.output_path, _encode(line) + b"\n")
             self.done.add(custom_id)
 
-    def add_error(self, custom_id: str, line: dict) -> None:
+    def add_error(self, custom_id: str, line: dict, redo: bool = False) -> None:
         """Append a failed request's line (:func:`~mlx_tier.job.batch_api.error_line`) unless
-        its ``custom_id`` has a line in either file already.
+        its ``custom_id`` has a line in either file already; ``redo`` (its request changed
+        since its answer): the old answer's line is dropped first (atomically: a crash
+        between the two leaves no line, and the request, still recorded ``done`` with its
+        old request's hash, runs again).
 
         Raises:
             OSError: the disk is full, or the file cannot be written.
         """
+        if custom_id in self.done and redo:
+            self._rewrite_output(custom_id, b"")
+            self.done.discard(custom_id)
         if custom_id not in self.done and custom_id not in self.errors:
             data = _encode(line)
             _append_line(self.errors_path, data + b"\n")
             self.errors[custom_id] = data
+
+    def _rewrite_output(self, custom_id: str, line: bytes) -> None:
+        """Rewrite ``output.jsonl`` atomically without ``custom_id``'s line, ``line`` (whole,
+        or ``b""``) at its end: the old line stays until the new file is complete.
+
+        Raises:
+            OSError: the disk is full, or the file cannot be written.
+        """
+        kept = [x + b"\n" for x in _whole_lines(self.output_path) if _custom_id(x) != custom_id]
+        write_atomic(self.output_path, b"".join(kept) + line)
 
     def keep_errors(self, standing: Mapping[str, Callable[[], dict]]) -> None:
         """Make ``errors.jsonl`` hold one line for each ``custom_id`` of ``standing`` and no

@@ -11,8 +11,16 @@ A ``done`` record carries:
   change the text. A change that leaves the text as it was (a PDF saved again)
   therefore counts as a change: the summary is redone, never wrongly kept. A
   JSONL line has no bytes of its own: the sha256 of its text in UTF-8
-  (``"hashed": "text"``, ``mtime`` ``None``). Only the hash decides; size and
-  mtime are there for people (a ``touch`` changes the mtime, not the hash).
+  (``"hashed": "text"``, ``mtime`` ``None``). A batch request
+  (:mod:`mlx_tier.job.batch_api`) is stamped whole, its ``url`` and ``body``
+  in one canonical JSON form (:func:`request_stamp`, ``"hashed": "request"``):
+  its messages or prompt and every body option may change the answer, the
+  order of the line's keys does not. Answers recorded before requests were
+  stamped whole keep the hash of their messages' text (``"hashed": "text"``):
+  one whose text is unchanged is taken as current (a changed option was not
+  recorded; :func:`mlx_tier.job.rerun.request_hashes`). Only the hash
+  decides; size and mtime are there for people (a ``touch`` changes the
+  mtime, not the hash).
 - ``model``: ``{"name", "weights", "config"}``: the model as the user gave it (a
   folder, a repo id, or ``demo``), its weights' fingerprint
   (:func:`mlx_tier.engine.checkpoint.weights_fingerprint`) and that of the files
@@ -29,9 +37,12 @@ A ``done`` record carries:
 What a rerun does with them (decided by :func:`mlx_tier.job.triage.triage`):
 a summary whose source's hash changed is *stale* and redone by default (the
 old one is replaced only when the new one is complete: outputs are renamed into
-place); one written with another model, prompt or option is kept, said in one line,
-and redone with ``redo_changed`` (the same for a model whose config or tokenizer
-changed, and for other generation options); a document under a new name whose content
+place; a request's ``output.jsonl`` line is replaced by rewriting the file
+atomically, :class:`mlx_tier.job.outputs.BatchOutputs`); one written with
+another model, prompt or option is kept, said in one line, and redone with
+``redo_changed`` (the same for a model whose config or tokenizer changed; not
+a request's: its answer is judged by its request's hash alone); a document
+under a new name whose content
 equals a summarised one's (a rename, a copy) gets that summary under its own
 name, copied, not generated again (``reused`` in its record); records written
 before these fields existed are taken as current, with a note.
@@ -40,6 +51,7 @@ before these fields existed are taken as current, with a note.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,8 +68,9 @@ class SourceStamp:
     Attributes:
         sha256: hex digest of the bytes (``hashed == "bytes"``) or of the UTF-8 text.
         size: bytes hashed.
-        mtime: the file's modification time, Unix seconds; ``None`` for text.
-        hashed: ``"bytes"`` (a file as stored) or ``"text"`` (a JSONL line's text).
+        mtime: the file's modification time, Unix seconds; ``None`` for text and requests.
+        hashed: ``"bytes"`` (a file as stored), ``"text"`` (a JSONL line's text) or
+            ``"request"`` (a batch request's url and body, :func:`request_stamp`).
     """
 
     sha256: str
@@ -130,6 +143,15 @@ def vouched(entries, doc_id: str, output: bytes, now: str | None) -> dict | str 
     if now is not None and made.get("sha256") not in (None, now):
         return "stale"
     return made
+def request_stamp(url: str, body: dict) -> SourceStamp:
+    """The stamp of a batch request: its ``url`` and ``body`` as canonical JSON (keys
+    sorted, no spaces, ASCII escapes), so that any change of its messages, prompt,
+    endpoint or any body option changes the hash, and the order of keys does not
+    (a number's spelling does: ``1`` and ``1.0`` differ, so such a request is redone,
+    never wrongly kept)."""
+    data = json.dumps({"url": url, "body": body}, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True).encode("ascii")
+    return SourceStamp(hashlib.sha256(data).hexdigest(), len(data), None, "request")
 
 
 def prompt_hash(instruction: str) -> str:

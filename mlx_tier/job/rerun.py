@@ -5,7 +5,8 @@ of each document's source now, and this run's model and prompt
 (:mod:`mlx_tier.job.provenance`), the model found where it already is (nothing
 downloaded or built to answer); and the runner's part after the decision:
 copying a reused summary under its new name, and the lines that say what the
-run does with stale summaries and with summaries written under other settings.
+run does with stale summaries (and a batch request file's stale answers:
+:func:`request_hashes`) and with summaries written under other settings.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from mlx_tier.job.provenance import (
     generation_fields,
     prompt_hash,
     recorded_hash,
+    text_stamp,
 )
 from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.journal import Journal
+from mlx_tier.outdir.layout import BATCH_OUTPUT
 
 # What a reused summary's record takes from the record of the summary it copies.
 _REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter", "model",
@@ -54,6 +57,30 @@ def current_hashes(docs, records: Mapping[str, dict]) -> dict[str, str | None]:
         else:
             out[d.id] = None
     return out
+
+
+def request_hashes(docs, records: Mapping[str, dict]) -> dict[str, str]:
+    """``id -> sha256`` of each batch request now (its stamp:
+    :func:`~mlx_tier.job.provenance.request_stamp`, url and body), which
+    :func:`~mlx_tier.job.triage.triage` compares with the hash its answer's record keeps.
+
+    An answer recorded before requests were stamped whole keeps the hash of its
+    messages' (or prompt's) text only (``"hashed": "text"``): while that text is as it
+    was, the recorded hash is given back, so the answer is taken as current (the options
+    it ran with were not recorded; redoing every such request once would run the whole
+    batch again); a changed text gives the request's hash, so it is stale. What the
+    rerun says of those: :func:`rerun_notes`."""
+    out = {}
+    for d in docs:
+        was = _text_hash(records.get(d.id) or {})
+        out[d.id] = was if was is not None and was == text_stamp(d.request.text).sha256 else d.stamp.sha256
+    return out
+
+
+def _text_hash(rec: dict) -> str | None:
+    """The hash a request's record keeps of its text only (an older version's), else ``None``."""
+    made = rec.get("made_from")
+    return recorded_hash(rec) if isinstance(made, dict) and made.get("hashed") == "text" else None
 
 
 def _size(doc) -> int | None:
@@ -139,10 +166,11 @@ def _some(n: int, noun: str) -> str:
 
 
 def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, retry_failed: bool,
-                ids: list[str] | None = None) -> list[str]:
-    """One line for each thing this run does with earlier summaries (``[]``: nothing to say);
-    ``ids``: the job's documents (summaries of others are counted as left out). Library
-    setting names are in backquotes (the CLI shows them as flags)."""
+                ids: list[str] | None = None, batch: bool = False) -> list[str]:
+    """One line for each thing this run does with earlier summaries, or (``batch``) with the
+    answers of a batch request file's earlier runs (``[]``: nothing to say); ``ids``: the
+    job's documents (summaries of others are counted as left out). Library setting names
+    are in backquotes (the CLI shows them as flags)."""
     notes = []
     if ids is not None:
         job, renamed = set(ids), set(tri.reused.values())
@@ -152,13 +180,10 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
                          "of documents not in this input (another input, or removed): left on disk, not part "
                          "of this job")
     if tri.stale:
-        one = len(tri.stale) == 1
-        notes.append(f"{_some(len(tri.stale), 'document')} changed since summarised (stale): "
-                     + (f"left for a plain rerun, which redoes {'it' if one else 'them'}" if retry_failed else
-                        f"redoing {'it; its' if one else 'them; each'} old summary stays until the new one is "
-                        "complete"))
+        notes.append(_stale_note(len(tri.stale), retry_failed, batch))
     if tri.failed_changed:
-        notes.append(f"{_some(len(tri.failed_changed), 'document')} that failed in an earlier run changed since: "
+        noun = "request" if batch else "document"
+        notes.append(f"{_some(len(tri.failed_changed), noun)} that failed in an earlier run changed since: "
                      f"trying {'it' if len(tri.failed_changed) == 1 else 'them'} again")
     if tri.reused:
         notes.append(f"{_some(len(tri.reused), 'document')} renamed or copied: the summary of the same content "
@@ -170,10 +195,32 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
         notes.append(f"keeping {_some(len(tri.kept_changed), 'summary')} written with another "
                      f"{_what(tri.kept_changed, records, settings)}; redo "
                      f"{'it' if len(tri.kept_changed) == 1 else 'them'} with `redo_changed`")
-    if tri.unstamped:
+    if tri.unstamped and batch:
+        notes.append(f"{_some(len(tri.unstamped), 'answer')} from an older mlx-tier record no request hash: "
+                     f"taken as current (delete one's line from {BATCH_OUTPUT} to redo it)")
+    elif tri.unstamped:
         notes.append(f"{_some(len(tri.unstamped), 'summary')} from an older mlx-tier record no source hash, "
                      "model or prompt: taken as current (delete one's .md to redo it)")
+    text_only = sum(_text_hash(rec) is not None and i not in tri.stale for i, rec in tri.done.items()) \
+        if batch else 0
+    if text_only:
+        notes.append(f"{_some(text_only, 'answer')} from an older mlx-tier record the hash of the messages' "
+                     "text only, which is unchanged: taken as current (a changed option is not seen; delete "
+                     f"one's line from {BATCH_OUTPUT} to redo it)")
     return notes
+
+
+def _stale_note(n: int, retry_failed: bool, batch: bool) -> str:
+    """What the run does with ``n`` stale summaries, or (``batch``) answers of changed requests."""
+    one = n == 1
+    if batch:
+        return (f"{_some(n, 'request')} changed since answered (stale): "
+                + (f"left for a plain rerun, which redoes {'it' if one else 'them'}" if retry_failed else
+                   f"redoing {'it; its' if one else 'them; each'} old answer stays in {BATCH_OUTPUT} until the "
+                   "new one is complete"))
+    return (f"{_some(n, 'document')} changed since summarised (stale): "
+            + (f"left for a plain rerun, which redoes {'it' if one else 'them'}" if retry_failed else
+               f"redoing {'it; its' if one else 'them; each'} old summary stays until the new one is complete"))
 
 
 def _what(ids: list[str], records: Mapping[str, dict], settings: Settings) -> str:

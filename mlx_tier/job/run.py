@@ -74,6 +74,7 @@ from mlx_tier.job.rerun import (
     copy_reused,
     current_hashes,
     locate_model,
+    request_hashes,
     rerun_counts,
     rerun_notes,
     run_settings,
@@ -143,7 +144,9 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal) -
 
 def _record_request(outcome: Outcome, res: DocResult, p: _Pass) -> None:
     """Append a finished request's line to ``output.jsonl`` or a failed one's to
-    ``errors.jsonl`` (fsync'ed, before its journal record) and fill ``res``.
+    ``errors.jsonl`` (fsync'ed, before its journal record) and fill ``res``. A request
+    redone because it changed (``res.redo``) has its old answer's line replaced
+    (:class:`~mlx_tier.job.outputs.BatchOutputs`).
 
     Raises:
         JobError: the line cannot be written (disk full, a read-only folder): no
@@ -154,12 +157,12 @@ def _record_request(outcome: Outcome, res: DocResult, p: _Pass) -> None:
     try:
         if outcome.status == "done":
             body = batch_api.response_body(req, outcome.choices, outcome.input_tokens, p.model_name, int(time.time()))
-            batch.add_output(req.custom_id, batch_api.output_line(req.custom_id, body))
+            batch.add_output(req.custom_id, batch_api.output_line(req.custom_id, body), redo=res.redo is not None)
             res.status, res.output = "done", BATCH_OUTPUT
             return
         code = outcome.error_code or batch_api.SERVER_ERROR
         batch.add_error(req.custom_id, batch_api.error_line(req.custom_id, outcome.error, code, outcome.error_param,
-                                                            req.line))
+                                                            req.line), redo=res.redo is not None)
         res.status, res.error, res.error_code, res.error_param = "failed", outcome.error, code, outcome.error_param
     except OSError as e:
         raise JobError(f"{e.filename}: {e.strerror or e}; the job stopped (finished answers are kept)") from None
@@ -514,8 +517,9 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     recovered outputs recorded and reused summaries copied (not by a ``part``: its launcher
     did; one found now is another rank's, its record on the way). ``settings``: this run's
     model and prompt, against which earlier summaries are judged (with each document's
-    source hash now; ``None`` for batch requests, whose answers are never redone). Returns
-    ``(journal, records, triage)``."""
+    source hash now); ``None`` for batch requests, whose answers are judged by their
+    request's hash alone (:func:`~mlx_tier.job.rerun.request_hashes`: a changed request is
+    stale, redone). Returns ``(journal, records, triage)``."""
     batch = BatchOutputs(config.out_dir) if is_batch(docs) else None
     summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part \
         and batch is None else None
@@ -524,7 +528,8 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     records = view.records()
     for warning in view.warnings.values():
         reporter.message(f"journal: {warning}")
-    current = current_hashes(docs, records) if settings is not None else {}
+    current = request_hashes(docs, records) if batch is not None else \
+        current_hashes(docs, records) if settings is not None else {}
     tri = triage([d.id for d in docs], records, _outputs(job, docs, records, batch), attempted_ids(view.entries()),
                  config.retry_failed, current, settings, config.redo_changed)
     if part:
@@ -534,7 +539,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
         _doubt_recovered(tri, view.entries(), job, by_id, [d.id for d in docs])
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
         made = tri.recovered_from.get(i) or (by_id[i].stamp.as_dict() if by_id[i].stamp is not None else None)
-        made = {"made_from": made} if made is not None and batch is None else {}
+        made = {"made_from": made} if made is not None else {}
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
                         "name": by_id[i].name, **made})
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
@@ -595,7 +600,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock,
                                       None if is_batch(docs) else settings)
     if not share.part:
-        for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs]):
+        for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs], is_batch(docs)):
             reporter.message(note)
     results = doc_results(docs, tri, records)
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))
