@@ -51,6 +51,7 @@ def plan(
         from mlx_tier.kernels.warmup import compile_for
 
         compile_for(Path(model), JOB_KERNEL, lambda text: print_wrapped(err, text, style="dim"))
+    _say_remote(model)
     try:
         p = make_plan(model, memory_gb=memory_gb, context_tokens=context, disk_gbps=disk_gbps,
                       compute_gbps=compute_gbps, doc_tokens=doc_tokens or None, summary_tokens=summary_tokens,
@@ -69,6 +70,17 @@ def plan(
     for k, v in _plan_rows(p) + (_split_rows(p, split, gpu_gb) if split is not None else []):
         t.add_row(k, v)
     out.print(t)
+
+
+def _say_remote(model: str) -> None:
+    """One dim line before a plan reads a repo not on this machine from the hub (its config
+    and headers: seconds, or tens of seconds to find the hub unreachable)."""
+    from mlx_tier.engine.hub import cached_snapshot, is_repo_id, offline
+
+    if not Path(model).expanduser().exists() and is_repo_id(model) and not offline() \
+            and cached_snapshot(model) is None:
+        print_wrapped(err, f"{model}: not on this machine; reading its config and safetensors headers from the "
+                      "Hugging Face hub (nothing large is downloaded)", style="dim")
 
 
 def _plan_rows(p) -> list[tuple[str, str]]:

@@ -18,8 +18,10 @@ Both read ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` when called (not when
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from mlx_tier.engine.checkpoint import TensorInfo
@@ -88,7 +90,8 @@ def resolve_model(name: str | os.PathLike) -> Path:
         raise CheckpointError(f"{repo}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
                               f"download it first (hf download {repo}) or unset HF_HUB_OFFLINE")
     try:
-        return Path(snapshot_download(repo, allow_patterns=ALLOW_PATTERNS, cache_dir=_cache_dir()))
+        with _quiet_hub():
+            return Path(snapshot_download(repo, allow_patterns=ALLOW_PATTERNS, cache_dir=_cache_dir()))
     except Exception as e:  # noqa: BLE001 - hub errors are many (HTTP, auth, network); one line each
         raise CheckpointError(f"{repo}: cannot download from the Hugging Face hub: {_first_line(e)}") from None
 
@@ -125,8 +128,28 @@ def _has_all_shards(local: Path) -> bool:
 
 
 def _first_line(e: Exception) -> str:
+    """One line for a hub error: "the hub cannot be reached" for a network failure (whose
+    own text is a paragraph), else its type and first line."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if isinstance(e, (LocalEntryNotFoundError, ConnectionError, TimeoutError)) or \
+            type(e).__name__ in ("ConnectionError", "ConnectTimeout", "ReadTimeout", "ConnectError"):
+        return "the hub cannot be reached (offline? set HF_HUB_OFFLINE=1 to use the local cache only)"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+@contextmanager
+def _quiet_hub():
+    """``huggingface_hub``'s warnings off while a call runs: each retry of a failing request
+    ("Retrying in 8s [Retry 4/5]") would be a line of its own; the caller says one."""
+    log = logging.getLogger("huggingface_hub")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def remote_metadata(repo: str, api=None) -> tuple[dict, dict[str, TensorInfo]]:
@@ -152,8 +175,9 @@ def remote_metadata(repo: str, api=None) -> tuple[dict, dict[str, TensorInfo]]:
     if api is None:
         import huggingface_hub as api
     try:
-        config = json.loads(Path(api.hf_hub_download(repo, "config.json", cache_dir=_cache_dir())).read_text())
-        meta = api.get_safetensors_metadata(repo)
+        with _quiet_hub():
+            config = json.loads(Path(api.hf_hub_download(repo, "config.json", cache_dir=_cache_dir())).read_text())
+            meta = api.get_safetensors_metadata(repo)
     except Exception as e:  # noqa: BLE001 - hub errors are many (HTTP, auth, not safetensors)
         raise CheckpointError(f"{repo}: cannot read its config and safetensors headers from the hub: "
                               f"{_first_line(e)}") from None

@@ -177,3 +177,31 @@ def test_cached_snapshot_counts_only_complete_weights(files, complete, tmp_path,
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert cached_snapshot("org/sharded") == (snap if complete else None)
+
+
+def test_an_unreachable_hub_is_one_line_not_a_page_of_retries(tmp_path, monkeypatch, caplog):
+    """A user trial: `plan some/repo` with no network printed eleven lines of the hub's
+    retries ("Retrying in 8s [Retry 4/5]") before its error. The retries' warnings are
+    off while the hub is asked, and a network failure is said in words, on one line."""
+    import logging
+
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def unreachable(repo_id, filename, cache_dir=None):
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub and we cannot "
+                                      "find the requested files in the local cache.\nPlease check your connection")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(CheckpointError) as e:
+        make_plan("some-org/not-downloaded", disk_gbps=1, compute_gbps=1)
+    assert str(e.value) == ("some-org/not-downloaded: cannot read its config and safetensors headers from the hub: "
+                            "the hub cannot be reached (offline? set HF_HUB_OFFLINE=1 to use the local cache only)")
+    assert "Retrying" not in caplog.text
+    r = runner.invoke(app, ["plan", "some-org/not-downloaded"])
+    assert r.exit_code == 2 and len(error_lines(r.output)) == 1, r.output
+    assert "reading its config and safetensors headers from the Hugging Face hub" in " ".join(r.output.split())
