@@ -72,6 +72,12 @@ def plan(
     out.print(t)
 
 
+def _span(low: float, high: float, spec: str) -> str:
+    """``"low-high"`` in ``spec``, or one value when both print the same (``16.76``, not ``16.76-16.76``)."""
+    a, b = format(low, spec), format(high, spec)
+    return a if a == b else f"{a}-{b}"
+
+
 def _say_remote(model: str) -> None:
     """One dim line before a plan reads a repo not on this machine from the hub (its config
     and headers: seconds, or tens of seconds to find the hub unreachable)."""
@@ -101,7 +107,8 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         ("cache budget mlx-tier would choose", f"{p.cache_budget / GIB:.2f} GiB = {p.slots_per_layer} of {p.experts_per_layer} slots per layer"),
         ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({p.disk_method})"),
         ("expert compute", _compute_text(p)),
-        ("predicted decode", f"{p.tok_s_low:.2f}-{p.tok_s_high:.2f} tok/s (hit rate {p.hit_rate_low:.0%}-{p.hit_rate_high:.0%})"
+        ("predicted decode", f"{_span(p.tok_s_low, p.tok_s_high, '.2f')} tok/s (hit rate "
+                             f"{_span(p.hit_rate_low, p.hit_rate_high, '.0%')})"
          if p.slots_per_layer else "does not fit: the budget holds less than one expert slot per layer"),
         ("predicted prompt reading", f"{p.prompt_tok_s:.1f} tok/s in {p.prompt_step}-token steps (hit rate {p.hit_rate_low:.0%})"
          if p.prompt_tok_s else "not predicted: " + ("--compute-gbps given" if not p.prompt_gflops else "a run would be refused")),

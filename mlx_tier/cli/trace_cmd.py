@@ -128,7 +128,7 @@ def _print_sim_results(t, trace: Path, results: list, policies: list[str], sizes
                         f"{split} split{', pre-warmed' if prewarm else ''})")
     table.add_column("policy")
     for n in sizes:
-        table.add_column(f"{n} slots ({n / E:.0%})", justify="right")
+        table.add_column(f"{n} slot{'' if n == 1 else 's'} ({n / E:.0%})", justify="right")
     for p in policies:
         table.add_row(p, *[f"{r.hit_rate:.1%}" for r in results if r.policy == p])
     out.print(table)

@@ -347,7 +347,8 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
-        raise InputError(f"{out_dir}: no such folder")
+        raise InputError(f"{out_dir}: is a file, not a job's output folder" if Path(out_dir).exists()
+                         else f"{out_dir}: no such folder")
     journal = Journal(out_dir)
     if not any((out_dir / name).exists() for name in (journal.path.name, LOCK, PID_FILE)):
         raise InputError(f"{out_dir}: not an mlx-tier output folder (no journal.jsonl)")

@@ -374,3 +374,11 @@ def test_a_refused_requests_line_names_its_field_not_a_flag(monkeypatch, body, f
     lines = console.export_text().splitlines()
     assert lines[0].startswith(f"failed req_1: `{field}` of request req/1 must be ") and "--" not in lines[0], lines
     assert lines[1] == "failed doc: no summary within --max-tokens 160", lines
+
+
+def test_a_plan_range_of_one_value_prints_once():
+    """A user trial: `plan` printed "16.76-16.76 tok/s"."""
+    from mlx_tier.cli.plan_cmd import _span
+
+    assert _span(16.761, 16.759, ".2f") == "16.76" and _span(0.5, 0.504, ".0%") == "50%"
+    assert _span(3.2, 16.76, ".2f") == "3.20-16.76"

@@ -88,7 +88,9 @@ def test_running_job_eta_and_cli(tmp_path):
 
 
 def test_status_bad_folder_exit_2(tmp_path):
-    for path, message in [(tmp_path / "nope", "no such folder"), (tmp_path, "not an mlx-tier output folder (no journal.jsonl)")]:
+    (tmp_path / "a.md").write_text("a summary\n")  # a user trial: a file was called "no such folder"
+    for path, message in [(tmp_path / "nope", "no such folder"), (tmp_path, "not an mlx-tier output folder (no journal.jsonl)"),
+                          (tmp_path / "a.md", "is a file, not a job's output folder")]:
         r = runner.invoke(app, ["status", str(path)])
         lines = [x for x in r.output.splitlines() if x.startswith("error:")]
         assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.output
