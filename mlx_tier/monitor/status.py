@@ -57,6 +57,23 @@ def read_progress(out_dir: Path, since: float | None = None, run: str | None = N
     return merged
 
 
+def _without(snapshot: dict | None, finished: set[str]) -> dict | None:
+    """A progress snapshot without the documents the journal says are finished: the run
+    rewrites it every few seconds, and a document done since the last write is no longer
+    waiting, read or written."""
+    if snapshot is None or not finished:
+        return snapshot
+    snapshot = dict(snapshot)
+    if isinstance(snapshot.get("in_flight"), list):
+        snapshot["in_flight"] = [i for i in snapshot["in_flight"] if i not in finished]
+    if isinstance(snapshot.get("writing"), list):
+        snapshot["writing"] = [w for w in snapshot["writing"] if not (isinstance(w, list) and w and w[0] in finished)]
+    reading = snapshot.get("reading")
+    if isinstance(reading, list) and reading and reading[0] in finished:
+        snapshot["reading"] = None
+    return snapshot
+
+
 def _of_run(snapshot: dict, since: float | None, run: str | None) -> bool:
     """Whether a progress snapshot is the run's: by its id when both have one, else by wall time."""
     if run is not None and isinstance(snapshot.get("run"), str):
@@ -367,6 +384,8 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     # read after the lock probe (a run ending now removes it first); one of an earlier run is not this one's
     progress = read_progress(out_dir, started, info.run if info is not None else None)
     this_run = _this_run(latest, info)
+    ran = {id(r) for r in this_run}
+    progress = _without(progress, {i for i, r in latest.items() if id(r) in ran})
     mine = [r for r in this_run if r.get("status") == "done"]
     elapsed, todo_left, eta = _run_timing(this_run, entries, info, running, progress, clocks)
     pending = len(ids) - len(done) - len(failures) if info is not None else None

@@ -70,6 +70,14 @@ def test_running_job_eta_and_cli(tmp_path):
         assert read_status(out).progress["reading"] == ["d5", 312, 1204]
         r = runner.invoke(app, ["status", str(out)])
         assert "d5: 312/1,204 prompt tokens" in r.output and "d4: 17 tokens so far" in r.output, r.output
+        # a user trial: documents done since the snapshot was written were shown as waiting or writing
+        (out / "progress.json").write_text(json.dumps({
+            "time": T0 + 198, "in_flight": ["d3", "d4", "d5"], "reading": ["d3", 10, 20],
+            "writing": [["d2", 9], ["d4", 17]], "decode_tok_s": 2.5, "prompt_tok_s": 3.9, "hit_rate": 0.9}))
+        p = read_status(out).progress
+        assert (p["in_flight"], p["writing"], p["reading"]) == (["d4", "d5"], [["d4", 17]], None)
+        r = runner.invoke(app, ["status", str(out)])
+        assert "d2" not in r.output and "d3:" not in r.output and "d4: 17 tokens so far" in r.output, r.output
     finally:
         held.close()
     assert not lock_held(out)  # released: the probe itself never keeps it
