@@ -473,14 +473,16 @@ def model_shape(model_dir: Path) -> tuple[int, int]:
 # and chat template. Anything else in the folder (a README, a saved profile) is not.
 TOKEN_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-               "chat_template.jinja", "chat_template.json")
+               "chat_template.jinja", "chat_template.json", "tiktoken.model")
+TOKEN_GLOBS = ("*.tiktoken", "tokenization_*.py")  # tiktoken vocabularies, a remote-code tokenizer
 
 
 def config_fingerprint(model_dir: Path) -> str:
     """A short fingerprint of what beside its weights decides a checkpoint's tokens.
 
-    sha256 over each of :data:`TOKEN_FILES` present in ``model_dir`` (its name and
-    its bytes, in that order; a missing one is left out): a copy of a model with
+    sha256 over each of :data:`TOKEN_FILES` present in ``model_dir``, then the files
+    matching :data:`TOKEN_GLOBS` in name order (each its name and its bytes; a
+    missing one is left out): a copy of a model with
     ``num_experts_per_tok`` or the chat template edited differs from the original
     though its weights (:func:`weights_fingerprint`) are the same.
 
@@ -492,7 +494,8 @@ def config_fingerprint(model_dir: Path) -> str:
     import hashlib
 
     digest = hashlib.sha256()
-    for name in TOKEN_FILES:
+    matched = sorted({p.name for pattern in TOKEN_GLOBS for p in Path(model_dir).glob(pattern)})
+    for name in (*TOKEN_FILES, *matched):
         path = Path(model_dir) / name
         if not path.is_file():
             continue

@@ -143,6 +143,8 @@ def vouched(entries, doc_id: str, output: bytes, now: str | None) -> dict | str 
     if now is not None and made.get("sha256") not in (None, now):
         return "stale"
     return made
+
+
 def request_stamp(url: str, body: dict) -> SourceStamp:
     """The stamp of a batch request: its ``url`` and ``body`` as canonical JSON (keys
     sorted, no spaces, ASCII escapes), so that any change of its messages, prompt,

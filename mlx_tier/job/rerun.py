@@ -173,12 +173,7 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
     are in backquotes (the CLI shows them as flags)."""
     notes = []
     if ids is not None:
-        job, renamed = set(ids), set(tri.reused.values())
-        gone = [i for i, r in records.items() if r.get("status") == "done" and i not in job and i not in renamed]
-        if gone:
-            notes.append(f"{_some(len(gone), 'summary')} in the output folder {'is' if len(gone) == 1 else 'are'} "
-                         "of documents not in this input (another input, or removed): left on disk, not part "
-                         "of this job")
+        notes += _left_out(tri, records, ids, batch)
     if tri.stale:
         notes.append(_stale_note(len(tri.stale), retry_failed, batch))
     if tri.failed_changed:
@@ -208,6 +203,22 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
                      "text only, which is unchanged: taken as current (a changed option is not seen; delete "
                      f"one's line from {BATCH_OUTPUT} to redo it)")
     return notes
+
+
+def _left_out(tri: Triage, records: Mapping[str, dict], ids: list[str], batch: bool) -> list[str]:
+    """One line when earlier runs' summaries (or answers) are of documents (requests) not in
+    this input: another input run into the same folder, or documents removed. One whose
+    content a document of the job still has (a rename, a copy: its summary moved with it)
+    is not counted."""
+    job = set(ids)
+    kept = {recorded_hash(records[i]) for i in job if (records.get(i) or {}).get("status") == "done"} - {None}
+    gone = [i for i, r in records.items() if r.get("status") == "done" and i not in job
+            and i not in tri.reused.values() and recorded_hash(r) not in kept]
+    if not gone:
+        return []
+    what, of = ("answer", "requests not in this file") if batch else ("summary", "documents not in this input")
+    return [f"{_some(len(gone), what)} of earlier runs {'is' if len(gone) == 1 else 'are'} of {of} (another "
+            f"input, or removed): left on disk, not part of this job"]
 
 
 def _stale_note(n: int, retry_failed: bool, batch: bool) -> str:

@@ -532,11 +532,11 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
         current_hashes(docs, records) if settings is not None else {}
     tri = triage([d.id for d in docs], records, _outputs(job, docs, records, batch), attempted_ids(view.entries()),
                  config.retry_failed, current, settings, config.redo_changed)
+    by_id = {d.id: d for d in docs}
+    if batch is None:  # a rank decides as its launcher did: a doubted output is pending in both
+        _doubt_recovered(tri, view.entries(), job, by_id, [d.id for d in docs], config.retry_failed)
     if part:
         return journal, records, tri
-    by_id = {d.id: d for d in docs}
-    if batch is None:
-        _doubt_recovered(tri, view.entries(), job, by_id, [d.id for d in docs])
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
         made = tri.recovered_from.get(i) or (by_id[i].stamp.as_dict() if by_id[i].stamp is not None else None)
         made = {"made_from": made} if made is not None else {}
@@ -552,12 +552,14 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     return journal, records, tri
 
 
-def _doubt_recovered(tri: Triage, entries: list, job: JobDir, by_id: dict, order: list[str]) -> None:
+def _doubt_recovered(tri: Triage, entries: list, job: JobDir, by_id: dict, order: list[str],
+                     retry_failed: bool = False) -> None:
     """Check each of ``tri.recovered`` (an output with no ``done`` record) against the
     ``writing`` record its run journalled (:func:`~mlx_tier.job.provenance.vouched`):
-    adopted with that record's ``made_from``; redone (pending, in input order) when it
-    was made from another version of its source (``tri.stale``) or is not the output
-    the run wrote; adopted as before when no record names it (an older journal)."""
+    adopted with that record's ``made_from``; redone (pending, in input order; with
+    ``retry_failed`` left for a plain rerun) when it was made from another version of
+    its source (``tri.stale``) or is not the output the run wrote; adopted as before
+    when no record names it (an older journal)."""
     redo = []
     for i in tri.recovered:
         try:
@@ -574,8 +576,9 @@ def _doubt_recovered(tri: Triage, entries: list, job: JobDir, by_id: dict, order
                 tri.stale.append(i)
     if redo:
         tri.recovered[:] = [i for i in tri.recovered if i not in redo]
-        pending = set(tri.pending) | set(redo)
-        tri.pending[:] = [i for i in order if i in pending]
+        into = tri.left if retry_failed else tri.pending
+        waiting = set(into) | set(redo)
+        into[:] = [i for i in order if i in waiting]
 
 
 def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:

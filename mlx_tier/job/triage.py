@@ -20,7 +20,7 @@ from mlx_tier.job.provenance import Settings, recorded_hash
 
 # What a done / failed record of an earlier run keeps in this run's results.
 DONE_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter", "made_from",
-              "model", "prompt", "reused")
+              "model", "prompt", "kv_bits", "generation", "reused")
 FAILED_KEEPS = ("input_tokens", "doc_seconds", "converter", "error_code", "error_param")
 
 

@@ -377,6 +377,16 @@ def test_an_unrecorded_output_is_adopted_only_for_the_source_it_was_made_from(s1
     assert "recovered" not in rec and rec["made_from"]["sha256"] == hashlib.sha256((s1 / "b.txt").read_bytes()
                                                                                     ).hexdigest()
 
+    _lose_done_record(out, "b")  # with --retry-failed: said, left for a plain rerun, not redone (a review)
+    (s1 / "b.txt").write_text("Sales report, revised: the shop sold five hundred bicycles in May.")
+    before = (out / "b.md").read_bytes()
+    code, output = run(*args, "--retry-failed")
+    assert code == 0 and "1 document changed since summarised (stale): left for a plain rerun" in output, output
+    assert (out / "b.md").read_bytes() == before  # not regenerated, and not recorded as current:
+    assert not [r for r in Journal(out).entries() if r.get("id") == "b" and r.get("status") == "done"]
+    code, output = run(*args)
+    assert code == 0 and "redoing it" in output and (out / "b.md").read_bytes() != before, output
+
     _lose_done_record(out, "a")
     (out / "a.md").write_text("not what any run wrote\n")
     code, output = run(*args)
@@ -414,7 +424,25 @@ def test_summaries_of_documents_not_in_this_input_are_said(s1, tmp_path, small_m
     s2 = tmp_path / "s2"
     s2.mkdir()
     (s2 / "d.txt").write_text("The orchard's apples ripened early after the warm spring.")
+    code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "4")  # a later plain rerun
+    assert code == 0 and "not in this input" not in output, output  # a's content is c's: not left out
     code, output = run(s2, "--out", out, "--model", small_moe, "--max-tokens", "4")
-    assert code == 0 and "3 summaries in the output folder are of documents not in this input (another input, " \
+    assert code == 0 and "3 summaries of earlier runs are of documents not in this input (another input, " \
         "or removed): left on disk, not part of this job" in output, output
     assert (out / "a.md").is_file() and (out / "b.md").is_file() and (out / "d.md").is_file()
+
+
+def test_the_config_fingerprint_covers_what_decides_tokens_only(tmp_path):
+    """config_fingerprint: config, tokenizer files, tiktoken vocabularies and a remote-code
+    tokenizer count; a README or a saved profile does not."""
+    from mlx_tier.engine.checkpoint import config_fingerprint
+
+    (tmp_path / "config.json").write_text('{"num_experts_per_tok": 2}')
+    base = config_fingerprint(tmp_path)
+    (tmp_path / "README.md").write_text("notes")
+    (tmp_path / "mlx-tier-profile.json").write_text("{}")
+    assert config_fingerprint(tmp_path) == base
+    for name in ("vocab.tiktoken", "tokenization_custom.py", "tokenizer_config.json"):
+        (tmp_path / name).write_text("x")
+        assert config_fingerprint(tmp_path) != base, name
+        base = config_fingerprint(tmp_path)

@@ -151,6 +151,33 @@ def test_a_rank_finishes_the_share_of_a_rank_that_never_started(tmp_path, small_
     assert {r.status for r in report.results} == {"done"}
 
 
+def test_a_rank_redoes_an_unrecorded_output_its_source_changed_since(tmp_path, small_moe):  # noqa: F811
+    """A review: a crash after doc01's rename lost its done record, then doc01.txt was rewritten;
+    the launcher decided to redo it, but each rank triaged it as recovered and none took it. A
+    rank decides as its launcher does: the output made from the old text is pending, redone."""
+    from mlx_tier.job.run import JobConfig, Share, run_job
+    from mlx_tier.job.scheduler import GenerationConfig
+    from mlx_tier.outdir.jobdir import JobDir
+
+    ids = make_docs(tmp_path / "docs", 3)
+    out = tmp_path / "out"
+    config = JobConfig(input=tmp_path / "docs", out_dir=out, model=small_moe, generation=GenerationConfig(max_tokens=4))
+    run_job(config)
+    journal = out / "journal.jsonl"
+    journal.write_text("".join(x for x in journal.read_text().splitlines(keepends=True)
+                               if not (json.loads(x).get("id") == "doc01" and json.loads(x).get("status") == "done")))
+    (tmp_path / "docs" / "doc01.txt").write_text("The ferry crossed the bay at dawn carrying forty cars.")
+    (out / "ranks" / "r1").mkdir(parents=True)
+    claims = Claims(out / "ranks" / "r1" / "claims", 1)
+    name = rank_journal_name("r1", 1)
+    share = Share(claim=claims.claim, journal_name=name, part=True, order=rank_order(ids, 1, 2, claims.claimed))
+    with JobDir(out):  # the launcher's lock
+        report = run_job(config, share=share)
+    assert claims.taken == ["doc01"] and {r.id: r.status for r in report.results}["doc01"] == "done"
+    done = [r for r in Journal(out, name=name).entries() if r.get("status") == "done"]
+    assert [r["id"] for r in done] == ["doc01"] and "recovered" not in done[0]
+
+
 def _claim_all(folder: str, rank: int, ids: list[str], queue) -> None:
     claims = Claims(Path(folder), rank)
     for i in ids:
