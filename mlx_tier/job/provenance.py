@@ -108,29 +108,28 @@ def text_stamp(text: str) -> SourceStamp:
     return SourceStamp(hashlib.sha256(data).hexdigest(), len(data), None, "text")
 
 
-def writing_record(doc_id: str, made_from: dict | None, data: bytes) -> dict:
+def writing_record(doc_id: str, made_from: dict | None, data: bytes, settings: dict | None = None) -> dict:
     """The journal record a run appends just before it renames a summary into place:
     ``{"event": "writing", "doc", "made_from", "output_sha256"}`` (the sha256 of the
-    output's bytes ``data``). A crash between that rename and the ``done`` record leaves
-    an output with no record; a rerun adopts it only as this record vouches for it
-    (:func:`vouched`)."""
+    output's bytes ``data``) and the run's :meth:`Settings.fields` (``settings``). A
+    crash between that rename and the ``done`` record leaves an output its records do
+    not describe (none, or the summary it replaced); a rerun adopts it only as this
+    record vouches for it (:func:`vouched`)."""
     return {"event": "writing", "doc": doc_id, "output_sha256": hashlib.sha256(data).hexdigest(),
-            **({"made_from": made_from} if made_from is not None else {})}
+            **({"made_from": made_from} if made_from is not None else {}), **(settings or {})}
 
 
 def vouched(entries, doc_id: str, output: bytes, now: str | None) -> dict | str | None:
-    """What the journal ``entries`` say of an output of ``doc_id`` with no ``done`` record
-    (a crash after its rename), whose bytes are ``output`` and whose source hashes to
-    ``now`` (``None``: unknown).
+    """What the journal ``entries`` say of the output of ``doc_id`` whose bytes are
+    ``output`` and whose source hashes to ``now`` (``None``: unknown).
 
     Returns:
-        the ``made_from`` of the last ``writing`` record (:func:`writing_record`) for
-        exactly these bytes, when the source is still what it was made from (adopt it);
-        ``"stale"`` when it was made from another version of the source; ``"unwritten"``
-        when no record names these bytes though some name the document (the old output
-        of a redo that crashed before its rename, or someone's edit): redo it; ``None``
-        when no record names the document (a journal of an older version: adopted as
-        before).
+        the last ``writing`` record (:func:`writing_record`) for exactly these bytes,
+        when the source is still what it was made from (adopt it); ``"stale"`` when it
+        was made from another version of the source; ``"unwritten"`` when no record
+        names these bytes though some name the document (the old output of a redo
+        that crashed before its rename, or someone's edit); ``None`` when no record
+        names the document (a journal of an older version).
     """
     mine = [r for r in entries if r.get("event") == "writing" and r.get("doc") == doc_id]
     if not mine:
@@ -142,7 +141,20 @@ def vouched(entries, doc_id: str, output: bytes, now: str | None) -> dict | str 
     made = match.get("made_from") if isinstance(match.get("made_from"), dict) else {}
     if now is not None and made.get("sha256") not in (None, now):
         return "stale"
-    return made
+    return match
+
+
+def rewritten_since_done(entries) -> set[str]:
+    """Ids whose last ``writing`` record comes after their last ``done`` record in the
+    journal ``entries``: a redo that may have renamed its output into place and not
+    recorded it (a crash between the two)."""
+    done, writing = {}, {}
+    for n, r in enumerate(entries):
+        if r.get("status") == "done" and isinstance(r.get("id"), str):
+            done[r["id"]] = n
+        elif r.get("event") == "writing" and isinstance(r.get("doc"), str):
+            writing[r["doc"]] = n
+    return {i for i, n in writing.items() if n > done.get(i, -1)}
 
 
 def request_stamp(url: str, body: dict) -> SourceStamp:

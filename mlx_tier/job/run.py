@@ -61,7 +61,13 @@ from mlx_tier.job.model_setup import (
 )
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
 from mlx_tier.job.process import keep_awake, lower_priority
-from mlx_tier.job.provenance import Settings, vouched, writing_record
+from mlx_tier.job.provenance import (
+    Settings,
+    recorded_hash,
+    rewritten_since_done,
+    vouched,
+    writing_record,
+)
 from mlx_tier.job.report import (
     DocResult,
     JobReport,
@@ -117,10 +123,10 @@ def _figures(outcome: Outcome, res: DocResult) -> None:
     res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
 
 
-def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal) -> None:
-    """Write a finished summary (atomically, its ``writing`` record journalled first:
-    :func:`~mlx_tier.job.provenance.writing_record`) and fill ``res``; a write error
-    fails the document.
+def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, settings: Settings) -> None:
+    """Write a finished summary (atomically, its ``writing`` record journalled first with
+    the run's ``settings``: :func:`~mlx_tier.job.provenance.writing_record`) and fill
+    ``res``; a write error fails the document.
 
     Raises:
         JobError: the disk is full (the document stays pending: no later one could be written either).
@@ -131,7 +137,7 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal) -
         return
     try:
         data = (outcome.summary + "\n").encode("utf-8", "surrogateescape")  # as write_atomic encodes text
-        journal.append(writing_record(res.id, res.made_from, data))
+        journal.append(writing_record(res.id, res.made_from, data, settings.fields()))
         write_atomic(out_dir / f"{res.id}.md", data)
         res.status, res.output = "done", f"{res.id}.md"
     except OSError as e:
@@ -274,7 +280,7 @@ def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded,
     if p.batch is not None:
         _record_request(outcome, res, p)
     else:
-        _record(outcome, res, config.out_dir, journal)
+        _record(outcome, res, config.out_dir, journal, p.settings)
     eta.finished(res.id, res.output_tokens if res.status == "done" else None)
     spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
     if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
@@ -538,8 +544,10 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     if part:
         return journal, records, tri
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
-        made = tri.recovered_from.get(i) or (by_id[i].stamp.as_dict() if by_id[i].stamp is not None else None)
+        vouch = tri.recovered_from.get(i) or {}
+        made = vouch.get("made_from") or (by_id[i].stamp.as_dict() if by_id[i].stamp is not None else None)
         made = {"made_from": made} if made is not None else {}
+        made |= {k: vouch[k] for k in ("model", "prompt", "kv_bits", "generation") if k in vouch}
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
                         "name": by_id[i].name, **made})
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
@@ -552,26 +560,37 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     return journal, records, tri
 
 
-def _doubt_recovered(tri: Triage, entries: list, job: JobDir, by_id: dict, order: list[str],
+def _doubt_recovered(tri: Triage, entries: Iterable[dict], job: JobDir, by_id: dict, order: list[str],
                      retry_failed: bool = False) -> None:
-    """Check each of ``tri.recovered`` (an output with no ``done`` record) against the
-    ``writing`` record its run journalled (:func:`~mlx_tier.job.provenance.vouched`):
-    adopted with that record's ``made_from``; redone (pending, in input order; with
-    ``retry_failed`` left for a plain rerun) when it was made from another version of
-    its source (``tri.stale``) or is not the output the run wrote; adopted as before
-    when no record names it (an older journal)."""
-    redo = []
-    for i in tri.recovered:
+    """Check each output its records may not describe against the ``writing`` record its
+    run journalled (:func:`~mlx_tier.job.provenance.vouched`): those of ``tri.recovered``
+    (no ``done`` record) and done ones rewritten since their record
+    (:func:`~mlx_tier.job.provenance.rewritten_since_done`: a redo renamed into place, not
+    recorded). One the record vouches for is adopted with its ``made_from`` and settings
+    (``tri.recovered_from``); one made from another version of its source (``tri.stale``)
+    or, with no done record, one no run wrote, is redone (pending, in input order; with
+    ``retry_failed`` left for a plain rerun); without a writing record (an older
+    journal), or a done one still as recorded, it stays as it was."""
+    redo, entries = [], list(entries)  # read once, asked for each output
+    for i in [*tri.recovered, *sorted(rewritten_since_done(entries) & (set(tri.done) | set(tri.stale)))]:
         try:
             output = read_nofollow(job.output(i))
         except OSError:
-            continue  # adopted as before; its record says what it is
+            continue  # as it was; its record says what it is
         stamp = by_id[i].stamp
         said = vouched(entries, i, output, stamp.sha256 if stamp is not None else None)
         if isinstance(said, dict):
+            if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]):
+                continue  # the output its done record describes (the redo never renamed)
+            _undone(tri, i)
+            if i not in tri.recovered:
+                tri.recovered.append(i)
             tri.recovered_from[i] = said
-        elif said is not None:
+        elif i in tri.stale:
+            continue  # redone as it is
+        elif said == "stale" or (said == "unwritten" and i not in tri.done):
             redo.append(i)
+            _undone(tri, i)
             if said == "stale":
                 tri.stale.append(i)
     if redo:
@@ -579,6 +598,15 @@ def _doubt_recovered(tri: Triage, entries: list, job: JobDir, by_id: dict, order
         into = tri.left if retry_failed else tri.pending
         waiting = set(into) | set(redo)
         into[:] = [i for i in order if i in waiting]
+
+
+def _undone(tri: Triage, i: str) -> None:
+    """Take ``i`` out of the done and stale documents (and their notes): its output is not
+    what its record says."""
+    tri.done.pop(i, None)
+    for ids in (tri.kept_changed, tri.unstamped, tri.stale, tri.pending, tri.left):
+        if i in ids:
+            ids.remove(i)
 
 
 def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:

@@ -446,3 +446,43 @@ def test_the_config_fingerprint_covers_what_decides_tokens_only(tmp_path):
         (tmp_path / name).write_text("x")
         assert config_fingerprint(tmp_path) != base, name
         base = config_fingerprint(tmp_path)
+
+
+def _lose_last_done_record(out, doc_id):
+    """A crash after a redo's rename, before its ``done`` record: the earlier record stays last."""
+    path = out / "journal.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    last = max(n for n, x in enumerate(lines) if json.loads(x).get("id") == doc_id
+               and json.loads(x).get("status") == "done")
+    path.write_text("".join(x for n, x in enumerate(lines) if n != last))
+
+
+def test_a_redo_renamed_but_not_recorded_is_judged_by_what_it_was_made_from(s1, tmp_path, small_moe):  # noqa: F811
+    """A review: a redo of b (its text changed) renamed its new summary into place, then the run
+    died before the done record; b's earlier record (the old text's) stayed last. With b.txt
+    reverted to the old text the rerun kept the new text's summary as current. Now the writing
+    record tells: reverted, it is stale and redone; not reverted, the new summary is adopted
+    with the new text's hash (not written again)."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    old_text = (s1 / "b.txt").read_text()
+    assert run(*args)[0] == 0
+    old_summary = (out / "b.md").read_bytes()
+    (s1 / "b.txt").write_text("A sales report: the shop sold four hundred bicycles in May, up from ninety.")
+    assert run(*args)[0] == 0
+    new_summary = (out / "b.md").read_bytes()
+    assert new_summary != old_summary
+    _lose_last_done_record(out, "b")
+    code, output = run(*args)  # not reverted: the new summary is b's, adopted
+    assert code == 0 and "skipping 2 document(s)" in output, output
+    rec = last_record(out, "b")
+    assert rec["recovered"] and rec["made_from"]["sha256"] == hashlib.sha256((s1 / "b.txt").read_bytes()).hexdigest()
+    assert rec["model"]["name"] == str(small_moe) and rec["generation"]["max_tokens"] == 4
+    assert (out / "b.md").read_bytes() == new_summary
+
+    _lose_last_done_record(out, "b")  # the adoption's record
+    _lose_last_done_record(out, "b")  # and the redo's: the old text's record is last again
+    (s1 / "b.txt").write_text(old_text)  # reverted
+    code, output = run(*args)
+    assert code == 0 and "1 document changed since summarised (stale): redoing it" in output, output
+    assert "recovered" not in last_record(out, "b") and (out / "b.md").read_bytes() != new_summary
