@@ -4,16 +4,18 @@ The facts :func:`~mlx_tier.job.triage.triage` needs beyond the journal: the hash
 of each document's source now, and this run's model and prompt
 (:mod:`mlx_tier.job.provenance`), the model found where it already is (nothing
 downloaded or built to answer); and the runner's part after the decision:
-copying a reused summary under its new name, and the lines that say what the
-run does with stale summaries (and a batch request file's stale answers:
-:func:`request_hashes`) and with summaries written under other settings.
+judging outputs a crash left unrecorded by the record written before their
+rename (:func:`doubt_unrecorded`), copying a reused summary under its new name,
+and the lines that say what the run does with stale summaries (and a batch
+request file's stale answers: :func:`request_hashes`) and with summaries
+written under other settings.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from mlx_tier.errors import CheckpointError
@@ -24,7 +26,9 @@ from mlx_tier.job.provenance import (
     generation_fields,
     prompt_hash,
     recorded_hash,
+    rewritten_since_done,
     text_stamp,
+    vouched,
 )
 from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.journal import Journal
@@ -240,3 +244,53 @@ def _what(ids: list[str], records: Mapping[str, dict], settings: Settings) -> st
     seen = Counter(x for i in ids for x in settings.differences(records[i]))
     names = {"model": "model", "prompt": "prompt", "kv_bits": "`kv_bits`"} | {k: f"`{k}`" for k in GENERATION_KEYS}
     return " or ".join(name for x, name in names.items() if seen[x]) or "model or prompt"
+
+
+def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[str], Path], by_id: dict,
+                     order: list[str], retry_failed: bool = False) -> None:
+    """Check each output its records may not describe against the ``writing`` record its
+    run journalled (:func:`~mlx_tier.job.provenance.vouched`): those of ``tri.recovered``
+    (no ``done`` record) and done ones rewritten since their record
+    (:func:`~mlx_tier.job.provenance.rewritten_since_done`: a redo renamed into place, not
+    recorded). One the record vouches for is adopted with its ``made_from`` and settings
+    (``tri.recovered_from``); one made from another version of its source (``tri.stale``)
+    or, with no done record, one no run wrote, is redone (pending, in input order; with
+    ``retry_failed`` left for a plain rerun); without a writing record (an older
+    journal), or a done one still as recorded, it stays as it was. ``output_of``: an
+    id's output path; ``by_id``: the job's documents."""
+    redo, entries = [], list(entries)  # read once, asked for each output
+    for i in [*tri.recovered, *sorted(rewritten_since_done(entries) & (set(tri.done) | set(tri.stale)))]:
+        try:
+            output = read_nofollow(output_of(i))
+        except OSError:
+            continue  # as it was; its record says what it is
+        stamp = by_id[i].stamp
+        said = vouched(entries, i, output, stamp.sha256 if stamp is not None else None)
+        if isinstance(said, dict):
+            if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]):
+                continue  # the output its done record describes (the redo never renamed)
+            _undone(tri, i)
+            if i not in tri.recovered:
+                tri.recovered.append(i)
+            tri.recovered_from[i] = said
+        elif i in tri.stale:
+            continue  # redone as it is
+        elif said == "stale" or (said == "unwritten" and i not in tri.done):
+            redo.append(i)
+            _undone(tri, i)
+            if said == "stale":
+                tri.stale.append(i)
+    if redo:
+        tri.recovered[:] = [i for i in tri.recovered if i not in redo]
+        into = tri.left if retry_failed else tri.pending
+        waiting = set(into) | set(redo)
+        into[:] = [i for i in order if i in waiting]
+
+
+def _undone(tri: Triage, i: str) -> None:
+    """Take ``i`` out of the done and stale documents (and their notes): its output is not
+    what its record says."""
+    tri.done.pop(i, None)
+    for ids in (tri.kept_changed, tri.unstamped, tri.stale, tri.pending, tri.left):
+        if i in ids:
+            ids.remove(i)

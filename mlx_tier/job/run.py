@@ -32,7 +32,7 @@ from mlx_tier.defaults import (
     DEFAULT_REPETITION_PENALTY,
 )
 from mlx_tier.errors import InputError, JobError
-from mlx_tier.fsio import DISK_FULL, read_nofollow, write_atomic
+from mlx_tier.fsio import DISK_FULL, write_atomic
 from mlx_tier.job import batch_api
 from mlx_tier.job.activity import (
     Activity,
@@ -63,9 +63,6 @@ from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
 from mlx_tier.job.process import keep_awake, lower_priority
 from mlx_tier.job.provenance import (
     Settings,
-    recorded_hash,
-    rewritten_since_done,
-    vouched,
     writing_record,
 )
 from mlx_tier.job.report import (
@@ -79,6 +76,7 @@ from mlx_tier.job.report import (
 from mlx_tier.job.rerun import (
     copy_reused,
     current_hashes,
+    doubt_unrecorded,
     locate_model,
     request_hashes,
     rerun_counts,
@@ -540,7 +538,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
                  config.retry_failed, current, settings, config.redo_changed)
     by_id = {d.id: d for d in docs}
     if batch is None:  # a rank decides as its launcher did: a doubted output is pending in both
-        _doubt_recovered(tri, view.entries(), job, by_id, [d.id for d in docs], config.retry_failed)
+        doubt_unrecorded(tri, view.entries(), job.output, by_id, [d.id for d in docs], config.retry_failed)
     if part:
         return journal, records, tri
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
@@ -558,55 +556,6 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     if batch is not None:
         _keep_errors(batch, [by_id[i] for i in tri.failed], tri.failed)
     return journal, records, tri
-
-
-def _doubt_recovered(tri: Triage, entries: Iterable[dict], job: JobDir, by_id: dict, order: list[str],
-                     retry_failed: bool = False) -> None:
-    """Check each output its records may not describe against the ``writing`` record its
-    run journalled (:func:`~mlx_tier.job.provenance.vouched`): those of ``tri.recovered``
-    (no ``done`` record) and done ones rewritten since their record
-    (:func:`~mlx_tier.job.provenance.rewritten_since_done`: a redo renamed into place, not
-    recorded). One the record vouches for is adopted with its ``made_from`` and settings
-    (``tri.recovered_from``); one made from another version of its source (``tri.stale``)
-    or, with no done record, one no run wrote, is redone (pending, in input order; with
-    ``retry_failed`` left for a plain rerun); without a writing record (an older
-    journal), or a done one still as recorded, it stays as it was."""
-    redo, entries = [], list(entries)  # read once, asked for each output
-    for i in [*tri.recovered, *sorted(rewritten_since_done(entries) & (set(tri.done) | set(tri.stale)))]:
-        try:
-            output = read_nofollow(job.output(i))
-        except OSError:
-            continue  # as it was; its record says what it is
-        stamp = by_id[i].stamp
-        said = vouched(entries, i, output, stamp.sha256 if stamp is not None else None)
-        if isinstance(said, dict):
-            if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]):
-                continue  # the output its done record describes (the redo never renamed)
-            _undone(tri, i)
-            if i not in tri.recovered:
-                tri.recovered.append(i)
-            tri.recovered_from[i] = said
-        elif i in tri.stale:
-            continue  # redone as it is
-        elif said == "stale" or (said == "unwritten" and i not in tri.done):
-            redo.append(i)
-            _undone(tri, i)
-            if said == "stale":
-                tri.stale.append(i)
-    if redo:
-        tri.recovered[:] = [i for i in tri.recovered if i not in redo]
-        into = tri.left if retry_failed else tri.pending
-        waiting = set(into) | set(redo)
-        into[:] = [i for i in order if i in waiting]
-
-
-def _undone(tri: Triage, i: str) -> None:
-    """Take ``i`` out of the done and stale documents (and their notes): its output is not
-    what its record says."""
-    tri.done.pop(i, None)
-    for ids in (tri.kept_changed, tri.unstamped, tri.stale, tri.pending, tri.left):
-        if i in ids:
-            ids.remove(i)
 
 
 def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:
