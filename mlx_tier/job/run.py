@@ -283,7 +283,7 @@ def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded,
     spent = throttle.throttled_seconds + throttle.paused_seconds + throttle.capped_seconds
     if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
         res.model, res.prompt, res.kv_bits = p.settings.fields()["model"], p.settings.prompt, p.settings.kv_bits
-        res.generation = p.settings.generation
+        res.generation = p.settings.generation if p.batch is None else None  # a request's body decides its own
     record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
     record["throttled_seconds"] = round(spent - throttled_before, 3)  # per record: `mlx-tier status` adds them up
     record["sample"] = progress_sample(loaded.cache, rate, generated)
