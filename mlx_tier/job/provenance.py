@@ -180,6 +180,8 @@ def recorded_hash(rec: dict) -> str | None:
     return sha if isinstance(sha, str) else None
 
 
+# The fields of a record that name what wrote it (:meth:`Settings.fields`).
+SETTINGS_FIELDS = ("model", "prompt", "kv_bits", "generation")
 # The generation options a summary's record keeps (``generation``), in this order.
 GENERATION_KEYS = ("max_tokens", "repetition_penalty", "context")
 

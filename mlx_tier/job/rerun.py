@@ -22,6 +22,7 @@ from mlx_tier.errors import CheckpointError
 from mlx_tier.fsio import read_nofollow, write_atomic
 from mlx_tier.job.provenance import (
     GENERATION_KEYS,
+    SETTINGS_FIELDS,
     Settings,
     generation_fields,
     prompt_hash,
@@ -35,8 +36,8 @@ from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import BATCH_OUTPUT
 
 # What a reused summary's record takes from the record of the summary it copies.
-_REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter", "model",
-                 "prompt", "kv_bits", "generation")
+_REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter",
+                 *SETTINGS_FIELDS)
 
 
 def current_hashes(docs, records: Mapping[str, dict]) -> dict[str, str | None]:
@@ -228,14 +229,11 @@ def _left_out(tri: Triage, records: Mapping[str, dict], ids: list[str], batch: b
 def _stale_note(n: int, retry_failed: bool, batch: bool) -> str:
     """What the run does with ``n`` stale summaries, or (``batch``) answers of changed requests."""
     one = n == 1
-    if batch:
-        return (f"{_some(n, 'request')} changed since answered (stale): "
-                + (f"left for a plain rerun, which redoes {'it' if one else 'them'}" if retry_failed else
-                   f"redoing {'it; its' if one else 'them; each'} old answer stays in {BATCH_OUTPUT} until the "
-                   "new one is complete"))
-    return (f"{_some(n, 'document')} changed since summarised (stale): "
+    noun, done, old = ("request", "answered", f"answer stays in {BATCH_OUTPUT}") if batch else \
+        ("document", "summarised", "summary stays")
+    return (f"{_some(n, noun)} changed since {done} (stale): "
             + (f"left for a plain rerun, which redoes {'it' if one else 'them'}" if retry_failed else
-               f"redoing {'it; its' if one else 'them; each'} old summary stays until the new one is complete"))
+               f"redoing {'it; its' if one else 'them; each'} old {old} until the new one is complete"))
 
 
 def _what(ids: list[str], records: Mapping[str, dict], settings: Settings) -> str:

@@ -61,10 +61,7 @@ from mlx_tier.job.model_setup import (
 )
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
 from mlx_tier.job.process import keep_awake, lower_priority
-from mlx_tier.job.provenance import (
-    Settings,
-    writing_record,
-)
+from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, writing_record
 from mlx_tier.job.report import (
     DocResult,
     JobReport,
@@ -545,7 +542,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
         vouch = tri.recovered_from.get(i) or {}
         made = vouch.get("made_from") or (by_id[i].stamp.as_dict() if by_id[i].stamp is not None else None)
         made = {"made_from": made} if made is not None else {}
-        made |= {k: vouch[k] for k in ("model", "prompt", "kv_bits", "generation") if k in vouch}
+        made |= {k: vouch[k] for k in SETTINGS_FIELDS if k in vouch}
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
                         "name": by_id[i].name, **made})
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again

@@ -16,11 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_tier.job.provenance import Settings, recorded_hash
+from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, recorded_hash
 
 # What a done / failed record of an earlier run keeps in this run's results.
 DONE_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter", "made_from",
-              "model", "prompt", "kv_bits", "generation", "reused")
+              *SETTINGS_FIELDS, "reused")
 FAILED_KEEPS = ("input_tokens", "doc_seconds", "converter", "error_code", "error_param")
 
 
@@ -64,8 +64,9 @@ class Triage:
             copied by the runner, not generated again.
         failed_changed: ids that failed on another version of their source (pending:
             a failure stands for the content it failed on only).
-        recovered_from: ``id -> made_from`` of recovered outputs, from the ``writing``
-            record of the run that wrote them (filled by the runner, which reads them).
+        recovered_from: ``id -> writing record`` of recovered outputs: the record the run
+            that wrote them journalled before the rename, its ``made_from`` and settings
+            (filled by :func:`~mlx_tier.job.rerun.doubt_unrecorded`, which reads them).
     """
 
     done: dict[str, dict] = field(default_factory=dict)
@@ -136,11 +137,10 @@ def _sort_done(t: Triage, i: str, rec: dict, now: str | None, settings: Settings
                retry_failed: bool) -> None:
     """File the done document ``i`` (record ``rec``, source hash ``now``) in ``t``: kept, or
     redone because its source changed or (``redo_changed``) its model or prompt did."""
-    was = recorded_hash(rec)
     other = settings is not None and settings.differs(rec)
-    if was is None:
+    if recorded_hash(rec) is None:
         t.unstamped.append(i)
-    if was is not None and now is not None and now != was:
+    if _changed(rec, now):
         t.stale.append(i)
     elif other and redo_changed:
         t.changed.append(i)
