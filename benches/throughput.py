@@ -30,7 +30,11 @@ How:
   (decode steps borrow the prompt step's idle workspace only, not the KV room no
   sequence holds: ``footprint.LEND_KV_ROOM`` off); ``throughput-b1``,
   ``throughput-b2`` (the throughput schedule with its decode pool fixed at 1 or 2,
-  as ``run --batch-size N`` fixes it, the expert cache chosen for it). All use the CPU
+  as ``run --batch-size N`` fixes it, the expert cache chosen for it);
+  ``throughput-keep``, ``throughput-drop`` (the throughput schedule with its
+  expert reads through the page cache, keeping or dropping the pages read,
+  where the job reads around it: ``TierConfig.page_cache``,
+  :mod:`mlx_tier.policy.reads`). All use the CPU
   expert kernel, greedy with the job's repetition penalty, the job's instruction and the same documents.
 - Documents: ``--docs`` pieces of the example documents (examples/docs, cycled)
   of ``--min-tokens`` to ``--max-tokens`` tokens (evenly spread, in a shuffled
@@ -81,7 +85,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 SCHEDULES = ("paced", "throughput", "batch1", "throughput-mlx-attn", "throughput-no-ahead", "throughput-kv8",
              "throughput-one-token", "throughput-prefetch", "throughput-separate", "throughput-no-lend",
-             "throughput-workspace-lend", "throughput-b1", "throughput-b2")
+             "throughput-workspace-lend", "throughput-b1", "throughput-b2", "throughput-keep", "throughput-drop")
 
 
 # ------------------------------------------------------------------- documents
@@ -158,6 +162,7 @@ def worker(spec: dict) -> dict:
                                                1 if sched == "batch1" else _pool_given(sched))
             budget = pool_cache.with_cache(budget, found[0]) if found else budget
         tier = replace(tier, cache_gb=budget.cache / 2**30)
+    tier = replace(tier, page_cache=_page_cache(sched, model_dir, budget))
     t0 = time.perf_counter()
     model, tokenizer = mlx_tier.load(model_dir, config=tier)
     load_s = time.perf_counter() - t0
@@ -216,6 +221,7 @@ def worker(spec: dict) -> dict:
         # the expert bytes the misses read, against what the process fetched from storage (page cache aside)
         "expert_bytes_read": st.bytes_read, "misses": st.misses,
         "storage_read_bytes": storage1 - storage0 if storage0 is not None and storage1 is not None else None,
+        "page_cache": model.expert_cache.store.page_cache,
         "slots_per_layer": model.expert_cache.slots_per_layer, "cache_gib": model.expert_cache.budget_bytes / 2**30,
         "decode_slots": s.info.get("decode_slots"), "cache_lent_at_end": model.expert_cache.lent,
         "batch_size": s.batch_size, "pool_tokens": s.pool_tokens if sched != "paced" else None,
@@ -229,6 +235,20 @@ def worker(spec: dict) -> dict:
         "summaries": {o.id: o.summary for o in outs}, "peak_rss": peak_rss(), "load_start": load0, "load_end": os.getloadavg()[0],
         "steps_log": steps_log,
     }
+
+
+def _page_cache(sched: str, model_dir: Path, budget) -> str:
+    """What a schedule's expert reads do to the page cache (``TierConfig.page_cache``): as
+    the job chooses (:func:`mlx_tier.job.model_setup.read_mode`), but ``throughput-keep``
+    keeps the pages and ``throughput-drop`` drops those it read."""
+    from mlx_tier.job.model_setup import read_mode
+
+    if sched in ("throughput-keep", "throughput-drop"):
+        return sched.removeprefix("throughput-")
+    if budget is None:
+        return "keep"
+    return read_mode(model_dir, budget, "paced" if sched == "paced" else "throughput",
+                     lambda line: print(line, file=sys.stderr))
 
 
 def _pool_given(sched: str) -> int | None:

@@ -212,6 +212,8 @@ class Needs:
         runtime: the process without its model (:data:`RUNTIME_BYTES`).
         expert: one expert's resident bytes (the largest layer's); 0: unknown (the
             CPU kernel's wide rounds then not counted: :func:`read_ahead_bytes`).
+        experts_on_disk: every expert of every layer as stored (what the page cache
+            would have to keep); 0: unknown.
     """
 
     dense: int
@@ -221,6 +223,7 @@ class Needs:
     kernel: str
     runtime: int = RUNTIME_BYTES
     expert: int = 0
+    experts_on_disk: int = 0
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,8 @@ class MemoryBudget:
         shape, kernel: what the workspace follows (:meth:`prompt_step`).
         slot_row: one expert slot in every MoE layer (the cache's unit), 0 when unknown.
         expert: one expert's resident bytes (:attr:`Needs.expert`), 0 when unknown.
+        experts_on_disk: every expert of every layer as stored (:attr:`Needs.experts_on_disk`),
+            0 when unknown.
     """
 
     total: int
@@ -255,6 +260,7 @@ class MemoryBudget:
     kernel: str = "mlx"
     slot_row: int = 0
     expert: int = 0
+    experts_on_disk: int = 0
 
     def prompt_step(self, done: int) -> int:
         """Most tokens the next step of a prompt may read, ``done`` tokens into it: at most
@@ -377,7 +383,8 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     ahead = read_ahead_bytes(cache, s, needs.kernel, needs.expert)
     kv = room - cache - ahead
     budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace + ahead, fixed_parts[2],
-                          fixed_parts[3], step, given, s, needs.kernel, needs.slot_row, needs.expert)
+                          fixed_parts[3], step, given, s, needs.kernel, needs.slot_row, needs.expert,
+                          needs.experts_on_disk)
     if cache < needs.slot_row:
         raise BudgetError(f"`cache_gb` {cache / GIB:.3g} GiB is too small: one expert slot per MoE layer needs "
                           f"{needs.slot_row / GIB:.3g} GiB", "cache_gb")  # .3g: 0.0001 GiB is not "0.000"

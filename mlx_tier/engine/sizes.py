@@ -86,7 +86,8 @@ def needs_of(ckpt: Checkpoint, kernel: str, itemsize: int | None, kv_itemsize: f
     shape = ModelShape.of_config(ckpt.config, expert_inner(weights, hidden), top_k_of(ckpt.config, str(ckpt.path)),
                                  num_experts, kv_itemsize)
     return Needs(dense=dense, slot_row=slot * len(experts), all_experts=sum(slot * n for _, n, _ in experts),
-                 shape=shape, kernel=kernel, expert=slot)
+                 shape=shape, kernel=kernel, expert=slot,
+                 experts_on_disk=sum(t.info.nbytes for _, _, ts in experts for t in ts.values()))
 
 
 def process_rss() -> int:

@@ -103,6 +103,28 @@ def _pread_exact(fd: int, out: memoryview, off: int, path: Path) -> None:
         done += n
 
 
+def direct_reads_work(paths: list[Path]) -> bool:
+    """Whether every file in ``paths`` can be read with ``O_DIRECT`` (one aligned block
+    each): some filesystems (tmpfs, some network and FUSE mounts) refuse it. False
+    where the platform has no ``O_DIRECT`` (macOS)."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return False
+    buf = mmap.mmap(-1, DIRECT_ALIGN)  # anonymous: page-aligned
+    try:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | flag)
+            try:
+                os.preadv(fd, [buf], 0)
+            finally:
+                os.close(fd)
+    except OSError:
+        return False
+    finally:
+        buf.close()
+    return True
+
+
 class ExpertStore:
     """Reads experts' byte ranges from a checkpoint's shards.
 

@@ -85,6 +85,7 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
         budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())
     if budget is not None:
         reporter.message(f"memory: {budget.describe()}")
+        tier = replace(tier, page_cache=read_mode(model_dir, budget, config.generation.schedule, reporter.message))
         if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
             cache_gb = budget.cache / GIB  # the split's share (load's own cache_gb overrides the config's None)
     reporter.message(f"loading {model_dir}")
@@ -96,6 +97,27 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
     check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
     return loaded
 
+
+
+def read_mode(model_dir: Path, budget: MemoryBudget, schedule: str, say: Callable[[str], None]) -> str:
+    """How this run reads its experts (``TierConfig.page_cache``): around the page cache
+    when its experts exceed all the process may hold and the schedule is the throughput
+    one (:mod:`mlx_tier.policy.reads`), said in one line, unless the checkpoint's
+    filesystem refuses direct reads; else through it."""
+    from mlx_tier.engine.checkpoint import index_checkpoint
+    from mlx_tier.engine.limits import probe_limit
+    from mlx_tier.engine.store import direct_reads_work
+    from mlx_tier.policy.reads import DIRECT, KEEP, page_cache_for
+
+    total = probe_limit().total
+    if page_cache_for(schedule, budget.experts_on_disk, total) != DIRECT:
+        return KEEP
+    why = f"its experts' {budget.experts_on_disk / GIB:.2f} GiB exceed the {total / GIB:.2f} GiB this process may hold"
+    if not direct_reads_work(sorted({info.file for info in index_checkpoint(model_dir).values()})):
+        say(f"reads: through the page cache, though {why}: the model's filesystem refuses O_DIRECT")
+        return KEEP
+    say(f"reads: around the page cache (O_DIRECT): {why}")
+    return DIRECT
 
 
 def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, reporter: Reporter, chars: int,
@@ -167,6 +189,7 @@ def setup_record(loaded: Loaded, config: JobConfig) -> dict:
         "policy": config.tier.policy.name,
         "prefetch": config.tier.prefetch,
         "read_ahead": config.tier.read_ahead,
+        "page_cache": cache.store.page_cache,  # "direct": experts read around the page cache (read_mode)
         "kv_bits": g.kv_bits,  # None: KV caches unquantized (mlx_tier.job.quantized_kv)
         "kernel": getattr(cache, "kernel", config.tier.kernel),  # as chosen for this model (mlx_tier.kernels.registry.choose)
         "dtype": getattr(cache, "dtype_name", None),  # the cast made at load (mlx_tier.engine.dtypes)

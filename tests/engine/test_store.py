@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 from mlx_tier import TierConfig
 from mlx_tier.engine import store as store_mod
 from mlx_tier.engine.checkpoint import index_checkpoint
-from mlx_tier.engine.store import ExpertStore
+from mlx_tier.engine.store import ExpertStore, direct_reads_work
 from mlx_tier.errors import CheckpointError
 
 # Every valid (read_method, page_cache) pair; mmap with direct is refused.
@@ -142,6 +142,49 @@ def test_o_direct_refused_by_the_filesystem_is_a_clear_error(shards, monkeypatch
     with pytest.raises(CheckpointError, match=r"refuses direct I/O \(O_DIRECT\); use page_cache='keep' or 'drop'"):
         store.read_experts(["l0.w"], [0])
     store.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's (macOS has F_NOCACHE)")
+def test_direct_reads_work_asks_every_file_with_o_direct(shards, monkeypatch):
+    path, _ = shards
+    files = sorted(path.glob("*.safetensors"))
+    real_open, opened = os.open, []
+
+    def taken(file, flags, *args):  # a filesystem that accepts O_DIRECT (tmp_path's may not)
+        opened.append((file, bool(flags & os.O_DIRECT)))
+        return real_open(file, flags & ~os.O_DIRECT, *args)
+
+    monkeypatch.setattr(store_mod.os, "open", taken)
+    assert direct_reads_work(files) and opened == [(f, True) for f in files]
+
+    def second_refused(file, flags, *args):
+        if flags & os.O_DIRECT and file == files[1]:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(file, flags & ~os.O_DIRECT, *args)
+
+    monkeypatch.setattr(store_mod.os, "open", second_refused)
+    assert not direct_reads_work(files)
+    assert direct_reads_work(files[:1])
+
+
+def test_direct_reads_work_agrees_with_a_direct_store(shards):
+    """Whatever this machine's tmp filesystem does, the probe says what a direct store
+    then meets: exact reads, or the refusal at its first read."""
+    path, tensors = shards
+    store = ExpertStore(path, page_cache="direct")
+    try:
+        if direct_reads_work(sorted(path.glob("*.safetensors"))):
+            assert np.array_equal(store.read_experts(["l2.w"], [4])["l2.w"][0], tensors["l2.w"][4])
+        else:
+            with pytest.raises(CheckpointError, match="refuses direct I/O"):
+                store.read_experts(["l2.w"], [4])
+    finally:
+        store.close()
+
+
+def test_no_o_direct_no_direct_reads(shards, monkeypatch):
+    monkeypatch.delattr(store_mod.os, "O_DIRECT", raising=False)  # as on macOS
+    assert not direct_reads_work(sorted(shards[0].glob("*.safetensors")))
 
 
 def test_reads_into_caller_buffers_and_refuses_a_wrong_one(shards):

@@ -211,3 +211,30 @@ def test_the_room_for_sequences_leaves_out_the_slots_lent_from_the_workspace(mon
     assert batch_engine.sequence_room(b) == footprint.room_now(b, int(1.5 * GIB), GIB // 2) == GIB // 4
     assert batch_engine.sequence_room(b, lent) == footprint.room_now(b, int(1.5 * GIB) - lent, GIB // 2 + lent)
     assert batch_engine.sequence_room(b, lent) == GIB // 4 + lent
+
+
+def test_a_throughput_run_of_a_model_larger_than_memory_reads_around_the_page_cache(one_gib_cgroup, docs, tmp_path,
+                                                                                     tiny_moe, monkeypatch):
+    """Its experts exceed all the process may hold: the page cache cannot keep them, so the
+    reads go around it (O_DIRECT, said in one line and kept in report.json) where the
+    filesystem allows, with the same summaries; the paced schedule keeps the cache."""
+    from mlx_tier.engine.store import direct_reads_work
+
+    code, output = run(docs, "--out", tmp_path / "kept", "--model", tiny_moe, "--max-tokens", "4")
+    assert code == 0 and "reads:" not in output, output  # the tiny model fits in 1 GiB
+    assert json.loads((tmp_path / "kept" / "report.json").read_text())["page_cache"] == "keep"
+    small = replace(one_gib_cgroup, total=2**10)  # for the read mode only (the tiny experts: ~0.2 MB)
+    monkeypatch.setattr(limits, "probe_limit", lambda proc=None: small)
+    code, output = run(docs, "--out", tmp_path / "direct", "--model", tiny_moe, "--max-tokens", "4")
+    assert code == 0, output
+    text = " ".join(output.split())
+    works = direct_reads_work(sorted(tiny_moe.glob("*.safetensors")))  # tmp filesystems may refuse it
+    said = ("reads: around the page cache (O_DIRECT): its experts'" if works else
+            "reads: through the page cache, though its experts'")
+    assert said in text and "GiB this process may hold" in text
+    report = json.loads((tmp_path / "direct" / "report.json").read_text())
+    assert report["page_cache"] == ("direct" if works else "keep") and report["totals"]["done"] == 1
+    assert (tmp_path / "direct" / "one.md").read_text() == (tmp_path / "kept" / "one.md").read_text()
+    code, output = run(docs, "--out", tmp_path / "paced", "--model", tiny_moe, "--max-tokens", "4",
+                       "--schedule", "paced")
+    assert code == 0 and "reads:" not in output

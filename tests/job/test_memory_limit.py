@@ -72,6 +72,11 @@ def test_a_model_twice_the_limit_runs_inside_it_with_default_settings(synthetic,
     assert f"({group.limit_file})" in run.stderr  # the run header names the limit it lives under
     report = json.loads((out / "report.json").read_text())
     assert report["totals"]["done"] == 2
+    from mlx_tier.engine.store import direct_reads_work
+
+    direct = direct_reads_work(sorted(synthetic.glob("*.safetensors")))  # the experts exceed the limit
+    assert report["page_cache"] == ("direct" if direct else "keep")
+    assert ("reads: around the page cache (O_DIRECT)" in run.stderr) == direct
     budget = report["memory_budget"]
     assert budget["source"] == group.limit_file and budget["total"] <= LIMIT
     assert budget["peak_rss"] <= LIMIT - budget["margin"] // 2, budget  # inside the limit, with most of the margin
