@@ -122,7 +122,7 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
     traded = job.get("cache_for_pools")
     return [
         (f"job: documents of {job['prompt_tokens']} tokens, {job['output_tokens']}-token summaries", ""),
-        *([("  expert cache for pools", f"{traded['slots']} slots per layer, not the split's "
+        *([("  expert cache for pools", f"{traded['slots']} slot{'' if traded['slots'] == 1 else 's'} per layer, not the split's "
                                          f"{traded['split_slots']}: the KV caches take the rest")]
           if traded else []),
         ("  prompt pool (throughput schedule)", f"{job['prefill_tokens']} tokens a step, {job['prefill_batch']} "

@@ -142,7 +142,7 @@ def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, r
         return budget
     slots, plan, own = found
     new = with_cache(budget, slots)
-    reporter.message(f"memory: expert cache {new.cache / GIB:.2f} GiB ({slots} slots per layer) instead of "
+    reporter.message(f"memory: expert cache {new.cache / GIB:.2f} GiB ({slots} slot{'' if slots == 1 else 's'} per layer) instead of "
                      f"{budget.cache / GIB:.2f}, for room to pool documents: predicted "
                      f"{plan.docs_per_hour:.0f} documents/hour against {own.docs_per_hour:.0f}")
     return new

@@ -155,7 +155,7 @@ def test_a_throughput_run_under_a_cap_gives_slots_to_its_pools(one_gib_cgroup, d
     code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4")
     assert code == 0, output
     text = " ".join(output.split())
-    assert "(1 slots per layer) instead of" in text and "predicted 120 documents/hour against 100" in text
+    assert "(1 slot per layer) instead of" in text and "predicted 120 documents/hour against 100" in text
     assert asked and asked[0][1:] == (4, 1, False)  # the summary length, the pending documents, no cache given
     report = json.loads((out / "report.json").read_text())
     assert report["slots_per_layer"] == 1
@@ -163,9 +163,9 @@ def test_a_throughput_run_under_a_cap_gives_slots_to_its_pools(one_gib_cgroup, d
     assert sum(b[k] for k in ("runtime", "dense_part", "experts", "KV", "workspace", "MLX_buffers", "margin")) == GIB
     asked.clear()
     code, output = run(docs, "--out", tmp_path / "p", "--model", tiny_moe, "--max-tokens", "4", "--schedule", "paced")
-    assert code == 0 and not asked and "slots per layer) instead of" not in output
+    assert code == 0 and not asked and "per layer) instead of" not in output
     code, output = run(docs, "--out", tmp_path / "q", "--model", tiny_moe, "--max-tokens", "4", "--cache-gb", "0.001")
-    assert code == 0 and asked[-1][3] and "slots per layer) instead of" not in output  # the user's cache kept
+    assert code == 0 and asked[-1][3] and "per layer) instead of" not in output  # the user's cache kept
 
 
 def test_plan_shows_the_cache_a_throughput_run_would_load(one_gib_cgroup, tiny_moe, monkeypatch):
@@ -186,6 +186,7 @@ def test_plan_shows_the_cache_a_throughput_run_would_load(one_gib_cgroup, tiny_m
     assert p["job"]["decode_slots"] == p["experts_per_layer"] - p["slots_per_layer"] > 0
     r = runner.invoke(app, args)
     assert "expert cache for pools" in r.output and "expert slots lent to decode steps" in r.output
+    assert "1 slot per layer, not the split's" in " ".join(r.output.split())
     monkeypatch.setattr(footprint, "LEND_SLOTS", False)  # lending off: none shown, none priced
     r = runner.invoke(app, [*args, "--json"])
     assert json.loads(r.stdout)["job"]["decode_slots"] == 0
