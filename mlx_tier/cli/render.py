@@ -16,6 +16,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from mlx_tier.outdir.journal import options_apart
+
 err = Console(stderr=True)
 out = Console()
 
@@ -286,8 +288,10 @@ def redone_text(stale: int, changed: int, what: str = "document") -> str:
 
 def mix_lines(written: list[dict], prompts: dict[str, str], width: int = 40) -> list[str]:
     """One line per model and prompt the job's summaries were written with (report.json
-    ``written_by``), e.g. ``"3 by demo [3f2a…], prompt 9c1d…: Summarise the…"``; an older
-    version's summaries, which record neither, as ``"2 by an earlier version (not recorded)"``."""
+    ``written_by``), e.g. ``"3 by demo [3f2a…], prompt 9c1d…: Summarise the…"``, with the
+    options that differ among the lines (``"…, prompt 9c1d…, max_tokens 64: …"``,
+    :func:`mlx_tier.outdir.journal.options_apart`); an older version's summaries, which
+    record neither, as ``"2 by an earlier version (not recorded)"``."""
     lines = []
     for w in written:
         if w.get("model") is None and w.get("prompt") is None:
@@ -297,7 +301,9 @@ def mix_lines(written: list[dict], prompts: dict[str, str], width: int = 40) -> 
         text = prompts.get(w.get("prompt") or "", "")
         said = f": {_clip(' '.join(text.split()), width)}" if text else ""
         prompt = (w.get("prompt") or "?")[:8]
-        lines.append(f"{w['documents']} by {w.get('model') or '?'}{weights}, prompt {prompt}{said}")
+        apart = options_apart(written, w.get("options"))
+        apart = f", {apart}" if apart else ""
+        lines.append(f"{w['documents']} by {w.get('model') or '?'}{weights}, prompt {prompt}{apart}{said}")
     return lines
 
 

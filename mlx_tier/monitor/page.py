@@ -22,6 +22,7 @@ from pathlib import Path
 
 from mlx_tier.fsio import write_atomic
 from mlx_tier.monitor.view import build_view
+from mlx_tier.outdir.journal import options_apart
 from mlx_tier.outdir.layout import REPORT_HTML
 from mlx_tier.rates import DEFINITION
 
@@ -266,7 +267,8 @@ def failures_section(view: dict) -> str:
 def documents_section(view: dict) -> str:
     """Each document beside its summary (``<details>``, open to read in place); which model
     and prompt wrote it when the job's summaries are a mix."""
-    items, mixed = [], len(view.get("written_by") or []) > 1
+    written = view.get("written_by") or []
+    items, mixed = [], len(written) > 1
     for i, d in enumerate(view["documents"]):
         facts = [_MARK[d["status"]]]
         if d["output_tokens"] is not None:
@@ -276,7 +278,7 @@ def documents_section(view: dict) -> str:
         if d["finish_reason"] == "length":
             facts.append("cut at --max-tokens")
         if mixed and d["status"] == "done":
-            facts.append(_writer(d))
+            facts.append(_writer(d, written))
         if d["redo"] == "stale" and d["status"] == "done":
             facts.append("redone: its document changed")
         body = (f'<pre class="summary">{_e(d["summary"])}</pre>' if d["summary"] is not None
@@ -286,12 +288,15 @@ def documents_section(view: dict) -> str:
     return f'<section id="documents"><h2>Documents and summaries</h2>{"".join(items)}</section>'
 
 
-def _writer(d: dict) -> str:
-    """``"by demo [3f2a9c1d], prompt 9c1d20aa"``: what wrote a document's summary."""
+def _writer(d: dict, written: list[dict]) -> str:
+    """``"by demo [3f2a9c1d], prompt 9c1d20aa"``: what wrote a document's summary (a
+    ``written_by`` group's or a document's), with the options that differ among the
+    job's groups ``written`` (:func:`mlx_tier.outdir.journal.options_apart`)."""
     if d.get("model") is None and d.get("prompt") is None:
         return "by an earlier version (not recorded)"
     weights = f" [{d['weights'][:8]}]" if d.get("weights") else ""
-    return f"by {d.get('model') or '?'}{weights}, prompt {(d.get('prompt') or '?')[:8]}"
+    apart = options_apart(written, d.get("options"))
+    return f"by {d.get('model') or '?'}{weights}, prompt {(d.get('prompt') or '?')[:8]}{', ' + apart if apart else ''}"
 
 
 def written_section(view: dict) -> str:
@@ -301,9 +306,9 @@ def written_section(view: dict) -> str:
         return ""
     prompts = view.get("prompts") or {}
     rows = "".join(
-        f'<tr><td>{w["documents"]}</td><td class="name">{_e(_writer(w))}</td>'
+        f'<tr><td>{w["documents"]}</td><td class="name">{_e(_writer(w, written))}</td>'
         f'<td class="name">{_e(prompts.get(w.get("prompt") or "", ""))}</td></tr>' for w in written)
-    return ('<section id="written-by"><h2>Written by more than one model or prompt</h2><p class="note">'
+    return ('<section id="written-by"><h2>Written with more than one model, prompt or option</h2><p class="note">'
             'Summaries kept from earlier runs with other settings; <code>--redo-changed</code> rewrites them '
             'with this run\'s.</p><div class="scroll"><table><tr><th>documents</th><th class="name">model, '
             f'prompt</th><th class="name">instruction</th></tr>{rows}</table></div></section>')

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mlx_tier.fsio import read_nofollow
 from mlx_tier.monitor.status import describe_state, read_status
-from mlx_tier.outdir.journal import Journal, written_with
+from mlx_tier.outdir.journal import Journal, written_options, written_with
 from mlx_tier.outdir.layout import REPORT
 
 SUMMARY_CHARS = 20_000  # longest summary text shown in place (a summary is a few sentences)
@@ -170,7 +170,8 @@ def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: di
 def _written(rec: dict, status: str) -> dict:
     """What wrote a ``done`` record's summary (:func:`mlx_tier.outdir.journal.written_with`)."""
     model, weights, prompt = written_with(rec) if status == "done" else (None, None, None)
-    return {"model": model, "weights": weights, "prompt": prompt, "redo": rec.get("redo"),
+    options = written_options(rec) if status == "done" else {}
+    return {"model": model, "weights": weights, "prompt": prompt, "options": options, "redo": rec.get("redo"),
             "reused": rec.get("reused")}
 
 

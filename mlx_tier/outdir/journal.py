@@ -230,13 +230,41 @@ def written_with(rec: dict) -> tuple[str | None, str | None, str | None]:
             rec.get("prompt") if isinstance(rec.get("prompt"), str) else None)
 
 
+def written_options(rec: dict) -> dict:
+    """The other settings a ``done`` record says its summary was made with, for people:
+    the generation options (``max_tokens``, ``repetition_penalty``, ``context``),
+    ``kv_bits`` and the model's ``config`` fingerprint (its first 8 characters), each
+    only where recorded."""
+    generation = rec.get("generation") if isinstance(rec.get("generation"), dict) else {}
+    model = rec.get("model") if isinstance(rec.get("model"), dict) else {}
+    out = {k: v for k, v in generation.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    if isinstance(rec.get("kv_bits"), int):
+        out["kv_bits"] = rec["kv_bits"]
+    if isinstance(model.get("config"), str):
+        out["config"] = model["config"][:8]
+    return out
+
+
 def written_by(records: Iterable[dict]) -> list[dict]:
     """The settings the given ``done`` records were written with, counted:
-    ``[{"model", "weights", "prompt", "documents"}]``, most documents first
-    (``None`` values: not recorded, a summary of an older version)."""
-    counts = Counter(written_with(rec) for rec in records)
-    return [{"model": m, "weights": w, "prompt": p, "documents": n}
-            for (m, w, p), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
+    ``[{"model", "weights", "prompt", "options", "documents"}]``, most documents first
+    (``None`` values: not recorded, a summary of an older version; ``options``:
+    :func:`written_options`)."""
+    counts = Counter((*written_with(rec), tuple(sorted(written_options(rec).items()))) for rec in records)
+    return [{"model": m, "weights": w, "prompt": p, "options": dict(o), "documents": n}
+            for (m, w, p, o), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
+
+
+def options_apart(written: list[dict], options: dict | None) -> str:
+    """``options`` (:func:`written_options`) reduced to the keys whose values differ among the
+    groups of ``written`` (:func:`written_by`) that recorded options, as text:
+    ``"max_tokens 64"``; ``"options not recorded"`` for a summary that recorded none
+    beside groups that did; ``""`` when nothing tells it apart."""
+    recorded = [w["options"] for w in written if w.get("options")]
+    if not options:
+        return "options not recorded" if recorded else ""
+    keys = sorted({k for g in recorded for k in g if len({repr(h.get(k)) for h in recorded}) > 1})
+    return ", ".join(f"{k} {options[k]}" for k in keys if k in options)
 
 
 def prompt_texts(entries: Iterable[dict]) -> dict[str, str]:

@@ -252,6 +252,23 @@ def test_the_same_weights_elsewhere_are_the_same_model(s1, tmp_path, small_moe, 
     assert code == 0 and "keeping" not in output and "skipping 2 document(s)" in output, output
 
 
+def test_summaries_kept_with_another_max_tokens_show_as_a_mix_naming_it(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: two summaries kept from a `--max-tokens 4` run beside a new one written
+    at 6 were shown as one model and prompt (status, report and page said no mix) while
+    the run said "keeping 2 summaries written with another --max-tokens"."""
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "4")[0] == 0
+    (s1 / "c.txt").write_text("A new document: the river floods and the farmer plants seed.")
+    code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "6")
+    assert code == 0 and "keeping 2 summaries written with another --max-tokens" in output, output
+    groups = report(out)["written_by"]
+    assert [(g["documents"], g["options"]["max_tokens"]) for g in groups] == [(2, 4), (1, 6)]
+    words = " ".join(runner.invoke(app, ["status", str(out)]).output.split())
+    assert "written by" in words and ", max_tokens 4" in words and ", max_tokens 6" in words, words
+    page = (out / "report.html").read_text()
+    assert 'id="written-by"' in page and "max_tokens 4" in page and "max_tokens 6" in page
+
+
 def test_triage_of_earlier_summaries_from_plain_data():
     """The decision alone: stale (hash changed) is redone, or left done with retry_failed;
     another model or prompt is kept unless redo_changed; an unstamped record is current;

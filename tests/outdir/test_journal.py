@@ -163,3 +163,28 @@ def test_a_failed_append_leaves_whole_lines(tmp_path, monkeypatch):
         write_atomic(tmp_path / "report.json", "{}")
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["journal.jsonl"]  # no report, no temp file
+
+
+def test_written_by_groups_by_every_recorded_setting_and_shows_only_what_differs():
+    """Summaries kept with another --max-tokens (or KV bits, or model config) are a mix of
+    their own: status, report and page show them apart, naming only the options that
+    differ; a summary of a version that recorded no options says so."""
+    from mlx_tier.cli.render import mix_lines
+    from mlx_tier.outdir.journal import options_apart, written_by
+
+    model = {"name": "demo", "weights": "w" * 16, "config": "c" * 16}
+    gen = {"max_tokens": 4, "repetition_penalty": 1.1, "context": None}
+    rec = lambda **kw: {"event": "done", "model": model, "prompt": "p" * 16, "generation": gen, **kw}  # noqa: E731
+    records = [rec(), rec(), rec(generation={**gen, "max_tokens": 6})]
+    groups = written_by(records)
+    assert [(g["documents"], g["options"]["max_tokens"]) for g in groups] == [(2, 4), (1, 6)]
+    assert groups[0]["options"] == {"max_tokens": 4, "repetition_penalty": 1.1, "config": "cccccccc"}
+    assert [options_apart(groups, g["options"]) for g in groups] == ["max_tokens 4", "max_tokens 6"]
+    assert mix_lines(groups, {}) == ["2 by demo [wwwwwwww], prompt pppppppp, max_tokens 4",
+                                     "1 by demo [wwwwwwww], prompt pppppppp, max_tokens 6"]
+    # my own case: quantized KV caches and a config edited, beside a summary that recorded no options
+    old = {"event": "done", "model": {"name": "demo", "weights": "w" * 16}, "prompt": "p" * 16}
+    groups = written_by([rec(), rec(kv_bits=8, model={**model, "config": "d" * 16}), old])
+    texts = sorted(options_apart(groups, g["options"]) for g in groups)
+    assert texts == ["config cccccccc", "config dddddddd, kv_bits 8", "options not recorded"]
+    assert len(written_by([rec(), rec()])) == 1 and options_apart(written_by([rec()]), gen) == ""
