@@ -1,5 +1,11 @@
-"""Units of memory, defined once."""
+"""Units of memory, defined once; seconds as people read them."""
 
 KIB = 1024
 MIB = 1024**2
 GIB = 1024**3
+
+
+def seconds_text(seconds: float) -> str:
+    """``"0.4 s"`` under 10 s (a short run's figures then do not read "over 0 s"), else
+    ``"42 s"``."""
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"

@@ -21,6 +21,7 @@ from mlx_tier.cli.exits import (
     fail,
 )
 from mlx_tier.cli.render import err, out, print_summary, print_with_command
+from mlx_tier.units import seconds_text
 
 
 class _Lines:
@@ -43,7 +44,8 @@ def rank_lines(run: dict) -> list[str]:
     (:mod:`mlx_tier.rates`), how it ended."""
     return [f"rank {a['rank']} ({a.get('host') or '?'}): {a['done']} done, {a['failed']} failed"
             + (f" ({a['stolen']} taken from other ranks)" if a.get("stolen") else "")
-            + f", {a['output_tokens']} tokens in {a.get('generation_seconds', a['seconds']):.0f} s of generation = "
+            + f", {a['output_tokens']} tokens in "
+            f"{seconds_text(a.get('generation_seconds', a['seconds']))} of generation = "
             f"{a['output_tok_per_s']:.2f} tok/s; {a['ended']}"
             for a in run.get("ranks", [])]
 

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mlx_tier.outdir.journal import options_apart
+from mlx_tier.units import seconds_text
 
 err = Console(stderr=True)
 out = Console()
@@ -269,10 +270,10 @@ def summary_line(report, out_dir: Path) -> str:
     reread = _reread_text(read, experts, c.get("evictions", 0), (report.setup.get("distributed") or {}).get("ranks"))
     redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0),
                          "request" if report.setup.get("batch_requests") else "document")
-    loading = f" (loading {run['load_seconds']:.0f} s apart)" if run.get("load_seconds") is not None else ""
+    loading = f" (loading {seconds_text(run['load_seconds'])} apart)" if run.get("load_seconds") is not None else ""
     return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} documents/hour, "
             f"{run.get('output_tok_per_s', 0.0):.2f} output tok/s over "
-            f"{run.get('generation_seconds', run.get('seconds', 0.0)):.0f} s of generation{loading}"
+            f"{seconds_text(run.get('generation_seconds', run.get('seconds', 0.0)))} of generation{loading}"
             + (f", redone {redone}" if redone else "")
             + f", hit rate {c['hit_rate']:.1%}, read {read / 2**20:.0f} MiB{reread}, "
             f"throttled {run.get('throttled_seconds', 0.0):.0f} s" + where)

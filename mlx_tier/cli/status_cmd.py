@@ -24,6 +24,7 @@ from mlx_tier.cli.render import (
     print_with_command,
     redone_text,
 )
+from mlx_tier.units import seconds_text
 
 
 def status(
@@ -65,9 +66,9 @@ def _status_table(s, out_dir: Path) -> Table:
                            f"{s.pending if s.pending is not None else '?'} pending")
     if s.started is not None:
         left = f", {s.todo_left} left" if s.todo_left is not None else ""
-        loading = f"; loading {s.load_seconds:.0f} s apart" if s.load_seconds is not None else ""
+        loading = f"; loading {seconds_text(s.load_seconds)} apart" if s.load_seconds is not None else ""
         t.add_row("this run", f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
-                              f"{s.elapsed_seconds:.0f} s of generation{loading}{left}")
+                              f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
     t.add_row("speed", f"{s.documents_per_hour:.1f} documents/hour, {s.output_tok_per_s:.2f} output tok/s this "
                        f"run (over its generation time); {s.output_tokens} tokens in all")
     if s.redone_stale or s.redone_changed:

@@ -17,6 +17,7 @@ from mlx_tier.engine.footprint import MemoryBudget, kv_element_bytes
 from mlx_tier.job.report import DocResult, JobReport
 from mlx_tier.job.scheduler import Scheduler
 from mlx_tier.rates import RunSpeed
+from mlx_tier.units import seconds_text
 
 # Least seconds between two progress updates sent from inside a long prompt step.
 LAYER_PROGRESS_SECONDS = 2.0
@@ -169,7 +170,7 @@ def achieved(scheduler: Scheduler, run: RunSpeed, failed: int, reporter: Reporte
     if not run.documents:
         reporter.message(f"achieved 0 documents/hour: none summarised, {failed} failed ({predicted})")
         return
-    counted = f"{run.documents} summarised over {run.generation_seconds:.0f} s of generation" \
+    counted = f"{run.documents} summarised over {seconds_text(run.generation_seconds)} of generation" \
         + (f"; {failed} failed, not counted" if failed else "")
     reporter.message(f"achieved {run.documents_per_hour:.1f} documents/hour ({counted}; {predicted})")
 

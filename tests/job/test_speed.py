@@ -138,6 +138,11 @@ def test_the_achieved_rate_counts_only_summaries_over_the_generation_time():
     achieved(sched, run, 20, said)
     assert sched.info["achieved_docs_per_hour"] == run.documents_per_hour == 4179.971 and not said.messages
 
+    sched, said = scheduler_with(2000.0), Said()  # a short run: "over 0 s" read as no time at all
+    achieved(sched, RunSpeed(8, 1, 0.42), 0, said)
+    assert said.messages == ["achieved 8571.4 documents/hour (1 summarised over 0.4 s of generation; "
+                             "predicted 2000)"]
+
 
 def test_a_run_that_summarised_nothing_achieved_none():
     """Every document failed or refused: 0 documents/hour, said as such; no document recorded
