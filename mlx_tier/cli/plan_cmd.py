@@ -106,6 +106,8 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         ("a run's memory", _split_text(p)),
         ("cache budget mlx-tier would choose", f"{p.cache_budget / GIB:.2f} GiB = {p.slots_per_layer} of {p.experts_per_layer} slots per layer"),
         ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({p.disk_method})"),
+        ("expert reads (throughput schedule)", "around the page cache (O_DIRECT, where the filesystem takes it): "
+         "the experts exceed all this process may hold" if p.page_cache == "direct" else "through the page cache"),
         ("expert compute", _compute_text(p)),
         ("predicted decode", f"{_span(p.tok_s_low, p.tok_s_high, '.2f')} tok/s (hit rate "
                              f"{_span(p.hit_rate_low, p.hit_rate_high, '.0%')})"

@@ -37,6 +37,7 @@ from mlx_tier.engine.footprint import MemoryBudget, ModelShape, Needs, split
 from mlx_tier.engine.limits import probe_limit
 from mlx_tier.engine.sizes import expert_inner, may_use_now
 from mlx_tier.errors import BudgetError, CheckpointError
+from mlx_tier.policy.reads import page_cache_for
 from mlx_tier.tools.kernel_probe import measure_expert_reads, measure_kernel, predict
 from mlx_tier.units import GIB
 
@@ -89,6 +90,9 @@ class Plan:
     # document lengths it is for and the rates it used); None when not planned.
     job: dict | None = None
     kv_bits: int | None = None  # KV caches quantized to these bits (run --kv-bits); None: not
+    # How a run's throughput schedule reads experts (TierConfig.page_cache, mlx_tier.policy.reads):
+    # "direct" (around the page cache, where the filesystem takes O_DIRECT) or "keep".
+    page_cache: str = "keep"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -368,6 +372,7 @@ def make_plan(
     return Plan(
         job=job,
         kv_bits=kv_bits,
+        page_cache=page_cache_for("throughput", sizes["layer_bytes_disk"] * L, probe_limit().total),
         model=str(model_dir),
         source=source.kind,
         model_type=config.get("model_type", "?"),

@@ -104,6 +104,18 @@ def test_plan_reports_the_limit_and_the_runs_split(one_gib_cgroup, tiny_moe):
     assert p["slots_per_layer"] == 0 and p["memory_source"] == "memory_gb"
 
 
+def test_plan_says_how_a_run_would_read_its_experts(one_gib_cgroup, tiny_moe, monkeypatch):
+    """Through the page cache where it can hold the experts; around it (O_DIRECT) where they
+    exceed all the process may hold, as `run` decides (mlx_tier.policy.reads)."""
+    args = ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1"]
+    assert json.loads(runner.invoke(app, [*args, "--json"]).stdout)["page_cache"] == "keep"
+    assert "through the page cache" in " ".join(runner.invoke(app, args).output.split())
+    monkeypatch.setattr(plan, "probe_limit", lambda proc=None: replace(one_gib_cgroup, total=2**10))
+    assert json.loads(runner.invoke(app, [*args, "--json"]).stdout)["page_cache"] == "direct"
+    words = " ".join(runner.invoke(app, args).output.split())
+    assert "around the" in words and "O_DIRECT" in words and "through the page cache" not in words, words
+
+
 def test_the_prompt_step_shrinks_when_memory_is_short(docs, tmp_path, tiny_moe, monkeypatch):
     """A total whose split leaves the prompt step less than --prefill-step: the run reads its
     prompt in steps of that size and finishes."""
