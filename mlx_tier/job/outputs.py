@@ -30,8 +30,9 @@ class JsonlSummaries:
     ``"id"`` from JSONL; ``"id"`` and ``"source"`` for files), ``"summary"``
     (the text of ``OUT_DIR/<id>.md``, which stays the durable unit the journal
     recovers from), ``"output"`` and the token counts when known. Lines are
-    appended and fsync'ed; an id already present is never written again, and
-    a torn last line (crash mid-append) is cut off when the file is opened.
+    appended and fsync'ed; an id already present is written again only when its
+    line changed (then replaced), and a torn last line (crash mid-append) is cut
+    off when the file is opened.
     Order is completion order; match lines by key.
 
     Args:
@@ -48,7 +49,7 @@ class JsonlSummaries:
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / SUMMARIES
         self.docs: Mapping[str, Document] = {d.id: d for d in docs}
-        self.ids: set[str] = set()  # document ids (file stems) already in the file
+        self.summaries: dict[str, str | None] = {}  # document id (file stem) -> the summary its line holds
         try:
             fd = os.open(self.path, os.O_RDWR | _NOFOLLOW)
         except FileNotFoundError:
@@ -63,22 +64,24 @@ class JsonlSummaries:
                 os.fsync(f.fileno())
         for line in data[:end].split(b"\n"):
             try:
-                self.ids.add(json.loads(line)["output"].removesuffix(".md"))
+                parsed = json.loads(line)
+                self.summaries[parsed["output"].removesuffix(".md")] = parsed.get("summary")
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
 
     def add(self, record: dict) -> None:
-        """Append the line of the finished document ``record["id"]`` unless it is there already;
-        a redone one's (``record["redo"]``) replaces its line.
+        """Write the line of the finished document ``record["id"]``: appended when it has
+        none, replaced when its line holds another summary than its ``.md`` (module doc),
+        left alone when it holds the same.
 
         Raises:
             OSError: its ``<id>.md`` cannot be read, or the disk is full.
         """
         doc_id = record["id"]
-        if doc_id in self.ids and not record.get("redo"):
-            return
         name = f"{doc_id}.md"
         summary = read_nofollow(self.out_dir / name).decode("utf-8").removesuffix("\n")  # bytes: no newline translation
+        if self.summaries.get(doc_id, 0) == summary:  # its line holds it already (0: no line)
+            return
         doc = self.docs.get(doc_id)
         if doc is not None and doc.key is not None:
             line = {doc.key[0]: doc.key[1]}
@@ -88,11 +91,11 @@ class JsonlSummaries:
                 line["name"] = doc.name
         line |= {"summary": summary, "output": name} | {k: record[k] for k in self.FIELDS if k in record}
         data = (json.dumps(line) + "\n").encode("ascii")  # as Journal.append
-        if doc_id in self.ids:
+        if doc_id in self.summaries:
             self._replace(name, data)
         else:
             _append_line(self.path, data)
-        self.ids.add(doc_id)
+        self.summaries[doc_id] = summary
 
     def _replace(self, name: str, data: bytes) -> None:
         """Rewrite the file (atomically) with the line of output ``name`` replaced by ``data``."""
@@ -107,8 +110,9 @@ class JsonlSummaries:
         write_atomic(self.path, b"".join(kept) + data)
 
     def sync(self, records: Mapping[str, dict]) -> None:
-        """Add every job document that is ``done`` in ``records`` and has its ``.md`` but no line yet
-        (a crash between the two, or an earlier run without ``--format jsonl``)."""
+        """Write the line of every job document that is ``done`` in ``records`` and has its
+        ``.md`` (:meth:`add`): a missing line (a crash between the two, or an earlier run
+        without ``--format jsonl``) appended, a line that says otherwise replaced."""
         for doc_id in self.docs:
             rec = records.get(doc_id)
             if rec is not None and rec.get("status") == "done" and (self.out_dir / f"{doc_id}.md").exists():

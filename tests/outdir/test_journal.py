@@ -114,6 +114,33 @@ def test_jsonl_summaries_one_line_per_id_survives_torn_tail(tmp_path):
     assert lines[1] == {"id": "b", "source": "/d/b.txt", "summary": "Second.", "output": "b.md"}
 
 
+def test_a_jsonl_line_that_no_longer_holds_its_summary_is_replaced_whatever_the_record_says(tmp_path):
+    """The line is derived from the .md: a summary rewritten without a `redo` flag on its
+    record (a redo a crash left unrecorded, then recovered; an .md edited by hand) had kept
+    its old line in summaries.jsonl for good. Each run's start (sync) and each record now
+    replace a line whose summary differs, and leave one that holds it."""
+    import json
+
+    from mlx_tier.job.documents import Document
+    from mlx_tier.job.outputs import JsonlSummaries
+
+    docs = [Document("a", "/d/a.txt", "t"), Document("b", "/d/b.txt", "t")]
+    (tmp_path / "a.md").write_text("Old summary of a.\n")
+    (tmp_path / "b.md").write_text("Summary of b.\n")
+    s = JsonlSummaries(tmp_path, docs)
+    s.sync({"a": {"status": "done", "output_tokens": 5}, "b": {"status": "done", "output_tokens": 4}})
+    before = s.path.read_bytes()
+    (tmp_path / "a.md").write_text("New summary of a.\n")  # rewritten, its record as it was (no redo flag)
+    s = JsonlSummaries(tmp_path, docs)  # the next run
+    s.sync({"a": {"status": "done", "output_tokens": 5}, "b": {"status": "done", "output_tokens": 4}})
+    lines = {x["id"]: x for x in map(json.loads, s.path.read_text().splitlines())}
+    assert lines["a"]["summary"] == "New summary of a." and len(lines) == 2
+    assert lines["b"] == json.loads(before.splitlines()[1])  # untouched
+    after = s.path.read_bytes()
+    s.add({"id": "b", "status": "done", "output_tokens": 9, "redo": "stale"})  # the same text: nothing to write
+    assert s.path.read_bytes() == after
+
+
 def test_export_failure_keeps_the_record_out_and_id_less_records_are_entries(tmp_path):
     def broken(record):
         raise OSError(28, "No space left on device")
