@@ -81,8 +81,10 @@ def _binary(text: str) -> bool:
 def decode_text(data: bytes) -> Converted:
     """The text of ``data`` (a text file's bytes) in whatever common encoding it is.
 
-    Order: a byte-order mark (dropped from the text); strict UTF-8; the best
-    match of charset-normalizer (https://github.com/jawah/charset_normalizer).
+    Order: a byte-order mark (dropped from the text); strict UTF-8; UTF-8 with a
+    few stray bytes read as cp1252 (:func:`_mostly_utf8`); the best match of
+    charset-normalizer (https://github.com/jawah/charset_normalizer), named by
+    Python's codec name (``"utf-8"``, ``"cp1252"``).
     The result is refused as binary when no encoding explains the bytes or the
     text is mostly control characters; ``"empty document"`` when it is blank.
     """
@@ -96,7 +98,9 @@ def decode_text(data: bytes) -> Converted:
         try:
             return _checked(data.decode("utf-8"), "text (utf-8)")
         except UnicodeDecodeError:
-            pass
+            mixed = _mostly_utf8(data)
+            if mixed is not None:
+                return _checked(*mixed)
     from charset_normalizer import from_bytes
 
     matches = from_bytes(data)
@@ -112,7 +116,24 @@ def decode_text(data: bytes) -> Converted:
             return _checked(data.decode("cp1252"), "text (cp1252)")
         except UnicodeDecodeError:
             pass
-    return _checked(str(best), f"text ({best.encoding})")
+    return _checked(str(best), f"text ({codecs.lookup(best.encoding).name})")
+
+
+def _mostly_utf8(data: bytes) -> tuple[str, str] | None:
+    """``(text, converter)`` of UTF-8 text with a few bytes that are not UTF-8 (a Windows
+    "smart quote", a euro sign or a Latin-1 letter pasted in), each such byte read as
+    Windows-1252 (cp1252; U+FFFD where it defines none); ``None`` when the bytes are not
+    mostly UTF-8: fewer characters in valid multi-byte sequences than stray bytes (then
+    the file is in another encoding, and reading all of it as one 8-bit table would
+    garble every letter that UTF-8 wrote right)."""
+    text = data.decode("utf-8", errors="surrogateescape")  # each stray byte: a lone surrogate U+DC80..U+DCFF
+    stray = sum(1 for c in text if "\udc80" <= c <= "\udcff")
+    valid = sum(1 for c in text if c >= "\x80" and not "\udc80" <= c <= "\udcff")
+    if valid < max(1, stray):
+        return None
+    fixed = "".join(bytes([ord(c) - 0xDC00]).decode("cp1252", errors="replace") if "\udc80" <= c <= "\udcff" else c
+                    for c in text)
+    return fixed, f"text (utf-8, {stray} byte{'' if stray == 1 else 's'} not UTF-8 read as cp1252)"
 
 
 def _checked(text: str, converter: str) -> Converted:

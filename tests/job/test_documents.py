@@ -167,6 +167,28 @@ def test_text_in_any_common_encoding(data, text, converter):
     assert (got.text, got.error, got.converter) == (text, None, converter)
 
 
+@pytest.mark.parametrize("data, text, strays", [
+    # a user trial: one stray byte in UTF-8 text had the whole file read as hp_roman8, cp1257, cp1250 or
+    # iso8859_10, every accented letter garbled into the summary ("Le café fermûˋ est")
+    (("Le café est fermé. " * 3).encode() + b"Prix: 5\x80.", "Le café est fermé. " * 3 + "Prix: 5€.", 1),
+    ("Naïve café résumé, São Paulo. ".encode() + b"He said \x93hello\x94.",
+     "Naïve café résumé, São Paulo. He said “hello”.", 2),
+    ("Straße München Größe. ".encode() + b"a \x96 b", "Straße München Größe. a – b", 1),
+    ("Résumé ".encode() + "été".encode("latin-1"), "Résumé été", 2),
+    ("UTF8 part: café. ".encode() + "latin part: café".encode("latin-1"), "UTF8 part: café. latin part: café", 1),
+    # my own: a Windows right quote in an otherwise UTF-8 CJK text
+    ("会议纪要：预算通过。".encode() + b"It\x92s done.", "会议纪要：预算通过。It’s done.", 1),
+])
+def test_utf8_text_with_a_few_stray_bytes_is_read_as_utf8(data, text, strays):
+    got = decode_text(data)
+    assert (got.text, got.error) == (text, None)
+    assert got.converter == f"text (utf-8, {strays} byte{'' if strays == 1 else 's'} not UTF-8 read as cp1252)"
+
+
+def test_the_encoding_named_by_its_python_codec_name():
+    assert decode_text(b"abc\x00def").converter == "text (utf-8)"  # was "utf_8" beside "utf-8"
+
+
 @pytest.mark.parametrize("data", [b"\x00\x01\x02\x03" * 50, bytes(range(256)) * 4, b"\x7fELF\x02\x01\x01" + bytes(200)])
 def test_only_really_binary_files_fail(data):
     got = decode_text(data)
