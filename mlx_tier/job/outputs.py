@@ -23,6 +23,13 @@ from mlx_tier.job.documents import Document
 from mlx_tier.outdir.layout import BATCH_ERRORS, BATCH_OUTPUT, SUMMARIES
 
 
+def keeps_jsonl(out_dir: Path, output_format: str) -> bool:
+    """Whether a run keeps ``summaries.jsonl``: with ``--format jsonl``, and whenever the
+    file exists (an earlier run's), so that a ``--format md`` run never leaves its lines
+    behind the ``.md`` files."""
+    return output_format == "jsonl" or (Path(out_dir) / SUMMARIES).exists()
+
+
 class JsonlSummaries:
     """``OUT_DIR/summaries.jsonl``: one line per finished document (``--format jsonl``).
 
@@ -97,8 +104,19 @@ class JsonlSummaries:
             _append_line(self.path, data)
         self.summaries[doc_id] = summary
 
+    def drop(self, record: dict) -> None:
+        """Remove the line of ``record["id"]``, a document that failed (a redo that failed:
+        its line held the summary of an earlier version), if it has one.
+
+        Raises:
+            OSError: the file cannot be rewritten.
+        """
+        if self.summaries.pop(record["id"], 0) != 0:
+            self._replace(f"{record['id']}.md", b"")
+
     def _replace(self, name: str, data: bytes) -> None:
-        """Rewrite the file (atomically) with the line of output ``name`` replaced by ``data``."""
+        """Rewrite the file (atomically) with the line of output ``name`` replaced by ``data``
+        (``b""``: removed)."""
         kept = []
         for line in read_nofollow(self.path).splitlines(keepends=True):
             try:
@@ -112,11 +130,14 @@ class JsonlSummaries:
     def sync(self, records: Mapping[str, dict]) -> None:
         """Write the line of every job document that is ``done`` in ``records`` and has its
         ``.md`` (:meth:`add`): a missing line (a crash between the two, or an earlier run
-        without ``--format jsonl``) appended, a line that says otherwise replaced."""
+        without ``--format jsonl``) appended, a line that says otherwise replaced; drop the
+        line of one that ``failed`` (:meth:`drop`)."""
         for doc_id in self.docs:
             rec = records.get(doc_id)
             if rec is not None and rec.get("status") == "done" and (self.out_dir / f"{doc_id}.md").exists():
                 self.add({**rec, "id": doc_id})
+            elif rec is not None and rec.get("status") == "failed":
+                self.drop({**rec, "id": doc_id})
 
 
 def _whole_lines(path: Path) -> list[bytes]:

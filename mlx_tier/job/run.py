@@ -59,7 +59,7 @@ from mlx_tier.job.model_setup import (
     save_trace,
     setup_record,
 )
-from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries
+from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries, keeps_jsonl
 from mlx_tier.job.process import keep_awake, lower_priority
 from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, writing_record
 from mlx_tier.job.report import (
@@ -522,9 +522,10 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     request's hash alone (:func:`~mlx_tier.job.rerun.request_hashes`: a changed request is
     stale, redone). Returns ``(journal, records, triage)``."""
     batch = BatchOutputs(config.out_dir) if is_batch(docs) else None
-    summaries = JsonlSummaries(config.out_dir, docs) if config.output_format == "jsonl" and not part \
-        and batch is None else None
-    journal = job.journal(on_done=summaries.add if summaries is not None else None, clock=clock)
+    summaries = JsonlSummaries(config.out_dir, docs) if keeps_jsonl(config.out_dir, config.output_format) \
+        and not part and batch is None else None
+    journal = job.journal(on_done=summaries.add if summaries is not None else None, clock=clock,
+                          on_failed=summaries.drop if summaries is not None else None)
     view = job.view()
     records = view.records()
     for warning in view.warnings.values():

@@ -154,10 +154,10 @@ class JobDir:
             (self.path / LOCK).unlink()
             self.path.rmdir()
 
-    def journal(self, on_done=None, clock=None) -> Journal:
+    def journal(self, on_done=None, clock=None, on_failed=None) -> Journal:
         """The journal this process appends to (:class:`mlx_tier.outdir.journal.Journal`;
         ``clock``: the run's :class:`~mlx_tier.outdir.journal.RunClock`, stamped on each record)."""
-        return Journal(self.path, on_done=on_done, name=self.journal_name, clock=clock)
+        return Journal(self.path, on_done=on_done, name=self.journal_name, clock=clock, on_failed=on_failed)
 
     def view(self) -> Journal:
         """The job's journal as every reader sees it (``journal.jsonl`` with the rank

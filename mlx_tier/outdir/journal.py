@@ -109,15 +109,17 @@ class Journal:
         on_done: called with each ``done`` record before it is appended (the
             JSONL export, :meth:`JsonlSummaries.add`); if it raises, the
             record is not appended.
+        on_failed: the same for each ``failed`` record (the JSONL export drops
+            the document's line: :meth:`JsonlSummaries.drop`).
         name: the journal's file name in ``out_dir`` (default: the job's one journal).
         clock: the run appending (:class:`RunClock`): each record gets its
             ``run`` and ``run_t``; ``None``: neither (a reader).
     """
 
     def __init__(self, out_dir: Path, on_done: Callable[[dict], None] | None = None, name: str = JOURNAL,
-                 clock: RunClock | None = None):
+                 clock: RunClock | None = None, on_failed: Callable[[dict], None] | None = None):
         self.path = Path(out_dir) / name
-        self.on_done = on_done
+        self.on_done, self.on_failed = on_done, on_failed
         self.clock = clock
         self.warnings: dict[int | str, str] = {}  # line number (a rank journal's: path:line) -> why skipped
 
@@ -179,6 +181,8 @@ class Journal:
             record["run_t"] = round(self.clock.t(), 3)
         if self.on_done is not None and record.get("status") == "done":
             self.on_done(record)
+        if self.on_failed is not None and record.get("status") == "failed":
+            self.on_failed(record)
         # ASCII JSON: a file name that is not valid UTF-8 (a lone surrogate
         # after decoding) round-trips as \udcXX instead of failing the append.
         _append_line(self.path, (json.dumps(record) + "\n").encode("ascii"))

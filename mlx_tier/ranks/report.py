@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from mlx_tier.fsio import write_atomic
-from mlx_tier.job.outputs import JsonlSummaries
+from mlx_tier.job.outputs import JsonlSummaries, keeps_jsonl
 from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import CLAIMS
 
@@ -166,7 +166,7 @@ def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float],
     report.stop_signal = stopped
     report.runs = previous_runs(config.out_dir / REPORT) + [_run_record(report, accounts, started[1], tri)]
     report.cache = sum_cache(report.runs)
-    if config.output_format == "jsonl":
+    if keeps_jsonl(config.out_dir, config.output_format):
         JsonlSummaries(config.out_dir, docs).sync(Journal(config.out_dir).records())
     clear_progress(config.out_dir)  # the ranks' progress files
     shutil.rmtree(folder / CLAIMS, ignore_errors=True)  # claims hold only for their run

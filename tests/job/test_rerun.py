@@ -189,6 +189,26 @@ def test_jsonl_output_replaces_the_line_of_a_redone_summary(s1, tmp_path, small_
     assert {x["id"]: x["summary"] for x in lines}["a"] == (out / "a.md").read_text().removesuffix("\n")
 
 
+def test_summaries_jsonl_follows_the_md_files_whatever_the_format_of_later_runs(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: a redo by a `--format md` rerun left summaries.jsonl with the old summary,
+    and a redo that failed kept its old line while report.json said failed. The file, once it
+    exists, follows the .md files in every run; a failed document has no line."""
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5", "--format", "jsonl")[0] == 0
+    (s1 / "a.txt").write_text(NEW_A)
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0  # --format md
+    lines = {x["id"]: x for x in map(json.loads, (out / "summaries.jsonl").read_text().splitlines())}
+    assert lines["a"]["summary"] == (out / "a.md").read_text().removesuffix("\n") and len(lines) == 2
+    (s1 / "b.txt").write_text("   \n")  # its redo fails: empty document
+    code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert code == 1 and "empty document" in output, output
+    lines = [json.loads(x) for x in (out / "summaries.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in lines] == ["a"] and report(out)["totals"]["failed"] == 1
+    other = tmp_path / "md-only"  # a job that never asked for it gets none
+    assert run(s1, "--out", other, "--model", small_moe, "--max-tokens", "5")[0] == 1
+    assert not (other / "summaries.jsonl").exists()
+
+
 @pytest.fixture(scope="module")
 def other_moe(small_moe, tmp_path_factory):  # noqa: F811
     """Another model of the same shapes (another seed): same safetensors headers, other weights."""
