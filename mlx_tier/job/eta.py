@@ -27,9 +27,11 @@ timed with rates measured in this run:
 - both scaled by the run's wall time over its step time (conversions,
   throttle pauses, the rest of the loop).
 
-Not foreseen: a long document summarised in parts counts as the part being
-read or written (its later parts add work when they start), and a rank of a
-job over several ranks counts every pending document, not only its share.
+A long document summarised in parts counts the prompts of every call of its
+current level (the parts read so far as read: the scheduler's progress); not
+foreseen: the summaries its parts still have to write, and the levels that
+combine them (they add work when they start); a rank of a job over several
+ranks counts every pending document, not only its share.
 
 :class:`EtaTracker` is plain state fed by the runner with a clock passed in,
 so it is tested with scripted step sequences; it is ``None`` ("estimating")

@@ -127,6 +127,13 @@ class MapReduce:
         """``(index, prompt)`` of every call of the current level."""
         return list(enumerate(self._prompts))
 
+    def level_tokens(self) -> tuple[int, int]:
+        """``(prompt tokens of the current level's finished calls, of all its calls)``: how
+        much of the level's reading is behind (a progress line's and an ETA's measure of a
+        document read in parts)."""
+        done = sum(len(p) for p, r in zip(self._prompts, self._results) if r is not None)
+        return done, sum(len(p) for p in self._prompts)
+
     def add(self, index: int, result: str) -> list[tuple[int, list[int]]]:
         """Record the result of call ``index`` of the current level.
 

@@ -171,6 +171,22 @@ def check_context(tokenizer, instruction: str, max_tokens: int, context: int, wh
         )
 
 
+def _by_document(prefill: list) -> list[tuple[str, int, int]]:
+    """An engine step's ``(task key, prompt tokens read, prompt length)`` as ``(document id,
+    read, length)``, one entry a document: a long document read in parts counts the
+    prompts of all the calls of its current level (:meth:`MapReduce.level_tokens`), the
+    finished ones as read, so its progress and ETA do not restart with each part."""
+    out: dict = {}
+    for (d, _), done, total in prefill:
+        if d.mr is None:
+            out[d] = (done, total)
+            continue
+        finished, whole = d.mr.level_tokens()
+        read = out[d][0] if d in out else finished
+        out[d] = (read + done, whole)
+    return [(d.doc.id, read, total) for d, (read, total) in out.items()]
+
+
 @dataclass(eq=False)
 class _Doc:
     doc: object  # documents.Document
@@ -654,7 +670,7 @@ class Scheduler:
                 engine = yield from self._after_failed_step(engine, e, in_flight, q)
                 continue
             _charge_time(info)
-            info.prefill = [(key[0].doc.id, done, total) for key, done, total in info.prefill]
+            info.prefill = _by_document(info.prefill)
             info.generating = [(key[0].doc.id, n) for key, n in info.generating]
             on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
             yield from self._take_finished(info.finished, q.ready)

@@ -66,6 +66,34 @@ def test_map_reduce_levels_fit_and_cover_the_document(tokenizer):
     assert mr.summary.startswith(f"result {levels}.0")
 
 
+def test_a_document_in_parts_reports_its_whole_level_as_one_prompt(tokenizer):
+    """A user trial: a long document read in parts showed "reading long 570/952 prompt
+    tokens", starting again at each part, and an ETA of seconds for 8 minutes. Its progress
+    now counts every call of its current level: the parts read so far as read."""
+    from types import SimpleNamespace
+
+    from mlx_tier.job.scheduler import _by_document
+
+    text = "\n\n".join(f"Paragraph {i} says that item {i} weighs {i * 3} grams." for i in range(60))
+    mr = MapReduce(tokenizer, "Summarise.", text, 160)
+    calls = mr.prompts()
+    lengths = [len(p) for _, p in calls]
+    assert mr.level_tokens() == (0, sum(lengths)) and len(calls) > 2
+    class Doc:  # the scheduler's per-document state: hashable by identity
+        def __init__(self, mr, name):
+            self.mr, self.doc = mr, SimpleNamespace(id=name)
+
+    d, short = Doc(mr, "long"), Doc(None, "short")
+    assert _by_document([((d, 0), 50, lengths[0]), ((short, 0), 7, 9)]) == [("long", 50, sum(lengths)),
+                                                                           ("short", 7, 9)]
+    mr.add(0, "first part's summary")
+    mr.add(1, "second part's summary")
+    # the third part being read, the fourth too (a pool reads several): one entry, the first two counted read
+    got = _by_document([((d, 2), 10, lengths[2]), ((d, 3), 5, lengths[3])] if len(calls) > 3
+                       else [((d, 2), 10, lengths[2])])
+    assert got == [("long", lengths[0] + lengths[1] + 10 + (5 if len(calls) > 3 else 0), sum(lengths))]
+
+
 def test_map_reduce_refuses_a_context_with_no_room(tokenizer):
     with pytest.raises(TooLong, match="no room"):
         MapReduce(tokenizer, "Summarise. " * 30, "some text " * 500, 60)
