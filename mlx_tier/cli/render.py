@@ -33,7 +33,7 @@ FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--ma
          "slots": "--slots", "retry_failed": "--retry-failed", "pause_on_battery": "--pause-on-battery",
          "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt",
          "redo_changed": "--redo-changed", "repetition_penalty": "--repetition-penalty", "output_format": "--format",
-         "convert_seconds": "--convert-seconds", "convert_memory_mb": "--convert-memory-mb"}
+         "convert_seconds": "--convert-seconds", "convert_memory_mb": "--convert-memory-mb", "out_dir": "--out"}
 
 
 def as_flags(message: str) -> str:

@@ -49,7 +49,7 @@ from mlx_tier.job.provenance import SourceStamp, file_stamp, request_stamp, text
 from mlx_tier.outdir.layout import is_job_folder
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "decode_text", "discover",
-           "discover_list", "safe_id", "skip_reason"]
+           "discover_list", "safe_id", "skip_reason", "source_field", "source_file"]
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,24 @@ def size_hint(doc, convert: bool = True) -> int:
     """Characters a document's text may have, erring long (:meth:`FileDocument.size_hint`:
     ``convert`` false never converts; a :class:`Document`'s own text length)."""
     return doc.size_hint(convert) if isinstance(doc, FileDocument) else len(doc.text or "")
+
+
+def source_file(doc) -> str | None:
+    """The file ``doc`` is read from, absolute with links resolved (as a list of paths names its
+    files), or ``None`` for a JSONL line or a batch request (no file of their own).
+
+    What a summary's journal record keeps of its source (:func:`source_field`): the same
+    output name reached from another file is told apart from the same file reached again
+    (:func:`mlx_tier.job.rerun.refuse_other_files`)."""
+    if doc.key is not None or doc.request is not None:
+        return None
+    return os.path.realpath(doc.source)
+
+
+def source_field(doc) -> dict[str, str]:
+    """``{"source": source_file(doc)}`` for the document's journal records; ``{}`` when it has no file."""
+    path = source_file(doc)
+    return {"source": path} if path is not None else {}
 
 
 def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None = None,

@@ -8,7 +8,9 @@ judging outputs a crash left unrecorded by the record written before their
 rename (:func:`doubt_unrecorded`), copying a reused summary under its new name,
 and the lines that say what the run does with stale summaries (and a batch
 request file's stale answers: :func:`request_hashes`) and with summaries
-written under other settings.
+written under other settings. Before all that, a run whose documents would be
+summarised over the finished summaries of other files (another input of the
+same names, run into the same folder) is refused (:func:`refuse_other_files`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from mlx_tier.errors import CheckpointError
+from mlx_tier.errors import CheckpointError, InputError
 from mlx_tier.fsio import read_nofollow, write_atomic
+from mlx_tier.job.documents import source_field, source_file
 from mlx_tier.job.provenance import (
     GENERATION_KEYS,
     SETTINGS_FIELDS,
@@ -154,8 +157,58 @@ def copy_reused(tri: Triage, records: Mapping[str, dict], docs, out_dir: Path, j
             continue
         doc, rec = by_id[i], records[j]
         journal.append({"id": i, "status": "done", "output": f"{i}.md", "name": doc.name, "reused": j,
-                        "made_from": doc.stamp.as_dict(), **{k: rec[k] for k in _REUSED_KEEPS if k in rec}})
+                        "made_from": doc.stamp.as_dict(), **source_field(doc),
+                        **{k: rec[k] for k in _REUSED_KEEPS if k in rec}})
     return failed
+
+
+def other_files(docs, records: Mapping[str, dict], out_dir: Path) -> list[tuple[str, str, str]]:
+    """``(output, earlier file, this file)`` for each document whose output holds the finished
+    summary of another file: its ``done`` record names a ``source`` (absolute, links
+    resolved: :func:`~mlx_tier.job.documents.source_file`) that is not this document's file
+    and still exists. A source gone since (a folder moved or renamed) is not another file: its
+    summary is this document's, judged by content as any other. A record without a
+    ``source`` (an older version's), a JSONL line and a batch request are never another file.
+    """
+    found = []
+    for d in docs:
+        rec = records.get(d.id) or {}
+        was = rec.get("source")
+        if rec.get("status") != "done" or not isinstance(was, str):
+            continue  # resolved only when there is a path to compare with
+        now, output = source_file(d), Path(out_dir) / f"{d.id}.md"
+        if now is not None and _another_file(was, now) and output.exists():
+            found.append((str(output), was, now))
+    return found
+
+
+def _another_file(was: str, now: str) -> bool:
+    """Whether ``was`` is an existing file other than ``now`` (the same file by another path,
+    a hard link or a name differing in case on a case-insensitive disk, is not)."""
+    if was == now or not os.path.isfile(was):
+        return False
+    try:
+        return not os.path.samefile(was, now)
+    except OSError:  # either one unreadable now: not known to be another file
+        return False
+
+
+def refuse_other_files(docs, records: Mapping[str, dict], out_dir: Path) -> None:
+    """Refuse a run that would summarise a document over the finished summary of another file
+    (:func:`other_files`: another input of the same names run into the same output folder),
+    before anything is written: a summary of another document is never redone or replaced.
+
+    Raises:
+        InputError: one line naming the first such output and both files.
+    """
+    found = other_files(docs, records, out_dir)
+    if not found:
+        return
+    output, was, now = found[0]
+    more = f" ({_some(len(found) - 1, 'more document')} of this input likewise)" if len(found) > 1 else ""
+    raise InputError(f"{output} holds the summary of {was}, not of this input's {now}, which has the same "
+                     f"output name{more}; nothing was run. Give this input another `out_dir`, or list the files "
+                     "of both on stdin (mlx-tier run -), which names each by its absolute path")
 
 
 def rerun_counts(tri: Triage) -> dict:

@@ -46,7 +46,7 @@ from mlx_tier.job.activity import (
 from mlx_tier.job.config import JobConfig
 from mlx_tier.job.doc_text import TEXT_SUFFIXES, decode_text
 from mlx_tier.job.doc_tokens import SAMPLE_CHARS, SAMPLE_DOCS
-from mlx_tier.job.documents import discover, discover_list, size_hint
+from mlx_tier.job.documents import discover, discover_list, size_hint, source_field
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.heartbeat import Heartbeat
 from mlx_tier.job.model_setup import (
@@ -75,6 +75,7 @@ from mlx_tier.job.rerun import (
     current_hashes,
     doubt_unrecorded,
     locate_model,
+    refuse_other_files,
     request_hashes,
     rerun_counts,
     rerun_notes,
@@ -195,6 +196,7 @@ class _Pass:
     requests: dict = field(default_factory=dict)  # id -> BatchRequest of each pending request, in input order
     model_name: str = ""  # the model that answers, as each response names it
     samples: list = field(default_factory=list)  # (text, size) of a few documents: their characters per token
+    sources: dict = field(default_factory=dict)  # id -> {"source": its file} of each pending file, for its record
 
 
 def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, beat: Heartbeat) -> dict:
@@ -281,7 +283,8 @@ def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded,
     if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
         res.model, res.prompt, res.kv_bits = p.settings.fields()["model"], p.settings.prompt, p.settings.kv_bits
         res.generation = p.settings.generation if p.batch is None else None  # a request's body decides its own
-    record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}
+    record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}  # source: as given
+    record |= p.sources.get(res.id, {})  # the file itself, absolute (mlx_tier.job.documents.source_file)
     record["throttled_seconds"] = round(spent - throttled_before, 3)  # per record: `mlx-tier status` adds them up
     record["sample"] = progress_sample(loaded.cache, rate, generated)
     if outcome.reasoning:
@@ -426,7 +429,9 @@ def find_documents(config: JobConfig) -> list:
     """The job's documents (not converted), each keeping the output name an earlier run gave it.
 
     Raises:
-        InputError: bad input or output folder, or a trace path that cannot be written.
+        InputError: bad input or output folder, a document whose output holds the summary of
+            another file (:func:`~mlx_tier.job.rerun.refuse_other_files`), or a trace path
+            that cannot be written.
     """
     check_out_dir(config.out_dir, config.input if config.input_paths is None else None)
     earlier = Journal(config.out_dir) if config.out_dir.is_dir() else None
@@ -437,6 +442,8 @@ def find_documents(config: JobConfig) -> list:
             if config.input_paths is not None
             else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous,
                           limits=config.conversion))
+    if earlier is not None:  # before the folder is locked or anything written
+        refuse_other_files(docs, earlier.records(), config.out_dir)
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
         raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
     return docs
@@ -545,7 +552,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
         made = {"made_from": made} if made is not None else {}
         made |= {k: vouch[k] for k in SETTINGS_FIELDS if k in vouch}
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
-                        "name": by_id[i].name, **made})
+                        "name": by_id[i].name, **source_field(by_id[i]), **made})
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
         del tri.reused[i]
         tri.pending.append(i)
@@ -619,7 +626,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if pending:
         p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings,
-                  samples=samples)
+                  samples=samples, sources={d.id: source_field(d) for d in pending})
         if is_batch(docs):
             _batch_pass(p, pending, config, reporter, asked_kv_bits)
         _run_pending(p, config, loaded)

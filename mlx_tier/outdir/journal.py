@@ -39,7 +39,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     # a run's identity and clock (RunClock), what a summary was made from and with
     "run": (str,), "run_t": _NUMBER, "mono": _NUMBER, "host": (str,), "made_from": (dict,),
     "model": (dict, type(None)), "prompt": (str, type(None)), "prompt_text": (str,), "redo": (str,),
-    "reused": (str,), "generation": (dict,), "doc": (str,), "output_sha256": (str,),
+    "reused": (str,), "generation": (dict,), "doc": (str,), "output_sha256": (str,), "source": (str,),
 }
 
 

@@ -165,7 +165,7 @@ def test_a_journal_of_an_older_version_keeps_working(s1, tmp_path, small_moe):  
     out = tmp_path / "out"
     args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
     assert run(*args)[0] == 0
-    old = ("made_from", "model", "prompt", "prompt_text", "run", "run_t", "mono", "host")
+    old = ("made_from", "model", "prompt", "prompt_text", "run", "run_t", "mono", "host", "source")
     lines = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
     (out / "journal.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k not in old}) + "\n"
                                                for r in lines))
