@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from mlx_tier.cli.exits import fail
-from mlx_tier.cli.render import as_flags, choices, err, out, print_wrapped
+from mlx_tier.cli.render import FLAGS, as_flags, choices, err, out, print_wrapped
 from mlx_tier.defaults import PLAN_DOC_TOKENS
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
 from mlx_tier.units import GIB, MIB
@@ -102,7 +102,7 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         ("one expert: disk / resident", f"{p.expert_bytes_disk / MIB:.2f} / {p.expert_bytes_resident / MIB:.2f} MiB"),
         ("one layer's experts (disk)", f"{p.layer_bytes_disk / GIB:.3f} GiB"),
         ("experts per GiB of cache", f"{p.experts_per_gb:.0f}"),
-        ("memory: total / available", f"{p.memory_total / GIB:.1f} / {p.memory_available / GIB:.1f} GiB ({p.memory_source})"),
+        ("memory: total / available", f"{p.memory_total / GIB:.1f} / {p.memory_available / GIB:.1f} GiB ({FLAGS.get(p.memory_source, p.memory_source)})"),
         ("a run's memory", _split_text(p)),
         ("cache budget mlx-tier would choose", f"{p.cache_budget / GIB:.2f} GiB = {p.slots_per_layer} of {p.experts_per_layer} slots per layer"),
         ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({p.disk_method})"),

@@ -102,6 +102,8 @@ def test_plan_reports_the_limit_and_the_runs_split(one_gib_cgroup, tiny_moe):
     p = json.loads(r.stdout)
     assert p["memory_split"] is None and "too little for this model" in p["memory_fit"]
     assert p["slots_per_layer"] == 0 and p["memory_source"] == "memory_gb"
+    r = runner.invoke(app, ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1", "--memory-gb", "0.3"])
+    assert "(--memory-gb)" in " ".join(r.output.split()) and "(memory_gb)" not in r.output  # the flag, as given
 
 
 def test_plan_says_how_a_run_would_read_its_experts(one_gib_cgroup, tiny_moe, monkeypatch):
