@@ -218,20 +218,37 @@ def status_cell(result) -> str:
     return f"{result.status}{mark}"
 
 
+def _shown_name(result) -> str:
+    """A result's name as its input gave it (a file's path in the folder, a JSONL line's id),
+    else its output id."""
+    return result.name if isinstance(result.name, str) and result.name else result.id
+
+
+def _renamed(result) -> bool:
+    """Whether a result's output is named otherwise than its path says (``x/a.txt`` is
+    ``x__a.md``; a clash made it ``a.txt-2.md``, or the name was cut to fit)."""
+    name = _shown_name(result)
+    return result.id != Path(name).with_suffix("").as_posix().replace("/", "__")
+
+
 def print_summary(report, out_dir: Path) -> None:
     """A job's results table (one row per document), then :func:`summary_line` in paragraphs."""
     earlier = "*: by an earlier run. " if any(r.earlier_run for r in report.results) else ""
-    table = Table(title="mlx-tier run", caption=earlier + "in tok: the document with the instruction, in "
-                  "tokens; out tok: tokens written (a long document's part summaries included). doc s: the "
-                  "document's own time, reading its prompt and writing its summary (decode steps are shared "
-                  "with the documents written alongside)")
-    for col in ("document", "status", "in tok", "out tok", "doc s"):
-        table.add_column(col, justify="left" if col in ("document", "status") else "right",
-                         overflow="fold" if col in ("document", "status") else "ellipsis")
+    what = "request" if report.setup.get("batch_requests") else "document"
+    renamed = ", → its output where it is named otherwise" if any(_renamed(r) for r in report.results) else ""
+    table = Table(title="mlx-tier run", caption=earlier + f"{what}: as the input names it{renamed}. in tok: the "
+                  f"{what} with {'its messages' if what == 'request' else 'the instruction'}, in tokens; out "
+                  "tok: tokens written (a long document's part summaries included). doc s: its own time, "
+                  "reading its prompt and writing its answer (decode steps are shared with those written "
+                  "alongside)")
+    for col in (what, "status", "in tok", "out tok", "doc s"):
+        table.add_column(col, justify="left" if col in (what, "status") else "right",
+                         overflow="fold" if col in (what, "status") else "ellipsis")
     for r in report.results:
         status = status_cell(r)
         style = {"failed": "red", "pending": "yellow"}.get(r.status, "dim" if r.earlier_run else "")
-        table.add_row(r.id, status, str(r.input_tokens), str(r.output_tokens), f"{r.doc_seconds:.1f}", style=style)
+        shown = f"{_shown_name(r)} → {r.id}.md" if _renamed(r) and what != "request" else _shown_name(r)
+        table.add_row(shown, status, str(r.input_tokens), str(r.output_tokens), f"{r.doc_seconds:.1f}", style=style)
     out.print(table)
     for part in summary_line(report, out_dir).split(" | "):  # one paragraph each, wrapped between words
         out.print(part, highlight=False, markup=False)

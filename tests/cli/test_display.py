@@ -194,6 +194,32 @@ def test_the_legend_explains_a_star_only_when_a_row_has_one(monkeypatch):
     assert "*" not in text and "in tok: the document with the instruction" in text
 
 
+def test_the_results_table_names_documents_as_the_input_does(monkeypatch):
+    """A user trial: the table's rows were output ids (`x__a.txt-2` for x/a.txt, `a.txt-2` for
+    a.txt beside an a.md): with clashes no row could be told apart. A row now shows the
+    document's name, and its output where that is named otherwise; a batch shows the
+    request's id, and the caption speaks of requests."""
+    from rich.console import Console
+
+    import mlx_tier.cli.render as render
+
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(render, "out", console)
+    report = report_with(0, earlier=0)
+    report.results = [DocResult("x__a", "done", name="x/a.txt"), DocResult("a.txt-2", "done", name="a.txt"),
+                      DocResult("a", "done", name="a.md"), DocResult("old", "done")]  # old: no name recorded
+    render.print_summary(report, Path("out"))
+    rows = [line.split("│")[1].strip() for line in console.export_text().splitlines() if line.startswith("│")]
+    assert rows == ["x/a.txt", "a.txt → a.txt-2.md", "a.md", "old"]
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(render, "out", console)
+    report.setup["batch_requests"] = True
+    report.results = [DocResult("req__1", "done", name="req/1")]
+    render.print_summary(report, Path("out"))
+    text = console.export_text()
+    assert "│ req/1 " in text and "in tok: the request with its messages" in " ".join(text.split())
+
+
 def test_the_demo_build_lines_fit_80_columns(monkeypatch):
     """Each line the demo build prints (routers, layers) is at most 80 characters, with
     its counts at four digits (the line naming the cache folder is wrapped before the
