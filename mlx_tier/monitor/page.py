@@ -150,12 +150,16 @@ def _time_labels(times: list[float], n: int = 4) -> list[dt.datetime] | None:
     return [dt.datetime.fromtimestamp(lo + (hi - lo) * i / max(count - 1, 1)) for i in range(count)]
 
 
-def _describe(points: list, unit: str, fmt=lambda v: f"{v:.3g}") -> str:
+SHARED = "documents finishing in the same step share one point"
+
+
+def _describe(points: list, unit: str, fmt=lambda v: f"{v:.3g}", per: str = "one per finished or failed document"
+              ) -> str:
     if not points:
         return "No point yet: points are added as documents finish."
     values = [v for _, v in points]
     count = "1 point" if len(points) == 1 else f"{len(points)} points"
-    return (f"{count}, one per finished or failed document; latest {fmt(values[-1])}{unit}, "
+    return (f"{count}, {per}; latest {fmt(values[-1])}{unit}, "
             f"lowest {fmt(min(values))}{unit}, highest {fmt(max(values))}{unit}.")
 
 
@@ -182,10 +186,10 @@ def charts_section(view: dict) -> str:
                "Recent decode rate of the batch when each document finished. " + _describe(tok, " tok/s"), "tok-s"),
         _chart("Expert cache hit rate", "hit rate", [("hit rate", hit, {})],
                "Experts found resident / experts needed, since the previous document. "
-               + _describe(hit, "", lambda v: f"{v:.0%}"), "hit-rate", percent=True),
+               + _describe(hit, "", lambda v: f"{v:.0%}", SHARED), "hit-rate", percent=True),
         _chart("Read from disk per token", "MiB / token", [("MiB read per token", mib, {})],
                "Expert bytes read from disk / tokens generated, since the previous document. "
-               + _describe(mib, " MiB"), "bytes-per-token"),
+               + _describe(mib, " MiB", per=SHARED), "bytes-per-token"),
         _chart("Memory", "GiB", [("process RSS", rss, {}), ("cache budget", budget, ref),
                                  ("slots allocated", resident,
                                   {**ref, "stroke_style": {"dasharray": "2, 3", "width": 2}})],

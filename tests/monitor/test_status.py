@@ -270,3 +270,26 @@ def test_a_long_step_reads_as_running_with_how_long_it_has_run(tmp_path):
         assert r.exit_code == 0 and "its current step has run 42 s" in " ".join(r.output.split()), r.output
     finally:
         held.close()
+
+
+def test_rate_charts_say_why_they_have_fewer_points_than_documents():
+    """A user trial: the hit-rate and read charts said "5 points, one per finished or failed
+    document" for a 10-document job: documents finishing in the same step read nothing in
+    between, so they add no rate point. The caption says so; the memory chart keeps one per
+    document."""
+    from mlx_tier.monitor.page import charts_section
+    from mlx_tier.monitor.view import samples
+
+    entries, t = [{"event": "start"}], 0
+    for i in range(4):  # two steps, two documents finishing in each
+        step = i // 2 + 1
+        entries.append({"id": f"d{i}", "status": "done", "time": float(i),
+                        "sample": {"decode_tok_s": 5.0, "tokens": 10 * step, "hits": 8 * step, "misses": 2 * step,
+                                   "bytes_read": 2**20 * step, "rss_bytes": 2**30, "resident_bytes": 1, "budget_bytes": 2}})
+    points = samples(entries)
+    assert sum(p["hit_rate"] is not None for p in points) == 2 and len(points) == 4
+    html = charts_section({"samples": points, "throttle": {}, "thermal": [], "throttle_time": []})
+    hit = html[html.index('id="chart-hit-rate"'):]
+    assert "2 points, documents finishing in the same step share one point" in hit[:hit.index("</figure>")]
+    memory = html[html.index('id="chart-memory"'):]
+    assert "4 points, one per finished or failed document" in memory[:memory.index("</figure>")]
