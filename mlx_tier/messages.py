@@ -1,4 +1,5 @@
-"""Words for a terminal: messages that carry a command, and short failure reasons.
+"""Words for a terminal: messages that carry a command, the commands that resume or
+retry a job, and short failure reasons.
 
 A message that tells the user a command to run ("Resume with: mlx-tier run
 ...") is laid out as the prose, word-wrapped to the terminal's width, then the
@@ -16,6 +17,7 @@ journal, report.json and ``mlx-tier status``.
 from __future__ import annotations
 
 import os
+import shlex
 import textwrap
 
 DEFAULT_WIDTH = 80
@@ -56,6 +58,33 @@ def with_command(prose: str, command: str, width: int = DEFAULT_WIDTH) -> str:
         the lines joined by ``\\n`` (no trailing newline).
     """
     return f"{wrap_words(prose, width)}\n{command}"
+
+
+RETRY_FAILED = "--retry-failed"
+
+
+def retry_command(command: str | None) -> str:
+    """The exact command that retries only the failed documents (``--retry-failed`` added
+    before a ``< inputs.txt`` redirection), or a sentence when the run left no command."""
+    if not command:
+        return f"the same mlx-tier run command plus {RETRY_FAILED}"
+    head, sep, tail = command.partition(" < ")  # a stdin list stays at the end
+    return f"{head} {RETRY_FAILED}{sep}{tail}" if RETRY_FAILED not in head else command
+
+
+def plain_rerun(command: str | None) -> str | None:
+    """``command`` without ``--retry-failed``: the rerun that resumes a job's pending
+    documents (a run with the flag retries failed ones only and leaves pending ones as
+    they are, so repeating it never summarises them). For the command a journal's start
+    record holds: one of an older version may carry the flag. ``None`` stays ``None``."""
+    if not command:
+        return command
+    head, sep, tail = command.partition(" < ")  # a stdin list stays at the end
+    try:
+        words = shlex.split(head)
+    except ValueError:  # not a command this program wrote: leave it as it is
+        return command
+    return command if RETRY_FAILED not in words else shlex.join(w for w in words if w != RETRY_FAILED) + sep + tail
 
 
 # (a substring of the full error, its short form), first match wins. Each full

@@ -20,7 +20,13 @@ from mlx_tier.cli.exits import (
     EXIT_TERMINATED,
     fail,
 )
-from mlx_tier.cli.render import err, out, print_summary, print_with_command
+from mlx_tier.cli.render import (
+    err,
+    out,
+    print_left_pending,
+    print_resume,
+    print_summary,
+)
 from mlx_tier.units import seconds_text
 
 
@@ -75,15 +81,16 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
     print_summary(report, config.out_dir)
     for line in rank_lines(report.runs[-1]):
         out.print(line, highlight=False, soft_wrap=True, markup=False)
-    pending = report.count("pending")
+    pending = report.count("pending") - report.runs[-1].get("left_pending", 0)  # left by a rank, not by --retry-failed
     if report.stop_signal is not None:
         term = report.stop_signal == signal.SIGTERM
-        print_with_command(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
-                                "Resume with:", command)
+        print_resume(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
+                          "Resume with:", command, config.retry_failed)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     if pending:
-        print_with_command(err, f"{pending} document(s) left pending (a rank ended early, see above). Finished "
-                                "summaries are kept; resume with any number of ranks:", command)
+        print_resume(err, f"{pending} document(s) left pending (a rank ended early, see above). Finished "
+                          "summaries are kept; resume with any number of ranks:", command, config.retry_failed)
         raise typer.Exit(EXIT_JOB_ERROR)
+    print_left_pending(report, command)
     if report.count("failed"):
         raise typer.Exit(EXIT_FAILED_DOCS)

@@ -67,6 +67,27 @@ def print_with_command(console: Console, prose: str, command: str, label: str = 
     console.print(text, highlight=False, soft_wrap=True)
 
 
+def print_resume(console: Console, prose: str, command: str, retry_failed: bool = False, label: str = "") -> None:
+    """``prose`` and the command that resumes a job (:func:`print_with_command`); after a
+    ``--retry-failed`` run also the one that retries failed documents, since the resume
+    command never carries that flag (a run with it leaves pending documents as they are)."""
+    from mlx_tier.messages import retry_command
+
+    print_with_command(console, prose, command, label=label)
+    if retry_failed:
+        print_with_command(console, "retry the failed ones with:", retry_command(command))
+
+
+def print_left_pending(report, command: str) -> None:
+    """After a ``--retry-failed`` run (a :class:`~mlx_tier.job.report.JobReport`) that left
+    documents pending (its run record's ``left_pending``): how many, and the plain rerun
+    that summarises them; nothing otherwise."""
+    left = report.runs[-1].get("left_pending", 0) if report.runs else 0
+    if left:
+        print_with_command(err, f"{left} document(s) pending, left for a plain rerun (--retry-failed tries "
+                                "failed documents only); summarise them with:", command)
+
+
 def print_wrapped(console: Console, text: str, style: str = "", styled: int | None = None) -> None:
     """``text`` (plain, no markup) word-wrapped to the console's width
     (:func:`mlx_tier.messages.wrap_words`: between words, a long path kept whole) rather

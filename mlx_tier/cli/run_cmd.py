@@ -32,6 +32,8 @@ from mlx_tier.cli.render import (
     choices,
     err,
     out,
+    print_left_pending,
+    print_resume,
     print_summary,
     print_with_command,
 )
@@ -80,7 +82,7 @@ def run(
     repetition_penalty: float = typer.Option(DEFAULT_REPETITION_PENALTY, "--repetition-penalty", min=1.0, help="mlx-lm repetition penalty over the last 20 tokens; 1.0 = plain greedy. Small models loop without it."),
     trace: Path | None = typer.Option(None, "--trace", help="Record this run's routing trace (top-k experts per token and layer) to this .npz file, for `mlx-tier trace-sim`."),
     output_format: str = typer.Option("md", "--format", metavar=choices(OUTPUT_FORMATS), help=FORMAT_HELP),
-    retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed)."),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed); pending ones are left for a plain rerun."),
     redo_changed: bool = typer.Option(False, "--redo-changed", help="Also redo the summaries written with another --model, --prompt, --kv-bits, --max-tokens, --repetition-penalty or --context (kept by default). A document changed since its summary is redone in any case."),
     background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Most documents in flight (decoded together: each expert read serves all of them). Default: the throughput schedule's pool plan (memory and measured speeds, at most 64); with --schedule paced, what memory allows, at most 8."),
@@ -264,13 +266,23 @@ def command_args(ctx: typer.Context, drop: tuple[str, ...] = ()) -> list[str]:
     return args
 
 
+# Options a resume command leaves out: --background (the resume runs where it is typed) and
+# --retry-failed (it tries failed documents only and leaves pending ones as they are: repeated,
+# it never summarises them; mlx_tier.messages.retry_command adds it back to retry). Kept:
+# --redo-changed (a summary redone is no longer "changed", so repeating it redoes nothing twice,
+# while a stopped run's summaries not yet redone still need it), --save-profile (each run adds
+# its own counts) and --trace (each run writes its own: the resumed run's replaces the file).
+RESUME_DROPS = ("background", "retry_failed")
+
+
 def resume_command(ctx: typer.Context, out_dir: Path, from_stdin: bool) -> str:
-    """The exact shell command that resumes this run (a stdin list is read back from OUT_DIR/inputs.txt)."""
+    """The exact shell command that resumes this run: its options but
+    :data:`RESUME_DROPS` (a stdin list is read back from OUT_DIR/inputs.txt)."""
     import shlex
 
     from mlx_tier.outdir.layout import INPUT_LIST
 
-    line = shlex.join(["mlx-tier", ctx.info_name or "run", *command_args(ctx, drop=("background",))])
+    line = shlex.join(["mlx-tier", ctx.info_name or "run", *command_args(ctx, drop=RESUME_DROPS)])
     return line + (f" < {shlex.quote(str(out_dir / INPUT_LIST))}" if from_stdin else "")
 
 
@@ -297,11 +309,13 @@ def _sigterm_interrupts():
 
 def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
     """Run the job with the live display; map its ends to one line and an exit code
-    (2 bad input, 3 job error, 130/143 signals, 1 failed documents)."""
+    (2 bad input, 3 job error, 130/143 signals, 1 failed documents). A stop gives the
+    command that resumes (after ``--retry-failed``, also the one that retries); a
+    ``--retry-failed`` run that left documents pending, the plain rerun."""
     from mlx_tier.errors import JobError, MlxTierError
     from mlx_tier.job.run import run_job
 
-    reporter = RichReporter()
+    reporter, retry = RichReporter(), config.retry_failed
     try:
         with _sigterm_interrupts():
             report = run_job(config, reporter)
@@ -311,20 +325,21 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
     except (JobError, OSError) as e:  # disk full, checkpoint unreadable: finished work is kept
         reporter.close()
         reason = str(e) if isinstance(e, JobError) else f"{e.filename or out_dir}: {e.strerror or e}"
-        print_with_command(err, f"{reason}. Finished summaries are kept; resume with:", command, label="error:")
+        print_resume(err, f"{reason}. Finished summaries are kept; resume with:", command, retry, label="error:")
         raise typer.Exit(EXIT_JOB_ERROR)
     except KeyboardInterrupt as e:
         reporter.close()
         term = getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
-        print_with_command(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
-                                "Resume with:", command)
+        print_resume(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
+                          "Resume with:", command, retry)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     print_summary(report, out_dir)
     if report.interrupted:
         term = report.stop_signal == signal.SIGTERM
-        print_with_command(err, f"stopped ({'SIGTERM' if term else 'SIGINT'}); summaries being written were "
-                                "finished. Resume with:", command)
+        print_resume(err, f"stopped ({'SIGTERM' if term else 'SIGINT'}); summaries being written were "
+                          "finished. Resume with:", command, retry)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
+    print_left_pending(report, command)
     if report.count("failed"):
         raise typer.Exit(EXIT_FAILED_DOCS)
 

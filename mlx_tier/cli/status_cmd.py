@@ -51,7 +51,7 @@ def status(
     if not s.running and s.command and (s.pending or s.todo_left):
         print_with_command(out, "resume with:", s.command)
     if s.failed and not s.running:
-        from mlx_tier.monitor.view import retry_command
+        from mlx_tier.messages import retry_command
 
         print_with_command(out, "retry the failed ones with:", retry_command(s.command))
 
@@ -65,7 +65,8 @@ def _status_table(s, out_dir: Path) -> Table:
     t.add_row("documents", f"{s.total if s.total is not None else '?'} total: {s.done} done, {s.failed} failed, "
                            f"{s.pending if s.pending is not None else '?'} pending")
     if s.started is not None:
-        left = f", {s.todo_left} left" if s.todo_left is not None else ""
+        # the documents it set out to do: a --retry-failed run leaves pending ones for a plain rerun
+        left = f", {s.todo_left} of its documents left" if s.todo_left is not None else ""
         loading = f"; loading {seconds_text(s.load_seconds)} apart" if s.load_seconds is not None else ""
         t.add_row("this run", f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
                               f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")

@@ -29,6 +29,7 @@ import codecs
 import json
 import os
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -48,8 +49,8 @@ from mlx_tier.job.naming import MAX_ID_BYTES, assign, fold, safe_id
 from mlx_tier.job.provenance import SourceStamp, file_stamp, request_stamp, text_stamp
 from mlx_tier.outdir.layout import is_job_folder
 
-__all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "decode_text", "discover",
-           "discover_list", "safe_id", "skip_reason", "source_field", "source_file"]
+__all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "by_count", "decode_text",
+           "discover", "discover_list", "safe_id", "skip_note", "skip_reason", "source_field", "source_file"]
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
           skipped: Counter | None = None) -> list[Path]:
     """Files under ``root`` with a document suffix, in sorted order (module doc for what is skipped).
 
-    ``skipped``, when given, counts the files and folders left out by why (:func:`_skip_note`).
+    ``skipped``, when given, counts the files and folders left out by why (:func:`skip_note`).
     """
     real_root, files, seen = root.resolve(), [], set()
     skipped = Counter() if skipped is None else skipped
@@ -274,13 +275,18 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
     return sorted(files)
 
 
+# Why a folder is not searched (:func:`_folder_skip`); every other reason counted is a file's.
+_FOLDER_REASONS = ("hidden folder", "metadata folder", "output folder", "mlx-tier output folder")
+
+
 def _folder_skip(p: Path, exclude: Path | None) -> str | None:
-    """Why the folder ``p`` is not searched, or ``None`` when it is."""
+    """Why the folder ``p`` is not searched (one of :data:`_FOLDER_REASONS`), or ``None`` when it is."""
+    hidden, metadata, output, other_job = _FOLDER_REASONS
     if skip_reason(p.name) is not None:
-        return "hidden folder" if p.name.startswith(".") else "metadata folder"
+        return hidden if p.name.startswith(".") else metadata
     if exclude is not None and p.resolve().is_relative_to(exclude):
-        return "output folder"
-    return "mlx-tier output folder" if is_job_folder(p) else None  # another job's summaries, not documents
+        return output
+    return other_job if is_job_folder(p) else None  # another job's summaries, not documents
 
 
 def _file_skip(p: Path, exclude: Path | None, follow_links: bool, real_root: Path) -> str | None:
@@ -297,29 +303,44 @@ def _file_skip(p: Path, exclude: Path | None, follow_links: bool, real_root: Pat
     return None if p.is_file() else "not a regular file"
 
 
-def _skip_note(skipped: Counter, most: int = 3) -> str:
-    """``skipped`` (reason or suffix -> count) in words, most frequent first: e.g.
-    ``"skipped .csv 3, hidden folder 1"``; ``"the folder is empty"`` when none."""
+def by_count(skipped: Mapping[str, int]) -> dict[str, int]:
+    """``skipped`` (reason or suffix -> count) most frequent first; ties by name, not walk order."""
+    return dict(sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def skip_note(skipped: Counter, width: int = 80) -> str:
+    """``skipped`` (reason or suffix -> count, :func:`_walk`) in one line of at most ``width``
+    characters: how many files and folders, then the reasons, most frequent first, as many
+    as fit, the rest as ``other``: e.g. ``"skipped 6 files, 1 folder: no suffix 2, .csv 1,
+    hidden folder 1, other 3"``; ``"the folder is empty"`` when none."""
     if not skipped:
         return "the folder is empty"
-    top = sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))[:most]  # ties: by name, not walk order
-    rest = sum(skipped.values()) - sum(n for _, n in top)
-    return "skipped " + ", ".join([f"{why} {n}" for why, n in top] + ([f"other {rest}"] if rest else []))
+    folders = sum(n for why, n in skipped.items() if why in _FOLDER_REASONS)
+    files = sum(skipped.values()) - folders
+    head = "skipped " + ", ".join(f"{n} {kind}{'s' if n > 1 else ''}"
+                                  for n, kind in ((files, "file"), (folders, "folder")) if n)
+    ranked = list(by_count(skipped).items())
+    for shown in range(len(ranked), 0, -1):
+        rest = sum(n for _, n in ranked[shown:])
+        reasons = [f"{why} {n}" for why, n in ranked[:shown]] + ([f"other {rest}"] if rest else [])
+        line = f"{head}: {', '.join(reasons)}"
+        if len(line) <= width:
+            return line
+    return head
 
 
-def _from_folder(root: Path, exclude: Path | None, follow_links: bool,
-                 previous: dict[str, str] | None, limits: ConversionLimits) -> list[FileDocument]:
-    skipped: Counter = Counter()
+def _from_folder(root: Path, exclude: Path | None, follow_links: bool, previous: dict[str, str] | None,
+                 limits: ConversionLimits, skipped: Counter) -> list[FileDocument]:
     files = _walk(root, exclude, follow_links, skipped)
     if not files:
-        raise InputError(f"{root}: no documents found: {_skip_note(skipped)}; "
+        raise InputError(f"{root}: no documents found: {skip_note(skipped)}; "
                          "mlx-tier run --help lists the kinds it reads")
     return _from_files(root, files, previous, inside=None if follow_links else root.resolve(), limits=limits)
 
 
 def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = None, source: str = "stdin",
-                  previous: dict[str, str] | None = None,
-                  limits: ConversionLimits = ConversionLimits()) -> list[FileDocument]:
+                  previous: dict[str, str] | None = None, limits: ConversionLimits = ConversionLimits(),
+                  skipped: Counter | None = None) -> list[FileDocument]:
     """Documents for a list of file paths (converted when first used, :class:`FileDocument`), one per entry (``mlx-tier run -`` reads them from stdin).
 
     Any suffix is taken (the caller chose the file): known formats are
@@ -334,7 +355,7 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
         lines: file paths (relative to the working directory, or absolute).
         exclude: the job's output folder.
         source: how errors name the list (``stdin:3: ...``).
-        previous, limits: as for :func:`discover`.
+        previous, limits, skipped: as for :func:`discover`.
 
     Raises:
         InputError: a path is missing or a folder, the same file is listed
@@ -353,8 +374,12 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
         if path in seen:
             raise InputError(f"{source}:{n}: {line.strip()} is listed twice (first on line {seen[path]})")
         seen[path] = n
-        if skip_reason(path.name) is None and (excluded is None or not path.is_relative_to(excluded)):
+        why = skip_reason(path.name) or (
+            "in the output folder" if excluded is not None and path.is_relative_to(excluded) else None)
+        if why is None:
             files.append(path)
+        elif skipped is not None:
+            skipped[why] += 1
     if not files:
         raise InputError(f"{source}: no file paths given")
     root = Path(os.path.commonpath([p.parent for p in files]))
@@ -452,8 +477,8 @@ def _from_requests(path: Path, parsed: list, previous: dict[str, str] | None) ->
 
 
 def discover(path: Path, exclude: Path | None = None, follow_links: bool = False,
-             previous: dict[str, str] | None = None,
-             limits: ConversionLimits = ConversionLimits()) -> list[Document | FileDocument]:
+             previous: dict[str, str] | None = None, limits: ConversionLimits = ConversionLimits(),
+             skipped: Counter | None = None) -> list[Document | FileDocument]:
     """All documents of a job input; files of a folder are converted when first
     used (:class:`FileDocument`), a single document file at once (its failure is
     the input's: :class:`InputError`).
@@ -470,6 +495,8 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
             journal): each name keeps its id (:func:`mlx_tier.job.naming.assign`).
         limits: how large and how long each file's conversion may get
             (:class:`~mlx_tier.job.convert_limits.ConversionLimits`).
+        skipped: when given, a folder's files and folders left out are counted
+            into it, by reason or suffix (:func:`skip_note` says them).
 
     Raises:
         InputError: path missing, nothing to read, malformed/duplicate JSONL line,
@@ -480,7 +507,7 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
         raise InputError(f"{path}: no such file or folder")
     if path.is_dir():
         return _from_folder(path, Path(exclude).resolve() if exclude is not None else None, follow_links, previous,
-                            limits)
+                            limits, Counter() if skipped is None else skipped)
     if path.suffix.lower() == ".jsonl":
         return _from_jsonl(path, previous)
     if path.suffix.lower() in SUFFIXES:

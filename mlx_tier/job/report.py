@@ -75,6 +75,9 @@ class JobReport:
     prompts: dict[str, str] = field(default_factory=dict)  # prompt hash -> instruction text, every run's
     load_seconds: float | None = None  # this run: from its start to its model loaded (monotonic)
     generation_seconds: float = 0.0  # this run: from its model loaded to its last document (mlx_tier.rates)
+    # What this run's walk of an INPUT folder (or stdin list) left out: reason or suffix -> files
+    # (folders, for a folder's reasons), as mlx_tier.job.documents.skip_note says them.
+    skipped_files: dict[str, int] = field(default_factory=dict)
     # The runner's own state of this run (mlx_tier.job.run.RunStart: triage counts, whether the
     # model was loaded; never the model itself), for its RunRecord; not in report.json.
     run: object = field(default=None, repr=False, compare=False)
@@ -111,6 +114,7 @@ class JobReport:
             "cache": self.cache,
             "throttle": self.throttle,
             "runs": self.runs,
+            "skipped_files": self.skipped_files,
             **self.setup,
         }
 
@@ -239,6 +243,8 @@ class RunRecord:
         done, failed: documents this run finished or failed.
         already_done: done by earlier runs, not regenerated.
         left_failed: failed earlier, not retried (no ``retry_failed``).
+        left_pending: neither done nor failed, not tried: a ``retry_failed`` run tries
+            failed documents only and leaves these for a plain rerun.
         output_tokens: tokens generated this run.
         throttled_seconds: time slowed, paused or capped by the throttle.
         cache: the cache's figures; ``None``: nothing to do, the model was not loaded.
@@ -262,22 +268,24 @@ class RunRecord:
     generation_seconds: float = 0.0
     settings: dict = field(default_factory=dict)
     rerun: dict = field(default_factory=dict)
+    left_pending: int = 0
 
     @classmethod
     def of(cls, report: JobReport, t_wall: float, cache, skipped: int, left_failed: int,
-           settings: dict | None = None, rerun: dict | None = None) -> RunRecord:
+           settings: dict | None = None, rerun: dict | None = None, left_pending: int = 0) -> RunRecord:
         t = report.throttle
         return cls(time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_wall)), round(report.seconds, 3),
                    report.this_run("done"), report.this_run("failed"), skipped, left_failed, report.output_tokens,
                    t.get("throttled_seconds", 0.0) + t.get("paused_seconds", 0.0) + t.get("capped_seconds", 0.0),
                    CacheRecord.of(cache) if cache is not None else None, report.load_seconds,
-                   report.generation_seconds, settings or {}, rerun or {})
+                   report.generation_seconds, settings or {}, rerun or {}, left_pending)
 
     def speed(self) -> RunSpeed:
         return RunSpeed(self.output_tokens, self.done, self.generation_seconds, self.load_seconds)
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("started", "seconds", "done", "failed", "already_done", "left_failed")}
+        d = {k: getattr(self, k) for k in ("started", "seconds", "done", "failed", "already_done", "left_failed",
+                                           "left_pending")}
         d |= {"loaded_model": self.cache is not None, "output_tokens": self.output_tokens, **self.speed().as_dict(),
               "throttled_seconds": self.throttled_seconds, **self.settings, **self.rerun}
         if self.cache is not None:

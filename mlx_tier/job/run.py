@@ -22,6 +22,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
@@ -46,7 +47,14 @@ from mlx_tier.job.activity import (
 from mlx_tier.job.config import JobConfig
 from mlx_tier.job.doc_text import TEXT_SUFFIXES, decode_text
 from mlx_tier.job.doc_tokens import SAMPLE_CHARS, SAMPLE_DOCS
-from mlx_tier.job.documents import discover, discover_list, size_hint, source_field
+from mlx_tier.job.documents import (
+    by_count,
+    discover,
+    discover_list,
+    size_hint,
+    skip_note,
+    source_field,
+)
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.heartbeat import Heartbeat
 from mlx_tier.job.model_setup import (
@@ -93,7 +101,7 @@ from mlx_tier.job.triage import (
     foreign_outputs,
     triage,
 )
-from mlx_tier.messages import terminal_width, with_command, wrap_words
+from mlx_tier.messages import retry_command, terminal_width, with_command, wrap_words
 from mlx_tier.monitor.view import progress_sample
 from mlx_tier.outdir.jobdir import JobDir, ProgressFile, write_input_list
 from mlx_tier.outdir.journal import JobInfo, Journal, RunClock, new_run_id, prompt_texts
@@ -425,8 +433,10 @@ def doc_results(docs, tri: Triage, records: dict[str, dict] | None = None) -> di
     return results
 
 
-def find_documents(config: JobConfig) -> list:
-    """The job's documents (not converted), each keeping the output name an earlier run gave it.
+def find_documents(config: JobConfig, skipped: Counter | None = None) -> list:
+    """The job's documents (not converted), each keeping the output name an earlier run gave it;
+    the files left out (not documents) counted into ``skipped`` when given
+    (:func:`mlx_tier.job.documents.discover`).
 
     Raises:
         InputError: bad input or output folder, a document whose output holds the summary of
@@ -438,10 +448,11 @@ def find_documents(config: JobConfig) -> list:
     attempted = attempted_ids(earlier.entries() if earlier is not None else ())
     # Each document keeps its output name; a user's own <name>.md in OUT_DIR is never taken.
     previous = {**(earlier.names() if earlier is not None else {}), **foreign_outputs(config.out_dir, attempted)}
-    docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous, limits=config.conversion)
+    docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous, limits=config.conversion,
+                          skipped=skipped)
             if config.input_paths is not None
             else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous,
-                          limits=config.conversion))
+                          limits=config.conversion, skipped=skipped))
     if earlier is not None:  # before the folder is locked or anything written
         refuse_other_files(docs, earlier.records(), config.out_dir)
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
@@ -494,6 +505,9 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     with the job's totals and a run record that did nothing. Documents are
     converted only when their turn comes, never those done already. A
     document changed since its summary is redone (:mod:`mlx_tier.job.provenance`).
+    Files of an INPUT folder (or stdin list) that are not documents are said in one
+    line as the run starts (:func:`~mlx_tier.job.documents.skip_note`) and counted in
+    report.json's ``skipped_files``.
 
     Args:
         config: the job (:class:`JobConfig`).
@@ -508,10 +522,14 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     """
     reporter = reporter or Reporter()
     clock, t_wall = RunClock(share.run_id or new_run_id()), time.time()  # the run starts now
-    docs = find_documents(config)
+    skipped: Counter = Counter()
+    docs = find_documents(config, skipped)
     with JobDir(config.out_dir, share.journal_name, part=share.part) as job:
+        if skipped and not share.part:
+            reporter.message(skip_note(skipped))
         report, loaded = _run_in(job, docs, config, reporter, share, clock)
         report.seconds = clock.t()
+        report.skipped_files = by_count(skipped)
         _finish_report(report, loaded, config, t_wall, reporter, write=not share.part)
     if not share.part:
         write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
@@ -605,7 +623,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if loaded is not None and settings.weights is None:  # downloaded or built just now
         settings = run_settings(config.model, config.generation, loaded.model_dir)
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
-                          settings.fields() if loaded is not None else {}, rerun_counts(tri))
+                          settings.fields() if loaded is not None else {}, rerun_counts(tri), len(tri.left))
     if loaded is not None:
         report.setup = setup_record(loaded, config)
         report.prompts[settings.prompt] = config.generation.instruction
@@ -722,7 +740,7 @@ def _finish_report(report: JobReport, loaded: Loaded | None, config: JobConfig, 
     cache = loaded.cache if loaded is not None else None
     run = report.run
     record = RunRecord.of(report, t_wall, cache, run.skipped, run.left_failed, run.settings,
-                          rerun_account(report.results, run.rerun))
+                          rerun_account(report.results, run.rerun), run.left_pending)
     report.runs = previous_runs(config.out_dir / REPORT) + [record.as_dict()]
     report.cache = sum_cache(report.runs)
     if cache is not None:
@@ -751,7 +769,8 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: Loaded) -> None:
 
     def abort(signum: int) -> None:  # from the watchdog thread, just before the process ends
         reporter.close()
-        os.write(2, f"\n{hard_stop_message(signum, config.command, terminal_width(2))}\n".encode())
+        message = hard_stop_message(signum, config.command, terminal_width(2), config.retry_failed)
+        os.write(2, f"\n{message}\n".encode())
 
     if config.trace is not None:
         loaded.cache.start_trace(source=str(loaded.model_dir))
@@ -777,14 +796,16 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: Loaded) -> None:
             save_trace(loaded.cache, config.trace, reporter)
 
 
-def hard_stop_message(signum: int, command: str | None, width: int) -> str:
+def hard_stop_message(signum: int, command: str | None, width: int, retry_failed: bool = False) -> str:
     """What a second SIGINT/SIGTERM prints as the process ends at once: the prose
     word-wrapped to ``width`` columns, then the resume command alone on its line
-    (:func:`mlx_tier.messages.with_command`)."""
+    (:func:`mlx_tier.messages.with_command`); after a ``retry_failed`` run, also the
+    command that retries the failed documents (the resume command never does)."""
     prose = f"stopped at once ({signal.Signals(signum).name}); finished summaries are kept."
     if not command:
         return wrap_words(prose, width)
-    return with_command(f"{prose} Resume with:", command, width)
+    retry = f"\n{with_command('retry the failed ones with:', retry_command(command), width)}" if retry_failed else ""
+    return with_command(f"{prose} Resume with:", command, width) + retry
 
 
 @dataclass(frozen=True)
@@ -794,6 +815,8 @@ class RunStart:
     Attributes:
         skipped: documents done by earlier runs (recovered outputs included), not regenerated.
         left_failed: documents failed earlier and not retried (no ``retry_failed``).
+        left_pending: documents neither done nor failed that ``retry_failed`` leaves
+            for a plain rerun.
         loaded_model: whether the model was loaded (``False``: nothing to do). The
             model itself is never kept here: a caller holding the report must
             not keep the model, its slabs and store threads alive.
@@ -806,5 +829,6 @@ class RunStart:
     loaded_model: bool
     settings: dict = field(default_factory=dict)
     rerun: dict = field(default_factory=dict)
+    left_pending: int = 0
 
 

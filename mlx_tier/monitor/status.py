@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlx_tier.errors import InputError
+from mlx_tier.messages import plain_rerun
 from mlx_tier.outdir.journal import JobInfo, Journal, prompt_texts, written_by
 from mlx_tier.outdir.layout import (
     LOCK,
@@ -114,10 +115,10 @@ def read_pid(out_dir: Path) -> int | None:
     return pid
 
 
-RUNNING, INTERRUPTED, STOPPED, FINISHED = "running", "interrupted", "stopped", "finished"
+RUNNING, INTERRUPTED, STOPPED, ENDED, FINISHED = "running", "interrupted", "stopped", "ended", "finished"
 
 
-def job_state(running: bool, progress_left: bool, pending: int | None) -> str:
+def job_state(running: bool, progress_left: bool, pending: int | None, todo_left: int | None = None) -> str:
     """The job's state in one word, from its files.
 
     Args:
@@ -128,17 +129,24 @@ def job_state(running: bool, progress_left: bool, pending: int | None) -> str:
             written by a run that ended mid-work: a second Ctrl-C (stop at once),
             a kill or a crash.
         pending: documents of the job neither done nor failed (``None``: unknown).
+        todo_left: documents the last run set out to do and neither finished nor
+            failed (``None``: unknown).
 
     Returns:
         ``"running"``; ``"interrupted"`` (ended mid-work, see above);
-        ``"stopped"`` (ended cleanly with documents left: a first Ctrl-C, or
-        a rerun still to do); ``"finished"`` (nothing pending).
+        ``"stopped"`` (ended cleanly with documents of its own left: a first
+        Ctrl-C, a full disk); ``"ended"`` (the run tried every document it set
+        out to, yet others are pending: a ``--retry-failed`` run tries failed
+        documents only and leaves pending ones for a plain rerun);
+        ``"finished"`` (nothing pending).
     """
     if running:
         return RUNNING
     if progress_left:
         return INTERRUPTED
-    return FINISHED if pending == 0 else STOPPED
+    if pending == 0:
+        return FINISHED
+    return ENDED if todo_left == 0 and pending else STOPPED
 
 
 def _clock(t: float, now: float) -> str:
@@ -165,6 +173,9 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
         return f"interrupted{when}: its process ended mid-run (a second Ctrl-C, a kill or a crash); {left}"
     if status.state == STOPPED:
         return f"stopped, not running; {left}"
+    if status.state == ENDED:
+        return (f"ended with {status.pending} document(s) pending, not running: the last run tried failed "
+                "documents only (--retry-failed); a plain rerun summarises them")
     return "finished, not running"
 
 
@@ -174,7 +185,7 @@ class JobStatus:
 
     Attributes:
         running: a run holds the folder's lock now.
-        state: :func:`job_state`: ``running``, ``interrupted``, ``stopped`` or ``finished``.
+        state: :func:`job_state`: ``running``, ``interrupted``, ``stopped``, ``ended`` or ``finished``.
         stopped_at: Unix seconds an interrupted run was last seen working (its
             ``progress.json``); ``None`` otherwise.
         pid: the (last) run's process id.
@@ -202,7 +213,9 @@ class JobStatus:
             snapshot's age (:func:`snapshot_age`); without one (a run of an older
             version), ``todo_left`` at this run's pace; ``None`` when not running or
             not measured yet.
-        command: the command that resumes the job (from the ``start`` record).
+        command: the command that resumes the job: the ``start`` record's, never with
+            ``--retry-failed`` (:func:`mlx_tier.messages.plain_rerun`; the command
+            that retries failed documents is :func:`mlx_tier.messages.retry_command`'s).
         failures: ``(id, error)`` of failed documents.
         written_by: the models and prompts the job's summaries were written with
             (:func:`mlx_tier.outdir.journal.written_by`); more than one: a mix.
@@ -389,7 +402,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     mine = [r for r in this_run if r.get("status") == "done"]
     elapsed, todo_left, eta = _run_timing(this_run, entries, info, running, progress, clocks)
     pending = len(ids) - len(done) - len(failures) if info is not None else None
-    state = job_state(running, progress is not None, pending)
+    state = job_state(running, progress is not None, pending, todo_left)
     return JobStatus(
         out_dir=out_dir,
         running=running,
@@ -409,7 +422,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         elapsed_seconds=round(elapsed, 3),
         finished_this_run=len(this_run),
         eta_seconds=round(eta, 1) if eta is not None else None,
-        command=info.command if info is not None else None,
+        command=plain_rerun(info.command) if info is not None else None,
         failures=failures,
         progress=progress if running or state == INTERRUPTED else None,
         warnings=list(journal.warnings.values()),

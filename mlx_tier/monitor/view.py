@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from mlx_tier.fsio import read_nofollow
+from mlx_tier.messages import retry_command
 from mlx_tier.monitor.status import describe_state, read_status
 from mlx_tier.outdir.journal import Journal, written_options, written_with
 from mlx_tier.outdir.layout import REPORT
@@ -112,15 +113,6 @@ def read_report(out_dir: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def retry_command(command: str | None) -> str:
-    """The exact command that retries only the failed documents (``--retry-failed`` added
-    before a ``< inputs.txt`` redirection), or a sentence when the run left no command."""
-    if not command:
-        return "the same mlx-tier run command plus --retry-failed"
-    head, sep, tail = command.partition(" < ")  # a stdin list stays at the end
-    return f"{head} --retry-failed{sep}{tail}" if "--retry-failed" not in head else command
 
 
 def expert_use(report: dict) -> list[list[int]] | None:

@@ -37,6 +37,7 @@ import sys
 import time
 import types
 import typing
+from collections import Counter
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 
@@ -282,6 +283,7 @@ def run_distributed(config, launch: Launch, reporter=None):
             cannot share (``trace``, ``save_profile``), a batch request file, mlx.launch missing.
         mlx_tier.CheckpointError: the demo or hub model cannot be prepared here.
     """
+    from mlx_tier.job.documents import skip_note
     from mlx_tier.job.rerun import locate_model, rerun_notes, run_settings
     from mlx_tier.job.run import (
         Reporter,
@@ -299,7 +301,8 @@ def run_distributed(config, launch: Launch, reporter=None):
     ranks = len(read_hosts(launch.hosts)) if launch.hosts is not None else launch.ranks
     config = _absolute(config)
     launcher()  # fail now, before OUT_DIR is touched, when mlx.launch is missing
-    docs = find_documents(config)
+    skipped: Counter = Counter()
+    docs = find_documents(config, skipped)
     if docs and docs[0].request is not None:  # one process appends output.jsonl and errors.jsonl
         raise InputError(f"{config.input}: a batch request file runs in one process; run it without --ranks/--hosts")
     if (config.out_dir / RANKS_DIR).is_symlink():  # invariant 3: nothing written outside OUT_DIR
@@ -308,9 +311,11 @@ def run_distributed(config, launch: Launch, reporter=None):
     with JobDir(config.out_dir) as job:
         settings = run_settings(config.model, config.generation, locate_model(config.model))
         _, records, tri = start_run(job, docs, config, reporter, clock=clock, settings=settings)
+        if skipped and tri.pending:  # else the one-process run below says it
+            reporter.message(skip_note(skipped))
         for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs]):
             reporter.message(note)
-        report = (_launch(config, launch, ranks, job, docs, (tri, records), reporter, started, clock)
+        report = (_launch(config, launch, ranks, job, docs, (tri, records), reporter, started, clock, skipped)
                   if tri.pending else None)
     if report is None:  # nothing to do: the one-process path writes the job's report, loading no model
         return run_job(config, reporter)
@@ -318,10 +323,11 @@ def run_distributed(config, launch: Launch, reporter=None):
     return report
 
 
-def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, started: tuple[float, float], clock):
+def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, started: tuple[float, float], clock,
+            skipped: Counter):
     """Under OUT_DIR's lock: record the run's start (under the run id ``clock.id``, the
     ranks' too), write the plan, run the ranks, write the report. ``triaged``: the
-    launcher's ``(triage, journal records)``."""
+    launcher's ``(triage, journal records)``; ``skipped``: the files INPUT's walk left out."""
     import socket
 
     from mlx_tier.job.provenance import prompt_hash
@@ -347,7 +353,7 @@ def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, st
     reporter.message(f"{ranks} rank(s), {len(tri.pending)} document(s) to do; run {plan_path.parent.name}")
     local = all_local(launch)
     stopped = _wait(start_launcher(launch_command(launch, plan_path), local), reporter, local)
-    return finish(config, docs, triaged, plan_path, started, stopped)
+    return finish(config, docs, triaged, plan_path, started, stopped, skipped)
 
 
 def _ensure_model(config, reporter) -> None:

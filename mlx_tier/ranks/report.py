@@ -102,7 +102,8 @@ def _run_record(report, accounts: list[dict], t_wall: float, tri) -> dict:
     report.generation_seconds = max((a["generation_seconds"] for a in accounts), default=0.0)
     settings = next((s for s in (_settings_of(a) for a in accounts) if s), {})
     record = RunRecord.of(report, t_wall, None, len(tri.done) + len(tri.recovered) + len(tri.reused),
-                          len(tri.failed), settings, rerun_account(report.results, rerun_counts(tri))).as_dict()
+                          len(tri.failed), settings, rerun_account(report.results, rerun_counts(tri)),
+                          len(tri.left)).as_dict()
     return record | {
         "loaded_model": True,
         "throttled_seconds": round(sum(a["throttled_seconds"] for a in accounts), 3),  # all ranks' together
@@ -133,7 +134,8 @@ def _setup(folder: Path, ranks: int, plan: dict, config) -> dict:
             "distributed": {"ranks": ranks, "hosts": plan.get("hosts"), "run_id": plan.get("run_id")}}
 
 
-def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float], stopped):
+def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float], stopped,
+           skipped: dict[str, int] | None = None):
     """Write report.json (and sync summaries.jsonl) after the ranks ended; returns the JobReport.
 
     Args:
@@ -142,9 +144,11 @@ def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float],
         plan_path: the run's plan (its folder holds the ranks' files).
         started: ``(perf_counter, Unix time)`` at the run's start.
         stopped: the signal the launcher saw (Ctrl-C), if any.
+        skipped: the files INPUT's walk left out, by reason or suffix (report.json ``skipped_files``).
     Raises:
         OSError: report.json cannot be written (disk full).
     """
+    from mlx_tier.job.documents import by_count
     from mlx_tier.job.report import JobReport, previous_runs, sum_cache
     from mlx_tier.job.run import doc_results
     from mlx_tier.outdir.jobdir import clear_progress
@@ -156,7 +160,8 @@ def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float],
     results = doc_results(docs, tri, records)
     _this_run(results, tri.pending, config, folder, ranks)
     report = JobReport(results=list(results.values()), seconds=time.perf_counter() - started[0],
-                       prompts=prompt_texts(Journal(config.out_dir).entries()))
+                       prompts=prompt_texts(Journal(config.out_dir).entries()),
+                       skipped_files=by_count(skipped or {}))
     accounts = [rank_account(folder, k) for k in range(ranks)]
     report.setup = _setup(folder, ranks, plan, config)
     # the launcher's own Ctrl-C, else a signal a rank was stopped by (SIGINT to its group, SIGTERM from mlx.launch)

@@ -118,13 +118,13 @@ def test_no_documents_says_what_was_skipped(tmp_path):
     (tmp_path / "a.bak").write_text("x")
     with pytest.raises(InputError) as e:
         discover(tmp_path)
-    assert str(e.value) == (f"{tmp_path}: no documents found: skipped .csv 3, .exe 1, hidden file 1, other 3; "
-                            "mlx-tier run --help lists the kinds it reads")
+    assert str(e.value) == (f"{tmp_path}: no documents found: skipped 7 files, 1 folder: .csv 3, .exe 1, "
+                            "hidden file 1, other 3; mlx-tier run --help lists the kinds it reads")
     only_output = tmp_path / "only-output"
     (only_output / "out").mkdir(parents=True)
     (only_output / "out" / "summary.md").write_text("an earlier run's output")
     (only_output / "__MACOSX").mkdir()
-    with pytest.raises(InputError, match="skipped metadata folder 1, output folder 1;"):
+    with pytest.raises(InputError, match="skipped 2 folders: metadata folder 1, output folder 1;"):
         discover(only_output, exclude=only_output / "out")
 
 

@@ -280,7 +280,7 @@ def test_rate_charts_say_why_they_have_fewer_points_than_documents():
     from mlx_tier.monitor.page import charts_section
     from mlx_tier.monitor.view import samples
 
-    entries, t = [{"event": "start"}], 0
+    entries = [{"event": "start"}]
     for i in range(4):  # two steps, two documents finishing in each
         step = i // 2 + 1
         entries.append({"id": f"d{i}", "status": "done", "time": float(i),

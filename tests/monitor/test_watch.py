@@ -27,9 +27,10 @@ from support.jobs import WORDS, small_moe  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
+from mlx_tier.messages import retry_command
 from mlx_tier.monitor.page import render_page
 from mlx_tier.monitor.server import WatchConfig, is_loopback, make_server, url_of
-from mlx_tier.monitor.view import build_view, retry_command, samples
+from mlx_tier.monitor.view import build_view, samples
 from mlx_tier.outdir.journal import Journal
 
 runner = CliRunner()
