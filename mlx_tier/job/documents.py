@@ -359,9 +359,10 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
 
     Raises:
         InputError: a path is missing or a folder, the same file is listed
-            twice, or the list is empty.
+            twice, or the list is empty or names only files left out (said
+            with their reasons).
     """
-    files, seen = [], {}
+    files, seen, left_out = [], {}, Counter()
     excluded = Path(exclude).resolve() if exclude is not None else None
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -378,10 +379,12 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
             "in the output folder" if excluded is not None and path.is_relative_to(excluded) else None)
         if why is None:
             files.append(path)
-        elif skipped is not None:
-            skipped[why] += 1
-    if not files:
-        raise InputError(f"{source}: no file paths given")
+        else:
+            left_out[why] += 1
+    if skipped is not None:
+        skipped.update(left_out)
+    if not files:  # every path a list named left out: say why, not "none given"
+        raise InputError(f"{source}: no documents: {skip_note(left_out)}" if left_out else f"{source}: no file paths given")
     root = Path(os.path.commonpath([p.parent for p in files]))
     # Named by absolute path: a later list with another common folder must not
     # take an earlier run's output for a different file of the same relative name.

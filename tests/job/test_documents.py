@@ -58,6 +58,7 @@ def test_path_list(tmp_path, monkeypatch):
     (tmp_path / "b" / "two.pdf").write_bytes(b"%PDF\x00")  # listed explicitly: taken, fails alone
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "one.md").write_text("an earlier summary")
+    (tmp_path / ".hidden.txt").write_text("a dot-file")
     monkeypatch.chdir(tmp_path)
     lines = ["a/x/one.txt", "", str(tmp_path / "a" / "one.txt"), "b/two.pdf", "out/one.md"]
     docs = discover_list(lines, exclude=tmp_path / "out")
@@ -70,6 +71,8 @@ def test_path_list(tmp_path, monkeypatch):
         (["a"], "stdin:1: a is a folder"),
         (["a/one.txt", "./a/one.txt"], "stdin:2: ./a/one.txt is listed twice (first on line 1)"),
         (["", " "], "stdin: no file paths given"),
+        # a user trial: a list naming only a dot-file said "no file paths given"; it names why now
+        ([".hidden.txt"], "stdin: no documents: skipped 1 file: hidden file 1"),
     ]:
         with pytest.raises(InputError) as e:
             discover_list(bad)
