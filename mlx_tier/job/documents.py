@@ -255,6 +255,9 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
     """
     real_root, files, seen = root.resolve(), [], set()
     skipped = Counter() if skipped is None else skipped
+    # With links followed, a folder of INPUT is walked by its own path, never by a link's
+    # (which one came first would otherwise name its documents, by directory order).
+    inside = {Path(f).resolve() for f, _, _ in os.walk(root)} if follow_links else set()
     for folder, dirs, names in os.walk(root, followlinks=follow_links):
         here = Path(folder)
         if follow_links:  # a link cycle would walk forever
@@ -263,7 +266,7 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
                 dirs[:] = []
                 continue
             seen.add(real)
-        why = {d: _folder_skip(here / d, exclude) for d in dirs}
+        why = {d: _folder_skip(here / d, exclude) or _linked_inside(here / d, inside) for d in dirs}
         skipped.update(w for w in why.values() if w is not None)
         dirs[:] = [d for d in dirs if why[d] is None]
         for name in names:
@@ -272,16 +275,38 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
                 files.append(here / name)
             else:
                 skipped[why] += 1
-    return sorted(files)
+    return _once_each(sorted(files), skipped)
+
+
+def _linked_inside(p: Path, inside: set[Path]) -> str | None:
+    """``"link to a folder in INPUT"`` for a link to a folder walked by its own path."""
+    return "link to a folder in INPUT" if p.is_symlink() and p.resolve() in inside else None
+
+
+def _once_each(files: list[Path], skipped: Counter) -> list[Path]:
+    """``files`` with each file once: a link to a document also found by its own path (or by
+    another link) is left out, counted in ``skipped``; the path that is no link wins, else
+    the first in sorted order."""
+    best: dict[Path, Path] = {}
+    for p in files:
+        real = p.resolve()
+        if real not in best or (best[real].is_symlink() and not p.is_symlink()):
+            best[real] = p
+    kept = set(best.values())
+    for p in files:
+        if p not in kept:
+            skipped["link to a document read by its own path"] += 1
+    return [p for p in files if p in kept]
 
 
 # Why a folder is not searched (:func:`_folder_skip`); every other reason counted is a file's.
-_FOLDER_REASONS = ("hidden folder", "metadata folder", "output folder", "mlx-tier output folder")
+_FOLDER_REASONS = ("hidden folder", "metadata folder", "output folder", "mlx-tier output folder",
+                   "link to a folder in INPUT")
 
 
 def _folder_skip(p: Path, exclude: Path | None) -> str | None:
     """Why the folder ``p`` is not searched (one of :data:`_FOLDER_REASONS`), or ``None`` when it is."""
-    hidden, metadata, output, other_job = _FOLDER_REASONS
+    hidden, metadata, output, other_job = _FOLDER_REASONS[:4]
     if skip_reason(p.name) is not None:
         return hidden if p.name.startswith(".") else metadata
     if exclude is not None and p.resolve().is_relative_to(exclude):

@@ -286,12 +286,36 @@ def test_links_out_of_input_are_not_followed_unless_asked(tmp_path):
     (outside / "more").mkdir()
     (outside / "more" / "deep.txt").write_text("deep secret")
     (inp / "own.txt").write_text("mine")
-    (inp / "alias.txt").symlink_to(inp / "own.txt")  # inside INPUT: fine
+    (inp / "hid").mkdir()
+    (inp / "hid" / ".own.txt").write_text("hidden")
+    (inp / "alias.txt").symlink_to(inp / "hid" / ".own.txt")  # inside INPUT, the only way to a dot-file: read
     (inp / "passwd.txt").symlink_to(outside / "passwd.txt")
     (inp / "dir").symlink_to(outside / "more", target_is_directory=True)
     assert sorted(d.name for d in discover(inp)) == ["alias.txt", "own.txt"]
     followed = {d.name: d.text for d in discover(inp, follow_links=True)}
-    assert followed == {"alias.txt": "mine", "own.txt": "mine", "passwd.txt": "root:x:0:0", "dir/deep.txt": "deep secret"}
+    assert followed == {"alias.txt": "hidden", "own.txt": "mine", "passwd.txt": "root:x:0:0",
+                        "dir/deep.txt": "deep secret"}
+
+
+def test_a_file_or_folder_inside_input_is_one_document_whatever_links_lead_to_it(tmp_path):
+    """A user trial: `link.txt -> a.txt` inside INPUT was summarised twice (a.md and link.md);
+    with --follow-links, `sublink -> sub` named sub/s.txt `sublink__s` (whichever the
+    directory listing gave first). Each file is read once, by its own path; the links are
+    counted as skipped."""
+    from collections import Counter
+
+    inp = tmp_path / "docs"
+    (inp / "sub").mkdir(parents=True)
+    (inp / "a.txt").write_text("lions")
+    (inp / "sub" / "s.txt").write_text("zebras")
+    (inp / "link.txt").symlink_to("a.txt")
+    (inp / "sublink").symlink_to("sub", target_is_directory=True)
+    (inp / "b.txt").symlink_to("sub/s.txt")  # my own: a link sorting before its file's folder
+    for follow in (False, True):
+        skipped = Counter()
+        assert sorted(d.name for d in discover(inp, follow_links=follow, skipped=skipped)) == ["a.txt", "sub/s.txt"]
+        assert skipped["link to a document read by its own path"] == 2
+        assert skipped["link to a folder in INPUT"] == (1 if follow else 0)
 
 
 def test_jsonl_bom_and_line_separators(tmp_path):
