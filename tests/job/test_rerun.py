@@ -283,7 +283,7 @@ def test_summaries_kept_with_another_max_tokens_show_as_a_mix_naming_it(s1, tmp_
     assert code == 0 and "keeping 2 summaries written with another --max-tokens" in output, output
     groups = report(out)["written_by"]
     assert [(g["documents"], g["options"]["max_tokens"]) for g in groups] == [(2, 4), (1, 6)]
-    words = " ".join(runner.invoke(app, ["status", str(out)]).output.split())
+    words = " ".join(runner.invoke(app, ["status", str(out)], env={"COLUMNS": "250"}).output.split())
     assert "written by" in words and ", max_tokens 4" in words and ", max_tokens 6" in words, words
     page = (out / "report.html").read_text()
     assert 'id="written-by"' in page and "max_tokens 4" in page and "max_tokens 6" in page
