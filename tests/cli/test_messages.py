@@ -11,10 +11,9 @@ import shlex
 import signal
 
 import pytest
-from support.output import command_after
+from support.output import WIDTH, command_after, eighty_columns  # noqa: F401 - a fixture
 from typer.testing import CliRunner
 
-import mlx_tier.cli.render as render
 from mlx_tier.cli.main import app
 from mlx_tier.errors import JobError
 from mlx_tier.job.report import DocResult, JobReport
@@ -23,13 +22,7 @@ from mlx_tier.job.stopflag import Interrupted
 from mlx_tier.messages import with_command
 
 runner = CliRunner()
-WIDTH = 80
-
-
-@pytest.fixture(autouse=True)
-def _eighty_columns(monkeypatch):
-    for console in (render.err, render.out):
-        monkeypatch.setattr(console, "_width", WIDTH)
+pytestmark = pytest.mark.usefixtures("eighty_columns")
 
 
 def assert_prose_then_command(output: str, label: str, command: str, prose_start: str) -> None:

@@ -12,10 +12,9 @@ import signal
 
 import pytest
 from support.jobs import _short_context, small_moe  # noqa: F401 - fixtures
-from support.output import command_after
+from support.output import WIDTH, command_after, eighty_columns  # noqa: F401 - a fixture
 from typer.testing import CliRunner
 
-import mlx_tier.cli.render as render
 from mlx_tier.cli.main import app
 from mlx_tier.job.report import DocResult, JobReport
 from mlx_tier.job.run import hard_stop_message
@@ -24,13 +23,7 @@ from mlx_tier.monitor.status import job_state, read_status
 from mlx_tier.outdir.journal import JobInfo, Journal
 
 runner = CliRunner()
-WIDTH = 80
-
-
-@pytest.fixture(autouse=True)
-def _eighty_columns(monkeypatch):
-    for console in (render.err, render.out):
-        monkeypatch.setattr(console, "_width", WIDTH)
+pytestmark = pytest.mark.usefixtures("eighty_columns")
 
 
 def run(*args):

@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
+
+WIDTH = 80  # a terminal's columns
+
+
+@pytest.fixture
+def eighty_columns(monkeypatch):
+    """The CLI's consoles at :data:`WIDTH` columns, whatever the test's terminal."""
+    import mlx_tier.cli.render as render
+
+    for console in (render.err, render.out):
+        monkeypatch.setattr(console, "_width", WIDTH)
+
 
 def command_after(output: str, label: str) -> str:
     """The command a message gives after ``label`` (e.g. ``"Resume with:"``): the line
