@@ -68,8 +68,29 @@ def retry_command(command: str | None) -> str:
     before a ``< inputs.txt`` redirection), or a sentence when the run left no command."""
     if not command:
         return f"the same mlx-tier run command plus {RETRY_FAILED}"
-    head, sep, tail = command.partition(" < ")  # a stdin list stays at the end
-    return f"{head} {RETRY_FAILED}{sep}{tail}" if RETRY_FAILED not in head else command
+    head, sep, tail = _redirect(command)
+    try:
+        words = shlex.split(head)
+    except ValueError:  # not a command this program wrote
+        words = []
+    return command if RETRY_FAILED in words else f"{head} {RETRY_FAILED}{sep}{tail}"
+
+
+LIST_FILE = "inputs.txt"  # OUT_DIR's copy of a stdin list, which resume commands read (layout.INPUT_LIST)
+
+
+def _redirect(command: str) -> tuple[str, str, str]:
+    """``(command, " < ", file)`` split at the ``< OUT_DIR/inputs.txt`` a resume command of a
+    stdin list ends with, else ``(command, "", "")``: a ``<`` inside a quoted option (a
+    prompt saying "in < 100 words") is no redirection."""
+    head, sep, tail = command.rpartition(" < ")
+    try:
+        target = shlex.split(tail) if sep else []
+    except ValueError:
+        target = []
+    if len(target) == 1 and (target[0] == LIST_FILE or target[0].endswith("/" + LIST_FILE)):
+        return head, sep, tail
+    return command, "", ""
 
 
 def plain_rerun(command: str | None) -> str | None:
@@ -79,7 +100,7 @@ def plain_rerun(command: str | None) -> str | None:
     record holds: one of an older version may carry the flag. ``None`` stays ``None``."""
     if not command:
         return command
-    head, sep, tail = command.partition(" < ")  # a stdin list stays at the end
+    head, sep, tail = _redirect(command)  # a stdin list stays at the end
     try:
         words = shlex.split(head)
     except ValueError:  # not a command this program wrote: leave it as it is

@@ -251,10 +251,11 @@ def _shown_name(result) -> str:
 
 
 def _renamed(result) -> bool:
-    """Whether a result's output is named otherwise than its path says (``x/a.txt`` is
-    ``x__a.md``; a clash made it ``a.txt-2.md``, or the name was cut to fit)."""
+    """Whether a result's output is named otherwise than its name says (``x/a.txt`` is
+    ``x__a.md``, a JSONL line's ``report.v2`` is ``report.v2.md``; a clash made it
+    ``a.txt-2.md``, or the name was cut to fit)."""
     name = _shown_name(result)
-    return result.id != Path(name).with_suffix("").as_posix().replace("/", "__")
+    return result.id not in (Path(name).with_suffix("").as_posix().replace("/", "__"), name.replace("/", "__"))
 
 
 def print_summary(report, out_dir: Path) -> None:

@@ -128,12 +128,24 @@ def _mostly_utf8(data: bytes) -> tuple[str, str] | None:
     garble every letter that UTF-8 wrote right)."""
     text = data.decode("utf-8", errors="surrogateescape")  # each stray byte: a lone surrogate U+DC80..U+DCFF
     stray = sum(1 for c in text if "\udc80" <= c <= "\udcff")
-    valid = sum(1 for c in text if c >= "\x80" and not "\udc80" <= c <= "\udcff")
+    valid = sum(1 for c in text if c >= "\x80" and not "\udc80" <= c <= "\udcff" and not _cp1252_pair(c))
     if valid < max(1, stray):
         return None
     fixed = "".join(bytes([ord(c) - 0xDC00]).decode("cp1252", errors="replace") if "\udc80" <= c <= "\udcff" else c
                     for c in text)
     return fixed, f"text (utf-8, {stray} byte{'' if stray == 1 else 's'} not UTF-8 read as cp1252)"
+
+
+# Second bytes that make a cp1252 letter (À..ß, à..ÿ: 0xC4 and up) and the punctuation after
+# it (“ ” – — ™ nbsp « ° »...) look like one 2-byte UTF-8 character ("CAFÉ”" is C9 94: "ɔ").
+_CP1252_PUNCTUATION = frozenset(range(0x80, 0xA1)) | {0xAB, 0xB0, 0xBB}
+
+
+def _cp1252_pair(c: str) -> bool:
+    """Whether the UTF-8 character ``c`` may as well be a cp1252 letter and the punctuation
+    after it: no evidence that the text is UTF-8."""
+    b = c.encode("utf-8")
+    return len(b) == 2 and b[0] >= 0xC4 and b[1] in _CP1252_PUNCTUATION
 
 
 def _checked(text: str, converter: str) -> Converted:

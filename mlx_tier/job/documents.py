@@ -210,15 +210,16 @@ def size_hint(doc, convert: bool = True) -> int:
 
 
 def source_file(doc) -> str | None:
-    """The file ``doc`` is read from, absolute with links resolved (as a list of paths names its
-    files), or ``None`` for a JSONL line or a batch request (no file of their own).
+    """The file ``doc`` is read from, as an absolute path (links kept: an INPUT given as a link
+    later pointed elsewhere names the same document), or ``None`` for a JSONL line or a batch
+    request (no file of their own).
 
     What a summary's journal record keeps of its source (:func:`source_field`): the same
     output name reached from another file is told apart from the same file reached again
     (:func:`mlx_tier.job.rerun.refuse_other_files`)."""
     if doc.key is not None or doc.request is not None:
         return None
-    return os.path.realpath(doc.source)
+    return os.path.abspath(doc.source)
 
 
 def source_field(doc) -> dict[str, str]:
@@ -257,7 +258,7 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
     skipped = Counter() if skipped is None else skipped
     # With links followed, a folder of INPUT is walked by its own path, never by a link's
     # (which one came first would otherwise name its documents, by directory order).
-    inside = {Path(f).resolve() for f, _, _ in os.walk(root)} if follow_links else set()
+    inside = _walked_folders(root, exclude) if follow_links else set()
     for folder, dirs, names in os.walk(root, followlinks=follow_links):
         here = Path(folder)
         if follow_links:  # a link cycle would walk forever
@@ -276,6 +277,18 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
             else:
                 skipped[why] += 1
     return _once_each(sorted(files), skipped)
+
+
+def _walked_folders(root: Path, exclude: Path | None) -> set[Path]:
+    """The real paths of the folders under ``root`` a walk that follows no link enters (hidden,
+    metadata and output folders left out, as :func:`_folder_skip` leaves them): a link to
+    one of them is redundant; a link to any other folder is the way to its files."""
+    out = set()
+    for folder, dirs, _ in os.walk(root):
+        here = Path(folder)
+        out.add(here.resolve())
+        dirs[:] = [d for d in dirs if _folder_skip(here / d, exclude) is None]
+    return out
 
 
 def _linked_inside(p: Path, inside: set[Path]) -> str | None:

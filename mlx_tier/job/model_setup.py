@@ -20,6 +20,7 @@ from mlx_tier.engine.checkpoint import context_length
 from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.footprint import MemoryBudget, named
 from mlx_tier.engine.sizes import peak_rss, run_budget
+from mlx_tier.engine.store import DEFAULT_PAGE_CACHE, DEFAULT_READ_METHOD
 from mlx_tier.job.activity import Reporter
 from mlx_tier.job.config import JobConfig
 from mlx_tier.job.report import JobReport, machine_info
@@ -85,7 +86,8 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
         budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())
     if budget is not None:
         reporter.message(f"memory: {budget.describe()}")
-        tier = replace(tier, page_cache=read_mode(model_dir, budget, config.generation.schedule, reporter.message))
+        if (tier.read_method, tier.page_cache) == (DEFAULT_READ_METHOD, DEFAULT_PAGE_CACHE):  # else the caller's
+            tier = replace(tier, page_cache=read_mode(model_dir, budget, config.generation.schedule, reporter.message))
         if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
             cache_gb = budget.cache / GIB  # the split's share (load's own cache_gb overrides the config's None)
     reporter.message(f"loading {model_dir}")
@@ -103,7 +105,8 @@ def read_mode(model_dir: Path, budget: MemoryBudget, schedule: str, say: Callabl
     """How this run reads its experts (``TierConfig.page_cache``): around the page cache
     when its experts exceed all the process may hold and the schedule is the throughput
     one (:mod:`mlx_tier.policy.reads`), said in one line, unless the checkpoint's
-    filesystem refuses direct reads; else through it."""
+    filesystem refuses direct reads; else through it. Asked only when the caller left
+    ``TierConfig``'s ``read_method`` and ``page_cache`` at their defaults."""
     from mlx_tier.engine.checkpoint import index_checkpoint
     from mlx_tier.engine.limits import probe_limit
     from mlx_tier.engine.store import direct_reads_work

@@ -86,7 +86,8 @@ class JsonlSummaries:
         """
         doc_id = record["id"]
         name = f"{doc_id}.md"
-        summary = read_nofollow(self.out_dir / name).decode("utf-8").removesuffix("\n")  # bytes: no newline translation
+        # bytes: no newline translation; an .md edited by hand in another encoding: its stray bytes as U+FFFD
+        summary = read_nofollow(self.out_dir / name).decode("utf-8", errors="replace").removesuffix("\n")
         if self.summaries.get(doc_id, 0) == summary:  # its line holds it already (0: no line)
             return
         doc = self.docs.get(doc_id)

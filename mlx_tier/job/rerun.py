@@ -164,11 +164,13 @@ def copy_reused(tri: Triage, records: Mapping[str, dict], docs, out_dir: Path, j
 
 def other_files(docs, records: Mapping[str, dict], out_dir: Path) -> list[tuple[str, str, str]]:
     """``(output, earlier file, this file)`` for each document whose output holds the finished
-    summary of another file: its ``done`` record names a ``source`` (absolute, links
-    resolved: :func:`~mlx_tier.job.documents.source_file`) that is not this document's file
-    and still exists. A source gone since (a folder moved or renamed) is not another file: its
-    summary is this document's, judged by content as any other. A record without a
-    ``source`` (an older version's), a JSONL line and a batch request are never another file.
+    summary of another file: its ``done`` record names a ``source``
+    (:func:`~mlx_tier.job.documents.source_file`) that is not this document's file, still
+    exists, and held other bytes than this file holds now. A source gone since (a folder
+    moved or renamed) is not another file: its summary is this document's, judged by content
+    as any other; nor is a file of the same bytes (a copy of the folder: its summary is
+    current). A record without a ``source`` (an older version's), a JSONL line and a batch
+    request are never another file.
     """
     found = []
     for d in docs:
@@ -177,9 +179,15 @@ def other_files(docs, records: Mapping[str, dict], out_dir: Path) -> list[tuple[
         if rec.get("status") != "done" or not isinstance(was, str):
             continue  # resolved only when there is a path to compare with
         now, output = source_file(d), Path(out_dir) / f"{d.id}.md"
-        if now is not None and _another_file(was, now) and output.exists():
+        if now is not None and _another_file(was, now) and output.exists() and not _same_bytes(d, rec):
             found.append((str(output), was, now))
     return found
+
+
+def _same_bytes(doc, rec: dict) -> bool:
+    """Whether ``doc``'s source now holds the bytes its record's summary was made from."""
+    made = recorded_hash(rec)
+    return made is not None and doc.stamp is not None and doc.stamp.sha256 == made
 
 
 def _another_file(was: str, now: str) -> bool:

@@ -38,6 +38,7 @@ import os
 from pathlib import Path
 
 from mlx_tier.errors import InputError
+from mlx_tier.messages import LIST_FILE
 
 JOURNAL = "journal.jsonl"
 SUMMARIES = "summaries.jsonl"
@@ -49,7 +50,7 @@ PROGRESS_FILE = "progress.json"
 LOCK = ".mlx-tier.lock"
 PID_FILE = "run.pid"
 LOG_FILE = "run.log"
-INPUT_LIST = "inputs.txt"
+INPUT_LIST = LIST_FILE  # named where resume commands are parsed (mlx_tier.messages)
 RANKS_DIR = "ranks"
 PLAN = "plan.json"
 CLAIMS = "claims"

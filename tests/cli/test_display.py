@@ -207,10 +207,11 @@ def test_the_results_table_names_documents_as_the_input_does(monkeypatch):
     monkeypatch.setattr(render, "out", console)
     report = report_with(0, earlier=0)
     report.results = [DocResult("x__a", "done", name="x/a.txt"), DocResult("a.txt-2", "done", name="a.txt"),
-                      DocResult("a", "done", name="a.md"), DocResult("old", "done")]  # old: no name recorded
+                      DocResult("a", "done", name="a.md"), DocResult("old", "done"),  # old: no name recorded
+                      DocResult("report.v2", "done", name="report.v2")]  # a JSONL line's id: no suffix to drop
     render.print_summary(report, Path("out"))
     rows = [line.split("│")[1].strip() for line in console.export_text().splitlines() if line.startswith("│")]
-    assert rows == ["x/a.txt", "a.txt → a.txt-2.md", "a.md", "old"]
+    assert rows == ["x/a.txt", "a.txt → a.txt-2.md", "a.md", "old", "report.v2"]
     console = Console(width=100, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     monkeypatch.setattr(render, "out", console)
     report.setup["batch_requests"] = True

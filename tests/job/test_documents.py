@@ -188,6 +188,15 @@ def test_utf8_text_with_a_few_stray_bytes_is_read_as_utf8(data, text, strays):
     assert got.converter == f"text (utf-8, {strays} byte{'' if strays == 1 else 's'} not UTF-8 read as cp1252)"
 
 
+@pytest.mark.parametrize("text", ["He wrote “Fuß” in the “CAFÉ” sign.", "Ça coûte 5 €, « très » cher."])
+def test_a_cp1252_file_whose_letter_and_quote_look_like_one_utf8_character_stays_cp1252(text):
+    """A review: `É”` (C9 94) and `ß”` (DF 94) are valid 2-byte UTF-8, so one such pair beside
+    one stray byte had a cp1252 file read as UTF-8 ("CAFɔ"). Such pairs are no evidence of
+    UTF-8; the file goes to detection, as before."""
+    got = decode_text(text.encode("cp1252"))
+    assert (got.text, got.converter) == (text, "text (cp1252)")
+
+
 def test_the_encoding_named_by_its_python_codec_name():
     assert decode_text(b"abc\x00def").converter == "text (utf-8)"  # was "utf_8" beside "utf-8"
 
@@ -316,6 +325,12 @@ def test_a_file_or_folder_inside_input_is_one_document_whatever_links_lead_to_it
         assert sorted(d.name for d in discover(inp, follow_links=follow, skipped=skipped)) == ["a.txt", "sub/s.txt"]
         assert skipped["link to a document read by its own path"] == 2
         assert skipped["link to a folder in INPUT"] == (1 if follow else 0)
+    # a review: a link to a hidden folder inside INPUT is the only way to its files: followed, it is read
+    (inp / ".archive" / "2024").mkdir(parents=True)
+    (inp / ".archive" / "2024" / "minutes.md").write_text("minutes")
+    (inp / "current").symlink_to(".archive/2024", target_is_directory=True)
+    assert "current/minutes.md" in {d.name for d in discover(inp, follow_links=True)}
+    assert "current/minutes.md" not in {d.name for d in discover(inp)}
 
 
 def test_jsonl_bom_and_line_separators(tmp_path):

@@ -253,3 +253,20 @@ def test_a_throughput_run_of_a_model_larger_than_memory_reads_around_the_page_ca
     code, output = run(docs, "--out", tmp_path / "paced", "--model", tiny_moe, "--max-tokens", "4",
                        "--schedule", "paced")
     assert code == 0 and "reads:" not in output
+
+
+def test_a_callers_own_read_settings_are_kept(one_gib_cgroup, tiny_moe, monkeypatch):
+    """A review: with `TierConfig(read_method="mmap")` (the library's setting, no CLI flag) the
+    job's choice of O_DIRECT made a TierConfig mmap cannot take, and a `page_cache="drop"` was
+    replaced. The job chooses only where both were left at their defaults."""
+    from mlx_tier import TierConfig
+    from mlx_tier.job.activity import Reporter
+    from mlx_tier.job.config import JobConfig
+    from mlx_tier.job.model_setup import load_model
+
+    monkeypatch.setattr(limits, "probe_limit", lambda proc=None: replace(one_gib_cgroup, total=2**10))
+    for read_method, page_cache in (("mmap", "keep"), ("pread", "drop")):
+        tier = TierConfig(kernel="cpu", read_method=read_method, page_cache=page_cache)
+        loaded = load_model(JobConfig(input=".", out_dir="o", model=tiny_moe, tier=tier), Reporter())
+        store = loaded.cache.store
+        assert (store.read_method, store.page_cache) == (read_method, page_cache)

@@ -53,8 +53,8 @@ def refused_run(monkeypatch, *args):
 def assert_refused(result, output, earlier, this):
     code, words, errors = result
     assert code == 2 and len(errors) == 1 and words.startswith("error:"), words  # one error, nothing before it
-    assert f"error: {output} holds the summary of {os.path.realpath(earlier)}, not of this input's " \
-           f"{os.path.realpath(this)}, which has the same output name; nothing was run" in words, words
+    assert f"error: {output} holds the summary of {os.path.abspath(earlier)}, not of this input's " \
+           f"{os.path.abspath(this)}, which has the same output name; nothing was run" in words, words
     assert "Give this input another --out, or list the files of both on stdin (mlx-tier run -)" in words, words
 
 
@@ -158,6 +158,12 @@ def test_other_files_from_plain_records(tmp_path):
     assert found({"source": str(a)}, [Document("x", "in.jsonl:1", "text", key=("id", "x"))]) == []  # a JSONL line
     (tmp_path / "hard.txt").hardlink_to(b)
     assert found({"source": str(tmp_path / "hard.txt")}) == []  # the same file by another name
+    # a review: a copy of the folder (the same bytes) was refused; its summary is current
+    assert found({"source": str(a), "made_from": {"sha256": doc.stamp.sha256, "hashed": "bytes"}}) == []
+    # a review: INPUT given as a link later pointed elsewhere is the same path, judged by content
+    (tmp_path / "current").symlink_to(tmp_path / "b", target_is_directory=True)
+    via = FileDocument("x", str(tmp_path / "current" / "x.txt"), tmp_path / "current" / "x.txt", name="x.txt")
+    assert found({"source": str(tmp_path / "current" / "x.txt")}, [via]) == []
     (out / "x.md").unlink()
     assert found({"source": str(a)}) == []  # its output gone: nothing to lose
 

@@ -144,3 +144,19 @@ def test_ranks_leaving_documents_to_a_plain_rerun_is_no_rank_failure(tmp_path, m
                         lambda config, launch, reporter: _report(pending=2, left_pending=1))
     r = runner.invoke(app, [*args, "--retry-failed"])
     assert r.exit_code == 3 and "1 document(s) left pending (a rank ended early" in r.output, r.output
+
+
+def test_a_prompt_holding_a_less_than_sign_or_the_flag_keeps_the_commands_right():
+    """A review: the commands split at the first " < " (a prompt "in < 100 words" took the
+    flag inside its quotes) and looked for the flag as a substring (a prompt naming it)."""
+    from mlx_tier.messages import retry_command
+
+    prompt = "mlx-tier run docs --out o --prompt 'Summarise in < 100 words'"
+    assert retry_command(prompt) == prompt + " --retry-failed"
+    assert plain_rerun(prompt + " --retry-failed") == prompt
+    named = "mlx-tier run docs --out o --prompt 'never --retry-failed'"
+    assert retry_command(named) == named + " --retry-failed"
+    for listed in ("mlx-tier run - --out o < o/inputs.txt", "mlx-tier run - --out . < inputs.txt"):
+        head, tail = listed.split(" < ")
+        assert retry_command(listed) == f"{head} --retry-failed < {tail}"
+        assert plain_rerun(f"{head} --retry-failed < {tail}") == listed

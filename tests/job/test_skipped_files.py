@@ -9,19 +9,14 @@ from collections import Counter
 
 import pytest
 from support.jobs import _short_context, small_moe  # noqa: F401 - fixtures
+from support.output import eighty_columns  # noqa: F401 - a fixture
 from typer.testing import CliRunner
 
-import mlx_tier.cli.render as render
 from mlx_tier.cli.main import app
 from mlx_tier.job.documents import discover_list, skip_note
 
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def _eighty_columns(monkeypatch):
-    for console in (render.err, render.out):
-        monkeypatch.setattr(console, "_width", 80)
+pytestmark = pytest.mark.usefixtures("eighty_columns")
 
 
 def run(folder, out, model):

@@ -139,6 +139,10 @@ def test_a_jsonl_line_that_no_longer_holds_its_summary_is_replaced_whatever_the_
     after = s.path.read_bytes()
     s.add({"id": "b", "status": "done", "output_tokens": 9, "redo": "stale"})  # the same text: nothing to write
     assert s.path.read_bytes() == after
+    (tmp_path / "b.md").write_bytes("Édité à la main.\n".encode("cp1252"))  # a review: this raised at every start
+    JsonlSummaries(tmp_path, docs).sync({"b": {"status": "done"}})
+    assert {x["id"]: x for x in map(json.loads, s.path.read_text().splitlines())}["b"]["summary"] == \
+        "\ufffddit\ufffd \ufffd la main."
 
 
 def test_export_failure_keeps_the_record_out_and_id_less_records_are_entries(tmp_path):
