@@ -120,8 +120,8 @@ def _plant_link_after_discovery(monkeypatch, name: str, target):
 
     real = jobs.find_documents
 
-    def find(config):
-        docs = real(config)
+    def find(config, *args):
+        docs = real(config, *args)
         victim = config.input / name
         victim.unlink()
         victim.symlink_to(target)
