@@ -241,13 +241,11 @@ def status_cell(result) -> str:
 
 def _shown_name(result) -> str:
     """A result's name as its input gave it (a file's path in the folder, a JSONL line's id),
-    else its output id; a file name that is not valid UTF-8 (lone surrogates, PEP 383) with
-    its stray bytes written out (``caf\\xe9.txt``)."""
-    name = result.name if isinstance(result.name, str) and result.name else result.id
-    try:
-        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate no byte stands for
-        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+    else its output id; a file name that is not valid UTF-8 with its stray bytes written out
+    (:func:`mlx_tier.monitor.page.shown`)."""
+    from mlx_tier.monitor.page import shown
+
+    return shown(result.name if isinstance(result.name, str) and result.name else result.id)
 
 
 def _renamed(result) -> bool:

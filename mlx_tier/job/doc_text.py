@@ -127,13 +127,17 @@ def _mostly_utf8(data: bytes) -> tuple[str, str] | None:
     the file is in another encoding, and reading all of it as one 8-bit table would
     garble every letter that UTF-8 wrote right)."""
     text = data.decode("utf-8", errors="surrogateescape")  # each stray byte: a lone surrogate U+DC80..U+DCFF
-    stray = sum(1 for c in text if "\udc80" <= c <= "\udcff")
-    valid = sum(1 for c in text if c >= "\x80" and not "\udc80" <= c <= "\udcff" and not _cp1252_pair(c))
+    stray = sum(1 for c in text if _stray(c))
+    valid = sum(1 for c in text if c >= "\x80" and not _stray(c) and not _cp1252_pair(c))
     if valid < max(1, stray):
         return None
-    fixed = "".join(bytes([ord(c) - 0xDC00]).decode("cp1252", errors="replace") if "\udc80" <= c <= "\udcff" else c
-                    for c in text)
+    fixed = "".join(bytes([ord(c) - 0xDC00]).decode("cp1252", errors="replace") if _stray(c) else c for c in text)
     return fixed, f"text (utf-8, {stray} byte{'' if stray == 1 else 's'} not UTF-8 read as cp1252)"
+
+
+def _stray(c: str) -> bool:
+    """Whether ``c`` stands for a byte that was not UTF-8 (``surrogateescape``: U+DC80..U+DCFF)."""
+    return "\udc80" <= c <= "\udcff"
 
 
 # Second bytes that make a cp1252 letter (À..ß, à..ÿ: 0xC4 and up) and the punctuation after

@@ -145,7 +145,8 @@ def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, r
         return budget
     slots, plan, own = found
     new = with_cache(budget, slots)
-    reporter.message(f"memory: expert cache {new.cache / GIB:.2f} GiB ({slots} slot{'' if slots == 1 else 's'} per layer) instead of "
+    per_layer = f"{slots} slot{'' if slots == 1 else 's'} per layer"
+    reporter.message(f"memory: expert cache {new.cache / GIB:.2f} GiB ({per_layer}) instead of "
                      f"{budget.cache / GIB:.2f}, for room to pool documents: predicted "
                      f"{plan.docs_per_hour:.0f} documents/hour against {own.docs_per_hour:.0f}")
     return new

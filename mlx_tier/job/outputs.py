@@ -88,7 +88,7 @@ class JsonlSummaries:
         name = f"{doc_id}.md"
         # bytes: no newline translation; an .md edited by hand in another encoding: its stray bytes as U+FFFD
         summary = read_nofollow(self.out_dir / name).decode("utf-8", errors="replace").removesuffix("\n")
-        if self.summaries.get(doc_id, 0) == summary:  # its line holds it already (0: no line)
+        if doc_id in self.summaries and self.summaries[doc_id] == summary:  # its line holds it already
             return
         doc = self.docs.get(doc_id)
         if doc is not None and doc.key is not None:
@@ -112,7 +112,8 @@ class JsonlSummaries:
         Raises:
             OSError: the file cannot be rewritten.
         """
-        if self.summaries.pop(record["id"], 0) != 0:
+        if record["id"] in self.summaries:
+            del self.summaries[record["id"]]
             self._replace(f"{record['id']}.md", b"")
 
     def _replace(self, name: str, data: bytes) -> None:
