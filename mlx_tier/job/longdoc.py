@@ -127,6 +127,10 @@ class MapReduce:
         """``(index, prompt)`` of every call of the current level."""
         return list(enumerate(self._prompts))
 
+    def prompt(self, index: int) -> list[int]:
+        """The prompt of call ``index`` of the current level."""
+        return self._prompts[index]
+
     def level_tokens(self) -> tuple[int, int]:
         """``(prompt tokens of the current level's finished calls, of all its calls)``: how
         much of the level's reading is behind (a progress line's and an ETA's measure of a

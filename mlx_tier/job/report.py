@@ -37,6 +37,7 @@ class DocResult:
     output: str | None = None
     finish_reason: str | None = None  # "stop" (end of text) or "length" (hit --max-tokens)
     parts: int = 0  # > 0: too long for the context, summarised by map-reduce over this many parts
+    parts_kept: int | None = None  # of its map-reduce calls, how many an earlier (stopped) run had finished
     earlier_run: bool = False  # done or failed by an earlier run (its figures from the journal)
     name: str | None = None  # the original id (relative path, JSONL custom_id/id) the output name came from
     converter: str | None = None  # how the text was read: "text (cp1252)", "markitdown 0.1.9 PdfConverter"...

@@ -57,6 +57,7 @@ from mlx_tier.job.documents import (
 )
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.heartbeat import Heartbeat
+from mlx_tier.job.kept_parts import forget_finished, open_parts
 from mlx_tier.job.model_setup import (
     Loaded,
     earlier_setup,
@@ -113,6 +114,7 @@ from mlx_tier.outdir.layout import (
     REPORT,
     check_out_dir,
 )
+from mlx_tier.outdir.parts import PartStore
 from mlx_tier.rates import RunSpeed
 
 # What fails one document without stopping the job. MLX's out-of-memory errors
@@ -125,6 +127,7 @@ DOCUMENT_ERRORS: tuple[type[BaseException], ...] = (Exception,)
 def _figures(outcome: Outcome, res: DocResult) -> None:
     res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
     res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
+    res.parts_kept = outcome.kept or None
 
 
 def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, settings: Settings) -> None:
@@ -205,6 +208,7 @@ class _Pass:
     model_name: str = ""  # the model that answers, as each response names it
     samples: list = field(default_factory=list)  # (text, size) of a few documents: their characters per token
     sources: dict = field(default_factory=dict)  # id -> {"source": its file} of each pending file, for its record
+    parts: PartStore | None = None  # long documents' finished calls, kept as they finish (None: requests)
 
 
 def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, beat: Heartbeat) -> dict:
@@ -230,7 +234,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, generation,
                           max(p.sizes.values(), default=0), probes=probes,
                           typical_chars=sum(known) // len(known) if known else None, documents=len(p.sizes),
-                          memory=loaded.budget, samples=p.samples)
+                          memory=loaded.budget, samples=p.samples, parts=p.parts)
     p.report.setup["generation"] = scheduler.info
     announce(scheduler, reporter)
     rate, prompt_rate = Rate(), Rate()
@@ -275,6 +279,9 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
                  report.this_run("failed"), reporter)
     if not stopping():
         speed.compare(loaded.budget, loaded.cache, p.report, reporter)
+    if p.parts is not None and p.parts.error:
+        reporter.message(f"parts: could not keep finished calls of long documents ({p.parts.error}); "
+                         "a stopped run would generate them again")
     return throttle.as_dict()
 
 def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded, eta: EtaTracker,
@@ -640,15 +647,23 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if config.retry_failed:
         reporter.message(f"`retry_failed`: retrying {len(pending)} failed document(s); pending ones are left "
                          "for a plain rerun")
+    parts = None
+    if not is_batch(docs):  # also when nothing is pending: the lines of documents finished since go
+        parts, notes = open_parts(config, settings, share.journal_name, job.view().records(), tri.pending,
+                                  share.part)
+        for note in notes:
+            reporter.message(note)
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
         p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings,
-                  samples=samples, sources={d.id: source_field(d) for d in pending})
+                  samples=samples, sources={d.id: source_field(d) for d in pending}, parts=parts)
         if is_batch(docs):
             _batch_pass(p, pending, config, reporter, asked_kv_bits)
         _run_pending(p, config, loaded)
         report.generation_seconds = _generation_seconds(p, clock.t())
+        for note in forget_finished(parts, job.view().records(), share.part) if parts is not None else []:
+            reporter.message(note)
     return report, loaded
 
 

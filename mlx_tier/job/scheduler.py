@@ -68,6 +68,7 @@ from mlx_tier.job.prompts import (
     trim_to_sentence,
 )
 from mlx_tier.job.quantized_kv import quantized_copy
+from mlx_tier.outdir.parts import KeptCall, PartStore
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
@@ -153,6 +154,7 @@ class Outcome:
     choices: list[Choice] | None = None
     error_code: str | None = None
     error_param: str | None = None
+    kept: int = 0  # map-reduce calls whose result a stopped run kept (not generated again)
 
 
 def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "a context of"):
@@ -199,6 +201,7 @@ class _Doc:
     finished: bool = False
     seconds: float = 0.0  # prompt reading + decode steps it was in (decode steps are shared with the batch)
     choices: list[Choice | None] | None = None  # a batch request's, by index, as they finish
+    kept: int = 0  # map-reduce calls taken from the parts a stopped run kept
 
 
 class _Pulled:
@@ -279,6 +282,9 @@ class Scheduler:
         memory: the run's memory split (:class:`~mlx_tier.engine.footprint.MemoryBudget`):
             sequences are sized within its KV share (:func:`~mlx_tier.job.batch_engine.sequence_room`);
             ``None``: within what the memory limit leaves.
+        parts: where the calls of long documents are kept as they finish, and
+            found again when a stopped run resumes (:class:`~mlx_tier.outdir.parts.PartStore`);
+            ``None``: not kept.
 
     Attributes:
         batch_size: sequences decoded together (fixed for the scheduler's life).
@@ -292,8 +298,10 @@ class Scheduler:
     def __init__(self, model, tokenizer, model_dir: Path, model_context: int, config: GenerationConfig,
                  longest_chars: int | None = None, probes: list[list[int]] | None = None,
                  typical_chars: int | None = None, documents: int | None = None,
-                 memory: MemoryBudget | None = None, samples: list[Sample] | None = None):
+                 memory: MemoryBudget | None = None, samples: list[Sample] | None = None,
+                 parts: PartStore | None = None):
         self.model, self.tokenizer, self.config, self.memory = model, tokenizer, config, memory
+        self.parts = parts
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
@@ -554,7 +562,28 @@ class Scheduler:
         if can_wait and context < min(self.context, len(prompt) + c.max_tokens):
             return None
         d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, context - c.max_tokens)
-        return [Task((d, i), p, c.max_tokens) for i, p in d.mr.prompts()]
+        return self._calls(d, d.mr.prompts())
+
+    def _calls(self, d: _Doc, calls: list[tuple[int, list[int]]]) -> list[Task] | Outcome:
+        """The tasks of a map-reduce document's ``calls`` (``(index, prompt)``). A call a
+        stopped run finished (:attr:`parts`) is not run again: its kept result is added at
+        once, which may complete the level (its next calls are taken the same way) or the
+        whole document (its outcome is returned). Raises TooLong (:meth:`MapReduce.add`)."""
+        while True:
+            tasks, more, reason = [], [], None
+            for i, prompt in calls:
+                kept = self.parts.get(prompt) if self.parts is not None else None
+                if kept is None:
+                    tasks.append(Task((d, i), prompt, self.config.max_tokens))
+                    continue
+                d.kept += 1
+                d.reasoning.append(kept.reasoning)
+                more, reason = d.mr.add(i, kept.text) or more, kept.finish_reason
+            if d.mr.summary is not None:
+                return self._finish(d, d.mr.summary, reason or "stop")
+            if not more:
+                return tasks
+            calls = more
 
     def _request_tasks(self, d: _Doc, can_wait: bool = False) -> list[Task] | None:
         """A batch request's calls, one per choice, as written: its prompt, its token limit
@@ -583,7 +612,7 @@ class Scheduler:
     def _failed(self, d: _Doc, error: str, code: str | None = None, param: str | None = None) -> Outcome:
         d.finished = True
         return Outcome(d.doc.id, "failed", input_tokens=d.input_tokens, parts=d.mr.parts if d.mr else 0,
-                       seconds=d.seconds, error=error, error_code=code, error_param=param)
+                       seconds=d.seconds, error=error, error_code=code, error_param=param, kept=d.kept)
 
     def _answered(self, d: _Doc, f, index: int) -> Outcome | None:
         """A batch request's choice ``index`` finished (``f``); its outcome once every choice has."""
@@ -606,7 +635,7 @@ class Scheduler:
         d.finished = True
         return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
                        d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
-                       d.seconds)
+                       d.seconds, kept=d.kept)
 
     def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None,
@@ -762,15 +791,22 @@ class Scheduler:
             if d.mr is None:
                 yield self._finish(d, summary, f.finish_reason)
                 continue
+            text = trim_to_sentence(summary) if f.finish_reason == "length" else summary
+            if self.parts is not None:  # before the next step: a stop or a crash loses only the calls in flight
+                self.parts.keep(d.mr.prompt(index), KeptCall(d.doc.id, text, reasoning, len(f.tokens), f.finish_reason))
             try:
-                more = d.mr.add(index, trim_to_sentence(summary) if f.finish_reason == "length" else summary)
+                more = d.mr.add(index, text)
+                if d.mr.summary is not None:
+                    yield self._finish(d, d.mr.summary, f.finish_reason)
+                    continue
+                tasks = self._calls(d, more) if more else []
             except TooLong as e:
                 yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
                 continue
-            if d.mr.summary is not None:
-                yield self._finish(d, d.mr.summary, f.finish_reason)
-            elif more:
-                ready.extendleft(reversed([Task((d, i), p, self.config.max_tokens) for i, p in more]))
+            if isinstance(tasks, Outcome):
+                yield tasks
+            else:
+                ready.extendleft(reversed(tasks))
 
     def _clear_pending(self) -> None:
         """Forget lazy expert outputs of a failed step (they would fail again when evaluated)."""

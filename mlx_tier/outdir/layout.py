@@ -6,6 +6,7 @@ the ranks of a distributed run take their names from here::
     OUT_DIR/<id>.md                           one summary per document
     OUT_DIR/journal.jsonl                     the job's durable record (outdir.journal)
     OUT_DIR/summaries.jsonl                   --format jsonl: every summary, one line each
+    OUT_DIR/parts.jsonl                       long documents' finished calls (outdir.parts)
     OUT_DIR/output.jsonl                      a batch request file's answers (Batch API output lines)
     OUT_DIR/errors.jsonl                      its requests that failed (Batch API error lines)
     OUT_DIR/report.json, report.html          the job's report and page, rewritten per run
@@ -16,6 +17,7 @@ the ranks of a distributed run take their names from here::
     OUT_DIR/inputs.txt                        `mlx-tier run -`: the paths read from stdin
     OUT_DIR/ranks/<run_id>/plan.json          what a distributed run's launcher decided
     OUT_DIR/ranks/<run_id>/journal-<k>.jsonl  rank k's journal (only rank k appends to it)
+    OUT_DIR/ranks/<run_id>/parts-<k>.jsonl    rank k's kept calls of long documents
     OUT_DIR/ranks/<run_id>/claims/<id>        which rank took document <id>
     OUT_DIR/ranks/<run_id>/rank-<k>.json      rank k's own account, written when it ends
     OUT_DIR/ranks/<run_id>/exit-<k>.json      how rank k's process ended
@@ -42,6 +44,7 @@ from mlx_tier.messages import LIST_FILE
 
 JOURNAL = "journal.jsonl"
 SUMMARIES = "summaries.jsonl"
+PARTS = "parts.jsonl"
 BATCH_OUTPUT = "output.jsonl"
 BATCH_ERRORS = "errors.jsonl"
 REPORT = "report.json"
@@ -60,8 +63,8 @@ CLAIMS = "claims"
 OUTPUT_FORMATS = ("md", "jsonl")
 
 # Files a run writes in OUT_DIR besides the <id>.md summaries.
-JOB_FILES = (JOURNAL, SUMMARIES, BATCH_OUTPUT, BATCH_ERRORS, LOCK, REPORT, REPORT_HTML, PROGRESS_FILE, PID_FILE,
-             LOG_FILE, INPUT_LIST)
+JOB_FILES = (JOURNAL, SUMMARIES, PARTS, BATCH_OUTPUT, BATCH_ERRORS, LOCK, REPORT, REPORT_HTML, PROGRESS_FILE,
+             PID_FILE, LOG_FILE, INPUT_LIST)
 
 
 def run_dir(out_dir: Path, run_id: str) -> Path:
@@ -73,6 +76,16 @@ def rank_journal_name(run_id: str, rank: int) -> str:
     """Rank ``rank``'s journal of run ``run_id``, relative to OUT_DIR (a journal name for
     :class:`~mlx_tier.outdir.jobdir.JobDir` and :class:`~mlx_tier.outdir.journal.Journal`)."""
     return f"{RANKS_DIR}/{run_id}/journal-{rank}.jsonl"
+
+
+def rank_parts(journal_name: str) -> str:
+    """The parts file (:mod:`mlx_tier.outdir.parts`) of the process journalling to
+    ``journal_name``: :data:`PARTS` for the job's journal, ``ranks/<run>/parts-<k>.jsonl``
+    beside rank k's journal."""
+    if journal_name == JOURNAL:
+        return PARTS
+    folder, _, name = journal_name.rpartition("/")
+    return f"{folder}/{name.replace('journal-', 'parts-', 1)}"
 
 
 def rank_account_name(rank: int) -> str:

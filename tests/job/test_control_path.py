@@ -125,10 +125,10 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
 
     class Scheduler(real_scheduler):
         def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, probes=None,
-                     typical_chars=None, documents=None, memory=None, samples=None):
+                     typical_chars=None, documents=None, memory=None, samples=None, parts=None):
             seen["generation"], seen["longest_chars"], seen["memory"] = config, longest_chars, memory
             super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes,
-                             typical_chars, documents, memory, samples)
+                             typical_chars, documents, memory, samples, parts)
             seen["batch_size"] = self.batch_size
 
     monkeypatch.setattr(tiered, "load", load)

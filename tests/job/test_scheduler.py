@@ -3,6 +3,7 @@ document fails alone while the others finish; a stop request starts nothing new.
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -12,6 +13,8 @@ import mlx_tier
 from mlx_tier.job.batch_engine import Task
 from mlx_tier.job.documents import Document
 from mlx_tier.job.scheduler import GenerationConfig, Scheduler
+from mlx_tier.outdir.layout import PARTS
+from mlx_tier.outdir.parts import PartStore
 from mlx_tier.tools.pools import KV_STEP
 
 TEXTS = {
@@ -63,6 +66,46 @@ def test_long_document_is_summarised_by_map_reduce(tiered, tiny_moe):
     assert long.input_tokens > 180  # the whole document's prompt: never truncated
     assert long.output_tokens > 8  # every part's tokens count
     assert short.status == "done" and short.parts == 0
+
+
+def test_a_long_document_resumes_from_the_calls_a_stopped_run_kept(tiered, tiny_moe, tmp_path):
+    """Each finished call of a document read in parts is kept (:class:`PartStore`): a run
+    stopped midway loses only its calls in flight. The next run generates only the calls
+    not kept, and the summary is the one an uninterrupted run writes (the MLX path's
+    tokens do not depend on what ran beside them); under another identity nothing is reused."""
+    model, tokenizer = tiered
+    config = GenerationConfig("Summarise this.", max_tokens=8, batch_size=2)
+    identity = {"model": "tiny", "kernel": "mlx"}
+
+    def run_with(store, should_stop=lambda: False):
+        steps = []
+        sched = Scheduler(model, tokenizer, tiny_moe, 180, config, parts=store)
+        out = {o.id: o for o in sched.run(docs({"long": LONG}), should_stop=should_stop,
+                                          on_step=lambda info, ids: steps.append(info))}
+        return out, steps
+
+    for folder in ("whole", "stopped"):
+        (tmp_path / folder).mkdir()
+    whole, _ = run_with(PartStore(tmp_path / "whole", identity))
+    calls = PartStore(tmp_path / "whole", identity).docs()["long"]
+    assert whole["long"].status == "done" and whole["long"].parts >= 3 and whole["long"].kept == 0
+    assert calls >= whole["long"].parts + 1  # every part and the combining call(s)
+    again, steps = run_with(PartStore(tmp_path / "whole", identity))  # everything kept: nothing generated
+    assert again["long"].summary == whole["long"].summary and again["long"].kept == calls
+    assert again["long"].output_tokens == 0 and steps == []
+
+    store = PartStore(tmp_path / "stopped", identity)
+    stopped, _ = run_with(store, should_stop=lambda: bool(store.docs()))  # stop once one call is kept
+    assert stopped == {} and store.error is None
+    kept = [json.loads(line) for line in (tmp_path / "stopped" / PARTS).read_text().splitlines()]
+    assert 1 <= len(kept) < whole["long"].parts
+    resumed, _ = run_with(PartStore(tmp_path / "stopped", identity))
+    r = resumed["long"]
+    assert r.summary == whole["long"].summary and r.kept == len(kept)
+    assert r.output_tokens + sum(k["tokens"] for k in kept) == whole["long"].output_tokens
+
+    other, _ = run_with(PartStore(tmp_path / "whole", {**identity, "kernel": "cpu"}))
+    assert other["long"].kept == 0 and other["long"].output_tokens == whole["long"].output_tokens
 
 
 class Poisoned:

@@ -1,0 +1,88 @@
+"""`mlx-tier run` on a document read in parts: a run that ends midway (killed, or stopped)
+keeps the calls it finished (OUT_DIR/parts.jsonl); the rerun says so, generates only the
+rest, and writes the summary an uninterrupted run writes; the kept lines go once the
+document is done. Changed settings reuse nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.jobs import WORDS, _short_context, small_moe  # noqa: F401 - fixtures
+from typer.testing import CliRunner
+
+from mlx_tier.cli.main import app
+from mlx_tier.outdir.journal import Journal
+from mlx_tier.outdir.layout import PARTS
+from mlx_tier.outdir.parts import PartStore
+
+runner = CliRunner()
+BOOK = "\n\n".join(" ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(40)) + "." for i in range(12))
+
+
+def make(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "book.txt").write_text(BOOK)
+    (docs / "note.txt").write_text("Bees carry pollen between flowers.")
+    return docs
+
+
+def args(docs, out, model, *extra, schedule="paced"):
+    return ["run", str(docs), "--out", str(out), "--model", str(model), "--max-tokens", "8", "--kernel", "mlx",
+            "--schedule", schedule, *extra]
+
+
+def killed_after(monkeypatch, calls: int) -> None:
+    """Runs end as a killed process would, right after their ``calls``-th call is kept."""
+    real = PartStore.keep
+
+    def keep(self, prompt, call):
+        real(self, prompt, call)
+        if len(self.path.read_text().splitlines()) >= calls:
+            raise SystemExit(137)
+
+    monkeypatch.setattr(PartStore, "keep", keep)
+    return real
+
+
+@pytest.mark.parametrize("schedule", ["paced", "throughput"])
+def test_a_run_killed_inside_a_long_document_resumes_from_its_kept_calls(tmp_path, small_moe, monkeypatch,  # noqa: F811
+                                                                         schedule):
+    docs = make(tmp_path)
+    whole = runner.invoke(app, args(docs, tmp_path / "whole", small_moe, schedule=schedule))
+    assert whole.exit_code == 0, whole.output
+    parts = Journal(tmp_path / "whole").records()["book"]["parts"]
+    assert parts >= 3 and not (tmp_path / "whole" / PARTS).exists()  # the document is done: nothing kept
+
+    out = tmp_path / "out"
+    real = killed_after(monkeypatch, 2)
+    killed = runner.invoke(app, args(docs, out, small_moe, schedule=schedule))
+    assert killed.exit_code == 137 and not (out / "book.md").exists()
+    assert len((out / PARTS).read_text().splitlines()) == 2
+    monkeypatch.setattr(PartStore, "keep", real)
+
+    resumed = runner.invoke(app, args(docs, out, small_moe, schedule=schedule))
+    assert resumed.exit_code == 0, resumed.output
+    assert "1 long document(s) resume from 2 finished calls an earlier run kept" in " ".join(resumed.output.split())
+    record = Journal(out).records()["book"]
+    assert record["parts_kept"] == 2 and record["parts"] == parts
+    assert (out / "book.md").read_bytes() == (tmp_path / "whole" / "book.md").read_bytes()
+    whole_tokens = Journal(tmp_path / "whole").records()["book"]["output_tokens"]
+    assert 0 < record["output_tokens"] < whole_tokens  # only the calls not kept were generated
+    assert not (out / PARTS).exists()  # done: its kept calls are dropped
+    report = json.loads((out / "report.json").read_text())
+    assert {r["id"]: r.get("parts_kept") for r in report["documents"]}["book"] == 2
+
+
+def test_kept_calls_are_not_reused_under_other_settings(tmp_path, small_moe, monkeypatch):  # noqa: F811
+    docs = make(tmp_path)
+    out = tmp_path / "out"
+    real = killed_after(monkeypatch, 2)
+    assert runner.invoke(app, args(docs, out, small_moe)).exit_code == 137
+    monkeypatch.setattr(PartStore, "keep", real)
+    (docs / "book.txt").write_text(BOOK.replace("river", "stream"))  # the document changed
+    r = runner.invoke(app, args(docs, out, small_moe, "--max-tokens", "9"))  # and an option
+    assert r.exit_code == 0, r.output
+    record = Journal(out).records()["book"]
+    assert record["status"] == "done" and "parts_kept" not in record
