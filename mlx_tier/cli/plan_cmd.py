@@ -22,7 +22,7 @@ from mlx_tier.units import GIB, MIB
 def plan(
     model: str = typer.Argument(..., metavar="MODEL", help="mlx-lm MoE checkpoint folder, a Hugging Face repo id (read from the local cache, else only its config and safetensors headers are fetched: nothing large is downloaded), or demo for the built-in demo model."),
     memory_gb: float | None = typer.Option(None, "--memory-gb", help="Plan for a run given this much memory in all (GiB), as `run --memory-gb`, instead of what this process may use here (its container's limit, else the machine's available memory)."),
-    context: int = typer.Option(8192, "--context", min=1, help="Context length (tokens) for the KV cache estimate."),
+    context: int = typer.Option(8192, "--context", min=64, help="Context length (tokens) for the KV cache estimate (at least 64, as `run --context`)."),
     disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk bandwidth in GB/s (default: a short read test)."),
     compute_gbps: float | None = typer.Option(None, "--compute-gbps", help="Expert compute in GB/s of weights (default: a short test of the expert kernel a run would use)."),
     gpu_gb: float | None = typer.Option(None, "--gpu-gb", help="Also split the experts into GPU (hot), host (warm, from --memory-gb or this machine) and SSD (cold) tiers for a GPU with this much memory (GiB)."),
@@ -145,7 +145,11 @@ def _split_text(p) -> str:
         return f"does not fit: {as_flags(p.memory_fit or '')}"
     parts = {k: v for k, v in p.memory_split.items() if k not in ("total", "source", "prefill_step")}
     listed = " + ".join(f"{name.replace('_', ' ')} {v / GIB:.2f}" for name, v in parts.items())
-    return f"{p.memory_split['total'] / GIB:.2f} GiB = {listed} GiB"
+    total = p.memory_split["total"]
+    held = total - p.memory_available  # a run may hold what is available and what it holds already
+    why = (f" (available {p.memory_available / GIB:.2f} + {held / GIB:.2f} a process holds once MLX is loaded)"
+           if p.memory_source != "memory_gb" and held >= 0.005 * GIB else "")
+    return f"{total / GIB:.2f} GiB{why} = {listed} GiB"
 
 
 def _compute_text(p) -> str:

@@ -106,6 +106,21 @@ def test_plan_reports_the_limit_and_the_runs_split(one_gib_cgroup, tiny_moe):
     assert "(--memory-gb)" in " ".join(r.output.split()) and "(memory_gb)" not in r.output  # the flag, as given
 
 
+def test_plans_total_above_the_available_memory_says_why(one_gib_cgroup, tiny_moe):
+    """A run's total is what its limit leaves plus what the process holds already (MLX
+    loaded): above "available", which the plan says beside it (not with --memory-gb)."""
+    args = ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1"]
+    p = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    held = (p["memory_split"]["total"] - p["memory_available"]) / GIB
+    assert held > 0.005
+    words = " ".join(runner.invoke(app, args).output.split())
+    assert f"(available 0.90 + {held:.2f} a process holds once MLX is loaded)" in words.replace("│ ", ""), words
+    words = " ".join(runner.invoke(app, [*args, "--memory-gb", "0.8"]).output.split())
+    assert "a process holds" not in words
+    r = runner.invoke(app, [*args, "--context", "1"])  # no run takes such a context
+    assert r.exit_code == 2 and "--context" in r.output
+
+
 def test_plan_says_how_a_run_would_read_its_experts(one_gib_cgroup, tiny_moe, monkeypatch):
     """Through the page cache where it can hold the experts; around it (O_DIRECT) where they
     exceed all the process may hold, as `run` decides (mlx_tier.policy.reads)."""
