@@ -211,15 +211,15 @@ def size_hint(doc, convert: bool = True) -> int:
 
 def source_file(doc) -> str | None:
     """The file ``doc`` is read from, as an absolute path (links kept: an INPUT given as a link
-    later pointed elsewhere names the same document), or ``None`` for a JSONL line or a batch
-    request (no file of their own).
+    later pointed elsewhere names the same document): a JSONL line's is its JSONL file;
+    ``None`` for a batch request (its answer is a line of ``output.jsonl``, no output file).
 
     What a summary's journal record keeps of its source (:func:`source_field`): the same
     output name reached from another file is told apart from the same file reached again
     (:func:`mlx_tier.job.rerun.refuse_other_files`)."""
-    if doc.key is not None or doc.request is not None:
+    if doc.request is not None:
         return None
-    return os.path.abspath(doc.source)
+    return os.path.abspath(doc.source.rpartition(":")[0] if doc.key is not None else doc.source)
 
 
 def source_field(doc) -> dict[str, str]:

@@ -169,7 +169,9 @@ def other_files(docs, records: Mapping[str, dict], out_dir: Path) -> list[tuple[
     exists, and held other bytes than this file holds now. A source gone since (a folder
     moved or renamed) is not another file: its summary is this document's, judged by content
     as any other; nor is a file of the same bytes (a copy of the folder: its summary is
-    current). A record without a ``source`` (an older version's), a JSONL line and a batch
+    current). A JSONL line's file is its JSONL file (``this file`` then names its line): a
+    line of another JSONL file, or a file, is another file; a line of the same JSONL file
+    is judged by content. A record without a ``source`` (an older version's) and a batch
     request are never another file.
     """
     found = []
@@ -180,7 +182,7 @@ def other_files(docs, records: Mapping[str, dict], out_dir: Path) -> list[tuple[
             continue  # resolved only when there is a path to compare with
         now, output = source_file(d), Path(out_dir) / f"{d.id}.md"
         if now is not None and _another_file(was, now) and output.exists() and not _same_bytes(d, rec):
-            found.append((str(output), was, now))
+            found.append((str(output), was, os.path.abspath(d.source) if d.key is not None else now))
     return found
 
 

@@ -155,7 +155,12 @@ def test_other_files_from_plain_records(tmp_path):
     assert found({}) == []  # an older record: unknown
     assert found({"source": str(tmp_path / "gone" / "x.txt")}) == []  # moved away
     assert found({"source": str(a), "status": "failed"}) == []  # no finished summary to lose
-    assert found({"source": str(a)}, [Document("x", "in.jsonl:1", "text", key=("id", "x"))]) == []  # a JSONL line
+    # a JSONL line's file is its JSONL file: a file's summary, or another JSONL file's, is another file's
+    jsonl = folder(tmp_path / "j", **{"in.jsonl": '{"id": "x", "text": "three"}\n'}) / "in.jsonl"
+    line = Document("x", f"{jsonl}:1", "three", key=("id", "x"))
+    assert found({"source": str(a)}, [line]) == [(str(out / "x.md"), str(a), f"{jsonl}:1")]
+    assert found({"source": str(jsonl)}, [line]) == []  # the same JSONL file: judged by content
+    assert found({"source": str(jsonl)}) == [(str(out / "x.md"), str(jsonl), str(b))]
     (tmp_path / "hard.txt").hardlink_to(b)
     assert found({"source": str(tmp_path / "hard.txt")}) == []  # the same file by another name
     # a review: a copy of the folder (the same bytes) was refused; its summary is current
@@ -180,3 +185,33 @@ def test_several_outputs_of_other_files_are_one_line(tmp_path):
                                    f"{b / 'x.txt'}, which has the same output name (1 more document of this "
                                    "input likewise); nothing was run. Give this input another `out_dir`")
     refuse_other_files(docs[:1], {}, out)  # a first run into the folder: nothing to refuse
+
+
+def test_a_jsonl_line_and_a_file_of_the_same_name_never_share_an_output(tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """A review: a JSONL line whose key equals a file's relative name took that file's
+    summary (JSONL lines kept no source), and a file took a JSONL line's; two JSONL files
+    with the same key likewise. A JSONL line's file is its JSONL file; the same file edited
+    is judged by content (its changed line redone as stale)."""
+    docs = folder(tmp_path / "docs", **{"report.txt": INVOICE})
+    one = folder(tmp_path / "j1", **{"in.jsonl": json.dumps({"id": "report.txt", "text": NOTE}) + "\n"}) / "in.jsonl"
+    two = folder(tmp_path / "j2", **{"in.jsonl": json.dumps({"id": "report.txt", "text": INVOICE + " Paid."}) + "\n"})
+    opts = ("--model", small_moe, "--max-tokens", "4")
+    out = tmp_path / "files"
+    assert run(docs, "--out", out, *opts)[0] == 0
+    before = snapshot(out)
+    assert_refused(refused_run(monkeypatch, one, "--out", out, *opts), out / "report.md", docs / "report.txt",
+                   f"{one}:1")
+    assert snapshot(out) == before
+
+    out = tmp_path / "lines"
+    assert run(one, "--out", out, *opts)[0] == 0
+    assert Journal(out).records()["report.txt"]["source"] == os.path.abspath(one)  # named by its key
+    before = snapshot(out)
+    assert_refused(refused_run(monkeypatch, docs, "--out", out, *opts), out / "report.txt.md", one,
+                   docs / "report.txt")
+    assert_refused(refused_run(monkeypatch, two / "in.jsonl", "--out", out, *opts), out / "report.txt.md", one,
+                   f"{two / 'in.jsonl'}:1")
+    assert snapshot(out) == before
+    one.write_text(json.dumps({"id": "report.txt", "text": NOTE + " Updated."}) + "\n")  # the same file, edited
+    code, words, _ = run(one, "--out", out, *opts)
+    assert code == 0 and "changed since summarised (stale)" in words, words
