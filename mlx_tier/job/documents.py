@@ -411,8 +411,12 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
         if not path.is_file():
             raise InputError(f"{source}:{n}: {line.strip()}: no such file")
         if path in seen:
-            raise InputError(f"{source}:{n}: {line.strip()} is listed twice (first on line {seen[path]})")
-        seen[path] = n
+            first, given = seen[path]
+            if Path(given).absolute() == Path(line.strip()).absolute():
+                raise InputError(f"{source}:{n}: {line.strip()} is listed twice (first on line {first})")
+            raise InputError(f"{source}:{n}: {line.strip()} is the same file as {given} on line {first} "
+                             "(a link or another path to it: listed twice)")
+        seen[path] = (n, line.strip())
         why = skip_reason(path.name) or (
             "in the output folder" if excluded is not None and path.is_relative_to(excluded) else None)
         if why is None:

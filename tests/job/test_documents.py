@@ -59,6 +59,7 @@ def test_path_list(tmp_path, monkeypatch):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "one.md").write_text("an earlier summary")
     (tmp_path / ".hidden.txt").write_text("a dot-file")
+    (tmp_path / "alias.txt").symlink_to(tmp_path / "a" / "one.txt")
     monkeypatch.chdir(tmp_path)
     lines = ["a/x/one.txt", "", str(tmp_path / "a" / "one.txt"), "b/two.pdf", "out/one.md"]
     docs = discover_list(lines, exclude=tmp_path / "out")
@@ -70,6 +71,9 @@ def test_path_list(tmp_path, monkeypatch):
         (["a/one.txt", "missing.txt"], "stdin:2: missing.txt: no such file"),
         (["a"], "stdin:1: a is a folder"),
         (["a/one.txt", "./a/one.txt"], "stdin:2: ./a/one.txt is listed twice (first on line 1)"),
+        # a user trial: a link to a listed file was "listed twice" with no word of the link
+        (["a/one.txt", "alias.txt"], "stdin:2: alias.txt is the same file as a/one.txt on line 1 (a link or "
+                                     "another path to it: listed twice)"),
         (["", " "], "stdin: no file paths given"),
         # a user trial: a list naming only a dot-file said "no file paths given"; it names why now
         ([".hidden.txt"], "stdin: no documents: skipped 1 file: hidden file 1"),
