@@ -13,48 +13,56 @@ under the paced schedule is reused under the throughput one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from mlx_tier.job.config import JobConfig
 from mlx_tier.job.provenance import Settings
+from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.layout import rank_parts
 from mlx_tier.outdir.parts import PartStore
 
 
-def call_identity(settings: Settings, tier) -> dict:
-    """What decides a call's tokens besides its prompt (JSON-able): ``settings``'
-    record fields and ``tier``'s (:class:`~mlx_tier.engine.load.TierConfig`) kernels and dtype."""
-    dtype = getattr(tier, "dtype", None)
-    return {**settings.fields(), "kernel": getattr(tier, "kernel", None),
-            "dense_kernel": getattr(tier, "dense_kernel", None),
-            "attention_kernel": getattr(tier, "attention_kernel", None),
-            "dtype": str(dtype) if dtype is not None else None}
+def call_identity(settings: Settings, computes: dict) -> dict:
+    """What decides a call's tokens besides its prompt (JSON-able): ``settings``' record
+    fields, the model by its fingerprints where known (not by the path it was given as),
+    and ``computes``: the expert kernel and dtype as the load chose them (report.json's
+    ``kernel`` and ``dtype``) and the dense and attention kernels asked for."""
+    fields = settings.fields()
+    model = fields["model"]
+    if model.get("weights"):
+        fields["model"] = {k: v for k, v in model.items() if k != "name"}
+    return {**fields, **computes}
 
 
-def open_parts(config: JobConfig, settings: Settings, journal_name: str, records: dict[str, dict],
-               pending: Iterable[str], part: bool) -> tuple[PartStore, list[str]]:
+def open_parts(config: JobConfig, identity: dict, journal_name: str, tri: Triage,
+               source: Callable[[str], str | None], part: bool) -> tuple[PartStore, list[str]]:
     """The store this run keeps its calls in and finds an earlier run's in, and lines for
-    people: the calls kept for the ``pending`` documents, and what :func:`forget_finished`
-    says (it runs first, on the job's journal ``records``)."""
-    store = PartStore(config.out_dir, call_identity(settings, config.tier), rank_parts(journal_name))
-    notes = forget_finished(store, records, part)
-    pending = set(pending)
-    kept = {i: n for i, n in store.docs().items() if i in pending}
+    people: the calls kept under this identity for the pending documents made from their
+    source as it is now (``source``: ``id -> sha256``, ``None`` unknown; asked only of the
+    documents with kept calls), and what forgetting the lines of documents done and current
+    (:func:`current_done`) met (unless a rank, ``part``)."""
+    store = PartStore(config.out_dir, identity, rank_parts(journal_name))
+    notes = [] if part else forget_finished(store, current_done(tri))
+    kept = store.docs(dict.fromkeys(tri.pending))  # then hashed: only the documents with kept calls
+    kept = store.docs({i: source(i) for i in kept}) if kept else {}
     if kept:
         calls = sum(kept.values())
         notes.append(f"{len(kept)} long document(s) resume from {calls} finished call{'s' * (calls != 1)} "
-                     "an earlier run kept (each reused where the document and settings are unchanged)")
+                     "an earlier run kept")
     return store, notes
 
 
-def forget_finished(store: PartStore, records: dict[str, dict], part: bool) -> list[str]:
-    """Rewrite the job's ``parts.jsonl`` without the lines of the documents whose latest
-    journal record (``records``) is ``done`` (not by a rank, ``part``: only the job's
-    runs rewrite it). Returns a line for people when it cannot be rewritten (not raised)."""
-    if part:
-        return []
+def current_done(tri: Triage) -> set[str]:
+    """The documents whose summary is written and current: done and kept (not stale, not
+    kept with other settings: a redo of those may have been stopped), recovered, reused."""
+    return (set(tri.done) - set(tri.stale) - set(tri.kept_changed)) | set(tri.recovered) | set(tri.reused)
+
+
+def forget_finished(store: PartStore, finished: Iterable[str]) -> list[str]:
+    """Drop the kept lines of the documents ``finished``; a line for people when the files
+    cannot be rewritten (not raised)."""
     try:
-        store.forget(i for i, rec in records.items() if rec.get("status") == "done")
+        store.forget(finished)
     except OSError as e:
         return [f"parts: cannot rewrite {e.filename}: {e.strerror or e}"]
     return []

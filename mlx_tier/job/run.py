@@ -57,7 +57,7 @@ from mlx_tier.job.documents import (
 )
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.heartbeat import Heartbeat
-from mlx_tier.job.kept_parts import forget_finished, open_parts
+from mlx_tier.job.kept_parts import call_identity, forget_finished, open_parts
 from mlx_tier.job.model_setup import (
     Loaded,
     earlier_setup,
@@ -649,8 +649,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
                          "for a plain rerun")
     parts = None
     if not is_batch(docs):  # also when nothing is pending: the lines of documents finished since go
-        parts, notes = open_parts(config, settings, share.journal_name, job.view().records(), tri.pending,
-                                  share.part)
+        parts, notes = open_parts(config, _call_identity(settings, report.setup, config), share.journal_name, tri,
+                                  lambda i: _source_hash(by_id[i]), share.part)
         for note in notes:
             reporter.message(note)
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
@@ -662,9 +662,23 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
             _batch_pass(p, pending, config, reporter, asked_kv_bits)
         _run_pending(p, config, loaded)
         report.generation_seconds = _generation_seconds(p, clock.t())
-        for note in forget_finished(parts, job.view().records(), share.part) if parts is not None else []:
+        finished = [i for i, r in results.items() if r.status == "done" and not r.earlier_run]
+        for note in forget_finished(parts, finished) if parts is not None and not share.part else []:
             reporter.message(note)
     return report, loaded
+
+
+def _call_identity(settings: Settings, setup: dict, config: JobConfig) -> dict:
+    """What decides a long document's calls besides their prompts (:func:`call_identity`):
+    the kernel and dtype the load chose (``setup``), the dense and attention kernels asked for."""
+    return call_identity(settings, {"kernel": setup.get("kernel"), "dtype": setup.get("dtype"),
+                                    "dense_kernel": config.tier.dense_kernel,
+                                    "attention_kernel": config.tier.attention_kernel})
+
+
+def _source_hash(doc) -> str | None:
+    stamp = getattr(doc, "stamp", None)
+    return stamp.sha256 if stamp is not None else None
 
 
 def _generation_seconds(p: _Pass, now: float | None = None) -> float:

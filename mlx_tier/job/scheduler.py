@@ -202,6 +202,7 @@ class _Doc:
     seconds: float = 0.0  # prompt reading + decode steps it was in (decode steps are shared with the batch)
     choices: list[Choice | None] | None = None  # a batch request's, by index, as they finish
     kept: int = 0  # map-reduce calls taken from the parts a stopped run kept
+    source: str | None = None  # the sha256 of its source (a map-reduce document's kept calls name it)
 
 
 class _Pulled:
@@ -561,8 +562,19 @@ class Scheduler:
             return [Task((d, 0), prompt, c.max_tokens)]
         if can_wait and context < min(self.context, len(prompt) + c.max_tokens):
             return None
-        d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, context - c.max_tokens)
+        d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, self._prompt_limit(d, context - c.max_tokens))
         return self._calls(d, d.mr.prompts())
+
+    def _prompt_limit(self, d: _Doc, limit: int) -> int:
+        """The most prompt tokens a call of the long document ``d`` takes: ``limit``, or the
+        smaller limit an earlier run split it with (its calls kept: :attr:`parts`), so that a
+        resumed run finds the same calls whatever memory it starts with."""
+        if self.parts is None:
+            return limit
+        stamp = getattr(d.doc, "stamp", None)
+        d.source = stamp.sha256 if stamp is not None else None
+        kept = self.parts.limit(d.doc.id, d.source)
+        return kept if kept is not None and kept <= limit else limit
 
     def _calls(self, d: _Doc, calls: list[tuple[int, list[int]]]) -> list[Task] | Outcome:
         """The tasks of a map-reduce document's ``calls`` (``(index, prompt)``). A call a
@@ -576,7 +588,7 @@ class Scheduler:
                 if kept is None:
                     tasks.append(Task((d, i), prompt, self.config.max_tokens))
                     continue
-                d.kept += 1
+                d.kept += kept.earlier  # an earlier run's (a copy's calls in this run are not counted)
                 d.reasoning.append(kept.reasoning)
                 more, reason = d.mr.add(i, kept.text) or more, kept.finish_reason
             if d.mr.summary is not None:
@@ -777,7 +789,19 @@ class Scheduler:
 
     def _take_finished(self, finished, ready: deque) -> Iterator[Outcome]:
         """Outcomes of the calls that finished in a step: a document's summary, or
-        for a map-reduce document its next calls (queued first in ``ready``)."""
+        for a map-reduce document its next calls (queued first in ``ready``). Every
+        map-reduce call of the step is kept (:attr:`parts`) before the first outcome is
+        yielded: a stop or a crash while an outcome is written loses no finished call."""
+        results = {}
+        for f in finished:
+            d, index = f.key
+            if d.choices is None:
+                summary, reasoning = strip_reasoning(f.text, self.reasoning)
+                results[f.key] = summary, reasoning
+                if d.mr is not None and self.parts is not None:
+                    self.parts.keep(d.mr.prompt(index), KeptCall(
+                        d.doc.id, trim_to_sentence(summary) if f.finish_reason == "length" else summary, reasoning,
+                        len(f.tokens), f.finish_reason, d.mr.prompt_limit, d.source))
         for f in finished:
             d, index = f.key
             if d.choices is not None:
@@ -786,14 +810,12 @@ class Scheduler:
                     yield done
                 continue
             d.output_tokens += len(f.tokens)
-            summary, reasoning = strip_reasoning(f.text, self.reasoning)
+            summary, reasoning = results[f.key]
             d.reasoning.append(reasoning)
             if d.mr is None:
                 yield self._finish(d, summary, f.finish_reason)
                 continue
             text = trim_to_sentence(summary) if f.finish_reason == "length" else summary
-            if self.parts is not None:  # before the next step: a stop or a crash loses only the calls in flight
-                self.parts.keep(d.mr.prompt(index), KeptCall(d.doc.id, text, reasoning, len(f.tokens), f.finish_reason))
             try:
                 more = d.mr.add(index, text)
                 if d.mr.summary is not None:

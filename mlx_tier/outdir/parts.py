@@ -15,11 +15,13 @@ document, instruction, context or setting gives other prompts or another
 identity, so nothing stale is ever reused; a result is only ever reused for
 the same call.
 
-One line per call: ``{"doc", "key", "text", "reasoning", "tokens",
-"finish_reason"}``. A rank of a distributed run appends to its own file
-(``ranks/<run>/parts-<k>.jsonl``, like its journal); every run reads them all.
-Lines of documents finished since are dropped when the next run starts
-(:meth:`PartStore.forget`). Like the journal, nothing here follows a link.
+One line per call: ``{"doc", "key", "run_key", "text", "reasoning", "tokens",
+"finish_reason", "limit", "source"}`` (``run_key``: the identity's hash alone, so
+a run can tell its own documents' lines and their split). A rank of a
+distributed run appends to its own file (``ranks/<run>/parts-<k>.jsonl``, like
+its journal); every run reads them all. The lines of a document go once its
+summary is written and current (:func:`forget`, by the run holding the output
+folder). Like the journal, nothing here follows a link.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mlx_tier.fsio import _append_line, write_atomic
@@ -36,13 +38,29 @@ from mlx_tier.outdir.layout import PARTS, RANKS_DIR
 
 @dataclass(frozen=True)
 class KeptCall:
-    """One finished call's result as a run kept it (tokens: how many it generated)."""
+    """One finished call's result as a run kept it.
+
+    Attributes:
+        doc: the document it is a call of.
+        text, reasoning: its result (trimmed as the map-reduce took it) and any thinking.
+        tokens: how many tokens it generated.
+        finish_reason: ``stop`` or ``length``.
+        limit: the most prompt tokens a call of its document could take when the document
+            was split (:class:`~mlx_tier.job.longdoc.MapReduce`): a resumed run splits the
+            same way where that still fits, whatever memory it finds.
+        source: the sha256 of the document's source it was made from (``None``: unknown).
+        earlier: read from the file when the store opened (an earlier run's), not kept
+            by this process.
+    """
 
     doc: str
     text: str
     reasoning: str = ""
     tokens: int = 0
     finish_reason: str | None = None
+    limit: int | None = None
+    source: str | None = None
+    earlier: bool = False
 
 
 def call_key(identity: dict, prompt: list[int]) -> str:
@@ -69,6 +87,48 @@ def _lines(path: Path) -> Iterable[dict]:
             yield rec
 
 
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(value) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _call(rec: dict) -> KeptCall:
+    return KeptCall(rec["doc"], rec["text"], _str(rec.get("reasoning")) or "", _int(rec.get("tokens")) or 0,
+                    _str(rec.get("finish_reason")), _int(rec.get("limit")), _str(rec.get("source")), earlier=True)
+
+
+def part_files(out_dir: Path) -> list[Path]:
+    """The job's parts file and every rank's (they may not exist)."""
+    root = Path(out_dir) / RANKS_DIR
+    ranks = sorted(root.glob("*/parts-*.jsonl")) if root.is_dir() and not root.is_symlink() else []
+    return [Path(out_dir) / PARTS, *ranks]
+
+
+def forget(out_dir: Path, finished: Iterable[str]) -> int:
+    """Rewrite the job's parts files (its own and its ranks') without the lines of the
+    documents ``finished``, removing a file left empty; returns how many lines went. Only
+    a run holding the output folder's lock may call it (no rank appends meanwhile).
+
+    Raises:
+        OSError: a file cannot be rewritten (``filename`` set).
+    """
+    finished, dropped = set(finished), 0
+    for path in part_files(out_dir):
+        lines = list(_lines(path))
+        keep = [rec for rec in lines if rec["doc"] not in finished]
+        if len(keep) == len(lines):
+            continue
+        dropped += len(lines) - len(keep)
+        if keep:
+            write_atomic(path, "".join(json.dumps(rec) + "\n" for rec in keep).encode("ascii"))
+        else:
+            path.unlink()
+    return dropped
+
+
 class PartStore:
     """The kept calls of a job's long documents (see the module).
 
@@ -86,57 +146,55 @@ class PartStore:
     def __init__(self, out_dir: Path, identity: dict, name: str = PARTS) -> None:
         self.out_dir, self.identity, self.path = Path(out_dir), identity, Path(out_dir) / name
         self.error: str | None = None
+        self.run_key = call_key(identity, [])[:16]  # the identity's own mark on each line
         self._kept: dict[str, dict] = {}
-        for path in self._files():
+        for path in part_files(self.out_dir):
             for rec in _lines(path):
                 self._kept[rec["key"]] = rec
 
-    def _files(self) -> list[Path]:
-        root = self.out_dir / RANKS_DIR
-        ranks = sorted(root.glob("*/parts-*.jsonl")) if root.is_dir() and not root.is_symlink() else []
-        return [self.out_dir / PARTS, *ranks]
-
-    def docs(self) -> dict[str, int]:
-        """``document id -> calls kept`` of every kept call."""
-        out: dict[str, int] = {}
+    def _mine(self, sources: dict[str, str | None]):
+        """Lines under this identity whose document is in ``sources`` and whose source hash
+        is the document's now (either unknown: taken as the same)."""
         for rec in self._kept.values():
+            doc, made = rec["doc"], _str(rec.get("source"))
+            if rec.get("run_key") == self.run_key and doc in sources and (
+                    made is None or sources[doc] is None or made == sources[doc]):
+                yield rec
+
+    def docs(self, sources: dict[str, str | None]) -> dict[str, int]:
+        """``document id -> calls kept`` under this identity for the documents of ``sources``
+        (``id -> sha256 of its source now``, ``None``: unknown), made from their source as it is."""
+        out: dict[str, int] = {}
+        for rec in self._mine(sources):
             out[rec["doc"]] = out.get(rec["doc"], 0) + 1
         return out
+
+    def limit(self, doc: str, source: str | None) -> int | None:
+        """The prompt limit ``doc`` was split with under this identity from this source
+        (the latest line's), or ``None``."""
+        limits = [_int(rec.get("limit")) for rec in self._mine({doc: source})]
+        return next((x for x in reversed(limits) if x is not None), None)
 
     def get(self, prompt: list[int]) -> KeptCall | None:
         """The kept result of the call with this prompt under this identity, or ``None``."""
         rec = self._kept.get(call_key(self.identity, prompt))
-        if rec is None:
-            return None
-        tokens, reason, reasoning = rec.get("tokens"), rec.get("finish_reason"), rec.get("reasoning")
-        return KeptCall(rec["doc"], rec["text"], reasoning if isinstance(reasoning, str) else "",
-                        tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0,
-                        reason if isinstance(reason, str) else None)
+        return None if rec is None else replace(_call(rec), earlier=rec.get("_earlier", True))
 
     def keep(self, prompt: list[int], call: KeptCall) -> None:
         """Append one finished call (fsync'ed); a failed append is noted in :attr:`error`, not raised."""
-        rec = {"doc": call.doc, "key": call_key(self.identity, prompt), "text": call.text,
-               "reasoning": call.reasoning, "tokens": call.tokens, "finish_reason": call.finish_reason}
+        rec = {"doc": call.doc, "key": call_key(self.identity, prompt), "run_key": self.run_key,
+               "text": call.text, "reasoning": call.reasoning, "tokens": call.tokens,
+               "finish_reason": call.finish_reason, "limit": call.limit, "source": call.source}
         try:
             _append_line(self.path, (json.dumps(rec) + "\n").encode("ascii"))
         except OSError as e:
             self.error = self.error or f"{e.filename}: {e.strerror or e}"
             return
-        self._kept[rec["key"]] = rec
+        self._kept[rec["key"]] = {**rec, "_earlier": False}
 
     def forget(self, finished: Iterable[str]) -> int:
-        """Rewrite ``parts.jsonl`` without the lines of the documents ``finished`` (done
-        since); returns how many lines were dropped. Rank files are left as they are
-        (only their rank writes them). Raises OSError (the file cannot be rewritten)."""
+        """:func:`forget` for this store's job, and the same lines out of memory."""
         finished = set(finished)
-        path = self.out_dir / PARTS
-        lines = list(_lines(path))
-        keep = [rec for rec in lines if rec["doc"] not in finished]
-        if len(keep) == len(lines):
-            return 0
-        if keep:
-            write_atomic(path, "".join(json.dumps(rec) + "\n" for rec in keep).encode("ascii"))
-        else:
-            path.unlink()
+        dropped = forget(self.out_dir, finished)
         self._kept = {k: v for k, v in self._kept.items() if v["doc"] not in finished}
-        return len(lines) - len(keep)
+        return dropped

@@ -317,10 +317,24 @@ def run_distributed(config, launch: Launch, reporter=None):
             reporter.message(note)
         report = (_launch(config, launch, ranks, job, docs, (tri, records), reporter, started, clock, skipped)
                   if tri.pending else None)
+        if report is not None:  # the ranks are done: the kept calls of what they finished go
+            _forget_parts(job, clock.id, reporter)
     if report is None:  # nothing to do: the one-process path writes the job's report, loading no model
         return run_job(config, reporter)
     write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     return report
+
+
+def _forget_parts(job, run_id: str, reporter) -> None:
+    """Drop the kept calls (:mod:`mlx_tier.outdir.parts`) of the documents the run ``run_id``'s
+    ranks finished; a file that cannot be rewritten is said, not raised."""
+    from mlx_tier.outdir.parts import forget
+
+    done = [i for i, r in job.view().records().items() if r.get("status") == "done" and r.get("run") == run_id]
+    try:
+        forget(job.path, done)
+    except OSError as e:
+        reporter.message(f"parts: cannot rewrite {e.filename}: {e.strerror or e}")
 
 
 def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, started: tuple[float, float], clock,

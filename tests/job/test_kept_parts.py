@@ -75,6 +75,27 @@ def test_a_run_killed_inside_a_long_document_resumes_from_its_kept_calls(tmp_pat
     assert {r["id"]: r.get("parts_kept") for r in report["documents"]}["book"] == 2
 
 
+def test_a_changed_long_document_redone_resumes_too(tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """A review: the kept calls of a document being redone (its file changed since its
+    summary) were dropped at the next start, its old ``done`` record taken for finished."""
+    docs = make(tmp_path)
+    out = tmp_path / "out"
+    assert runner.invoke(app, args(docs, out, small_moe)).exit_code == 0
+    (docs / "book.txt").write_text(BOOK.replace("river", "stream"))
+    (tmp_path / "whole").mkdir()
+    whole = runner.invoke(app, args(docs / "book.txt", tmp_path / "whole", small_moe))  # the new text, at once
+    assert whole.exit_code == 0, whole.output
+    real = killed_after(monkeypatch, 2)
+    assert runner.invoke(app, args(docs, out, small_moe)).exit_code == 137
+    monkeypatch.setattr(PartStore, "keep", real)
+    resumed = runner.invoke(app, args(docs, out, small_moe))
+    assert resumed.exit_code == 0, resumed.output
+    words = " ".join(resumed.output.split())
+    assert "1 long document(s) resume from 2 finished calls" in words and "stale" in words, words
+    assert Journal(out).records()["book"]["parts_kept"] == 2
+    assert (out / "book.md").read_bytes() == (tmp_path / "whole" / "book.md").read_bytes()
+
+
 def test_kept_calls_are_not_reused_under_other_settings(tmp_path, small_moe, monkeypatch):  # noqa: F811
     docs = make(tmp_path)
     out = tmp_path / "out"
@@ -84,5 +105,6 @@ def test_kept_calls_are_not_reused_under_other_settings(tmp_path, small_moe, mon
     (docs / "book.txt").write_text(BOOK.replace("river", "stream"))  # the document changed
     r = runner.invoke(app, args(docs, out, small_moe, "--max-tokens", "9"))  # and an option
     assert r.exit_code == 0, r.output
+    assert "resume from" not in r.output  # a review: the note counted calls of other settings
     record = Journal(out).records()["book"]
     assert record["status"] == "done" and "parts_kept" not in record

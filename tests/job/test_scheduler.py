@@ -70,24 +70,25 @@ def test_long_document_is_summarised_by_map_reduce(tiered, tiny_moe):
 
 def test_a_long_document_resumes_from_the_calls_a_stopped_run_kept(tiered, tiny_moe, tmp_path):
     """Each finished call of a document read in parts is kept (:class:`PartStore`): a run
-    stopped midway loses only its calls in flight. The next run generates only the calls
-    not kept, and the summary is the one an uninterrupted run writes (the MLX path's
-    tokens do not depend on what ran beside them); under another identity nothing is reused."""
+    stopped midway loses only its calls in flight. The next run splits the document as the
+    stopped one did, though its memory now allows larger parts, generates only the calls not
+    kept, and writes the summary an uninterrupted run writes (the MLX path's tokens do not
+    depend on what ran beside them); under another identity nothing is reused."""
     model, tokenizer = tiered
     config = GenerationConfig("Summarise this.", max_tokens=8, batch_size=2)
     identity = {"model": "tiny", "kernel": "mlx"}
 
-    def run_with(store, should_stop=lambda: False):
+    def run_with(store, should_stop=lambda: False, context=180, texts=None):
         steps = []
-        sched = Scheduler(model, tokenizer, tiny_moe, 180, config, parts=store)
-        out = {o.id: o for o in sched.run(docs({"long": LONG}), should_stop=should_stop,
+        sched = Scheduler(model, tokenizer, tiny_moe, context, config, parts=store)
+        out = {o.id: o for o in sched.run(docs(texts or {"long": LONG}), should_stop=should_stop,
                                           on_step=lambda info, ids: steps.append(info))}
         return out, steps
 
-    for folder in ("whole", "stopped"):
+    for folder in ("whole", "stopped", "twins"):
         (tmp_path / folder).mkdir()
     whole, _ = run_with(PartStore(tmp_path / "whole", identity))
-    calls = PartStore(tmp_path / "whole", identity).docs()["long"]
+    calls = PartStore(tmp_path / "whole", identity).docs({"long": None})["long"]
     assert whole["long"].status == "done" and whole["long"].parts >= 3 and whole["long"].kept == 0
     assert calls >= whole["long"].parts + 1  # every part and the combining call(s)
     again, steps = run_with(PartStore(tmp_path / "whole", identity))  # everything kept: nothing generated
@@ -95,17 +96,22 @@ def test_a_long_document_resumes_from_the_calls_a_stopped_run_kept(tiered, tiny_
     assert again["long"].output_tokens == 0 and steps == []
 
     store = PartStore(tmp_path / "stopped", identity)
-    stopped, _ = run_with(store, should_stop=lambda: bool(store.docs()))  # stop once one call is kept
+    stopped, _ = run_with(store, should_stop=lambda: bool(store.docs({"long": None})))  # once one call is kept
     assert stopped == {} and store.error is None
     kept = [json.loads(line) for line in (tmp_path / "stopped" / PARTS).read_text().splitlines()]
     assert 1 <= len(kept) < whole["long"].parts
-    resumed, _ = run_with(PartStore(tmp_path / "stopped", identity))
+    resumed, _ = run_with(PartStore(tmp_path / "stopped", identity), context=400)  # more room now
     r = resumed["long"]
-    assert r.summary == whole["long"].summary and r.kept == len(kept)
+    assert r.summary == whole["long"].summary and r.kept == len(kept) and r.parts == whole["long"].parts
     assert r.output_tokens + sum(k["tokens"] for k in kept) == whole["long"].output_tokens
 
     other, _ = run_with(PartStore(tmp_path / "whole", {**identity, "kernel": "cpu"}))
     assert other["long"].kept == 0 and other["long"].output_tokens == whole["long"].output_tokens
+
+    # Two copies in one run: the second takes the first's calls, none counted as an earlier run's.
+    twins, _ = run_with(PartStore(tmp_path / "twins", identity), texts={"long": LONG, "copy": LONG})
+    assert [twins[k].kept for k in ("long", "copy")] == [0, 0]
+    assert twins["copy"].summary == whole["long"].summary
 
 
 class Poisoned:
