@@ -116,7 +116,22 @@ def decode_text(data: bytes) -> Converted:
             return _checked(data.decode("cp1252"), "text (cp1252)")
         except UnicodeDecodeError:
             pass
-    return _checked(str(best), f"text ({codecs.lookup(best.encoding).name})")
+    name = codecs.lookup(best.encoding).name
+    if name.startswith(("utf-16", "utf-32")) and not _spaced(str(best)):
+        return Converted(None, f"binary file, not text (read as {name} without a byte-order mark, it has no "
+                              "spaces or line breaks)")
+    return _checked(str(best), f"text ({name})")
+
+
+# Word and sentence breaks of any script: real text has them, binary bytes read as 2- or
+# 4-byte units almost never do (each is one of 65,536 code points or more).
+_BREAKS = frozenset(" \t\n\r\u3000\u3001\u3002\uff0c\uff0e\u060c\u0964")
+
+
+def _spaced(text: str) -> bool:
+    """Whether ``text`` has a space, line break or sentence mark every 200 characters
+    (UTF-16/32 without a byte-order mark fits almost any bytes of even length)."""
+    return sum(c in _BREAKS for c in text) >= max(1, len(text) // 200)
 
 
 def _mostly_utf8(data: bytes) -> tuple[str, str] | None:

@@ -211,6 +211,26 @@ def test_only_really_binary_files_fail(data):
     assert got.text is None and got.error.startswith("binary file, not text (")
 
 
+@pytest.mark.parametrize("data", [
+    b"\x00\x01\x02\xff\xfe\x00binary",  # a user trial: "summarised" as text (utf-16-le)
+    bytes(range(256)) + b"\x00\x00" * 3 + bytes(range(255, -1, -1)),
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x01\x00" + bytes(range(1, 255, 3)) * 4,
+])
+def test_binary_bytes_that_fit_utf16_without_a_byte_order_mark_fail(data):
+    got = decode_text(data)
+    assert got.text is None and got.error.startswith("binary file, not text ("), got
+
+
+@pytest.mark.parametrize("text, codec", [
+    ("Hello world, this is text.\nSecond line.", "utf-16-le"),
+    ("日本語のテキストです。これは二行目です。\n三行目。", "utf-16-le"),
+    ("Привет мир. Это текст на русском языке.", "utf-16-be"),
+])
+def test_utf16_text_without_a_byte_order_mark_is_read(text, codec):
+    got = decode_text(text.encode(codec))
+    assert got.text == text and got.converter.startswith("text (utf-16"), got
+
+
 def test_converted_formats(tmp_path):
     files = [
         docmaker.pdf(tmp_path / "r.pdf", ["Quarterly report", "Revenue grew 4.81 percent."]),
