@@ -8,7 +8,13 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mlx_tier.errors import TooLong
-from mlx_tier.job.longdoc import MapReduce, split_text
+from mlx_tier.job.longdoc import (
+    JOIN_SLACK,
+    REDUCE_NOTE,
+    RESULT_LABEL,
+    MapReduce,
+    split_text,
+)
 from mlx_tier.job.prompts import build_prompt
 
 
@@ -97,3 +103,18 @@ def test_a_document_in_parts_reports_its_whole_level_as_one_prompt(tokenizer):
 def test_map_reduce_refuses_a_context_with_no_room(tokenizer):
     with pytest.raises(TooLong, match="no room"):
         MapReduce(tokenizer, "Summarise. " * 30, "some text " * 500, 60)
+
+
+def test_a_document_whose_parts_could_not_be_combined_fails_before_any_call(tokenizer):
+    """A user trial: `--context 140 --max-tokens 16` summarised all 16 parts, then failed
+    ("part results do not shrink"); `--context 120`, 55 calls, then "no room". The worst
+    case (every result `max_tokens` long) is checked when the document is split."""
+    text = "\n\n".join(f"Paragraph {i} says that item {i} weighs {i * 3} grams and is blue." for i in range(40))
+    reduce = len(build_prompt(tokenizer, REDUCE_NOTE + "Summarise.", "")) + JOIN_SLACK
+    need = reduce + 2 * (16 + RESULT_LABEL)
+    with pytest.raises(TooLong, match=rf"combining its \d+ part summaries of up to 16 tokens needs {need} prompt "
+                                      rf"tokens .*more than {need - 1}; raise `context` or lower `max_tokens`"):
+        MapReduce(tokenizer, "Summarise.", text, need - 1, result_tokens=16)
+    mr = MapReduce(tokenizer, "Summarise.", text, need, result_tokens=16)  # two at a time fit
+    assert mr.parts > 2
+    MapReduce(tokenizer, "Summarise.", text, need - 1)  # not asked: not checked

@@ -12,6 +12,8 @@ import pytest
 import mlx_tier
 from mlx_tier.job.batch_engine import Task
 from mlx_tier.job.documents import Document
+from mlx_tier.job.longdoc import JOIN_SLACK, REDUCE_NOTE, RESULT_LABEL
+from mlx_tier.job.prompts import build_prompt
 from mlx_tier.job.scheduler import GenerationConfig, Scheduler
 from mlx_tier.outdir.layout import PARTS
 from mlx_tier.outdir.parts import PartStore
@@ -112,6 +114,15 @@ def test_a_long_document_resumes_from_the_calls_a_stopped_run_kept(tiered, tiny_
     twins, _ = run_with(PartStore(tmp_path / "twins", identity), texts={"long": LONG, "copy": LONG})
     assert [twins[k].kept for k in ("long", "copy")] == [0, 0]
     assert twins["copy"].summary == whole["long"].summary
+
+
+def test_a_long_document_that_could_not_be_combined_fails_before_any_step(tiered, tiny_moe):
+    model, tokenizer = tiered
+    room = len(build_prompt(tokenizer, REDUCE_NOTE + "Summarise this.", "")) + JOIN_SLACK + 2 * (8 + RESULT_LABEL)
+    steps = []
+    sched = Scheduler(model, tokenizer, tiny_moe, room - 1 + 8, GenerationConfig("Summarise this.", max_tokens=8))
+    out = list(sched.run(docs({"long": LONG}), on_step=lambda info, ids: steps.append(info)))
+    assert [o.status for o in out] == ["failed"] and "combining its" in out[0].error and steps == []
 
 
 class Poisoned:
