@@ -30,7 +30,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -50,7 +50,7 @@ from mlx_tier.job.provenance import SourceStamp, file_stamp, request_stamp, text
 from mlx_tier.outdir.layout import is_job_folder
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "by_count", "decode_text",
-           "discover", "discover_list", "safe_id", "skip_note", "skip_reason", "source_field", "source_file"]
+           "discover", "discover_list", "safe_id", "skip_note", "skip_reason", "source_field", "source_file", "with_default_limit"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,16 @@ def size_hint(doc, convert: bool = True) -> int:
     """Characters a document's text may have, erring long (:meth:`FileDocument.size_hint`:
     ``convert`` false never converts; a :class:`Document`'s own text length)."""
     return doc.size_hint(convert) if isinstance(doc, FileDocument) else len(doc.text or "")
+
+
+def with_default_limit(docs: list, max_tokens: int) -> list:
+    """``docs`` with each batch request that sets no token limit (``max_tokens`` or
+    ``max_completion_tokens``) stamped with the run's ``max_tokens`` too
+    (:func:`~mlx_tier.job.provenance.request_stamp`): another ``--max-tokens`` changes its
+    answer, so a rerun redoes it instead of keeping the old one as current."""
+    return [replace(d, stamp=request_stamp(d.request.url, d.request.body, max_tokens))
+            if d.request is not None and d.request.plan is not None and d.request.plan.max_tokens is None else d
+            for d in docs]
 
 
 def source_file(doc) -> str | None:

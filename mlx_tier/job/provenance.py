@@ -157,14 +157,17 @@ def rewritten_since_done(entries) -> set[str]:
     return {i for i, n in writing.items() if n > done.get(i, -1)}
 
 
-def request_stamp(url: str, body: dict) -> SourceStamp:
+def request_stamp(url: str, body: dict, default_max_tokens: int | None = None) -> SourceStamp:
     """The stamp of a batch request: its ``url`` and ``body`` as canonical JSON (keys
     sorted, no spaces, ASCII escapes), so that any change of its messages, prompt,
     endpoint or any body option changes the hash, and the order of keys does not
     (a number's spelling does: ``1`` and ``1.0`` differ, so such a request is redone,
-    never wrongly kept)."""
-    data = json.dumps({"url": url, "body": body}, sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=True).encode("ascii")
+    never wrongly kept). ``default_max_tokens``: the token limit the run gives a request
+    that sets none (``run --max-tokens``), stamped with it: its answer depends on it."""
+    stamped = {"url": url, "body": body}
+    if default_max_tokens is not None:
+        stamped["default_max_tokens"] = default_max_tokens
+    data = json.dumps(stamped, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     return SourceStamp(hashlib.sha256(data).hexdigest(), len(data), None, "request")
 
 

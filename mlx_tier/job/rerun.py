@@ -30,6 +30,7 @@ from mlx_tier.job.provenance import (
     generation_fields,
     prompt_hash,
     recorded_hash,
+    request_stamp,
     rewritten_since_done,
     text_stamp,
     vouched,
@@ -77,11 +78,19 @@ def request_hashes(docs, records: Mapping[str, dict]) -> dict[str, str]:
     was, the recorded hash is given back, so the answer is taken as current (the options
     it ran with were not recorded; redoing every such request once would run the whole
     batch again); a changed text gives the request's hash, so it is stale. What the
-    rerun says of those: :func:`rerun_notes`."""
+    rerun says of those: :func:`rerun_notes`. Likewise an answer of a request without its
+    own token limit recorded before the run's default was stamped with it
+    (:func:`~mlx_tier.job.documents.with_default_limit`): its request as it was is current."""
     out = {}
     for d in docs:
-        was = _text_hash(records.get(d.id) or {})
-        out[d.id] = was if was is not None and was == text_stamp(d.request.text).sha256 else d.stamp.sha256
+        rec = records.get(d.id) or {}
+        was, made = _text_hash(rec), recorded_hash(rec)
+        if was is not None and was == text_stamp(d.request.text).sha256:
+            out[d.id] = was
+        elif made is not None and d.stamp.sha256 != made and made == request_stamp(d.request.url, d.request.body).sha256:
+            out[d.id] = made  # stamped before the default limit was: the request is as it was
+        else:
+            out[d.id] = d.stamp.sha256
     return out
 
 

@@ -54,6 +54,7 @@ from mlx_tier.job.documents import (
     size_hint,
     skip_note,
     source_field,
+    with_default_limit,
 )
 from mlx_tier.job.eta import EtaTracker
 from mlx_tier.job.heartbeat import Heartbeat
@@ -460,6 +461,7 @@ def find_documents(config: JobConfig, skipped: Counter | None = None) -> list:
             if config.input_paths is not None
             else discover(config.input, exclude=config.out_dir, follow_links=config.follow_links, previous=previous,
                           limits=config.conversion, skipped=skipped))
+    docs = with_default_limit(docs, config.generation.max_tokens)  # requests that set no token limit
     if earlier is not None:  # before the folder is locked or anything written
         refuse_other_files(docs, earlier.records(), config.out_dir)
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):

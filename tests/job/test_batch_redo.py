@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
 from mlx_tier.job.batch_api import CHAT, COMPLETIONS
-from mlx_tier.job.documents import discover
+from mlx_tier.job.documents import discover, with_default_limit
 from mlx_tier.job.outputs import BatchOutputs
 from mlx_tier.job.provenance import Settings, request_stamp, text_stamp
 from mlx_tier.job.rerun import request_hashes, rerun_notes
@@ -189,3 +189,31 @@ def test_answers_recorded_with_the_text_hash_are_current_while_the_text_is(tmp_p
     notes = rerun_notes(tri, records, Settings("demo", None, "0"), False, batch=True)
     assert notes[0].startswith("2 requests changed since answered (stale): redoing them")
     assert "1 answer from an older mlx-tier record the hash of the messages' text only" in notes[1]
+
+
+def test_a_request_without_its_own_limit_is_redone_under_another_max_tokens(tmp_path, tiny_moe):
+    """A user trial: a request that sets no token limit is answered within `--max-tokens`;
+    a rerun with another `--max-tokens` kept its old answer as current ("skipping 1 already
+    done", `--redo-changed` too). Its stamp now carries the default it was answered with."""
+    free = {"custom_id": "free", "method": "POST", "url": CHAT,
+            "body": {"temperature": 0, "messages": [{"role": "user", "content": "Describe the sea."}]}}
+    inp, out = write_jsonl(tmp_path / "requests.jsonl", [free, B]), tmp_path / "out"
+    assert runner.invoke(app, [*args(inp, out, tiny_moe), "--max-tokens", "3"]).exit_code == 0
+    r = runner.invoke(app, [*args(inp, out, tiny_moe), "--max-tokens", "3"])
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+    r = runner.invoke(app, [*args(inp, out, tiny_moe), "--max-tokens", "5"])
+    assert r.exit_code == 0 and "1 request changed since answered (stale): redoing it" in " ".join(r.output.split())
+    assert done_lines(out) == {"free": 2, "b": 1}  # b sets its own limit: not redone
+    usage = json.loads(raw_lines(out / "output.jsonl")["free"])["response"]["body"]["usage"]
+    assert 3 < usage["completion_tokens"] <= 6  # up to 5 tokens and the stop token, as the API counts it
+
+
+def test_an_answer_stamped_before_the_default_limit_was_is_current(tmp_path):
+    free = {**B, "custom_id": "f", "body": {k: v for k, v in B["body"].items() if k != "max_tokens"}}
+    docs = with_default_limit(discover(write_jsonl(tmp_path / "requests.jsonl", [free, B])), 16)
+    assert docs[0].stamp.sha256 == request_stamp(CHAT, free["body"], 16).sha256 != request_stamp(CHAT, free["body"]).sha256
+    assert docs[1].stamp.sha256 == request_stamp(CHAT, B["body"]).sha256  # its own limit: as before
+    old = {"status": "done", "made_from": request_stamp(CHAT, free["body"]).as_dict()}
+    assert request_hashes(docs, {"f": old})["f"] == old["made_from"]["sha256"]
+    other = {"status": "done", "made_from": request_stamp(CHAT, free["body"], 8).as_dict()}
+    assert request_hashes(docs, {"f": other})["f"] == docs[0].stamp.sha256  # another default: stale
