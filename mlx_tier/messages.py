@@ -144,3 +144,12 @@ def short_reason(error: str | None) -> str:
     if head.isidentifier() and (head.endswith(("Error", "Exception")) or head[:1].isupper()):
         return head if len(head) <= SHORT_REASON_CHARS else head[: SHORT_REASON_CHARS - 1] + "…"
     return "error"
+
+
+def in_request_words(error: str, param: str | None, name: str) -> str:
+    """A failed batch request's error naming the field of its body at fault as such
+    (```max_tokens` of request <name>``, as ``errors.jsonl`` says it), never as a flag."""
+    if not param:
+        return error
+    field = f"`{param}`"
+    return error.replace(field, f"{field} of request {name}", 1)

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from mlx_tier.messages import in_request_words
 from mlx_tier.outdir.journal import options_apart
 from mlx_tier.units import seconds_text
 
@@ -51,8 +52,7 @@ def failure_text(result) -> str:
     text = str(result.error)
     if result.error_code is None:
         return as_flags(text)
-    param = f"`{result.error_param}`" if result.error_param else None
-    return text.replace(param, f"{param} of request {result.name or result.id}", 1) if param else text
+    return in_request_words(text, result.error_param, result.name or result.id)
 
 
 def print_with_command(console: Console, prose: str, command: str, label: str = "") -> None:

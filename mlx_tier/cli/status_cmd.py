@@ -86,8 +86,8 @@ def _status_table(s, out_dir: Path) -> Table:
            else format_duration(s.eta_seconds) if s.eta_seconds is not None
            else "estimating (until a prompt step and a decode step are measured)" if s.running else "not running")
     t.add_row("ETA", eta)
-    for doc_id, error in s.failures[:5]:
-        t.add_row(f"failed: {doc_id}", Text(as_flags(error)))
+    for f in s.failures[:5]:
+        t.add_row(f"failed: {f.id}", Text(f.error if f.request else as_flags(f.error)))
     if len(s.failures) > 5:
         t.add_row("failed", f"... and {len(s.failures) - 5} more (report.json, journal.jsonl)")
     return t

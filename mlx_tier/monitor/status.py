@@ -21,9 +21,10 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from mlx_tier.errors import InputError
-from mlx_tier.messages import plain_rerun
+from mlx_tier.messages import in_request_words, plain_rerun
 from mlx_tier.outdir.journal import JobInfo, Journal, prompt_texts, written_by
 from mlx_tier.outdir.layout import (
     LOCK,
@@ -179,6 +180,25 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
     return "finished, not running"
 
 
+class Failure(NamedTuple):
+    """A failed document as `status` shows it: its ``error`` names settings in backquotes
+    (`max_tokens`: the terminal shows flags); a batch request's (``request``) names the
+    field of its body instead (```max_tokens` of request <id>``: no flag)."""
+
+    id: str
+    error: str
+    request: bool = False
+
+
+def _failure(doc_id: str, rec: dict) -> Failure:
+    error, code = str(rec.get("error", "")), rec.get("error_code")
+    if code is None:
+        return Failure(doc_id, error)
+    param = rec.get("error_param")
+    return Failure(doc_id, in_request_words(error, param if isinstance(param, str) else None,
+                                            str(rec.get("name") or doc_id)), True)
+
+
 @dataclass(frozen=True)
 class JobStatus:
     """A job's progress, from its files.
@@ -216,7 +236,7 @@ class JobStatus:
         command: the command that resumes the job: the ``start`` record's, never with
             ``--retry-failed`` (:func:`mlx_tier.messages.plain_rerun`; the command
             that retries failed documents is :func:`mlx_tier.messages.retry_command`'s).
-        failures: ``(id, error)`` of failed documents.
+        failures: ``(id, error, request)`` of failed documents (:class:`Failure`).
         written_by: the models and prompts the job's summaries were written with
             (:func:`mlx_tier.outdir.journal.written_by`); more than one: a mix.
         prompts: prompt hash -> instruction text (the runs' start records).
@@ -246,7 +266,7 @@ class JobStatus:
     finished_this_run: int
     eta_seconds: float | None
     command: str | None
-    failures: list[tuple[str, str]] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
     thermal: list[dict] = field(default_factory=list)
     progress: dict | None = None  # the running job's last progress snapshot (:class:`ProgressFile`)
     warnings: list[str] = field(default_factory=list)
@@ -276,7 +296,7 @@ class JobStatus:
         """JSON-ready fields (``mlx-tier status --json``), rates included."""
         d = asdict(self)
         d["out_dir"] = str(self.out_dir)
-        d["failures"] = [{"id": i, "error": e} for i, e in self.failures]
+        d["failures"] = [{"id": f.id, "error": f.error} for f in self.failures]
         return d | {"output_tok_per_s": self.output_tok_per_s, "documents_per_hour": self.documents_per_hour}
 
 
@@ -389,7 +409,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     ids = info.ids if info is not None else list(latest)
     states = [latest.get(i, {}).get("status") for i in ids]
     done = [latest[i] for i, s in zip(ids, states) if s == "done"]
-    failures = [(i, str(latest[i].get("error", ""))) for i, s in zip(ids, states) if s == "failed"]
+    failures = [_failure(i, latest[i]) for i, s in zip(ids, states) if s == "failed"]
     throttled = sum(r["throttled_seconds"] for r in entries if isinstance(r.get("throttled_seconds"), (int, float)))
 
     running = lock_held(out_dir)

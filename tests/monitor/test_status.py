@@ -45,7 +45,24 @@ def test_finished_job(tmp_path):
     assert s.throttled_seconds == 15.5
     assert s.finished_this_run == 2 and s.elapsed_seconds == 100  # up to its last record, not to "now"
     assert s.documents_per_hour == 72.0 and s.eta_seconds is None  # not running: no ETA
-    assert s.failures == [("d1", "RuntimeError: [metal::malloc] out of memory")]
+    assert s.failures == [("d1", "RuntimeError: [metal::malloc] out of memory", False)]
+
+
+def test_a_failed_request_names_the_field_of_its_body_not_a_flag(tmp_path):
+    """A user trial: status said "--max-tokens must be at least 1, got 0" of a batch request
+    whose body's `max_tokens` was 0 (the run itself said "`max_tokens` of request mt0")."""
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="req.jsonl", ids=["mt0", "d"], todo=["mt0", "d"], started=T0, pid=1,
+            command="mlx-tier run req.jsonl --out out").write(Journal(out))
+    Journal(out).append({"id": "mt0", "name": "mt/0", "status": "failed", "error": "`max_tokens` must be at least 1, "
+                         "got 0", "error_code": "invalid_value", "error_param": "max_tokens"})
+    Journal(out).append({"id": "d", "status": "failed", "error": "no summary within `max_tokens` 4"})
+    assert [tuple(f) for f in read_status(out, now=T0 + 10).failures] == [
+        ("mt0", "`max_tokens` of request mt/0 must be at least 1, got 0", True),
+        ("d", "no summary within `max_tokens` 4", False)]
+    words = " ".join(runner.invoke(app, ["status", str(out)]).output.split())
+    assert "`max_tokens` of request mt/0 must be at least 1" in words and "no summary within --max-tokens 4" in words
 
 
 def test_running_job_eta_and_cli(tmp_path):
