@@ -340,7 +340,13 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
                           "finished. Resume with:", command, retry)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     print_left_pending(report, command)
-    if report.count("failed"):
+    failed = report.count("failed")
+    if failed:
+        from mlx_tier.messages import retry_command
+
+        what = "request(s)" if report.setup.get("batch_requests") else "document(s)"
+        print_with_command(err, f"{failed} {what} failed (why: in the table above); retry them with:",
+                           retry_command(command))
         raise typer.Exit(EXIT_FAILED_DOCS)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.jobs import done_lines
+from support.output import command_after
 from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
@@ -127,6 +128,9 @@ def test_reordered_keys_are_the_same_request_and_nothing_is_redone(answered, tmp
 def test_a_redo_that_fails_moves_the_request_to_errors(answered, tmp_path, tiny_moe):
     r, out, before = rerun_with(body_with(logprobs=True), answered, tmp_path, tiny_moe)
     assert r.exit_code == 1, r.output  # the changed request cannot run as written
+    words = " ".join(r.output.split())  # a user trial: exit 1 named no way to retry
+    assert "1 request(s) failed (why: in the table above); retry them with:" in words, words
+    assert command_after(r.output, "retry them with:").endswith("--retry-failed")
     assert list(raw_lines(out / "output.jsonl")) == ["b", "c"]  # its old answer (to another request) is gone
     error = json.loads(raw_lines(out / "errors.jsonl")["a"])
     assert error["error"]["code"] == "unsupported_parameter"
