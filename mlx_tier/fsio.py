@@ -207,6 +207,14 @@ def _append_line(path: Path, line: bytes) -> None:
         os.close(fd)
 
 
+def current_folder() -> str | None:
+    """This process's working folder, ``None`` when it is gone (removed under it)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
+
+
 def user_cache_dir() -> Path:
     """Where mlx-tier keeps what it builds (the demo model, profiles of models in
     read-only folders): ``$MLX_TIER_CACHE``, else the platform's user cache folder."""

@@ -33,7 +33,7 @@ from mlx_tier.defaults import (
     DEFAULT_REPETITION_PENALTY,
 )
 from mlx_tier.errors import InputError, JobError
-from mlx_tier.fsio import DISK_FULL, write_atomic
+from mlx_tier.fsio import DISK_FULL, current_folder, write_atomic
 from mlx_tier.job import batch_api
 from mlx_tier.job.activity import (
     Activity,
@@ -703,7 +703,7 @@ def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: S
         return
     model = settings.fields()["model"] if loaded else None
     rec = JobInfo(input=str(config.input), ids=ids, todo=tri.pending, started=time.time(), pid=os.getpid(),
-                  command=config.command, output_format=config.output_format, mono=time.monotonic(),
+                  command=config.command, cwd=current_folder(), output_format=config.output_format, mono=time.monotonic(),
                   host=socket.gethostname(), model=model, prompt=settings.prompt if loaded else None,
                   prompt_text=config.generation.instruction if loaded else None).write(journal)
     if loaded:

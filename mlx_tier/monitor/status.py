@@ -17,6 +17,7 @@ ids) are read as before: the run's records by wall time.
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from mlx_tier.errors import InputError
+from mlx_tier.fsio import current_folder
 from mlx_tier.messages import in_request_words, plain_rerun
 from mlx_tier.outdir.journal import JobInfo, Journal, prompt_texts, written_by
 from mlx_tier.outdir.layout import (
@@ -190,6 +192,14 @@ class Failure(NamedTuple):
     request: bool = False
 
 
+def _from_here(command: str | None, cwd: str | None) -> str | None:
+    """``command`` as it runs from this process's folder: after ``cd CWD &&`` when it was
+    given in another (``cwd``; ``None``: not recorded) and may name paths relative to it."""
+    if not command or not cwd or cwd == current_folder():
+        return command
+    return f"cd {shlex.quote(cwd)} && {command}"
+
+
 def _failure(doc_id: str, rec: dict) -> Failure:
     error, code = str(rec.get("error", "")), rec.get("error_code")
     if code is None:
@@ -235,7 +245,8 @@ class JobStatus:
             not measured yet.
         command: the command that resumes the job: the ``start`` record's, never with
             ``--retry-failed`` (:func:`mlx_tier.messages.plain_rerun`; the command
-            that retries failed documents is :func:`mlx_tier.messages.retry_command`'s).
+            that retries failed documents is :func:`mlx_tier.messages.retry_command`'s),
+            after ``cd FOLDER &&`` when it was given in another folder than this one.
         failures: ``(id, error, request)`` of failed documents (:class:`Failure`).
         written_by: the models and prompts the job's summaries were written with
             (:func:`mlx_tier.outdir.journal.written_by`); more than one: a mix.
@@ -442,7 +453,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         elapsed_seconds=round(elapsed, 3),
         finished_this_run=len(this_run),
         eta_seconds=round(eta, 1) if eta is not None else None,
-        command=plain_rerun(info.command) if info is not None else None,
+        command=_from_here(plain_rerun(info.command), info.cwd) if info is not None else None,
         failures=failures,
         progress=progress if running or state == INTERRUPTED else None,
         warnings=list(journal.warnings.values()),

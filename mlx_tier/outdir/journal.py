@@ -40,6 +40,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "run": (str,), "run_t": _NUMBER, "mono": _NUMBER, "host": (str,), "made_from": (dict,),
     "model": (dict, type(None)), "prompt": (str, type(None)), "prompt_text": (str,), "redo": (str,),
     "reused": (str,), "generation": (dict,), "doc": (str,), "output_sha256": (str,), "source": (str,),
+    "cwd": (str,),
 }
 
 
@@ -303,6 +304,7 @@ class JobInfo:
             (:func:`mlx_tier.engine.checkpoint.weights_fingerprint`).
         prompt, prompt_text: the instruction's hash (what each summary records)
             and its text (here once).
+        cwd: the folder the command was given in (its paths may be relative to it).
     """
 
     input: str
@@ -319,6 +321,7 @@ class JobInfo:
     model: dict | None = None
     prompt: str | None = None
     prompt_text: str | None = None
+    cwd: str | None = None
 
     def write(self, journal: Journal) -> dict:
         """Durably append this run's ``start`` record to ``journal`` (its ``run`` and

@@ -44,6 +44,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_tier.errors import InputError
+from mlx_tier.fsio import current_folder
 from mlx_tier.outdir.layout import CLAIMS, PLAN, RANKS_DIR, run_dir
 from mlx_tier.policy.eviction import PolicySpec
 
@@ -358,7 +359,7 @@ def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, st
             raise
     instruction = config.generation.instruction
     JobInfo(input=str(config.input), ids=[d.id for d in docs], todo=tri.pending, started=time.time(),
-            pid=os.getpid(), command=config.command, output_format=config.output_format, mono=time.monotonic(),
+            pid=os.getpid(), command=config.command, cwd=current_folder(), output_format=config.output_format, mono=time.monotonic(),
             host=socket.gethostname(), prompt=prompt_hash(instruction),
             prompt_text=instruction).write(job.journal(clock=clock))
     if config.input_paths is not None:

@@ -310,3 +310,22 @@ def test_rate_charts_say_why_they_have_fewer_points_than_documents():
     assert "2 points, documents finishing in the same step share one point" in hit[:hit.index("</figure>")]
     memory = html[html.index('id="chart-memory"'):]
     assert "4 points, one per finished or failed document" in memory[:memory.index("</figure>")]
+
+
+def test_the_resume_command_runs_from_another_folder(tmp_path, monkeypatch):
+    """A user trial: status printed `mlx-tier run odd.jsonl --out o_odd` from another folder,
+    where neither path exists. The run's folder is recorded; status adds `cd FOLDER &&`
+    when it is read elsewhere (the page, its retry command, likewise)."""
+    job = tmp_path / "work dir"
+    job.mkdir()
+    out = job / "o"
+    out.mkdir()
+    JobInfo(input="in", ids=["a"], todo=["a"], started=T0, pid=1, command="mlx-tier run in --out o",
+            cwd=str(job)).write(Journal(out))
+    Journal(out).append({"id": "a", "status": "failed", "error": "empty document"})
+    monkeypatch.chdir(job)
+    assert read_status(out, now=T0 + 1).command == "mlx-tier run in --out o"
+    monkeypatch.chdir(tmp_path)
+    assert read_status(out, now=T0 + 1).command == f"cd '{job}' && mlx-tier run in --out o"
+    r = runner.invoke(app, ["status", str(out)])
+    assert f"cd '{job}' && mlx-tier run in --out o --retry-failed" in r.output, r.output
