@@ -106,6 +106,8 @@ def run_together(passes: list[Pass]) -> None:
             going = []
             for i in group:
                 call = waiting.pop(i)
+                if passes[i].stop is not None:
+                    _run_now(call.x)  # the layers before this one, computed now (see _run_now)
                 if passes[i].stop is not None and passes[i].stop(layer):
                     passes[i].stopped_at = layer
                     resume(i, error=PassStopped())
@@ -118,6 +120,15 @@ def run_together(passes: list[Pass]) -> None:
         for let in lets:
             if not let.dead:
                 let.throw(GreenletExit)
+
+
+def _run_now(x: mx.array) -> None:
+    """Evaluate a pass's input to a block before its ``stop`` is asked: where nothing else
+    forces it (the MLX kernel with every expert resident never reads the router's choice
+    on the host), MLX would build the whole pass lazily in milliseconds and compute it at
+    its end, so a stop asked "between layers" would wait for the whole pass (a minute on
+    a slow machine) and progress would not move."""
+    mx.eval(x)
 
 
 def _compute(calls: list[_Call]) -> list[mx.array]:

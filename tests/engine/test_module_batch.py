@@ -86,6 +86,24 @@ def test_a_stop_abandons_only_its_pass():
     assert mx.array_equal(passes[1].result, forward(blocks, x))
 
 
+def test_a_pass_with_a_stop_is_computed_up_to_each_layer_before_the_stop_is_asked(monkeypatch):
+    """A user trial: with the MLX kernel and every expert resident nothing forces a pass's
+    lazy graph, so it was built in milliseconds and computed at its end: a stop asked
+    "between layers" came after the whole pass (24 s on the demo). The input of each
+    block is evaluated before the pass's stop is asked; a pass without a stop stays lazy."""
+    import mlx_tier.engine.module_batch as mb
+
+    blocks = [Block(i) for i in range(3)]
+    x = mx.ones((1, 3, 4))
+    log = []
+    monkeypatch.setattr(mb, "_run_now", lambda a: log.append(("eval", a.shape)))
+    passes = [Pass(lambda: forward(blocks, x), stop=lambda layer: log.append(("stop", layer)) or False),
+              Pass(lambda: forward(blocks, x))]
+    run_together(passes)
+    assert log == [("eval", (1, 3, 4)), ("stop", 0), ("eval", (1, 3, 4)), ("stop", 1), ("eval", (1, 3, 4)),
+                   ("stop", 2)]
+
+
 def test_an_error_in_one_pass_abandons_the_others():
     blocks = [Block(i) for i in range(2)]
     x = mx.ones((1, 1, 4))
