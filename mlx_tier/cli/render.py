@@ -18,7 +18,7 @@ from rich.text import Text
 
 from mlx_tier.messages import in_request_words
 from mlx_tier.outdir.journal import options_apart
-from mlx_tier.units import seconds_text
+from mlx_tier.units import seconds_text, tokens_text
 
 err = Console(stderr=True)
 out = Console()
@@ -143,7 +143,7 @@ def progress_line(done: int, total: int, elapsed: float, eta: float | None, acti
     elif activity.writing:
         name, tokens = activity.writing[0]
         more = f" +{len(activity.writing) - 1} more" if len(activity.writing) > 1 else ""
-        what, details = "writing ", (f"{more}, {tokens} tokens", more)
+        what, details = "writing ", (f"{more}, {tokens_text(tokens)}", more)
     else:
         return _clip(head, width)
     rates = f"  {activity.decode_tok_s:.1f} tok/s  hit {activity.hit_rate:.0%}"
@@ -217,7 +217,7 @@ class RichReporter:
             return
         self.done += 1
         if self.live is None:  # a log file gets one line per document instead of a live line
-            print_wrapped(err, f"{self.done}/{self.total} {result.id}: {result.output_tokens} tokens, "
+            print_wrapped(err, f"{self.done}/{self.total} {result.id}: {tokens_text(result.output_tokens)}, "
                           f"{result.doc_seconds:.1f} s of its own, hit rate so far {cache['hit_rate']:.1%}")
 
     def close(self) -> None:
@@ -361,7 +361,7 @@ def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
         rows.append(("reading", f"{name}: {read:,}/{length:,} prompt tokens "
                                 f"({progress.get('prompt_tok_s', 0):.1f} prompt tok/s)"))
     for name, tokens in progress.get("writing") or []:
-        rows.append(("writing", f"{name}: {tokens} tokens so far"))
+        rows.append(("writing", f"{name}: {tokens_text(tokens)} so far"))
     waiting = [i for i in progress.get("in_flight") or []
                if i not in {w[0] for w in progress.get("writing") or []} | {(progress.get("reading") or [None])[0]}]
     if waiting:

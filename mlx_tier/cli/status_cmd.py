@@ -24,7 +24,7 @@ from mlx_tier.cli.render import (
     print_with_command,
     redone_text,
 )
-from mlx_tier.units import seconds_text
+from mlx_tier.units import seconds_text, tokens_text
 
 
 def status(
@@ -71,7 +71,7 @@ def _status_table(s, out_dir: Path) -> Table:
         t.add_row("this run", f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
                               f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
     t.add_row("speed", f"{s.documents_per_hour:.1f} documents/hour, {s.output_tok_per_s:.2f} output tok/s this "
-                       f"run (over its generation time); {s.output_tokens} tokens in all")
+                       f"run (over its generation time); {tokens_text(s.output_tokens)} in all")
     if s.redone_stale or s.redone_changed:
         t.add_row("redone", redone_text(s.redone_stale, s.redone_changed))
     if len(s.written_by) > 1:  # summaries of more than one model or prompt

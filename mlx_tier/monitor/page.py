@@ -25,6 +25,7 @@ from mlx_tier.monitor.view import build_view
 from mlx_tier.outdir.journal import options_apart
 from mlx_tier.outdir.layout import REPORT_HTML
 from mlx_tier.rates import DEFINITION
+from mlx_tier.units import tokens_text
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1a1a1a;background:#fafafa;line-height:1.4}
@@ -276,7 +277,7 @@ def documents_section(view: dict) -> str:
     for i, d in enumerate(view["documents"]):
         facts = [_MARK[d["status"]]]
         if d["output_tokens"] is not None:
-            facts.append(f'{d["output_tokens"]} tokens')
+            facts.append(tokens_text(d["output_tokens"]))
         if isinstance(d["seconds"], (int, float)):
             facts.append(fmt_seconds(d["seconds"]))
         if d["finish_reason"] == "length":

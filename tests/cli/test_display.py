@@ -53,6 +53,8 @@ def test_progress_line_cases():
     # Another case: after a first Ctrl-C the job's ETA no longer applies: the line says so.
     stopping = Activity(["a"], None, [("a", 12)], 1.0, 0.0, 0.5, 40.0, stopping=True)
     assert progress_line(1, 2, 65.0, 40.0, stopping, 80) == "1/2 done  stopping  1m05s  writing a, 12 tokens  1.0 tok/s  hit 50%"
+    one = Activity(["a"], None, [("a", 1)], 1.0, 0.0, 0.5)  # a user trial: "1 tokens"
+    assert "writing a, 1 token  " in progress_line(0, 1, 1.0, None, one, 80)
     assert len(progress_line(1, 2, 1.0, None, reading(), 30)) <= 30  # too narrow for any name: count first
 
 
