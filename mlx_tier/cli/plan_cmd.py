@@ -98,7 +98,9 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         ("active parameters per token", f"{p.active_params / 1e9:.3f} B"),
         ("dense part (always resident)", f"{p.dense_bytes / GIB:.3f} GiB"),
         (f"KV cache at {p.context_tokens} tokens (estimate{f', {p.kv_bits}-bit' if p.kv_bits else ''})",
-         f"{p.kv_bytes / GIB:.3f} GiB"),
+         f"{p.kv_bytes / GIB:.3f} GiB" + (f" (beyond the model's {p.model_context:,}-token context: a run takes "
+                                          "at most that)" if p.model_context and p.context_tokens > p.model_context
+                                          else "")),
         ("one expert: disk / resident", f"{p.expert_bytes_disk / MIB:.2f} / {p.expert_bytes_resident / MIB:.2f} MiB"),
         ("one layer's experts (disk)", f"{p.layer_bytes_disk / GIB:.3f} GiB"),
         ("experts per GiB of cache", f"{p.experts_per_gb:.0f}"),

@@ -31,7 +31,7 @@ import numpy as np
 
 from mlx_tier.defaults import DEFAULT_POOL_STEP, JOB_KERNEL
 from mlx_tier.engine import footprint
-from mlx_tier.engine.checkpoint import find_expert_blocks, open_checkpoint
+from mlx_tier.engine.checkpoint import CONTEXT_KEYS, find_expert_blocks, open_checkpoint
 from mlx_tier.engine.dtypes import job_compute_dtype
 from mlx_tier.engine.footprint import MemoryBudget, ModelShape, Needs, split
 from mlx_tier.engine.limits import probe_limit
@@ -80,6 +80,7 @@ class Plan:
     source: str = "local"  # local: a checkpoint folder; hub: config and headers read remotely, nothing downloaded
     memory_source: str = "host"  # where memory_total/available came from: host, a cgroup file, or memory_gb
     memory_split: dict | None = None  # the run's split of its total (mlx_tier.engine.footprint.MemoryBudget.as_dict)
+    model_context: int | None = None  # the checkpoint's context length (config.json), None: not stated
     memory_fit: str | None = None  # why a run would be refused before loading (None: it fits)
     kernel: str = "mlx"  # the expert kernel a run would use, the one measured
     prompt_gflops: float = 0.0  # that kernel's prompt step, measured (0: not measured)
@@ -381,6 +382,7 @@ def make_plan(
         top_k=top_k,
         **sizes,
         context_tokens=context_tokens,
+        model_context=next((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None),
         memory_total=memory.total,
         memory_available=memory.available,
         cache_budget=budget,

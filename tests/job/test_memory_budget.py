@@ -10,7 +10,9 @@ cgroup (the real one: tests/job/test_memory_limit.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -285,3 +287,15 @@ def test_a_callers_own_read_settings_are_kept(one_gib_cgroup, tiny_moe, monkeypa
         loaded = load_model(JobConfig(input=".", out_dir="o", model=tiny_moe, tier=tier), Reporter())
         store = loaded.cache.store
         assert (store.read_method, store.page_cache) == (read_method, page_cache)
+
+
+def test_plan_says_a_context_beyond_the_models(tiny_moe, tmp_path):
+    """A user trial: `plan --context 99999999` priced a 4,291 GiB KV cache without a word
+    that the model stops at 8,192 tokens (a run takes at most that)."""
+    model = Path(shutil.copytree(tiny_moe, tmp_path / "m"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    args = ["plan", str(model), "--disk-gbps", "1", "--compute-gbps", "1", "--doc-tokens", "0"]
+    words = " ".join(w for w in runner.invoke(app, [*args, "--context", "99999999"]).output.split() if w != "│")
+    assert "(beyond the model's 4,096-token context: a run takes at most that)" in words, words
+    assert "beyond the model's" not in " ".join(runner.invoke(app, [*args, "--context", "4096"]).output.split())
