@@ -297,5 +297,6 @@ def test_plan_says_a_context_beyond_the_models(tiny_moe, tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
     args = ["plan", str(model), "--disk-gbps", "1", "--compute-gbps", "1", "--doc-tokens", "0"]
     words = " ".join(w for w in runner.invoke(app, [*args, "--context", "99999999"]).output.split() if w != "│")
-    assert "(beyond the model's 4,096-token context: a run takes at most that)" in words, words
+    assert "(beyond the model's" in words and "4,096-token context: a run takes at most that)" in words, words
+    assert json.loads(runner.invoke(app, [*args, "--json"]).stdout)["model_context"] == 4096
     assert "beyond the model's" not in " ".join(runner.invoke(app, [*args, "--context", "4096"]).output.split())
