@@ -23,8 +23,6 @@ REDUCE_NOTE = (
 )
 # Tokens a part keeps free for what the tokenizer merges across a join.
 JOIN_SLACK = 8
-# Tokens of the label and break around each result in a combining prompt ("\n\nPart 12: ").
-RESULT_LABEL = 8
 
 
 def _pieces(text: str, level: int) -> list[str]:
@@ -87,21 +85,16 @@ class MapReduce:
         instruction: the user's instruction (the final reduce answers it).
         text: the document.
         prompt_limit: most prompt tokens one call may take.
-        result_tokens: most tokens a call's result may have (``max_tokens``): the
-            parts' results must be combinable, all in one call or at least two at a
-            time, else the document fails at once (not after summarising every
-            part); ``None``: not checked.
 
     Raises:
-        TooLong: the instruction alone leaves no room for text, or (``result_tokens``)
-            the part summaries could not be combined within ``prompt_limit``.
+        TooLong: the instruction, or the combining instruction of the later levels,
+            leaves no room for text (raised as the document is split, before any call).
     """
 
     tokenizer: object
     instruction: str
     text: str
     prompt_limit: int
-    result_tokens: int | None = None
     level: int = 0
     parts: int = 0  # level-0 parts (reported)
     summary: str | None = None
@@ -112,37 +105,28 @@ class MapReduce:
         chunks = self._split(self.text, MAP_NOTE.format(i=999, n=999))
         self.parts = len(chunks)
         n = len(chunks)
-        self._check_combinable(n)
+        self._room(REDUCE_NOTE)  # no room to combine part summaries: fail now, not after every part
         self._start([build_prompt(self.tokenizer, MAP_NOTE.format(i=i + 1, n=n) + self.instruction, c)
                      for i, c in enumerate(chunks)])
-
-    def _check_combinable(self, n: int) -> None:
-        """Raise TooLong when ``n`` results of :attr:`result_tokens` tokens each (the worst
-        case) fit neither all in one combining call nor two at a time."""
-        if self.result_tokens is None:
-            return
-        overhead = len(build_prompt(self.tokenizer, REDUCE_NOTE + self.instruction, "")) + JOIN_SLACK
-        each = self.result_tokens + RESULT_LABEL
-        if overhead + min(n, 2) * each <= self.prompt_limit or overhead + n * each <= self.prompt_limit:
-            return
-        raise TooLong(
-            f"combining its {n} part summaries of up to {self.result_tokens} tokens needs "
-            f"{overhead + min(n, 2) * each} prompt tokens (two at a time, with the combining instruction), "
-            f"more than {self.prompt_limit}; raise `context` or lower `max_tokens`"
-        )
 
     def _count(self, text: str) -> int:
         return len(encode_data(self.tokenizer, text))
 
-    def _split(self, text: str, note: str) -> list[str]:
+    def _room(self, note: str) -> int:
+        """Tokens of text a call with ``note`` and the instruction may take. Raises TooLong
+        when fewer than 16 (the same floor as one call's: :func:`~mlx_tier.job.scheduler.check_context`)."""
         overhead = len(build_prompt(self.tokenizer, note + self.instruction, ""))
         room = self.prompt_limit - overhead - JOIN_SLACK
         if room < 16:
+            what = "the combining instruction" if note == REDUCE_NOTE else "the instruction"
             raise TooLong(
                 f"the usable context ({self.prompt_limit} prompt tokens) leaves no room for text after "
-                f"the instruction ({overhead} tokens)"
+                f"{what} ({overhead} tokens)"
             )
-        return split_text(text, self._count, room)
+        return room
+
+    def _split(self, text: str, note: str) -> list[str]:
+        return split_text(text, self._count, self._room(note))
 
     def _start(self, prompts: list[list[int]]) -> None:
         self._prompts, self._results = prompts, [None] * len(prompts)

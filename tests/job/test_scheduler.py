@@ -12,7 +12,7 @@ import pytest
 import mlx_tier
 from mlx_tier.job.batch_engine import Task
 from mlx_tier.job.documents import Document
-from mlx_tier.job.longdoc import JOIN_SLACK, REDUCE_NOTE, RESULT_LABEL
+from mlx_tier.job.longdoc import JOIN_SLACK, REDUCE_NOTE
 from mlx_tier.job.prompts import build_prompt
 from mlx_tier.job.scheduler import GenerationConfig, Scheduler
 from mlx_tier.outdir.layout import PARTS
@@ -118,11 +118,12 @@ def test_a_long_document_resumes_from_the_calls_a_stopped_run_kept(tiered, tiny_
 
 def test_a_long_document_that_could_not_be_combined_fails_before_any_step(tiered, tiny_moe):
     model, tokenizer = tiered
-    room = len(build_prompt(tokenizer, REDUCE_NOTE + "Summarise this.", "")) + JOIN_SLACK + 2 * (8 + RESULT_LABEL)
+    floor = len(build_prompt(tokenizer, REDUCE_NOTE + "Summarise this.", "")) + JOIN_SLACK + 16
     steps = []
-    sched = Scheduler(model, tokenizer, tiny_moe, room - 1 + 8, GenerationConfig("Summarise this.", max_tokens=8))
+    sched = Scheduler(model, tokenizer, tiny_moe, floor - 1 + 8, GenerationConfig("Summarise this.", max_tokens=8))
     out = list(sched.run(docs({"long": LONG}), on_step=lambda info, ids: steps.append(info)))
-    assert [o.status for o in out] == ["failed"] and "combining its" in out[0].error and steps == []
+    assert [o.status for o in out] == ["failed"] and "after the combining instruction" in out[0].error
+    assert steps == []
 
 
 class Poisoned:
