@@ -125,12 +125,15 @@ def decode_text(data: bytes) -> Converted:
 
 # Word and sentence breaks of any script: real text has them, binary bytes read as 2- or
 # 4-byte units almost never do (each is one of 65,536 code points or more).
-_BREAKS = frozenset(" \t\n\r\u3000\u3001\u3002\uff0c\uff0e\u060c\u0964")
+_BREAKS = frozenset(" \t\n\r,.;:!?\u3000\u3001\u3002\uff01\uff0c\uff0e\uff1a\uff1b\uff1f\u060c\u0964")
 
 
 def _spaced(text: str) -> bool:
-    """Whether ``text`` has a space, line break or sentence mark every 200 characters
-    (UTF-16/32 without a byte-order mark fits almost any bytes of even length)."""
+    """Whether ``text`` reads as text (UTF-16/32 without a byte-order mark fits almost any
+    bytes of even length): all printable ASCII (Latin text in 2-byte units), or a space,
+    line break or punctuation mark every 200 characters."""
+    if text.isascii() and all(c.isprintable() or c in "\t\n\r" for c in text):
+        return True
     return sum(c in _BREAKS for c in text) >= max(1, len(text) // 200)
 
 

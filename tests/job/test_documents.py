@@ -223,12 +223,15 @@ def test_binary_bytes_that_fit_utf16_without_a_byte_order_mark_fail(data):
 
 @pytest.mark.parametrize("text, codec", [
     ("Hello world, this is text.\nSecond line.", "utf-16-le"),
+    # a review: short texts with no space, JSON, CJK with full-width punctuation only
+    ("Introduction", "utf-16-le"), ('{"a":1,"b":[1,2,3],"c":"xyz"}', "utf-16-be"),
+    ("すごい！本当に？ありがとう！" * 3, "utf-16-le"), ("你好,世界.今天很好!", "utf-32-le"),
     ("日本語のテキストです。これは二行目です。\n三行目。", "utf-16-le"),
     ("Привет мир. Это текст на русском языке.", "utf-16-be"),
 ])
 def test_utf16_text_without_a_byte_order_mark_is_read(text, codec):
     got = decode_text(text.encode(codec))
-    assert got.text == text and got.converter.startswith("text (utf-16"), got
+    assert got.text == text and got.converter == f"text ({codec})", got
 
 
 def test_converted_formats(tmp_path):
