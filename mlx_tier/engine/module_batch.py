@@ -104,10 +104,9 @@ def run_together(passes: list[Pass]) -> None:
             layer = min(c.block.cache.layer for c in waiting.values())
             group = sorted(i for i, c in waiting.items() if c.block.cache.layer == layer)
             going = []
+            _run_now([waiting[i].x for i in group if passes[i].stop is not None])  # the layers before, now
             for i in group:
                 call = waiting.pop(i)
-                if passes[i].stop is not None:
-                    _run_now(call.x)  # the layers before this one, computed now (see _run_now)
                 if passes[i].stop is not None and passes[i].stop(layer):
                     passes[i].stopped_at = layer
                     resume(i, error=PassStopped())
@@ -122,13 +121,15 @@ def run_together(passes: list[Pass]) -> None:
                 let.throw(GreenletExit)
 
 
-def _run_now(x: mx.array) -> None:
-    """Evaluate a pass's input to a block before its ``stop`` is asked: where nothing else
+def _run_now(xs: list[mx.array]) -> None:
+    """Evaluate the inputs to a layer's block of the passes with a ``stop`` (one evaluation
+    a layer, none without a stop) before their stop is asked: where nothing else
     forces it (the MLX kernel with every expert resident never reads the router's choice
     on the host), MLX would build the whole pass lazily in milliseconds and compute it at
     its end, so a stop asked "between layers" would wait for the whole pass (a minute on
     a slow machine) and progress would not move."""
-    mx.eval(x)
+    if xs:
+        mx.eval(xs)
 
 
 def _compute(calls: list[_Call]) -> list[mx.array]:

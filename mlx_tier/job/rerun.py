@@ -81,17 +81,40 @@ def request_hashes(docs, records: Mapping[str, dict]) -> dict[str, str]:
     rerun says of those: :func:`rerun_notes`. Likewise an answer of a request without its
     own token limit recorded before the run's default was stamped with it
     (:func:`~mlx_tier.job.documents.with_default_limit`): its request as it was is current."""
-    out = {}
+    out, unlimited = {}, set(limit_unstamped(docs, records))
     for d in docs:
         rec = records.get(d.id) or {}
-        was, made = _text_hash(rec), recorded_hash(rec)
+        was = _text_hash(rec)
         if was is not None and was == text_stamp(d.request.text).sha256:
             out[d.id] = was
-        elif made is not None and d.stamp.sha256 != made and made == request_stamp(d.request.url, d.request.body).sha256:
-            out[d.id] = made  # stamped before the default limit was: the request is as it was
+        elif d.id in unlimited:
+            out[d.id] = recorded_hash(rec)  # stamped before the default limit was: the request is as it was
         else:
             out[d.id] = d.stamp.sha256
     return out
+
+
+def limit_unstamped(docs, records: Mapping[str, dict]) -> list[str]:
+    """Ids of the requests without a token limit of their own whose answer was recorded
+    before the run's ``--max-tokens`` was stamped with such requests: the request as it was
+    then (its url and body) is unchanged, the limit it ran with unknown."""
+    out = []
+    for d in docs:
+        made = recorded_hash(records.get(d.id) or {})
+        if d.request is not None and made is not None and d.stamp.sha256 != made \
+                and made == request_stamp(d.request.url, d.request.body).sha256:
+            out.append(d.id)
+    return out
+
+
+def limit_note(docs, records: Mapping[str, dict], tri: Triage) -> list[str]:
+    """The line that says how many answers :func:`limit_unstamped` took as current (``[]``: none)."""
+    n = sum(i in tri.done for i in limit_unstamped(docs, records))
+    if not n:
+        return []
+    return [f"{_some(n, 'answer')} of requests without a token limit from an older mlx-tier: the `max_tokens` "
+            f"they were answered within was not recorded; taken as current (delete one's line from {BATCH_OUTPUT} "
+            "to redo it)"]
 
 
 def _text_hash(rec: dict) -> str | None:

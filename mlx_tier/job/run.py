@@ -84,6 +84,7 @@ from mlx_tier.job.rerun import (
     copy_reused,
     current_hashes,
     doubt_unrecorded,
+    limit_note,
     locate_model,
     refuse_other_files,
     request_hashes,
@@ -613,6 +614,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
                                       None if is_batch(docs) else settings)
     if not share.part:
         for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs], is_batch(docs)):
+            reporter.message(note)
+        for note in limit_note(docs, records, tri) if is_batch(docs) else []:
             reporter.message(note)
     results = doc_results(docs, tri, records)
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))

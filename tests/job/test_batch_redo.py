@@ -27,7 +27,7 @@ from mlx_tier.job.batch_api import CHAT, COMPLETIONS
 from mlx_tier.job.documents import discover, with_default_limit
 from mlx_tier.job.outputs import BatchOutputs
 from mlx_tier.job.provenance import Settings, request_stamp, text_stamp
-from mlx_tier.job.rerun import request_hashes, rerun_notes
+from mlx_tier.job.rerun import limit_note, request_hashes, rerun_notes
 from mlx_tier.job.triage import OutputState, triage
 from mlx_tier.outdir.journal import Journal
 
@@ -219,5 +219,10 @@ def test_an_answer_stamped_before_the_default_limit_was_is_current(tmp_path):
     assert docs[1].stamp.sha256 == request_stamp(CHAT, B["body"]).sha256  # its own limit: as before
     old = {"status": "done", "made_from": request_stamp(CHAT, free["body"]).as_dict()}
     assert request_hashes(docs, {"f": old})["f"] == old["made_from"]["sha256"]
+    tri = triage([d.id for d in docs], {"f": old}, {d.id: OutputState(True, True) for d in docs},
+                 current=request_hashes(docs, {"f": old}))
+    assert "f" in tri.done and limit_note(docs, {"f": old}, tri) == [
+        "1 answer of requests without a token limit from an older mlx-tier: the `max_tokens` they were answered "
+        "within was not recorded; taken as current (delete one's line from output.jsonl to redo it)"]
     other = {"status": "done", "made_from": request_stamp(CHAT, free["body"], 8).as_dict()}
     assert request_hashes(docs, {"f": other})["f"] == docs[0].stamp.sha256  # another default: stale
