@@ -45,7 +45,7 @@ def plan(
     if is_demo(model):  # the built-in demo (built on first use): plan its local folder
         model = str(resolve(model, lambda text: print_wrapped(err, text, style="dim")))
     if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
-        fail(f"--memory-gb must be positive, got {memory_gb}")
+        fail(f"--memory-gb must be a finite positive number of GiB, got {memory_gb}")
     if Path(model).is_dir() and (compute_gbps is None or doc_tokens):  # its kernel is probed: compiled first
         from mlx_tier.defaults import JOB_KERNEL
         from mlx_tier.kernels.warmup import compile_for
@@ -59,7 +59,7 @@ def plan(
     except (CheckpointError, ConfigError) as e:
         fail(as_flags(str(e)))
     if gpu_gb is not None and not (math.isfinite(gpu_gb) and gpu_gb > 0):
-        fail(f"--gpu-gb must be positive, got {gpu_gb}")
+        fail(f"--gpu-gb must be a finite positive number of GiB, got {gpu_gb}")
     from mlx_tier.tools.plan_gpu import three_tier_split
 
     split = three_tier_split(p, gpu_gb) if gpu_gb is not None else None

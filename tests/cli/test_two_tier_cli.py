@@ -105,7 +105,7 @@ def test_plan_cli_three_tiers(tiny_moe):
     assert r.exit_code == 0 and "GPU hot tier" in r.output and "SSD cold tier" in r.output
     assert "GPU free after the dense part" in r.output and "(assumed: 0.5 GiB - dense)" in r.output
     r = runner.invoke(app, ["plan", str(tiny_moe), "--gpu-gb", "-1"])
-    assert r.exit_code == 2 and "--gpu-gb must be positive" in r.output
+    assert r.exit_code == 2 and "--gpu-gb must be a finite positive number of GiB" in r.output
 
 
 @pytest.fixture(scope="module")

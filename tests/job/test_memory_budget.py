@@ -121,6 +121,9 @@ def test_plans_total_above_the_available_memory_says_why(one_gib_cgroup, tiny_mo
     assert "a process holds" not in words
     r = runner.invoke(app, [*args, "--context", "1"])  # no run takes such a context
     assert r.exit_code == 2 and "--context" in r.output
+    for bad in ("inf", "nan", "0"):  # a user trial: `inf` was "must be positive", as `run` says otherwise
+        r = runner.invoke(app, [*args, "--memory-gb", bad])
+        assert r.exit_code == 2 and f"--memory-gb must be a finite positive number of GiB, got {bad}" in r.output
 
 
 def test_plan_says_how_a_run_would_read_its_experts(one_gib_cgroup, tiny_moe, monkeypatch):
