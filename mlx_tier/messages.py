@@ -132,10 +132,20 @@ _REASONS = (
 SHORT_REASON_CHARS = 11
 
 
-def short_reason(error: str | None) -> str:
+# A failed batch request's API error code -> its short reason (server_error: by its message).
+_CODES = {
+    "unsupported_parameter": "unsupported", "unsupported_value": "unsupported", "invalid_type": "bad value",
+    "invalid_value": "bad value", "missing_required_parameter": "missing", "context_length_exceeded": "too long",
+}
+
+
+def short_reason(error: str | None, code: str | None = None) -> str:
     """A few words (at most :data:`SHORT_REASON_CHARS`) for why a document failed,
-    e.g. ``"empty file"``, ``"binary file"``, ``"too long"``, ``"no memory"``;
-    an unknown error by its exception name (``"RuntimeError"``) or ``"error"``."""
+    e.g. ``"empty file"``, ``"binary file"``, ``"too long"``, ``"no memory"``; a batch
+    request by its API error ``code`` (``"unsupported"``, ``"bad value"``); an unknown
+    error by its exception name (``"RuntimeError"``) or ``"error"``."""
+    if code in _CODES:
+        return _CODES[code]
     text = error or ""
     for needle, short in _REASONS:
         if needle in text:

@@ -235,7 +235,7 @@ def status_cell(result) -> str:
 
     mark = "*" if result.earlier_run else ""
     if result.status == "failed":
-        return f"failed{mark}:\n{short_reason(result.error)}"
+        return f"failed{mark}:\n{short_reason(result.error, getattr(result, 'error_code', None))}"
     return f"{result.status}{mark}"
 
 

@@ -329,6 +329,19 @@ def test_every_kind_of_failure_has_a_short_reason(tmp_path):
     assert short_reason("AVeryLongExceptionNameError: x") == "AVeryLongE…"
     assert short_reason(None) == short_reason("something odd happened") == "error"
 
+    # a user trial: a request refused for an unsupported parameter showed "failed: error"
+    from mlx_tier.job import batch_api
+
+    codes = {"unsupported_parameter", "unsupported_value", "invalid_type", "invalid_value",
+             "missing_required_parameter", "context_length_exceeded"}
+    source = Path(batch_api.__file__).read_text()
+    assert codes - {"context_length_exceeded"} <= set(re.findall(r'"((?:unsupported|invalid|missing)_[a-z_]+)"', source))
+    for code in codes:
+        short = short_reason("`logprobs` is not supported", code)
+        assert short != "error" and len(short) <= SHORT_REASON_CHARS, code
+    assert short_reason("`logprobs` is not supported", "unsupported_parameter") == "unsupported"
+    assert short_reason("RuntimeError: [malloc] out", batch_api.SERVER_ERROR) == "no memory"
+
 
 def test_results_table_shows_why_each_document_failed_at_80_columns(tmp_path, monkeypatch):
     """`failed:` then the short reason under it; the shipped examples' longest name stays whole."""
