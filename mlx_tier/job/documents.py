@@ -50,7 +50,8 @@ from mlx_tier.job.provenance import SourceStamp, file_stamp, request_stamp, text
 from mlx_tier.outdir.layout import is_job_folder
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "by_count", "decode_text",
-           "discover", "discover_list", "safe_id", "skip_note", "skip_reason", "source_field", "source_file", "with_default_limit"]
+           "discover", "discover_list", "safe_id", "skip_note", "skip_reason", "source_field", "source_file", "source_hash",
+           "with_default_limit"]
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,13 @@ def source_file(doc) -> str | None:
     if doc.request is not None:
         return None
     return os.path.abspath(doc.source.rpartition(":")[0] if doc.key is not None else doc.source)
+
+
+def source_hash(doc) -> str | None:
+    """The sha256 of ``doc``'s source as its summary is made from it (its stamp,
+    :mod:`mlx_tier.job.provenance`); ``None`` when unknown (an unreadable file)."""
+    stamp = getattr(doc, "stamp", None)
+    return stamp.sha256 if stamp is not None else None
 
 
 def source_field(doc) -> dict[str, str]:

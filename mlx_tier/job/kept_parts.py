@@ -14,12 +14,13 @@ under the paced schedule is reused under the throughput one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from mlx_tier.job.config import JobConfig
 from mlx_tier.job.provenance import Settings
 from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.layout import rank_parts
-from mlx_tier.outdir.parts import PartStore
+from mlx_tier.outdir.parts import PartStore, forget
 
 
 def call_identity(settings: Settings, computes: dict) -> dict:
@@ -41,8 +42,8 @@ def open_parts(config: JobConfig, identity: dict, journal_name: str, tri: Triage
     source as it is now (``source``: ``id -> sha256``, ``None`` unknown; asked only of the
     documents with kept calls), and what forgetting the lines of documents done and current
     (:func:`current_done`) met (unless a rank, ``part``)."""
+    notes = [] if part else forget_finished(config.out_dir, current_done(tri))
     store = PartStore(config.out_dir, identity, rank_parts(journal_name))
-    notes = [] if part else forget_finished(store, current_done(tri))
     kept = store.docs(dict.fromkeys(tri.pending))  # then hashed: only the documents with kept calls
     kept = store.docs({i: source(i) for i in kept}) if kept else {}
     if kept:
@@ -58,11 +59,12 @@ def current_done(tri: Triage) -> set[str]:
     return (set(tri.done) - set(tri.stale) - set(tri.kept_changed)) | set(tri.recovered) | set(tri.reused)
 
 
-def forget_finished(store: PartStore, finished: Iterable[str]) -> list[str]:
-    """Drop the kept lines of the documents ``finished``; a line for people when the files
-    cannot be rewritten (not raised)."""
+def forget_finished(out_dir: Path, finished: Iterable[str]) -> list[str]:
+    """Drop the kept lines of the documents ``finished`` (:func:`~mlx_tier.outdir.parts.forget`:
+    only a run holding the output folder); a line for people when the files cannot be
+    rewritten (not raised)."""
     try:
-        store.forget(finished)
+        forget(out_dir, finished)
     except OSError as e:
         return [f"parts: cannot rewrite {e.filename}: {e.strerror or e}"]
     return []

@@ -54,6 +54,7 @@ from mlx_tier.job.documents import (
     size_hint,
     skip_note,
     source_field,
+    source_hash,
     with_default_limit,
 )
 from mlx_tier.job.eta import EtaTracker
@@ -655,7 +656,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     parts = None
     if not is_batch(docs):  # also when nothing is pending: the lines of documents finished since go
         parts, notes = open_parts(config, _call_identity(settings, report.setup, config), share.journal_name, tri,
-                                  lambda i: _source_hash(by_id[i]), share.part)
+                                  lambda i: source_hash(by_id[i]), share.part)
         for note in notes:
             reporter.message(note)
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
@@ -668,7 +669,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         _run_pending(p, config, loaded)
         report.generation_seconds = _generation_seconds(p, clock.t())
         finished = [i for i, r in results.items() if r.status == "done" and not r.earlier_run]
-        for note in forget_finished(parts, finished) if parts is not None and not share.part else []:
+        for note in forget_finished(config.out_dir, finished) if parts is not None and not share.part else []:
             reporter.message(note)
     return report, loaded
 
@@ -679,11 +680,6 @@ def _call_identity(settings: Settings, setup: dict, config: JobConfig) -> dict:
     return call_identity(settings, {"kernel": setup.get("kernel"), "dtype": setup.get("dtype"),
                                     "dense_kernel": config.tier.dense_kernel,
                                     "attention_kernel": config.tier.attention_kernel})
-
-
-def _source_hash(doc) -> str | None:
-    stamp = getattr(doc, "stamp", None)
-    return stamp.sha256 if stamp is not None else None
 
 
 def _generation_seconds(p: _Pass, now: float | None = None) -> float:

@@ -59,6 +59,7 @@ from mlx_tier.job.batch_engine import (
     stop_token_ids,
 )
 from mlx_tier.job.doc_tokens import Sample, chars_per_token, predicted_tokens
+from mlx_tier.job.documents import source_hash
 from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
 from mlx_tier.job.pool_engine import PoolEngine
 from mlx_tier.job.prompts import (
@@ -571,8 +572,7 @@ class Scheduler:
         resumed run finds the same calls whatever memory it starts with."""
         if self.parts is None:
             return limit
-        stamp = getattr(d.doc, "stamp", None)
-        d.source = stamp.sha256 if stamp is not None else None
+        d.source = source_hash(d.doc)
         kept = self.parts.limit(d.doc.id, d.source)
         return kept if kept is not None and kept <= limit else limit
 
@@ -792,16 +792,16 @@ class Scheduler:
         for a map-reduce document its next calls (queued first in ``ready``). Every
         map-reduce call of the step is kept (:attr:`parts`) before the first outcome is
         yielded: a stop or a crash while an outcome is written loses no finished call."""
-        results = {}
+        results = {}  # key -> (summary, reasoning, the summary as a map-reduce call's result)
         for f in finished:
             d, index = f.key
             if d.choices is None:
                 summary, reasoning = strip_reasoning(f.text, self.reasoning)
-                results[f.key] = summary, reasoning
+                text = trim_to_sentence(summary) if f.finish_reason == "length" else summary
+                results[f.key] = summary, reasoning, text
                 if d.mr is not None and self.parts is not None:
-                    self.parts.keep(d.mr.prompt(index), KeptCall(
-                        d.doc.id, trim_to_sentence(summary) if f.finish_reason == "length" else summary, reasoning,
-                        len(f.tokens), f.finish_reason, d.mr.prompt_limit, d.source))
+                    self.parts.keep(d.mr.prompt(index), KeptCall(d.doc.id, text, reasoning, len(f.tokens),
+                                                                 f.finish_reason, d.mr.prompt_limit, d.source))
         for f in finished:
             d, index = f.key
             if d.choices is not None:
@@ -810,12 +810,11 @@ class Scheduler:
                     yield done
                 continue
             d.output_tokens += len(f.tokens)
-            summary, reasoning = results[f.key]
+            summary, reasoning, text = results[f.key]
             d.reasoning.append(reasoning)
             if d.mr is None:
                 yield self._finish(d, summary, f.finish_reason)
                 continue
-            text = trim_to_sentence(summary) if f.finish_reason == "length" else summary
             try:
                 more = d.mr.add(index, text)
                 if d.mr.summary is not None:

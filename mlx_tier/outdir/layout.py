@@ -100,10 +100,20 @@ def rank_exit_name(rank: int) -> str:
 
 def rank_journals(out_dir: Path) -> list[Path]:
     """Every rank journal of every distributed run of the job (none for a one-process job)."""
+    return _rank_files(out_dir, "journal-*.jsonl")
+
+
+def rank_part_files(out_dir: Path) -> list[Path]:
+    """Every rank's kept calls of long documents (:func:`rank_parts`), of every distributed run."""
+    return _rank_files(out_dir, "parts-*.jsonl")
+
+
+def _rank_files(out_dir: Path, pattern: str) -> list[Path]:
+    """The regular files ``OUT_DIR/ranks/<run>/<pattern>`` (no link followed)."""
     root = Path(out_dir) / RANKS_DIR
     if not root.is_dir() or root.is_symlink():
         return []
-    return sorted(p for p in root.glob("*/journal-*.jsonl") if p.is_file() and not p.is_symlink())
+    return sorted(p for p in root.glob(f"*/{pattern}") if p.is_file() and not p.is_symlink())
 
 
 def rank_progress_name(rank: int) -> str:

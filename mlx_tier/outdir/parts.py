@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mlx_tier.fsio import _append_line, write_atomic
-from mlx_tier.outdir.layout import PARTS, RANKS_DIR
+from mlx_tier.outdir.layout import PARTS, rank_part_files
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,8 @@ def _call(rec: dict) -> KeptCall:
 
 
 def part_files(out_dir: Path) -> list[Path]:
-    """The job's parts file and every rank's (they may not exist)."""
-    root = Path(out_dir) / RANKS_DIR
-    ranks = sorted(root.glob("*/parts-*.jsonl")) if root.is_dir() and not root.is_symlink() else []
-    return [Path(out_dir) / PARTS, *ranks]
+    """The job's parts file (it may not exist) and every rank's."""
+    return [Path(out_dir) / PARTS, *rank_part_files(out_dir)]
 
 
 def forget(out_dir: Path, finished: Iterable[str]) -> int:
@@ -191,10 +189,3 @@ class PartStore:
             self.error = self.error or f"{e.filename}: {e.strerror or e}"
             return
         self._kept[rec["key"]] = {**rec, "_earlier": False}
-
-    def forget(self, finished: Iterable[str]) -> int:
-        """:func:`forget` for this store's job, and the same lines out of memory."""
-        finished = set(finished)
-        dropped = forget(self.out_dir, finished)
-        self._kept = {k: v for k, v in self._kept.items() if v["doc"] not in finished}
-        return dropped

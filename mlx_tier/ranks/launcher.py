@@ -329,13 +329,11 @@ def run_distributed(config, launch: Launch, reporter=None):
 def _forget_parts(job, run_id: str, reporter) -> None:
     """Drop the kept calls (:mod:`mlx_tier.outdir.parts`) of the documents the run ``run_id``'s
     ranks finished; a file that cannot be rewritten is said, not raised."""
-    from mlx_tier.outdir.parts import forget
+    from mlx_tier.job.kept_parts import forget_finished
 
     done = [i for i, r in job.view().records().items() if r.get("status") == "done" and r.get("run") == run_id]
-    try:
-        forget(job.path, done)
-    except OSError as e:
-        reporter.message(f"parts: cannot rewrite {e.filename}: {e.strerror or e}")
+    for note in forget_finished(job.path, done):
+        reporter.message(note)
 
 
 def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, started: tuple[float, float], clock,
