@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.jobs import WORDS, _short_context, small_moe  # noqa: F401 - fixtures
+from support.jobs import WORDS, _short_context, folder, small_moe  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
@@ -21,11 +21,7 @@ BOOK = "\n\n".join(" ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(40)) 
 
 
 def make(tmp_path):
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "book.txt").write_text(BOOK)
-    (docs / "note.txt").write_text("Bees carry pollen between flowers.")
-    return docs
+    return folder(tmp_path / "docs", **{"book.txt": BOOK, "note.txt": "Bees carry pollen between flowers."})
 
 
 def args(docs, out, model, *extra, schedule="paced"):

@@ -11,7 +11,7 @@ import os
 from collections import Counter
 
 import pytest
-from support.jobs import _short_context, done_lines, small_moe  # noqa: F401 - fixtures
+from support.jobs import _short_context, done_lines, folder, small_moe  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
 import mlx_tier.job.run as job_run
@@ -29,13 +29,6 @@ NOTE = "Medical note: the patient is allergic to bee pollen and the spring flowe
 def run(*args):
     r = runner.invoke(app, ["run", *map(str, args)])
     return r.exit_code, " ".join(r.output.split()), [x for x in r.output.splitlines() if x.startswith("error:")]
-
-
-def folder(path, **files):
-    path.mkdir(parents=True)
-    for name, text in files.items():
-        (path / name).write_text(text)
-    return path
 
 
 def snapshot(out):

@@ -37,6 +37,14 @@ def small_moe(tmp_path_factory):
     return make_mixtral(root / "moe", root / "tokenizer", quantized=True, vocab_size=320)
 
 
+def folder(path: Path, **files: str) -> Path:
+    """``path`` made (with its parents), holding ``files`` (name -> text)."""
+    path.mkdir(parents=True)
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return path
+
+
 def make_docs(folder: Path, n: int) -> list[Path]:
     folder.mkdir()
     paths = []
