@@ -369,7 +369,7 @@ def make_plan(
         lend = lent_slots(memory.split, MAX_DECODE_POOL, doc_tokens + summary_tokens)
         job = job_pools(config, L, num_experts, top_k, slots, sizes["expert_bytes_disk"], 2 * sizes["expert_params"],
                         speed["disk_gbps"], memory.split.kv, doc_tokens, summary_tokens,
-                        memory.split.prefill_step, kv_bits, _head_bytes(index), lend) | traded
+                        memory.split.prefill_step, kv_bits, _head_bytes(index), lend, needs.kernel) | traded
     return Plan(
         job=job,
         kv_bits=kv_bits,
@@ -463,11 +463,12 @@ def _measured(source, needs: Needs, expert_names: list, top_k: int, slots: int, 
 def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, expert_bytes: int,
               expert_flops: float, disk_gbps: float, free_bytes: int, doc_tokens: int, summary_tokens: int,
               max_pool: int | None = None, kv_bits: int | None = None, head_bytes: int = 0,
-              decode_slots: int = 0) -> dict:
+              decode_slots: int = 0, kernel: str = "cpu") -> dict:
     """The overnight job's pools and predicted documents/hour (:func:`mlx_tier.tools.pools.choose_pools`)
     from a checkpoint's config, its kernels' rates probed here (:func:`mlx_tier.tools.pools.probe_rates`);
     ``head_bytes``: its output layer's bytes (:func:`mlx_tier.tools.pools.output_layer_bytes`; 0: not priced);
-    ``decode_slots``: expert slots per layer its decode steps borrow (:func:`mlx_tier.tools.pool_cache.lent_slots`)."""
+    ``decode_slots``: expert slots per layer its decode steps borrow (:func:`mlx_tier.tools.pool_cache.lent_slots`);
+    ``kernel``: the expert kernel a run would use (:func:`mlx_tier.kernels.registry.choose`), the one probed."""
     from mlx_tier.tools.pools import Shape, choose_pools, head_terms, probe_rates
 
     hidden = int(config.get("hidden_size") or 0)
@@ -483,7 +484,8 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
                   **head_terms(head_bytes, int(config.get("vocab_size") or 0), hidden))
     on_cpu = mx.default_device() == mx.cpu
     rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
-                        head_dim, attention="cpu" if on_cpu else "mlx", kv_heads=kv_heads)
+                        head_dim, attention="cpu" if on_cpu and kernel == "cpu" else "mlx", kv_heads=kv_heads,
+                        kernel=kernel)
     pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes), max_pool=max_pool,
                          decode_slots=decode_slots)
     return {**pools.as_dict(), "decode_slots": decode_slots, "rates": rates.as_dict()}

@@ -86,7 +86,8 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
     shape = with_saved_routing(shape, model_dir)
     if disk_gbps is None:
         disk_gbps = measure_read_gbps(files, warm=sum(f.stat().st_size for f in files) <= 0.8 * host_available())
-    rates = probe_rates(disk_gbps, **probe, attention="cpu" if budget.kernel == "cpu" else "mlx")
+    rates = probe_rates(disk_gbps, **probe, attention="cpu" if budget.kernel == "cpu" else "mlx",
+                        kernel=budget.kernel)
     slots, plan, own = choose_slots(shape, rates, prompt_tokens, output_tokens, budget.cache + budget.kv,
                                     budget.slot_row, most, documents, cap, budget.prefill_step,
                                     lambda n: lent_slots(with_cache(budget, n), pool, prompt_tokens + output_tokens))

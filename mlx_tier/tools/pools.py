@@ -548,14 +548,16 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
 
 def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), bits: int = 4,
                 group_size: int = 64, heads: int = 16, head_dim: int = 64, attention: str = "mlx",
-                kv_heads: int | None = None) -> Rates:
+                kv_heads: int | None = None, kernel: str = "cpu") -> Rates:
     """Measure :class:`Rates` on this machine in a few seconds (the disk rate is given:
     :func:`mlx_tier.tools.plan.measure_disk_gbps`).
 
-    GEMM, dequantisation and the loops (one row a slot, and :data:`LOOP_PROBE_ROWS`
-    rows a slot) run through the CPU expert kernel
-    (:mod:`mlx_tier.kernels.cpu`) on a random quantized expert of ``expert_shape``
-    ``(out, in)``; attention (``attention``: ``"mlx"``, MLX's
+    The experts through ``kernel``, the expert kernel the run uses
+    (:func:`mlx_tier.kernels.registry.choose`): ``"cpu"``, the CPU expert kernel
+    (:func:`_cpu_expert_rates`), else the kernel's own call on a quantized ``SwitchGLU``
+    (:func:`_block_expert_rates`: MLX's ``gather_qmm`` for ``"mlx"``, on the default
+    device), each on random experts whose largest matrix is ``expert_shape`` ``(out, in)``;
+    attention (``attention``: ``"mlx"``, MLX's
     ``scaled_dot_product_attention`` on the default device, or ``"cpu"``,
     :func:`mlx_tier.kernels.cpu_attention.sdpa`) as the job runs it: ``heads`` query
     heads over ``kv_heads`` key/value heads (``None``: as many), a prompt chunk of 256
@@ -564,7 +566,44 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     query over 1024 keys (a decode pool's mask: the KV caches' read rate).
     Medians of at least a few repetitions, repeated until each probe has run
     :data:`PROBE_SECONDS` (a probe of a few milliseconds moved by half between runs).
+
+    Raises:
+        ValueError: an unknown kernel, or one not available here.
     """
+    if kernel == "cpu":
+        experts = _cpu_expert_rates(expert_shape, bits, group_size)
+    else:
+        experts = _block_expert_rates(kernel, expert_shape, bits, group_size)
+    att_gflops, kv_gbps = _attention_rates(_median, heads, kv_heads or heads, head_dim, attention)
+    return Rates(disk_gbps=disk_gbps, attention_gflops=att_gflops, kv_read_gbps=kv_gbps, **experts)
+
+
+def _median(fn, reps: int = 5) -> float:
+    """Median seconds of ``fn()`` after one warm-up call: at least ``reps`` calls, more until
+    they have run :data:`PROBE_SECONDS`."""
+    fn()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < reps or (spent < PROBE_SECONDS and len(times) < 10_000):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        spent += times[-1]
+    return sorted(times)[len(times) // 2]
+
+
+def _loop_gbps(packed: float, t_mv: float, t_rows: float, rows: int) -> float:
+    """The loops' rate at many rows a slot, GB/s of packed bytes a pair, from a pair's
+    seconds at one row (``t_mv``) and at ``rows`` rows (``t_rows``): a pair at r rows
+    costs loop + (matvec - loop) / r (:meth:`Rates.pair_seconds`), solved for loop."""
+    t_loop = max((rows * t_rows - t_mv) / (rows - 1), 0.2 * t_rows) if rows > 1 else t_rows
+    return packed / t_loop / 1e9
+
+
+def _cpu_expert_rates(expert_shape: tuple[int, int], bits: int, group_size: int) -> dict:
+    """:class:`Rates`' expert fields for the CPU expert kernel (:mod:`mlx_tier.kernels.cpu`)
+    on a random quantized expert of ``expert_shape`` ``(out, in)``: GEMM, dequantisation and
+    the loops (one row a slot, and :data:`LOOP_PROBE_ROWS` rows a slot)."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
@@ -580,32 +619,68 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     quant = cpu._Quant(leaf, stacked=True)
     rows = max(64, quant.gemm_min_rows)  # per expert: the GEMM path
     x = np.random.default_rng(0).standard_normal((rows * n, in_dim)).astype(np.float32)
-
-    def med(fn, reps=5) -> float:
-        fn()
-        times: list[float] = []
-        spent = 0.0
-        while len(times) < reps or (spent < PROBE_SECONDS and len(times) < 10_000):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-            spent += times[-1]
-        return sorted(times)[len(times) // 2]
-
     slots = np.repeat(np.arange(n), rows)
-    t_gemm = med(lambda: cpu.switch_linear(leaf, x, np.arange(rows * n), slots))
-    t_deq = med(lambda: quant.dense(0)) / cpu.THREADS  # one expert, spread over the threads
+    t_gemm = _median(lambda: cpu.switch_linear(leaf, x, np.arange(rows * n), slots))
+    t_deq = _median(lambda: quant.dense(0)) / cpu.THREADS  # one expert, spread over the threads
     pairs = np.arange(2 * cpu.THREADS)  # decode: a few pairs, one row each
-    t_mv = med(lambda: cpu.switch_linear(leaf, x[pairs], pairs, pairs % n)) / len(pairs)
+    t_mv = _median(lambda: cpu.switch_linear(leaf, x[pairs], pairs, pairs % n)) / len(pairs)
     many = np.arange(n * max(1, min(LOOP_PROBE_ROWS, quant.gemm_min_rows - 1)))  # a prompt pool's small slots
-    t_rows = med(lambda: cpu.switch_linear(leaf, x[many], many, many * n // len(many))) / len(many)
-    r = len(many) // n  # a pair at r rows costs loop + (matvec - loop) / r (Rates.pair_seconds): solve for loop
-    t_loop = max((r * t_rows - t_mv) / (r - 1), 0.2 * t_rows) if r > 1 else t_rows
+    t_rows = _median(lambda: cpu.switch_linear(leaf, x[many], many, many * n // len(many))) / len(many)
     gemm_s = max(t_gemm - n * t_deq, 1e-6) / n  # one expert's GEMM
-    att_gflops, kv_gbps = _attention_rates(med, heads, kv_heads or heads, head_dim, attention)
-    return Rates(disk_gbps=disk_gbps, gemm_gflops=2 * rows * in_dim * out_dim / gemm_s / 1e9,
-                 matvec_gbps=packed / t_mv / 1e9, dequant_gbps=packed / t_deq / 1e9, loop_gbps=packed / t_loop / 1e9,
-                 attention_gflops=att_gflops, kv_read_gbps=kv_gbps, gemm_min_rows=quant.gemm_min_rows)
+    return {"gemm_gflops": 2 * rows * in_dim * out_dim / gemm_s / 1e9, "matvec_gbps": packed / t_mv / 1e9,
+            "dequant_gbps": packed / t_deq / 1e9, "gemm_min_rows": quant.gemm_min_rows,
+            "loop_gbps": _loop_gbps(packed, t_mv, t_rows, len(many) // n)}
+
+
+# Rows an expert in _block_expert_rates' two GEMM probes (its GEMM price holds from the first).
+BLOCK_GEMM_ROWS = (64, 128)
+# Experts in _block_expert_rates' loop probes, one in its GEMM probes (MLX's gather_qmm on MLX's
+# CPU backend computes each row on its own: about a millisecond a row and matrix of a large expert).
+BLOCK_PROBE_EXPERTS = 2
+
+
+def _block_expert_rates(kernel: str, expert_shape: tuple[int, int], bits: int, group_size: int) -> dict:
+    """:class:`Rates`' expert fields for an expert kernel that computes a whole block
+    (:func:`mlx_tier.kernels.registry.kernel_for`: ``"mlx"``, ``"metal"``) on a random
+    ``SwitchGLU`` quantized to ``bits`` and ``group_size`` whose gate and up matrices are
+    ``expert_shape`` ``(out, in)`` (the inner width, the hidden width), as a tiered layer
+    calls it (sorted slots). The loops' fields from one row and :data:`LOOP_PROBE_ROWS` rows
+    a slot; the GEMM's from two row counts (:data:`BLOCK_GEMM_ROWS`), a straight line: its
+    intercept a fixed cost an expert (priced as ``dequant_gbps``), its slope a row's
+    FLOPs (``gemm_gflops``), used from the first count (``gemm_min_rows``).
+
+    Raises:
+        ValueError: an unknown kernel, or one not available here.
+    """
+    import mlx.core as mx
+    from mlx import nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_tier.kernels.registry import kernel_for
+
+    fn = kernel_for(kernel)
+    inner, hidden = expert_shape
+    n = BLOCK_PROBE_EXPERTS
+    block = SwitchGLU(hidden, inner, n)
+    nn.quantize(block, group_size=group_size, bits=bits)
+    block.set_dtype(mx.float32)  # scales and biases as a run computes them on the CPU backend
+    mx.eval(block.parameters())
+    packed = sum(v.nbytes for _, v in nn.utils.tree_flatten(block.parameters())) / n  # one expert
+    flops = 2.0 * 3 * inner * hidden  # a row through one expert
+
+    def pair_seconds(rows: int, experts: int = n, reps: int = 5) -> float:
+        x = mx.random.normal((rows * experts, hidden))
+        slots = (mx.arange(rows * experts) // rows).astype(mx.uint32)[:, None]  # sorted, ``rows`` an expert
+        mx.eval(x, slots)
+        return _median(lambda: mx.eval(fn(block, x, slots)), reps) / (rows * experts)
+
+    t_mv, t_rows = pair_seconds(1), pair_seconds(LOOP_PROBE_ROWS)
+    (r0, r1), (t0, t1) = BLOCK_GEMM_ROWS, [pair_seconds(r, 1, reps=3) * r for r in BLOCK_GEMM_ROWS]
+    per_row = max((t1 - t0) / (r1 - r0), 1e-9)  # an expert's seconds a row
+    fixed = max(t0 - r0 * per_row, packed / 1e13)  # an expert's fixed seconds (a 10 TB/s floor)
+    return {"gemm_gflops": flops / per_row / 1e9, "matvec_gbps": packed / t_mv / 1e9,
+            "dequant_gbps": packed / fixed / 1e9, "gemm_min_rows": r0,
+            "loop_gbps": _loop_gbps(packed, t_mv, t_rows, LOOP_PROBE_ROWS)}
 
 
 def _attention_rates(med, heads: int, kv_heads: int, head_dim: int, attention: str) -> tuple[float, float]:
@@ -726,15 +801,16 @@ _RATES: dict = {}
 
 def rates_for(model, probe: dict) -> Rates:
     """:func:`probe_rates` for ``model`` (its kernels' shapes, its checkpoint's read
-    rate, its attention), measured once per shape in a process."""
+    rate, its expert kernel and attention), measured once per shape in a process."""
     from mlx_tier.engine.budgets import host_available
 
     cache = model.expert_cache
     files = sorted({t.info.file for layer in cache.layers for t in layer.tensors.values()})
     size = sum(f.stat().st_size for f in files)
     served = any(getattr(type(m), "cpu_attention", False) for _, m in model.named_modules())
-    key = (tuple(sorted(probe.items())), served, size <= 0.8 * host_available())
+    kernel = getattr(cache, "kernel", "cpu")  # as the load chose it (mlx_tier.kernels.registry.choose)
+    key = (tuple(sorted(probe.items())), served, kernel, size <= 0.8 * host_available())
     if key not in _RATES:
         disk = measure_read_gbps(files, warm=key[-1])
-        _RATES[key] = probe_rates(disk, **probe, attention="cpu" if served else "mlx")
+        _RATES[key] = probe_rates(disk, **probe, attention="cpu" if served else "mlx", kernel=kernel)
     return _RATES[key]
