@@ -11,6 +11,15 @@ def seconds_text(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 
+def count_text(n: int, noun: str) -> str:
+    """``n`` of ``noun`` in words: ``"1 summary"``, ``"2 summaries"``, ``"1,200 documents"``
+    (thousands separated; a noun ending in a consonant and ``y`` takes ``ies``)."""
+    if n == 1:
+        return f"1 {noun}"
+    plural = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else noun + "s"
+    return f"{n:,} {plural}"
+
+
 def tokens_text(n: int) -> str:
     """``"1 token"``, ``"16 tokens"`` (thousands separated: ``"1,200 tokens"``)."""
-    return f"{n:,} token{'' if n == 1 else 's'}"
+    return count_text(n, "token")

@@ -16,7 +16,7 @@ from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import FLAGS, as_flags, choices, err, out, print_wrapped
 from mlx_tier.defaults import PLAN_DOC_TOKENS
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
-from mlx_tier.units import GIB, MIB
+from mlx_tier.units import GIB, MIB, count_text
 
 
 def plan(
@@ -129,8 +129,8 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
         *([("  expert cache for pools", f"{traded['slots']} slot{'' if traded['slots'] == 1 else 's'} per layer, not the split's "
                                          f"{traded['split_slots']}: the KV caches take the rest")]
           if traded else []),
-        ("  prompt pool (throughput schedule)", f"{job['prefill_tokens']} tokens a step, {job['prefill_batch']} "
-                                                f"document(s) read together: {job['prompt_tok_s']:.1f} tok/s"),
+        ("  prompt pool (throughput schedule)", f"{job['prefill_tokens']} tokens a step, "
+                                                f"{count_text(job['prefill_batch'], 'document')} read together: {job['prompt_tok_s']:.1f} tok/s"),
         ("  decode pool", f"{job['decode_pool']} sequences ({job['limited_by']}): {job['decode_tok_s']:.1f} tok/s"),
         *([("  expert slots lent to decode steps", f"{job['decode_slots']} a layer, from the prompt steps' "
                                                    "workspace; more from KV room left idle")] if job.get("decode_slots") else []),

@@ -27,7 +27,7 @@ from mlx_tier.cli.render import (
     print_resume,
     print_summary,
 )
-from mlx_tier.units import seconds_text
+from mlx_tier.units import count_text, seconds_text
 
 
 class _Lines:
@@ -88,7 +88,7 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
                           "Resume with:", command, config.retry_failed)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     if pending:
-        print_resume(err, f"{pending} document(s) left pending (a rank ended early, see above). Finished "
+        print_resume(err, f"{count_text(pending, 'document')} left pending (a rank ended early, see above). Finished "
                           "summaries are kept; resume with any number of ranks:", command, config.retry_failed)
         raise typer.Exit(EXIT_JOB_ERROR)
     print_left_pending(report, command)

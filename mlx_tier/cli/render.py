@@ -18,7 +18,7 @@ from rich.text import Text
 
 from mlx_tier.messages import in_request_words
 from mlx_tier.outdir.journal import options_apart
-from mlx_tier.units import seconds_text, tokens_text
+from mlx_tier.units import count_text, seconds_text, tokens_text
 
 err = Console(stderr=True)
 out = Console()
@@ -84,8 +84,10 @@ def print_left_pending(report, command: str) -> None:
     that summarises them; nothing otherwise."""
     left = report.runs[-1].get("left_pending", 0) if report.runs else 0
     if left:
-        print_with_command(err, f"{left} document(s) pending, left for a plain rerun (--retry-failed tries "
-                                "failed documents only); summarise them with:", command)
+        noun = "request" if report.setup.get("batch_requests") else "document"
+        print_with_command(err, f"{count_text(left, noun)} pending, left for a plain rerun (--retry-failed tries "
+                                f"failed {noun}s only); {'answer' if noun == 'request' else 'summarise'} "
+                                f"{'it' if left == 1 else 'them'} with:", command)
 
 
 def print_wrapped(console: Console, text: str, style: str = "", styled: int | None = None) -> None:
@@ -181,8 +183,6 @@ class RichReporter:
     def start(self, total: int, skipped: int) -> None:
         self.total, self.done = total, skipped
         self.t0 = self.last_line = time.monotonic()
-        if skipped:
-            err.print(f"skipping {skipped} document(s) already done (journal)", soft_wrap=True)
         if skipped == total or not err.is_terminal:
             return
         from rich.live import Live
@@ -261,12 +261,13 @@ def print_summary(report, out_dir: Path) -> None:
     earlier = "*: by an earlier run. " if any(r.earlier_run for r in report.results) else ""
     what = "request" if report.setup.get("batch_requests") else "document"
     renamed = ", → its output where it is named otherwise" if any(_renamed(r) for r in report.results) else ""
+    seconds = "req s" if what == "request" else "doc s"
+    parts = "" if what == "request" else " (a long document's part summaries included)"
     table = Table(title="mlx-tier run", caption=earlier + f"{what}: as the input names it{renamed}. in tok: the "
                   f"{what} with {'its messages' if what == 'request' else 'the instruction'}, in tokens; out "
-                  "tok: tokens written (a long document's part summaries included). doc s: its own time, "
-                  "reading its prompt and writing its answer (decode steps are shared with those written "
-                  "alongside)")
-    for col in (what, "status", "in tok", "out tok", "doc s"):
+                  f"tok: tokens written{parts}. {seconds}: its own time, reading its prompt and writing its "
+                  "answer (decode steps are shared with those written alongside)")
+    for col in (what, "status", "in tok", "out tok", seconds):
         table.add_column(col, justify="left" if col in (what, "status") else "right",
                          overflow="fold" if col in (what, "status") else "ellipsis")
     for r in report.results:

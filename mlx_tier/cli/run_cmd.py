@@ -57,6 +57,7 @@ from mlx_tier.job.doc_text import CONVERTED_SUFFIXES, TEXT_SUFFIXES
 from mlx_tier.kernels import KERNELS
 from mlx_tier.outdir.layout import BATCH_ERRORS, BATCH_OUTPUT, OUTPUT_FORMATS, SUMMARIES
 from mlx_tier.policy.eviction import POLICIES, PolicySpec
+from mlx_tier.units import count_text
 
 INPUT_HELP = (f"Folder of documents (searched recursively: {'/'.join(TEXT_SUFFIXES)} in any text encoding, "
               f"{', '.join(CONVERTED_SUFFIXES)}), a JSONL file with custom_id (or id) and text per line, an OpenAI "
@@ -344,9 +345,9 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
     if failed:
         from mlx_tier.messages import retry_command
 
-        what = "request(s)" if report.setup.get("batch_requests") else "document(s)"
-        print_with_command(err, f"{failed} {what} failed (why: in the table above); retry them with:",
-                           retry_command(command))
+        what = count_text(failed, "request" if report.setup.get("batch_requests") else "document")
+        print_with_command(err, f"{what} failed (why: in the table above); retry {'it' if failed == 1 else 'them'} "
+                           "with:", retry_command(command))
         raise typer.Exit(EXIT_FAILED_DOCS)
 
 

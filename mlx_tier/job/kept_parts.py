@@ -21,6 +21,7 @@ from mlx_tier.job.provenance import Settings
 from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.layout import rank_parts
 from mlx_tier.outdir.parts import PartStore, forget
+from mlx_tier.units import count_text
 
 
 def call_identity(settings: Settings, computes: dict) -> dict:
@@ -48,8 +49,8 @@ def open_parts(config: JobConfig, identity: dict, journal_name: str, tri: Triage
     kept = store.docs({i: source(i) for i in kept}) if kept else {}
     if kept:
         calls = sum(kept.values())
-        notes.append(f"{len(kept)} long document(s) resume from {calls} finished call{'s' * (calls != 1)} "
-                     "an earlier run kept")
+        notes.append(f"{count_text(len(kept), 'long document')} resume{'s' * (len(kept) == 1)} from "
+                     f"{count_text(calls, 'finished call')} an earlier run kept")
     return store, notes
 
 

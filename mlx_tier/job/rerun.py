@@ -38,6 +38,7 @@ from mlx_tier.job.provenance import (
 from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import BATCH_OUTPUT
+from mlx_tier.units import count_text
 
 # What a reused summary's record takes from the record of the summary it copies.
 _REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter",
@@ -112,7 +113,7 @@ def limit_note(docs, records: Mapping[str, dict], tri: Triage) -> list[str]:
     n = sum(i in tri.done for i in limit_unstamped(docs, records))
     if not n:
         return []
-    return [f"{_some(n, 'answer')} of requests without a token limit from an older mlx-tier: the `max_tokens` "
+    return [f"{count_text(n, 'answer')} of requests without a token limit from an older mlx-tier: the `max_tokens` "
             f"they were answered within was not recorded; taken as current (delete one's line from {BATCH_OUTPUT} "
             "to redo it)"]
 
@@ -247,7 +248,7 @@ def refuse_other_files(docs, records: Mapping[str, dict], out_dir: Path) -> None
     if not found:
         return
     output, was, now = found[0]
-    more = f" ({_some(len(found) - 1, 'more document')} of this input likewise)" if len(found) > 1 else ""
+    more = f" ({count_text(len(found) - 1, 'more document')} of this input likewise)" if len(found) > 1 else ""
     raise InputError(f"{output} holds the summary of {was}, not of this input's {now}, which has the same "
                      f"output name{more}; nothing was run. Give this input another `out_dir`, or list the files "
                      "of both on stdin (mlx-tier run -), which names each by its absolute path")
@@ -258,11 +259,6 @@ def rerun_counts(tri: Triage) -> dict:
     (:func:`mlx_tier.job.report.rerun_account`)."""
     return {"stale": len(tri.stale), "kept_changed": len(tri.kept_changed), "reused": len(tri.reused),
             "unstamped": len(tri.unstamped)}
-
-
-def _some(n: int, noun: str) -> str:
-    """``"1 summary"``, ``"2 summaries"``, ``"3 documents"``."""
-    return f"{n} {noun if n == 1 else noun[:-1] + 'ies' if noun.endswith('y') else noun + 's'}"
 
 
 def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, retry_failed: bool,
@@ -278,28 +274,28 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
         notes.append(_stale_note(len(tri.stale), retry_failed, batch))
     if tri.failed_changed:
         noun = "request" if batch else "document"
-        notes.append(f"{_some(len(tri.failed_changed), noun)} that failed in an earlier run changed since: "
+        notes.append(f"{count_text(len(tri.failed_changed), noun)} that failed in an earlier run changed since: "
                      f"trying {'it' if len(tri.failed_changed) == 1 else 'them'} again")
     if tri.reused:
-        notes.append(f"{_some(len(tri.reused), 'document')} renamed or copied: the summary of the same content "
+        notes.append(f"{count_text(len(tri.reused), 'document')} renamed or copied: the summary of the same content "
                      "copied under the new name, not written again")
     if tri.changed:
-        notes.append(f"`redo_changed`: redoing {_some(len(tri.changed), 'summary')} written with another "
+        notes.append(f"`redo_changed`: redoing {count_text(len(tri.changed), 'summary')} written with another "
                      f"{_what(tri.changed, records, settings)}")
     if tri.kept_changed:
-        notes.append(f"keeping {_some(len(tri.kept_changed), 'summary')} written with another "
+        notes.append(f"keeping {count_text(len(tri.kept_changed), 'summary')} written with another "
                      f"{_what(tri.kept_changed, records, settings)}; redo "
                      f"{'it' if len(tri.kept_changed) == 1 else 'them'} with `redo_changed`")
     if tri.unstamped and batch:
-        notes.append(f"{_some(len(tri.unstamped), 'answer')} from an older mlx-tier record no request hash: "
+        notes.append(f"{count_text(len(tri.unstamped), 'answer')} from an older mlx-tier record no request hash: "
                      f"taken as current (delete one's line from {BATCH_OUTPUT} to redo it)")
     elif tri.unstamped:
-        notes.append(f"{_some(len(tri.unstamped), 'summary')} from an older mlx-tier record no source hash, "
+        notes.append(f"{count_text(len(tri.unstamped), 'summary')} from an older mlx-tier record no source hash, "
                      "model or prompt: taken as current (delete one's .md to redo it)")
     text_only = sum(_text_hash(rec) is not None and i not in tri.stale for i, rec in tri.done.items()) \
         if batch else 0
     if text_only:
-        notes.append(f"{_some(text_only, 'answer')} from an older mlx-tier record the hash of the messages' "
+        notes.append(f"{count_text(text_only, 'answer')} from an older mlx-tier record the hash of the messages' "
                      "text only, which is unchanged: taken as current (a changed option is not seen; delete "
                      f"one's line from {BATCH_OUTPUT} to redo it)")
     return notes
@@ -317,7 +313,7 @@ def _left_out(tri: Triage, records: Mapping[str, dict], ids: list[str], batch: b
     if not gone:
         return []
     what, of = ("answer", "requests not in this file") if batch else ("summary", "documents not in this input")
-    return [f"{_some(len(gone), what)} of earlier runs {'is' if len(gone) == 1 else 'are'} of {of} (another "
+    return [f"{count_text(len(gone), what)} of earlier runs {'is' if len(gone) == 1 else 'are'} of {of} (another "
             f"input, or removed): left on disk, not part of this job"]
 
 
@@ -326,7 +322,7 @@ def _stale_note(n: int, retry_failed: bool, batch: bool) -> str:
     one = n == 1
     noun, done, old = ("request", "answered", f"answer stays in {BATCH_OUTPUT}") if batch else \
         ("document", "summarised", "summary stays")
-    return (f"{_some(n, noun)} changed since {done} (stale): "
+    return (f"{count_text(n, noun)} changed since {done} (stale): "
             + (f"left for a plain rerun, which redoes {'it' if one else 'them'}" if retry_failed else
                f"redoing {'it; its' if one else 'them; each'} old {old} until the new one is complete"))
 

@@ -119,6 +119,7 @@ from mlx_tier.outdir.layout import (
 )
 from mlx_tier.outdir.parts import PartStore
 from mlx_tier.rates import RunSpeed
+from mlx_tier.units import count_text
 
 # What fails one document without stopping the job. MLX's out-of-memory errors
 # surface as RuntimeError ("[metal::malloc] ...", "[malloc] ...") or, from a
@@ -647,18 +648,21 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     _mark_start(journal, report, config, share, tri, list(by_id), settings, loaded is not None, bool(records))
     if config.input_paths is not None and not share.part:
         write_input_list(config.out_dir, docs)
+    noun = "request" if is_batch(docs) else "document"
     if tri.failed:
-        reporter.message(f"{len(tri.failed)} document(s) failed in an earlier run; not retried "
-                         "(rerun with `retry_failed` to retry only those)")
+        reporter.message(f"{count_text(len(tri.failed), noun)} failed in an earlier run; not retried "
+                         f"(rerun with `retry_failed` to retry only {'that one' if len(tri.failed) == 1 else 'those'})")
     if config.retry_failed:
-        reporter.message(f"`retry_failed`: retrying {len(pending)} failed document(s); pending ones are left "
-                         "for a plain rerun")
+        reporter.message(f"`retry_failed`: retrying {count_text(len(pending), f'failed {noun}')}; pending ones "
+                         "are left for a plain rerun")
     parts = None
     if not is_batch(docs):  # also when nothing is pending: the lines of documents finished since go
         parts, notes = open_parts(config, _call_identity(settings, report.setup, config), share.journal_name, tri,
                                   lambda i: source_hash(by_id[i]), share.part)
         for note in notes:
             reporter.message(note)
+    if report.run.skipped and not share.part:
+        reporter.message(f"skipping {count_text(report.run.skipped, noun)} already done (journal)")
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
         p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,

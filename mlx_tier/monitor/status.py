@@ -36,6 +36,7 @@ from mlx_tier.outdir.layout import (
     progress_files,
 )
 from mlx_tier.rates import RunSpeed
+from mlx_tier.units import count_text
 
 
 def read_progress(out_dir: Path, since: float | None = None, run: str | None = None) -> dict | None:
@@ -163,7 +164,7 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
     ``"interrupted at 17:57:52: its process ended mid-run (a second Ctrl-C, a kill or a
     crash); 7 documents left"``."""
     now = time.time() if now is None else now
-    left = f"{status.pending} document(s) left" if status.pending is not None else "documents left"
+    left = f"{count_text(status.pending, 'document')} left" if status.pending is not None else "documents left"
     if status.state == RUNNING:
         progress = status.progress or {}
         if progress.get("stopping"):
@@ -177,8 +178,8 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
     if status.state == STOPPED:
         return f"stopped, not running; {left}"
     if status.state == ENDED:
-        return (f"ended with {status.pending} document(s) pending, not running: the last run tried failed "
-                "documents only (--retry-failed); a plain rerun summarises them")
+        return (f"ended with {count_text(status.pending, 'document')} pending, not running: the last run tried "
+                "failed documents only (--retry-failed); a plain rerun summarises them")
     return "finished, not running"
 
 

@@ -47,6 +47,7 @@ from mlx_tier.errors import InputError
 from mlx_tier.fsio import current_folder
 from mlx_tier.outdir.layout import CLAIMS, PLAN, RANKS_DIR, run_dir
 from mlx_tier.policy.eviction import PolicySpec
+from mlx_tier.units import count_text
 
 RANK_COMMAND = ["-m", "mlx_tier.ranks.worker", "supervise"]
 
@@ -363,7 +364,7 @@ def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, st
     if config.input_paths is not None:
         write_input_list(config.out_dir, docs)
     plan_path = _write_plan(config, docs, tri.pending, launch, ranks, clock.id)
-    reporter.message(f"{ranks} rank(s), {len(tri.pending)} document(s) to do; run {plan_path.parent.name}")
+    reporter.message(f"{count_text(ranks, 'rank')}, {count_text(len(tri.pending), 'document')} to do; run {plan_path.parent.name}")
     local = all_local(launch)
     stopped = _wait(start_launcher(launch_command(launch, plan_path), local), reporter, local)
     return finish(config, docs, triaged, plan_path, started, stopped, skipped)

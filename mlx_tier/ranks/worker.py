@@ -24,6 +24,7 @@ from pathlib import Path
 from mlx_tier.fsio import write_atomic
 from mlx_tier.outdir.layout import CLAIMS, rank_journal_name
 from mlx_tier.ranks.stealing import Claims, rank_order, shares
+from mlx_tier.units import count_text
 
 
 def _rank_env() -> int:
@@ -137,7 +138,7 @@ def _check_documents(config, plan: dict) -> None:
     here = {d.id: d.name for d in find_documents(config)}
     wrong = [i for i in plan["todo"] if here.get(i) != plan["names"].get(i)]
     if wrong:
-        raise InputError(f"{config.input}: {len(wrong)} document(s) of the plan not found on "
+        raise InputError(f"{config.input}: {count_text(len(wrong), 'document')} of the plan not found on "
                          f"{socket.gethostname()} (e.g. {wrong[0]}); INPUT must be the same path on every host")
 
 

@@ -64,7 +64,7 @@ def test_run_resume_and_report(docs, tmp_path, tiny_moe):
 
     code, output = run(docs, "--out", out, "--model", tiny_moe, "--cache-gb", "0.0001", "--max-tokens", "6")
     assert code == 0, output
-    assert "skipping 3 document(s) already done" in output
+    assert "skipping 3 documents already done" in output
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.md")} == before  # never rewritten
     report = json.loads((out / "report.json").read_text())
     # The job's truth survives the rerun: every document done (by the earlier run), this run did nothing.
@@ -239,7 +239,7 @@ def test_ids_unique_out_dir_inside_input_and_lock(tmp_path, tiny_moe):
     code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "2")
     assert code == 0, output
     code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "2")
-    assert "skipping 4 document(s)" in output  # its summaries were not taken as new input
+    assert "skipping 4 documents" in output  # its summaries were not taken as new input
     held = lock_out_dir(out)
     try:
         code, output = run(docs, "--out", out, "--model", tiny_moe)

@@ -103,7 +103,7 @@ def test_first_signal_stop_gives_the_resume_command_on_its_own_line(tmp_path, mo
 
 @pytest.mark.parametrize("stop_signal, pending, code, label, prose_start", [
     (signal.SIGINT, 1, 130, "Resume with:", "interrupted;"),
-    (None, 2, 3, "resume with any number of ranks:", "2 document(s) left pending"),
+    (None, 2, 3, "resume with any number of ranks:", "2 documents left pending"),
 ])
 def test_ranks_ending_early_give_the_resume_command_on_its_own_line(tmp_path, monkeypatch, stop_signal, pending,
                                                                     code, label, prose_start):

@@ -129,13 +129,16 @@ def test_a_redo_that_fails_moves_the_request_to_errors(answered, tmp_path, tiny_
     r, out, before = rerun_with(body_with(logprobs=True), answered, tmp_path, tiny_moe)
     assert r.exit_code == 1, r.output  # the changed request cannot run as written
     words = " ".join(r.output.split())  # a user trial: exit 1 named no way to retry
-    assert "1 request(s) failed (why: in the table above); retry them with:" in words, words
-    assert command_after(r.output, "retry them with:").endswith("--retry-failed")
+    assert "1 request failed (why: in the table above); retry it with:" in words, words
+    assert command_after(r.output, "retry it with:").endswith("--retry-failed")
     assert list(raw_lines(out / "output.jsonl")) == ["b", "c"]  # its old answer (to another request) is gone
     error = json.loads(raw_lines(out / "errors.jsonl")["a"])
     assert error["error"]["code"] == "unsupported_parameter"
     r = runner.invoke(app, args(tmp_path / "changed.jsonl", out, tiny_moe))  # failed stays failed: one line still
     assert r.exit_code == 1, r.output
+    words = " ".join(r.output.split())  # a request file's runs speak of requests, in the singular for one
+    assert "1 request failed in an earlier run; not retried (rerun with --retry-failed to retry only that one)" \
+        in words and "skipping 2 requests already done" in words and "document" not in words, words
     assert list(raw_lines(out / "output.jsonl")) == ["b", "c"] and list(raw_lines(out / "errors.jsonl")) == ["a"]
 
 

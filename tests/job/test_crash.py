@@ -181,12 +181,12 @@ def test_failing_documents_fail_alone_and_retry_failed_reruns_only_them(tmp_path
     monkeypatch.setattr(tiered, "load", load)  # the memory is back
     records_before = [e for e in Journal(out).entries() if "id" in e]
     r = runner.invoke(app, args)  # a plain rerun leaves failed documents failed
-    assert r.exit_code == 1 and "2 document(s) failed in an earlier run; not retried" in r.output, r.output
+    assert r.exit_code == 1 and "2 documents failed in an earlier run; not retried" in r.output, r.output
     assert [e for e in Journal(out).entries() if "id" in e] == records_before  # nothing was run
 
     r = runner.invoke(app, [*args, "--retry-failed"])
     assert r.exit_code == 0, r.output
-    assert "retrying 2 failed document(s)" in r.output
+    assert "retrying 2 failed documents" in r.output
     assert (out / "req__ok.md").stat().st_mtime_ns == ok_mtime
     assert done_lines(out) == Counter(["req__ok", "req__metal", "req__alloc"])
     lines = [json.loads(x) for x in (out / "summaries.jsonl").read_text().splitlines()]

@@ -100,7 +100,7 @@ def test_file_name_that_is_not_utf8_is_summarised_and_resumes(tmp_path, small_mo
     assert (out / "caf.md").is_file() and (out / "plain.md").is_file()  # the raw byte is not kept in the id
     (out / "journal.jsonl").read_bytes().decode("ascii")  # every journal line is plain JSON text
     r = runner.invoke(app, args)
-    assert r.exit_code == 0 and "2 document(s) already done" in r.output, r.output
+    assert r.exit_code == 0 and "2 documents already done" in r.output, r.output
     # The same file listed on stdin (raw bytes) also runs.
     r = runner.invoke(app, ["run", "-", "--out", str(tmp_path / "out2"), "--model", str(small_moe), "--max-tokens", "8"],
                       input=bytes(docs) + b"/caf\xe9.txt\n")

@@ -60,7 +60,7 @@ def test_a_run_killed_inside_a_long_document_resumes_from_its_kept_calls(tmp_pat
 
     resumed = runner.invoke(app, args(docs, out, small_moe, schedule=schedule))
     assert resumed.exit_code == 0, resumed.output
-    assert "1 long document(s) resume from 2 finished calls an earlier run kept" in " ".join(resumed.output.split())
+    assert "1 long document resumes from 2 finished calls an earlier run kept" in " ".join(resumed.output.split())
     record = Journal(out).records()["book"]
     assert record["parts_kept"] == 2 and record["parts"] == parts
     assert (out / "book.md").read_bytes() == (tmp_path / "whole" / "book.md").read_bytes()
@@ -87,7 +87,7 @@ def test_a_changed_long_document_redone_resumes_too(tmp_path, small_moe, monkeyp
     resumed = runner.invoke(app, args(docs, out, small_moe))
     assert resumed.exit_code == 0, resumed.output
     words = " ".join(resumed.output.split())
-    assert "1 long document(s) resume from 2 finished calls" in words and "stale" in words, words
+    assert "1 long document resumes from 2 finished calls" in words and "stale" in words, words
     assert Journal(out).records()["book"]["parts_kept"] == 2
     assert (out / "book.md").read_bytes() == (tmp_path / "whole" / "book.md").read_bytes()
 

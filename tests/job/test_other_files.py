@@ -67,7 +67,7 @@ def test_another_folder_of_the_same_names_is_refused_and_nothing_is_lost(tmp_pat
     assert snapshot(out) == before  # no journal record, no file touched
 
     code, words, _ = run(in_a, "--out", out, *opts)  # inA's job goes on as it was
-    assert code == 0 and "skipping 2 document(s) already done" in words and "stale" not in words, words
+    assert code == 0 and "skipping 2 documents already done" in words and "stale" not in words, words
     assert done_lines(out) == Counter({"report": 1, "plan": 1})
 
 
@@ -89,10 +89,10 @@ def test_the_same_file_reached_again_is_no_other_file(tmp_path, small_moe):  # n
     assert run(docs / "alpha.txt", "--out", out, *opts)[0] == 0
     (docs / "beta.txt").write_text(NOTE)
     code, words, _ = run(docs, "--out", out, *opts)
-    assert code == 0 and "skipping 1 document(s) already done" in words, words
+    assert code == 0 and "skipping 1 document already done" in words, words
     (tmp_path / "link").symlink_to(docs, target_is_directory=True)
     code, words, _ = run(tmp_path / "link", "--out", out, *opts)
-    assert code == 0 and "skipping 2 document(s) already done" in words, words
+    assert code == 0 and "skipping 2 documents already done" in words, words
     assert done_lines(out) == Counter({"alpha": 1, "beta": 1})
     assert [r["source"] for r in Journal(out).entries() if r.get("id") == "alpha"] == [str(docs.resolve() / "alpha.txt")]
 
@@ -109,7 +109,7 @@ def test_a_moved_folder_keeps_its_summaries_and_their_content_logic(tmp_path, sm
     (moved / "c.txt").write_text("The farmer planted seed after the flood.")
     code, words, _ = run(moved, "--out", out, *opts)
     assert code == 0, words
-    assert "skipping 2 document(s) already done" in words and "1 document renamed or copied" in words, words
+    assert "skipping 2 documents already done" in words and "1 document renamed or copied" in words, words
     assert "1 document changed since summarised (stale): redoing it" in words, words
     assert done_lines(out) == Counter({"a": 1, "b": 1, "renamed": 1, "c": 2})
     assert (out / "renamed.md").read_text() == (out / "b.md").read_text()

@@ -54,7 +54,7 @@ def report(out):
 
 def test_a_rewritten_document_is_redone_and_every_view_says_so(s1, tmp_path, small_moe, monkeypatch):  # noqa: F811
     """The issue's example: a.txt rewritten after its summary; the same command again used to
-    skip it ("skipping 2 document(s) already done") and keep the old summary."""
+    skip it ("skipping 2 documents already done") and keep the old summary."""
     out = tmp_path / "out"
     args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5", "--batch-size", "1")
     code, output = run(*args)
@@ -71,7 +71,7 @@ def test_a_rewritten_document_is_redone_and_every_view_says_so(s1, tmp_path, sma
                         lambda self, activity: (seen.append((out / "a.md").read_text()), working(self, activity)))
     code, output = run(*args)
     assert code == 0, output
-    assert "skipping 1 document(s) already done" in output
+    assert "skipping 1 document already done" in output
     assert "1 document changed since summarised (stale): redoing it; its old summary stays until the new" in output
     assert seen and set(seen) == {old_a}  # the old summary stays until the new one is complete
     assert done_lines(out) == Counter({"a": 2, "b": 1})  # a redone, b untouched
@@ -105,7 +105,7 @@ def test_a_touch_or_a_rename_is_not_a_change(s1, tmp_path, small_moe):  # noqa: 
 
     os.utime(s1 / "b.txt", (1e9, 1e9))  # touched (to another time)
     code, output = run(*args)
-    assert code == 0 and "skipping 2 document(s) already done" in output and "stale" not in output, output
+    assert code == 0 and "skipping 2 documents already done" in output and "stale" not in output, output
     assert not report(out)["runs"][-1]["loaded_model"]  # nothing to do: no model loaded
 
     (s1 / "a.txt").rename(s1 / "c.txt")
@@ -155,7 +155,7 @@ def test_a_failed_redo_keeps_the_old_summary_and_is_not_taken_back_as_current(s1
     assert (out / "a.md").read_text() == old_a  # never lost: the redo failed before writing
     assert last_record(out, "a")["status"] == "failed"
     code, output = run(*args)  # a plain rerun leaves it failed (not recovered from the old output)
-    assert code == 1 and "1 document(s) failed in an earlier run" in output, output
+    assert code == 1 and "1 document failed in an earlier run" in output, output
     assert last_record(out, "a")["status"] == "failed" and read_status(out).failed == 1
 
 
@@ -269,7 +269,7 @@ def test_the_same_weights_elsewhere_are_the_same_model(s1, tmp_path, small_moe, 
     out = tmp_path / "out"
     assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0
     code, output = run(s1, "--out", out, "--model", copy, "--max-tokens", "5")
-    assert code == 0 and "keeping" not in output and "skipping 2 document(s)" in output, output
+    assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
 
 
 def test_summaries_kept_with_another_max_tokens_show_as_a_mix_naming_it(s1, tmp_path, small_moe):  # noqa: F811
@@ -352,7 +352,7 @@ def test_other_generation_options_are_kept_said_and_redone_on_request(s1, tmp_pa
     code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--context", "512")
     assert code == 0 and "written with another --context" in output, output
     code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0")
-    assert code == 0 and "keeping" not in output and "skipping 2 document(s)" in output, output
+    assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
 
 
 def test_a_model_whose_config_or_tokenizer_changed_is_another_model(s1, tmp_path, small_moe):  # noqa: F811
@@ -366,7 +366,7 @@ def test_a_model_whose_config_or_tokenizer_changed_is_another_model(s1, tmp_path
     assert run(s1, "--out", out, "--model", copy, "--max-tokens", "4")[0] == 0
     (copy / "mlx-tier-profile.json").write_text("{}")
     code, output = run(s1, "--out", out, "--model", copy, "--max-tokens", "4")
-    assert code == 0 and "keeping" not in output and "skipping 2 document(s)" in output, output
+    assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
     config = json.loads((copy / "config.json").read_text())
     config["num_experts_per_tok"] = 1
     (copy / "config.json").write_text(json.dumps(config))
@@ -402,7 +402,7 @@ def test_an_unrecorded_output_is_adopted_only_for_the_source_it_was_made_from(s1
     made = last_record(out, "b")["made_from"]
     _lose_done_record(out, "b")
     code, output = run(*args)  # nothing changed: adopted, with what it was made from
-    assert code == 0 and "skipping 2 document(s)" in output, output
+    assert code == 0 and "skipping 2 documents" in output, output
     rec = last_record(out, "b")
     assert rec["recovered"] and rec["made_from"] == made and (out / "b.md").read_bytes() == old_b
 
@@ -441,7 +441,7 @@ def test_a_failed_document_fixed_since_is_tried_again(s1, tmp_path, small_moe): 
     assert run(*args)[0] == 1 and last_record(out, "empty")["status"] == "failed"  # 1: a document failed
     os.utime(s1 / "empty.txt")
     code, output = run(*args)
-    assert code == 1 and "1 document(s) failed in an earlier run; not retried" in output, output
+    assert code == 1 and "1 document failed in an earlier run; not retried" in output, output
     (s1 / "empty.txt").write_text("The river flooded the farm; the farmer planted seed again in May.")
     code, output = run(*args)
     assert code == 0 and "1 document that failed in an earlier run changed since: trying it again" in output, output
@@ -511,7 +511,7 @@ def test_a_redo_renamed_but_not_recorded_is_judged_by_what_it_was_made_from(s1, 
     assert new_summary != old_summary
     _lose_last_done_record(out, "b")
     code, output = run(*args)  # not reverted: the new summary is b's, adopted
-    assert code == 0 and "skipping 2 document(s)" in output, output
+    assert code == 0 and "skipping 2 documents" in output, output
     rec = last_record(out, "b")
     assert rec["recovered"] and rec["made_from"]["sha256"] == hashlib.sha256((s1 / "b.txt").read_bytes()).hexdigest()
     assert rec["model"]["name"] == str(small_moe) and rec["generation"]["max_tokens"] == 4

@@ -3,7 +3,7 @@ with that flag tries failed documents only and leaves pending ones as they are, 
 it would never summarise them. Wherever a resume command is said (the run's end, its stop
 messages, `mlx-tier status`, report.html), a `--retry-failed` run's retry command is said
 beside it, and a job whose last run did all it set out to do while documents are pending
-reads as "ended with N document(s) pending", not as stopped mid-work.
+reads as "ended with N documents pending", not as stopped mid-work.
 """
 
 import json
@@ -39,7 +39,7 @@ def status(out):
 
 def test_a_retry_failed_run_leaving_a_new_document_gives_the_plain_rerun(tmp_path, small_moe):  # noqa: F811
     """A user trial: bin.txt failed; new.txt was added; `--retry-failed` retried bin.txt only. Status
-    and report.html said "stopped, not running; 1 document(s) left" beside "0 left", and gave the
+    and report.html said "stopped, not running; 1 document left" beside "0 left", and gave the
     same command with --retry-failed to resume: followed, it never summarised new.txt."""
     docs, out = tmp_path / "docs", tmp_path / "out"
     docs.mkdir()
@@ -52,14 +52,14 @@ def test_a_retry_failed_run_leaving_a_new_document_gives_the_plain_rerun(tmp_pat
 
     code, output = run(*args, "--retry-failed")
     assert code == 1, output  # bin.txt failed again
-    assert command_after(output, "summarise them with:") == plain
-    assert "1 document(s) pending, left for a plain rerun" in " ".join(output.split())
+    assert command_after(output, "summarise it with:") == plain
+    assert "1 document pending, left for a plain rerun" in " ".join(output.split())
     assert json.loads((out / "report.json").read_text())["runs"][-1]["left_pending"] == 1
     s = read_status(out)
     assert (s.state, s.pending, s.todo_left, s.command) == ("ended", 1, 0, plain)
     said = status(out)
     words = " ".join(said.replace("│", " ").split())
-    assert "ended with 1 document(s) pending, not running" in words and "stopped" not in words, said
+    assert "ended with 1 document pending, not running" in words and "stopped" not in words, said
     assert "0 of its documents left" in words, said  # this run's own list, not the job's
     assert command_after(said, "resume with:") == plain
     assert command_after(said, "retry the failed ones with:") == f"{plain} --retry-failed"
@@ -139,11 +139,11 @@ def test_ranks_leaving_documents_to_a_plain_rerun_is_no_rank_failure(tmp_path, m
     args = ["run", str(tmp_path / "docs"), "--out", str(tmp_path / "out"), "--ranks", "2"]
     r = runner.invoke(app, [*args, "--retry-failed"])
     assert r.exit_code == 1 and "a rank ended early" not in r.output, r.output
-    assert command_after(r.output, "summarise them with:") == shlex.join(["mlx-tier", *args])
+    assert command_after(r.output, "summarise it with:") == shlex.join(["mlx-tier", *args])
     monkeypatch.setattr(mlx_tier.ranks.launcher, "run_distributed",
                         lambda config, launch, reporter: _report(pending=2, left_pending=1))
     r = runner.invoke(app, [*args, "--retry-failed"])
-    assert r.exit_code == 3 and "1 document(s) left pending (a rank ended early" in r.output, r.output
+    assert r.exit_code == 3 and "1 document left pending (a rank ended early" in r.output, r.output
 
 
 def test_a_prompt_holding_a_less_than_sign_or_the_flag_keeps_the_commands_right():

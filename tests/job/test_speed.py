@@ -47,7 +47,7 @@ def test_terminal_report_page_and_status_give_one_speed(tmp_path, small_moe, mon
     r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "5",
                             "--batch-size", "2"])
     assert r.exit_code == 1, r.output  # some documents failed
-    assert "2 document(s) failed (why: in the table above); retry them with:" in " ".join(r.output.split())
+    assert "2 documents failed (why: in the table above); retry them with:" in " ".join(r.output.split())
     report = json.loads((out / "report.json").read_text())
     run, totals = report["runs"][-1], report["totals"]
     assert (run["done"], run["failed"]) == (4, 2)

@@ -176,7 +176,7 @@ def test_status_html_of_a_hard_stopped_run_says_interrupted_and_how_to_resume(tm
                                                    "hit_rate": 0}))
     page = write_report_html(out).read_text()
     assert re.search(r'id="n-state" data-value="interrupted"', page)
-    assert re.search(r'<p id="state-note">interrupted at [^<]*2 document\(s\) left\. Resume with:</p>', page)
+    assert re.search(r'<p id="state-note">interrupted at [^<]*2 documents left\. Resume with:</p>', page)
     assert '<pre id="resume-command">mlx-tier run docs --out out</pre>' in page
     assert 'data-value="running' not in page
 
