@@ -603,6 +603,23 @@ def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) ->
     batch.keep_errors({d.request.custom_id: line(d, records[d.id]) for d in failed})
 
 
+def _start_notes(tri: Triage, pending: int, skipped: int, retry_failed: bool, batch: bool, part: bool) -> list[str]:
+    """Lines for people as a run starts: the failed documents (or a request file's requests)
+    it leaves, or the ``pending`` failed ones it retries, and the ``skipped`` ones done
+    already (not said by a rank, ``part``: its launcher speaks for the job)."""
+    noun = "request" if batch else "document"
+    notes = []
+    if tri.failed:
+        notes.append(f"{count_text(len(tri.failed), noun)} failed in an earlier run; not retried (rerun with "
+                     f"`retry_failed` to retry only {'that one' if len(tri.failed) == 1 else 'those'})")
+    if retry_failed:
+        notes.append(f"`retry_failed`: retrying {count_text(pending, f'failed {noun}')}; pending ones are left "
+                     "for a plain rerun")
+    if skipped and not part:
+        notes.append(f"skipping {count_text(skipped, noun)} already done (journal)")
+    return notes
+
+
 def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share,
             clock: RunClock) -> tuple[JobReport, Loaded | None]:
     """The run inside the held job folder: triage, load, generate. Returns the report and the
@@ -648,21 +665,14 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     _mark_start(journal, report, config, share, tri, list(by_id), settings, loaded is not None, bool(records))
     if config.input_paths is not None and not share.part:
         write_input_list(config.out_dir, docs)
-    noun = "request" if is_batch(docs) else "document"
-    if tri.failed:
-        reporter.message(f"{count_text(len(tri.failed), noun)} failed in an earlier run; not retried "
-                         f"(rerun with `retry_failed` to retry only {'that one' if len(tri.failed) == 1 else 'those'})")
-    if config.retry_failed:
-        reporter.message(f"`retry_failed`: retrying {count_text(len(pending), f'failed {noun}')}; pending ones "
-                         "are left for a plain rerun")
+    for note in _start_notes(tri, len(pending), report.run.skipped, config.retry_failed, is_batch(docs), share.part):
+        reporter.message(note)
     parts = None
     if not is_batch(docs):  # also when nothing is pending: the lines of documents finished since go
         parts, notes = open_parts(config, _call_identity(settings, report.setup, config), share.journal_name, tri,
                                   lambda i: source_hash(by_id[i]), share.part)
         for note in notes:
             reporter.message(note)
-    if report.run.skipped and not share.part:
-        reporter.message(f"skipping {count_text(report.run.skipped, noun)} already done (journal)")
     reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
     if pending:
         p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,
