@@ -26,6 +26,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
+def generated_tokens(record) -> int:
+    """Tokens a run generated for one document: a done record's (a journal entry, or a
+    :class:`~mlx_tier.job.report.DocResult`) ``output_tokens`` less its ``kept_tokens``
+    (the calls of a long document an earlier run kept, or a copy's: written, not generated
+    again); 0 for anything not done."""
+    get = record.get if isinstance(record, dict) else lambda k, d=None: getattr(record, k, d)
+    if get("status") != "done":
+        return 0
+    return int(get("output_tokens", 0) or 0) - int(get("kept_tokens", 0) or 0)
+
+
 # One sentence, shown beside the figures (the page, `status`).
 DEFINITION = ("over the run's generation time: from its model loaded to its last document finished "
               "(now, while it runs); loading is counted apart; prompt reading and throttle pauses count")

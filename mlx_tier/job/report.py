@@ -18,7 +18,7 @@ import mlx.core as mx
 import psutil
 
 from mlx_tier.outdir.journal import written_by
-from mlx_tier.rates import RunSpeed
+from mlx_tier.rates import RunSpeed, generated_tokens
 
 
 @dataclass
@@ -38,6 +38,7 @@ class DocResult:
     finish_reason: str | None = None  # "stop" (end of text) or "length" (hit --max-tokens)
     parts: int = 0  # > 0: too long for the context, summarised by map-reduce over this many parts
     parts_kept: int | None = None  # of its map-reduce calls, how many an earlier (stopped) run had finished
+    kept_tokens: int | None = None  # of output_tokens, those of calls kept before (not generated for it by this run)
     earlier_run: bool = False  # done or failed by an earlier run (its figures from the journal)
     name: str | None = None  # the original id (relative path, JSONL custom_id/id) the output name came from
     converter: str | None = None  # how the text was read: "text (cp1252)", "markitdown 0.1.9 PdfConverter"...
@@ -92,8 +93,9 @@ class JobReport:
 
     @property
     def output_tokens(self) -> int:
-        """Tokens generated in this run."""
-        return sum(r.output_tokens for r in self.results if r.status == "done" and not r.earlier_run)
+        """Tokens generated in this run (a document's calls kept by an earlier run, or taken
+        from a copy's, are not generated again: ``kept_tokens``)."""
+        return sum(generated_tokens(r) for r in self.results if not r.earlier_run)
 
     def as_dict(self) -> dict:
         finished = [r for r in self.results if r.status == "done"]

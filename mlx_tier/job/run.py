@@ -131,7 +131,7 @@ DOCUMENT_ERRORS: tuple[type[BaseException], ...] = (Exception,)
 def _figures(outcome: Outcome, res: DocResult) -> None:
     res.input_tokens, res.output_tokens, res.parts = outcome.input_tokens, outcome.output_tokens, outcome.parts
     res.doc_seconds, res.finish_reason = round(outcome.seconds, 3), outcome.finish_reason
-    res.parts_kept = outcome.kept or None
+    res.parts_kept, res.kept_tokens = outcome.kept or None, outcome.kept_tokens or None
 
 
 def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, settings: Settings) -> None:

@@ -156,6 +156,7 @@ class Outcome:
     error_code: str | None = None
     error_param: str | None = None
     kept: int = 0  # map-reduce calls whose result a stopped run kept (not generated again)
+    kept_tokens: int = 0  # of output_tokens, those of kept calls' results (an earlier run's or a copy's): not generated for it
 
 
 def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "a context of"):
@@ -203,6 +204,7 @@ class _Doc:
     seconds: float = 0.0  # prompt reading + decode steps it was in (decode steps are shared with the batch)
     choices: list[Choice | None] | None = None  # a batch request's, by index, as they finish
     kept: int = 0  # map-reduce calls taken from the parts a stopped run kept
+    kept_tokens: int = 0  # tokens of the kept calls it took (an earlier run's, or a copy's in this run)
     source: str | None = None  # the sha256 of its source (a map-reduce document's kept calls name it)
 
 
@@ -589,6 +591,7 @@ class Scheduler:
                     tasks.append(Task((d, i), prompt, self.config.max_tokens))
                     continue
                 d.kept += kept.earlier  # an earlier run's (a copy's calls in this run are not counted)
+                d.kept_tokens += kept.tokens
                 d.reasoning.append(kept.reasoning)
                 more, reason = d.mr.add(i, kept.text) or more, kept.finish_reason
             if d.mr.summary is not None:
@@ -646,8 +649,8 @@ class Scheduler:
                                    "and `retry_failed`")
         d.finished = True
         return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
-                       d.output_tokens, reason, d.mr.parts if d.mr else 0, d.mr.level + 1 if d.mr else 0,
-                       d.seconds, kept=d.kept)
+                       d.output_tokens + d.kept_tokens, reason, d.mr.parts if d.mr else 0,
+                       d.mr.level + 1 if d.mr else 0, d.seconds, kept=d.kept, kept_tokens=d.kept_tokens)
 
     def run(self, docs: Iterable, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[StepInfo, list[str]], None] = lambda info, ids: None,

@@ -35,7 +35,7 @@ from mlx_tier.outdir.layout import (
     pid_file_pid,
     progress_files,
 )
-from mlx_tier.rates import RunSpeed
+from mlx_tier.rates import RunSpeed, generated_tokens
 from mlx_tier.units import count_text
 
 
@@ -447,7 +447,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         pending=pending,
         todo_left=todo_left,
         output_tokens=sum(int(r.get("output_tokens", 0)) for r in done),
-        run_output_tokens=sum(int(r.get("output_tokens", 0)) for r in mine),
+        run_output_tokens=sum(map(generated_tokens, mine)),
         throttled_seconds=round(float(throttled), 3),
         thermal=_thermal(entries, info),
         started=started,

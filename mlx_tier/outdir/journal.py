@@ -33,7 +33,8 @@ _NUMBER = (int, float)
 _TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,), "status": (str,), "event": (str,), "name": (str,), "time": _NUMBER, "seconds": _NUMBER,
     "throttled_seconds": _NUMBER, "input_tokens": (int,), "output_tokens": (int,), "parts": (int,),
-    "parts_kept": (int,), "error": (str, type(None)), "output": (str, type(None)), "finish_reason": (str, type(None)),
+    "parts_kept": (int,), "kept_tokens": (int,), "error": (str, type(None)), "output": (str, type(None)),
+    "finish_reason": (str, type(None)),
     "started": _NUMBER, "pid": (int,), "ids": (list,), "todo": (list,), "command": (str, type(None)),
     "input": (str,), "output_format": (str,), "error_code": (str, type(None)), "error_param": (str, type(None)),
     # a run's identity and clock (RunClock), what a summary was made from and with

@@ -53,12 +53,12 @@ def rank_account(folder: Path, rank: int) -> dict:
     seconds from start to end, its loading and generation time and its speeds over the
     latter (:mod:`mlx_tier.rates`; a rank that wrote no account: over its whole time),
     documents stolen, how it ended, its cache."""
-    from mlx_tier.rates import RunSpeed
+    from mlx_tier.rates import RunSpeed, generated_tokens
 
     record, end = _read_json(folder / f"rank-{rank}.json"), _read_json(folder / f"exit-{rank}.json")
     entries = list(_rank_journal(folder, rank).entries())
     docs = [e for e in entries if "id" in e]
-    tokens = sum(e.get("output_tokens", 0) for e in docs if e.get("status") == "done")
+    tokens = sum(generated_tokens(e) for e in docs)
     throttled = sum(e.get("throttled_seconds", 0) for e in docs)
     times = [e["time"] for e in entries if isinstance(e.get("time"), (int, float))]
     seconds = record.get("seconds") or (end["ended"] - end["started"] if end.get("ended") else

@@ -24,6 +24,7 @@ from pathlib import Path
 from mlx_tier.fsio import write_atomic
 from mlx_tier.outdir.layout import CLAIMS, rank_journal_name
 from mlx_tier.ranks.stealing import Claims, rank_order, shares
+from mlx_tier.rates import generated_tokens
 from mlx_tier.units import count_text
 
 
@@ -147,7 +148,7 @@ def _account(rank: int, plan: dict, claims: Claims, report, seconds: float) -> d
     results = {r.id: r for r in report.results}
     mine = [results[i] for i in claims.taken if i in results]
     own = set(shares(plan["todo"], plan["ranks"])[rank])
-    tokens = sum(r.output_tokens for r in mine if r.status == "done")
+    tokens = sum(map(generated_tokens, mine))
     run = report.runs[-1] if report.runs else {}
     return {
         "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "seconds": round(seconds, 3),

@@ -55,7 +55,8 @@ def test_a_run_killed_inside_a_long_document_resumes_from_its_kept_calls(tmp_pat
     real = killed_after(monkeypatch, 2)
     killed = runner.invoke(app, args(docs, out, small_moe, schedule=schedule))
     assert killed.exit_code == 137 and not (out / "book.md").exists()
-    assert len((out / PARTS).read_text().splitlines()) == 2
+    killed_lines = (out / PARTS).read_text().splitlines()
+    assert len(killed_lines) == 2
     monkeypatch.setattr(PartStore, "keep", real)
 
     resumed = runner.invoke(app, args(docs, out, small_moe, schedule=schedule))
@@ -64,11 +65,17 @@ def test_a_run_killed_inside_a_long_document_resumes_from_its_kept_calls(tmp_pat
     record = Journal(out).records()["book"]
     assert record["parts_kept"] == 2 and record["parts"] == parts
     assert (out / "book.md").read_bytes() == (tmp_path / "whole" / "book.md").read_bytes()
-    whole_tokens = Journal(tmp_path / "whole").records()["book"]["output_tokens"]
-    assert 0 < record["output_tokens"] < whole_tokens  # only the calls not kept were generated
+    whole = json.loads((tmp_path / "whole" / "report.json").read_text())
+    kept = [json.loads(line)["tokens"] for line in killed_lines]
+    # A user trial: the document's tokens counted only this run's calls. Its out tok counts every
+    # call's (as the uninterrupted run's), the run's own figures only the calls it generated.
+    assert record["output_tokens"] == Journal(tmp_path / "whole").records()["book"]["output_tokens"]
+    assert record["kept_tokens"] == sum(kept) > 0
     assert not (out / PARTS).exists()  # done: its kept calls are dropped
     report = json.loads((out / "report.json").read_text())
     assert {r["id"]: r.get("parts_kept") for r in report["documents"]}["book"] == 2
+    assert report["runs"][-1]["output_tokens"] == whole["runs"][-1]["output_tokens"] - sum(kept)
+    assert report["totals"]["output_tokens"] == whole["totals"]["output_tokens"]
 
 
 def test_a_changed_long_document_redone_resumes_too(tmp_path, small_moe, monkeypatch):  # noqa: F811

@@ -28,7 +28,8 @@ def make_job(out, started=T0):
         {"id": "d1", "status": "failed", "error": "RuntimeError: [metal::malloc] out of memory", "time": started - 400},
         {"event": "throttle", "throttled_seconds": 12.5, "time": started + 10},  # no id: counted, not a document
         {"id": "d2", "status": "done", "output_tokens": 60, "seconds": 20.0, "throttled_seconds": 3.0, "time": started + 50},
-        {"id": "d3", "status": "done", "output_tokens": 20, "seconds": 10.0, "time": started + 100},
+        # d3 resumed from calls an earlier run kept: 5 of its 25 tokens were written then
+        {"id": "d3", "status": "done", "output_tokens": 25, "kept_tokens": 5, "seconds": 10.0, "time": started + 100},
     ]
     with open(out / "journal.jsonl", "a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in lines) + '{"id": "d4", "sta')  # torn
@@ -40,8 +41,9 @@ def test_finished_job(tmp_path):
     s = read_status(out, now=T0 + 5000)
     assert not s.running and s.pid == 4321
     assert (s.total, s.done, s.failed, s.pending, s.todo_left) == (6, 3, 1, 2, 2)
-    # this run: d2 + d3 = 80 tokens over 100 s of wall clock (batched documents overlap)
-    assert s.output_tokens == 120 and s.run_output_tokens == 80 and s.output_tok_per_s == 0.8
+    # this run: d2 + d3 = 80 tokens generated over 100 s of wall clock (batched documents overlap);
+    # the job's documents hold 125 (d3's kept calls' too)
+    assert s.output_tokens == 125 and s.run_output_tokens == 80 and s.output_tok_per_s == 0.8
     assert s.throttled_seconds == 15.5
     assert s.finished_this_run == 2 and s.elapsed_seconds == 100  # up to its last record, not to "now"
     assert s.documents_per_hour == 72.0 and s.eta_seconds is None  # not running: no ETA
