@@ -41,7 +41,8 @@ from mlx_tier.outdir.layout import BATCH_OUTPUT
 from mlx_tier.units import count_text
 
 # What a reused summary's record takes from the record of the summary it copies.
-_REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter",
+_REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "parts_kept", "kept_tokens",
+                 "converter",
                  *SETTINGS_FIELDS)
 
 

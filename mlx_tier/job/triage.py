@@ -19,7 +19,8 @@ from pathlib import Path
 from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, recorded_hash
 
 # What a done / failed record of an earlier run keeps in this run's results.
-DONE_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "converter", "made_from",
+DONE_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "parts_kept", "kept_tokens",
+              "converter", "made_from",
               *SETTINGS_FIELDS, "reused")
 FAILED_KEEPS = ("input_tokens", "doc_seconds", "converter", "error_code", "error_param")
 

@@ -76,6 +76,10 @@ def test_a_run_killed_inside_a_long_document_resumes_from_its_kept_calls(tmp_pat
     assert {r["id"]: r.get("parts_kept") for r in report["documents"]}["book"] == 2
     assert report["runs"][-1]["output_tokens"] == whole["runs"][-1]["output_tokens"] - sum(kept)
     assert report["totals"]["output_tokens"] == whole["totals"]["output_tokens"]
+    again = runner.invoke(app, args(docs, out, small_moe, schedule=schedule))  # nothing to do: the figures stay
+    assert again.exit_code == 0 and "nothing to do" in again.output, again.output
+    book = {r["id"]: r for r in json.loads((out / "report.json").read_text())["documents"]}["book"]
+    assert (book["parts_kept"], book["kept_tokens"], book["earlier_run"]) == (2, sum(kept), True)
 
 
 def test_a_changed_long_document_redone_resumes_too(tmp_path, small_moe, monkeypatch):  # noqa: F811
