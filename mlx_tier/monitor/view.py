@@ -13,6 +13,7 @@ over time: the job's counters at the moment the document finished.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from mlx_tier.fsio import read_nofollow
@@ -139,15 +140,18 @@ def _summary_text(out_dir: Path, rec: dict) -> str | None:
         return None
 
 
-def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: dict) -> list[dict]:
+def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: dict,
+              redoing: Iterable[str] = ()) -> list[dict]:
     """Each document of the job in input order: ``id``, ``source`` (from report.json, else the id),
-    ``status`` (``done``/``failed``/``pending``), tokens, seconds, ``error``, the ``summary`` text,
-    and what wrote it: ``model`` (name), ``weights``, ``prompt`` (hash), ``redo`` (``stale``,
-    ``changed``: why its run rewrote it), ``reused`` (the id whose summary it got)."""
+    ``status`` (``done``/``failed``/``pending``; pending: ``redoing``, whose summary a run set
+    out to redo), tokens, seconds, ``error``, the ``summary`` text, and what wrote it:
+    ``model`` (name), ``weights``, ``prompt`` (hash), ``redo`` (``stale``, ``changed``: why
+    its run rewrote it), ``reused`` (the id whose summary it got)."""
     sources = {d.get("id"): d.get("source") for d in report.get("documents", []) if isinstance(d, dict)}
+    redoing = set(redoing)
     out = []
     for doc_id in ids:
-        rec = latest.get(doc_id, {})
+        rec = latest.get(doc_id, {}) if doc_id not in redoing else {}
         status = rec.get("status") if rec.get("status") in ("done", "failed") else "pending"
         out.append({
             "id": doc_id, "source": sources.get(doc_id) or doc_id, "status": status,
@@ -196,7 +200,7 @@ def build_view(out_dir: Path, now: float | None = None) -> dict:
         "machine": report.get("machine") or {},
         "report_written": bool(report),
         "expert_use": expert_use(report),
-        "documents": documents(out_dir, ids, latest, report),
+        "documents": documents(out_dir, ids, latest, report, status.redoing),
         "written_by": status.written_by,
         "prompts": status.prompts,
     }

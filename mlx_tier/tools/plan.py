@@ -485,7 +485,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     on_cpu = mx.default_device() == mx.cpu
     rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
                         head_dim, attention="cpu" if on_cpu and kernel == "cpu" else "mlx", kv_heads=kv_heads,
-                        kernel=kernel)
+                        kernel=kernel, mode=str(q.get("mode", "affine")))
     pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes), max_pool=max_pool,
                          decode_slots=decode_slots)
     return {**pools.as_dict(), "decode_slots": decode_slots, "rates": rates.as_dict()}

@@ -57,7 +57,8 @@ def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict
                   **head_terms(output_layer_bytes((n, t.nbytes) for n, t in ckpt.index.items()), s.vocab, s.hidden))
     quant = ckpt.config.get("quantization") or {}
     probe = {"expert_shape": (s.expert_inner, s.hidden), "bits": int(quant.get("bits", 4)),
-             "group_size": int(quant.get("group_size", 64)), "heads": s.heads, "head_dim": s.head_dim,
+             "group_size": int(quant.get("group_size", 64)),
+             "mode": str(quant.get("mode", "affine")), "heads": s.heads, "head_dim": s.head_dim,
              "kv_heads": s.kv_heads}
     return shape, probe, sorted({t.info.file for _, _, ts in experts for t in ts.values()})
 
@@ -86,8 +87,10 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
     shape = with_saved_routing(shape, model_dir)
     if disk_gbps is None:
         disk_gbps = measure_read_gbps(files, warm=sum(f.stat().st_size for f in files) <= 0.8 * host_available())
-    rates = probe_rates(disk_gbps, **probe, attention="cpu" if budget.kernel == "cpu" else "mlx",
-                        kernel=budget.kernel)
+    import mlx.core as mx
+
+    served = budget.kernel == "cpu" and mx.default_device() == mx.cpu  # as the load serves attention
+    rates = probe_rates(disk_gbps, **probe, attention="cpu" if served else "mlx", kernel=budget.kernel)
     slots, plan, own = choose_slots(shape, rates, prompt_tokens, output_tokens, budget.cache + budget.kv,
                                     budget.slot_row, most, documents, cap, budget.prefill_step,
                                     lambda n: lent_slots(with_cache(budget, n), pool, prompt_tokens + output_tokens))

@@ -548,7 +548,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
 
 def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), bits: int = 4,
                 group_size: int = 64, heads: int = 16, head_dim: int = 64, attention: str = "mlx",
-                kv_heads: int | None = None, kernel: str = "cpu") -> Rates:
+                kv_heads: int | None = None, kernel: str = "cpu", mode: str = "affine") -> Rates:
     """Measure :class:`Rates` on this machine in a few seconds (the disk rate is given:
     :func:`mlx_tier.tools.plan.measure_disk_gbps`).
 
@@ -556,7 +556,8 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     (:func:`mlx_tier.kernels.registry.choose`): ``"cpu"``, the CPU expert kernel
     (:func:`_cpu_expert_rates`), else the kernel's own call on a quantized ``SwitchGLU``
     (:func:`_block_expert_rates`: MLX's ``gather_qmm`` for ``"mlx"``, on the default
-    device), each on random experts whose largest matrix is ``expert_shape`` ``(out, in)``;
+    device, quantized in ``mode``), each on random experts whose gate matrix is
+    ``expert_shape`` ``(out, in)`` (the inner width, the hidden width);
     attention (``attention``: ``"mlx"``, MLX's
     ``scaled_dot_product_attention`` on the default device, or ``"cpu"``,
     :func:`mlx_tier.kernels.cpu_attention.sdpa`) as the job runs it: ``heads`` query
@@ -573,7 +574,7 @@ def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), b
     if kernel == "cpu":
         experts = _cpu_expert_rates(expert_shape, bits, group_size)
     else:
-        experts = _block_expert_rates(kernel, expert_shape, bits, group_size)
+        experts = _block_expert_rates(kernel, expert_shape, bits, group_size, mode)
     att_gflops, kv_gbps = _attention_rates(_median, heads, kv_heads or heads, head_dim, attention)
     return Rates(disk_gbps=disk_gbps, attention_gflops=att_gflops, kv_read_gbps=kv_gbps, **experts)
 
@@ -634,53 +635,79 @@ def _cpu_expert_rates(expert_shape: tuple[int, int], bits: int, group_size: int)
 
 # Rows an expert in _block_expert_rates' two GEMM probes (its GEMM price holds from the first).
 BLOCK_GEMM_ROWS = (64, 128)
-# Experts in _block_expert_rates' loop probes, one in its GEMM probes (MLX's gather_qmm on MLX's
-# CPU backend computes each row on its own: about a millisecond a row and matrix of a large expert).
-BLOCK_PROBE_EXPERTS = 2
+# Experts in _block_expert_rates' loop probes, one in its GEMM probes: pairs enough that a call's
+# fixed cost (a GPU's sync, priced in Rates.overhead_s) is not charged to a pair (MLX's gather_qmm
+# on MLX's CPU backend computes each row on its own: about a millisecond a row and matrix).
+BLOCK_PROBE_EXPERTS = 8
+# The GEMM line's intercept is taken as an expert's fixed cost only above this share of the
+# first count's time (below it, the difference of two timings is their noise).
+FIT_NOISE = 0.1
 
 
-def _block_expert_rates(kernel: str, expert_shape: tuple[int, int], bits: int, group_size: int) -> dict:
+def _block_expert_rates(kernel: str, expert_shape: tuple[int, int], bits: int, group_size: int,
+                        mode: str = "affine") -> dict:
     """:class:`Rates`' expert fields for an expert kernel that computes a whole block
     (:func:`mlx_tier.kernels.registry.kernel_for`: ``"mlx"``, ``"metal"``) on a random
-    ``SwitchGLU`` quantized to ``bits`` and ``group_size`` whose gate and up matrices are
-    ``expert_shape`` ``(out, in)`` (the inner width, the hidden width), as a tiered layer
-    calls it (sorted slots). The loops' fields from one row and :data:`LOOP_PROBE_ROWS` rows
-    a slot; the GEMM's from two row counts (:data:`BLOCK_GEMM_ROWS`), a straight line: its
-    intercept a fixed cost an expert (priced as ``dequant_gbps``), its slope a row's
-    FLOPs (``gemm_gflops``), used from the first count (``gemm_min_rows``).
+    ``SwitchGLU`` quantized like the checkpoint's experts (``bits``, ``group_size``,
+    ``mode``; affine 4-bit where MLX refuses that combination) in the run's compute dtype
+    (:func:`mlx_tier.engine.dtypes.job_compute_dtype`, bfloat16 on a GPU), whose gate and up
+    matrices are ``expert_shape`` ``(out, in)`` (the inner width, the hidden width), called
+    as a tiered layer calls it (sorted slots). The loops' fields from one row and
+    :data:`LOOP_PROBE_ROWS` rows a slot; the GEMM's from two row counts of one expert
+    (:data:`BLOCK_GEMM_ROWS`), a straight line: its intercept an expert's fixed cost
+    (priced as ``dequant_gbps``; none within :data:`FIT_NOISE`), its slope a row's FLOPs
+    (``gemm_gflops``), used from the first count (``gemm_min_rows``).
 
     Raises:
         ValueError: an unknown kernel, or one not available here.
     """
     import mlx.core as mx
     from mlx import nn
-    from mlx_lm.models.switch_layers import SwitchGLU
 
+    from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.kernels.registry import kernel_for
 
     fn = kernel_for(kernel)
     inner, hidden = expert_shape
-    n = BLOCK_PROBE_EXPERTS
-    block = SwitchGLU(hidden, inner, n)
-    nn.quantize(block, group_size=group_size, bits=bits)
-    block.set_dtype(mx.float32)  # scales and biases as a run computes them on the CPU backend
-    mx.eval(block.parameters())
+    n, dtype = BLOCK_PROBE_EXPERTS, job_compute_dtype() or mx.bfloat16
+    block = _quantized_glu(hidden, inner, n, bits, group_size, mode, dtype)
     packed = sum(v.nbytes for _, v in nn.utils.tree_flatten(block.parameters())) / n  # one expert
     flops = 2.0 * 3 * inner * hidden  # a row through one expert
 
     def pair_seconds(rows: int, experts: int = n, reps: int = 5) -> float:
-        x = mx.random.normal((rows * experts, hidden))
+        x = mx.random.normal((rows * experts, hidden)).astype(dtype)
         slots = (mx.arange(rows * experts) // rows).astype(mx.uint32)[:, None]  # sorted, ``rows`` an expert
         mx.eval(x, slots)
         return _median(lambda: mx.eval(fn(block, x, slots)), reps) / (rows * experts)
 
-    t_mv, t_rows = pair_seconds(1), pair_seconds(LOOP_PROBE_ROWS)
+    t_mv, t_rows = pair_seconds(1), pair_seconds(LOOP_PROBE_ROWS, reps=3)
     (r0, r1), (t0, t1) = BLOCK_GEMM_ROWS, [pair_seconds(r, 1, reps=3) * r for r in BLOCK_GEMM_ROWS]
-    per_row = max((t1 - t0) / (r1 - r0), 1e-9)  # an expert's seconds a row
-    fixed = max(t0 - r0 * per_row, packed / 1e13)  # an expert's fixed seconds (a 10 TB/s floor)
+    per_row, fixed = (t1 - t0) / (r1 - r0), 0.0
+    if per_row > 0 and t0 - r0 * per_row > FIT_NOISE * t0:
+        fixed = t0 - r0 * per_row
+    else:  # no fixed cost the timings can tell: a row's cost from the larger count
+        per_row = t1 / r1
     return {"gemm_gflops": flops / per_row / 1e9, "matvec_gbps": packed / t_mv / 1e9,
-            "dequant_gbps": packed / fixed / 1e9, "gemm_min_rows": r0,
-            "loop_gbps": _loop_gbps(packed, t_mv, t_rows, LOOP_PROBE_ROWS)}
+            "dequant_gbps": packed / max(fixed, packed / 1e13) / 1e9,  # a 10 TB/s floor: no fixed cost
+            "gemm_min_rows": r0, "loop_gbps": _loop_gbps(packed, t_mv, t_rows, LOOP_PROBE_ROWS)}
+
+
+def _quantized_glu(hidden: int, inner: int, experts: int, bits: int, group_size: int, mode: str, dtype):
+    """A random mlx-lm ``SwitchGLU`` of ``experts`` experts quantized as asked, in ``dtype``
+    (its scales and biases); affine 4-bit, group 64, where MLX refuses the combination."""
+    import mlx.core as mx
+    from mlx import nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    block = SwitchGLU(hidden, inner, experts)
+    try:
+        nn.quantize(block, group_size=group_size, bits=bits, mode=mode)
+    except (ValueError, RuntimeError):
+        block = SwitchGLU(hidden, inner, experts)
+        nn.quantize(block, group_size=64, bits=4)
+    block.set_dtype(dtype)
+    mx.eval(block.parameters())
+    return block
 
 
 def _attention_rates(med, heads: int, kv_heads: int, head_dim: int, attention: str) -> tuple[float, float]:
@@ -776,8 +803,9 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
     E = layer.num_experts
     expert_bytes = sum(t.info.nbytes for t in layer.tensors.values()) // E
     params = sum(leaf["weight"].shape[-2] * _unpacked_in(leaf) for leaf in leaves)
-    big = max(leaves, key=lambda leaf: leaf["weight"].shape[-2] * _unpacked_in(leaf))
     hidden = int(args.hidden_size)
+    # the largest matrix; of equal ones the gate's (in: the hidden width), as plan probes it
+    big = max(leaves, key=lambda leaf: (leaf["weight"].shape[-2] * _unpacked_in(leaf), _unpacked_in(leaf) == hidden))
     heads = int(args.num_attention_heads)
     kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(args, "head_dim", None) or hidden // heads)
@@ -791,8 +819,8 @@ def shape_of(model, kv_bytes: float) -> tuple[Shape, dict] | None:
                   read_ahead=getattr(layer, "reader", None) is not None, width=layer.width,
                   **head_terms(head, int(getattr(args, "vocab_size", 0) or 0), hidden))
     probe = {"expert_shape": (big["weight"].shape[-2], _unpacked_in(big)), "bits": getattr(big, "bits", 4) or 4,
-             "group_size": getattr(big, "group_size", 64) or 64, "heads": heads, "head_dim": head_dim,
-             "kv_heads": kv_heads}
+             "group_size": getattr(big, "group_size", 64) or 64, "mode": getattr(big, "mode", None) or "affine",
+             "heads": heads, "head_dim": head_dim, "kv_heads": kv_heads}
     return shape, probe
 
 

@@ -331,3 +331,31 @@ def test_the_resume_command_runs_from_another_folder(tmp_path, monkeypatch):
     assert read_status(out, now=T0 + 1).command == f"cd '{job}' && mlx-tier run in --out o"
     r = runner.invoke(app, ["status", str(out)])
     assert f"cd '{job}' && mlx-tier run in --out o --retry-failed" in r.output, r.output
+
+
+def test_a_stopped_redo_is_pending_not_done(tmp_path):
+    """A user trial: a rerun redoing a changed document (its earlier summary stale) was
+    stopped before writing it; status said "finished, 1 done" with its resume command, as
+    the earlier run's ``done`` record was taken for this run's. A document the last run set
+    out to do is pending until that run writes it; a failed one it retries stays failed
+    (a plain rerun would not retry it); one it did not set out to do keeps its record."""
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["x", "y", "f"], todo=["x", "y", "f", "g"], started=T0 - 600, pid=1, run="r1",
+            command="mlx-tier run docs --out out").write(Journal(out))
+    lines = [{"id": i, "status": "done", "output_tokens": 8, "run": "r1", "time": T0 - 500} for i in ("x", "y")]
+    lines.append({"id": "f", "status": "failed", "error": "too long", "run": "r1", "time": T0 - 400})
+    with open(out / "journal.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines))
+    JobInfo(input="docs", ids=["x", "y", "f"], todo=["x", "f"], started=T0, pid=2, run="r2",
+            command="mlx-tier run docs --out out").write(Journal(out))  # x changed since; f retried
+    s = read_status(out, now=T0 + 100)
+    assert (s.state, s.done, s.failed, s.pending, s.redoing) == ("stopped", 1, 1, 1, ["x"])
+    from mlx_tier.monitor.view import build_view
+
+    shown = {d["id"]: (d["status"], d["summary"]) for d in build_view(out, now=T0 + 100)["documents"]}
+    assert shown["x"] == ("pending", None) and shown["y"][0] == "done"  # the page: no stale summary shown as done
+    with open(out / "journal.jsonl", "a") as f:
+        f.write(json.dumps({"id": "x", "status": "done", "output_tokens": 9, "run": "r2", "time": T0 + 50}) + "\n")
+    s = read_status(out, now=T0 + 100)
+    assert (s.state, s.done, s.pending, s.done_this_run) == ("finished", 2, 0, 1)  # f stays failed

@@ -31,7 +31,7 @@ from mlx_tier.messages import retry_command
 from mlx_tier.monitor.page import render_page
 from mlx_tier.monitor.server import WatchConfig, is_loopback, make_server, url_of
 from mlx_tier.monitor.view import build_view, samples
-from mlx_tier.outdir.journal import Journal
+from mlx_tier.outdir.journal import JobInfo, Journal
 
 runner = CliRunner()
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -360,7 +360,8 @@ def test_live_page_shows_the_journal_and_follows_it(job_copy, serve, browser):
     # A new journal line, as a retry would append it: the failed document is now done.
     (job_copy / "empty.md").write_text("Nothing in it.\n")
     last = [r for r in Journal(job_copy).entries() if "sample" in r][-1]["sample"]
-    Journal(job_copy).append({"id": "empty", "status": "done", "output": "empty.md", "output_tokens": 4,
+    run = JobInfo.last(list(Journal(job_copy).entries())).run  # the run that set out to do it writes it
+    Journal(job_copy).append({"id": "empty", "status": "done", "output": "empty.md", "output_tokens": 4, "run": run,
                               "sample": {**last, "tokens": last["tokens"] + 4, "decode_tok_s": 7.5}})
     t0 = time.monotonic()
     while shown(browser, "done") != "6" and time.monotonic() - t0 < interval + RENDER_SLACK_S:
