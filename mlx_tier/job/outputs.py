@@ -106,13 +106,15 @@ class JsonlSummaries:
         self.summaries[doc_id] = summary
 
     def drop(self, record: dict) -> None:
-        """Remove the line of ``record["id"]``, a document that failed (a redo that failed:
-        its line held the summary of an earlier version), if it has one.
+        """Remove the line of ``record["id"]``, a document that failed, if it has one and its
+        ``redo`` was ``stale`` (the line held the summary of an earlier version of its text,
+        as its ``.md`` did: :func:`mlx_tier.job.run._record` removes that); a redo for other
+        settings that failed keeps it, of the same text.
 
         Raises:
             OSError: the file cannot be rewritten.
         """
-        if record["id"] in self.summaries:
+        if record["id"] in self.summaries and record.get("redo") == "stale":
             del self.summaries[record["id"]]
             self._replace(f"{record['id']}.md", b"")
 

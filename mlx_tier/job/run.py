@@ -137,7 +137,9 @@ def _figures(outcome: Outcome, res: DocResult) -> None:
 def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, settings: Settings) -> None:
     """Write a finished summary (atomically, its ``writing`` record journalled first with
     the run's ``settings``: :func:`~mlx_tier.job.provenance.writing_record`) and fill
-    ``res``; a write error fails the document.
+    ``res``; a write error fails the document. A redo of a changed document that failed
+    removes its earlier summary (of the earlier text: stale); one redone for other settings
+    (``redo_changed``) keeps it (of the same text).
 
     Raises:
         JobError: the disk is full (the document stays pending: no later one could be written either).
@@ -145,6 +147,13 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, s
     _figures(outcome, res)
     if outcome.status != "done":
         res.status, res.error = "failed", outcome.error
+        if res.redo == "stale":  # its old summary, of an earlier text, goes (as its JSONL line)
+            try:
+                os.unlink(out_dir / f"{res.id}.md")
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                res.error += f" (its earlier summary could not be removed: {e.strerror})"
         return
     try:
         data = (outcome.summary + "\n").encode("utf-8", "surrogateescape")  # as write_atomic encodes text

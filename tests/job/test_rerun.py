@@ -144,15 +144,19 @@ def test_same_size_rewrite_with_the_old_mtime_put_back_is_still_noticed(s1, tmp_
     assert done_lines(out) == Counter({"a": 1, "b": 2})
 
 
-def test_a_failed_redo_keeps_the_old_summary_and_is_not_taken_back_as_current(s1, tmp_path, small_moe):  # noqa: F811
+@pytest.mark.parametrize("now", [b"\x00\x01binary now\xff", b"  \n"])
+def test_a_failed_redo_of_a_changed_document_leaves_no_stale_summary(s1, tmp_path, small_moe, now):  # noqa: F811
+    """A user trial: an edited document that now fails (binary, empty) kept the summary of
+    its earlier text as ``a.md``, beside a ``failed`` record (a request file's answer, and a
+    summaries.jsonl line, went). The stale summary goes; the other document's stays."""
     out = tmp_path / "out"
     args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
     assert run(*args)[0] == 0
-    old_a = (out / "a.md").read_text()
-    (s1 / "a.txt").write_bytes(b"\x00\x01binary now\xff")  # unreadable: its redo fails
+    old_b = (out / "b.md").read_text()
+    (s1 / "a.txt").write_bytes(now)  # its redo fails
     code, output = run(*args)
     assert code == 1 and "failed a" in output, output
-    assert (out / "a.md").read_text() == old_a  # never lost: the redo failed before writing
+    assert not (out / "a.md").exists() and (out / "b.md").read_text() == old_b
     assert last_record(out, "a")["status"] == "failed"
     code, output = run(*args)  # a plain rerun leaves it failed (not recovered from the old output)
     assert code == 1 and "1 document failed in an earlier run" in output, output
@@ -204,6 +208,7 @@ def test_summaries_jsonl_follows_the_md_files_whatever_the_format_of_later_runs(
     assert code == 1 and "empty document" in output, output
     lines = [json.loads(x) for x in (out / "summaries.jsonl").read_text().splitlines()]
     assert [x["id"] for x in lines] == ["a"] and report(out)["totals"]["failed"] == 1
+    assert not (out / "b.md").exists()  # nor its .md: the summary of its earlier text
     other = tmp_path / "md-only"  # a job that never asked for it gets none
     assert run(s1, "--out", other, "--model", small_moe, "--max-tokens", "5")[0] == 1
     assert not (other / "summaries.jsonl").exists()
