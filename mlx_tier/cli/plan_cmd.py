@@ -46,6 +46,9 @@ def plan(
         model = str(resolve(model, lambda text: print_wrapped(err, text, style="dim")))
     if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
         fail(f"--memory-gb must be a finite positive number of GiB, got {memory_gb}")
+    for flag, rate in (("--disk-gbps", disk_gbps), ("--compute-gbps", compute_gbps)):
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            fail(f"{flag} must be a finite positive number of GB/s, got {rate}")
     if Path(model).is_dir() and (compute_gbps is None or doc_tokens):  # its kernel is probed: compiled first
         from mlx_tier.defaults import JOB_KERNEL
         from mlx_tier.kernels.warmup import compile_for

@@ -124,6 +124,10 @@ def test_plans_total_above_the_available_memory_says_why(one_gib_cgroup, tiny_mo
     for bad in ("inf", "nan", "0"):  # a user trial: `inf` was "must be positive", as `run` says otherwise
         r = runner.invoke(app, [*args, "--memory-gb", bad])
         assert r.exit_code == 2 and f"--memory-gb must be a finite positive number of GiB, got {bad}" in r.output
+    for flag, bad in (("--disk-gbps", "-1"), ("--compute-gbps", "0"), ("--disk-gbps", "nan")):
+        r = runner.invoke(app, [*args, flag, bad])  # a user trial: planned 364 documents/hour at 0 tok/s
+        got = {"-1": "-1.0", "0": "0.0", "nan": "nan"}[bad]
+        assert r.exit_code == 2 and f"{flag} must be a finite positive number of GB/s, got {got}" in r.output, r.output
 
 
 def test_plan_says_how_a_run_would_read_its_experts(one_gib_cgroup, tiny_moe, monkeypatch):
