@@ -72,6 +72,20 @@ KERNEL_HELP = ("What computes the experts: cpu, own kernel (within fp32 rounding
                "else mlx.")
 
 
+def stop_outcome(report) -> str:
+    """What a first stop left: the finished summaries kept, and how many documents (or a
+    request file's requests) wait for the next run; those being written when it came were
+    finished only where they could be within the stop's grace (:data:`STOP_GRACE_SECONDS`)."""
+    from mlx_tier.job.stopflag import STOP_GRACE_SECONDS
+
+    left = report.count("pending")
+    if not left:
+        return "the summaries being written were finished"
+    noun = "request" if report.setup.get("batch_requests") else "document"
+    return (f"finished summaries are kept, {count_text(left, noun)} left for the next run (what was being "
+            f"written is finished only within {STOP_GRACE_SECONDS:g} s)")
+
+
 def run(
     input: Path = typer.Argument(..., metavar="INPUT", help=INPUT_HELP),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder for the summaries (<id>.md), journal.jsonl and report.json."),
@@ -337,8 +351,8 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
     print_summary(report, out_dir)
     if report.interrupted:
         term = report.stop_signal == signal.SIGTERM
-        print_resume(err, f"stopped ({'SIGTERM' if term else 'SIGINT'}); summaries being written were "
-                          "finished. Resume with:", command, retry)
+        print_resume(err, f"stopped ({'SIGTERM' if term else 'SIGINT'}); {stop_outcome(report)}. Resume with:",
+                     command, retry)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     print_left_pending(report, command)
     failed = report.count("failed")

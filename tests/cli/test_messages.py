@@ -99,6 +99,10 @@ def test_first_signal_stop_gives_the_resume_command_on_its_own_line(tmp_path, mo
     r = runner.invoke(app, args)
     assert r.exit_code == 130, r.output
     assert_prose_then_command(r.output, "Resume with:", command, "stopped (SIGINT)")
+    # a user trial: "summaries being written were finished" where all seven were left for the next run
+    words = " ".join(r.output.split())
+    assert "stopped (SIGINT); finished summaries are kept, 2 documents left for the next run (what was being " \
+           "written is finished only within 8 s). Resume with:" in words, words
 
 
 @pytest.mark.parametrize("stop_signal, pending, code, label, prose_start", [
