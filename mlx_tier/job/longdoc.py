@@ -85,16 +85,21 @@ class MapReduce:
         instruction: the user's instruction (the final reduce answers it).
         text: the document.
         prompt_limit: most prompt tokens one call may take.
+        max_tokens: most tokens one call may generate (0: not checked).
 
     Raises:
         TooLong: the instruction, or the combining instruction of the later levels,
-            leaves no room for text (raised as the document is split, before any call).
+            leaves no room for text; or a call may generate more than its room can
+            take back: a part's text room below ``max_tokens`` (its summary need not
+            be shorter than its text), or the combining room below one summary of
+            ``max_tokens`` (raised as the document is split, before any call).
     """
 
     tokenizer: object
     instruction: str
     text: str
     prompt_limit: int
+    max_tokens: int = 0
     level: int = 0
     parts: int = 0  # level-0 parts (reported)
     summary: str | None = None
@@ -105,9 +110,24 @@ class MapReduce:
         chunks = self._split(self.text, MAP_NOTE.format(i=999, n=999))
         self.parts = len(chunks)
         n = len(chunks)
-        self._room(REDUCE_NOTE)  # no room to combine part summaries: fail now, not after every part
+        self._check_shrinks(self._room(MAP_NOTE.format(i=999, n=999)), self._room(REDUCE_NOTE))
         self._start([build_prompt(self.tokenizer, MAP_NOTE.format(i=i + 1, n=n) + self.instruction, c)
                      for i, c in enumerate(chunks)])
+
+    def _check_shrinks(self, part: int, combine: int) -> None:
+        """Refuse a split whose summaries cannot shrink the document (no room to combine part
+        summaries at all fails in :meth:`_room`): fail now, not after every part is summarised."""
+        if not self.max_tokens:
+            return
+        fix = "raise `context` or lower `max_tokens`"
+        if part < self.max_tokens:
+            raise TooLong(f"a part holds at most {part} tokens of text, fewer than the `max_tokens` "
+                          f"{self.max_tokens} its summary may take: the parts' summaries would not shrink "
+                          f"the document; {fix}")
+        one = self.max_tokens + self._count("Part 999: ") + 2  # a summary as a combining call lists it
+        if combine < one:
+            raise TooLong(f"combining part summaries leaves room for {combine} tokens of text, less than one "
+                          f"summary of `max_tokens` {self.max_tokens} ({one} as listed); {fix}")
 
     def _count(self, text: str) -> int:
         return len(encode_data(self.tokenizer, text))

@@ -565,7 +565,8 @@ class Scheduler:
             return [Task((d, 0), prompt, c.max_tokens)]
         if can_wait and context < min(self.context, len(prompt) + c.max_tokens):
             return None
-        d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, self._prompt_limit(d, context - c.max_tokens))
+        d.mr = MapReduce(self.tokenizer, c.instruction, d.doc.text, self._prompt_limit(d, context - c.max_tokens),
+                         c.max_tokens)
         return self._calls(d, d.mr.prompts())
 
     def _prompt_limit(self, d: _Doc, limit: int) -> int:

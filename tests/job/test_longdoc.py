@@ -109,3 +109,22 @@ def test_a_document_with_no_room_to_combine_its_parts_fails_before_any_call(toke
     with pytest.raises(TooLong, match=r"leaves no room for text after the combining instruction \(\d+ tokens\)"):
         MapReduce(tokenizer, "Summarise.", text, floor - 1)
     assert MapReduce(tokenizer, "Summarise.", text, floor).parts > 2
+
+
+@pytest.mark.parametrize("limit, max_tokens, why", [
+    (112, 48, "a part holds at most \\d+ tokens of text, fewer than the `max_tokens` 48"),
+    (140, 48, "combining part summaries leaves room for \\d+ tokens of text, less than one summary"),
+])
+def test_a_split_whose_summaries_cannot_shrink_fails_before_any_call(tokenizer, limit, max_tokens, why):
+    """A user trial: `--context 160 --max-tokens 48` split a 376-token document into 83
+    parts of ~24 text tokens, summarised them all (~10 minutes), then failed "part results
+    do not shrink". A part whose text room is below `max_tokens`, or a combining call
+    without room for one full summary, is refused as the document is split; the default
+    proportions (`--context 512 --max-tokens 160`) and `max_tokens` unchecked (0) pass."""
+    text = "\n\n".join(f"Paragraph {i} says that item {i} weighs {i * 3} grams and is blue." for i in range(40))
+    overhead = len(build_prompt(tokenizer, REDUCE_NOTE + "Summarise.", "")) + JOIN_SLACK
+    limit += overhead - 88  # the demo's combining overhead is 88 tokens; this tokenizer's may differ
+    with pytest.raises(TooLong, match=why + r".*raise `context` or lower `max_tokens`"):
+        MapReduce(tokenizer, "Summarise.", text, limit, max_tokens)
+    assert MapReduce(tokenizer, "Summarise.", text, limit).parts > 2
+    assert MapReduce(tokenizer, "Summarise.", text * 8, 352 + overhead - 88, 160).parts > 2

@@ -95,7 +95,8 @@ def test_a_long_document_resumes_from_the_calls_a_stopped_run_kept(tiered, tiny_
     assert calls >= whole["long"].parts + 1  # every part and the combining call(s)
     again, steps = run_with(PartStore(tmp_path / "whole", identity))  # everything kept: nothing generated
     assert again["long"].summary == whole["long"].summary and again["long"].kept == calls
-    assert again["long"].output_tokens == 0 and steps == []
+    # its tokens are all written (kept calls'), none generated
+    assert again["long"].output_tokens == again["long"].kept_tokens == whole["long"].output_tokens and steps == []
 
     store = PartStore(tmp_path / "stopped", identity)
     stopped, _ = run_with(store, should_stop=lambda: bool(store.docs({"long": None})))  # once one call is kept
@@ -106,7 +107,7 @@ def test_a_long_document_resumes_from_the_calls_a_stopped_run_kept(tiered, tiny_
     resumed, _ = run_with(PartStore(tmp_path / "stopped", identity), context=400)  # more room now
     r = resumed["long"]
     assert r.summary == whole["long"].summary and r.kept == len(kept) and r.parts == whole["long"].parts
-    assert r.output_tokens + sum(k["tokens"] for k in kept) == whole["long"].output_tokens
+    assert r.output_tokens == whole["long"].output_tokens and r.kept_tokens == sum(k["tokens"] for k in kept)
 
     other, _ = run_with(PartStore(tmp_path / "whole", {**identity, "kernel": "cpu"}))
     assert other["long"].kept == 0 and other["long"].output_tokens == whole["long"].output_tokens
@@ -115,6 +116,9 @@ def test_a_long_document_resumes_from_the_calls_a_stopped_run_kept(tiered, tiny_
     twins, _ = run_with(PartStore(tmp_path / "twins", identity), texts={"long": LONG, "copy": LONG})
     assert [twins[k].kept for k in ("long", "copy")] == [0, 0]
     assert twins["copy"].summary == whole["long"].summary
+    # each writes every call's tokens; those it took from the other were not generated for it
+    assert twins["copy"].output_tokens == twins["long"].output_tokens == whole["long"].output_tokens
+    assert twins["copy"].kept_tokens + twins["long"].kept_tokens > 0
 
 
 def test_a_long_document_that_could_not_be_combined_fails_before_any_step(tiered, tiny_moe):
