@@ -331,13 +331,22 @@ def default_cache(room: int, needs: Needs) -> int:
     """The expert cache's default bytes out of ``room`` (what the fixed parts and the workspace
     leave): :data:`CACHE_SHARE` of it, or enough for one token's top-k experts in every layer
     when the KV cache of one shortest sequence still fits beside that (fewer slots than
-    top-k serve each token in rounds); whole slot rows, at least one, at most every expert."""
+    top-k serve each token in rounds); whole slot rows, at least one, at most every expert,
+    and no more than leave that sequence room beside their read-ahead workspace
+    (:func:`read_ahead_bytes`)."""
     if not needs.slot_row:
         return 0
+
+    def fits(rows: int) -> bool:  # beside the read-ahead workspace it brings and one shortest sequence
+        cache = rows * needs.slot_row
+        return cache + read_ahead_bytes(cache, needs.shape, needs.kernel, needs.expert) <= room - min_kv(needs.shape)
+
     rows = int(room * CACHE_SHARE) // needs.slot_row
     top_k = min(needs.shape.top_k, needs.shape.experts)
-    if rows < top_k and top_k * needs.slot_row <= room - min_kv(needs.shape):
+    if rows < top_k and fits(top_k):
         rows = top_k
+    while rows > 1 and not fits(rows):  # a larger total never gets a split refused where a smaller one fits
+        rows -= 1
     return min(needs.all_experts, max(1, rows) * needs.slot_row)
 
 

@@ -172,3 +172,22 @@ def test_decode_steps_borrow_the_prompt_steps_workspace_in_whole_slot_rows():
     assert held(n) <= b.workspace < held(n + 1)
     assert b.decode_slots(32, 30000) <= n  # a larger decode step borrows no more
     assert replace(b, slot_row=0).decode_slots(4, 1000) == 0 and replace(b, shape=None).decode_slots(4, 1000) == 0
+
+
+@pytest.mark.parametrize("needs", [NEEDS, replace(NEEDS, expert=SLOT)], ids=["mlx rounds", "cpu wide rounds"])
+def test_a_larger_total_is_never_refused_where_a_smaller_one_fits(needs):
+    """A user trial: the demo ran at `--memory-gb 0.79`, was refused from 0.80 to 0.85 ("too
+    little for this model: it needs ... = 0.79 GiB"), and ran again from 0.86: the default
+    cache took the top-k slots without counting the read-ahead workspace they bring, and
+    left the shortest sequence no room. Over a fine sweep, once a total fits every larger
+    one does, each with that sequence's room."""
+    fitted = False
+    for mib in range(800, 4096, 4):
+        try:
+            b = split(mib * 2**20, needs)
+        except BudgetError:
+            assert not fitted, f"{mib} MiB refused after a smaller total fitted"
+            continue
+        fitted = True
+        assert b.kv >= footprint.min_kv(needs.shape) and b.cache >= needs.slot_row
+    assert fitted
