@@ -134,7 +134,7 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
           if traded else []),
         ("  prompt pool (throughput schedule)", f"{job['prefill_tokens']} tokens a step, "
                                                 f"{count_text(job['prefill_batch'], 'document')} read together: {job['prompt_tok_s']:.1f} tok/s"),
-        ("  decode pool", f"{job['decode_pool']} sequences ({job['limited_by']}): {job['decode_tok_s']:.1f} tok/s"),
+        ("  decode pool", f"{count_text(job['decode_pool'], 'sequence')} ({job['limited_by']}): {job['decode_tok_s']:.1f} tok/s"),
         *([("  expert slots lent to decode steps", f"{job['decode_slots']} a layer, from the prompt steps' "
                                                    "workspace; more from KV room left idle")] if job.get("decode_slots") else []),
         *([("  decoded in prompt steps", f"{job['merged_tokens']:.0f} of a document's {job['output_tokens']} tokens "

@@ -17,7 +17,7 @@ from mlx_tier.engine.footprint import MemoryBudget, kv_element_bytes
 from mlx_tier.job.report import DocResult, JobReport
 from mlx_tier.job.scheduler import Scheduler
 from mlx_tier.rates import RunSpeed
-from mlx_tier.units import seconds_text
+from mlx_tier.units import count_text, seconds_text
 
 # Least seconds between two progress updates sent from inside a long prompt step.
 LAYER_PROGRESS_SECONDS = 2.0
@@ -140,11 +140,11 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
                      f"prompt tokens and {pools.output_tokens}-token summaries") if pools is not None else ""
         bits = scheduler.config.kv_bits
         reporter.message(f"throughput schedule: prompts read {scheduler.prefill_batch} at a time in pools of "
-                         f"{scheduler.pool_tokens} tokens, up to {scheduler.batch_size} sequences decoding "
+                         f"{scheduler.pool_tokens} tokens, up to {count_text(scheduler.batch_size, 'sequence')} decoding "
                          f"together{f' (KV caches at {bits} bits)' if bits else ''}{predicted}")
         if pools is not None and pools.limited_by == "memory" and bits is None:
             share = kv_element_bytes(8, scheduler.kv_itemsize) / scheduler.kv_itemsize
-            reporter.message(f"memory bounds the pool at {pools.decode_pool} sequences: `kv_bits` 8 would store "
+            reporter.message(f"memory bounds the pool at {count_text(pools.decode_pool, 'sequence')}: `kv_bits` 8 would store "
                              f"their KV caches in {share:.2f}x the bytes (summaries may then differ)")
 
 
