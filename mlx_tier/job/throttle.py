@@ -283,6 +283,8 @@ class Throttle:
         if last is None or (last["thermal"], last["duty"], last["reason"]) != (thermal, decision.duty, decision.reason):
             entry = {"t": round(now - self._start, 3), "thermal": thermal, "mode": decision.mode,
                      "duty": decision.duty, "reason": decision.reason}
+            if self.config.max_tok_s is not None:  # the hard cap applies beside the state
+                entry["max_tok_s"] = self.config.max_tok_s
             if len(self.timeline) < self.max_timeline:
                 self.timeline.append(entry)
             else:

@@ -99,11 +99,13 @@ def describe_throttle(change: dict) -> str:
     """A throttle state change (a ``thermal`` journal record) in plain words, e.g.
     ``"full speed from 0 s into the run: nothing limits it (thermal state: not
     reported by any sensor here; see `mlx-tier thermal`)"``."""
-    mode, duty = change.get("mode"), change.get("duty")
-    doing = {"full": "full speed", "paused": "paused"}.get(
+    mode, duty, cap = change.get("mode"), change.get("duty"), change.get("max_tok_s")
+    full = f"capped at {cap:g} tok/s" if isinstance(cap, (int, float)) else "full speed"
+    doing = {"full": full, "paused": "paused"}.get(
         mode, f"slowed to {duty:.0%} of the time" if isinstance(duty, (int, float)) else str(mode))
     reason = change.get("reason") or ""
-    why = "nothing limits it" if reason in ("", "nominal") else reason
+    nothing = "`max_tok_s`" if isinstance(cap, (int, float)) else "nothing limits it"
+    why = nothing if reason in ("", "nominal") else reason
     thermal = change.get("thermal")
     state = ("not reported by any sensor here; see `mlx-tier thermal`" if thermal in (None, "unknown")
              else str(thermal))

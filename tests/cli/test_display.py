@@ -245,6 +245,10 @@ def test_throttle_and_in_flight_in_plain_words():
     assert describe_throttle({"t": 65.4, "thermal": "serious", "mode": "slow", "duty": 0.25,
                               "reason": "thermal state serious (pmset)"}) == (
         "slowed to 25% of the time from 65 s into the run: thermal state serious (pmset) (thermal state: serious)")
+    # a user trial: "full speed ... nothing limits it" while --max-tok-s throttled the run
+    assert describe_throttle({"t": 0, "thermal": "nominal", "mode": "full", "duty": 1.0, "reason": "nominal",
+                              "max_tok_s": 2.0}) == (
+        "capped at 2 tok/s from 0 s into the run: `max_tok_s` (thermal state: nominal)")
     rows = in_flight_rows({"time": 0, **reading("a.txt").as_dict(), "in_flight": ["a.txt", "other", "c"]})
     assert rows[:3] == [("reading", "a.txt: 312/1,204 prompt tokens (4.2 prompt tok/s)"),
                         ("writing", "other: 17 tokens so far"), ("waiting", "c")]

@@ -185,6 +185,7 @@ def test_max_tok_s_cap_sleeps_exactly_enough():
     assert decode(t, clock, 2, work=0.01) == pytest.approx([0.0, 0.09])
     assert t.capped_seconds == pytest.approx(0.09 * 6 + 0.39 * 3)
     assert t.tokens / t.as_dict()["elapsed_seconds"] <= 10
+    assert t.timeline and all(c["max_tok_s"] == 10 for c in t.timeline)  # status says the cap, not "nothing"
 
 
 def test_cap_and_duty_cycle_combine_as_the_slower_of_both():
