@@ -249,11 +249,17 @@ def _shown_name(result) -> str:
 
 
 def _renamed(result) -> bool:
-    """Whether a result's output is named otherwise than its name says (``x/a.txt`` is
+    """Whether a result's output is named otherwise than its name says (a file ``x/a.txt`` is
     ``x__a.md``, a JSONL line's ``report.v2`` is ``report.v2.md``; a clash made it
-    ``a.txt-2.md``, or the name was cut to fit)."""
+    ``a.txt-2.md`` or, beside an ``a.txt``, ``a.md.md`` for a file ``a.md``, or the name was
+    cut to fit). A file is told from a JSONL line by its ``source`` (the file's path, or
+    ``FILE:LINE``); without one (an older record) either form is its own."""
     name = _shown_name(result)
-    return result.id not in (Path(name).with_suffix("").as_posix().replace("/", "__"), name.replace("/", "__"))
+    as_file, as_line = Path(name).with_suffix("").as_posix().replace("/", "__"), name.replace("/", "__")
+    source = result.source if isinstance(result.source, str) and result.source else None
+    if source is None:
+        return result.id not in (as_file, as_line)
+    return result.id != (as_file if Path(source).name == Path(name).name else as_line)
 
 
 def print_summary(report, out_dir: Path) -> None:

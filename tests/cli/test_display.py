@@ -214,6 +214,17 @@ def test_the_results_table_names_documents_as_the_input_does(monkeypatch):
     render.print_summary(report, Path("out"))
     rows = [line.split("│")[1].strip() for line in console.export_text().splitlines() if line.startswith("│")]
     assert rows == ["x/a.txt", "a.txt → a.txt-2.md", "a.md", "old", "report.v2"]
+    # A user trial: a.md beside a.txt is a.md.md (a.md holds a.txt's summary), and A.TXT is
+    # A.TXT.md, with no arrow: a file's own name was taken as its natural output name.
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    monkeypatch.setattr(render, "out", console)
+    report.results = [DocResult("a", "done", name="a.txt", source="/d/a.txt"),
+                      DocResult("a.md", "done", name="a.md", source="/d/a.md"),
+                      DocResult("A.TXT", "done", name="A.TXT", source="/d/A.TXT"),
+                      DocResult("report.v2", "done", name="report.v2", source="/d/x.jsonl:3")]
+    render.print_summary(report, Path("out"))
+    rows = [line.split("│")[1].strip() for line in console.export_text().splitlines() if line.startswith("│")]
+    assert rows == ["a.txt", "a.md → a.md.md", "A.TXT → A.TXT.md", "report.v2"], rows
     console = Console(width=100, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     monkeypatch.setattr(render, "out", console)
     report.setup["batch_requests"] = True
