@@ -62,11 +62,11 @@ def _status_table(s, out_dir: Path) -> Table:
 
     t = Table(title=f"mlx-tier status: {out_dir}", show_header=False)
     t.add_row("state", describe_state(s))
-    t.add_row("documents", f"{s.total if s.total is not None else '?'} total: {s.done} done, {s.failed} failed, "
+    t.add_row(f"{s.noun}s", f"{s.total if s.total is not None else '?'} total: {s.done} done, {s.failed} failed, "
                            f"{s.pending if s.pending is not None else '?'} pending")
     if s.started is not None:
         # the documents it set out to do: a --retry-failed run leaves pending ones for a plain rerun
-        left = f", {s.todo_left} of its documents left" if s.todo_left is not None else ""
+        left = f", {s.todo_left} of its {s.noun}s left" if s.todo_left is not None else ""
         loading = f"; loading {seconds_text(s.load_seconds)} apart" if s.load_seconds is not None else ""
         t.add_row("this run", f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
                               f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")

@@ -29,6 +29,8 @@ from mlx_tier.fsio import current_folder
 from mlx_tier.messages import in_request_words, plain_rerun
 from mlx_tier.outdir.journal import JobInfo, Journal, prompt_texts, written_by
 from mlx_tier.outdir.layout import (
+    BATCH_ERRORS,
+    BATCH_OUTPUT,
     LOCK,
     PID_FILE,
     lock_held,
@@ -166,7 +168,8 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
     ``"interrupted at 17:57:52: its process ended mid-run (a second Ctrl-C, a kill or a
     crash); 7 documents left"``."""
     now = time.time() if now is None else now
-    left = f"{count_text(status.pending, 'document')} left" if status.pending is not None else "documents left"
+    noun = status.noun
+    left = f"{count_text(status.pending, noun)} left" if status.pending is not None else f"{noun}s left"
     if status.state == RUNNING:
         progress = status.progress or {}
         if progress.get("stopping"):
@@ -180,8 +183,9 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
     if status.state == STOPPED:
         return f"stopped, not running; {left}"
     if status.state == ENDED:
-        return (f"ended with {count_text(status.pending, 'document')} pending, not running: the last run tried "
-                "failed documents only (--retry-failed); a plain rerun summarises them")
+        return (f"ended with {count_text(status.pending, noun)} pending, not running: the last run tried "
+                f"failed {noun}s only (--retry-failed); a plain rerun "
+                f"{'answers' if noun == 'request' else 'summarises'} {'it' if status.pending == 1 else 'them'}")
     return "finished, not running"
 
 
@@ -226,6 +230,8 @@ class JobStatus:
         done, failed: documents whose latest journal record says so (a ``done`` one the
             last run set out to redo counts once that run wrote it: ``redoing``).
         pending: ``total - done - failed`` (``None`` without ``total``).
+        noun: what the job's items are: ``"document"``, or ``"request"`` for a batch request
+            file's (``output.jsonl`` or ``errors.jsonl`` exists).
         redoing: documents the last run set out to redo (source or settings changed) and
             has not written: their earlier summary is stale, they are pending.
         todo_left: documents this run set out to do and has not finished or failed yet.
@@ -294,6 +300,7 @@ class JobStatus:
     written_by: list[dict] = field(default_factory=list)
     prompts: dict[str, str] = field(default_factory=dict)
     redoing: list[str] = field(default_factory=list)
+    noun: str = "document"  # "request": a batch request file's job (its answers file exists)
 
     @property
     def speed(self) -> RunSpeed:
@@ -474,6 +481,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         written_by=written_by(done),
         prompts=prompt_texts(entries),
         redoing=[i for i in ids if i in redoing and latest[i].get("status") == "done"],
+        noun="request" if any((out_dir / name).exists() for name in (BATCH_OUTPUT, BATCH_ERRORS)) else "document",
     )
 
 

@@ -359,3 +359,19 @@ def test_a_stopped_redo_is_pending_not_done(tmp_path):
         f.write(json.dumps({"id": "x", "status": "done", "output_tokens": 9, "run": "r2", "time": T0 + 50}) + "\n")
     s = read_status(out, now=T0 + 100)
     assert (s.state, s.done, s.pending, s.done_this_run) == ("finished", 2, 0, 1)  # f stays failed
+
+
+def test_a_request_files_job_speaks_of_requests(tmp_path):
+    """A user trial: `status` of a batch request file's job said "2 documents left". Its
+    answers file tells it apart."""
+    from mlx_tier.monitor.status import describe_state
+
+    out = tmp_path / "out"
+    make_job(out)
+    assert read_status(out, now=T0 + 5000).noun == "document"
+    (out / "output.jsonl").write_text("")
+    s = read_status(out, now=T0 + 5000)
+    assert s.noun == "request" and s.pending == 2 and "2 requests left" in describe_state(s, T0 + 5000)
+    r = runner.invoke(app, ["status", str(out)])
+    assert r.exit_code == 0 and "6 total: 3 done, 1 failed, 2 pending" in r.output, r.output
+    assert "requests" in r.output and "2 of its requests left" in " ".join(r.output.split()), r.output
