@@ -134,6 +134,10 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
     source = info["batch_size_from"]
     reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
                      f"usable context {scheduler.context} tokens")
+    asked = scheduler.config.context
+    if asked and asked > scheduler.context:  # a user trial: --context 100000 became 8192 unsaid
+        why = "the memory left allows" if info["context_limited_by_memory"] else "the model's context is"
+        reporter.message(f"`context` {asked} lowered to {scheduler.context} tokens: {why} {scheduler.context}")
     pools = scheduler.pools
     if info["schedule"] == "throughput":
         predicted = (f"; predicted {pools.docs_per_hour:.0f} documents/hour for documents of ~{pools.prompt_tokens} "
