@@ -128,7 +128,8 @@ class EtaTracker:
         self._step_seconds += max(prefill_seconds, 0.0) + max(decode_seconds, 0.0)
 
     def finished(self, doc_id: str, output_tokens: int | None = None) -> None:
-        """A document left the run: done (``output_tokens`` generated) or failed (``None``)."""
+        """A document left the run: done (``output_tokens`` it wrote in all, a resumed long
+        document's kept calls' too: a document's length) or failed (``None``)."""
         if self._left.pop(doc_id, None) is not None and output_tokens is not None:
             insort(self._outputs, int(output_tokens))
             self._suffix = None
