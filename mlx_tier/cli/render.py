@@ -84,7 +84,7 @@ def print_left_pending(report, command: str) -> None:
     that summarises them; nothing otherwise."""
     left = report.runs[-1].get("left_pending", 0) if report.runs else 0
     if left:
-        noun = "request" if report.setup.get("batch_requests") else "document"
+        noun = report.noun
         print_with_command(err, f"{count_text(left, noun)} pending, left for a plain rerun (--retry-failed tries "
                                 f"failed {noun}s only); {'answer' if noun == 'request' else 'summarise'} "
                                 f"{'it' if left == 1 else 'them'} with:", command)
@@ -265,7 +265,7 @@ def _renamed(result) -> bool:
 def print_summary(report, out_dir: Path) -> None:
     """A job's results table (one row per document), then :func:`summary_line` in paragraphs."""
     earlier = "*: by an earlier run. " if any(r.earlier_run for r in report.results) else ""
-    what = "request" if report.setup.get("batch_requests") else "document"
+    what = report.noun
     renamed = ", → its output where it is named otherwise" if any(_renamed(r) for r in report.results) else ""
     seconds = "req s" if what == "request" else "doc s"
     parts = "" if what == "request" else " (a long document's part summaries included)"
@@ -317,8 +317,7 @@ def summary_line(report, out_dir: Path) -> str:
     read = c["bytes_read"]
     experts = report.setup.get("expert_bytes_on_disk") or 0
     reread = _reread_text(read, experts, c.get("evictions", 0), (report.setup.get("distributed") or {}).get("ranks"))
-    redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0),
-                         "request" if report.setup.get("batch_requests") else "document")
+    redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0), report.noun)
     loading = f" (loading {seconds_text(run['load_seconds'])} apart)" if run.get("load_seconds") is not None else ""
     return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} documents/hour, "
             f"{run.get('output_tok_per_s', 0.0):.2f} output tok/s over "

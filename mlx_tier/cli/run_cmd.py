@@ -81,8 +81,7 @@ def stop_outcome(report) -> str:
     left = report.count("pending")
     if not left:
         return "the summaries being written were finished"
-    noun = "request" if report.setup.get("batch_requests") else "document"
-    return (f"finished summaries are kept, {count_text(left, noun)} left for the next run (what was being "
+    return (f"finished summaries are kept, {count_text(left, report.noun)} left for the next run (what was being "
             f"written is finished only within {STOP_GRACE_SECONDS:g} s)")
 
 
@@ -359,7 +358,7 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
     if failed:
         from mlx_tier.messages import retry_command
 
-        what = count_text(failed, "request" if report.setup.get("batch_requests") else "document")
+        what = count_text(failed, report.noun)
         print_with_command(err, f"{what} failed (why: in the table above); retry {'it' if failed == 1 else 'them'} "
                            "with:", retry_command(command))
         raise typer.Exit(EXIT_FAILED_DOCS)

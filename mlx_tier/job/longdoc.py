@@ -107,10 +107,10 @@ class MapReduce:
     _results: list[str | None] = field(default_factory=list)
 
     def __post_init__(self):
-        chunks = self._split(self.text, MAP_NOTE.format(i=999, n=999))
-        self.parts = len(chunks)
-        n = len(chunks)
-        self._check_shrinks(self._room(MAP_NOTE.format(i=999, n=999)), self._room(REDUCE_NOTE))
+        room = self._room(MAP_NOTE.format(i=999, n=999))
+        self._check_shrinks(room, self._room(REDUCE_NOTE))  # fail now, not after every part
+        chunks = split_text(self.text, self._count, room)
+        self.parts = n = len(chunks)
         self._start([build_prompt(self.tokenizer, MAP_NOTE.format(i=i + 1, n=n) + self.instruction, c)
                      for i, c in enumerate(chunks)])
 

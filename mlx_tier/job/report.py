@@ -92,6 +92,11 @@ class JobReport:
         return sum(r.status == status and not r.earlier_run for r in self.results)
 
     @property
+    def noun(self) -> str:
+        """What the job's items are called: ``"request"`` for a batch request file's, else ``"document"``."""
+        return "request" if self.setup.get("batch_requests") else "document"
+
+    @property
     def output_tokens(self) -> int:
         """Tokens generated in this run (a document's calls kept by an earlier run, or taken
         from a copy's, are not generated again: ``kept_tokens``)."""

@@ -65,12 +65,23 @@ class KernelRates:
 def probe_block(shape: ModelShape, experts: int, quant: dict | None) -> nn.Module:
     """A random ``SwitchGLU`` of the checkpoint's expert shape with ``experts`` experts,
     quantized like ``quant`` (``{"bits", "group_size", "mode"}``; ``None``: float32)."""
+    return quantized_glu(shape.hidden, shape.expert_inner, experts, quant)
+
+
+def quantized_glu(hidden: int, inner: int, experts: int, quant: dict | None, dtype=mx.float32) -> nn.Module:
+    """A random mlx-lm ``SwitchGLU`` (``hidden`` -> ``inner`` -> ``hidden``) of ``experts``
+    experts, quantized like ``quant`` (``{"bits", "group_size", "mode"}``; ``None``: not),
+    its floating leaves in ``dtype`` (float32: as a run computes on the CPU backend).
+
+    Raises:
+        ValueError: a quantization MLX refuses (bits, group size and mode that do not go together).
+    """
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    block = SwitchGLU(shape.hidden, shape.expert_inner, experts)
+    block = SwitchGLU(hidden, inner, experts)
     if quant:
         nn.quantize(block, group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"))
-    block.set_dtype(mx.float32)  # scales and biases as a run computes them on the CPU backend
+    block.set_dtype(dtype)
     mx.eval(block.parameters())
     return block
 

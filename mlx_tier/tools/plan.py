@@ -469,7 +469,13 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     ``head_bytes``: its output layer's bytes (:func:`mlx_tier.tools.pools.output_layer_bytes`; 0: not priced);
     ``decode_slots``: expert slots per layer its decode steps borrow (:func:`mlx_tier.tools.pool_cache.lent_slots`);
     ``kernel``: the expert kernel a run would use (:func:`mlx_tier.kernels.registry.choose`), the one probed."""
-    from mlx_tier.tools.pools import Shape, choose_pools, head_terms, probe_rates
+    from mlx_tier.tools.pools import (
+        Shape,
+        choose_pools,
+        head_terms,
+        job_attention,
+        probe_rates,
+    )
 
     hidden = int(config.get("hidden_size") or 0)
     heads = int(config.get("num_attention_heads") or 1)
@@ -482,9 +488,8 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     shape = Shape(layers, experts, top_k, slots, expert_bytes, expert_flops, int(dense * 0.6), 2.0 * dense,
                   4.0 * heads * head_dim, float(kv), heads, hidden, inner,
                   **head_terms(head_bytes, int(config.get("vocab_size") or 0), hidden))
-    on_cpu = mx.default_device() == mx.cpu
     rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
-                        head_dim, attention="cpu" if on_cpu and kernel == "cpu" else "mlx", kv_heads=kv_heads,
+                        head_dim, attention=job_attention(kernel), kv_heads=kv_heads,
                         kernel=kernel, mode=str(q.get("mode", "affine")))
     pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes), max_pool=max_pool,
                          decode_slots=decode_slots)

@@ -28,6 +28,7 @@ from mlx_tier.tools.pools import (
     attention_terms,
     choose_slots,
     head_terms,
+    job_attention,
     measure_read_gbps,
     output_layer_bytes,
     probe_rates,
@@ -87,10 +88,7 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
     shape = with_saved_routing(shape, model_dir)
     if disk_gbps is None:
         disk_gbps = measure_read_gbps(files, warm=sum(f.stat().st_size for f in files) <= 0.8 * host_available())
-    import mlx.core as mx
-
-    served = budget.kernel == "cpu" and mx.default_device() == mx.cpu  # as the load serves attention
-    rates = probe_rates(disk_gbps, **probe, attention="cpu" if served else "mlx", kernel=budget.kernel)
+    rates = probe_rates(disk_gbps, **probe, attention=job_attention(budget.kernel), kernel=budget.kernel)
     slots, plan, own = choose_slots(shape, rates, prompt_tokens, output_tokens, budget.cache + budget.kv,
                                     budget.slot_row, most, documents, cap, budget.prefill_step,
                                     lambda n: lent_slots(with_cache(budget, n), pool, prompt_tokens + output_tokens))

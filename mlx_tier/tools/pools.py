@@ -546,6 +546,15 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     return n, plans[n], plans[max(plans)]
 
 
+def job_attention(kernel: str) -> str:
+    """The attention a run with expert kernel ``kernel`` computes with (:func:`probe_rates`'
+    ``attention``): ``"cpu"`` (:mod:`mlx_tier.kernels.cpu_attention`) with the CPU kernel on
+    MLX's CPU backend, as the load serves it; else ``"mlx"``."""
+    import mlx.core as mx
+
+    return "cpu" if kernel == "cpu" and mx.default_device() == mx.cpu else "mlx"
+
+
 def probe_rates(disk_gbps: float, expert_shape: tuple[int, int] = (768, 2048), bits: int = 4,
                 group_size: int = 64, heads: int = 16, head_dim: int = 64, attention: str = "mlx",
                 kv_heads: int | None = None, kernel: str = "cpu", mode: str = "affine") -> Rates:
@@ -666,11 +675,15 @@ def _block_expert_rates(kernel: str, expert_shape: tuple[int, int], bits: int, g
 
     from mlx_tier.engine.dtypes import job_compute_dtype
     from mlx_tier.kernels.registry import kernel_for
+    from mlx_tier.tools.kernel_probe import quantized_glu
 
     fn = kernel_for(kernel)
     inner, hidden = expert_shape
     n, dtype = BLOCK_PROBE_EXPERTS, job_compute_dtype() or mx.bfloat16
-    block = _quantized_glu(hidden, inner, n, bits, group_size, mode, dtype)
+    try:
+        block = quantized_glu(hidden, inner, n, {"bits": bits, "group_size": group_size, "mode": mode}, dtype)
+    except (ValueError, RuntimeError):  # a combination this MLX refuses: priced as affine 4-bit
+        block = quantized_glu(hidden, inner, n, {"bits": 4, "group_size": 64}, dtype)
     packed = sum(v.nbytes for _, v in nn.utils.tree_flatten(block.parameters())) / n  # one expert
     flops = 2.0 * 3 * inner * hidden  # a row through one expert
 
@@ -690,24 +703,6 @@ def _block_expert_rates(kernel: str, expert_shape: tuple[int, int], bits: int, g
     return {"gemm_gflops": flops / per_row / 1e9, "matvec_gbps": packed / t_mv / 1e9,
             "dequant_gbps": packed / max(fixed, packed / 1e13) / 1e9,  # a 10 TB/s floor: no fixed cost
             "gemm_min_rows": r0, "loop_gbps": _loop_gbps(packed, t_mv, t_rows, LOOP_PROBE_ROWS)}
-
-
-def _quantized_glu(hidden: int, inner: int, experts: int, bits: int, group_size: int, mode: str, dtype):
-    """A random mlx-lm ``SwitchGLU`` of ``experts`` experts quantized as asked, in ``dtype``
-    (its scales and biases); affine 4-bit, group 64, where MLX refuses the combination."""
-    import mlx.core as mx
-    from mlx import nn
-    from mlx_lm.models.switch_layers import SwitchGLU
-
-    block = SwitchGLU(hidden, inner, experts)
-    try:
-        nn.quantize(block, group_size=group_size, bits=bits, mode=mode)
-    except (ValueError, RuntimeError):
-        block = SwitchGLU(hidden, inner, experts)
-        nn.quantize(block, group_size=64, bits=4)
-    block.set_dtype(dtype)
-    mx.eval(block.parameters())
-    return block
 
 
 def _attention_rates(med, heads: int, kv_heads: int, head_dim: int, attention: str) -> tuple[float, float]:
