@@ -690,7 +690,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         if is_batch(docs):
             _batch_pass(p, pending, config, reporter, asked_kv_bits)
         _run_pending(p, config, loaded)
-        report.generation_seconds = _generation_seconds(p, clock.t())
+        report.generation_seconds = _generation_seconds(p, clock.t(), stopped=report.interrupted)
         finished = [i for i, r in results.items() if r.status == "done" and not r.earlier_run]
         for note in forget_finished(config.out_dir, finished) if parts is not None and not share.part else []:
             reporter.message(note)
@@ -705,10 +705,11 @@ def _call_identity(settings: Settings, setup: dict, config: JobConfig) -> dict:
                                     "attention_kernel": config.tier.attention_kernel})
 
 
-def _generation_seconds(p: _Pass, now: float | None = None) -> float:
+def _generation_seconds(p: _Pass, now: float | None = None, stopped: bool = False) -> float:
     """This run's generation time (:mod:`mlx_tier.rates`): from its model loaded to its last
-    document recorded, else to ``now`` (the run's clock); 0 when neither is known."""
-    end = p.last_t if p.last_t is not None else now
+    document recorded, else (or when ``stopped`` with documents left) to ``now`` (the run's
+    clock); 0 when neither is known."""
+    end = p.last_t if p.last_t is not None and not (stopped and now is not None) else now
     return max(end - (p.report.load_seconds or 0.0), 0.0) if end is not None else 0.0
 
 
@@ -843,6 +844,8 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: Loaded) -> None:
             progress.clear()
             record_peak(report, loaded.budget, reporter)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
+            if report.interrupted:  # when it stopped, on the run's clock: `status` times the run to here
+                p.journal.append({"event": "stopped"})
             report.stop_signal = stop.signal
     finally:
         if config.trace is not None:

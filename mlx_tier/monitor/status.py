@@ -359,15 +359,19 @@ def _generation_seconds(this_run: list[dict], entries: list[dict], info: JobInfo
     """The run's generation time (:mod:`mlx_tier.rates`) on its monotonic clock ``run_t``: from its
     model loaded (its start record, or its ranks' ``loaded`` records) to now (running), to
     its last document (``complete``: every document of its list finished, as the run's
-    report counts it), or to the later of that and its last progress (interrupted)."""
-    loaded = [r["run_t"] for r in entries if r.get("event") == "loaded" and r.get("run") == info.run
-              and isinstance(r.get("run_t"), (int, float))]
+    report counts it), or to the latest of that, its ``stopped`` record (a first signal)
+    and its last progress (a hard stop)."""
+    def clock(event: str) -> list[float]:  # this run's (or its ranks') records of an event, on its clock
+        return [r["run_t"] for r in entries if r.get("event") == event and r.get("run") == info.run
+                and isinstance(r.get("run_t"), (int, float))]
+
+    loaded = clock("loaded")
     load_t = min(loaded) if loaded else info.run_t
     if running:
         now = _run_clock_now(info, progress, clocks)
-    else:
+    else:  # a clean stop removed its progress: its "stopped" record dates the stop
         last = [r["run_t"] for r in this_run if isinstance(r.get("run_t"), (int, float))]
-        now = max(last if complete and last else last + [_number(progress, "run_t") or load_t])
+        now = max(last if complete and last else last + clock("stopped") + [_number(progress, "run_t") or load_t])
     return max((now if now is not None else load_t) - load_t, 0.0)
 
 

@@ -189,6 +189,11 @@ def test_ctrl_c_stops_after_documents_in_progress_and_resume_finishes(docs, tmp_
     assert [r.status for r in report.results].count("pending") == 3 - batch
     assert len(list(out.glob("*.md"))) == batch
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    entries = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    stopped = [r["run_t"] for r in entries if r.get("event") == "stopped"]  # dates the stop for `status`
+    done_t = [r["run_t"] for r in entries if r.get("status") == "done"]
+    assert len(stopped) == 1 and stopped[0] >= max(done_t)
+    assert report.generation_seconds >= max(done_t) - report.load_seconds
     report = run_job(config)
     assert not report.interrupted
     assert sorted(r.status for r in report.results) == ["done"] * 3

@@ -5,6 +5,8 @@ the folder's lock (the lock every `mlx-tier run` takes).
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
@@ -164,6 +166,27 @@ def test_hard_stopped_run_reads_as_interrupted_with_its_real_time_and_the_resume
     assert max(map(len, r.output.splitlines())) <= 80
     r = runner.invoke(app, ["status", str(out), "--json"])
     assert json.loads(r.stdout)["state"] == "interrupted"
+
+
+@pytest.mark.parametrize("finished", [0, 1])
+def test_a_cleanly_stopped_run_is_timed_to_its_stop(tmp_path, finished):
+    """A user trial: after a first Ctrl-C that left every document (none could finish in the
+    grace), status said "0 done in 0.0 s of generation": a clean stop removes progress.json,
+    and nothing dated the stop. The run's ``stopped`` record does, with or without a
+    document finished before it; a complete run is still timed to its last document."""
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["a", "b"], todo=["a", "b"], started=T0, pid=1, run="r1", run_t=4.0,
+            mono=1.0, host="elsewhere", command="mlx-tier run docs --out out").write(Journal(out))
+    lines = [{"id": "a", "status": "done", "output_tokens": 8, "run": "r1", "run_t": 30.0, "time": T0 + 30}][:finished]
+    lines.append({"event": "stopped", "run": "r1", "run_t": 94.0, "time": T0 + 94})
+    lines.append({"event": "stopped", "run": "r0", "run_t": 900.0, "time": T0 - 9})  # another run's
+    with open(out / "journal.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines))
+    s = read_status(out, now=T0 + 500)
+    assert (s.state, s.done, s.elapsed_seconds, s.todo_left) == ("stopped", finished, 90.0, 2 - finished)
+    r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "80"}, terminal_width=80)
+    assert "in 90 s of generation" in " ".join(r.output.replace("│", " ").split()), r.output
 
 
 def test_status_html_of_a_hard_stopped_run_says_interrupted_and_how_to_resume(tmp_path):
