@@ -161,8 +161,9 @@ def achieved(scheduler: Scheduler, run: RunSpeed, failed: int, reporter: Reporte
     of them are named beside it) over its generation time, from its model loaded to its last
     document. So it is the summary line's "this run: N documents/hour", one number. The
     prediction (``scheduler.pools.docs_per_hour``) is documents per hour of generation too, but
-    models the steps alone: what it leaves out (planning the pools before the first step,
-    waiting for a conversion, throttle pauses) counts here, which a job of a few documents
+    models the steps alone (and the ``--max-tok-s`` cap): what it leaves out (planning the pools
+    before the first step, waiting for a conversion, the throttle's pauses for heat or
+    battery) counts here, which a job of a few documents
     shows as an achieved rate well under the prediction. Nothing summarised: 0 recorded and
     said so; no time measured (no document finished): nothing."""
     if run.generation_seconds <= 0:

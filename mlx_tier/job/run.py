@@ -247,7 +247,8 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.model_dir, loaded.context, generation,
                           max(p.sizes.values(), default=0), probes=probes,
                           typical_chars=sum(known) // len(known) if known else None, documents=len(p.sizes),
-                          memory=loaded.budget, samples=p.samples, parts=p.parts)
+                          memory=loaded.budget, samples=p.samples, parts=p.parts,
+                          max_tok_s=config.throttle.max_tok_s)
     p.report.setup["generation"] = scheduler.info
     announce(scheduler, reporter)
     rate, prompt_rate = Rate(), Rate()

@@ -289,6 +289,8 @@ class Scheduler:
         parts: where the calls of long documents are kept as they finish, and
             found again when a stopped run resumes (:class:`~mlx_tier.outdir.parts.PartStore`);
             ``None``: not kept.
+        max_tok_s: the throttle's cap on generated tokens per second (``--max-tok-s``),
+            which the throughput schedule's predicted documents/hour price; ``None``: none.
 
     Attributes:
         batch_size: sequences decoded together (fixed for the scheduler's life).
@@ -303,8 +305,9 @@ class Scheduler:
                  longest_chars: int | None = None, probes: list[list[int]] | None = None,
                  typical_chars: int | None = None, documents: int | None = None,
                  memory: MemoryBudget | None = None, samples: list[Sample] | None = None,
-                 parts: PartStore | None = None):
+                 parts: PartStore | None = None, max_tok_s: float | None = None):
         self.model, self.tokenizer, self.config, self.memory = model, tokenizer, config, memory
+        self.max_tok_s = max_tok_s  # the throttle's cap, which the pools' prediction prices
         self.parts = parts
         self.stop_ids = stop_token_ids(tokenizer, model_dir)
         self.reasoning = reasoning_format(tokenizer, model_dir)  # None: output taken as it is
@@ -423,9 +426,10 @@ class Scheduler:
             shared = len(self.prefix) if self._prefix() else 0  # read once, not per document
             args = (shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,
                     self.memory.prefill_step if self.memory is not None else None, shared, pool_engine.MODULE_BATCHING)
-            self.pools = choose_pools(*args, decode_slots=self._decode_slots(c.batch_size or MAX_DECODE_POOL))
+            self.pools = choose_pools(*args, decode_slots=self._decode_slots(c.batch_size or MAX_DECODE_POOL),
+                                      max_tok_s=self.max_tok_s)
             lend = self._decode_slots(c.batch_size or self.pools.decode_pool)  # what the engine will lend
-            self.pools = choose_pools(*args, decode_slots=lend)
+            self.pools = choose_pools(*args, decode_slots=lend, max_tok_s=self.max_tok_s)
             self.pool_tokens = c.pool_tokens or self.pools.prefill_tokens
             self.prefill_batch = c.prefill_batch or self.pools.prefill_batch
             return c.batch_size or self.pools.decode_pool

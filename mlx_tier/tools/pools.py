@@ -445,7 +445,8 @@ def prefill_transient(shape: Shape, tokens: int, context: float) -> float:
 
 def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, free_bytes: int,
                  cap: int | None = None, documents: int | None = None, max_pool: int | None = None,
-                 shared_tokens: int = 0, merged: bool = True, decode_slots: int = 0) -> PoolPlan:
+                 shared_tokens: int = 0, merged: bool = True, decode_slots: int = 0,
+                 max_tok_s: float | None = None) -> PoolPlan:
     """Pool sizes for documents of ``prompt_tokens`` prompts and ``output_tokens`` summaries.
 
     Args:
@@ -464,6 +465,9 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
             (lent by the prompt step's idle workspace:
             :meth:`~mlx_tier.engine.footprint.MemoryBudget.decode_slots`); decode steps
             are priced with them, prefill steps without.
+        max_tok_s: the user's cap on generated tokens per second (``--max-tok-s``,
+            :class:`~mlx_tier.job.throttle.Throttle`: each step lasts at least its tokens
+            over the cap), ``None``: none.
 
     Returns:
         :class:`PoolPlan`. The decode pool is at least 1 even when one
@@ -491,16 +495,19 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     prefill_batch = max(1, min(pool, math.ceil(prefill_tokens / read) + 1))
     ctx_decode = prompt_tokens + output_tokens / 2
     decoding = replace(shape, slots=min(shape.experts, shape.slots + max(0, decode_slots)))
-    decode_s = seconds_per_token(decoding, rates, pool, ctx_decode)
+    cap_s = 1 / max_tok_s if max_tok_s else 0.0  # the least a generated token takes under the cap
+    decode_s = max(seconds_per_token(decoding, rates, pool, ctx_decode), cap_s)
     prompt_s = 1 / rate[prefill_tokens]
     riding = max(1, pool - prefill_batch)  # tokens decoded in a prefill step: one output-layer row each
     merged_tokens = min(output_tokens, read / prefill_tokens * max(0, pool - prefill_batch)) if merged else 0.0
     merged_s = prompt_s + (ctx_decode * (shape.kv_read_bytes or shape.kv_bytes) / (rates.kv_read_gbps * 1e9)
                            if rates.kv_read_gbps > 0 else 0.0) + head_seconds(shape, rates, riding) / riding
     decode_all_s = merged_tokens * merged_s + (output_tokens - merged_tokens) * decode_s
+    # the prefill steps carrying merged tokens last at least those tokens over the cap
+    decode_all_s += max(0.0, merged_tokens * cap_s - read * prompt_s - merged_tokens * merged_s)
     doc_s = read * prompt_s + decode_all_s
     one_s = (read * seconds_per_token(shape, rates, min(prefill_tokens, read), ctx_prefill, 1)
-             + output_tokens * seconds_per_token(decoding, rates, 1, ctx_decode))
+             + output_tokens * max(seconds_per_token(decoding, rates, 1, ctx_decode), cap_s))
     return PoolPlan(prefill_tokens, prefill_batch, pool, 1 / prompt_s, output_tokens / max(decode_all_s, 1e-12),
                     3600 / doc_s, 3600 / one_s, limited_by, prompt_tokens, output_tokens, merged_tokens)
 

@@ -545,3 +545,14 @@ def test_a_document_about_to_wait_measures_the_room_without_what_the_process_fre
     held[0] = True
     clock[0] += scheduler_module.WAIT_RELEASE_S
     assert sched._context_for(500, can_wait=False) == 100 and len(released) == 3  # a hand-back cannot help
+
+
+def test_the_predicted_documents_per_hour_are_under_the_users_tok_s_cap(tiered, tiny_moe):
+    """A user trial: `run --max-tok-s 2` announced the uncapped prediction. The run's
+    scheduler prices the throttle's cap: its documents never generate faster than it."""
+    model, tokenizer = tiered
+    g = GenerationConfig("Summarise this.", 8, schedule="throughput")
+    free = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=400, documents=4).pools
+    capped = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=400, documents=4, max_tok_s=0.05).pools
+    assert free is not None and capped is not None
+    assert capped.docs_per_hour * 8 / 3600 <= 0.05 < free.docs_per_hour * 8 / 3600

@@ -413,3 +413,21 @@ def test_a_near_tie_between_prompt_steps_goes_one_size_up(monkeypatch):
     assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, max_pool=512).prefill_tokens == 128
     rate_curve({512: 99.0, 1024: 99.5, 2048: 100.0})  # rising by a hair: one size up from the smallest
     assert choose_pools(SYNTH, RATES, 900, 64, 64 << 30, max_pool=2048).prefill_tokens == 1024
+
+
+def test_the_users_tok_s_cap_is_priced():
+    """A user trial: `run --max-tok-s 2` predicted the documents/hour of an uncapped run.
+    Each step lasts at least its generated tokens over the cap (the throttle's pacing):
+    decode steps' tokens at least 1/cap each, prefill steps at least their merged tokens'
+    share; prompts are not capped. A cap above the machine's rate changes nothing."""
+    free = choose_pools(SYNTH, RATES, 900, 64, 1 << 30)
+    assert choose_pools(SYNTH, RATES, 900, 64, 1 << 30, max_tok_s=1e6) == free
+    capped = choose_pools(SYNTH, RATES, 900, 64, 1 << 30, max_tok_s=0.5)
+    assert capped.prompt_tok_s == free.prompt_tok_s
+    assert 64 * capped.docs_per_hour / 3600 <= 0.5  # the job never generates faster than the cap
+    assert 64 / capped.decode_tok_s >= (64 - capped.merged_tokens) / 0.5  # decode steps' tokens: 2 s each
+    assert 3600 / capped.docs_per_hour == pytest.approx(900 / capped.prompt_tok_s + 64 / capped.decode_tok_s)
+    assert capped.docs_per_hour < free.docs_per_hour and 3600 / capped.batch1_docs_per_hour >= 128
+    # merged tokens ride prefill steps: they cost nothing more while the steps outlast them
+    apart = choose_pools(SYNTH, RATES, 900, 64, 1 << 30, max_tok_s=0.5, merged=False)
+    assert capped.docs_per_hour >= apart.docs_per_hour
