@@ -10,10 +10,11 @@ that rewrites the progress file with how long the step has run and the memory le
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
-from mlx_tier.engine.footprint import MemoryBudget, kv_element_bytes
+from mlx_tier.engine.footprint import kv_element_bytes
 from mlx_tier.job.report import DocResult, JobReport
 from mlx_tier.job.scheduler import Scheduler
 from mlx_tier.rates import RunSpeed
@@ -86,46 +87,62 @@ class Rate:
 
 class Speed:
     """A run's decode and prompt-reading rates, achieved and predicted: the prediction is the
-    plan's model (:func:`mlx_tier.tools.kernel_probe.predict`) with the expert kernel
-    measured now and this run's own hit rate and read rate, so the two differ only by
-    what the model leaves out (MLX's ops around the kernel, waiting, the throttle)."""
+    pool model the throughput schedule chooses its pools by (:mod:`mlx_tier.tools.pools`:
+    the run's kernels' rates probed here, the model's routing calibrated on its first
+    forward call), priced at this run's mean decode batch, prompt step, prompt length and
+    read rate, so the two differ by what the model leaves out (waiting, the throttle,
+    MLX's dispatch) and by its hit rate against the run's. Decode is counted over decode
+    steps only: a token decoded in a prompt step (module batching) costs a row of it."""
 
     def __init__(self) -> None:
         self.decode_tokens = self.prompt_tokens = self.decode_steps = self.prompt_steps = 0
         self.decode_seconds = self.prompt_seconds = 0.0
+        self.lengths: dict = {}  # a sequence's prompt tokens, by its task key
+        self.contexts = 0  # summed over the decode steps' sequences: each one's tokens then
 
     def add(self, info) -> None:
-        if info.generated:
+        for key, _, length in info.prefill:
+            self.lengths[key] = length
+        if info.generated and not info.merged:
             self.decode_tokens += info.generated
             self.decode_seconds += info.decode_seconds
             self.decode_steps += 1
+            self.contexts += sum(self.lengths.get(key, 0) + n for key, n in info.generating)
         if info.prefill_tokens:
             self.prompt_tokens += info.prefill_tokens
             self.prompt_seconds += info.prefill_seconds
             self.prompt_steps += 1
 
-    def compare(self, budget: MemoryBudget | None, cache, report: JobReport, reporter: Reporter) -> None:
+    def compare(self, model, cache, report: JobReport, reporter: Reporter) -> None:
         """Record achieved and predicted rates in ``report.setup["speed"]`` and say them in one
-        line (``cache``: the model's :class:`~mlx_tier.engine.expert_cache.ExpertCache`)."""
-        if budget is None or budget.shape is None or not (self.decode_seconds and self.prompt_seconds):
+        line. ``model``: the scheduler's ``(Shape, Rates)``
+        (:meth:`~mlx_tier.job.scheduler.Scheduler.step_model`; ``None``: not priced);
+        ``cache``: the model's :class:`~mlx_tier.engine.expert_cache.ExpertCache`."""
+        if model is None or not (self.decode_seconds and self.prompt_seconds and self.lengths):
             return
-        from mlx_tier.tools.kernel_probe import measure_kernel, predict, quant_of
+        from mlx_tier.tools.pools import seconds_per_token
 
+        shape, rates = model
         stats = cache.stats
-        leaf = next(iter(cache.layers[0].tensors.values())).module
-        rates = measure_kernel(budget.shape, quant_of(leaf), cache.kernel)
         disk = stats.bytes_read / stats.read_seconds / 1e9 if stats.read_seconds else 0.0
-        expert_disk = sum(t.info.expert_nbytes() for t in cache.layers[0].tensors.values())
-        batch = round(self.decode_tokens / self.decode_steps)
-        step = round(self.prompt_tokens / self.prompt_steps)
-        want = predict(budget.shape, len(cache.layers), expert_disk, rates, disk, stats.hit_rate, batch, step)
+        if disk > 0:  # this run's reads, not the probe's
+            rates = replace(rates, disk_gbps=disk)
+        batch = max(1, round(self.decode_tokens / self.decode_steps))
+        step = max(1, round(self.prompt_tokens / self.prompt_steps))
+        prompt = sum(self.lengths.values()) / len(self.lengths)  # a sequence's mean prompt tokens
+        context = self.contexts / self.decode_tokens if self.contexts else prompt
+        want = (1 / seconds_per_token(shape, rates, batch, context),
+                1 / seconds_per_token(shape, rates, step, prompt / 2, max(1, math.ceil(step / prompt))))
         got = (self.decode_tokens / self.decode_seconds, self.prompt_tokens / self.prompt_seconds)
-        report.setup["speed"] = {"decode_tok_s": round(got[0], 3), "prompt_tok_s": round(got[1], 3),
-                                 "predicted": want.as_dict(), "kernel": rates.as_dict(), "read_gbps": round(disk, 3)}
-        reporter.message(f"speed: decode {got[0]:.2f} tok/s (predicted {want.decode_tok_s:.2f}), prompt reading "
-                         f"{got[1]:.1f} tok/s (predicted {want.prompt_tok_s:.1f}): the {rates.kernel} kernel measured "
-                         f"now, this run's {stats.hit_rate:.0%} hit rate and {disk:.2f} GB/s reads, batch {batch}, "
-                         f"{step}-token prompt steps")
+        report.setup["speed"] = {
+            "decode_tok_s": round(got[0], 3), "prompt_tok_s": round(got[1], 3), "read_gbps": round(disk, 3),
+            "predicted": {"decode_tok_s": round(want[0], 3), "prompt_tok_s": round(want[1], 3), "batch": batch,
+                          "prompt_step": step, "hit_rate": round(stats.hit_rate, 4)},
+            "rates": rates.as_dict()}
+        reporter.message(f"speed: decode {got[0]:.2f} tok/s (predicted {want[0]:.2f}), prompt reading "
+                         f"{got[1]:.1f} tok/s (predicted {want[1]:.1f}): the pool model with the {cache.kernel} "
+                         f"kernel's rates probed here and this run's {disk:.2f} GB/s reads, batch {batch}, "
+                         f"{step}-token prompt steps ({stats.hit_rate:.0%} hit rate)")
 
 
 def announce(scheduler: Scheduler, reporter: Reporter) -> None:

@@ -292,7 +292,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
         achieved(scheduler, RunSpeed(report.output_tokens, report.this_run("done"), _generation_seconds(p)),
                  report.this_run("failed"), reporter)
     if not stopping():
-        speed.compare(loaded.budget, loaded.cache, p.report, reporter)
+        speed.compare(scheduler.step_model(), loaded.cache, p.report, reporter)
     if p.parts is not None and p.parts.error:
         reporter.message(f"parts: could not keep finished calls of long documents ({p.parts.error}); "
                          "a stopped run would generate them again")

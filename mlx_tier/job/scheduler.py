@@ -319,6 +319,7 @@ class Scheduler:
         # The throughput schedule's pool model calibrates on this first forward call.
         cache = getattr(model, "expert_cache", None) if config.schedule == "throughput" else None
         self.prefix, self._seen = self._measured_prefix(cache, probes[0][: max(n, 1)])
+        self._priced = None  # step_model(), once
         context = min(model_context, config.context or model_context)
         # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
         step = config.prefill_step_size if memory is None else 0
@@ -405,23 +406,15 @@ class Scheduler:
         """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each
         size the user gave kept, for documents of ``chars`` characters at the ``samples``'
         characters per token; returns the decode pool (the engine's batch size)."""
-        from mlx_tier.tools.pools import (
-            MAX_DECODE_POOL,
-            calibrate,
-            choose_pools,
-            rates_for,
-            shape_of,
-        )
+        from mlx_tier.tools.pools import MAX_DECODE_POOL, choose_pools
 
         c = self.config
-        found = shape_of(self.model, self.plan.kv_per_token)
-        if found is not None and not (c.batch_size and c.pool_tokens and c.prefill_batch):
+        priced = None if c.batch_size and c.pool_tokens and c.prefill_batch else self.step_model()
+        if priced is not None:
             self.chars_per_token = chars_per_token(self.tokenizer, samples or [])
             doc = predicted_tokens(chars, self.chars_per_token) if chars else self.context
             prompt = min(self.context - c.max_tokens, doc + len(self.prefix) + 16)
-            shape, rates = calibrate(found[0], rates_for(self.model, found[1]), self._seen)
-            if c.kv_bits:  # read dequantised: priced at the unquantized prefix cache's bytes
-                shape = replace(shape, kv_read_bytes=kv_bytes_per_token(self.prefix.cache)[0])
+            shape, rates = priced
             room = self.plan.free_bytes - self.plan.prefill_fixed
             shared = len(self.prefix) if self._prefix() else 0  # read once, not per document
             args = (shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,
@@ -434,6 +427,23 @@ class Scheduler:
             self.prefill_batch = c.prefill_batch or self.pools.prefill_batch
             return c.batch_size or self.pools.decode_pool
         return c.batch_size or min(MAX_DECODE_POOL, self.plan.batch_size(self.context, MAX_DECODE_POOL))
+
+    def step_model(self):
+        """``(Shape, Rates)`` of :mod:`mlx_tier.tools.pools` for this run's model: its kernels'
+        rates probed here (once per process), calibrated by its first forward call where the
+        throughput schedule measured it; ``None`` without an expert cache. What the pools are
+        chosen by, and what the run's "speed:" line compares its steps with."""
+        from mlx_tier.tools.pools import calibrate, rates_for, shape_of
+
+        if self._priced is None:
+            found = shape_of(self.model, self.plan.kv_per_token)
+            if found is None:
+                return None
+            shape, rates = calibrate(found[0], rates_for(self.model, found[1]), self._seen)
+            if self.config.kv_bits:  # read dequantised: priced at the unquantized prefix cache's bytes
+                shape = replace(shape, kv_read_bytes=kv_bytes_per_token(self.prefix.cache)[0])
+            self._priced = shape, rates
+        return self._priced
 
     def _held_bytes(self, engine: PoolEngine, task: Task | None = None) -> int:
         """KV-cache bytes the pool engine's sequences, and ``task`` if added, hold at most

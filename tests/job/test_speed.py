@@ -155,3 +155,46 @@ def test_a_run_that_summarised_nothing_achieved_none():
     sched, said = scheduler_with(2000.0), Said()
     achieved(sched, RunSpeed(0, 0, 0.0), 0, said)
     assert sched.info == {} and not said.messages
+
+
+def test_the_speed_line_prices_the_runs_steps_with_the_pool_model():
+    """A user trial: with `--kernel mlx` the "speed:" line predicted decode at 7.7 tok/s against
+    3.9 achieved, from a second model that priced a decode step by the experts it touches
+    (the CPU kernel's way; MLX's `gather_qmm` pays for every pair). The line now prices the
+    run's mean decode batch and prompt step with the pool model the pools were chosen by,
+    at this run's read rate; decode is counted over decode steps only (a token decoded in
+    a prompt step costs a row of it)."""
+    from dataclasses import replace
+
+    from mlx_tier.job.activity import Speed
+    from mlx_tier.job.batch_engine import StepInfo
+    from mlx_tier.tools.pools import Rates, Shape, seconds_per_token
+
+    shape = Shape(layers=24, experts=128, top_k=8, slots=11, expert_bytes=2_650_000, expert_flops=2 * 3 * 768 * 2048,
+                  dense_bytes=6_000_000, dense_flops=2 * 2048 * 6144, attn_flops=4 * 32 * 128, kv_bytes=98_304.0,
+                  heads=32)
+    rates = Rates(disk_gbps=1.0, gemm_gflops=40.0, matvec_gbps=8.0, dequant_gbps=8.0, attention_gflops=20.0)
+    speed = Speed()
+    speed.add(StepInfo(prefill=[("a", 300, 300), ("b", 200, 500)], prefill_tokens=500, prefill_seconds=10.0))
+    speed.add(StepInfo(prefill=[("b", 300, 500)], prefill_tokens=300, prefill_seconds=6.0, generated=1,
+                       decode_seconds=0.05, generating=[("a", 1)], merged=True))  # a's token rode: not decode
+    for n in (2, 3):
+        speed.add(StepInfo(generated=2, decode_seconds=1.0, generating=[("a", n), ("b", n - 1)]))
+    cache = SimpleNamespace(kernel="mlx", stats=SimpleNamespace(bytes_read=4e9, read_seconds=2.0, hit_rate=0.5))
+    report, said = JobReport(results=[]), Said()
+    speed.compare((shape, rates), cache, report, said)
+    got = report.setup["speed"]
+    assert (got["decode_tok_s"], got["prompt_tok_s"], got["read_gbps"]) == (2.0, 50.0, 2.0)
+    priced = replace(rates, disk_gbps=2.0)  # this run's reads
+    context = (300 + 2 + 500 + 1 + 300 + 3 + 500 + 2) / 4  # the decode steps' sequences, each at its length
+    want = got["predicted"]
+    assert want["decode_tok_s"] == round(1 / seconds_per_token(shape, priced, 2, context), 3)
+    assert want["prompt_tok_s"] == round(1 / seconds_per_token(shape, priced, 400, 200, 1), 3)
+    assert (want["batch"], want["prompt_step"]) == (2, 400)
+    assert said.messages[0].startswith(f"speed: decode 2.00 tok/s (predicted {want['decode_tok_s']:.2f}), prompt "
+                                       f"reading 50.0 tok/s (predicted {want['prompt_tok_s']:.1f}): the pool model "
+                                       "with the mlx kernel's")
+    said = Said()
+    Speed().compare((shape, rates), cache, JobReport(results=[]), said)  # nothing measured: nothing said
+    speed.compare(None, cache, JobReport(results=[]), said)  # no model to price with
+    assert not said.messages
