@@ -574,7 +574,9 @@ def discover(path: Path, exclude: Path | None = None, follow_links: bool = False
     if path.suffix.lower() == ".jsonl":
         return _from_jsonl(path, previous)
     if path.suffix.lower() in SUFFIXES:
-        got = FileDocument(safe_id(path.stem), str(path), path, name=path.name, limits=limits)  # a raise: an error
+        # named as a folder's file: the id an earlier run gave its name, and never one taken
+        doc_id = assign([path.name], [safe_id(path.stem)], previous)[0]
+        got = FileDocument(doc_id, str(path), path, name=path.name, limits=limits)  # a raise: an error
         if got.error:
             raise InputError(f"{path}: {got.error}")
         return [Document(got.id, got.source, got.text, name=got.name, converter=got.converter, stamp=got.stamp)]

@@ -208,3 +208,38 @@ def test_a_jsonl_line_and_a_file_of_the_same_name_never_share_an_output(tmp_path
     one.write_text(json.dumps({"id": "report.txt", "text": NOTE + " Updated."}) + "\n")  # the same file, edited
     code, words, _ = run(one, "--out", out, *opts)
     assert code == 0 and "changed since summarised (stale)" in words, words
+
+
+def test_a_single_file_into_a_folders_job_keeps_its_names(tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """A user trial: rA (report.txt, report.md: outputs report.txt.md, report.md.md) then
+    rB/report.txt alone into the same folder: the single file took the id of its stem
+    (report.md, a new output) while its name, report.txt, was rA's; rA's next run then
+    took that id for its report.txt and was refused, naming rB's file. A single file is
+    named as a folder's file is: the id an earlier run recorded for its name (so here it
+    is refused, like the folder rB), and never an id the job or the user holds."""
+    in_a = folder(tmp_path / "rA", **{"report.txt": INVOICE, "report.md": "The library buys a book on fruit."})
+    in_b = folder(tmp_path / "rB", **{"report.txt": NOTE})
+    out, opts = tmp_path / "oR", ("--model", small_moe, "--max-tokens", "4")
+    assert run(in_a, "--out", out, *opts)[0] == 0
+    before = snapshot(out)
+    assert_refused(refused_run(monkeypatch, in_b / "report.txt", "--out", out, *opts), out / "report.txt.md",
+                   in_a / "report.txt", in_b / "report.txt")
+    assert snapshot(out) == before
+    code, words, _ = run(in_a, "--out", out, *opts)  # rA's job goes on as it was
+    assert code == 0 and "skipping 2 documents already done" in words, words
+    # the same file alone: its own output, not a second one
+    (in_a / "report.txt").write_text(INVOICE + " Paid in April.")
+    code, words, _ = run(in_a / "report.txt", "--out", out, *opts)
+    assert code == 0 and "1 document changed since summarised" in words, words
+    assert sorted(p.name for p in out.glob("*.md")) == ["report.md.md", "report.txt.md"]
+
+
+def test_a_single_file_never_takes_the_users_own_output_name(tmp_path, small_moe):  # noqa: F811
+    """A file of the user's in OUT_DIR named as a single file's output stays theirs."""
+    doc = folder(tmp_path / "in", **{"notes.txt": NOTE}) / "notes.txt"
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.md").write_text("my own notes\n")
+    code, words, _ = run(doc, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    assert code == 0, words
+    assert (out / "notes.md").read_text() == "my own notes\n" and (out / "notes-2.md").exists()
