@@ -271,15 +271,20 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
     notes = []
     if ids is not None:
         notes += _left_out(tri, records, ids, batch)
-    if tri.stale:
-        notes.append(_stale_note(len(tri.stale), retry_failed, batch))
+    noun = "request" if batch else "document"
+    copied = [i for i in tri.stale if i in tri.reused]  # changed to a text summarised already
+    if len(tri.stale) > len(copied):
+        notes.append(_stale_note(len(tri.stale) - len(copied), retry_failed, batch))
+    if copied:
+        notes.append(f"{count_text(len(copied), noun)} changed since {'answered' if batch else 'summarised'} to a "
+                     f"text {'answered' if batch else 'summarised'} already: that "
+                     f"{'answer' if batch else 'summary'} copied, not written again")
     if tri.failed_changed:
-        noun = "request" if batch else "document"
         notes.append(f"{count_text(len(tri.failed_changed), noun)} that failed in an earlier run changed since: "
                      f"trying {'it' if len(tri.failed_changed) == 1 else 'them'} again")
-    if tri.reused:
-        notes.append(f"{count_text(len(tri.reused), 'document')} renamed or copied: the summary of the same content "
-                     "copied under the new name, not written again")
+    if len(tri.reused) > len(copied):
+        notes.append(f"{count_text(len(tri.reused) - len(copied), noun)} renamed or copied: the summary of the same "
+                     "content copied under the new name, not written again")
     if tri.changed:
         notes.append(f"`redo_changed`: redoing {count_text(len(tri.changed), 'summary')} written with another "
                      f"{_what(tri.changed, records, settings)}")

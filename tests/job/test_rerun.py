@@ -128,6 +128,28 @@ def test_a_touch_or_a_rename_is_not_a_change(s1, tmp_path, small_moe):  # noqa: 
     assert last_record(out, "d")["reused"] == "b" and not report(out)["runs"][-1]["loaded_model"]
 
 
+def test_a_document_changed_to_a_text_summarised_already_is_said_copied_not_redone(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: four copies edited to one new text, two summarised from it before a
+    stop; the rerun said "2 documents changed since summarised (stale): redoing them" and
+    then copied the summaries of the other two, redoing nothing. The line says what is done."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    (s1 / "c.txt").write_text(NEW_A)
+    assert run(*args)[0] == 0  # c summarised from the new text
+    (s1 / "a.txt").write_text(NEW_A)  # a changed to c's text
+    code, output = run(*args)
+    assert code == 0 and "redoing" not in output and "renamed or copied" not in output, output
+    assert "1 document changed since summarised to a text summarised already: that summary copied, not " \
+           "written again" in output, output
+    assert (out / "a.md").read_text() == (out / "c.md").read_text() and last_record(out, "a")["reused"] == "c"
+    (s1 / "a.txt").write_text(OLD_A)  # back to a text no summary of the job's is of now: redone
+    (s1 / "d.txt").write_text((s1 / "b.txt").read_text())  # and a copy
+    code, output = run(*args)
+    assert code == 0 and "1 document changed since summarised (stale): redoing it" in output, output
+    assert "1 document renamed or copied" in output and "to a text summarised already" not in output, output
+
+
 def test_same_size_rewrite_with_the_old_mtime_put_back_is_still_noticed(s1, tmp_path, small_moe):  # noqa: F811
     """The hash decides, not size and mtime: a rewrite of the same length whose mtime is
     set back to the old one (as `cp -p` or an editor restoring times would) is redone."""
