@@ -398,3 +398,22 @@ def test_a_request_files_job_speaks_of_requests(tmp_path):
     r = runner.invoke(app, ["status", str(out)])
     assert r.exit_code == 0 and "6 total: 3 done, 1 failed, 2 pending" in r.output, r.output
     assert "requests" in r.output and "2 of its requests left" in " ".join(r.output.split()), r.output
+
+
+def test_the_speed_row_says_it_counts_finished_summaries(tmp_path):
+    """A user trial: 20 s into a run, status said "0.00 output tok/s this run ...; 0 tokens in
+    all" beside seven summaries being written (19 tokens each so far). The figures are of
+    finished summaries, and say so; the tokens being written are in the writing rows."""
+    out = tmp_path / "out"
+    make_job(out)
+    held = lock_out_dir(out)
+    try:
+        (out / "progress.json").write_text(json.dumps({"time": T0 + 190, "eta_seconds": 70.0, "in_flight": ["d4"],
+                                                       "writing": [["d4", 19]]}))
+        r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "80"}, terminal_width=80)
+    finally:
+        held.close()
+    words = " ".join(r.output.replace("│", " ").split())
+    assert "this run (its finished documents over its generation time); 125 tokens in the job's finished " \
+           "documents" in words, r.output
+    assert "19 tokens so far" in words and max(map(len, r.output.splitlines())) <= 80, r.output
