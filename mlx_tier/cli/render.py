@@ -303,8 +303,9 @@ def summary_line(report, out_dir: Path) -> str:
     (and a batch request file's answers) are."""
     from mlx_tier.outdir.layout import BATCH_ERRORS, BATCH_OUTPUT
 
-    failures = f", failures: {out_dir / BATCH_ERRORS}" if report.count("failed") else ""
-    where = (f" | answers: {out_dir / BATCH_OUTPUT}{failures}" if report.setup.get("batch_requests") else "") \
+    failures = f"failures: {out_dir / BATCH_ERRORS}" if report.count("failed") else ""
+    answers = f"answers: {out_dir / BATCH_OUTPUT}" if (out_dir / BATCH_OUTPUT).exists() else "no answers"
+    where = (f" | {answers}{', ' + failures if failures else ''}" if report.setup.get("batch_requests") else "") \
         + f" | report: {out_dir / 'report.json'}"
     run = report.runs[-1]
     chunked = sum(r.parts > 0 for r in report.results)
@@ -319,7 +320,7 @@ def summary_line(report, out_dir: Path) -> str:
     reread = _reread_text(read, experts, c.get("evictions", 0), (report.setup.get("distributed") or {}).get("ranks"))
     redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0), report.noun)
     loading = f" (loading {seconds_text(run['load_seconds'])} apart)" if run.get("load_seconds") is not None else ""
-    return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} documents/hour, "
+    return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} {report.noun}s/hour, "
             f"{run.get('output_tok_per_s', 0.0):.2f} output tok/s over "
             f"{seconds_text(run.get('generation_seconds', run.get('seconds', 0.0)))} of generation{loading}"
             + (f", redone {redone}" if redone else "")

@@ -436,3 +436,17 @@ def test_requests_run_unquantized_and_say_kv_bits_applies_to_documents(tmp_path,
     assert "--kv-bits applies to documents only" in " ".join(r.output.split())
     assert json.loads((out / "report.json").read_text())["kv_bits"] is None
     assert all("kv_bits" not in rec for rec in Journal(out).records().values())
+
+
+def test_a_run_whose_every_request_failed_names_no_answers_file(tmp_path, tiny_moe):
+    """A user trial: every request refused (a negative `max_tokens`, a NaN temperature) and the
+    last line still said "answers: OUT/output.jsonl", a file never written. It says there are
+    none, and speaks of requests per hour."""
+    bad = [request("neg", {**TRANSLATE["body"], "max_tokens": -4}),
+           request("nan", {**TRANSLATE["body"], "temperature": float("nan")})]
+    inp, out = write_jsonl(tmp_path / "requests.jsonl", bad), tmp_path / "out"
+    r = runner.invoke(app, ["run", str(inp), "--out", str(out), "--model", str(tiny_moe)])
+    words = " ".join(r.output.split())
+    assert r.exit_code == 1 and not (out / "output.jsonl").exists(), r.output
+    assert f"no answers, failures: {out / 'errors.jsonl'}" in words and "answers: " not in words, r.output
+    assert "documents/hour" not in words.split("job: ")[-1], r.output
