@@ -107,7 +107,7 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         ("one expert: disk / resident", f"{p.expert_bytes_disk / MIB:.2f} / {p.expert_bytes_resident / MIB:.2f} MiB"),
         ("one layer's experts (disk)", f"{p.layer_bytes_disk / GIB:.3f} GiB"),
         ("experts per GiB of cache", f"{p.experts_per_gb:.0f}"),
-        ("memory: total / available", f"{p.memory_total / GIB:.1f} / {p.memory_available / GIB:.1f} GiB ({FLAGS.get(p.memory_source, p.memory_source)})"),
+        _memory_row(p),
         ("a run's memory", _split_text(p)),
         ("cache budget mlx-tier would choose", f"{p.cache_budget / GIB:.2f} GiB = {p.slots_per_layer} of {p.experts_per_layer} slots per layer"),
         ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({p.disk_method})"),
@@ -142,6 +142,20 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
         ("  predicted documents/hour", f"{job['docs_per_hour']:.0f} (one document at a time: "
                                        f"{job['batch1_docs_per_hour']:.0f})"),
     ]
+
+
+def _memory_row(p) -> tuple[str, str]:
+    """The total planned for and this machine's available memory: a ``--memory-gb`` total is
+    as given (a plan may be for another machine), said so beside what is available here."""
+    if p.memory_source == "memory_gb":
+        from mlx_tier.engine.limits import probe_limit
+
+        available = probe_limit().available
+        here = f"this machine has {available / GIB:.1f} GiB available"
+        beyond = ": a plan for another machine, `run` here refuses it" if p.memory_total > available else ""
+        return "memory: planned total", f"{p.memory_total / GIB:.1f} GiB (--memory-gb; {here}{beyond})"
+    return ("memory: total / available",
+            f"{p.memory_total / GIB:.1f} / {p.memory_available / GIB:.1f} GiB ({FLAGS.get(p.memory_source, p.memory_source)})")
 
 
 def _split_text(p) -> str:

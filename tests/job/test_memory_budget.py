@@ -105,7 +105,22 @@ def test_plan_reports_the_limit_and_the_runs_split(one_gib_cgroup, tiny_moe):
     assert p["memory_split"] is None and "too little for this model" in p["memory_fit"]
     assert p["slots_per_layer"] == 0 and p["memory_source"] == "memory_gb"
     r = runner.invoke(app, ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1", "--memory-gb", "0.3"])
-    assert "(--memory-gb)" in " ".join(r.output.split()) and "(memory_gb)" not in r.output  # the flag, as given
+    assert "(--memory-gb;" in " ".join(r.output.split()) and "memory_gb" not in r.output  # the flag, as given
+
+
+def test_a_plan_for_more_memory_than_here_says_so(one_gib_cgroup, tiny_moe):
+    """A user trial: `plan --memory-gb 1e9` said "total / available 1000000000.0 /
+    1000000000.0 GiB". A plan may be for another machine, so the total is as given (the
+    split and the tiers are of it); the table says what this machine has available, and
+    that a total beyond it is refused here."""
+    args = ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1", "--memory-gb"]
+    p = json.loads(runner.invoke(app, [*args, "1e9", "--json"]).stdout)
+    assert p["memory_total"] == int(1e9 * GIB)
+    words = " ".join(runner.invoke(app, [*args, "1e9"]).output.replace("│", " ").split())
+    assert "planned total 1000000000.0 GiB (--memory-gb; this machine has 0.9 GiB available: a plan for another " \
+           "machine, `run` here refuses it)" in words, words
+    words = " ".join(runner.invoke(app, [*args, "0.5"]).output.replace("│", " ").split())
+    assert "0.5 GiB (--memory-gb; this machine has 0.9 GiB available)" in words, words
 
 
 def test_plans_total_above_the_available_memory_says_why(one_gib_cgroup, tiny_moe):

@@ -6,7 +6,6 @@ the folder's lock (the lock every `mlx-tier run` takes).
 import json
 
 import pytest
-
 from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
