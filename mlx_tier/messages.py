@@ -38,10 +38,26 @@ def terminal_width(fd: int = 2, default: int = DEFAULT_WIDTH) -> int:
         return default
 
 
+INSTALL = "pip install "  # a command inside a message (a missing extra): copied whole, never wrapped
+
+
 def wrap_words(text: str, width: int) -> str:
     """``text`` word-wrapped to ``width`` columns; a word wider than that (a long path)
-    stays whole on its own line rather than being cut, and hyphens never break."""
-    return textwrap.fill(text, max(width, 20), break_long_words=False, break_on_hyphens=False)
+    stays whole on its own line rather than being cut, and hyphens never break. A text
+    that ends with a ``pip install`` command and does not fit on one line gets the
+    command alone on its last line (:func:`command_apart`)."""
+    width = max(width, 20)
+    head, sep, command = text.rpartition(INSTALL)
+    if sep and len(text) > width:
+        return f"{wrap_words(head.rstrip(), width)}\n{sep}{command}"
+    return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
+
+
+def command_apart(text: str) -> str:
+    """``text`` with a ``pip install`` command it ends with on a line of its own (for a table
+    cell, which wraps at any space)."""
+    head, sep, command = text.rpartition(INSTALL)
+    return f"{head.rstrip()}\n{sep}{command}" if sep and head.strip() else text
 
 
 def with_command(prose: str, command: str, width: int = DEFAULT_WIDTH) -> str:

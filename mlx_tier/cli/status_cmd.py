@@ -24,6 +24,7 @@ from mlx_tier.cli.render import (
     print_with_command,
     redone_text,
 )
+from mlx_tier.messages import command_apart
 from mlx_tier.units import seconds_text, tokens_text
 
 
@@ -89,7 +90,7 @@ def _status_table(s, out_dir: Path) -> Table:
            else "estimating (until a prompt step and a decode step are measured)" if s.running else "not running")
     t.add_row("ETA", eta)
     for f in s.failures[:5]:
-        t.add_row(f"failed: {f.id}", Text(f.error if f.request else as_flags(f.error)))
+        t.add_row(f"failed: {f.id}", Text(command_apart(f.error if f.request else as_flags(f.error))))
     if len(s.failures) > 5:
         t.add_row("failed", f"... and {len(s.failures) - 5} more (report.json, journal.jsonl)")
     return t

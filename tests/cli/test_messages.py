@@ -175,3 +175,29 @@ def test_bad_input_with_a_fixing_command_gives_it_on_its_own_line(tmp_path, monk
     assert_prose_then_command(r.output, "install it with:", command, "error:")
     assert sum(x.startswith("error:") for x in r.output.splitlines()) == 1
     assert str(DemoModelError("x; install it with:", command="pip install y")) == "x; install it with: pip install y"
+
+
+def test_an_install_command_in_a_failure_is_alone_on_its_line(tmp_path, capsys):
+    """A user trial: "failed page: .html files need the document converters: pip install" with
+    "'mlx-tier[documents]'" on the next line, in the run's output and in `status`. A message
+    ending with a `pip install` command that does not fit on one line gets the command whole
+    on a line of its own; one that fits stays one line."""
+    from mlx_tier.cli import render
+    from mlx_tier.messages import command_apart, wrap_words
+    from mlx_tier.outdir.journal import JobInfo, Journal
+
+    error = ".html files need the document converters: pip install 'mlx-tier[documents]'"
+    reporter = render.RichReporter()
+    reporter.finished(DocResult(id="page", status="failed", error=error), {})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["failed page: .html files need the document converters:", "pip install 'mlx-tier[documents]'"]
+    assert wrap_words("x: pip install 'mlx-tier[documents]'", 80) == "x: pip install 'mlx-tier[documents]'"
+    assert command_apart("no command here") == "no command here"
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["page"], todo=["page"], started=1.0, pid=1, run="r",
+            command="mlx-tier run docs --out out").write(Journal(out))
+    Journal(out).append({"id": "page", "status": "failed", "error": error, "run": "r"})
+    r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "80"}, terminal_width=80)
+    row = [x for x in r.output.splitlines() if "pip install" in x]
+    assert len(row) == 1 and "pip install 'mlx-tier[documents]'" in row[0], r.output
