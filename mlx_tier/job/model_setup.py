@@ -68,15 +68,20 @@ class Loaded:
 
 def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None,
                 pools: Callable[[], tuple[int, int, list]] | None = None) -> Loaded:
-    """The tiered model (from ``model_dir`` when it was found already), with the context
-    checked before any document. ``pools``: when the run uses the throughput schedule (its
+    """The tiered model (from ``model_dir`` when it was found already), its context checked
+    against `max_tokens` before the memory split, the kernel's compilation or the load. ``pools``: when the run uses the throughput schedule (its
     expert cache may give room to its pools), gives ``(characters of a typical document,
     documents, a few documents' samples (:data:`~mlx_tier.job.doc_tokens.Sample`))``; asked only once the model is found and its split fits."""
     from mlx_tier.engine.load import load
     from mlx_tier.tools.demo_model import resolve
 
+    from mlx_lm.utils import load_tokenizer
+
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)
+    g = config.generation
+    context = context_length(model_dir, FALLBACK_CONTEXT)  # the settings checked before anything is loaded
+    check_context(load_tokenizer(model_dir), g.instruction, g.max_tokens, min(context, g.context or context))
     compile_for(model_dir, config.tier.kernel, reporter.message)  # before the split: its memory is not in it
     step = config.generation.prefill_step_size  # the paced schedule's; the throughput schedule's pools reach further
     step = step if pools is None else max(step, DEFAULT_POOL_STEP)
@@ -94,10 +99,7 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
     if tier.dtype is None:  # the one place the job's dtype default is applied
         tier = replace(tier, dtype=job_compute_dtype())
     model, tokenizer = load(model_dir, cache_gb, config=tier)
-    loaded = Loaded(model, tokenizer, model_dir, context_length(model_dir, FALLBACK_CONTEXT), budget)
-    g = config.generation
-    check_context(tokenizer, g.instruction, g.max_tokens, min(loaded.context, g.context or loaded.context))
-    return loaded
+    return Loaded(model, tokenizer, model_dir, context, budget)
 
 
 

@@ -156,6 +156,21 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
         assert not (tmp_path / "o").exists(), args  # a run that never started leaves no folder
 
 
+def test_a_max_tokens_beyond_the_context_is_refused_before_anything_loads(docs, tmp_path, tiny_moe, monkeypatch):
+    """A user trial: `--max-tokens 99999999999999999999` printed the memory split and
+    "loading ..." before "error: a context of 8192 tokens is not enough". The model's
+    context and tokenizer are read first: nothing split, compiled or loaded."""
+    import mlx_tier.engine.load as engine_load
+
+    monkeypatch.setattr(engine_load, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    for tokens in ("99999999999999999999", "4096"):
+        code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--max-tokens", tokens)
+        lines = error_lines(output)
+        assert code == 2 and len(lines) == 1 and f"not enough for --max-tokens {tokens}" in lines[0], output
+        assert "memory:" not in output and "loading" not in output, output
+        assert not (tmp_path / "o").exists()
+
+
 def test_prompt_from_file_and_jsonl(tmp_path, tiny_moe):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": "q1", "text": "Cats sleep a lot."}) + "\n")

@@ -114,6 +114,7 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
     Scheduler JobConfig.generation itself, and the policy spec made at the edge arrives."""
     import mlx_tier.job.run as jobs
     from mlx_tier.engine import load as tiered
+    from mlx_tier.job.throttle import ThrottleConfig
     from mlx_tier.policy.eviction import PolicySpec
 
     seen = {}
@@ -125,10 +126,11 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
 
     class Scheduler(real_scheduler):
         def __init__(self, model, tokenizer, model_dir, model_context, config, longest_chars=None, probes=None,
-                     typical_chars=None, documents=None, memory=None, samples=None, parts=None):
+                     typical_chars=None, documents=None, memory=None, samples=None, parts=None, max_tok_s=None):
             seen["generation"], seen["longest_chars"], seen["memory"] = config, longest_chars, memory
+            seen["max_tok_s"] = max_tok_s
             super().__init__(model, tokenizer, model_dir, model_context, config, longest_chars, probes,
-                             typical_chars, documents, memory, samples, parts)
+                             typical_chars, documents, memory, samples, parts, max_tok_s)
             seen["batch_size"] = self.batch_size
 
     monkeypatch.setattr(tiered, "load", load)
@@ -138,7 +140,8 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
     spec = PolicySpec("lru")
     config = JobConfig(input=docs, out_dir=tmp_path / "out", model=small_moe,
                        tier=tiered.TierConfig(cache_gb=0.01, policy=spec),
-                       generation=GenerationConfig(max_tokens=4, batch_size=2))
+                       generation=GenerationConfig(max_tokens=4, batch_size=2),
+                       throttle=ThrottleConfig(max_tok_s=1e4))
     report = run_job(config)
     from mlx_tier.engine.dtypes import job_compute_dtype
 
@@ -146,6 +149,7 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
     assert seen["tier"] == replace(config.tier, dtype=job_compute_dtype()) and seen["tier"].policy is spec
     assert seen["cache_gb"] is None
     assert seen["generation"] is config.generation and seen["batch_size"] == 2
+    assert seen["max_tok_s"] == 1e4  # the throttle's cap, which the pools price
     assert seen["longest_chars"] == max(p.stat().st_size for p in docs.iterdir())  # sized without converting
     assert report.setup["policy"] == "lru" and report.setup["generation"]["batch_size"] == 2
     assert seen["memory"].cache == int(0.01 * 2**30) and seen["memory"].cache_given  # the run's split, whole
