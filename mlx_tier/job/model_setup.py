@@ -72,10 +72,10 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
     against `max_tokens` before the memory split, the kernel's compilation or the load. ``pools``: when the run uses the throughput schedule (its
     expert cache may give room to its pools), gives ``(characters of a typical document,
     documents, a few documents' samples (:data:`~mlx_tier.job.doc_tokens.Sample`))``; asked only once the model is found and its split fits."""
+    from mlx_lm.utils import load_tokenizer
+
     from mlx_tier.engine.load import load
     from mlx_tier.tools.demo_model import resolve
-
-    from mlx_lm.utils import load_tokenizer
 
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)

@@ -279,6 +279,11 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
         notes.append(f"{count_text(len(copied), noun)} changed since {'answered' if batch else 'summarised'} to a "
                      f"text {'answered' if batch else 'summarised'} already: that "
                      f"{'answer' if batch else 'summary'} copied, not written again")
+    missing = [i for i in tri.missing if i in tri.pending]  # not those a copy of their content gives back
+    if missing:
+        what, where = ("answer", f"missing from {BATCH_OUTPUT}") if batch else ("summary", "missing (deleted since)")
+        notes.append(f"{count_text(len(missing), what)} of earlier runs {where}: "
+                     f"{'answering' if batch else 'writing'} {'it' if len(missing) == 1 else 'them'} again")
     if tri.failed_changed:
         notes.append(f"{count_text(len(tri.failed_changed), noun)} that failed in an earlier run changed since: "
                      f"trying {'it' if len(tri.failed_changed) == 1 else 'them'} again")

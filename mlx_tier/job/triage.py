@@ -65,6 +65,7 @@ class Triage:
             copied by the runner, not generated again.
         failed_changed: ids that failed on another version of their source (pending:
             a failure stands for the content it failed on only).
+        missing: done ids whose output is gone (deleted since written): pending, written again.
         recovered_from: ``id -> writing record`` of recovered outputs: the record the run
             that wrote them journalled before the rename, its ``made_from`` and settings
             (filled by :func:`~mlx_tier.job.rerun.doubt_unrecorded`, which reads them).
@@ -82,6 +83,7 @@ class Triage:
     reused: dict[str, str] = field(default_factory=dict)
     recovered_from: dict[str, dict] = field(default_factory=dict)
     failed_changed: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
 
 
 def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str, OutputState],
@@ -123,6 +125,8 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
             t.left.append(i)
         else:
             t.pending.append(i)
+            if status == "done":  # its output deleted since
+                t.missing.append(i)
     if settings is not None and not retry_failed:
         _reuse(t, records, outputs, current, settings)
     return t

@@ -193,7 +193,7 @@ def test_failing_documents_fail_alone_and_retry_failed_reruns_only_them(tmp_path
     assert [x["custom_id"] for x in lines] == ["req/ok", "req/metal", "req/alloc"]  # as given, once each
 
 
-def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch):
+def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch, small_moe):  # noqa: F811
     from mlx_tier.engine import load as tiered
     from mlx_tier.job import model_setup
 
@@ -205,11 +205,12 @@ def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch):
     monkeypatch.setattr(model_setup, "run_budget", lambda *a: None)  # the memory split reads the checkpoint first
     make_docs(tmp_path / "docs", 1)
     out = tmp_path / "out"
-    r = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), "--model", str(tmp_path / "docs")])
+    r = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), "--model", str(small_moe),
+                                 "--max-tokens", "8"])
     assert r.exit_code == 143, r.output
     assert "terminated; finished summaries are kept. Resume with:" in r.output
     assert command_after(r.output, "Resume with:") == (f"mlx-tier run {tmp_path / 'docs'} --out {out} "
-                                                       f"--model {tmp_path / 'docs'}")
+                                                       f"--model {small_moe} --max-tokens 8")
     assert not out.exists()  # a run that never started leaves no folder
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is restored
 

@@ -150,6 +150,26 @@ def test_a_document_changed_to_a_text_summarised_already_is_said_copied_not_redo
     assert "1 document renamed or copied" in output and "to a text summarised already" not in output, output
 
 
+def test_a_deleted_summary_is_written_again_and_said(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: a deleted a.md was regenerated without a word. The rerun says it; a
+    deleted summary whose content another document's summary holds is copied (said so)."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    (out / "a.md").unlink()
+    code, output = run(*args)
+    assert code == 0 and "1 summary of earlier runs missing (deleted since): writing it again" in output, output
+    assert (out / "a.md").exists() and "stale" not in output
+    shutil.copy(s1 / "b.txt", s1 / "c.txt")
+    assert run(*args)[0] == 0  # c: b's summary copied
+    (out / "c.md").unlink()
+    code, output = run(*args)
+    assert code == 0 and "missing" not in output and "1 document renamed or copied" in output, output
+    (out / "a.md").unlink()
+    code, output = run(*args, "--retry-failed")  # a plain rerun's work: left as it is
+    assert code == 0 and "missing" not in output and not (out / "a.md").exists(), output
+
+
 def test_same_size_rewrite_with_the_old_mtime_put_back_is_still_noticed(s1, tmp_path, small_moe):  # noqa: F811
     """The hash decides, not size and mtime: a rewrite of the same length whose mtime is
     set back to the old one (as `cp -p` or an editor restoring times would) is redone."""
