@@ -215,6 +215,18 @@ def test_ctrl_c_stops_after_documents_in_progress_and_resume_finishes(docs, tmp_
     assert sum(r.earlier_run for r in report.results) == batch  # the first run's, not regenerated
 
 
+def test_a_stop_in_which_every_summary_finished_is_a_finished_run(docs, tmp_path, tiny_moe):
+    """A user trial: Ctrl-C while the last summaries were being written exited 0, where the
+    README said 130. What was being written finished, so nothing is left: the run is not
+    interrupted (the README says so now), and journals no stop."""
+    out = tmp_path / "out"
+    config = JobConfig(input=docs, out_dir=out, model=tiny_moe, generation=GenerationConfig(max_tokens=4, batch_size=3))
+    report = run_job(config, InterruptAfterFirst())
+    assert not report.interrupted and report.stop_signal is not None
+    assert sorted(r.status for r in report.results) == ["done"] * 3
+    assert '"stopped"' not in (out / "journal.jsonl").read_text()
+
+
 def test_crash_after_output_before_journal_is_recovered(docs, tmp_path, tiny_moe):
     from mlx_tier.outdir.journal import JobInfo, Journal
 
