@@ -180,10 +180,10 @@ class RichReporter:
         """A runner's message, dim, wrapped between words (a long path kept whole)."""
         print_wrapped(err, as_flags(text), style="dim")
 
-    def start(self, total: int, skipped: int) -> None:
-        self.total, self.done = total, skipped
+    def start(self, total: int, skipped: int, failed: int = 0) -> None:
+        self.total, self.done, self.failed = total, skipped, failed
         self.t0 = self.last_line = time.monotonic()
-        if skipped == total or not err.is_terminal:
+        if skipped + failed >= total or not err.is_terminal:
             return
         from rich.live import Live
 

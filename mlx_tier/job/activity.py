@@ -62,8 +62,10 @@ class Reporter:
     """Receives progress events; the CLI shows them with Rich. Default: silent."""
 
     def message(self, text: str) -> None: ...
-    def start(self, total: int, skipped: int) -> None:
-        """``total`` documents in the job, ``skipped`` of them done by earlier runs."""
+    def start(self, total: int, skipped: int, failed: int = 0) -> None:
+        """``total`` documents in the job (less those a ``retry_failed`` run leaves for a plain
+        rerun), ``skipped`` of them done by earlier runs and ``failed`` failed in earlier runs,
+        not retried: the same count on every run of a job."""
     def working(self, activity: Activity) -> None:
         """After each engine step (a few seconds apart at most: :data:`~mlx_tier.job.batch_engine.STEP_SECONDS`).
         Documents are converted one ahead in a worker thread, beside the steps; only when

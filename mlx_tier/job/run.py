@@ -683,7 +683,9 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
                                   lambda i: source_hash(by_id[i]), share.part)
         for note in notes:
             reporter.message(note)
-    reporter.start(total=len(pending) + report.run.skipped, skipped=report.run.skipped)
+    # every document of the job but those a --retry-failed run leaves: the same count on each run
+    reporter.start(total=len(pending) + report.run.skipped + len(tri.failed), skipped=report.run.skipped,
+                   failed=len(tri.failed))
     if pending:
         p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,34 @@ def test_progress_line_counts_failures_apart_from_done():
     line = progress_line(1, 2, 30.0, None, None, 80, failed=1)
     assert line.startswith("1/2 done, 1 failed") and len(line) <= 80
     assert progress_line(2, 2, 30.0, None, None, 80).startswith("2/2 done  ETA")
+
+
+def test_the_progress_count_is_the_jobs_on_every_run(tmp_path, tiny_moe):
+    """A user trial: 11 documents, 3 failing: the first run counted to N = 11, the rerun to
+    N = 10 (failures not retried left out). N is every document of the job on each run (but
+    those a --retry-failed run leaves for a plain rerun), earlier failures counted failed."""
+    from mlx_tier.job.run import JobConfig, Reporter, run_job
+    from mlx_tier.job.scheduler import GenerationConfig
+
+    class Starts(Reporter):
+        def __init__(self):
+            self.starts = []
+
+        def start(self, total, skipped, failed=0):
+            self.starts.append((total, skipped, failed))
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name, text in (("a.txt", "The river floods every spring."), ("b.txt", "Bees carry pollen."), ("e.txt", " ")):
+        (docs / name).write_text(text)
+    config = JobConfig(input=docs, out_dir=tmp_path / "out", model=tiny_moe, generation=GenerationConfig(max_tokens=3))
+    seen = Starts()
+    run_job(config, seen)
+    (docs / "c.txt").write_text("The library opens at nine.")
+    run_job(config, seen)
+    run_job(config, seen)  # nothing to do
+    run_job(replace(config, retry_failed=True), seen)
+    assert seen.starts == [(3, 0, 0), (4, 2, 1), (4, 3, 1), (4, 3, 0)]  # the last retries e
 
 
 def _failure_messages(tmp_path) -> dict[str, str]:
