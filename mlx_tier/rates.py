@@ -8,8 +8,9 @@ NTP or by hand, changes neither):
 - **loading**: from the run's start to its model loaded (building the demo
   model, reading a checkpoint from the hub cache, loading it), reported apart;
 - **generation**: from the model loaded to the run's last document finished
-  or failed (to now, while it runs). Prompt reading, document conversion and
-  throttle pauses happen inside it and count.
+  or failed (to now, while it runs; to its stop, when a stop left documents).
+  Prompt reading, document conversion and throttle pauses happen inside it
+  and count.
 
 Output tok/s is the tokens the run generated over its generation time;
 documents/hour is the documents it summarised (``done``) over the same time
@@ -40,7 +41,8 @@ def generated_tokens(record) -> int:
 
 # One sentence, shown beside the figures (the page, `status`).
 DEFINITION = ("over the run's generation time: from its model loaded to its last document finished "
-              "(now, while it runs); loading is counted apart; prompt reading and throttle pauses count")
+              "(now, while it runs; its stop, if stopped early); loading is counted apart; prompt reading and "
+              "throttle pauses count")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class RunSpeed:
         output_tokens: tokens the run generated.
         documents: documents the run summarised (done; failures excluded).
         generation_seconds: seconds from the model loaded to the last document
-            finished or failed (to now while running); monotonic.
+            finished or failed (to now while running; to the stop, a stop that left
+            documents); monotonic.
         load_seconds: seconds from the run's start to its model loaded
             (``None``: unknown, e.g. a journal written before it was recorded).
     """

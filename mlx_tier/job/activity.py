@@ -178,7 +178,7 @@ def achieved(scheduler: Scheduler, run: RunSpeed, failed: int, reporter: Reporte
     The figure is ``run.documents_per_hour`` (:mod:`mlx_tier.rates`): the documents this run
     summarised (``done``; failed documents and refused batch requests are not counted, ``failed``
     of them are named beside it) over its generation time, from its model loaded to its last
-    document. So it is the summary line's "this run: N documents/hour", one number. The
+    document (or its stop). So it is the summary line's "this run: N documents/hour", one number. The
     prediction (``scheduler.pools.docs_per_hour``) is documents per hour of generation too, but
     models the steps alone (and the ``--max-tok-s`` cap): what it leaves out (planning the pools
     before the first step, waiting for a conversion, the throttle's pauses for heat or

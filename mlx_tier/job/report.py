@@ -76,7 +76,7 @@ class JobReport:
     runs: list[dict] = field(default_factory=list)
     prompts: dict[str, str] = field(default_factory=dict)  # prompt hash -> instruction text, every run's
     load_seconds: float | None = None  # this run: from its start to its model loaded (monotonic)
-    generation_seconds: float = 0.0  # this run: from its model loaded to its last document (mlx_tier.rates)
+    generation_seconds: float = 0.0  # this run: from its model loaded to its last document or stop (mlx_tier.rates)
     # What this run's walk of an INPUT folder (or stdin list) left out: reason or suffix -> files
     # (folders, for a folder's reasons), as mlx_tier.job.documents.skip_note says them.
     skipped_files: dict[str, int] = field(default_factory=dict)

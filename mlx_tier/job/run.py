@@ -215,7 +215,7 @@ class _Pass:
     report: JobReport
     progress: ProgressFile  # rewritten every 2 s with the :class:`Activity`
     settings: Settings  # this run's model and prompt, recorded with each summary
-    last_t: float | None = None  # the run's clock at its last document record (mlx_tier.rates)
+    last_t: float | None = None  # the run's clock at its last document record, or its stop (mlx_tier.rates)
     batch: BatchOutputs | None = None  # a batch request file's output.jsonl and errors.jsonl
     requests: dict = field(default_factory=dict)  # id -> BatchRequest of each pending request, in input order
     model_name: str = ""  # the model that answers, as each response names it
@@ -287,6 +287,8 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
                                  give_up=lambda: stop.seconds_stopping() > STOP_GRACE_SECONDS):
         throttled_before = _take_outcome(outcome, p, config, loaded, eta, throttle, throttled_before,
                                          rate.value, generated[0])
+    if stopping() and any(r.status == "pending" for r in p.report.results):  # timed to its stop, said to `status`
+        p.last_t = journal.append({"event": "stopped"})["run_t"]
     if p.last_t is not None:  # the run's figure (its RunRecord's): done documents over its generation time
         report = p.report
         achieved(scheduler, RunSpeed(report.output_tokens, report.this_run("done"), _generation_seconds(p)),
@@ -693,7 +695,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         if is_batch(docs):
             _batch_pass(p, pending, config, reporter, asked_kv_bits)
         _run_pending(p, config, loaded)
-        report.generation_seconds = _generation_seconds(p, clock.t(), stopped=report.interrupted)
+        report.generation_seconds = _generation_seconds(p, clock.t())
         finished = [i for i, r in results.items() if r.status == "done" and not r.earlier_run]
         for note in forget_finished(config.out_dir, finished) if parts is not None and not share.part else []:
             reporter.message(note)
@@ -708,11 +710,11 @@ def _call_identity(settings: Settings, setup: dict, config: JobConfig) -> dict:
                                     "attention_kernel": config.tier.attention_kernel})
 
 
-def _generation_seconds(p: _Pass, now: float | None = None, stopped: bool = False) -> float:
+def _generation_seconds(p: _Pass, now: float | None = None) -> float:
     """This run's generation time (:mod:`mlx_tier.rates`): from its model loaded to its last
-    document recorded, else (or when ``stopped`` with documents left) to ``now`` (the run's
-    clock); 0 when neither is known."""
-    end = p.last_t if p.last_t is not None and not (stopped and now is not None) else now
+    document recorded (or its stop, a first signal that left documents), else to ``now``
+    (the run's clock); 0 when neither is known."""
+    end = p.last_t if p.last_t is not None else now
     return max(end - (p.report.load_seconds or 0.0), 0.0) if end is not None else 0.0
 
 
@@ -847,8 +849,6 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: Loaded) -> None:
             progress.clear()
             record_peak(report, loaded.budget, reporter)
             report.interrupted = stop.signal is not None and any(r.status == "pending" for r in report.results)
-            if report.interrupted:  # when it stopped, on the run's clock: `status` times the run to here
-                p.journal.append({"event": "stopped"})
             report.stop_signal = stop.signal
     finally:
         if config.trace is not None:
