@@ -91,25 +91,30 @@ class Speed:
     """A run's decode and prompt-reading rates, achieved and predicted: the prediction is the
     pool model the throughput schedule chooses its pools by (:mod:`mlx_tier.tools.pools`:
     the run's kernels' rates probed here, the model's routing calibrated on its first
-    forward call), priced at this run's mean decode batch, prompt step, prompt length and
-    read rate, so the two differ by what the model leaves out (waiting, the throttle,
-    MLX's dispatch) and by its hit rate against the run's. Decode is counted over decode
-    steps only: a token decoded in a prompt step (module batching) costs a row of it."""
+    forward call), priced at this run's mean decode batch, prompt step, prompt length,
+    slots lent to decode steps and read rate, so the two differ by what the model leaves
+    out (waiting, the throttle, MLX's dispatch) and by its hit rate against the run's.
+    Decode is counted over decode steps only: a token decoded in a prompt step (module
+    batching) costs a row of it. A sequence is one call: a long document's parts each."""
 
     def __init__(self) -> None:
         self.decode_tokens = self.prompt_tokens = self.decode_steps = self.prompt_steps = 0
         self.decode_seconds = self.prompt_seconds = 0.0
-        self.lengths: dict = {}  # a sequence's prompt tokens, by its task key
+        self.lengths: dict = {}  # a sequence's prompt tokens, by its engine key
         self.contexts = 0  # summed over the decode steps' sequences: each one's tokens then
+        self.lent = 0  # expert slots lent to the decode steps, summed over their tokens
 
-    def add(self, info) -> None:
-        for key, _, length in info.prefill:
+    def add(self, info, lent: int = 0) -> None:
+        """One engine step (:class:`~mlx_tier.job.batch_engine.StepInfo`); ``lent``: expert slots
+        per layer its cache held beyond its own (:meth:`~mlx_tier.engine.expert_cache.ExpertCache.lend_slots`)."""
+        for key, length in info.sequences:
             self.lengths[key] = length
         if info.generated and not info.merged:
             self.decode_tokens += info.generated
             self.decode_seconds += info.decode_seconds
             self.decode_steps += 1
-            self.contexts += sum(self.lengths.get(key, 0) + n for key, n in info.generating)
+            self.contexts += sum(self.lengths.get(key, 0) + n for key, n in info.decoding)
+            self.lent += lent * info.generated
         if info.prefill_tokens:
             self.prompt_tokens += info.prefill_tokens
             self.prompt_seconds += info.prefill_seconds
@@ -133,13 +138,15 @@ class Speed:
         step = max(1, round(self.prompt_tokens / self.prompt_steps))
         prompt = sum(self.lengths.values()) / len(self.lengths)  # a sequence's mean prompt tokens
         context = self.contexts / self.decode_tokens if self.contexts else prompt
-        want = (1 / seconds_per_token(shape, rates, batch, context),
+        lent = round(self.lent / self.decode_tokens)  # decode steps priced with the slots they held
+        decoding = replace(shape, slots=min(shape.experts, shape.slots + lent))
+        want = (1 / seconds_per_token(decoding, rates, batch, context),
                 1 / seconds_per_token(shape, rates, step, prompt / 2, max(1, math.ceil(step / prompt))))
         got = (self.decode_tokens / self.decode_seconds, self.prompt_tokens / self.prompt_seconds)
         report.setup["speed"] = {
             "decode_tok_s": round(got[0], 3), "prompt_tok_s": round(got[1], 3), "read_gbps": round(disk, 3),
             "predicted": {"decode_tok_s": round(want[0], 3), "prompt_tok_s": round(want[1], 3), "batch": batch,
-                          "prompt_step": step, "hit_rate": round(stats.hit_rate, 4)},
+                          "prompt_step": step, "lent_slots": lent, "hit_rate": round(stats.hit_rate, 4)},
             "rates": rates.as_dict()}
         reporter.message(f"speed: decode {got[0]:.2f} tok/s (predicted {want[0]:.2f}), prompt reading "
                          f"{got[1]:.1f} tok/s (predicted {want[1]:.1f}): the pool model with the {cache.kernel} "

@@ -290,6 +290,11 @@ class StepInfo:
     # The decode ran in the prefill's layer steps (module batching, mlx_tier.job.pool_engine):
     # decode_seconds is its share of them, not a decode step's time.
     merged: bool = False
+    # Each sequence as the engine ran it, where prefill and generating are regrouped by document
+    # (a long document's calls are sequences of their own): (key, prompt length) of those read
+    # in this step, and (key, tokens so far) of those still generating.
+    sequences: list[tuple] = field(default_factory=list)
+    decoding: list[tuple] = field(default_factory=list)
 
 
 class PrefillPacer:

@@ -263,7 +263,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
 
     def on_step(info, in_flight):
         beat.step()
-        speed.add(info)
+        speed.add(info, getattr(loaded.cache, "lent", 0))
         rate.add(info.generated, info.decode_seconds)
         prompt_rate.add(info.prefill_tokens, info.prefill_seconds)
         generated[0] += info.generated

@@ -729,6 +729,8 @@ class Scheduler:
                 engine = yield from self._after_failed_step(engine, e, in_flight, q)
                 continue
             _charge_time(info)
+            info.sequences = [(key, total) for key, _, total in info.prefill]  # before grouping by document
+            info.decoding = list(info.generating)
             info.prefill = _by_document(info.prefill)
             info.generating = [(key[0].doc.id, n) for key, n in info.generating]
             on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])

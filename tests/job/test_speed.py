@@ -175,22 +175,29 @@ def test_the_speed_line_prices_the_runs_steps_with_the_pool_model():
                   heads=32)
     rates = Rates(disk_gbps=1.0, gemm_gflops=40.0, matvec_gbps=8.0, dequant_gbps=8.0, attention_gflops=20.0)
     speed = Speed()
-    speed.add(StepInfo(prefill=[("a", 300, 300), ("b", 200, 500)], prefill_tokens=500, prefill_seconds=10.0))
-    speed.add(StepInfo(prefill=[("b", 300, 500)], prefill_tokens=300, prefill_seconds=6.0, generated=1,
-                       decode_seconds=0.05, generating=[("a", 1)], merged=True))  # a's token rode: not decode
+    # b is a long document read in two calls: each call a sequence of its own (300 and 200 tokens),
+    # where prefill and generating group them by document (500)
+    speed.add(StepInfo(prefill=[("a", 300, 300), ("b", 200, 500)], prefill_tokens=500, prefill_seconds=10.0,
+                       sequences=[(("a", 0), 300), (("b", 0), 200)]))
+    speed.add(StepInfo(prefill=[("b", 500, 500)], prefill_tokens=300, prefill_seconds=6.0, generated=1,
+                       decode_seconds=0.05, generating=[("a", 1)], merged=True, sequences=[(("b", 1), 300)],
+                       decoding=[(("a", 0), 1)]), lent=9)  # a's token rode: not decode
     for n in (2, 3):
-        speed.add(StepInfo(generated=2, decode_seconds=1.0, generating=[("a", n), ("b", n - 1)]))
+        speed.add(StepInfo(generated=2, decode_seconds=1.0, generating=[("a", n), ("b", n - 1)],
+                           decoding=[(("a", 0), n), (("b", 1), n - 1)]), lent=3)
     cache = SimpleNamespace(kernel="mlx", stats=SimpleNamespace(bytes_read=4e9, read_seconds=2.0, hit_rate=0.5))
     report, said = JobReport(results=[]), Said()
     speed.compare((shape, rates), cache, report, said)
     got = report.setup["speed"]
     assert (got["decode_tok_s"], got["prompt_tok_s"], got["read_gbps"]) == (2.0, 50.0, 2.0)
     priced = replace(rates, disk_gbps=2.0)  # this run's reads
-    context = (300 + 2 + 500 + 1 + 300 + 3 + 500 + 2) / 4  # the decode steps' sequences, each at its length
+    context = (300 + 2 + 300 + 1 + 300 + 3 + 300 + 2) / 4  # the decode steps' sequences, each at its length
     want = got["predicted"]
-    assert want["decode_tok_s"] == round(1 / seconds_per_token(shape, priced, 2, context), 3)
-    assert want["prompt_tok_s"] == round(1 / seconds_per_token(shape, priced, 400, 200, 1), 3)
-    assert (want["batch"], want["prompt_step"]) == (2, 400)
+    lent = replace(shape, slots=11 + 3)  # decode steps held 3 slots a layer beyond the cache's 11
+    assert want["decode_tok_s"] == round(1 / seconds_per_token(lent, priced, 2, context), 3)
+    prompt = (300 + 200 + 300) / 3  # a call's mean prompt
+    assert want["prompt_tok_s"] == round(1 / seconds_per_token(shape, priced, 400, prompt / 2, 2), 3)
+    assert (want["batch"], want["prompt_step"], want["lent_slots"]) == (2, 400, 3)
     assert said.messages[0].startswith(f"speed: decode 2.00 tok/s (predicted {want['decode_tok_s']:.2f}), prompt "
                                        f"reading 50.0 tok/s (predicted {want['prompt_tok_s']:.1f}): the pool model "
                                        "with the mlx kernel's")
