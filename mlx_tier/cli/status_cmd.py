@@ -72,7 +72,7 @@ def _status_table(s, out_dir: Path) -> Table:
         t.add_row("this run", f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
                               f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
     # finished summaries only: the tokens of those being written are in the "writing" rows
-    t.add_row("speed", f"{s.documents_per_hour:.1f} documents/hour, {s.output_tok_per_s:.2f} output tok/s this "
+    t.add_row("speed", f"{s.documents_per_hour:.1f} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s this "
                        f"run (its finished {s.noun}s over its generation time); "
                        f"{tokens_text(s.output_tokens)} in the job's finished {s.noun}s")
     if s.redone_stale or s.redone_changed:

@@ -142,7 +142,8 @@ def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, r
     per = chars_per_token(load_tokenizer(model_dir), samples) if samples else None  # ~0.4 s: once a run
     doc = predicted_tokens(chars, per) if chars else PLAN_DOC_TOKENS
     prompt = max(1, min(room, doc + predicted_tokens(len(g.instruction), per) + 16))
-    found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents, g.batch_size)
+    found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents, g.batch_size,
+                            max_tok_s=config.throttle.max_tok_s)
     if found is None:
         return budget
     slots, plan, own = found

@@ -66,12 +66,14 @@ def checkpoint_shape(model_dir: Path, budget: MemoryBudget) -> tuple[Shape, dict
 
 def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, output_tokens: int,
                     documents: int | None, cap: int | None = None,
-                    disk_gbps: float | None = None) -> tuple[int, PoolPlan, PoolPlan] | None:
+                    disk_gbps: float | None = None, max_tok_s: float | None = None
+                    ) -> tuple[int, PoolPlan, PoolPlan] | None:
     """``(slots per layer, their pools, the split's own pools)`` when fewer expert slots than
     the split's cache predict more documents/hour (:func:`choose_slots`) for documents of
     ``prompt_tokens`` and ``output_tokens``, at most ``cap`` sequences (``--batch-size``);
     ``None`` when the split's cache stays (it was given, it is one slot row, or nothing
-    is gained). ``disk_gbps``: the read rate, measured on the expert files when ``None``.
+    is gained). ``disk_gbps``: the read rate, measured on the expert files when ``None``;
+    ``max_tok_s``: the user's cap on generated tokens per second (:func:`choose_pools`).
 
     Raises:
         CheckpointError: an unreadable checkpoint.
@@ -91,7 +93,8 @@ def cache_for_pools(model_dir: Path, budget: MemoryBudget, prompt_tokens: int, o
     rates = probe_rates(disk_gbps, **probe, attention=job_attention(budget.kernel), kernel=budget.kernel)
     slots, plan, own = choose_slots(shape, rates, prompt_tokens, output_tokens, budget.cache + budget.kv,
                                     budget.slot_row, most, documents, cap, budget.prefill_step,
-                                    lambda n: lent_slots(with_cache(budget, n), pool, prompt_tokens + output_tokens))
+                                    lambda n: lent_slots(with_cache(budget, n), pool, prompt_tokens + output_tokens),
+                                    max_tok_s)
     return (slots, plan, own) if slots < most else None
 
 

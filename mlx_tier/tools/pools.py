@@ -515,7 +515,8 @@ def choose_pools(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
 def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: int, room: int, slot_row: int,
                  most: int, documents: int | None = None, cap: int | None = None,
                  max_pool: int | None = None,
-                 decode_slots: Callable[[int], int] | None = None) -> tuple[int, PoolPlan, PoolPlan]:
+                 decode_slots: Callable[[int], int] | None = None,
+                 max_tok_s: float | None = None) -> tuple[int, PoolPlan, PoolPlan]:
     """Expert slots per layer for a run whose expert cache and KV caches share ``room`` bytes.
 
     Under a memory cap the two compete: every slot row taken from the KV caches
@@ -532,7 +533,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
         room: bytes for the expert cache and the KV caches together.
         slot_row: bytes of one slot in every MoE layer.
         most: the most slots per layer to consider (the memory split's default cache).
-        documents, cap, max_pool: as :func:`choose_pools` takes them.
+        documents, cap, max_pool, max_tok_s: as :func:`choose_pools` takes them.
         decode_slots: ``decode_slots(n)``, the slots a decode step borrows beside ``n``
             (:func:`choose_pools`' ``decode_slots``); ``None``: none.
 
@@ -544,7 +545,7 @@ def choose_slots(shape: Shape, rates: Rates, prompt_tokens: int, output_tokens: 
     """
     plans = {n: choose_pools(replace(shape, slots=n), rates, prompt_tokens, output_tokens,
                              int((room - n * slot_row) * (1 - ROOM_MARGIN)), cap, documents, max_pool,
-                             decode_slots=decode_slots(n) if decode_slots else 0)
+                             decode_slots=decode_slots(n) if decode_slots else 0, max_tok_s=max_tok_s)
              for n in range(1, most + 1) if room - n * slot_row > 0}
     if not plans:
         raise ValueError(f"no expert slot row ({slot_row} bytes) fits in {room} bytes (most {most})")

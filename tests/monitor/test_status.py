@@ -397,6 +397,7 @@ def test_a_request_files_job_speaks_of_requests(tmp_path):
     r = runner.invoke(app, ["status", str(out)])
     assert r.exit_code == 0 and "6 total: 3 done, 1 failed, 2 pending" in r.output, r.output
     assert "requests" in r.output and "2 of its requests left" in " ".join(r.output.split()), r.output
+    assert "requests/hour" in r.output and "documents" not in r.output, r.output
 
 
 def test_the_speed_row_says_it_counts_finished_summaries(tmp_path):

@@ -128,3 +128,13 @@ def test_decode_steps_borrow_the_idle_workspace_up_to_a_layers_experts(tiny_moe,
     assert pool_cache.lent_slots(replace(some, cache_given=True), 4, 700) == 0  # the user's cache size kept
     monkeypatch.setattr(footprint, "LEND_SLOTS", False)
     assert pool_cache.lent_slots(some, 4, 700) == 0
+
+
+def test_the_users_tok_s_cap_is_priced_in_the_cache_choice(tiny_moe, fixed_rates):
+    """The review's case: the cache chooser priced the pools without `--max-tok-s`, so the run
+    said "predicted A documents/hour against B" uncapped, then announced the capped pools. With a
+    cap that bounds decode, a larger decode pool buys nothing: the split's cache stays."""
+    b = budget(tiny_moe, 4, 2.7)
+    found = pool_cache.cache_for_pools(tiny_moe, b, PROMPT, SUMMARY, 16, max_tok_s=1e6)
+    assert found is not None and found[0] == 2  # a cap above the machine's rate: as without one
+    assert pool_cache.cache_for_pools(tiny_moe, b, PROMPT, SUMMARY, 16, max_tok_s=0.05) is None
