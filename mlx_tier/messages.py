@@ -38,26 +38,33 @@ def terminal_width(fd: int = 2, default: int = DEFAULT_WIDTH) -> int:
         return default
 
 
-INSTALL = "pip install "  # a command inside a message (a missing extra): copied whole, never wrapped
+INSTALL = ": pip install "  # a message ending with the command it introduces (a missing extra)
+
+
+def _ending_command(text: str) -> tuple[str, str] | None:
+    """``(prose, command)`` of a text whose prose ends with a colon and a ``pip install``
+    command that ends the text; ``None`` otherwise."""
+    head, sep, command = text.rpartition(INSTALL)
+    return (head + ":", "pip install " + command) if sep and head.strip() else None
 
 
 def wrap_words(text: str, width: int) -> str:
     """``text`` word-wrapped to ``width`` columns; a word wider than that (a long path)
     stays whole on its own line rather than being cut, and hyphens never break. A text
-    that ends with a ``pip install`` command and does not fit on one line gets the
-    command alone on its last line (:func:`command_apart`)."""
+    that ends with a ``pip install`` command its prose introduces (``...: pip install X``)
+    and does not fit on one line gets the command whole on its last line."""
     width = max(width, 20)
-    head, sep, command = text.rpartition(INSTALL)
-    if sep and len(text) > width:
-        return f"{wrap_words(head.rstrip(), width)}\n{sep}{command}"
+    ending = _ending_command(text)
+    if ending is not None and len(text) > width:
+        return f"{wrap_words(ending[0], width)}\n{ending[1]}"
     return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 def command_apart(text: str) -> str:
-    """``text`` with a ``pip install`` command it ends with on a line of its own (for a table
-    cell, which wraps at any space)."""
-    head, sep, command = text.rpartition(INSTALL)
-    return f"{head.rstrip()}\n{sep}{command}" if sep and head.strip() else text
+    """``text`` with the ``pip install`` command it ends with (``...: pip install X``) on a
+    line of its own (for a table cell, which wraps at any space)."""
+    ending = _ending_command(text)
+    return "\n".join(ending) if ending is not None else text
 
 
 def with_command(prose: str, command: str, width: int = DEFAULT_WIDTH) -> str:

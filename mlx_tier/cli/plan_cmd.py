@@ -148,11 +148,17 @@ def _memory_row(p) -> tuple[str, str]:
     """The total planned for and this machine's available memory: a ``--memory-gb`` total is
     as given (a plan may be for another machine), said so beside what is available here."""
     if p.memory_source == "memory_gb":
-        from mlx_tier.engine.limits import probe_limit
+        from mlx_tier.engine.budgets import probe
+        from mlx_tier.engine.sizes import may_use_now
 
-        available = probe_limit().available
-        here = f"this machine has {available / GIB:.1f} GiB available"
-        beyond = ": a plan for another machine, `run` here refuses it" if p.memory_total > available else ""
+        mem = probe()
+        if not mem.unified:
+            return "memory: planned total", (f"{p.memory_total / GIB:.1f} GiB (--memory-gb; `run` on this "
+                                             f"{mem.backend} machine sizes its tiers with --cache-gb and "
+                                             "--host-cache-gb instead)")
+        may_use = may_use_now(mem.host_available, mem.host_total)  # as `run --memory-gb` checks it
+        here = f"a run here may use {may_use / GIB:.1f} GiB"
+        beyond = ": a plan for another machine, `run` here refuses it" if p.memory_total > may_use else ""
         return "memory: planned total", f"{p.memory_total / GIB:.1f} GiB (--memory-gb; {here}{beyond})"
     return ("memory: total / available",
             f"{p.memory_total / GIB:.1f} / {p.memory_available / GIB:.1f} GiB ({FLAGS.get(p.memory_source, p.memory_source)})")

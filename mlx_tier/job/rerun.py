@@ -258,7 +258,8 @@ def refuse_other_files(docs, records: Mapping[str, dict], out_dir: Path) -> None
 def rerun_counts(tri: Triage) -> dict:
     """What the triage found of earlier summaries, for the run's record
     (:func:`mlx_tier.job.report.rerun_account`)."""
-    return {"stale": len(tri.stale), "kept_changed": len(tri.kept_changed), "reused": len(tri.reused),
+    copied = sum(i in tri.reused for i in tri.stale)  # changed to a text summarised already: not stale now
+    return {"stale": len(tri.stale) - copied, "kept_changed": len(tri.kept_changed), "reused": len(tri.reused),
             "unstamped": len(tri.unstamped)}
 
 
@@ -276,9 +277,10 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
     if len(tri.stale) > len(copied):
         notes.append(_stale_note(len(tri.stale) - len(copied), retry_failed, batch))
     if copied:
+        what = ("answer" if batch else "summary") if len(copied) == 1 else ("answers" if batch else "summaries")
         notes.append(f"{count_text(len(copied), noun)} changed since {'answered' if batch else 'summarised'} to a "
-                     f"text {'answered' if batch else 'summarised'} already: that "
-                     f"{'answer' if batch else 'summary'} copied, not written again")
+                     f"text {'answered' if batch else 'summarised'} already: {'that' if len(copied) == 1 else 'those'} "
+                     f"{what} copied, not written again")
     missing = [i for i in tri.missing if i in tri.pending]  # not those a copy of their content gives back
     if missing:
         what, where = ("answer", f"missing from {BATCH_OUTPUT}") if batch else ("summary", "missing (deleted since)")

@@ -193,6 +193,10 @@ def test_an_install_command_in_a_failure_is_alone_on_its_line(tmp_path, capsys):
     assert lines == ["failed page: .html files need the document converters:", "pip install 'mlx-tier[documents]'"]
     assert wrap_words("x: pip install 'mlx-tier[documents]'", 80) == "x: pip install 'mlx-tier[documents]'"
     assert command_apart("no command here") == "no command here"
+    # only a command the prose introduces with a colon, at the end: the review's cases stay prose
+    prose = "pip install 'mlx-tier[documents]' is needed for .html, .pdf and .docx files in this folder of yours"
+    assert wrap_words(prose, 40).split("\n")[0] == "pip install 'mlx-tier[documents]' is"
+    assert command_apart("x: pip install 'a' then rerun") == "x:\npip install 'a' then rerun"  # taken as the command
     out = tmp_path / "out"
     out.mkdir()
     JobInfo(input="docs", ids=["page"], todo=["page"], started=1.0, pid=1, run="r",

@@ -117,10 +117,18 @@ def test_a_plan_for_more_memory_than_here_says_so(one_gib_cgroup, tiny_moe):
     p = json.loads(runner.invoke(app, [*args, "1e9", "--json"]).stdout)
     assert p["memory_total"] == int(1e9 * GIB)
     words = " ".join(runner.invoke(app, [*args, "1e9"]).output.replace("│", " ").split())
-    assert "planned total 1000000000.0 GiB (--memory-gb; this machine has 0.9 GiB available: a plan for another " \
+    from mlx_tier import TierConfig
+    from mlx_tier.engine.budgets import probe
+    from mlx_tier.engine.sizes import may_use_now, run_budget
+    from mlx_tier.errors import BudgetError
+
+    here = may_use_now(probe().host_available, probe().host_total) / GIB  # what `run --memory-gb` checks
+    assert f"planned total 1000000000.0 GiB (--memory-gb; a run here may use {here:.1f} GiB: a plan for another " \
            "machine, `run` here refuses it)" in words, words
     words = " ".join(runner.invoke(app, [*args, "0.5"]).output.replace("│", " ").split())
-    assert "0.5 GiB (--memory-gb; this machine has 0.9 GiB available)" in words, words
+    assert f"0.5 GiB (--memory-gb; a run here may use {here:.1f} GiB)" in words, words
+    with pytest.raises(BudgetError, match="is more than this process may use"):  # and `run` does refuse it
+        run_budget(tiny_moe, TierConfig(), 1e9, 512)
 
 
 def test_plans_total_above_the_available_memory_says_why(one_gib_cgroup, tiny_moe):
@@ -196,7 +204,7 @@ def test_a_throughput_run_under_a_cap_gives_slots_to_its_pools(one_gib_cgroup, d
 
     asked = []
 
-    def cheaper(model_dir, budget, prompt, output, documents, cap=None):
+    def cheaper(model_dir, budget, prompt, output, documents, cap=None, max_tok_s=None):
         asked.append((prompt, output, documents, budget.cache_given))
         if budget.cache_given:
             return None  # as the real one does (tests/tools/test_pool_cache.py)

@@ -143,6 +143,7 @@ def test_a_document_changed_to_a_text_summarised_already_is_said_copied_not_redo
     assert "1 document changed since summarised to a text summarised already: that summary copied, not " \
            "written again" in output, output
     assert (out / "a.md").read_text() == (out / "c.md").read_text() and last_record(out, "a")["reused"] == "c"
+    assert report(out)["runs"][-1]["stale_left"] == 0  # copied: no stale summary left
     (s1 / "a.txt").write_text(OLD_A)  # back to a text no summary of the job's is of now: redone
     (s1 / "d.txt").write_text((s1 / "b.txt").read_text())  # and a copy
     code, output = run(*args)
