@@ -168,6 +168,10 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
     if info["schedule"] == "throughput":
         predicted = (f"; predicted {pools.docs_per_hour:.0f} documents/hour for documents of ~{pools.prompt_tokens} "
                      f"prompt tokens and {pools.output_tokens}-token summaries") if pools is not None else ""
+        if pools is not None and pools.calls > 1:  # a long document: its parts, then the calls combining them
+            predicted = (f"; predicted {pools.docs_per_hour:.1f} documents/hour for documents of "
+                         f"~{pools.document_tokens} tokens, each summarised in {pools.calls} calls of up to "
+                         f"~{pools.prompt_tokens} prompt tokens and {pools.output_tokens}-token summaries")
         bits = scheduler.config.kv_bits
         reporter.message(f"throughput schedule: prompts read {scheduler.prefill_batch} at a time in pools of "
                          f"{scheduler.pool_tokens} tokens, up to {count_text(scheduler.batch_size, 'sequence')} decoding "

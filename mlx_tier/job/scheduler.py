@@ -413,20 +413,38 @@ class Scheduler:
         if priced is not None:
             self.chars_per_token = chars_per_token(self.tokenizer, samples or [])
             doc = predicted_tokens(chars, self.chars_per_token) if chars else self.context
-            prompt = min(self.context - c.max_tokens, doc + len(self.prefix) + 16)
+            calls = self._call_plan(doc)  # a document longer than a call: its parts, then combining calls
             shape, rates = priced
             room = self.plan.free_bytes - self.plan.prefill_fixed
             shared = len(self.prefix) if self._prefix() else 0  # read once, not per document
-            args = (shape, rates, max(1, prompt), c.max_tokens, room, c.batch_size, documents,
+            args = (shape, rates, max(1, calls.part_prompt), c.max_tokens, room, c.batch_size, documents,
                     self.memory.prefill_step if self.memory is not None else None, shared, pool_engine.MODULE_BATCHING)
             self.pools = choose_pools(*args, decode_slots=self._decode_slots(c.batch_size or MAX_DECODE_POOL),
                                       max_tok_s=self.max_tok_s)
             lend = self._decode_slots(c.batch_size or self.pools.decode_pool)  # what the engine will lend
             self.pools = choose_pools(*args, decode_slots=lend, max_tok_s=self.max_tok_s)
+            if calls.calls > 1:
+                combined = choose_pools(shape, rates, calls.combine_prompt, *args[3:], decode_slots=lend,
+                                        max_tok_s=self.max_tok_s) if calls.combines else None
+                self.pools = self.pools.of_calls(calls.parts, calls.combines, combined, doc)
             self.pool_tokens = c.pool_tokens or self.pools.prefill_tokens
             self.prefill_batch = c.prefill_batch or self.pools.prefill_batch
             return c.batch_size or self.pools.decode_pool
         return c.batch_size or min(MAX_DECODE_POOL, self.plan.batch_size(self.context, MAX_DECODE_POOL))
+
+    def _call_plan(self, doc: int):
+        """The calls a typical document of ``doc`` tokens of text takes here
+        (:func:`mlx_tier.job.longdoc.call_plan`): one of its prompt (the instruction and the
+        shared prefix's slack counted), or its parts and the calls combining them."""
+        from mlx_tier.job.longdoc import MAP_NOTE, REDUCE_NOTE, call_plan
+
+        c = self.config
+        limit = self.context - c.max_tokens
+        if doc + len(self.prefix) + 16 <= limit:
+            return call_plan(doc, limit, c.max_tokens, len(self.prefix) + 16, 0)
+        over = [len(build_prompt(self.tokenizer, note + c.instruction, "")) for note in
+                (MAP_NOTE.format(i=999, n=999), REDUCE_NOTE)]
+        return call_plan(doc, limit, c.max_tokens, *over)
 
     def step_model(self):
         """``(Shape, Rates)`` of :mod:`mlx_tier.tools.pools` for this run's model: its kernels'

@@ -416,6 +416,10 @@ class PoolPlan:
         prompt_tokens, output_tokens: the document lengths predicted for.
         merged_tokens: of a document's ``output_tokens``, how many are decoded in
             prefill steps (module batching; the others in decode steps).
+        calls: calls a document takes (a long one: its parts and the calls combining their
+            summaries, :func:`mlx_tier.job.longdoc.call_plan`); the rates above are a call's,
+            the documents/hour a whole document's.
+        document_tokens: a document's tokens of text (0: as ``prompt_tokens``).
     """
 
     prefill_tokens: int
@@ -429,9 +433,23 @@ class PoolPlan:
     prompt_tokens: int
     output_tokens: int
     merged_tokens: float = 0.0
+    calls: int = 1
+    document_tokens: int = 0
 
     def as_dict(self) -> dict:
         return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+    def of_calls(self, parts: int, combines: int, combined: PoolPlan | None, document_tokens: int) -> PoolPlan:
+        """This plan (a part's call) for a long document of ``document_tokens`` read in ``parts``
+        such calls then ``combines`` calls priced by ``combined`` (the pools' plan for a combining
+        call's prompt; ``None``: none): documents/hour of the whole document."""
+        def hours(rate: float, other: float) -> float:
+            return parts / rate + (combines / other if combines else 0.0)
+
+        return replace(self, docs_per_hour=1 / hours(self.docs_per_hour, combined.docs_per_hour if combined else 1),
+                       batch1_docs_per_hour=1 / hours(self.batch1_docs_per_hour,
+                                                      combined.batch1_docs_per_hour if combined else 1),
+                       calls=parts + combines, document_tokens=document_tokens)
 
 
 def prefill_transient(shape: Shape, tokens: int, context: float) -> float:

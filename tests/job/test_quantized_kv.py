@@ -166,7 +166,7 @@ def test_a_run_bounded_by_memory_names_kv_bits_and_one_using_it_says_so():
 
     def scheduler(limited_by, bits):
         pools = SimpleNamespace(limited_by=limited_by, decode_pool=3, docs_per_hour=100.0, prompt_tokens=800,
-                                output_tokens=32)
+                                output_tokens=32, calls=1)
         return SimpleNamespace(info={"batch_size_from": "memory headroom", "schedule": "throughput"}, pools=pools,
                                batch_size=3, context=4096, prefill_batch=1, pool_tokens=256,
                                config=GenerationConfig(kv_bits=bits), kv_itemsize=4)

@@ -556,3 +556,27 @@ def test_the_predicted_documents_per_hour_are_under_the_users_tok_s_cap(tiered, 
     capped = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=400, documents=4, max_tok_s=0.05).pools
     assert free is not None and capped is not None
     assert capped.docs_per_hour * 8 / 3600 <= 0.05 < free.docs_per_hour * 8 / 3600
+
+
+def test_a_long_typical_document_is_predicted_over_all_its_calls(tiny_moe):
+    """A user trial: a document of ~1,300 tokens at a small context was predicted as one call
+    (1062 documents/hour against 33 achieved). The prediction counts its parts and combining
+    calls (:func:`mlx_tier.job.longdoc.call_plan`), each priced at its own prompt, and says so."""
+    from mlx_tier.job.activity import announce
+    from mlx_tier.tools.pools import choose_pools
+
+    model, tokenizer = mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2, kernel="cpu"))
+    g = GenerationConfig("Summarise this.", 8, schedule="throughput", context=256)
+    short = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=400, documents=4).pools
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=20_000, documents=4)
+    long = sched.pools
+    assert short.calls == 1 and long.calls > 2 and long.document_tokens > 256 >= long.prompt_tokens
+    calls = sched._call_plan(long.document_tokens)
+    shape, rates = sched.step_model()
+    part = choose_pools(shape, rates, calls.part_prompt, 8, sched.plan.free_bytes - sched.plan.prefill_fixed,
+                        None, 4, None, 0, True, decode_slots=sched._decode_slots(long.decode_pool))
+    assert part.prompt_tokens == long.prompt_tokens and long.docs_per_hour < part.docs_per_hour / calls.parts
+    said = []
+    announce(sched, type("R", (), {"message": lambda self, text: said.append(text)})())
+    line = " ".join(" ".join(said).split())
+    assert f"documents of ~{long.document_tokens} tokens, each summarised in {long.calls} calls" in line, line
