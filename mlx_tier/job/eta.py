@@ -27,11 +27,14 @@ timed with rates measured in this run:
 - both scaled by the run's wall time over its step time (conversions,
   throttle pauses, the rest of the loop).
 
-A long document summarised in parts counts the prompts of every call of its
-current level (the parts read so far as read: the scheduler's progress); not
-foreseen: the summaries its parts still have to write, and the levels that
-combine them (they add work when they start); a rank of a job over several
-ranks counts every pending document, not only its share.
+A long document not started yet counts every call it will take (``calls``:
+its parts, then the calls combining their summaries, each writing up to the
+expected length: :func:`mlx_tier.job.longdoc.call_plan`); one being read in
+parts counts the prompts of every call of its current level (the parts read
+so far as read: the scheduler's progress), not yet the summaries its parts
+still have to write nor the levels that combine them (they add work when they
+start); a rank of a job over several ranks counts every pending document, not
+only its share.
 
 :class:`EtaTracker` is plain state fed by the runner with a clock passed in,
 so it is tested with scripted step sequences; it is ``None`` ("estimating")
@@ -42,8 +45,13 @@ from __future__ import annotations
 
 from bisect import bisect_right, insort
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type only: this module needs no tokenizer
+    from mlx_tier.job.longdoc import CallPlan
 
 CHARS_PER_TOKEN = 4.0  # prior for text not measured yet (English BPE: ~4 characters a token)
 WINDOW = 64  # decode steps the step-time fit uses
@@ -72,6 +80,8 @@ class EtaTracker:
         earlier: tokens generated for each document earlier runs of the job
             finished in one call (a resumed job's summaries: what the next
             ones will likely take, instead of the ``max_tokens`` prior alone).
+        calls: the calls a document of so many tokens of text takes
+            (:meth:`~mlx_tier.job.scheduler.Scheduler.calls_for`); ``None``: one.
     """
 
     docs: dict[str, int]
@@ -79,6 +89,7 @@ class EtaTracker:
     batch_size: int
     started: float
     earlier: list[int] = field(default_factory=list)
+    calls: Callable[[int], CallPlan] | None = None
     _left: dict[str, _Doc] = field(init=False)
     _outputs: list[int] = field(default_factory=list, init=False)  # finished documents' lengths, sorted
     _suffix: list[int] | None = field(default=None, init=False)  # _suffix[i] = sum(_outputs[i:]); None: stale
@@ -154,10 +165,18 @@ class EtaTracker:
             return 0.0
         left = self._left.values()
         per_char, typical = self._prompt_rates()
-        prompt_left = sum(self._prompt_left(d, per_char, typical) for d in left)
         expected = {0: self.expected_output(0)}  # most documents left have written nothing
-        writes = [min(max(_get(expected, d.written, self.expected_output) - d.written, 1.0),
-                      max(self.max_tokens - d.written, 0.0)) for d in left]
+        prompt_left, writes = 0.0, []
+        for d in left:
+            tokens = self._prompt_left(d, per_char, typical)
+            plan = self.calls(int(tokens)) if self.calls is not None and d.prompt is None else None
+            if plan is not None and plan.calls > 1:  # a long document not started: each of its calls
+                prompt_left += plan.parts * plan.part_prompt + plan.combines * plan.combine_prompt
+                writes += [min(max(expected[0], 1.0), self.max_tokens)] * plan.calls
+                continue
+            prompt_left += tokens
+            writes.append(min(max(_get(expected, d.written, self.expected_output) - d.written, 1.0),
+                              max(self.max_tokens - d.written, 0.0)))
         if prompt_left > 0 and not self._prompt_seconds or not self._steps:
             return None
         prompt_s = prompt_left / (self._prompt_tokens / self._prompt_seconds) if prompt_left > 0 else 0.0

@@ -413,7 +413,7 @@ class Scheduler:
         if priced is not None:
             self.chars_per_token = chars_per_token(self.tokenizer, samples or [])
             doc = predicted_tokens(chars, self.chars_per_token) if chars else self.context
-            calls = self._call_plan(doc)  # a document longer than a call: its parts, then combining calls
+            calls = self.calls_for(doc)  # a document longer than a call: its parts, then combining calls
             shape, rates = priced
             room = self.plan.free_bytes - self.plan.prefill_fixed
             shared = len(self.prefix) if self._prefix() else 0  # read once, not per document
@@ -432,7 +432,7 @@ class Scheduler:
             return c.batch_size or self.pools.decode_pool
         return c.batch_size or min(MAX_DECODE_POOL, self.plan.batch_size(self.context, MAX_DECODE_POOL))
 
-    def _call_plan(self, doc: int):
+    def calls_for(self, doc: int):
         """The calls a typical document of ``doc`` tokens of text takes here
         (:func:`mlx_tier.job.longdoc.call_plan`): one of its prompt (the instruction and the
         shared prefix's slack counted), or its parts and the calls combining them."""

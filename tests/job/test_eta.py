@@ -211,3 +211,29 @@ def test_a_merged_steps_decode_share_stays_out_of_the_step_fit():
         t.step([], [("a", 2)], 0, 0.0, 1, 0.5)
     assert merged.eta(2.5) == pytest.approx(left_out.eta(2.5))
     assert merged.eta(2.5) > as_a_step.eta(2.5)  # 0.01 s a token would have been priced in
+
+
+def test_a_long_document_not_started_counts_all_its_calls():
+    """A user trial: a document split into 21 parts and 44 calls showed "ETA 8s" a minute
+    before its last 48 s. A document longer than a call, not started yet, counts every call
+    it will take (its parts' prompts and summaries, the combining calls'), each writing up to
+    the expected length; one that fits a call is counted as before."""
+    from mlx_tier.job.longdoc import call_plan
+
+    def calls(tokens):
+        return call_plan(tokens, 1000, 64, 40, 50)
+
+    def measured(tracker):
+        tracker.step([("short", 100, 100)], [], 100, 1.0, 0, 0.0)  # 100 prompt tok/s, 400 chars: 1/4 a char
+        tracker.step([], [("short", 1)], 0, 0.0, 1, 0.1)
+        return tracker
+
+    one = measured(EtaTracker({"short": 400, "long": 40_000}, 64, 1, 0.0))
+    split = measured(EtaTracker({"short": 400, "long": 40_000}, 64, 1, 0.0, calls=calls))
+    plan = calls(10_000)  # 40,000 characters at 1/4: 11 parts, then 1 combining call
+    assert plan.calls == 12
+    prompt = plan.parts * plan.part_prompt + plan.combines * plan.combine_prompt
+    assert split.eta(0.0) - one.eta(0.0) == pytest.approx((prompt - 10_000) / 100 + (plan.calls - 1) * 64 * 0.1,
+                                                          rel=0.05)
+    fits = measured(EtaTracker({"short": 400, "other": 2_000}, 64, 1, 0.0, calls=calls))
+    assert fits.eta(0.0) == measured(EtaTracker({"short": 400, "other": 2_000}, 64, 1, 0.0)).eta(0.0)

@@ -571,7 +571,7 @@ def test_a_long_typical_document_is_predicted_over_all_its_calls(tiny_moe):
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=20_000, documents=4)
     long = sched.pools
     assert short.calls == 1 and long.calls > 2 and long.document_tokens > 256 >= long.prompt_tokens
-    calls = sched._call_plan(long.document_tokens)
+    calls = sched.calls_for(long.document_tokens)
     shape, rates = sched.step_model()
     part = choose_pools(shape, rates, calls.part_prompt, 8, sched.plan.free_bytes - sched.plan.prefill_fixed,
                         None, 4, None, 0, True, decode_slots=sched._decode_slots(long.decode_pool))
