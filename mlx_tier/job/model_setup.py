@@ -68,8 +68,8 @@ class Loaded:
 
 def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None,
                 pools: Callable[[], tuple[int, int, list]] | None = None) -> Loaded:
-    """The tiered model (from ``model_dir`` when it was found already), its context checked
-    against `max_tokens` before the memory split, the kernel's compilation or the load. ``pools``: when the run uses the throughput schedule (its
+    """The tiered model (from ``model_dir`` when it was found already), its checkpoint opened
+    and its context checked against `max_tokens` before the memory split is said or anything loaded. ``pools``: when the run uses the throughput schedule (its
     expert cache may give room to its pools), gives ``(characters of a typical document,
     documents, a few documents' samples (:data:`~mlx_tier.job.doc_tokens.Sample`))``; asked only once the model is found and its split fits."""
     from mlx_lm.utils import load_tokenizer
@@ -79,13 +79,13 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
 
     if model_dir is None:
         model_dir = resolve(config.model, reporter.message)
-    g = config.generation
-    context = context_length(model_dir, FALLBACK_CONTEXT)  # the settings checked before anything is loaded
-    check_context(load_tokenizer(model_dir), g.instruction, g.max_tokens, min(context, g.context or context))
     compile_for(model_dir, config.tier.kernel, reporter.message)  # before the split: its memory is not in it
-    step = config.generation.prefill_step_size  # the paced schedule's; the throughput schedule's pools reach further
+    g = config.generation
+    step = g.prefill_step_size  # the paced schedule's; the throughput schedule's pools reach further
     step = step if pools is None else max(step, DEFAULT_POOL_STEP)
-    budget = run_budget(model_dir, config.tier, config.memory_gb, step, config.generation.kv_bits)
+    budget = run_budget(model_dir, config.tier, config.memory_gb, step, g.kv_bits)  # opens the checkpoint
+    context = context_length(model_dir, FALLBACK_CONTEXT)  # the settings checked before anything is said or loaded
+    check_context(load_tokenizer(model_dir), g.instruction, g.max_tokens, min(context, g.context or context))
     tier, cache_gb = config.tier, None
     if budget is not None and pools is not None and tier.layer_slots is None:
         budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())

@@ -159,7 +159,7 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
 def test_a_max_tokens_beyond_the_context_is_refused_before_anything_loads(docs, tmp_path, tiny_moe, monkeypatch):
     """A user trial: `--max-tokens 99999999999999999999` printed the memory split and
     "loading ..." before "error: a context of 8192 tokens is not enough". The model's
-    context and tokenizer are read first: nothing split, compiled or loaded."""
+    context and tokenizer are read before the split is said or anything loaded."""
     import mlx_tier.engine.load as engine_load
 
     monkeypatch.setattr(engine_load, "load", lambda *a, **k: pytest.fail("the model was loaded"))
