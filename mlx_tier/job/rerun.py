@@ -359,8 +359,17 @@ def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[
     or, with no done record, one no run wrote, is redone (pending, in input order; with
     ``retry_failed`` left for a plain rerun); without a writing record (an older
     journal), or a done one still as recorded, it stays as it was. ``output_of``: an
-    id's output path; ``by_id``: the job's documents."""
+    id's output path; ``by_id``: the job's documents.
+
+    Raises:
+        InputError: an output with no record, of a document a run that journals its
+            outputs set out to do: someone else's file under the job's output name
+            (counting it done would call the document summarised).
+    """
     redo, entries = [], list(entries)  # read once, asked for each output
+    # documents of runs that journal each output they write: one of theirs no record names is not theirs
+    recording = {i for r in entries if r.get("event") == "start" and r.get("writes") is True
+                 for i in r.get("todo") or [] if isinstance(i, str)}
     for i in [*tri.recovered, *sorted(rewritten_since_done(entries) & (set(tri.done) | set(tri.stale)))]:
         try:
             output = read_nofollow(output_of(i))
@@ -368,6 +377,10 @@ def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[
             continue  # as it was; its record says what it is
         stamp = by_id[i].stamp
         said = vouched(entries, i, output, stamp.sha256 if stamp is not None else None)
+        if said is None and i in recording and i in tri.recovered:
+            raise InputError(f"{output_of(i)}: not written by mlx-tier (its journal records no output for "
+                             f"{by_id[i].name}); move it out of the output folder, or delete it, to summarise "
+                             "that document; nothing was run")
         if isinstance(said, dict):
             if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]):
                 continue  # the output its done record describes (the redo never renamed)

@@ -306,6 +306,10 @@ class JobInfo:
         prompt, prompt_text: the instruction's hash (what each summary records)
             and its text (here once).
         cwd: the folder the command was given in (its paths may be relative to it).
+        writes: ``True``: the run journals a ``writing`` record before each output it
+            renames into place (:func:`mlx_tier.job.provenance.writing_record`), so an
+            output of its documents that no record names is not its own; ``None``: an
+            older version's run, which did not.
     """
 
     input: str
@@ -323,6 +327,7 @@ class JobInfo:
     prompt: str | None = None
     prompt_text: str | None = None
     cwd: str | None = None
+    writes: bool | None = None
 
     def write(self, journal: Journal) -> dict:
         """Durably append this run's ``start`` record to ``journal`` (its ``run`` and

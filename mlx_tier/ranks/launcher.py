@@ -357,7 +357,7 @@ def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, st
             job.discard_if_unused()
             raise
     instruction = config.generation.instruction
-    JobInfo(input=str(config.input), ids=[d.id for d in docs], todo=tri.pending, started=time.time(),
+    JobInfo(input=str(config.input), ids=[d.id for d in docs], todo=tri.pending, started=time.time(), writes=True,
             pid=os.getpid(), command=config.command, cwd=current_folder(), output_format=config.output_format, mono=time.monotonic(),
             host=socket.gethostname(), prompt=prompt_hash(instruction),
             prompt_text=instruction).write(job.journal(clock=clock))

@@ -244,6 +244,28 @@ def test_crash_after_output_before_journal_is_recovered(docs, tmp_path, tiny_moe
     assert one.status == "done" and one.earlier_run
 
 
+def test_a_users_file_under_an_output_name_of_a_stopped_run_is_not_a_summary(docs, tmp_path, tiny_moe):
+    """A user trial: a run stopped before any summary; the user put their own one.md in the
+    output folder; the rerun took it for a summary a crash left ("skipping 1 already done"),
+    and the document was never summarised. A run of this version journals each output
+    before its rename: an output of its documents that no record names is someone else's.
+    The rerun refuses in one line and touches nothing; once the file is moved, it runs."""
+    from mlx_tier.outdir.journal import JobInfo, Journal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input=str(docs), ids=["one", "two"], todo=["one", "two"], started=0.0, pid=1, writes=True).write(
+        Journal(out))
+    (out / "one.md").write_text("my own notes\n")
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "3")
+    lines = error_lines(output)
+    assert code == 2 and len(lines) == 1 and f"{out / 'one.md'}: not written by mlx-tier" in lines[0], output
+    assert (out / "one.md").read_text() == "my own notes\n" and not (out / "two.md").exists()
+    (out / "one.md").rename(tmp_path / "mine.md")
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "3")
+    assert code == 0 and (out / "one.md").exists(), output
+
+
 def test_trim_to_sentence():
     from mlx_tier.job.prompts import trim_to_sentence
 
