@@ -439,8 +439,12 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     this_run = _this_run(latest, info)
     ran = {id(r) for r in this_run}
     # A document the last run set out to redo (its source or settings changed) is pending until
-    # that run writes it: its earlier summary is not done (a stopped redo left it stale).
-    redoing = {i for i in (info.todo if info is not None else ()) if i in latest and id(latest[i]) not in ran}
+    # that run writes it: its earlier summary is not done (a stopped redo left it stale). A record
+    # after that run's start is no earlier summary (a later run with nothing to do copied it).
+    start = max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
+    since = {id(r) for r in entries[start + 1:]}
+    redoing = {i for i in (info.todo if info is not None else ()) if i in latest and id(latest[i]) not in ran
+               and id(latest[i]) not in since}
     states = [latest.get(i, {}).get("status") for i in ids]
     done = [latest[i] for i, s in zip(ids, states) if s == "done" and i not in redoing]
     failures = [_failure(i, latest[i]) for i, s in zip(ids, states) if s == "failed"]

@@ -417,3 +417,19 @@ def test_the_speed_row_says_it_counts_finished_summaries(tmp_path):
     assert "this run (its finished documents over its generation time); 125 tokens in the job's finished " \
            "documents" in words, r.output
     assert "19 tokens so far" in words and max(map(len, r.output.splitlines())) <= 80, r.output
+
+
+def test_a_summary_copied_by_a_run_with_nothing_to_do_is_done(tmp_path):
+    """A user trial: a document edited to another's text was given that summary by a rerun
+    with nothing to generate (no start record); status then took it for a redo of the last
+    run left undone: "stopped, 1 document left", where report.json said 3 done."""
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["x", "y"], todo=["x", "y"], started=T0, pid=1, run="r1",
+            command="mlx-tier run docs --out out").write(Journal(out))
+    lines = [{"id": i, "status": "done", "output_tokens": 8, "run": "r1", "time": T0 + 10} for i in ("x", "y")]
+    lines.append({"id": "y", "status": "done", "output_tokens": 8, "run": "r2", "reused": "x", "time": T0 + 99})
+    with open(out / "journal.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines))
+    s = read_status(out, now=T0 + 100)
+    assert (s.state, s.done, s.pending, s.redoing) == ("finished", 2, 0, [])
