@@ -85,7 +85,9 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
     step = step if pools is None else max(step, DEFAULT_POOL_STEP)
     budget = run_budget(model_dir, config.tier, config.memory_gb, step, g.kv_bits)  # opens the checkpoint
     context = context_length(model_dir, FALLBACK_CONTEXT)  # the settings checked before anything is said or loaded
-    check_context(load_tokenizer(model_dir), g.instruction, g.max_tokens, min(context, g.context or context))
+    capped = not g.context or g.context >= context  # the model's own context: no setting raises it
+    check_context(load_tokenizer(model_dir), g.instruction, g.max_tokens, min(context, g.context or context),
+                  "the model's context of" if capped else "a context of", raisable=not capped)
     tier, cache_gb = config.tier, None
     if budget is not None and pools is not None and tier.layer_slots is None:
         budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())

@@ -159,19 +159,23 @@ class Outcome:
     kept_tokens: int = 0  # of output_tokens, those of kept calls' results (an earlier run's or a copy's): not generated for it
 
 
-def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "a context of"):
+def check_context(tokenizer, instruction: str, max_tokens: int, context: int, what: str = "a context of",
+                  raisable: bool = True):
     """Refuse a context with no room for text in one call: the context less the
     output and the instruction with its part note (:mod:`mlx_tier.job.longdoc`).
+    ``raisable``: ``False`` when the context is the model's own, which no setting raises.
 
     Raises:
         InputError: fewer than :data:`MIN_TEXT_TOKENS` tokens would be left
-            (``field``: ``context``; settings named `like_this` in the message).
+            (``field``: ``context``, or ``max_tokens`` when only it can help; settings
+            named `like_this` in the message).
     """
     overhead = len(build_prompt(tokenizer, MAP_NOTE.format(i=99, n=99) + instruction, ""))
     if context - max_tokens - overhead < MIN_TEXT_TOKENS:
+        fix = "raise `context` or lower `max_tokens`" if raisable else "lower `max_tokens`"
         raise InputError(
             f"{what} {context} tokens is not enough for `max_tokens` {max_tokens} plus the instruction "
-            f"({overhead} tokens) plus text; raise `context` or lower `max_tokens`", "context"
+            f"({overhead} tokens) plus text; {fix}", "context" if raisable else "max_tokens"
         )
 
 

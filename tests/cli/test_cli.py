@@ -163,12 +163,14 @@ def test_a_max_tokens_beyond_the_context_is_refused_before_anything_loads(docs, 
     import mlx_tier.engine.load as engine_load
 
     monkeypatch.setattr(engine_load, "load", lambda *a, **k: pytest.fail("the model was loaded"))
-    for tokens in ("99999999999999999999", "4096"):
-        code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--max-tokens", tokens)
+    for tokens, more in (("99999999999999999999", ()), ("4096", ()), ("4096", ("--context", "20000"))):
+        code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--max-tokens", tokens, *more)
         lines = error_lines(output)
         assert code == 2 and len(lines) == 1 and f"not enough for --max-tokens {tokens}" in lines[0], output
         assert "memory:" not in output and "loading" not in output, output
         assert not (tmp_path / "o").exists()
+        # the model's own context (a --context above it is capped): raising --context cannot help
+        assert "the model's context of" in lines[0] and lines[0].endswith("; lower --max-tokens"), lines
 
 
 def test_prompt_from_file_and_jsonl(tmp_path, tiny_moe):
