@@ -416,7 +416,9 @@ class Scheduler:
         priced = None if c.batch_size and c.pool_tokens and c.prefill_batch else self.step_model()
         if priced is not None:
             self.chars_per_token = chars_per_token(self.tokenizer, samples or [])
-            doc = predicted_tokens(chars, self.chars_per_token) if chars else self.context
+            # unknown sizes (a document not converted yet): one call as long as the context allows
+            doc = (predicted_tokens(chars, self.chars_per_token) if chars
+                   else max(1, self.context - c.max_tokens - len(self.prefix) - 16))
             calls = self.calls_for(doc)  # a document longer than a call: its parts, then combining calls
             shape, rates = priced
             room = self.plan.free_bytes - self.plan.prefill_fixed

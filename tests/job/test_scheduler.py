@@ -580,3 +580,13 @@ def test_a_long_typical_document_is_predicted_over_all_its_calls(tiny_moe):
     announce(sched, type("R", (), {"message": lambda self, text: said.append(text)})())
     line = " ".join(" ".join(said).split())
     assert f"documents of ~{long.document_tokens} tokens, each summarised in {long.calls} calls" in line, line
+
+
+def test_documents_of_unknown_size_are_predicted_as_one_full_call(tiny_moe):
+    """A user trial: a --retry-failed run of an unconvertible .html (its size unknown) was
+    predicted "for documents of ~8192 tokens, each summarised in 3 calls". A document of
+    unknown size is priced as one call as long as the context allows."""
+    model, tokenizer = mlx_tier.load(tiny_moe, config=mlx_tier.TierConfig(slots_per_layer=2, kernel="cpu"))
+    g = GenerationConfig("Summarise this.", 8, schedule="throughput", context=512)
+    pools = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=None, documents=1).pools
+    assert pools.calls == 1 and pools.prompt_tokens <= 512 - 8
