@@ -344,8 +344,10 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
     except KeyboardInterrupt as e:
         reporter.close()
         term = getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
-        print_resume(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
-                          "Resume with:", command, retry)
+        # before the job started (loading its model), the folder was never made: nothing to resume
+        what, again = ("finished summaries are kept", "Resume with:") if out_dir.is_dir() else \
+            ("the job had not started, nothing was written", "Run it again with:")
+        print_resume(err, f"{'terminated' if term else 'interrupted'}; {what}. {again}", command, retry)
         raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
     print_summary(report, out_dir)
     if report.interrupted:

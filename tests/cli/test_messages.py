@@ -71,16 +71,21 @@ def finished_report(interrupted=False, stop_signal=None, pending=0):
     return JobReport(results=results, runs=[run], interrupted=interrupted, stop_signal=stop_signal)
 
 
-@pytest.mark.parametrize("raised, code, label, prose_start", [
-    (Interrupted(signal.SIGINT), 130, "Resume with:", "interrupted;"),
-    (Interrupted(signal.SIGTERM), 143, "Resume with:", "terminated;"),
-    (JobError("/out/x.md: No space left on device; the job stopped"), 3, "resume with:", "error:"),
+@pytest.mark.parametrize("raised, code, label, prose_start, started", [
+    (Interrupted(signal.SIGINT), 130, "Resume with:", "interrupted;", True),
+    (Interrupted(signal.SIGTERM), 143, "Resume with:", "terminated;", True),
+    (JobError("/out/x.md: No space left on device; the job stopped"), 3, "resume with:", "error:", True),
+    # while loading the model, before the job's folder is made: nothing to resume
+    (Interrupted(signal.SIGINT), 130, "the job had not started, nothing was written. Run it again with:",
+     "interrupted;", False),
 ])
 def test_run_ending_early_gives_the_resume_command_on_its_own_line(tmp_path, monkeypatch, raised, code, label,
-                                                                   prose_start):
+                                                                   prose_start, started):
     import mlx_tier.job.run
 
     def stopped(config, reporter):
+        if started:
+            config.out_dir.mkdir(parents=True, exist_ok=True)
         raise raised
 
     monkeypatch.setattr(mlx_tier.job.run, "run_job", stopped)

@@ -208,8 +208,9 @@ def test_sigterm_while_loading_the_model_exits_143(tmp_path, monkeypatch, small_
     r = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), "--model", str(small_moe),
                                  "--max-tokens", "8"])
     assert r.exit_code == 143, r.output
-    assert "terminated; finished summaries are kept. Resume with:" in r.output
-    assert command_after(r.output, "Resume with:") == (f"mlx-tier run {tmp_path / 'docs'} --out {out} "
+    # a user trial: "finished summaries are kept. Resume with:" of a job that never started
+    assert "terminated; the job had not started, nothing was written. Run it again with:" in r.output
+    assert command_after(r.output, "Run it again with:") == (f"mlx-tier run {tmp_path / 'docs'} --out {out} "
                                                        f"--model {small_moe} --max-tokens 8")
     assert not out.exists()  # a run that never started leaves no folder
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is restored
