@@ -82,6 +82,8 @@ class EtaTracker:
             ones will likely take, instead of the ``max_tokens`` prior alone).
         calls: the calls a document of so many tokens of text takes
             (:meth:`~mlx_tier.job.scheduler.Scheduler.calls_for`); ``None``: one.
+        max_tok_s: the throttle's cap on generated tokens per second (``--max-tok-s``):
+            the tokens left take at least their number over it; ``None``: none.
     """
 
     docs: dict[str, int]
@@ -90,6 +92,7 @@ class EtaTracker:
     started: float
     earlier: list[int] = field(default_factory=list)
     calls: Callable[[int], CallPlan] | None = None
+    max_tok_s: float | None = None
     _left: dict[str, _Doc] = field(init=False)
     _outputs: list[int] = field(default_factory=list, init=False)  # finished documents' lengths, sorted
     _suffix: list[int] | None = field(default=None, init=False)  # _suffix[i] = sum(_outputs[i:]); None: stale
@@ -189,6 +192,8 @@ class EtaTracker:
             t = sum(s for _, s in steps) / len(steps)
             decode_s = (drain_seconds(writes, self.batch_size, 0.0, t / b)
                         * drain_seconds(writes, self.batch_size, t, 0.0)) ** 0.5
+        if self.max_tok_s:  # the throttle paces every step to the cap
+            decode_s = max(decode_s, sum(writes) / self.max_tok_s)
         spent = max(now - self.started, 0.0)
         overhead = min(max(spent / self._step_seconds, 1.0), MAX_OVERHEAD) if self._step_seconds > 0 else 1.0
         return (prompt_s + decode_s) * overhead

@@ -258,7 +258,8 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
     earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
                if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
     eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic(), earlier,
-                     None if p.requests else scheduler.calls_for)  # requests are never split
+                     None if p.requests else scheduler.calls_for,  # requests are never split
+                     config.throttle.max_tok_s)
 
     speed = Speed()
 

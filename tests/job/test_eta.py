@@ -237,3 +237,17 @@ def test_a_long_document_not_started_counts_all_its_calls():
                                                           rel=0.05)
     fits = measured(EtaTracker({"short": 400, "other": 2_000}, 64, 1, 0.0, calls=calls))
     assert fits.eta(0.0) == measured(EtaTracker({"short": 400, "other": 2_000}, 64, 1, 0.0)).eta(0.0)
+
+
+def test_the_users_tok_s_cap_bounds_the_eta():
+    """A user trial: `--max-tok-s 2` showed "ETA 2s" with three summaries of 16 tokens 7
+    tokens in; they took 14 s more. The tokens left take at least their number over the cap."""
+    def tracker(cap):
+        t = EtaTracker({"a": 400, "b": 400}, 16, 2, 0.0, max_tok_s=cap)
+        t.step([("a", 100, 100), ("b", 100, 100)], [], 200, 1.0, 0, 0.0)
+        t.step([], [("a", 7), ("b", 7)], 0, 0.0, 2, 0.05)
+        return t.eta(0.0)
+
+    free, capped = tracker(None), tracker(2.0)
+    assert free < 2 and capped == pytest.approx(2 * (16 - 7) / 2.0, rel=0.2)  # 18 tokens left at 2 a second
+    assert tracker(1e6) == free  # a cap above the machine's rate changes nothing
