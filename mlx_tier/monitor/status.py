@@ -410,6 +410,30 @@ def _number(d: dict | None, key: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _journal_of(out_dir: Path) -> Journal:
+    """The journal of the job in ``out_dir``. Raises InputError: not a job's output folder
+    (:func:`read_status`)."""
+    if not out_dir.is_dir():
+        raise InputError(f"{out_dir}: is a file, not a job's output folder" if out_dir.exists()
+                         else f"{out_dir}: no such folder")
+    journal = Journal(out_dir)
+    if not any((out_dir / name).exists() for name in (journal.path.name, LOCK, PID_FILE)):
+        raise InputError(f"{out_dir}: not an mlx-tier output folder (no journal.jsonl)")
+    return journal
+
+
+def _redoing(entries: list[dict], latest: dict[str, dict], info: JobInfo | None, ran: set[int]) -> set[str]:
+    """Documents the last run set out to redo (their source or settings changed) and has not
+    written: pending, their earlier summary not done (a stopped redo left it stale). A record
+    after that run's start is no earlier summary (a later run with nothing to do copied it);
+    ``ran``: ``id()`` of the run's own records."""
+    if info is None:
+        return set()
+    start = max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
+    since = {id(r) for r in entries[start + 1:]}
+    return {i for i in info.todo if i in latest and id(latest[i]) not in ran and id(latest[i]) not in since}
+
+
 def read_status(out_dir: Path, now: float | None = None, now_mono: float | None = None) -> JobStatus:
     """The status of the job in ``out_dir``.
 
@@ -425,12 +449,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
             lock or pid file of a run that is still loading its model).
     """
     out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        raise InputError(f"{out_dir}: is a file, not a job's output folder" if Path(out_dir).exists()
-                         else f"{out_dir}: no such folder")
-    journal = Journal(out_dir)
-    if not any((out_dir / name).exists() for name in (journal.path.name, LOCK, PID_FILE)):
-        raise InputError(f"{out_dir}: not an mlx-tier output folder (no journal.jsonl)")
+    journal = _journal_of(out_dir)
     clocks = _Clocks(time.time() if now is None else now, time.monotonic() if now_mono is None else now_mono)
     entries = list(journal.entries())
     info = JobInfo.last(entries)
@@ -438,13 +457,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     ids = info.ids if info is not None else list(latest)
     this_run = _this_run(latest, info)
     ran = {id(r) for r in this_run}
-    # A document the last run set out to redo (its source or settings changed) is pending until
-    # that run writes it: its earlier summary is not done (a stopped redo left it stale). A record
-    # after that run's start is no earlier summary (a later run with nothing to do copied it).
-    start = max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
-    since = {id(r) for r in entries[start + 1:]}
-    redoing = {i for i in (info.todo if info is not None else ()) if i in latest and id(latest[i]) not in ran
-               and id(latest[i]) not in since}
+    redoing = _redoing(entries, latest, info, ran)
     states = [latest.get(i, {}).get("status") for i in ids]
     done = [latest[i] for i, s in zip(ids, states) if s == "done" and i not in redoing]
     failures = [_failure(i, latest[i]) for i, s in zip(ids, states) if s == "failed"]
