@@ -324,6 +324,7 @@ class Scheduler:
         cache = getattr(model, "expert_cache", None) if config.schedule == "throughput" else None
         self.prefix, self._seen = self._measured_prefix(cache, probes[0][: max(n, 1)])
         self._priced = None  # step_model(), once
+        self._call_overheads: tuple[int, int] | None = None  # calls_for's instruction tokens, once
         context = min(model_context, config.context or model_context)
         # Within a memory split the prompt step's transient is its workspace share, not each sequence's.
         step = config.prefill_step_size if memory is None else 0
@@ -448,9 +449,10 @@ class Scheduler:
         limit = self.context - c.max_tokens
         if doc + len(self.prefix) + 16 <= limit:
             return call_plan(doc, limit, c.max_tokens, len(self.prefix) + 16, 0)
-        over = [len(build_prompt(self.tokenizer, note + c.instruction, "")) for note in
-                (MAP_NOTE.format(i=999, n=999), REDUCE_NOTE)]
-        return call_plan(doc, limit, c.max_tokens, *over)
+        if self._call_overheads is None:  # tokenized once: the ETA asks for every long document left
+            self._call_overheads = tuple(len(build_prompt(self.tokenizer, note + c.instruction, ""))
+                                         for note in (MAP_NOTE.format(i=999, n=999), REDUCE_NOTE))
+        return call_plan(doc, limit, c.max_tokens, *self._call_overheads)
 
     def step_model(self):
         """``(Shape, Rates)`` of :mod:`mlx_tier.tools.pools` for this run's model: its kernels'
