@@ -69,7 +69,8 @@ class Loaded:
 def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = None,
                 pools: Callable[[], tuple[int, int, list]] | None = None) -> Loaded:
     """The tiered model (from ``model_dir`` when it was found already), its checkpoint opened
-    and its context checked against `max_tokens` before the memory split is said or anything loaded. ``pools``: when the run uses the throughput schedule (its
+    and its context checked against `max_tokens` before the memory split is said or anything
+    loaded. ``pools``: when the run uses the throughput schedule (its
     expert cache may give room to its pools), gives ``(characters of a typical document,
     documents, a few documents' samples (:data:`~mlx_tier.job.doc_tokens.Sample`))``; asked only once the model is found and its split fits."""
     from mlx_lm.utils import load_tokenizer
@@ -86,11 +87,12 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
     budget = run_budget(model_dir, config.tier, config.memory_gb, step, g.kv_bits)  # opens the checkpoint
     context = context_length(model_dir, FALLBACK_CONTEXT)  # the settings checked before anything is said or loaded
     capped = not g.context or g.context >= context  # the model's own context: no setting raises it
-    check_context(load_tokenizer(model_dir), g.instruction, g.max_tokens, min(context, g.context or context),
+    tokenizer = load_tokenizer(model_dir)  # ~0.4 s, once: the check's and the pools' (the load reads its own)
+    check_context(tokenizer, g.instruction, g.max_tokens, min(context, g.context or context),
                   "the model's context of" if capped else "a context of", raisable=not capped)
     tier, cache_gb = config.tier, None
     if budget is not None and pools is not None and tier.layer_slots is None:
-        budget = _cache_for_pools(budget, model_dir, config, reporter, *pools())
+        budget = _cache_for_pools(budget, model_dir, config, reporter, tokenizer, *pools())
     if budget is not None:
         reporter.message(f"memory: {budget.describe()}")
         if (tier.read_method, tier.page_cache) == (DEFAULT_READ_METHOD, DEFAULT_PAGE_CACHE):  # else the caller's
@@ -127,21 +129,19 @@ def read_mode(model_dir: Path, budget: MemoryBudget, schedule: str, say: Callabl
     return DIRECT
 
 
-def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, reporter: Reporter, chars: int,
-                     documents: int, samples: list) -> MemoryBudget:
+def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, reporter: Reporter, tokenizer,
+                     chars: int, documents: int, samples: list) -> MemoryBudget:
     """``budget`` with fewer expert slots when the pool model predicts more documents/hour from
     the KV room they leave (:mod:`mlx_tier.tools.pool_cache`), said in one line; else as it is.
     Documents are estimated as the scheduler sizes its pools (``chars`` at the ``samples``'
     characters per token, :mod:`mlx_tier.job.doc_tokens`, and the instruction's tokens,
-    within the context); of unknown length, as ``plan``'s default."""
-    from mlx_lm.utils import load_tokenizer
-
+    within the context); of unknown length, as ``plan``'s default. ``tokenizer``: the model's."""
     from mlx_tier.job.doc_tokens import chars_per_token, predicted_tokens
     from mlx_tier.tools.pool_cache import cache_for_pools, with_cache
 
     g = config.generation
     room = context_length(model_dir, FALLBACK_CONTEXT) - g.max_tokens  # the scheduler caps its estimate so
-    per = chars_per_token(load_tokenizer(model_dir), samples) if samples else None  # ~0.4 s: once a run
+    per = chars_per_token(tokenizer, samples) if samples else None
     doc = predicted_tokens(chars, per) if chars else PLAN_DOC_TOKENS
     prompt = max(1, min(room, doc + predicted_tokens(len(g.instruction), per) + 16))
     found = cache_for_pools(model_dir, budget, prompt, g.max_tokens, documents, g.batch_size,
