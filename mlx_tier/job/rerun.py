@@ -258,9 +258,8 @@ def refuse_other_files(docs, records: Mapping[str, dict], out_dir: Path) -> None
 def rerun_counts(tri: Triage) -> dict:
     """What the triage found of earlier summaries, for the run's record
     (:func:`mlx_tier.job.report.rerun_account`)."""
-    copied = sum(i in tri.reused for i in tri.stale)  # changed to a text summarised already: not stale now
-    return {"stale": len(tri.stale) - copied, "kept_changed": len(tri.kept_changed), "reused": len(tri.reused),
-            "unstamped": len(tri.unstamped)}
+    return {"stale": len(tri.stale) - len(tri.copied),  # the copied ones are current now
+            "kept_changed": len(tri.kept_changed), "reused": len(tri.reused), "unstamped": len(tri.unstamped)}
 
 
 def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, retry_failed: bool,
@@ -273,7 +272,7 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
     if ids is not None:
         notes += _left_out(tri, records, ids, batch)
     noun = "request" if batch else "document"
-    copied = [i for i in tri.stale if i in tri.reused]  # changed to a text summarised already
+    copied = tri.copied
     if len(tri.stale) > len(copied):
         notes.append(_stale_note(len(tri.stale) - len(copied), retry_failed, batch))
     if copied:

@@ -85,6 +85,12 @@ class Triage:
     failed_changed: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
 
+    @property
+    def copied(self) -> list[str]:
+        """Stale ids changed to a text another summary of the job holds: given that summary
+        (:attr:`reused`), not redone."""
+        return [i for i in self.stale if i in self.reused]
+
 
 def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str, OutputState],
            attempted: set[str] = frozenset(), retry_failed: bool = False,
