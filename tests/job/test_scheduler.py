@@ -574,7 +574,8 @@ def test_a_long_typical_document_is_predicted_over_all_its_calls(tiny_moe):
     calls = sched.calls_for(long.document_tokens)
     shape, rates = sched.step_model()
     part = choose_pools(shape, rates, calls.part_prompt, 8, sched.plan.free_bytes - sched.plan.prefill_fixed,
-                        None, 4, None, 0, True, decode_slots=sched._decode_slots(long.decode_pool))
+                        None, 4, None, len(sched.prefix) if sched._prefix() else 0, True,
+                        decode_slots=sched._decode_slots(long.decode_pool))  # a part's call as the scheduler priced it
     assert part.prompt_tokens == long.prompt_tokens and long.docs_per_hour < part.docs_per_hour / calls.parts
     said = []
     announce(sched, type("R", (), {"message": lambda self, text: said.append(text)})())
