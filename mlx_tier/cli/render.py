@@ -324,8 +324,16 @@ def summary_line(report, out_dir: Path) -> str:
             f"{run.get('output_tok_per_s', 0.0):.2f} output tok/s over "
             f"{seconds_text(run.get('generation_seconds', run.get('seconds', 0.0)))} of generation{loading}"
             + (f", redone {redone}" if redone else "")
-            + f", hit rate {c['hit_rate']:.1%}, read {read / 2**20:.0f} MiB{reread}, "
+            + f", {_hit_text(c)}, read {read / 2**20:.0f} MiB{reread}, "
             f"throttled {run.get('throttled_seconds', 0.0):.0f} s" + where)
+
+
+def _hit_text(counters: dict) -> str:
+    """``"hit rate 36.6%"``, or ``"no expert lookups"`` for a run that routed no token (a
+    stop before its first step): 0.0% would read as a cache that missed everything."""
+    if "hits" in counters and not counters["hits"] + counters.get("misses", 0):
+        return "no expert lookups"
+    return f"hit rate {counters['hit_rate']:.1%}"
 
 
 def redone_text(stale: int, changed: int, what: str = "document") -> str:

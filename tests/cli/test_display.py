@@ -130,6 +130,17 @@ def test_summary_line_says_why_ranks_read_more_without_inventing_evictions(tmp_p
     assert "= 1.5x the experts' 100 MiB on disk," in bare and "evicted" not in bare and "ranks" not in bare
 
 
+def test_a_run_that_routed_no_token_says_so_not_a_zero_hit_rate(tmp_path):
+    """A run stopped before its first step had no expert lookups: "hit rate 0.0%" read as a
+    cache that missed everything."""
+    report = report_with(0)
+    report.runs[-1]["cache"] |= {"hits": 0, "misses": 0, "hit_rate": 0.0}
+    line = summary_line(report, tmp_path)
+    assert "no expert lookups" in line and "hit rate" not in line, line
+    report.runs[-1]["cache"] |= {"hits": 0, "misses": 3}  # lookups that all missed: a real 0%
+    assert "hit rate 0.0%" in summary_line(report, tmp_path)
+
+
 @pytest.mark.parametrize("width", [80, 60])
 def test_end_of_run_lines_wrap_between_words(tmp_path, monkeypatch, width):
     """The totals after a run: job, this run, report each start a line; none is cut mid-word."""
