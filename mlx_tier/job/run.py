@@ -675,7 +675,9 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     else:  # nothing to do: the job's setup and throttle account stay as the last run wrote them
         report.setup, report.throttle = earlier_setup(config)
     if is_batch(docs):  # the answers are in output.jsonl and errors.jsonl, not <id>.md
-        report.setup["batch_requests"] = True
+        # each request runs its own messages: the summarise instruction (--prompt) made none of them
+        report.setup |= {"batch_requests": True, "prompt": None}
+        report.prompts.clear()
     _mark_start(journal, report, config, share, tri, list(by_id), settings, loaded is not None, bool(records))
     if config.input_paths is not None and not share.part:
         write_input_list(config.out_dir, docs)

@@ -71,6 +71,15 @@ def answered(tmp_path_factory, tiny_moe) -> Path:
     return root / "out"
 
 
+def test_a_request_files_report_names_no_summarise_instruction(answered):
+    """Each request runs its own messages: report.json recorded the summarise instruction
+    (`--prompt`'s default) as the run's prompt, which made none of its answers."""
+    report = json.loads((answered / "report.json").read_text())
+    assert report["batch_requests"] is True
+    assert report["prompt"] is None and report["prompts"] == {}, (report["prompt"], report["prompts"])
+    assert "Summarise" not in json.dumps(report)
+
+
 def rerun_with(a: dict, answered: Path, tmp_path: Path, model: Path):
     """Copy the answered folder, rerun it with A replaced by ``a``; the CLI result, the folder
     and the output lines before."""
