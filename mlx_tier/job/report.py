@@ -169,6 +169,56 @@ def previous_runs(path: Path) -> list[dict]:
         return []
 
 
+# What a run record rebuilt from the journal says of how its run ended (unreported_runs).
+UNREPORTED = ("no record in report.json (the run was killed, crashed or stopped at once, or the file was "
+              "replaced): rebuilt from its journal records, its time up to the last of them")
+
+
+def unreported_runs(entries, known: set[str]) -> list[dict]:
+    """Records of the runs that ended without writing report.json, rebuilt from the journal.
+
+    A run whose ``start`` record says it reports itself (``reports``) and whose id is not
+    in ``known`` (report.json's runs and this run's) was killed (SIGKILL, the OOM killer,
+    a power loss), crashed, or stopped by a second interrupt: its summaries are in the
+    journal, but its time and tokens would leave the job's totals. Each record has
+    :class:`RunRecord`'s keys the journal can give, in file order: ``run``, ``started``,
+    ``seconds`` (to its last record: at least what it ran), ``load_seconds`` (its start
+    record's ``run_t``), ``done``/``failed`` (its document records), ``output_tokens``
+    (:func:`~mlx_tier.rates.generated_tokens` of its done records), the speeds over its
+    generation time (model loaded to its last document record, :mod:`mlx_tier.rates`),
+    its ``model`` and ``prompt``, and ``ended`` (:data:`UNREPORTED`).
+
+    Args:
+        entries: the job's journal records in file order (:meth:`Journal.entries`).
+        known: run ids that have a record already.
+    """
+    starts: dict[str, dict] = {}
+    mine: dict[str, list[dict]] = {}
+    for rec in entries:
+        run = rec.get("run")
+        if not isinstance(run, str) or run in known:
+            continue
+        if rec.get("event") == "start" and rec.get("reports") is True:
+            starts.setdefault(run, rec)
+        mine.setdefault(run, []).append(rec)
+    return [_rebuilt(run, start, mine[run]) for run, start in starts.items()]
+
+
+def _rebuilt(run: str, start: dict, records: list[dict]) -> dict:
+    """:func:`unreported_runs`' record of run ``run`` from its ``start`` and all its records."""
+    load = float(start.get("run_t") or 0.0)
+    docs = [r for r in records if r.get("status") in ("done", "failed") and "id" in r and not r.get("recovered")]
+    ends = [r.get("run_t", load) for r in docs + [r for r in records if r.get("event") == "stopped"]]
+    speed = RunSpeed(sum(generated_tokens(r) for r in docs), sum(r["status"] == "done" for r in docs),
+                     max(0.0, max(ends, default=load) - load), load)
+    began = float(start.get("started", 0.0)) - load  # the start record is written once the model is loaded
+    return {"run": run, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began)),
+            "seconds": round(max((r.get("run_t", 0.0) for r in records), default=load), 3),
+            "done": speed.documents, "failed": len(docs) - speed.documents, "loaded_model": True,
+            "output_tokens": speed.output_tokens, **speed.as_dict(),
+            **{k: start[k] for k in ("model", "prompt") if k in start}, "ended": UNREPORTED}
+
+
 def sum_cache(runs: list[dict]) -> dict:
     """Cache counters summed over runs, hit rate recomputed."""
     total = {k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in COUNTERS}
@@ -258,6 +308,8 @@ class RunRecord:
         cache: the cache's figures; ``None``: nothing to do, the model was not loaded.
         settings: :meth:`~mlx_tier.job.provenance.Settings.fields` of the run
             (``{}``: the model was not loaded).
+        run: the run's id (:class:`~mlx_tier.outdir.journal.RunClock`), as its journal
+            records carry it; ``None``: not given (a distributed run's launcher).
         rerun: what it did with earlier summaries: ``redone_stale``, ``redone_changed``
             (summaries it rewrote because their source, or their settings, changed), ``kept_changed`` (written with other settings, kept),
             ``reused`` (copied under a new name), ``unstamped`` (older records taken as current).
@@ -277,23 +329,26 @@ class RunRecord:
     settings: dict = field(default_factory=dict)
     rerun: dict = field(default_factory=dict)
     left_pending: int = 0
+    run: str | None = None
 
     @classmethod
     def of(cls, report: JobReport, t_wall: float, cache, skipped: int, left_failed: int,
-           settings: dict | None = None, rerun: dict | None = None, left_pending: int = 0) -> RunRecord:
+           settings: dict | None = None, rerun: dict | None = None, left_pending: int = 0,
+           run: str | None = None) -> RunRecord:
         t = report.throttle
         return cls(time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_wall)), round(report.seconds, 3),
                    report.this_run("done"), report.this_run("failed"), skipped, left_failed, report.output_tokens,
                    t.get("throttled_seconds", 0.0) + t.get("paused_seconds", 0.0) + t.get("capped_seconds", 0.0),
                    CacheRecord.of(cache) if cache is not None else None, report.load_seconds,
-                   report.generation_seconds, settings or {}, rerun or {}, left_pending)
+                   report.generation_seconds, settings or {}, rerun or {}, left_pending, run)
 
     def speed(self) -> RunSpeed:
         return RunSpeed(self.output_tokens, self.done, self.generation_seconds, self.load_seconds)
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("started", "seconds", "done", "failed", "already_done", "left_failed",
-                                           "left_pending")}
+        d = {"run": self.run} if self.run is not None else {}
+        d |= {k: getattr(self, k) for k in ("started", "seconds", "done", "failed", "already_done", "left_failed",
+                                            "left_pending")}
         d |= {"loaded_model": self.cache is not None, "output_tokens": self.output_tokens, **self.speed().as_dict(),
               "throttled_seconds": self.throttled_seconds, **self.settings, **self.rerun}
         if self.cache is not None:

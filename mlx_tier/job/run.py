@@ -80,6 +80,7 @@ from mlx_tier.job.report import (
     previous_runs,
     rerun_account,
     sum_cache,
+    unreported_runs,
 )
 from mlx_tier.job.rerun import (
     copy_reused,
@@ -556,7 +557,7 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
         report, loaded = _run_in(job, docs, config, reporter, share, clock)
         report.seconds = clock.t()
         report.skipped_files = by_count(skipped)
-        _finish_report(report, loaded, config, t_wall, reporter, write=not share.part)
+        _finish_report(report, loaded, config, t_wall, reporter, clock.id, write=not share.part)
     if not share.part:
         write_report_page(config.out_dir, reporter)  # after the lock: the page reads the job as not running
     reporter.close()
@@ -734,9 +735,10 @@ def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: S
     if not tri.pending and earlier:
         return
     model = settings.fields()["model"] if loaded else None
-    rec = JobInfo(input=str(config.input), ids=ids, todo=tri.pending, started=time.time(), writes=True, pid=os.getpid(),
-                  command=config.command, cwd=current_folder(), output_format=config.output_format, mono=time.monotonic(),
-                  host=socket.gethostname(), model=model, prompt=settings.prompt if loaded else None,
+    rec = JobInfo(input=str(config.input), ids=ids, todo=tri.pending, started=time.time(), writes=True,
+                  reports=True, pid=os.getpid(), command=config.command, cwd=current_folder(),
+                  output_format=config.output_format, mono=time.monotonic(), host=socket.gethostname(),
+                  model=model, prompt=settings.prompt if loaded else None,
                   prompt_text=config.generation.instruction if loaded else None).write(journal)
     if loaded:
         report.load_seconds = rec.get("run_t")
@@ -797,14 +799,18 @@ def _samples(pending: list, sizes: dict[str, int]) -> list[tuple[str, int]]:
 
 
 def _finish_report(report: JobReport, loaded: Loaded | None, config: JobConfig, t_wall: float,
-                   reporter: Reporter, write: bool = True) -> None:
-    """This run's record, the summed cache counters, and (``write``) the profile and report.json
-    (atomically)."""
+                   reporter: Reporter, run_id: str, write: bool = True) -> None:
+    """This run's record (``run_id``: its id), the records of earlier runs that ended without
+    theirs (:func:`~mlx_tier.job.report.unreported_runs`), the summed cache counters, and
+    (``write``) the profile and report.json (atomically)."""
     cache = loaded.cache if loaded is not None else None
     run = report.run
     record = RunRecord.of(report, t_wall, cache, run.skipped, run.left_failed, run.settings,
-                          rerun_account(report.results, run.rerun), run.left_pending)
-    report.runs = previous_runs(config.out_dir / REPORT) + [record.as_dict()]
+                          rerun_account(report.results, run.rerun), run.left_pending, run_id)
+    earlier = previous_runs(config.out_dir / REPORT)
+    known = {r.get("run") for r in earlier} | {run_id}
+    lost = unreported_runs(Journal(config.out_dir).entries(), known) if write else []
+    report.runs = earlier + lost + [record.as_dict()]
     report.cache = sum_cache(report.runs)
     if cache is not None:
         report.cache |= {"resident_bytes_max": cache.resident_bytes, "budget_bytes": cache.budget_bytes}

@@ -310,6 +310,9 @@ class JobInfo:
             renames into place (:func:`mlx_tier.job.provenance.writing_record`), so an
             output of its documents that no record names is not its own; ``None``: an
             older version's run, which did not.
+        reports: ``True``: the run's record in report.json carries its id, so a run whose id
+            no record there has ended without writing its report (killed, crashed:
+            :func:`mlx_tier.job.report.unreported_runs`); ``None``: an older version's.
     """
 
     input: str
@@ -328,6 +331,7 @@ class JobInfo:
     prompt_text: str | None = None
     cwd: str | None = None
     writes: bool | None = None
+    reports: bool | None = None
 
     def write(self, journal: Journal) -> dict:
         """Durably append this run's ``start`` record to ``journal`` (its ``run`` and

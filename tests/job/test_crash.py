@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 import mlx_tier.cli.render as render
 from mlx_tier.cli.main import app
+from mlx_tier.job.report import UNREPORTED
 from mlx_tier.monitor.status import read_status
 from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import lock_held
@@ -93,6 +94,18 @@ def test_sigkill_mid_run_then_rerun(tmp_path, small_moe):  # noqa: F811
     st = read_status(out)
     assert (st.running, st.done, st.pending, st.failed) == (False, 6, 0, 0)
     assert f"loading {small_moe}" in (out / "run.log").read_text()  # the background run's output went to its log
+    # The killed run wrote no report.json: its record is rebuilt from the journal, so the job's
+    # time and tokens keep it; a later rerun does not count it twice.
+    killed, now = json.loads((out / "report.json").read_text())["runs"]
+    assert killed["ended"] == UNREPORTED and killed["run"] != now["run"]
+    assert (killed["done"], now["done"]) == (len(finished), 6 - len(finished))
+    mine = [r for r in Journal(out).entries() if r.get("run") == killed["run"] and r.get("status") == "done"]
+    assert killed["output_tokens"] == sum(r["output_tokens"] for r in mine) > 0
+    assert 0 < killed["load_seconds"] < killed["seconds"] and killed["generation_seconds"] > 0
+    assert runner.invoke(app, args).exit_code == 0  # nothing to do
+    report = json.loads((out / "report.json").read_text())
+    assert [r.get("run") for r in report["runs"][:2]] == [killed["run"], now["run"]] and len(report["runs"]) == 3
+    assert report["totals"]["output_tokens"] == sum(r["output_tokens"] for r in report["runs"])
 
 
 def test_sigterm_exits_143_with_the_resume_command(tmp_path, small_moe, monkeypatch):  # noqa: F811

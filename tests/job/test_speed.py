@@ -205,3 +205,32 @@ def test_the_speed_line_prices_the_runs_steps_with_the_pool_model():
     Speed().compare((shape, rates), cache, JobReport(results=[]), said)  # nothing measured: nothing said
     speed.compare(None, cache, JobReport(results=[]), said)  # no model to price with
     assert not said.messages
+
+
+def test_runs_without_a_report_are_rebuilt_from_their_own_journal_records():
+    """A run killed (or stopped at once) writes no report.json: its record is rebuilt from the
+    records carrying its id; runs with a record, and older versions' runs (no ``reports``
+    flag on their start), are left alone."""
+    from mlx_tier.job.report import UNREPORTED, unreported_runs
+
+    entries = [
+        {"event": "start", "run": "old", "run_t": 1.0, "started": 1000.0},  # an older version's run
+        {"id": "a", "status": "done", "output_tokens": 9, "run": "old", "run_t": 4.0},
+        {"event": "start", "run": "kept", "run_t": 1.0, "started": 2000.0, "reports": True},
+        {"id": "b", "status": "done", "output_tokens": 9, "run": "kept", "run_t": 4.0},
+        {"event": "start", "run": "lost", "run_t": 2.0, "started": 3000.0, "reports": True,
+         "model": {"name": "demo"}, "prompt": "p1"},
+        {"event": "thermal", "run": "lost", "run_t": 2.5},
+        {"id": "c", "status": "done", "output_tokens": 10, "kept_tokens": 4, "run": "lost", "run_t": 8.0},
+        {"id": "d", "status": "failed", "run": "lost", "run_t": 9.0},
+        {"id": "e", "status": "done", "output_tokens": 5, "recovered": True, "run": "lost", "run_t": 9.5},
+        {"event": "stopped", "run": "lost", "run_t": 14.0},
+        {"event": "thermal", "run": "lost", "run_t": 20.0},
+    ]
+    (lost,) = unreported_runs(entries, {"kept", "now"})
+    assert lost["run"] == "lost" and lost["ended"] == UNREPORTED
+    assert (lost["done"], lost["failed"], lost["output_tokens"]) == (1, 1, 6)  # 10 written, 4 kept from before
+    assert (lost["load_seconds"], lost["generation_seconds"], lost["seconds"]) == (2.0, 12.0, 20.0)
+    assert lost["documents_per_hour"] == pytest.approx(3600 / 12)
+    assert lost["model"] == {"name": "demo"} and lost["prompt"] == "p1"
+    assert unreported_runs(entries, {"kept", "lost"}) == []
