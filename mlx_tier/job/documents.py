@@ -50,8 +50,8 @@ from mlx_tier.job.provenance import SourceStamp, file_stamp, request_stamp, text
 from mlx_tier.outdir.layout import is_job_folder
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "by_count", "decode_text",
-           "discover", "discover_list", "safe_id", "skip_note", "skip_reason", "source_field", "source_file", "source_hash",
-           "with_default_limit"]
+           "discover", "discover_list", "link_hint", "safe_id", "skip_note", "skip_reason", "source_field",
+           "source_file", "source_hash", "with_default_limit"]
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,8 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
                 dirs[:] = []
                 continue
             seen.add(real)
-        why = {d: _folder_skip(here / d, exclude) or _linked_inside(here / d, inside) for d in dirs}
+        why = {d: _folder_skip(here / d, exclude) or (_linked_inside(here / d, inside) if follow_links
+                                                     else _folder_link(here / d, real_root)) for d in dirs}
         skipped.update(w for w in why.values() if w is not None)
         dirs[:] = [d for d in dirs if why[d] is None]
         for name in names:
@@ -307,6 +308,21 @@ def _walked_folders(root: Path, exclude: Path | None) -> set[Path]:
         out.add(here.resolve())
         dirs[:] = [d for d in dirs if _folder_skip(here / d, exclude) is None]
     return out
+
+
+def _folder_link(p: Path, real_root: Path) -> str | None:
+    """Why the folder link ``p`` is not walked when links are not followed (``os.walk`` would
+    pass it by without a word): its folder is read by its own path, or lies out of INPUT."""
+    if not p.is_symlink():
+        return None
+    return "link to a folder in INPUT" if p.resolve().is_relative_to(real_root) else "link to a folder out of INPUT"
+
+
+def link_hint(skipped: Counter) -> str | None:
+    """What reads the links out of INPUT a walk left out (:func:`_walk`'s ``skipped``), or ``None``."""
+    if skipped.get("link out of INPUT") or skipped.get("link to a folder out of INPUT"):
+        return "links out of INPUT are not read: --follow-links reads them"
+    return None
 
 
 def _linked_inside(p: Path, inside: set[Path]) -> str | None:
@@ -332,7 +348,7 @@ def _once_each(files: list[Path], skipped: Counter) -> list[Path]:
 
 # Why a folder is not searched (:func:`_folder_skip`); every other reason counted is a file's.
 _FOLDER_REASONS = ("hidden folder", "metadata folder", "output folder", "mlx-tier output folder",
-                   "link to a folder in INPUT")
+                   "link to a folder in INPUT", "link to a folder out of INPUT")
 
 
 def _folder_skip(p: Path, exclude: Path | None) -> str | None:
@@ -389,8 +405,9 @@ def _from_folder(root: Path, exclude: Path | None, follow_links: bool, previous:
                  limits: ConversionLimits, skipped: Counter) -> list[FileDocument]:
     files = _walk(root, exclude, follow_links, skipped)
     if not files:
+        hint = link_hint(skipped)
         raise InputError(f"{root}: no documents found: {skip_note(skipped)}; "
-                         "mlx-tier run --help lists the kinds it reads")
+                         + (f"{hint}, and " if hint else "") + "mlx-tier run --help lists the kinds it reads")
     return _from_files(root, files, previous, inside=None if follow_links else root.resolve(), limits=limits)
 
 

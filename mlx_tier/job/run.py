@@ -51,6 +51,7 @@ from mlx_tier.job.documents import (
     by_count,
     discover,
     discover_list,
+    link_hint,
     size_hint,
     skip_note,
     source_field,
@@ -554,6 +555,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     with JobDir(config.out_dir, share.journal_name, part=share.part) as job:
         if skipped and not share.part:
             reporter.message(skip_note(skipped))
+            if link_hint(skipped):
+                reporter.message(link_hint(skipped))
         report, loaded = _run_in(job, docs, config, reporter, share, clock)
         report.seconds = clock.t()
         report.skipped_files = by_count(skipped)

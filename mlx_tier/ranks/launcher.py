@@ -285,7 +285,7 @@ def run_distributed(config, launch: Launch, reporter=None):
             cannot share (``trace``, ``save_profile``), a batch request file, mlx.launch missing.
         mlx_tier.CheckpointError: the demo or hub model cannot be prepared here.
     """
-    from mlx_tier.job.documents import skip_note
+    from mlx_tier.job.documents import link_hint, skip_note
     from mlx_tier.job.rerun import locate_model, rerun_notes, run_settings
     from mlx_tier.job.run import (
         Reporter,
@@ -315,6 +315,8 @@ def run_distributed(config, launch: Launch, reporter=None):
         _, records, tri = start_run(job, docs, config, reporter, clock=clock, settings=settings)
         if skipped and tri.pending:  # else the one-process run below says it
             reporter.message(skip_note(skipped))
+            if link_hint(skipped):
+                reporter.message(link_hint(skipped))
         for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs]):
             reporter.message(note)
         report = (_launch(config, launch, ranks, job, docs, (tri, records), reporter, started, clock, skipped)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mlx_tier.errors import InputError
-from mlx_tier.job.documents import discover, discover_list
+from mlx_tier.job.documents import discover, discover_list, link_hint, skip_note
 from mlx_tier.job.naming import safe_id
 
 
@@ -133,6 +133,16 @@ def test_no_documents_says_what_was_skipped(tmp_path):
     (only_output / "__MACOSX").mkdir()
     with pytest.raises(InputError, match="skipped 2 folders: metadata folder 1, output folder 1;"):
         discover(only_output, exclude=only_output / "out")
+    # my own: an INPUT whose documents are all behind a link to another folder says what reads them
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "papers").symlink_to(only_output / "out", target_is_directory=True)
+    with pytest.raises(InputError) as e:
+        discover(linked)
+    assert str(e.value) == (f"{linked}: no documents found: skipped 1 folder: link to a folder out of INPUT 1; "
+                            "links out of INPUT are not read: --follow-links reads them, and mlx-tier run --help "
+                            "lists the kinds it reads")
+    assert [d.name for d in discover(linked, follow_links=True)] == ["papers/summary.md"]
 
 
 def test_safe_id():
@@ -315,6 +325,8 @@ def test_non_documents_are_skipped_and_appledouble_steals_no_id(tmp_path):
 
 
 def test_links_out_of_input_are_not_followed_unless_asked(tmp_path):
+    from collections import Counter
+
     inp, outside = tmp_path / "in", tmp_path / "secret"
     inp.mkdir()
     outside.mkdir()
@@ -327,7 +339,11 @@ def test_links_out_of_input_are_not_followed_unless_asked(tmp_path):
     (inp / "alias.txt").symlink_to(inp / "hid" / ".own.txt")  # inside INPUT, the only way to a dot-file: read
     (inp / "passwd.txt").symlink_to(outside / "passwd.txt")
     (inp / "dir").symlink_to(outside / "more", target_is_directory=True)
-    assert sorted(d.name for d in discover(inp)) == ["alias.txt", "own.txt"]
+    skipped = Counter()
+    assert sorted(d.name for d in discover(inp, skipped=skipped)) == ["alias.txt", "own.txt"]
+    # a user trial: the folder link was passed by without a word; both are said, and what reads them
+    assert (skipped["link out of INPUT"], skipped["link to a folder out of INPUT"]) == (1, 1)
+    assert skip_note(skipped).startswith("skipped 2 files, 1 folder:") and link_hint(skipped)  # and .own.txt
     followed = {d.name: d.text for d in discover(inp, follow_links=True)}
     assert followed == {"alias.txt": "hidden", "own.txt": "mine", "passwd.txt": "root:x:0:0",
                         "dir/deep.txt": "deep secret"}
@@ -351,7 +367,7 @@ def test_a_file_or_folder_inside_input_is_one_document_whatever_links_lead_to_it
         skipped = Counter()
         assert sorted(d.name for d in discover(inp, follow_links=follow, skipped=skipped)) == ["a.txt", "sub/s.txt"]
         assert skipped["link to a document read by its own path"] == 2
-        assert skipped["link to a folder in INPUT"] == (1 if follow else 0)
+        assert skipped["link to a folder in INPUT"] == 1  # not followed, or followed to a folder walked already
     # a review: a link to a hidden folder inside INPUT is the only way to its files: followed, it is read
     (inp / ".archive" / "2024").mkdir(parents=True)
     (inp / ".archive" / "2024" / "minutes.md").write_text("minutes")
