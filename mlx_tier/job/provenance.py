@@ -203,7 +203,8 @@ class Settings:
         model: the model as given: a folder, a repo id, or ``demo``.
         weights: its weights' fingerprint; ``None`` while unknown (a model not
             downloaded or built yet: compared by name until it is).
-        prompt: :func:`prompt_hash` of the instruction.
+        prompt: :func:`prompt_hash` of the instruction; ``None``: none applies (a request
+            file's answers: each request runs its own messages), not compared.
         kv_bits: the KV caches' bits (``run --kv-bits``: the tokens depend on
             them), ``None`` unquantized.
         config: the fingerprint of its config, tokenizer and chat template
@@ -213,7 +214,7 @@ class Settings:
 
     model: str
     weights: str | None
-    prompt: str
+    prompt: str | None
     kv_bits: int | None = None
     config: str | None = None
     generation: dict | None = None
@@ -238,7 +239,7 @@ class Settings:
         out = []
         if model is not None and not self._same_model(model):
             out.append("model")
-        if isinstance(prompt, str) and prompt != self.prompt:
+        if isinstance(prompt, str) and self.prompt is not None and prompt != self.prompt:
             out.append("prompt")
         if (model is not None or isinstance(prompt, str)) and rec.get("kv_bits") != self.kv_bits:
             out.append("kv_bits")  # a stamped record without it was generated unquantized

@@ -157,11 +157,13 @@ def locate_model(model: Path | str | None) -> Path | None:
     return cached_snapshot(str(model)) if is_repo_id(model) else None
 
 
-def run_settings(model: Path | str | None, generation, model_dir: Path | None) -> Settings:
+def run_settings(model: Path | str | None, generation, model_dir: Path | None, requests: bool = False) -> Settings:
     """This run's :class:`~mlx_tier.job.provenance.Settings` from its model and
     :class:`~mlx_tier.job.scheduler.GenerationConfig`; the weights' and config's
     fingerprints when ``model_dir`` is known and readable (else ``None``: compared by
-    name; the load says what is wrong with an unreadable one)."""
+    name; the load says what is wrong with an unreadable one). ``requests``: a request
+    file's run, whose answers follow their own messages and options: no prompt nor
+    generation options, only the model and KV cache are compared."""
     from mlx_tier.engine.checkpoint import config_fingerprint, weights_fingerprint
 
     weights = config = None
@@ -170,6 +172,8 @@ def run_settings(model: Path | str | None, generation, model_dir: Path | None) -
             weights, config = weights_fingerprint(model_dir), config_fingerprint(model_dir)
         except CheckpointError:
             pass
+    if requests:
+        return Settings(model_name(model), weights, None, generation.kv_bits, config)
     return Settings(model_name(model), weights, prompt_hash(generation.instruction), generation.kv_bits, config,
                     generation_fields(generation))
 
@@ -291,11 +295,12 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
     if len(tri.reused) > len(copied):
         notes.append(f"{count_text(len(tri.reused) - len(copied), noun)} renamed or copied: the summary of the same "
                      "content copied under the new name, not written again")
+    done = "answer" if batch else "summary"
     if tri.changed:
-        notes.append(f"`redo_changed`: redoing {count_text(len(tri.changed), 'summary')} written with another "
+        notes.append(f"`redo_changed`: redoing {count_text(len(tri.changed), done)} written with another "
                      f"{_what(tri.changed, records, settings)}")
     if tri.kept_changed:
-        notes.append(f"keeping {count_text(len(tri.kept_changed), 'summary')} written with another "
+        notes.append(f"keeping {count_text(len(tri.kept_changed), done)} written with another "
                      f"{_what(tri.kept_changed, records, settings)}; redo "
                      f"{'it' if len(tri.kept_changed) == 1 else 'them'} with `redo_changed`")
     if tri.unstamped and batch:

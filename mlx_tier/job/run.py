@@ -573,9 +573,9 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     recovered outputs recorded and reused summaries copied (not by a ``part``: its launcher
     did; one found now is another rank's, its record on the way). ``settings``: this run's
     model and prompt, against which earlier summaries are judged (with each document's
-    source hash now); ``None`` for batch requests, whose answers are judged by their
-    request's hash alone (:func:`~mlx_tier.job.rerun.request_hashes`: a changed request is
-    stale, redone). Returns ``(journal, records, triage)``."""
+    source hash now; ``None``: not judged); a batch request's answer is also judged by its
+    request's hash (:func:`~mlx_tier.job.rerun.request_hashes`: a changed request is
+    stale, redone), its settings by model and KV cache alone. Returns ``(journal, records, triage)``."""
     batch = BatchOutputs(config.out_dir) if is_batch(docs) else None
     summaries = JsonlSummaries(config.out_dir, docs) if keeps_jsonl(config.out_dir, config.output_format) \
         and not part and batch is None else None
@@ -588,7 +588,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     current = request_hashes(docs, records) if batch is not None else \
         current_hashes(docs, records) if settings is not None else {}
     tri = triage([d.id for d in docs], records, _outputs(job, docs, records, batch), attempted_ids(view.entries()),
-                 config.retry_failed, current, settings, config.redo_changed)
+                 config.retry_failed, current, settings, config.redo_changed, reuse=batch is None)
     by_id = {d.id: d for d in docs}
     if batch is None:  # a rank decides as its launcher did: a doubted output is pending in both
         doubt_unrecorded(tri, view.entries(), job.output, by_id, [d.id for d in docs], config.retry_failed)
@@ -646,9 +646,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if is_batch(docs):  # requests run on the batch engine, unquantized (said by _batch_pass)
         config = replace(config, generation=replace(config.generation, kv_bits=None))
     model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
-    settings = run_settings(config.model, config.generation, model_dir)
-    journal, records, tri = start_run(job, docs, config, reporter, share.part, clock,
-                                      None if is_batch(docs) else settings)
+    settings = run_settings(config.model, config.generation, model_dir, is_batch(docs))
+    journal, records, tri = start_run(job, docs, config, reporter, share.part, clock, settings)
     if not share.part:
         for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs], is_batch(docs)):
             reporter.message(note)
@@ -670,7 +669,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
     loaded = model_for(pending, config, reporter, job, model_dir, typical if pooled else None)
     if loaded is not None and settings.weights is None:  # downloaded or built just now
-        settings = run_settings(config.model, config.generation, loaded.model_dir)
+        settings = run_settings(config.model, config.generation, loaded.model_dir, is_batch(docs))
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
                           settings.fields() if loaded is not None else {}, rerun_counts(tri), len(tri.left))
     if loaded is not None:

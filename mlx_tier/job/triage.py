@@ -95,7 +95,7 @@ class Triage:
 def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str, OutputState],
            attempted: set[str] = frozenset(), retry_failed: bool = False,
            current: Mapping[str, str | None] | None = None, settings: Settings | None = None,
-           redo_changed: bool = False) -> Triage:
+           redo_changed: bool = False, reuse: bool = True) -> Triage:
     """Sort a job's documents by their journal state and outputs (pure).
 
     Args:
@@ -113,6 +113,8 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
         settings: this run's model and prompt (``None``: not compared).
         redo_changed: also redo summaries written with other settings
             (:meth:`~mlx_tier.job.provenance.Settings.differences`).
+        reuse: give a pending document the summary of the same content under another
+            name (``False`` for a request file: its answers are lines, not files).
     """
     t, current = Triage(), current or {}
     for i in ids:
@@ -133,7 +135,7 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
             t.pending.append(i)
             if status == "done":  # its output deleted since
                 t.missing.append(i)
-    if settings is not None and not retry_failed:
+    if settings is not None and reuse and not retry_failed:
         _reuse(t, records, outputs, current, settings)
     return t
 

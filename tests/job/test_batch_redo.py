@@ -238,3 +238,34 @@ def test_an_answer_stamped_before_the_default_limit_was_is_current(tmp_path):
         "within was not recorded; taken as current (delete one's line from output.jsonl to redo it)"]
     other = {"status": "done", "made_from": request_stamp(CHAT, free["body"], 8).as_dict()}
     assert request_hashes(docs, {"f": other})["f"] == docs[0].stamp.sha256  # another default: stale
+
+
+def test_answers_of_another_model_are_kept_with_a_word_and_redone_with_redo_changed(answered, tmp_path, tiny_moe):
+    """A review: a request file rerun with another `--model` printed only "skipping 2 requests
+    already done", and `--redo-changed` redid nothing: answers were never compared by model.
+    They are now, as summaries are (not by prompt: each request runs its own messages)."""
+    out = shutil.copytree(answered, tmp_path / "out")
+    inp = write_jsonl(tmp_path / "requests.jsonl", [A, B, C])
+    other = shutil.copytree(tiny_moe, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    config["num_experts_per_tok"] = 1
+    (other / "config.json").write_text(json.dumps(config))
+    before = raw_lines(out / "output.jsonl")
+    r = runner.invoke(app, args(inp, out, other))
+    words = " ".join(r.output.split())
+    assert r.exit_code == 0 and "keeping 3 answers written with another model; redo them with --redo-changed" \
+        in words, r.output
+    assert raw_lines(out / "output.jsonl") == before
+    r = runner.invoke(app, [*args(inp, out, other), "--prompt", "Translate:"])  # no prompt applies: nothing more
+    words = " ".join(r.output.split())
+    assert "keeping 3 answers written with another model;" in words and "another prompt" not in words, r.output
+    r = runner.invoke(app, [*args(inp, out, other), "--redo-changed"])
+    assert r.exit_code == 0 and "--redo-changed: redoing 3 answers written with another model" \
+        in " ".join(r.output.split()), r.output
+    assert done_lines(out) == {"a": 2, "b": 2, "c": 2}
+    report = json.loads((out / "report.json").read_text())
+    assert all(d["prompt"] is None and d.get("generation") is None for d in report["documents"])
+    assert "prompt" not in report["runs"][-1] or report["runs"][-1]["prompt"] is None
+    assert "generation" not in report["runs"][-1]
+    r = runner.invoke(app, [*args(inp, out, other), "--max-tokens", "9"])  # nothing to redo: b and c set theirs,
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output  # a sets its own too
