@@ -43,6 +43,16 @@ CONVERTED_SUFFIXES = {
     ".epub": "EpubConverter", ".ipynb": "IpynbConverter", ".msg": "OutlookMsgConverter",
 }
 SUFFIXES = TEXT_SUFFIXES + tuple(CONVERTED_SUFFIXES)
+
+
+def reading_route(path: str | Path | None) -> str:
+    """How a document's text is read from its file: its MarkItDown converter's name (by
+    suffix, :data:`CONVERTED_SUFFIXES`), else ``"text"`` (a text suffix, a listed file of
+    another suffix, a JSONL line: ``path`` ``None``). The same bytes read another way are
+    another text: ``<p>notes</p>`` in ``a.txt`` is not the text of ``a.html``."""
+    if path is None:
+        return "text"
+    return CONVERTED_SUFFIXES.get(Path(path).suffix.lower(), "text")
 # What converting one file may raise and fail that file alone (the caller catches it:
 # mlx_tier.job.documents.FileDocument): any Exception, since third-party converters raise
 # RuntimeError, ValueError or their own classes; MemoryError is re-raised there, and

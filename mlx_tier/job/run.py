@@ -45,7 +45,7 @@ from mlx_tier.job.activity import (
     announce,
 )
 from mlx_tier.job.config import JobConfig
-from mlx_tier.job.doc_text import TEXT_SUFFIXES, decode_text
+from mlx_tier.job.doc_text import TEXT_SUFFIXES, decode_text, reading_route
 from mlx_tier.job.doc_tokens import SAMPLE_CHARS, SAMPLE_DOCS
 from mlx_tier.job.documents import (
     by_count,
@@ -55,6 +55,7 @@ from mlx_tier.job.documents import (
     size_hint,
     skip_note,
     source_field,
+    source_file,
     source_hash,
     with_default_limit,
 )
@@ -588,7 +589,8 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     current = request_hashes(docs, records) if batch is not None else \
         current_hashes(docs, records) if settings is not None else {}
     tri = triage([d.id for d in docs], records, _outputs(job, docs, records, batch), attempted_ids(view.entries()),
-                 config.retry_failed, current, settings, config.redo_changed, reuse=batch is None)
+                 config.retry_failed, current, settings, config.redo_changed, reuse=batch is None,
+                 routes={d.id: reading_route(source_file(d)) for d in docs})
     by_id = {d.id: d for d in docs}
     if batch is None:  # a rank decides as its launcher did: a doubted output is pending in both
         doubt_unrecorded(tri, view.entries(), job.output, by_id, [d.id for d in docs], config.retry_failed)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_tier.job.doc_text import reading_route
 from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, recorded_hash
 
 # What a done / failed record of an earlier run keeps in this run's results.
@@ -95,7 +96,7 @@ class Triage:
 def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str, OutputState],
            attempted: set[str] = frozenset(), retry_failed: bool = False,
            current: Mapping[str, str | None] | None = None, settings: Settings | None = None,
-           redo_changed: bool = False, reuse: bool = True) -> Triage:
+           redo_changed: bool = False, reuse: bool = True, routes: Mapping[str, str] | None = None) -> Triage:
     """Sort a job's documents by their journal state and outputs (pure).
 
     Args:
@@ -115,6 +116,9 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
             (:meth:`~mlx_tier.job.provenance.Settings.differences`).
         reuse: give a pending document the summary of the same content under another
             name (``False`` for a request file: its answers are lines, not files).
+        routes: how each document's text is read
+            (:func:`~mlx_tier.job.doc_text.reading_route`; missing: ``"text"``): a summary
+            is given only to the same bytes read the same way.
     """
     t, current = Triage(), current or {}
     for i in ids:
@@ -136,7 +140,7 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
             if status == "done":  # its output deleted since
                 t.missing.append(i)
     if settings is not None and reuse and not retry_failed:
-        _reuse(t, records, outputs, current, settings)
+        _reuse(t, records, outputs, current, settings, routes or {})
     return t
 
 
@@ -169,17 +173,18 @@ def _sort_done(t: Triage, i: str, rec: dict, now: str | None, settings: Settings
 
 
 def _reuse(t: Triage, records: Mapping[str, dict], outputs: Mapping[str, OutputState],
-           current: Mapping[str, str | None], settings: Settings) -> None:
+           current: Mapping[str, str | None], settings: Settings, routes: Mapping[str, str]) -> None:
     """Move to ``t.reused`` the pending documents whose source hash equals that of a summary
-    written with these settings whose output is there (a rename, a copy)."""
+    written with these settings whose output is there (a rename, a copy), read the same
+    way (``routes``; a record's from the suffix of its ``source``)."""
     by_hash = {}
     for j, rec in records.items():
         h = recorded_hash(rec)
         if rec.get("status") == "done" and h is not None and outputs.get(j, OutputState()).regular \
                 and not settings.differs(rec) and current.get(j, h) == h:
-            by_hash.setdefault(h, j)
+            by_hash.setdefault((h, reading_route(rec.get("source"))), j)
     for i in list(t.pending):
-        j = by_hash.get(current.get(i) or "")
+        j = by_hash.get((current.get(i) or "", routes.get(i, "text")))
         if j is not None and j != i and i not in t.changed:
             t.pending.remove(i)
             t.reused[i] = j

@@ -128,6 +128,27 @@ def test_a_touch_or_a_rename_is_not_a_change(s1, tmp_path, small_moe):  # noqa: 
     assert last_record(out, "d")["reused"] == "b" and not report(out)["runs"][-1]["loaded_model"]
 
 
+def test_the_same_bytes_read_another_way_are_another_document(tmp_path, small_moe):  # noqa: F811
+    """A review: `d.html`, a copy of `c.txt`'s bytes, got c's summary (made from the raw
+    markup read as text), though the HTML converter reads it as another text. A summary is
+    copied only to the same bytes read the same way (`.htm` and `.html`: one converter)."""
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    page = "<html><body><p>Meeting notes: the budget was approved and the bridge repaired.</p></body></html>"
+    (docs / "c.txt").write_text(page)
+    args = (docs, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    shutil.copy(docs / "c.txt", docs / "d.html")
+    code, output = run(*args)
+    assert code == 0 and "renamed or copied" not in output, output
+    rec = last_record(out, "d")
+    assert "reused" not in rec and "Html" in rec["converter"] and report(out)["runs"][-1]["loaded_model"], rec
+    shutil.copy(docs / "d.html", docs / "e.htm")
+    code, output = run(*args)
+    assert code == 0 and "1 document renamed or copied" in output, output
+    assert last_record(out, "e")["reused"] == "d" and (out / "e.md").read_text() == (out / "d.md").read_text()
+
+
 def test_a_document_changed_to_a_text_summarised_already_is_said_copied_not_redone(s1, tmp_path, small_moe):  # noqa: F811
     """A user trial: four copies edited to one new text, two summarised from it before a
     stop; the rerun said "2 documents changed since summarised (stale): redoing them" and
