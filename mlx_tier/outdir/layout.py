@@ -212,3 +212,26 @@ def check_out_dir(out_dir: Path, input: Path | None = None) -> None:
         if entry.is_symlink() and (entry.name in JOB_FILES or entry.suffix == ".md"):
             raise InputError(f"{entry}: is a symbolic link; refusing to write through it "
                              "(remove it, or choose another output folder)")
+    _check_others_files(out_dir)
+
+
+# Files a job replaces or appends to that only a job's own run leaves (run.pid and run.log are
+# written by `--background` before its run journals anything).
+_JOBS_OWN = (SUMMARIES, PARTS, BATCH_OUTPUT, BATCH_ERRORS, REPORT, REPORT_HTML, PROGRESS_FILE, INPUT_LIST)
+
+
+def _check_others_files(out_dir: Path) -> None:
+    """Refuse a folder holding a file of a job's names that no job of it wrote: a
+    ``journal.jsonl`` that is no journal, or a job's file beside no journal at all (a
+    user's own ``report.json`` would be replaced, their ``summaries.jsonl`` cut and
+    appended to)."""
+    journal = out_dir / JOURNAL
+    if journal.is_file() and journal.stat().st_size and not is_job_folder(out_dir):
+        raise InputError(f"{journal}: is not an mlx-tier journal, and a run would append to it "
+                         "(move the file, or choose another output folder)")
+    if journal.exists() or (out_dir / RANKS_DIR).exists():
+        return
+    theirs = [name for name in _JOBS_OWN if (out_dir / name).exists()]
+    if theirs:
+        raise InputError(f"{out_dir / theirs[0]}: not written by an mlx-tier job ({out_dir} has no {JOURNAL}), "
+                         "and a run would replace it (move the file, or choose another output folder)")

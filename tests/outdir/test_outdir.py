@@ -73,6 +73,27 @@ def test_run_refuses_a_folder_with_a_planted_link(tmp_path):
     assert victim.read_text() == "precious\n" and not (tmp_path / "created-elsewhere").exists()
 
 
+@pytest.mark.parametrize("name, text", [
+    ("report.json", '{"my": "own report"}\n'),
+    ("summaries.jsonl", '{"mine": 1}\n{"mine": 2}'),  # its last line without a newline: it was cut
+    ("output.jsonl", '{"custom_id": "x"}\n'),
+    ("report.html", "<p>my page</p>"),
+    ("journal.jsonl", "my own journal, line one\n"),  # a file of that name that is no journal
+])
+def test_a_users_own_file_of_a_jobs_name_refuses_the_folder(tmp_path, name, text):
+    """A review: a user's report.json in --out was replaced, their summaries.jsonl cut at its
+    last line and appended to (their x.md was already kept apart). A folder holding such a
+    file that no job wrote is refused, exit 2, nothing touched."""
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    make_docs(docs, 1)
+    out.mkdir()
+    (out / name).write_text(text)
+    (out / "x.md").write_text("my notes")
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out)])
+    assert r.exit_code == 2 and r.output.count("error:") == 1 and str(out / name) in " ".join(r.output.split()), r.output
+    assert sorted(p.name for p in out.iterdir()) == sorted([name, "x.md"]) and (out / name).read_text() == text
+
+
 def _disk_full_after(monkeypatch, matches, allowed: int):
     """Make ``os.write`` fail with ENOSPC on files whose name ``matches``, after ``allowed`` writes to them."""
     real, count = os.write, [0]
