@@ -740,7 +740,7 @@ def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: S
         return
     model = settings.fields()["model"] if loaded else None
     rec = JobInfo(input=str(config.input), ids=ids, todo=tri.pending, started=time.time(), writes=True,
-                  reports=True, pid=os.getpid(), command=config.command, cwd=current_folder(),
+                  reports=True, retry_failed=config.retry_failed, pid=os.getpid(), command=config.command, cwd=current_folder(),
                   output_format=config.output_format, mono=time.monotonic(), host=socket.gethostname(),
                   model=model, prompt=settings.prompt if loaded else None,
                   prompt_text=config.generation.instruction if loaded else None).write(journal)

@@ -313,6 +313,10 @@ class JobInfo:
         reports: ``True``: the run's record in report.json carries its id, so a run whose id
             no record there has ended without writing its report (killed, crashed:
             :func:`mlx_tier.job.report.unreported_runs`); ``None``: an older version's.
+        retry_failed: whether the run was a ``--retry-failed`` one (its ``todo``: the failed
+            documents); ``False``: a failed document in its ``todo`` is retried because
+            its source changed, and a plain rerun would retry it too; ``None``: not
+            recorded (an older version).
     """
 
     input: str
@@ -332,6 +336,7 @@ class JobInfo:
     cwd: str | None = None
     writes: bool | None = None
     reports: bool | None = None
+    retry_failed: bool | None = None
 
     def write(self, journal: Journal) -> dict:
         """Durably append this run's ``start`` record to ``journal`` (its ``run`` and

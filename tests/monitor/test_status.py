@@ -383,6 +383,31 @@ def test_a_stopped_redo_is_pending_not_done(tmp_path):
     assert (s.state, s.done, s.pending, s.done_this_run) == ("finished", 2, 0, 1)  # f stays failed
 
 
+def test_a_failed_document_a_plain_run_set_out_to_retry_is_pending_until_tried(tmp_path):
+    """A review: y failed (empty); written since, a plain rerun set out to retry it and was
+    stopped while reading it. Status said "finished, not running, 1 failed: y: empty
+    document" with a --retry-failed command, where report.json said 1 pending: a plain
+    rerun retries it. (Retried by --retry-failed and stopped, it stays failed: a plain rerun
+    would leave it.)"""
+    for retry, want in ((False, ("stopped", 1, 0, 1)), (True, ("finished", 1, 1, 0))):
+        out = tmp_path / f"out-{retry}"
+        out.mkdir()
+        JobInfo(input="docs", ids=["x", "y"], todo=["x", "y"], started=T0 - 600, pid=1, run="r1",
+                command="mlx-tier run docs --out out").write(Journal(out))
+        lines = [{"id": "x", "status": "done", "output_tokens": 8, "run": "r1", "time": T0 - 500},
+                 {"id": "y", "status": "failed", "error": "empty document", "run": "r1", "time": T0 - 400}]
+        with open(out / "journal.jsonl", "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in lines))
+        JobInfo(input="docs", ids=["x", "y"], todo=["y"], started=T0, pid=2, run="r2", retry_failed=retry,
+                command="mlx-tier run docs --out out").write(Journal(out))
+        s = read_status(out, now=T0 + 100)
+        assert (s.state, s.done, s.failed, s.pending) == want, retry
+        from mlx_tier.monitor.view import build_view
+
+        shown = {d["id"]: d["status"] for d in build_view(out, now=T0 + 100)["documents"]}
+        assert shown["y"] == ("failed" if retry else "pending")
+
+
 def test_a_request_files_job_speaks_of_requests(tmp_path):
     """A user trial: `status` of a batch request file's job said "2 documents left". Its
     answers file tells it apart."""
