@@ -729,14 +729,17 @@ def _generation_seconds(p: _Pass, now: float | None = None) -> float:
 
 def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: Share, tri: Triage, ids: list[str],
                 settings: Settings, loaded: bool, earlier: bool) -> None:
-    """Journal this run's start, once its model is loaded (a rerun with nothing to do starts no
-    run): the ``start`` record (a rank's: a ``loaded`` one), whose clock reading ``run_t`` is the
-    run's loading time (:mod:`mlx_tier.rates`), put in ``report.load_seconds``."""
+    """Journal this run's start, once its model is loaded: the ``start`` record (a rank's: a
+    ``loaded`` one), whose clock reading ``run_t`` is the run's loading time
+    (:mod:`mlx_tier.rates`), put in ``report.load_seconds``. A rerun with nothing to do starts
+    no run; it journals a ``triaged`` record, the job's documents as it found them (``ids``,
+    an empty ``todo``), which ``mlx-tier status`` and the page count by."""
     if share.part:
         if loaded:
             report.load_seconds = journal.append({"event": "loaded"})["run_t"]
         return
-    if not tri.pending and earlier:
+    if not tri.pending and earlier:  # nothing to generate: no run starts, but the job's documents may have changed
+        journal.append({"event": "triaged", "ids": ids, "todo": []})
         return
     model = settings.fields()["model"] if loaded else None
     rec = JobInfo(input=str(config.input), ids=ids, todo=tri.pending, started=time.time(), writes=True,

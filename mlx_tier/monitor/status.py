@@ -20,7 +20,7 @@ import json
 import shlex
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -423,6 +423,25 @@ def _journal_of(out_dir: Path) -> Journal:
     return journal
 
 
+def _as_triaged(info: JobInfo | None, entries: list[dict]) -> JobInfo | None:
+    """The last run's ``start`` record ``info`` with the job's documents as the last run saw
+    them: a later run with nothing to generate writes no start but a ``triaged`` record
+    (``ids``, an empty ``todo``: a document added and copied, renamed or deleted since, a
+    redo left by a stopped run that a plain run keeps)."""
+    if info is None:
+        return None
+    start = max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
+    later = [r for r in entries[start + 1:] if r.get("event") == "triaged"]
+    return replace(info, ids=later[-1]["ids"], todo=[]) if later and isinstance(later[-1].get("ids"), list) else info
+
+
+def job_ids(entries: list[dict]) -> list[str] | None:
+    """The job's documents as the last run saw them (its ``start`` or ``triaged`` record), or
+    ``None`` when no run has recorded them."""
+    rec = next((r for r in reversed(entries) if r.get("event") in ("start", "triaged")), None)
+    return rec["ids"] if rec is not None and isinstance(rec.get("ids"), list) else None
+
+
 def _redoing(entries: list[dict], latest: dict[str, dict], info: JobInfo | None, ran: set[int]) -> set[str]:
     """Documents the last run set out to redo (their source or settings changed) and has not
     written: pending, their earlier summary not done (a stopped redo left it stale). A record
@@ -453,7 +472,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     journal = _journal_of(out_dir)
     clocks = _Clocks(time.time() if now is None else now, time.monotonic() if now_mono is None else now_mono)
     entries = list(journal.entries())
-    info = JobInfo.last(entries)
+    info = _as_triaged(JobInfo.last(entries), entries)
     latest = {rec["id"]: rec for rec in entries if "id" in rec}
     ids = info.ids if info is not None else list(latest)
     this_run = _this_run(latest, info)

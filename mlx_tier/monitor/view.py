@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mlx_tier.fsio import read_nofollow
 from mlx_tier.messages import retry_command
-from mlx_tier.monitor.status import describe_state, read_status
+from mlx_tier.monitor.status import describe_state, job_ids, read_status
 from mlx_tier.outdir.journal import Journal, written_options, written_with
 from mlx_tier.outdir.layout import REPORT
 
@@ -183,8 +183,8 @@ def build_view(out_dir: Path, now: float | None = None) -> dict:
     latest = {rec["id"]: rec for rec in entries if "id" in rec}
     report = read_report(out_dir)
     ids = [d["id"] for d in report.get("documents", []) if isinstance(d, dict) and "id" in d]
-    start_ids = next((r.get("ids") for r in reversed(entries) if r.get("event") == "start"), None)
-    ids = start_ids if isinstance(start_ids, list) else ids or list(latest)
+    start_ids = job_ids(entries)
+    ids = start_ids if start_ids is not None else ids or list(latest)
     throttle = report.get("throttle") if isinstance(report.get("throttle"), dict) else {}
     return {
         "out_dir": str(out_dir),

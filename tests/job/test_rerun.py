@@ -592,3 +592,21 @@ def test_a_redo_renamed_but_not_recorded_is_judged_by_what_it_was_made_from(s1, 
     code, output = run(*args)
     assert code == 0 and "1 document changed since summarised (stale): redoing it" in output, output
     assert "recovered" not in last_record(out, "b") and (out / "b.md").read_bytes() != new_summary
+
+
+def test_status_counts_the_documents_a_run_with_nothing_to_do_found(s1, tmp_path, small_moe):  # noqa: F811
+    """A review: a copy added and given its summary by a rerun with nothing to generate, or a
+    document deleted, left `status` and the page counting the documents of the last run
+    that generated (report.json counted the new ones)."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    shutil.copy(s1 / "b.txt", s1 / "c.txt")
+    code, output = run(*args)
+    assert code == 0 and not report(out)["runs"][-1]["loaded_model"], output
+    st = read_status(out)
+    assert (st.total, st.done, st.pending, st.state) == (3, 3, 0, "finished") == \
+        (report(out)["totals"]["documents"], report(out)["totals"]["done"], 0, "finished")
+    (s1 / "a.txt").unlink()
+    assert run(*args)[0] == 0
+    assert (read_status(out).total, report(out)["totals"]["documents"]) == (2, 2)

@@ -458,3 +458,29 @@ def test_a_summary_copied_by_a_run_with_nothing_to_do_is_done(tmp_path):
         f.write("".join(json.dumps(r) + "\n" for r in lines))
     s = read_status(out, now=T0 + 100)
     assert (s.state, s.done, s.pending, s.redoing) == ("finished", 2, 0, [])
+
+
+def test_a_run_with_nothing_to_do_sets_the_jobs_documents_and_ends_a_stopped_redo(tmp_path):
+    """A review: after a rerun that only copied summaries (a document added as a copy), status
+    said "3 total" where report.json said 5; after a stopped `--redo-changed` run, a plain
+    run that kept both summaries left status saying "stopped, 2 documents left". A run with
+    nothing to generate journals the job's documents as it found them (``triaged``)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["x", "y"], todo=["x", "y"], started=T0 - 600, pid=1, run="r1",
+            command="mlx-tier run docs --out out").write(Journal(out))
+    lines = [{"id": i, "status": "done", "output_tokens": 8, "run": "r1", "time": T0 - 500} for i in ("x", "y")]
+    with open(out / "journal.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines))
+    JobInfo(input="docs", ids=["x", "y"], todo=["x", "y"], started=T0 - 100, pid=2, run="r2",
+            command="mlx-tier run docs --out out --redo-changed").write(Journal(out))  # stopped before writing
+    s = read_status(out, now=T0)
+    assert (s.state, s.pending, s.redoing) == ("stopped", 2, ["x", "y"])
+    with open(out / "journal.jsonl", "a") as f:  # a plain rerun keeps both; a copy z of x was added
+        f.write(json.dumps({"id": "z", "status": "done", "output_tokens": 8, "reused": "x", "run": "r3"}) + "\n")
+        f.write(json.dumps({"event": "triaged", "ids": ["x", "y", "z"], "todo": [], "run": "r3"}) + "\n")
+    s = read_status(out, now=T0)
+    assert (s.state, s.total, s.done, s.pending, s.redoing) == ("finished", 3, 3, 0, [])
+    from mlx_tier.monitor.view import build_view
+
+    assert [d["id"] for d in build_view(out, now=T0)["documents"]] == ["x", "y", "z"]
