@@ -484,3 +484,18 @@ def test_a_run_with_nothing_to_do_sets_the_jobs_documents_and_ends_a_stopped_red
     from mlx_tier.monitor.view import build_view
 
     assert [d["id"] for d in build_view(out, now=T0)["documents"]] == ["x", "y", "z"]
+
+
+def test_the_throttled_time_is_the_last_runs_as_the_figures_beside_it(tmp_path):
+    """A review: a run capped by `--max-tok-s` (6.4 s throttled), then a rerun at full speed:
+    status said "throttled 6.4 s" among the last run's figures, beside its throttle row
+    saying "full speed"."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for run, seconds in (("r1", 6.4), ("r2", 0.0)):
+        JobInfo(input="docs", ids=["x", "y"], todo=["x"] if run == "r1" else ["y"], started=T0, pid=1, run=run,
+                command="mlx-tier run docs --out out").write(Journal(out))
+        with open(out / "journal.jsonl", "a") as f:
+            f.write(json.dumps({"id": "x" if run == "r1" else "y", "status": "done", "output_tokens": 8,
+                                "throttled_seconds": seconds, "run": run, "time": T0 + 10}) + "\n")
+    assert read_status(out, now=T0 + 100).throttled_seconds == 0.0
