@@ -65,6 +65,7 @@ class _Doc:
     prompt: int | None = None  # prompt tokens, once the engine reports them
     read: int = 0  # prompt tokens read
     written: int = 0  # tokens generated
+    limit: int | None = None  # most tokens it may generate (a request's own); None: the run's max_tokens
 
 
 @dataclass
@@ -84,6 +85,8 @@ class EtaTracker:
             (:meth:`~mlx_tier.job.scheduler.Scheduler.calls_for`); ``None``: one.
         max_tok_s: the throttle's cap on generated tokens per second (``--max-tok-s``):
             the tokens left take at least their number over it; ``None``: none.
+        limits: ``{document id: most tokens it may generate}`` where that is its own (a
+            batch request's ``max_tokens``), not ``max_tokens``: its prior and its cap.
     """
 
     docs: dict[str, int]
@@ -93,6 +96,7 @@ class EtaTracker:
     earlier: list[int] = field(default_factory=list)
     calls: Callable[[int], CallPlan] | None = None
     max_tok_s: float | None = None
+    limits: dict[str, int] = field(default_factory=dict)
     _left: dict[str, _Doc] = field(init=False)
     _outputs: list[int] = field(default_factory=list, init=False)  # finished documents' lengths, sorted
     _suffix: list[int] | None = field(default=None, init=False)  # _suffix[i] = sum(_outputs[i:]); None: stale
@@ -105,7 +109,7 @@ class EtaTracker:
     _last: tuple[float, float | None] | None = field(default=None, init=False)  # (clock, eta) of :meth:`every`
 
     def __post_init__(self) -> None:
-        self._left = {i: _Doc(max(int(c), 0)) for i, c in self.docs.items()}
+        self._left = {i: _Doc(max(int(c), 0), limit=self.limits.get(i)) for i, c in self.docs.items()}
         self._outputs = sorted(int(n) for n in self.earlier)
 
     def step(self, prefill: list[tuple[str, int, int]], generating: list[tuple[str, int]], prefill_tokens: int,
@@ -148,16 +152,17 @@ class EtaTracker:
             insort(self._outputs, int(output_tokens))
             self._suffix = None
 
-    def expected_output(self, written: int = 0) -> float:
+    def expected_output(self, written: int = 0, limit: int | None = None) -> float:
         """Tokens a document that has written ``written`` is expected to generate in all: the
-        mean of the documents finished (``earlier`` included) that were longer, with ``max_tokens``
-        counted as one more (the prior while none has finished). O(log n) for n finished
+        mean of the documents finished (``earlier`` included) that were longer, with its
+        ``limit`` (default ``max_tokens``) counted as one more (the prior while none has
+        finished). O(log n) for n finished
         documents: a binary search in their sorted lengths and suffix sums (rebuilt once
         after documents finish)."""
         if self._suffix is None:
             self._suffix = list(accumulate(reversed(self._outputs), initial=0))[::-1]
         i = bisect_right(self._outputs, written)  # _outputs[i:] are the longer ones
-        return (self._suffix[i] + self.max_tokens) / (len(self._outputs) - i + 1)
+        return (self._suffix[i] + (self.max_tokens if limit is None else limit)) / (len(self._outputs) - i + 1)
 
     def eta(self, now: float) -> float | None:
         """Seconds left at ``now`` (the same clock as ``started``); ``0.0`` when nothing is
@@ -168,18 +173,19 @@ class EtaTracker:
             return 0.0
         left = self._left.values()
         per_char, typical = self._prompt_rates()
-        expected = {0: self.expected_output(0)}  # most documents left have written nothing
+        expected = {(0, None): self.expected_output(0)}  # most documents left have written nothing
         prompt_left, writes = 0.0, []
         for d in left:
             tokens = self._prompt_left(d, per_char, typical)
             plan = self.calls(int(tokens)) if self.calls is not None and d.prompt is None else None
             if plan is not None and plan.calls > 1:  # a long document not started: each of its calls
                 prompt_left += plan.parts * plan.part_prompt + plan.combines * plan.combine_prompt
-                writes += [min(max(expected[0], 1.0), self.max_tokens)] * plan.calls
+                writes += [min(max(expected[0, None], 1.0), self.max_tokens)] * plan.calls
                 continue
             prompt_left += tokens
-            writes.append(min(max(_get(expected, d.written, self.expected_output) - d.written, 1.0),
-                              max(self.max_tokens - d.written, 0.0)))
+            cap = self.max_tokens if d.limit is None else d.limit
+            total = _get(expected, (d.written, d.limit), lambda key: self.expected_output(*key))
+            writes.append(min(max(total - d.written, 1.0), max(cap - d.written, 0.0)))
         if prompt_left > 0 and not self._prompt_seconds or not self._steps:
             return None
         prompt_s = prompt_left / (self._prompt_tokens / self._prompt_seconds) if prompt_left > 0 else 0.0

@@ -251,3 +251,20 @@ def test_the_users_tok_s_cap_bounds_the_eta():
     free, capped = tracker(None), tracker(2.0)
     assert free < 2 and capped == pytest.approx(2 * (16 - 7) / 2.0, rel=0.2)  # 18 tokens left at 2 a second
     assert tracker(1e6) == free  # a cap above the machine's rate changes nothing
+
+
+def test_a_requests_own_token_limit_is_its_prior_and_its_cap():
+    """A review: the ETA of a request file read 0.0 s once an answer allowed 2,000 tokens
+    passed the run's --max-tokens (160), with up to 1,700 tokens left. A request's own limit
+    is its prior (none finished yet) and its cap."""
+    def tracker(limits, written):
+        t = EtaTracker({"r1": 400}, 160, 1, 0.0, limits=limits)
+        t.step([("r1", 100, 100)], [], 100, 1.0, 0, 0.0)
+        for n in range(1, written + 1):
+            t.step([], [("r1", n)], 0, 0.0, 1, 0.1)
+        return t.eta(0.0)
+
+    assert tracker({}, 300) == 0.0  # the run's limit: nothing left past it
+    assert tracker({"r1": 2000}, 300) == pytest.approx((2000 - 300) * 0.1, rel=0.05)  # 1,700 tokens at 0.1 s
+    assert tracker({"r1": 2000}, 100) == pytest.approx((2000 - 100) * 0.1, rel=0.05)
+    assert tracker({"r1": 50}, 10) == pytest.approx((50 - 10) * 0.1, rel=0.05)  # a smaller limit: sooner
