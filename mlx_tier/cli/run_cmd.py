@@ -98,7 +98,7 @@ def run(
     output_format: str = typer.Option("md", "--format", metavar=choices(OUTPUT_FORMATS), help=FORMAT_HELP),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Rerun only the documents that failed in an earlier run (a plain rerun leaves them failed); pending ones are left for a plain rerun."),
     redo_changed: bool = typer.Option(False, "--redo-changed", help="Also redo the summaries written with another --model, --prompt, --kv-bits, --max-tokens, --repetition-penalty or --context (kept by default). A document changed since its summary is redone in any case."),
-    background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return at once. Watch it with `mlx-tier status OUT_DIR`."),
+    background: bool = typer.Option(False, "--background", help="Detach: run in its own session with output to OUT_DIR/run.log and its pid in OUT_DIR/run.pid; return once it is under way (a setting it refuses is said here, with its exit code). Watch it with `mlx-tier status OUT_DIR`."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Most documents in flight (decoded together: each expert read serves all of them). Default: the throughput schedule's pool plan (memory and measured speeds, at most 64); with --schedule paced, what memory allows, at most 8."),
     schedule: str = typer.Option(DEFAULT_SCHEDULE, "--schedule", metavar=choices(SCHEDULES), help="throughput: prompts of several documents read together in large pools and many documents decoded together (each expert read once per layer step for all of them); paced: one prompt at a time in ~4 s steps beside at most 8 decoding (the earlier default)."),
     kv_bits: int | None = typer.Option(None, "--kv-bits", metavar="[4|8]", help="Store the KV caches of the documents in flight quantized to 4 or 8 bits (groups of 64; the throughput schedule): at 8 bits ~0.28x the bytes of float32, so more documents fit in a pool under a memory limit. Summaries may differ from an unquantized cache's (benches/results/kv-quant). Default: not quantized."),
@@ -368,20 +368,41 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
 
 def _start_background(config, argv: list[str]) -> None:
     """Start the run detached (:func:`mlx_tier.job.run.start_detached`: bad input exits 2 now,
-    not in a log) and say where to watch it."""
+    not in a log), wait until it journals its first record (its settings checked, its model
+    loaded) or :data:`~mlx_tier.outdir.jobdir.BACKGROUND_CHECK_SECONDS` pass, and say where
+    to watch it; a run that exited in the meantime exits this command with its code, its
+    ``error:`` lines said here."""
     import shlex
 
     from mlx_tier.errors import InputError
     from mlx_tier.job.run import start_detached
-    from mlx_tier.outdir.layout import LOG_FILE, PID_FILE
+    from mlx_tier.outdir.jobdir import file_size, first_moments
+    from mlx_tier.outdir.layout import JOURNAL, LOG_FILE, PID_FILE
 
     out_dir = config.out_dir
+    log_from, journal_from = file_size(out_dir / LOG_FILE), file_size(out_dir / JOURNAL)
     try:
         pid = start_detached(config, argv)
     except InputError as e:
         fail(str(e))
     except OSError as e:
         fail(f"{out_dir}: cannot start the background run ({e.strerror or e})")
+    early = first_moments(pid, out_dir, log_from, journal_from)
+    if early is not None:
+        _ended_early(*early, out_dir / LOG_FILE)
     out.print(f"started in the background: pid {pid} (also in {out_dir / PID_FILE}), log {out_dir / LOG_FILE}",
               highlight=False, soft_wrap=True)
     print_with_command(out, "watch it with:", f"mlx-tier status {shlex.quote(str(out_dir))}")
+
+
+def _ended_early(code: int, errors: list[str], log: Path) -> None:
+    """A background run that exited before journalling anything (or finished already): its
+    ``error:`` lines (or where its output is) and its exit code, as the run in this terminal
+    would have ended."""
+    if code in (0, EXIT_FAILED_DOCS):
+        out.print(f"the background run finished already (exit code {code}); its output: {log}", highlight=False,
+                  soft_wrap=True)
+    else:
+        for line in errors or [f"error: the background run stopped at once (exit code {code}); see {log}"]:
+            err.print(line, highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(code)

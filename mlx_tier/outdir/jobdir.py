@@ -243,6 +243,56 @@ def write_input_list(out_dir: Path, docs: list[Document]) -> Path:
     return path
 
 
+# How long `run --background` waits for its run to journal something (its checks passed, its
+# model loaded) before it returns: a setting refused there (too little --memory-gb, a
+# --max-tokens beyond the context, a missing model) is said here, not only in run.log.
+BACKGROUND_CHECK_SECONDS = 30.0
+
+
+def file_size(path: Path) -> int:
+    """``path``'s size in bytes, 0 when it is missing."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def first_moments(pid: int, out_dir: Path, log_from: int, journal_from: int,
+                  seconds: float = BACKGROUND_CHECK_SECONDS) -> tuple[int, list[str]] | None:
+    """Wait for the detached run ``pid`` (this process's child) to journal its first record
+    (the journal grown past ``journal_from`` bytes), to exit, or ``seconds`` to pass.
+
+    Returns:
+        ``(exit code, its error: lines in run.log past byte log_from)`` when it exited
+        first (a signal: 128 + its number); ``None`` when it is under way, or ``pid`` is no
+        child of this process.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if done == pid:
+            code = os.waitstatus_to_exitcode(status)
+            return (128 - code if code < 0 else code), _error_lines(Path(out_dir) / LOG_FILE, log_from)
+        if file_size(Path(out_dir) / JOURNAL) > journal_from or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _error_lines(log: Path, start: int) -> list[str]:
+    """The ``error:`` lines (with the lines that continue them) of ``log`` past byte ``start``."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(start)
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    first = next((k for k, line in enumerate(lines) if line.startswith("error:")), None)
+    return [] if first is None else [line for line in lines[first:] if line.strip()]
+
+
 def start_background(argv: list[str], out_dir: Path, stdin: Path | None = None) -> int:
     """Start a run detached from this terminal and return at once.
 

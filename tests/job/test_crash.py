@@ -270,3 +270,25 @@ def test_a_crash_leaves_the_progress_file_a_full_disk_does_not(tmp_path, small_m
     assert r.exit_code != 0
     assert (out / "progress.json").exists() == left
     assert read_status(out).state == ("interrupted" if left else "stopped")
+
+
+def test_background_says_a_setting_its_run_refuses_and_exits_with_its_code(tmp_path, small_moe):  # noqa: F811
+    """A user trial: `run --background --memory-gb 0.1` said "started in the background", exit
+    0; the run died at once with its `error:` in run.log, and `status` never said why. The
+    command now waits for the run's first journal record: a run that exits before it gives
+    its error line and its exit code here."""
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    make_docs(docs, 1)
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--background",
+                            "--memory-gb", "0.01"])
+    words = " ".join(r.output.split())
+    assert r.exit_code == 2 and "error: 0.01 GiB (--memory-gb) is too little" in words, r.output
+    assert "started in the background" not in words
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--background",
+                            "--max-tokens", "8"])
+    assert r.exit_code == 0 and "started in the background" in r.output, r.output
+    pid = int((out / "run.pid").read_text())
+    try:
+        assert any(rec.get("event") == "start" for rec in Journal(out).entries())  # it returned once under way
+    finally:
+        os.waitpid(pid, 0)
