@@ -74,7 +74,7 @@ from mlx_tier.job.model_setup import (
 )
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries, keeps_jsonl
 from mlx_tier.job.process import keep_awake, lower_priority
-from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, writing_record
+from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, vouched, writing_record
 from mlx_tier.job.report import (
     DocResult,
     JobReport,
@@ -607,11 +607,39 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
         del tri.reused[i]
         tri.pending.append(i)
+    if batch is None:
+        _set_aside_edited(tri.stale + tri.changed, view.entries(), config.out_dir, reporter)
     if summaries is not None:
         summaries.sync(journal.records())
     if batch is not None:
         _keep_errors(batch, [by_id[i] for i in tri.failed], tri.failed)
     return journal, records, tri
+
+
+def _set_aside_edited(redone: list[str], entries, out_dir: Path, reporter: Reporter) -> None:
+    """Rename each summary this run will replace (``redone``: their document or settings
+    changed) that no ``writing`` record names (:func:`~mlx_tier.job.provenance.vouched`:
+    someone edited it since it was written) to ``<id>.edited.md``, and say so: a redo would
+    overwrite it, a failed one remove it. A journal without writing records (an older
+    version) leaves them as they are."""
+    entries, moved = list(entries), []
+    for i in redone:
+        path = out_dir / f"{i}.md"
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if vouched(entries, i, data, None) != "unwritten":
+            continue
+        aside, n = out_dir / f"{i}.edited.md", 1
+        while aside.exists() or aside.is_symlink():
+            n += 1
+            aside = out_dir / f"{i}.edited-{n}.md"
+        os.rename(path, aside)
+        moved.append(aside.name)
+    if moved:
+        reporter.message(f"{count_text(len(moved), 'summary')} edited since written, whose document or settings "
+                         f"changed, kept apart before the redo: {', '.join(moved)}")
 
 
 def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:

@@ -610,3 +610,24 @@ def test_status_counts_the_documents_a_run_with_nothing_to_do_found(s1, tmp_path
     (s1 / "a.txt").unlink()
     assert run(*args)[0] == 0
     assert (read_status(out).total, report(out)["totals"]["documents"]) == (2, 2)
+
+
+def test_a_summary_edited_by_hand_is_kept_apart_before_its_redo(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: owl.md, edited by hand, was deleted when owl.txt was emptied (its redo
+    failed: "empty document"). A summary no run wrote is renamed `<id>.edited.md` before a
+    redo would remove or overwrite it; one the journal vouches for is replaced as before."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert run(*args)[0] == 0
+    (out / "a.md").write_text("MY HAND-WRITTEN NOTES - important\n")
+    (s1 / "a.txt").write_text("")
+    (s1 / "b.txt").write_text(NEW_A)  # b's own summary, as written: replaced by its redo
+    code, output = run(*args)
+    assert code == 1 and "failed a: empty document" in output, output
+    assert "1 summary edited since written, whose document or settings changed, kept apart before the redo: " \
+        "a.edited.md" in output, output
+    assert (out / "a.edited.md").read_text() == "MY HAND-WRITTEN NOTES - important\n" and not (out / "a.md").exists()
+    assert not (out / "b.edited.md").exists() and last_record(out, "b")["redo"] == "stale"
+    (s1 / "a.txt").write_text(OLD_A)
+    code, output = run(*args)  # a summarised again; the kept notes are the user's own file, left alone
+    assert code == 0 and (out / "a.md").exists() and (out / "a.edited.md").read_text().startswith("MY HAND"), output
