@@ -604,11 +604,11 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
         made |= {k: vouch[k] for k in SETTINGS_FIELDS if k in vouch}
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
                         "name": by_id[i].name, **source_field(by_id[i]), **made})
+    if batch is None:  # before a copy or a redo would replace them
+        _set_aside_edited(tri.stale + tri.changed, view.entries(), config.out_dir, reporter)
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
         del tri.reused[i]
         tri.pending.append(i)
-    if batch is None:
-        _set_aside_edited(tri.stale + tri.changed, view.entries(), config.out_dir, reporter)
     if summaries is not None:
         summaries.sync(journal.records())
     if batch is not None:
@@ -618,7 +618,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
 
 def _set_aside_edited(redone: list[str], entries, out_dir: Path, reporter: Reporter) -> None:
     """Rename each summary this run will replace (``redone``: their document or settings
-    changed) that no ``writing`` record names (:func:`~mlx_tier.job.provenance.vouched`:
+    changed; redone, or given a copy's) that no ``writing`` record names (:func:`~mlx_tier.job.provenance.vouched`:
     someone edited it since it was written) to ``<id>.edited.md``, and say so: a redo would
     overwrite it, a failed one remove it. A journal without writing records (an older
     version) leaves them as they are."""

@@ -631,3 +631,8 @@ def test_a_summary_edited_by_hand_is_kept_apart_before_its_redo(s1, tmp_path, sm
     (s1 / "a.txt").write_text(OLD_A)
     code, output = run(*args)  # a summarised again; the kept notes are the user's own file, left alone
     assert code == 0 and (out / "a.md").exists() and (out / "a.edited.md").read_text().startswith("MY HAND"), output
+    (out / "a.md").write_text("more notes\n")  # edited again, then a changed to b's text: a copy would replace it
+    (s1 / "a.txt").write_text(NEW_A)
+    code, output = run(*args)
+    assert code == 0 and "kept apart before the redo: a.edited-2.md" in output, output
+    assert (out / "a.edited-2.md").read_text() == "more notes\n" and (out / "a.md").read_text() == (out / "b.md").read_text()
