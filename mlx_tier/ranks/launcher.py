@@ -365,11 +365,35 @@ def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, st
             prompt_text=instruction).write(job.journal(clock=clock))
     if config.input_paths is not None:
         write_input_list(config.out_dir, docs)
+    config = _shared_memory(config, launch, ranks, reporter)
     plan_path = _write_plan(config, docs, tri.pending, launch, ranks, clock.id)
     reporter.message(f"{count_text(ranks, 'rank')}, {count_text(len(tri.pending), 'document')} to do; run {plan_path.parent.name}")
     local = all_local(launch)
     stopped = _wait(start_launcher(launch_command(launch, plan_path), local), reporter, local)
     return finish(config, docs, triaged, plan_path, started, stopped, skipped)
+
+
+def _shared_memory(config, launch: Launch, ranks: int, reporter):
+    """``config`` with ``memory_gb`` each rank takes when all ``ranks`` run on this machine:
+    the run's total (``--memory-gb``, else what this process may use now) split evenly, so
+    that the ranks' splits add up to the machine's, not each to all of it (an OOM kill).
+    Unchanged for ranks on other hosts (each sizes its own machine) or on CUDA (no one
+    host total)."""
+    from dataclasses import replace
+
+    from mlx_tier.engine import budgets
+    from mlx_tier.engine.sizes import may_use_now
+    from mlx_tier.units import GIB
+
+    mem = budgets.probe()
+    if ranks < 2 or not all_local(launch) or not mem.unified:
+        return config
+    total = config.memory_gb * GIB if config.memory_gb is not None else may_use_now(mem.host_available,
+                                                                                      mem.host_total)
+    each = total / ranks / GIB
+    reporter.message(f"memory: {each:.2f} GiB for each of the {ranks} ranks on this machine "
+                     f"({total / GIB:.2f} GiB in all)")
+    return replace(config, memory_gb=each)
 
 
 def _ensure_model(config, reporter) -> None:
