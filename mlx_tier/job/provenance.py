@@ -176,6 +176,27 @@ def prompt_hash(instruction: str) -> str:
     return hashlib.sha256(instruction.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+# A record's ``made_from`` when its document's file could not be read (missing, no
+# permission): any readable file there later is a change, so its failure is retried.
+UNREADABLE = {"unreadable": True}
+
+
+def made_from(doc) -> dict | None:
+    """What a record says ``doc``'s summary (or failure) was made from: its source's stamp
+    (:meth:`SourceStamp.as_dict`), :data:`UNREADABLE` for a file that could not be read,
+    ``None`` for a document without one."""
+    stamp = getattr(doc, "stamp", None)
+    if stamp is not None:
+        return stamp.as_dict()
+    return dict(UNREADABLE) if getattr(doc, "path", None) is not None else None
+
+
+def was_unreadable(rec: dict) -> bool:
+    """Whether the record ``rec`` failed on a file that could not be read (:data:`UNREADABLE`)."""
+    made = rec.get("made_from")
+    return isinstance(made, dict) and made.get("unreadable") is True
+
+
 def recorded_hash(rec: dict) -> str | None:
     """The source hash a ``done`` record keeps, ``None`` when it keeps none (an older version)."""
     made = rec.get("made_from")

@@ -34,6 +34,7 @@ from mlx_tier.job.provenance import (
     rewritten_since_done,
     text_stamp,
     vouched,
+    was_unreadable,
 )
 from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.journal import Journal
@@ -56,7 +57,8 @@ def current_hashes(docs, records: Mapping[str, dict]) -> dict[str, str | None]:
     size equals a summarised source's (could it be one renamed or copied?); the others
     are ``None``, so that a rerun of a large job reads only what it compares."""
     stamped = [r for r in records.values() if r.get("status") == "done" and recorded_hash(r)]
-    failed = {i for i, r in records.items() if r.get("status") == "failed" and recorded_hash(r)}
+    failed = {i for i, r in records.items()
+              if r.get("status") == "failed" and (recorded_hash(r) or was_unreadable(r))}
     if not stamped and not failed:
         return {}
     sizes = {r["made_from"].get("size") for r in stamped}

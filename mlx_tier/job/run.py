@@ -74,7 +74,13 @@ from mlx_tier.job.model_setup import (
 )
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries, keeps_jsonl
 from mlx_tier.job.process import keep_awake, lower_priority
-from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, vouched, writing_record
+from mlx_tier.job.provenance import (
+    SETTINGS_FIELDS,
+    Settings,
+    made_from,
+    vouched,
+    writing_record,
+)
 from mlx_tier.job.report import (
     DocResult,
     JobReport,
@@ -409,7 +415,7 @@ def _turns(pending: list, results: dict, share: Share) -> Iterator:
     converting = _convert_ahead(d) if d is not None else None
     while d is not None:
         results[d.id].converter = converting.result()
-        results[d.id].made_from = d.stamp.as_dict() if d.stamp is not None else None  # hashed before converting
+        results[d.id].made_from = made_from(d)  # hashed before converting
         following = next(ahead, None)
         converting = _convert_ahead(following) if following is not None else None
         yield d

@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_tier.job.doc_text import reading_route
-from mlx_tier.job.provenance import SETTINGS_FIELDS, Settings, recorded_hash
+from mlx_tier.job.provenance import (
+    SETTINGS_FIELDS,
+    Settings,
+    recorded_hash,
+    was_unreadable,
+)
 
 # What a done / failed record of an earlier run keeps in this run's results.
 DONE_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "parts_kept", "kept_tokens",
@@ -145,7 +150,10 @@ def triage(ids: Sequence[str], records: Mapping[str, dict], outputs: Mapping[str
 
 
 def _changed(rec: dict, now: str | None) -> bool:
-    """Whether the source ``rec`` was made (or failed) from hashed otherwise than ``now`` (both known)."""
+    """Whether the source ``rec`` was made (or failed) from hashed otherwise than ``now`` (both
+    known), or could not be read then and can now."""
+    if was_unreadable(rec):
+        return now is not None
     was = recorded_hash(rec)
     return was is not None and now is not None and now != was
 

@@ -636,3 +636,32 @@ def test_a_summary_edited_by_hand_is_kept_apart_before_its_redo(s1, tmp_path, sm
     code, output = run(*args)
     assert code == 0 and "kept apart before the redo: a.edited-2.md" in output, output
     assert (out / "a.edited-2.md").read_text() == "more notes\n" and (out / "a.md").read_text() == (out / "b.md").read_text()
+
+
+def test_a_document_that_could_not_be_read_is_tried_again_once_it_can(s1, tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """A user trial: a file removed mid-run failed ("cannot read: No such file or directory");
+    restored, a plain rerun kept it failed ("not retried"): its failure recorded no hash to
+    compare with. It records that the file could not be read: readable since, it is a change."""
+    import mlx_tier.job.run as job_run
+
+    gone, text = s1 / "gone.txt", "The harbour froze in January; the boats waited for the thaw."
+    gone.write_text(text)
+    found = job_run.find_documents
+
+    def then_removed(*a, **k):  # found by the walk, gone before it is read
+        docs = found(*a, **k)
+        gone.unlink(missing_ok=True)
+        return docs
+
+    monkeypatch.setattr(job_run, "find_documents", then_removed)
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    code, output = run(*args)
+    assert code == 1 and "cannot read" in last_record(out, "gone")["error"], output
+    assert last_record(out, "gone")["made_from"] == {"unreadable": True}
+    monkeypatch.setattr(job_run, "find_documents", found)
+    code, output = run(*args)  # not there now: not part of the job, its failure stays
+    gone.write_text(text)  # restored
+    code, output = run(*args)
+    assert "1 document that failed in an earlier run changed since: trying it again" in output, output
+    assert last_record(out, "gone")["status"] == "done"
