@@ -28,7 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from mlx_tier.monitor.page import render_body, render_page
 from mlx_tier.monitor.view import build_view
-from mlx_tier.outdir.layout import JOURNAL, REPORT, lock_held
+from mlx_tier.outdir.layout import JOURNAL, REPORT, lock_held, progress_files
 
 DEFAULT_PORT = 8737
 REFRESH_SECONDS = 30  # rates and ETA move with the clock: a new version at least this often
@@ -62,12 +62,13 @@ def is_loopback(host: str) -> bool:
 
 
 def files_version(out_dir: Path, now: float | None = None) -> str:
-    """A token that changes when the journal, report.json or the run state changes
-    (and every :data:`REFRESH_SECONDS`, for the clock-based rates)."""
+    """A token that changes when the journal, report.json, the run's progress files (the
+    prompt being read, the tokens being written, the ETA: rewritten every few seconds) or
+    the run state change (and every :data:`REFRESH_SECONDS`, for the clock-based rates)."""
     parts = []
-    for name in (JOURNAL, REPORT):
+    for path in (Path(out_dir) / JOURNAL, Path(out_dir) / REPORT, *progress_files(out_dir)):
         try:
-            st = (Path(out_dir) / name).stat()
+            st = path.stat()
             parts.append(f"{st.st_size}.{st.st_mtime_ns}")
         except OSError:
             parts.append("-")

@@ -418,3 +418,20 @@ def test_summary_behind_a_planted_link_is_never_served(tmp_path):
     (out / "b.md").write_text("a real summary\n")
     assert _summary_text(out, {"id": "a", "output": "a.md"}) is None
     assert _summary_text(out, {"id": "b", "output": "b.md"}) == "a real summary"
+
+
+def test_the_page_changes_when_the_runs_progress_file_does(tmp_path):
+    """A user trial: the live page stood still for up to 30 s between documents (the prompt
+    being read, the ETA) though progress.json moved every few seconds: its version followed
+    the journal and report.json only."""
+    from mlx_tier.monitor.server import files_version
+
+    (tmp_path / "journal.jsonl").write_text('{"event": "start", "ids": [], "todo": []}\n')
+    (tmp_path / "progress.json").write_text('{"reading": ["a", 10, 700]}')
+    before = files_version(tmp_path, now=0.0)
+    assert files_version(tmp_path, now=0.0) == before
+    (tmp_path / "progress.json").write_text('{"reading": ["a", 300, 700], "eta_seconds": 20}')
+    assert files_version(tmp_path, now=0.0) != before
+    ranks = files_version(tmp_path, now=0.0)
+    (tmp_path / "progress-1.json").write_text('{"reading": ["b", 5, 90]}')  # a rank's
+    assert files_version(tmp_path, now=0.0) != ranks
