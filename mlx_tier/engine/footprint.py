@@ -370,7 +370,8 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     Args:
         total: bytes the run may hold.
         needs: what it holds beside the cache (:class:`Needs`).
-        cache: the expert cache's bytes when set (``cache_gb``), else ``None``.
+        cache: the expert cache's bytes when set (``cache_gb``; at most every expert's),
+            else ``None``.
         prefill_step: the prompt step asked for (tokens).
         source: where ``total`` came from, for messages.
 
@@ -389,6 +390,8 @@ def split(total: int, needs: Needs, cache: int | None = None, prefill_step: int 
     room -= workspace
     if cache is None:
         cache = default_cache(room, needs)
+    elif needs.all_experts > 0:  # more than every expert is never used: the rest goes to the KV cache
+        cache = min(cache, needs.all_experts)
     ahead = read_ahead_bytes(cache, s, needs.kernel, needs.expert)
     kv = room - cache - ahead
     budget = MemoryBudget(total, source, needs.runtime, needs.dense, cache, kv, workspace + ahead, fixed_parts[2],

@@ -99,6 +99,8 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
             tier = replace(tier, page_cache=read_mode(model_dir, budget, config.generation.schedule, reporter.message))
         if tier.cache_gb is None and tier.slots_per_layer is None and tier.layer_slots is None:
             cache_gb = budget.cache / GIB  # the split's share (load's own cache_gb overrides the config's None)
+        elif tier.cache_gb is not None and budget.cache < int(tier.cache_gb * GIB):  # more than every expert
+            tier = replace(tier, cache_gb=budget.cache / GIB)
     reporter.message(f"loading {model_dir}")
     if tier.dtype is None:  # the one place the job's dtype default is applied
         tier = replace(tier, dtype=job_compute_dtype())

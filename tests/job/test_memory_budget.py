@@ -54,16 +54,18 @@ def errors(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("error:")]
 
 
-def test_a_cache_that_cannot_fit_the_limit_is_refused_before_loading(one_gib_cgroup, docs, tmp_path, tiny_moe,
+def test_a_cache_that_cannot_fit_the_limit_is_refused_before_loading(one_gib_cgroup, docs, tmp_path, demo_model,
                                                                      monkeypatch):
-    """The issue's example at small scale: --cache-gb 1.2 in a 2 GiB container was OOM-killed."""
+    """The issue's example at small scale: --cache-gb 1.2 in a 2 GiB container was OOM-killed.
+    (The demo: its 0.44 GiB of experts are more than 1 GiB leaves beside the rest; a cache
+    above every expert is cut to them, so a model of tiny experts fits whatever is asked.)"""
     from mlx_tier.engine import load as tiered
 
     monkeypatch.setattr(tiered, "load", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
-    code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--cache-gb", "0.6")
+    code, output = run(docs, "--out", tmp_path / "o", "--model", demo_model, "--cache-gb", "0.4")
     assert code == 2, output
     (line,) = errors(output)
-    assert f"--cache-gb 0.60 GiB does not fit in 1.00 GiB ({CGROUP}): the run also needs runtime" in line
+    assert f"--cache-gb 0.40 GiB does not fit in 1.00 GiB ({CGROUP}): the run also needs runtime" in line
     assert "GiB for the expert cache" in " ".join(output.split())
     assert not (tmp_path / "o").exists()
 
@@ -88,6 +90,19 @@ def test_default_run_takes_the_limit_and_says_so(one_gib_cgroup, docs, tmp_path,
     assert f"memory: 1.00 GiB ({CGROUP}) = runtime" in text and "memory: peak resident set" in text
     b = json.loads((out / "report.json").read_text())["memory_budget"]
     assert b["source"] == CGROUP and b["total"] == GIB and b["peak_rss"] > 0
+    assert sum(b[k] for k in ("runtime", "dense_part", "experts", "KV", "workspace", "MLX_buffers", "margin")) == GIB
+
+
+def test_a_cache_above_every_expert_gives_the_rest_to_the_kv_cache(one_gib_cgroup, docs, tmp_path, tiny_moe):
+    """A user trial: `--cache-gb 5` on a model of 0.44 GiB of experts planned "experts 5.00 +
+    KV 14.70" (19.48 without it); report.json's budget said 5 GiB, of which 0.44 were ever
+    held. A cache holds every expert at most: the split and the cache say so."""
+    out = tmp_path / "o"
+    code, output = run(docs, "--out", out, "--model", tiny_moe, "--max-tokens", "4", "--cache-gb", "0.5")
+    assert code == 0, output
+    report = json.loads((out / "report.json").read_text())
+    b, cache = report["memory_budget"], report["cache"]
+    assert b["experts"] == cache["budget_bytes"] == cache["resident_bytes_max"] < 0.5 * GIB
     assert sum(b[k] for k in ("runtime", "dense_part", "experts", "KV", "workspace", "MLX_buffers", "margin")) == GIB
 
 
