@@ -78,8 +78,19 @@ app.command("profile")(trace_cmd.profile_cmd)
 app.command()(status_cmd.thermal)
 
 
+# A write to a closed pipe (`mlx-tier run ... | head`): 128 + SIGPIPE, as a shell reports a
+# process the pipe ended, not 1 ("some documents failed"); finished summaries are kept.
+EXIT_CLOSED_PIPE = 141
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        # Click answers EPIPE with exit code 1 after muting stdout and stderr (PacifyFlushWrapper)
+        if e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            raise SystemExit(EXIT_CLOSED_PIPE) from None
+        raise
 
 
 if __name__ == "__main__":

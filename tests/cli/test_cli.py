@@ -400,3 +400,15 @@ def test_kv_bits_runs_quantized_and_a_head_dim_it_cannot_group_exits_2(docs, tmp
     lines = error_lines(output)
     assert code == 2 and len(lines) == 1 and "cannot be quantized (--kv-bits)" in lines[0], output
     assert "loading" not in output and not (tmp_path / "o16").exists()
+
+
+def test_output_to_a_closed_pipe_exits_141_not_1():
+    """A user trial: `mlx-tier run ... | head -1` exited 1 ("some documents failed") after every
+    summary was written: click answers a closed pipe with 1. It is 141, as for `yes | head`."""
+    import subprocess
+    import sys
+
+    code = "import sys, time; time.sleep(0.5); sys.argv = ['mlx-tier', '--help']; from mlx_tier.cli.main import main; main()"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before the first line is written
+    assert p.wait(timeout=120) == 141 and p.stderr.read() == b""
