@@ -339,7 +339,8 @@ def _hit_text(counters: dict) -> str:
 def redone_text(stale: int, changed: int, what: str = "document") -> str:
     """How many summaries (or a batch request file's answers: ``what`` ``"request"``) a run
     rewrote and why, e.g. ``"2 stale (document changed)"``; ``""`` when none."""
-    parts = [f"{stale} stale ({what} changed)" if stale else "",
+    why = "request changed, or the --max-tokens of one without its own" if what == "request" else f"{what} changed"
+    parts = [f"{stale} stale ({why})" if stale else "",
              f"{changed} written with other settings" if changed else ""]
     return ", ".join(p for p in parts if p)
 

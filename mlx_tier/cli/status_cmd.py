@@ -76,7 +76,7 @@ def _status_table(s, out_dir: Path) -> Table:
                        f"run (its finished {s.noun}s over its generation time); "
                        f"{tokens_text(s.output_tokens)} in the job's finished {s.noun}s")
     if s.redone_stale or s.redone_changed:
-        t.add_row("redone", redone_text(s.redone_stale, s.redone_changed))
+        t.add_row("redone", redone_text(s.redone_stale, s.redone_changed, s.noun))
     if len(s.written_by) > 1:  # summaries of more than one model or prompt
         for line in mix_lines(s.written_by, s.prompts):
             t.add_row("written by", Text(line))

@@ -329,11 +329,15 @@ def _left_out(tri: Triage, records: Mapping[str, dict], ids: list[str], batch: b
     kept = {recorded_hash(records[i]) for i in job if (records.get(i) or {}).get("status") == "done"} - {None}
     gone = [i for i, r in records.items() if r.get("status") == "done" and i not in job
             and i not in tri.reused.values() and recorded_hash(r) not in kept]
-    if not gone:
-        return []
-    what, of = ("answer", "requests not in this file") if batch else ("summary", "documents not in this input")
-    return [f"{count_text(len(gone), what)} of earlier runs {'is' if len(gone) == 1 else 'are'} of {of} (another "
-            f"input, or removed): left on disk, not part of this job"]
+    answers = [i for i in gone if records[i].get("output") == BATCH_OUTPUT]  # a request file's, else summaries
+    notes = []
+    for n, what, of in ((len(answers), "answer", "requests not in this file" if batch else "a request file's requests"),
+                        (len(gone) - len(answers), "summary",
+                         "documents, not requests" if batch else "documents not in this input")):
+        if n:
+            notes.append(f"{count_text(n, what)} of earlier runs {'is' if n == 1 else 'are'} of {of} (another "
+                         "input, or removed): left on disk, not part of this job")
+    return notes
 
 
 def _stale_note(n: int, retry_failed: bool, batch: bool) -> str:

@@ -79,24 +79,26 @@ def numbers_section(view: dict) -> str:
     state = f"running (pid {s['pid']})" if s["running"] else s["state"]
     eta = (fmt_seconds(s["eta_seconds"]) if s["eta_seconds"] is not None else "estimating") if s["running"] \
         else "not running"
+    noun = s.get("noun") or "document"  # "request": a batch request file's job
     items = [
         ("state", "State", state),
-        ("total", "Documents", unknown if s["total"] is None else str(s["total"])),
+        ("total", f"{noun.capitalize()}s", unknown if s["total"] is None else str(s["total"])),
         ("done", "Done", str(s["done"])),
         ("failed", "Failed", str(s["failed"])),
         ("pending", "Pending", unknown if s["pending"] is None else str(s["pending"])),
         ("eta", "ETA", eta),
-        ("docs-per-hour", "Documents / hour", f"{s['documents_per_hour']:.1f}"),
+        ("docs-per-hour", f"{noun.capitalize()}s / hour", f"{s['documents_per_hour']:.1f}"),
         ("tok-s", "Output tok/s", f"{s['output_tok_per_s']:.2f}"),
         ("generation", "Generation time", fmt_seconds(s["elapsed_seconds"])),
         ("loading", "Loading time", fmt_seconds(s["load_seconds"])),
-        ("redone-stale", "Redone: document changed", str(s["redone_stale"])),
+        ("redone-stale", f"Redone: {noun} changed", str(s["redone_stale"])),
         ("throttled", "Throttled or paused", fmt_seconds(s["throttled_seconds"])),
     ]
     if s["redone_changed"]:
         items.insert(-1, ("redone-changed", "Redone: model or prompt", str(s["redone_changed"])))
     cells = "".join(_number(*item) for item in items)
-    note = f"This run's rates: documents summarised per hour and output tokens per second, {DEFINITION}."
+    done = "requests answered" if noun == "request" else "documents summarised"
+    note = f"This run's rates: {done} per hour and output tokens per second, {DEFINITION}."
     resume = ""
     if view.get("resume_command"):  # not running, documents left: how to go on
         resume = (f'<p id="state-note">{_e(view["state_text"])}. Resume with:</p>'

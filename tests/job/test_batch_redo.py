@@ -105,7 +105,7 @@ def test_a_changed_request_is_redone_and_its_line_replaced(a, answered, tmp_path
     text = " ".join(r.output.split())
     assert r.exit_code == 0, r.output
     assert "1 request changed since answered (stale): redoing it" in text, r.output
-    assert "redone 1 stale (request changed)" in text, r.output
+    assert "redone 1 stale (request changed, or the --max-tokens of one without its own)" in text, r.output
     after = raw_lines(out / "output.jsonl")
     assert list(after) == ["b", "c", "a"]  # one line each, the new answer last (completion order)
     assert after["b"] == before["b"] and after["c"] == before["c"]  # the unchanged ones: left byte for byte
@@ -269,3 +269,17 @@ def test_answers_of_another_model_are_kept_with_a_word_and_redone_with_redo_chan
     assert "generation" not in report["runs"][-1]
     r = runner.invoke(app, [*args(inp, out, other), "--max-tokens", "9"])  # nothing to redo: b and c set theirs,
     assert r.exit_code == 0 and "nothing to do" in r.output, r.output  # a sets its own too
+
+
+def test_a_request_file_run_into_a_folder_of_summaries_calls_them_summaries(answered, tmp_path, tiny_moe):
+    """A user trial: a request file run into a folder holding document summaries said "5
+    answers of earlier runs are of requests not in this file"."""
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The cat sleeps on the warm stones of the harbour wall.")
+    assert runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(tiny_moe), "--kernel", "mlx",
+                               "--max-tokens", "4"]).exit_code == 0
+    r = runner.invoke(app, args(write_jsonl(tmp_path / "requests.jsonl", [A]), out, tiny_moe))
+    words = " ".join(r.output.split())
+    assert "1 summary of earlier runs is of documents, not requests (another input, or removed)" in words, r.output
+    assert "answers of earlier runs" not in words

@@ -423,6 +423,13 @@ def test_a_request_files_job_speaks_of_requests(tmp_path):
     assert r.exit_code == 0 and "6 total: 3 done, 1 failed, 2 pending" in r.output, r.output
     assert "requests" in r.output and "2 of its requests left" in " ".join(r.output.split()), r.output
     assert "requests/hour" in r.output and "documents" not in r.output, r.output
+    # a user trial: the page said "Documents", "Documents / hour", "Redone: document changed"
+    from mlx_tier.monitor.page import numbers_section
+    from mlx_tier.monitor.view import build_view
+
+    html = numbers_section(build_view(out, now=T0 + 5000))
+    assert "Requests / hour" in html and "Redone: request changed" in html and "requests answered" in html
+    assert "Document" not in html and "document changed" not in html, html
 
 
 def test_the_speed_row_says_it_counts_finished_summaries(tmp_path):
