@@ -43,6 +43,7 @@ until a prompt step and a decode step have been measured.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right, insort
 from collections import deque
 from collections.abc import Callable
@@ -66,6 +67,8 @@ class _Doc:
     read: int = 0  # prompt tokens read
     written: int = 0  # tokens generated
     limit: int | None = None  # most tokens it may generate (a request's own); None: the run's max_tokens
+    plan: CallPlan | None = None  # a long document's calls, planned when its first level is seen
+    read_before: int = 0  # prompt tokens of its levels read before the current one
 
 
 @dataclass
@@ -131,12 +134,17 @@ class EtaTracker:
                 if d.prompt is None and d.chars:  # calibrate tokens per character on real prompts
                     self._measured_chars, self._measured_tokens = self._measured_chars + d.chars, \
                         self._measured_tokens + length
+                if d.prompt is None and self.calls is not None:  # its calls, from its first level's prompts
+                    plan = self.calls(length)
+                    d.plan = plan if plan.calls > 1 else None
+                elif d.prompt is not None and length != d.prompt:  # a long document's next level
+                    d.read_before += d.prompt
                 d.prompt, d.read = length, read
         for doc_id, tokens in generating:
             d = self._left.get(doc_id)
             if d is not None:
                 d.written = max(d.written, tokens)
-                if d.prompt is not None:
+                if d.prompt is not None and d.plan is None:  # one call: its prompt is read (a part's is not all)
                     d.read = d.prompt
         if prefill_tokens > 0 and prefill_seconds > 0:
             self._prompt_tokens += prefill_tokens
@@ -176,6 +184,11 @@ class EtaTracker:
         expected = {(0, None): self.expected_output(0)}  # most documents left have written nothing
         prompt_left, writes = 0.0, []
         for d in left:
+            if d.plan is not None:  # a long document being read: the calls of its plan not read yet
+                prompt, calls = self._plan_left(d)
+                prompt_left += prompt
+                writes += [min(max(expected[0, None], 1.0), self.max_tokens)] * calls
+                continue
             tokens = self._prompt_left(d, per_char, typical)
             plan = self.calls(int(tokens)) if self.calls is not None and d.prompt is None else None
             if plan is not None and plan.calls > 1:  # a long document not started: each of its calls
@@ -220,6 +233,17 @@ class EtaTracker:
         per_char = self._measured_tokens / self._measured_chars if self._measured_chars else 1 / CHARS_PER_TOKEN
         known = [x.prompt for x in self._left.values() if x.prompt is not None]
         return per_char, sum(known) / len(known) if known else 0.0
+
+    @staticmethod
+    def _plan_left(d: _Doc) -> tuple[float, int]:
+        """``(prompt tokens, calls)`` a long document in progress has left: its plan's prompts
+        less those read (the current level's left at least), and its calls in proportion, the
+        one being written at least (erring long: the tokens it has written are not taken off)."""
+        plan = d.plan
+        total = plan.parts * plan.part_prompt + plan.combines * plan.combine_prompt
+        read = d.read_before + d.read
+        left = max(total - read, (d.prompt or 0) - d.read, 0)
+        return left, max(1, math.ceil(plan.calls * (1 - min(read / total, 1.0)))) if total > 0 else 1
 
     @staticmethod
     def _prompt_left(d: _Doc, per_char: float, typical: float) -> float:

@@ -268,3 +268,27 @@ def test_a_requests_own_token_limit_is_its_prior_and_its_cap():
     assert tracker({"r1": 2000}, 300) == pytest.approx((2000 - 300) * 0.1, rel=0.05)  # 1,700 tokens at 0.1 s
     assert tracker({"r1": 2000}, 100) == pytest.approx((2000 - 100) * 0.1, rel=0.05)
     assert tracker({"r1": 50}, 10) == pytest.approx((50 - 10) * 0.1, rel=0.05)  # a smaller limit: sooner
+
+
+def test_a_long_document_being_read_keeps_its_calls_left():
+    """A user trial: "ETA 0s" for 30 s while a document of ~7,400 prompt tokens in parts was
+    read and summarised at --context 1024: once its first level's prompts were read, it was
+    priced as one call. A long document in progress counts the calls of its plan it has not
+    read, in proportion, and the prompts of its later levels."""
+    from mlx_tier.job.longdoc import call_plan
+
+    def calls(tokens):
+        return call_plan(tokens, 1000, 64, 40, 50)
+
+    t = EtaTracker({"long": 30_000}, 64, 1, 0.0, calls=calls)
+    t.step([("long", 100, 7_000)], [], 100, 1.0, 0, 0.0)  # its map level: 7,000 prompt tokens at 100 tok/s
+    t.step([], [("long", 1)], 0, 0.0, 1, 0.1)
+    plan = calls(7_000)
+    assert plan.calls > 2
+    early = t.eta(0.0)
+    t.step([("long", 7_000, 7_000)], [], 6_900, 69.0, 0, 0.0)  # every part read
+    late = t.eta(0.0)
+    combine = plan.combines * plan.combine_prompt
+    assert late >= combine / 100 + plan.combines * 64 * 0.1 and early > late  # not 0: its combining calls are left
+    t.step([("long", 50, combine)], [], 50, 0.5, 0, 0.0)  # the combining level
+    assert 0 < t.eta(0.0) <= late
