@@ -195,11 +195,14 @@ class MapReduce:
         """The prompt of call ``index`` of the current level."""
         return self._prompts[index]
 
-    def level_tokens(self) -> tuple[int, int]:
-        """``(prompt tokens of the current level's finished calls, of all its calls)``: how
-        much of the level's reading is behind (a progress line's and an ETA's measure of a
-        document read in parts)."""
-        done = sum(len(p) for p, r in zip(self._prompts, self._results) if r is not None)
+    def level_tokens(self, decoding=()) -> tuple[int, int]:
+        """``(prompt tokens of the current level's calls read: finished, or being written
+        (``decoding``: their indices), of all its calls)``: how much of the level's reading
+        is behind (a progress line's and an ETA's measure of a document read in parts; a
+        call written after its prompt was read counts as read, so the measure never falls)."""
+        decoding = set(decoding)
+        done = sum(len(p) for i, (p, r) in enumerate(zip(self._prompts, self._results))
+                   if r is not None or i in decoding)
         return done, sum(len(p) for p in self._prompts)
 
     def add(self, index: int, result: str) -> list[tuple[int, list[int]]]:

@@ -179,19 +179,21 @@ def check_context(tokenizer, instruction: str, max_tokens: int, context: int, wh
         )
 
 
-def _by_document(prefill: list) -> list[tuple[str, int, int]]:
+def _by_document(prefill: list, generating: list = ()) -> list[tuple[str, int, int]]:
     """An engine step's ``(task key, prompt tokens read, prompt length)`` as ``(document id,
     read, length)``, one entry a document: a long document read in parts counts the
     prompts of all the calls of its current level (:meth:`MapReduce.level_tokens`), the
-    finished ones as read, so its progress and ETA do not restart with each part."""
+    finished ones and those being written (``generating``: ``(task key, tokens)``) as
+    read, so its progress and ETA neither restart with each part nor fall back."""
     out: dict = {}
-    for (d, _), done, total in prefill:
+    writing = {key for key, _ in generating}
+    for (d, i), done, total in prefill:
         if d.mr is None:
             out[d] = (done, total)
             continue
-        finished, whole = d.mr.level_tokens()
+        finished, whole = d.mr.level_tokens(j for g, j in writing if g is d)
         read = out[d][0] if d in out else finished
-        out[d] = (read + done, whole)
+        out[d] = (read + (0 if (d, i) in writing else done), whole)  # one being written: counted read
     return [(d.doc.id, read, total) for d, (read, total) in out.items()]
 
 
@@ -757,7 +759,7 @@ class Scheduler:
             _charge_time(info)
             info.sequences = [(key, total) for key, _, total in info.prefill]  # before grouping by document
             info.decoding = list(info.generating)
-            info.prefill = _by_document(info.prefill)
+            info.prefill = _by_document(info.prefill, info.generating)
             info.generating = [(key[0].doc.id, n) for key, n in info.generating]
             on_step(info, [d.doc.id for d in dict.fromkeys(in_flight)])
             yield from self._take_finished(info.finished, q.ready)
