@@ -128,7 +128,10 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
         return []
     traded = job.get("cache_for_pools")
     return [
-        (f"job: documents of {job['prompt_tokens']} tokens, {job['output_tokens']}-token summaries", ""),
+        (f"job: documents of {job.get('document_tokens') or job['prompt_tokens']} tokens, "
+         f"{job['output_tokens']}-token summaries", ""),
+        *([("  calls a document", f"{job['calls']}: parts of ~{job['prompt_tokens']} prompt tokens, then the "
+                                  "calls combining their summaries")] if job.get("calls", 1) > 1 else []),
         *([("  expert cache for pools", f"{traded['slots']} slot{'' if traded['slots'] == 1 else 's'} per layer, not the split's "
                                          f"{traded['split_slots']}: the KV caches take the rest")]
           if traded else []),
@@ -139,9 +142,14 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
                                                    "workspace; more from KV room left idle")] if job.get("decode_slots") else []),
         *([("  decoded in prompt steps", f"{job['merged_tokens']:.0f} of a document's {job['output_tokens']} tokens "
                                          "(module batching)")] if job.get("merged_tokens") else []),
-        ("  predicted documents/hour", f"{job['docs_per_hour']:.0f} (one document at a time: "
-                                       f"{job['batch1_docs_per_hour']:.0f})"),
+        ("  predicted documents/hour", f"{_rate(job['docs_per_hour'])} (one document at a time: "
+                                       f"{_rate(job['batch1_docs_per_hour'])})"),
     ]
+
+
+def _rate(per_hour: float) -> str:
+    """A documents/hour figure to its whole units, with a decimal below 10 (0.69 is not "1")."""
+    return f"{per_hour:.1f}" if per_hour < 10 else f"{per_hour:.0f}"
 
 
 def _memory_row(p) -> tuple[str, str]:

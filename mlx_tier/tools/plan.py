@@ -369,7 +369,8 @@ def make_plan(
         lend = lent_slots(memory.split, MAX_DECODE_POOL, doc_tokens + summary_tokens)
         job = job_pools(config, L, num_experts, top_k, slots, sizes["expert_bytes_disk"], 2 * sizes["expert_params"],
                         speed["disk_gbps"], memory.split.kv, doc_tokens, summary_tokens,
-                        memory.split.prefill_step, kv_bits, _head_bytes(index), lend, needs.kernel) | traded
+                        memory.split.prefill_step, kv_bits, _head_bytes(index), lend, needs.kernel,
+                        min(context_tokens, _model_context(config) or context_tokens)) | traded
     return Plan(
         job=job,
         kv_bits=kv_bits,
@@ -382,7 +383,7 @@ def make_plan(
         top_k=top_k,
         **sizes,
         context_tokens=context_tokens,
-        model_context=next((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None),
+        model_context=_model_context(config),
         memory_total=memory.total,
         memory_available=memory.available,
         cache_budget=budget,
@@ -460,15 +461,24 @@ def _measured(source, needs: Needs, expert_names: list, top_k: int, slots: int, 
     )
 
 
+# Prompt tokens of a call beside its text: the default instruction with a part's or a
+# combining call's note, in a chat template (SmolLM2's counts 80 and 81); a run counts its own.
+CALL_OVERHEAD = 80
+
+
 def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, expert_bytes: int,
               expert_flops: float, disk_gbps: float, free_bytes: int, doc_tokens: int, summary_tokens: int,
               max_pool: int | None = None, kv_bits: int | None = None, head_bytes: int = 0,
-              decode_slots: int = 0, kernel: str = "cpu") -> dict:
+              decode_slots: int = 0, kernel: str = "cpu", context: int | None = None) -> dict:
     """The overnight job's pools and predicted documents/hour (:func:`mlx_tier.tools.pools.choose_pools`)
     from a checkpoint's config, its kernels' rates probed here (:func:`mlx_tier.tools.pools.probe_rates`);
     ``head_bytes``: its output layer's bytes (:func:`mlx_tier.tools.pools.output_layer_bytes`; 0: not priced);
     ``decode_slots``: expert slots per layer its decode steps borrow (:func:`mlx_tier.tools.pool_cache.lent_slots`);
-    ``kernel``: the expert kernel a run would use (:func:`mlx_tier.kernels.registry.choose`), the one probed."""
+    ``kernel``: the expert kernel a run would use (:func:`mlx_tier.kernels.registry.choose`), the one probed;
+    ``context``: the usable context (``None``: unbounded): a document longer than a call is
+    priced over its calls (:func:`mlx_tier.job.longdoc.call_plan`, :data:`CALL_OVERHEAD`
+    tokens of instruction a call), as a run prices it."""
+    from mlx_tier.job.longdoc import CallPlan, call_plan
     from mlx_tier.tools.pools import (
         Shape,
         choose_pools,
@@ -491,9 +501,20 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     rates = probe_rates(disk_gbps, (inner, hidden), int(q.get("bits", 4)), int(q.get("group_size", 64)), heads,
                         head_dim, attention=job_attention(kernel), kv_heads=kv_heads,
                         kernel=kernel, mode=str(q.get("mode", "affine")))
-    pools = choose_pools(shape, rates, doc_tokens, summary_tokens, max(0, free_bytes), max_pool=max_pool,
-                         decode_slots=decode_slots)
+    calls = (call_plan(doc_tokens, context - summary_tokens, summary_tokens, CALL_OVERHEAD, CALL_OVERHEAD)
+             if context is not None and context > summary_tokens else CallPlan(1, doc_tokens))
+    pools = choose_pools(shape, rates, max(1, calls.part_prompt), summary_tokens, max(0, free_bytes),
+                         max_pool=max_pool, decode_slots=decode_slots)
+    if calls.calls > 1:
+        combined = choose_pools(shape, rates, calls.combine_prompt, summary_tokens, max(0, free_bytes),
+                                max_pool=max_pool, decode_slots=decode_slots) if calls.combines else None
+        pools = pools.of_calls(calls.parts, calls.combines, combined, doc_tokens)
     return {**pools.as_dict(), "decode_slots": decode_slots, "rates": rates.as_dict()}
+
+
+def _model_context(config: dict) -> int | None:
+    """The checkpoint's context length (config.json), ``None`` when it states none."""
+    return next((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None)
 
 
 def _head_bytes(index: dict) -> int:

@@ -94,3 +94,26 @@ def test_a_folder_called_demo_is_a_path_first(tiny_moe, tmp_path, monkeypatch):
     assert is_demo(None) and is_demo("demo")
     shutil.copytree(tiny_moe, tmp_path / "demo")
     assert not is_demo("demo") and resolve("demo").resolve() == tmp_path / "demo"
+
+
+def test_a_document_longer_than_the_context_is_planned_over_its_calls(tiny_moe):
+    """A user trial: `plan demo --doc-tokens 100000` planned one call of 100,000 tokens (the
+    context is 8,192) and printed "0" documents/hour where its JSON said 0.69; `--context 1024
+    --doc-tokens 4337` one call too, where the run foresaw 6. Such a document is priced over
+    its parts and combining calls, as a run prices it, and a rate below 10 keeps a decimal."""
+    from mlx_tier.cli.plan_cmd import _rate
+    from mlx_tier.job.longdoc import call_plan
+    from mlx_tier.tools.plan import CALL_OVERHEAD
+
+    def job(doc, context):
+        r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1",
+                                     "--doc-tokens", str(doc), "--summary-tokens", "16", "--context", str(context)])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["job"]
+
+    short, long = job(200, 1024), job(4_000, 1024)
+    calls = call_plan(4_000, 1024 - 16, 16, CALL_OVERHEAD, CALL_OVERHEAD)
+    assert short["calls"] == 1 and long["calls"] == calls.calls > 2
+    assert long["document_tokens"] == 4_000 and long["prompt_tokens"] == calls.part_prompt
+    assert long["docs_per_hour"] < short["docs_per_hour"] / 2
+    assert (_rate(0.69), _rate(9.96), _rate(123.4)) == ("0.7", "10.0", "123")
