@@ -309,7 +309,10 @@ def summary_line(report, out_dir: Path) -> str:
         + f" | report: {out_dir / 'report.json'}"
     run = report.runs[-1]
     chunked = sum(r.parts > 0 for r in report.results)
-    line = (f"job: {report.count('done')} done ({run['already_done']} by earlier runs), "
+    copied = run.get("reused", 0)  # summaries of the same content this run copied under a new name
+    earlier = f"{run['already_done']} by earlier runs" + (f", {copied} of them copied now under a new name"
+                                                          if copied else "")
+    line = (f"job: {report.count('done')} done ({earlier}), "
             f"{report.count('failed')} failed, {report.count('pending')} pending"
             + (f" ({chunked} long, summarised in parts)" if chunked else ""))
     if not run.get("loaded_model"):

@@ -113,6 +113,8 @@ def test_a_touch_or_a_rename_is_not_a_change(s1, tmp_path, small_moe):  # noqa: 
     assert code == 0, output
     assert "1 document renamed or copied: the summary of the same content copied under the new name" in output
     assert not report(out)["runs"][-1]["loaded_model"]  # nothing generated
+    # a user trial: "2 done (2 by earlier runs)" of a run that copied one of them
+    assert "job: 2 done (2 by earlier runs, 1 of them copied now under a new name)" in output, output
     assert (out / "c.md").read_text() == before["a.md"][0]
     assert {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in out.glob("[ab].md")} == before  # a.md kept
     rec = last_record(out, "c")
