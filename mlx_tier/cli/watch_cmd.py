@@ -43,6 +43,12 @@ def watch(
     except InputError as e:
         fail(str(e))
     except OSError as e:
+        import errno
+        import socket
+
+        if isinstance(e, socket.gaierror) or e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            fail(f"cannot serve on {host}:{port} ({e.strerror or e}): {host} is not an address of this machine; "
+                 "give another with --host")
         fail(f"cannot serve on {host}:{port} ({e.strerror or e}); pick another with --port")
     url = url_of(server)
     if not is_loopback(host):

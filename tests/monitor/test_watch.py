@@ -276,6 +276,15 @@ def test_watch_cli_port_in_use_is_one_clear_error(job_dir):
     assert r.exit_code == 2 and "pick another with --port" in r.output
 
 
+@pytest.mark.parametrize("host", ["nonexistent.invalid", "192.0.2.1"])  # no such name; an address not this machine's
+def test_watch_cli_names_a_host_it_cannot_bind_not_the_port(job_dir, host):
+    """A user trial: `watch --host nonexistent.invalid` said "pick another with --port"."""
+    r = runner.invoke(app, ["watch", str(job_dir), "--host", host, "--port", "0"])
+    words = " ".join(r.output.split())
+    assert r.exit_code == 2 and f"{host} is not an address of this machine; give another with --host" in words, r.output
+    assert "--port" not in words
+
+
 def test_watch_cli_warns_when_bound_beyond_loopback(job_dir):
     proc = subprocess.Popen([sys.executable, "-m", "mlx_tier.cli.main", "watch", str(job_dir), "--port", "0",
                              "--host", "0.0.0.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
