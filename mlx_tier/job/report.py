@@ -111,6 +111,10 @@ class JobReport:
             "input_tokens": sum(r.input_tokens for r in finished),
             "output_tokens": sum(r.output_tokens for r in finished),
             "run_seconds": round(sum(r.get("seconds", 0.0) for r in self.runs), 3),
+            # the speeds' own counts: every recorded run's work (a summary rewritten counts
+            # each time; runs of other inputs into this folder too), not the documents above
+            "runs_output_tokens": sum(r.get("output_tokens", 0) for r in self.runs),
+            "runs_done": sum(r.get("done", 0) for r in self.runs),
             **self.speed().as_dict(),
             "interrupted": self.interrupted,
         }
