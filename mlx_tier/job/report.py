@@ -77,6 +77,9 @@ class JobReport:
     prompts: dict[str, str] = field(default_factory=dict)  # prompt hash -> instruction text, every run's
     load_seconds: float | None = None  # this run: from its start to its model loaded (monotonic)
     generation_seconds: float = 0.0  # this run: from its model loaded to its last document or stop (mlx_tier.rates)
+    # this run: tokens of the calls of long documents it wrote and kept without finishing them (a
+    # stop's): generated now, counted in no document's figures until a later run finishes it
+    partial_tokens: int = 0
     # What this run's walk of an INPUT folder (or stdin list) left out: reason or suffix -> files
     # (folders, for a folder's reasons), as mlx_tier.job.documents.skip_note says them.
     skipped_files: dict[str, int] = field(default_factory=dict)
@@ -99,8 +102,9 @@ class JobReport:
     @property
     def output_tokens(self) -> int:
         """Tokens generated in this run (a document's calls kept by an earlier run, or taken
-        from a copy's, are not generated again: ``kept_tokens``)."""
-        return sum(generated_tokens(r) for r in self.results if not r.earlier_run)
+        from a copy's, are not generated again: ``kept_tokens``), those of the calls it kept
+        for documents it did not finish included (``partial_tokens``)."""
+        return sum(generated_tokens(r) for r in self.results if not r.earlier_run) + self.partial_tokens
 
     def as_dict(self) -> dict:
         finished = [r for r in self.results if r.status == "done"]

@@ -741,6 +741,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         _run_pending(p, config, loaded)
         report.generation_seconds = _generation_seconds(p, clock.t())
         finished = [i for i, r in results.items() if r.status == "done" and not r.earlier_run]
+        if parts is not None:  # calls this run wrote for long documents it did not finish (a stop's)
+            report.partial_tokens = sum(n for i, n in parts.written_now().items() if i not in finished)
         for note in forget_finished(config.out_dir, finished) if parts is not None and not share.part else []:
             reporter.message(note)
     return report, loaded

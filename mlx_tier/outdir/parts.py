@@ -178,6 +178,15 @@ class PartStore:
         rec = self._kept.get(call_key(self.identity, prompt))
         return None if rec is None else replace(_call(rec), earlier=rec.get("_earlier", True))
 
+    def written_now(self) -> dict[str, int]:
+        """``document id -> tokens`` of the calls this process kept (:meth:`keep`), not an
+        earlier run's."""
+        out: dict[str, int] = {}
+        for rec in self._kept.values():
+            if rec.get("_earlier") is False:
+                out[rec["doc"]] = out.get(rec["doc"], 0) + (_int(rec.get("tokens")) or 0)
+        return out
+
     def keep(self, prompt: list[int], call: KeptCall) -> None:
         """Append one finished call (fsync'ed); a failed append is noted in :attr:`error`, not raised."""
         rec = {"doc": call.doc, "key": call_key(self.identity, prompt), "run_key": self.run_key,

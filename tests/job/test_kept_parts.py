@@ -115,3 +115,27 @@ def test_kept_calls_are_not_reused_under_other_settings(tmp_path, small_moe, mon
     assert "resume from" not in r.output  # a review: the note counted calls of other settings
     record = Journal(out).records()["book"]
     assert record["status"] == "done" and "parts_kept" not in record
+
+
+def test_a_stopped_runs_record_counts_the_calls_it_kept(tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """A user trial: a run stopped inside a long document kept 6 finished calls (96 tokens) but
+    its record said 16 output tokens: the kept calls' tokens were counted in no run (the run
+    that finished the document counts only what it generated). The stopped run counts them."""
+    import os
+    import signal
+
+    docs, out = make(tmp_path), tmp_path / "out"
+    real = PartStore.keep
+
+    def keep(self, prompt, call):
+        real(self, prompt, call)
+        if len(self.path.read_text().splitlines()) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a first Ctrl-C: the run stops after this step
+
+    monkeypatch.setattr(PartStore, "keep", keep)
+    stopped = runner.invoke(app, args(docs, out, small_moe, "--batch-size", "1"))
+    assert stopped.exit_code == 130 and not (out / "book.md").exists(), stopped.output
+    kept = sum(json.loads(line)["tokens"] for line in (out / PARTS).read_text().splitlines())
+    done = sum(r.get("output_tokens", 0) for r in Journal(out).records().values() if r.get("status") == "done")
+    run = json.loads((out / "report.json").read_text())["runs"][-1]
+    assert kept > 0 and run["output_tokens"] == kept + done, (run["output_tokens"], kept, done)
