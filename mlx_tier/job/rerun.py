@@ -35,6 +35,7 @@ from mlx_tier.job.provenance import (
     text_stamp,
     vouched,
     was_unreadable,
+    writing_record,
 )
 from mlx_tier.job.triage import Triage
 from mlx_tier.outdir.journal import Journal
@@ -190,12 +191,16 @@ def copy_reused(tri: Triage, records: Mapping[str, dict], docs, out_dir: Path, j
     """
     by_id, failed = {d.id: d for d in docs}, []
     for i, j in tri.reused.items():
+        doc, rec = by_id[i], records[j]
         try:
-            write_atomic(Path(out_dir) / f"{i}.md", read_nofollow(Path(out_dir) / f"{j}.md"))
+            data = read_nofollow(Path(out_dir) / f"{j}.md")
+            # the copy's bytes vouched for, as a summary's are: not taken later for someone's edit
+            journal.append(writing_record(i, doc.stamp.as_dict(), data, {k: rec[k] for k in SETTINGS_FIELDS
+                                                                         if k in rec}))
+            write_atomic(Path(out_dir) / f"{i}.md", data)
         except OSError:
             failed.append(i)
             continue
-        doc, rec = by_id[i], records[j]
         journal.append({"id": i, "status": "done", "output": f"{i}.md", "name": doc.name, "reused": j,
                         "made_from": doc.stamp.as_dict(), **source_field(doc),
                         **{k: rec[k] for k in _REUSED_KEEPS if k in rec}})

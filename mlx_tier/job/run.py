@@ -610,8 +610,10 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
         made |= {k: vouch[k] for k in SETTINGS_FIELDS if k in vouch}
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
                         "name": by_id[i].name, **source_field(by_id[i]), **made})
-    if batch is None:  # before a copy or a redo would replace them
-        _set_aside_edited(tri.stale + tri.changed, view.entries(), config.out_dir, reporter)
+    if batch is None:  # before a copy or a redo would replace them (not those left for a plain rerun)
+        replaced = set(tri.pending) | set(tri.reused)
+        _set_aside_edited([i for i in tri.stale + tri.changed if i in replaced], view.entries(), config.out_dir,
+                          reporter)
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
         del tri.reused[i]
         tri.pending.append(i)
@@ -623,11 +625,16 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
 
 
 def _set_aside_edited(redone: list[str], entries, out_dir: Path, reporter: Reporter) -> None:
-    """Rename each summary this run will replace (``redone``: their document or settings
-    changed; redone, or given a copy's) that no ``writing`` record names (:func:`~mlx_tier.job.provenance.vouched`:
-    someone edited it since it was written) to ``<id>.edited.md``, and say so: a redo would
-    overwrite it, a failed one remove it. A journal without writing records (an older
-    version) leaves them as they are."""
+    """Move each summary this run will replace (``redone``: their document or settings
+    changed; redone, or given a copy's) that no ``writing`` record names
+    (:func:`~mlx_tier.job.provenance.vouched`: someone edited it since it was written) to
+    ``OUT_DIR/edited/<id>.md`` (a folder, so no document's output can take the name), and
+    say so: a redo would overwrite it, a failed one remove it. A journal without writing
+    records (an older version) leaves them as they are.
+
+    Raises:
+        InputError: ``OUT_DIR/edited`` is a link or a file (nothing is written through it).
+    """
     entries, moved = list(entries), []
     for i in redone:
         path = out_dir / f"{i}.md"
@@ -637,15 +644,23 @@ def _set_aside_edited(redone: list[str], entries, out_dir: Path, reporter: Repor
             continue
         if vouched(entries, i, data, None) != "unwritten":
             continue
-        aside, n = out_dir / f"{i}.edited.md", 1
+        folder = out_dir / EDITED_DIR
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise InputError(f"{folder}: is a link or a file; edited summaries are kept there (move it away)")
+        folder.mkdir(exist_ok=True)
+        aside, n = folder / f"{i}.md", 1
         while aside.exists() or aside.is_symlink():
             n += 1
-            aside = out_dir / f"{i}.edited-{n}.md"
+            aside = folder / f"{i}-{n}.md"
         os.rename(path, aside)
-        moved.append(aside.name)
+        moved.append(f"{EDITED_DIR}/{aside.name}")
     if moved:
         reporter.message(f"{count_text(len(moved), 'summary')} edited since written, whose document or settings "
                          f"changed, kept apart before the redo: {', '.join(moved)}")
+
+
+# Where a summary edited by hand goes before a redo would replace it (_set_aside_edited).
+EDITED_DIR = "edited"
 
 
 def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:

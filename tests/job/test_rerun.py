@@ -616,29 +616,38 @@ def test_status_counts_the_documents_a_run_with_nothing_to_do_found(s1, tmp_path
 
 def test_a_summary_edited_by_hand_is_kept_apart_before_its_redo(s1, tmp_path, small_moe):  # noqa: F811
     """A user trial: owl.md, edited by hand, was deleted when owl.txt was emptied (its redo
-    failed: "empty document"). A summary no run wrote is renamed `<id>.edited.md` before a
-    redo would remove or overwrite it; one the journal vouches for is replaced as before."""
+    failed: "empty document"). A summary no run wrote is moved to `edited/<id>.md` before a
+    redo (or a copy) would remove or overwrite it; one the journal vouches for (written, or
+    copied, by a run) is replaced as before. A review: a document `a.edited.txt` took the
+    first name this used (`a.edited.md`); a `--retry-failed` run moved one it then left; a
+    copied summary was taken for an edit."""
     out = tmp_path / "out"
     args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
     assert run(*args)[0] == 0
     (out / "a.md").write_text("MY HAND-WRITTEN NOTES - important\n")
     (s1 / "a.txt").write_text("")
     (s1 / "b.txt").write_text(NEW_A)  # b's own summary, as written: replaced by its redo
+    code, output = run(*args, "--retry-failed")  # leaves stale summaries for a plain rerun: nothing moved
+    assert "kept apart" not in output and (out / "a.md").read_text().startswith("MY HAND"), output
+    (s1 / "a.edited.txt").write_text(OLD_A)  # a document whose output takes that name
     code, output = run(*args)
     assert code == 1 and "failed a: empty document" in output, output
     assert "1 summary edited since written, whose document or settings changed, kept apart before the redo: " \
-        "a.edited.md" in output, output
-    assert (out / "a.edited.md").read_text() == "MY HAND-WRITTEN NOTES - important\n" and not (out / "a.md").exists()
-    assert not (out / "b.edited.md").exists() and last_record(out, "b")["redo"] == "stale"
+        "edited/a.md" in output, output
+    assert (out / "edited" / "a.md").read_text() == "MY HAND-WRITTEN NOTES - important\n" and not (out / "a.md").exists()
+    assert last_record(out, "a.edited")["status"] == "done" and (out / "a.edited.md").exists()
+    assert not (out / "edited" / "b.md").exists() and last_record(out, "b")["redo"] == "stale"
     (s1 / "a.txt").write_text(OLD_A)
-    code, output = run(*args)  # a summarised again; the kept notes are the user's own file, left alone
-    assert code == 0 and (out / "a.md").exists() and (out / "a.edited.md").read_text().startswith("MY HAND"), output
+    code, output = run(*args)  # a summarised again; the kept notes are left alone
+    assert code == 0 and (out / "a.md").exists() and (out / "edited" / "a.md").read_text().startswith("MY HAND"), output
     (out / "a.md").write_text("more notes\n")  # edited again, then a changed to b's text: a copy would replace it
     (s1 / "a.txt").write_text(NEW_A)
     code, output = run(*args)
-    assert code == 0 and "kept apart before the redo: a.edited-2.md" in output, output
-    assert (out / "a.edited-2.md").read_text() == "more notes\n" and (out / "a.md").read_text() == (out / "b.md").read_text()
-
+    assert code == 0 and "kept apart before the redo: edited/a-2.md" in output, output
+    assert (out / "edited" / "a-2.md").read_text() == "more notes\n" and (out / "a.md").read_text() == (out / "b.md").read_text()
+    (s1 / "a.txt").write_text("The mill burned down in October; the village rebuilt it by spring.")  # the copy: a run's
+    code, output = run(*args)
+    assert code == 0 and "kept apart" not in output and not (out / "edited" / "a-3.md").exists(), output
 
 def test_a_document_that_could_not_be_read_is_tried_again_once_it_can(s1, tmp_path, small_moe, monkeypatch):  # noqa: F811
     """A user trial: a file removed mid-run failed ("cannot read: No such file or directory");
