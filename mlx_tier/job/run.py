@@ -121,6 +121,7 @@ from mlx_tier.outdir.journal import JobInfo, Journal, RunClock, new_run_id, prom
 from mlx_tier.outdir.layout import (
     BATCH_ERRORS,
     BATCH_OUTPUT,
+    EDITED_DIR,
     JOURNAL,
     PROGRESS_FILE,
     REPORT,
@@ -657,10 +658,6 @@ def _set_aside_edited(redone: list[str], entries, out_dir: Path, reporter: Repor
     if moved:
         reporter.message(f"{count_text(len(moved), 'summary')} edited since written, whose document or settings "
                          f"changed, kept apart before the redo: {', '.join(moved)}")
-
-
-# Where a summary edited by hand goes before a redo would replace it (_set_aside_edited).
-EDITED_DIR = "edited"
 
 
 def _keep_errors(batch: BatchOutputs, failed: list, records: dict[str, dict]) -> None:

@@ -15,6 +15,7 @@ the ranks of a distributed run take their names from here::
     OUT_DIR/.mlx-tier.lock                    the run lock (outdir.jobdir takes it)
     OUT_DIR/run.pid, run.log                  --background: the process and its output
     OUT_DIR/inputs.txt                        `mlx-tier run -`: the paths read from stdin
+    OUT_DIR/edited/<id>.md                    a summary edited by hand, moved before its redo
     OUT_DIR/ranks/<run_id>/plan.json          what a distributed run's launcher decided
     OUT_DIR/ranks/<run_id>/journal-<k>.jsonl  rank k's journal (only rank k appends to it)
     OUT_DIR/ranks/<run_id>/parts-<k>.jsonl    rank k's kept calls of long documents
@@ -55,6 +56,7 @@ PID_FILE = "run.pid"
 LOG_FILE = "run.log"
 INPUT_LIST = LIST_FILE  # named where resume commands are parsed (mlx_tier.messages)
 RANKS_DIR = "ranks"
+EDITED_DIR = "edited"  # summaries edited by hand, moved there before a redo would replace them
 PLAN = "plan.json"
 CLAIMS = "claims"
 
