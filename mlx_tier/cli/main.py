@@ -17,7 +17,7 @@ import typer
 
 from mlx_tier.cli import plan_cmd, run_cmd, status_cmd, trace_cmd, watch_cmd
 from mlx_tier.cli.exits import OneLineErrors
-from mlx_tier.cli.render import out
+from mlx_tier.cli.render import EXIT_CLOSED_PIPE, out
 
 
 def _wrap_between_words() -> None:
@@ -78,17 +78,13 @@ app.command("profile")(trace_cmd.profile_cmd)
 app.command()(status_cmd.thermal)
 
 
-# A write to a closed pipe (`mlx-tier run ... | head`): 128 + SIGPIPE, as a shell reports a
-# process the pipe ended, not 1 ("some documents failed"); finished summaries are kept.
-EXIT_CLOSED_PIPE = 141
-
-
 def main() -> None:
     try:
         app()
     except SystemExit as e:
-        # Click answers EPIPE with exit code 1 after muting stdout and stderr (PacifyFlushWrapper)
-        if e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+        # Click answers EPIPE (its own output: --help) with exit code 1 after muting stdout and
+        # stderr (its PacifyFlushWrapper); Rich's consoles exit EXIT_CLOSED_PIPE themselves
+        if e.code == 1 and "PacifyFlushWrapper" in type(sys.stdout).__name__:
             raise SystemExit(EXIT_CLOSED_PIPE) from None
         raise
 

@@ -20,8 +20,28 @@ from mlx_tier.messages import in_request_words
 from mlx_tier.outdir.journal import options_apart
 from mlx_tier.units import count_text, seconds_text, tokens_text
 
-err = Console(stderr=True)
-out = Console()
+# A write to a closed pipe (`mlx-tier run ... | head`): 128 + SIGPIPE, as a shell reports a
+# process the pipe ended, not 1 ("some documents failed"); finished summaries are kept.
+EXIT_CLOSED_PIPE = 141
+
+
+class _Console(Console):
+    """Rich's console, whose write to a closed pipe exits :data:`EXIT_CLOSED_PIPE` (Rich's own
+    exits 1, the code of failed documents), its stream pointed at the null device first so
+    that nothing else fails on it."""
+
+    def on_broken_pipe(self) -> None:
+        import os
+        import sys
+
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, (sys.stderr if self.stderr else sys.stdout).fileno())
+        raise SystemExit(EXIT_CLOSED_PIPE)
+
+
+err = _Console(stderr=True)
+out = _Console()
 
 HEARTBEAT_SECONDS = 60  # how often a log file gets a progress line between documents
 
