@@ -191,7 +191,8 @@ def unreported_runs(entries, known: set[str]) -> list[dict]:
     journal, but its time and tokens would leave the job's totals. Each record has
     :class:`RunRecord`'s keys the journal can give, in file order: ``run``, ``started``,
     ``seconds`` (to its last record: at least what it ran), ``load_seconds`` (its start
-    record's ``run_t``), ``done``/``failed`` (its document records), ``output_tokens``
+    record's ``run_t``), ``done``/``failed`` (its document records, not the summaries it
+    recovered or copied: earlier runs' work), ``output_tokens``
     (:func:`~mlx_tier.rates.generated_tokens` of its done records), the speeds over its
     generation time (model loaded to its last document record, :mod:`mlx_tier.rates`),
     its ``model`` and ``prompt``, and ``ended`` (:data:`UNREPORTED`).
@@ -215,7 +216,8 @@ def unreported_runs(entries, known: set[str]) -> list[dict]:
 def _rebuilt(run: str, start: dict, records: list[dict]) -> dict:
     """:func:`unreported_runs`' record of run ``run`` from its ``start`` and all its records."""
     load = float(start.get("run_t") or 0.0)
-    docs = [r for r in records if r.get("status") in ("done", "failed") and "id" in r and not r.get("recovered")]
+    docs = [r for r in records if r.get("status") in ("done", "failed") and "id" in r  # its own work: not
+            and not r.get("recovered") and "reused" not in r]  # a crash's output recorded, nor a copy
     ends = [r.get("run_t", load) for r in docs + [r for r in records if r.get("event") == "stopped"]]
     speed = RunSpeed(sum(generated_tokens(r) for r in docs), sum(r["status"] == "done" for r in docs),
                      max(0.0, max(ends, default=load) - load), load)

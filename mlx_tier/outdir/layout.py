@@ -222,13 +222,23 @@ def check_out_dir(out_dir: Path, input: Path | None = None) -> None:
 _JOBS_OWN = (SUMMARIES, PARTS, BATCH_OUTPUT, BATCH_ERRORS, REPORT, REPORT_HTML, PROGRESS_FILE, INPUT_LIST)
 
 
+def _whole_line(path: Path) -> bool:
+    """Whether ``path`` holds a whole first line (not only a record torn by a crash during a
+    run's first append, which the journal's reader skips and its next append cuts)."""
+    try:
+        with open(path, "rb") as f:
+            return b"\n" in f.read(1 << 16)
+    except OSError:
+        return True
+
+
 def _check_others_files(out_dir: Path) -> None:
     """Refuse a folder holding a file of a job's names that no job of it wrote: a
     ``journal.jsonl`` that is no journal, or a job's file beside no journal at all (a
     user's own ``report.json`` would be replaced, their ``summaries.jsonl`` cut and
     appended to)."""
     journal = out_dir / JOURNAL
-    if journal.is_file() and journal.stat().st_size and not is_job_folder(out_dir):
+    if journal.is_file() and journal.stat().st_size and not is_job_folder(out_dir) and _whole_line(journal):
         raise InputError(f"{journal}: is not an mlx-tier journal, and a run would append to it "
                          "(move the file, or choose another output folder)")
     if journal.exists() or (out_dir / RANKS_DIR).exists():

@@ -228,6 +228,7 @@ def test_runs_without_a_report_are_rebuilt_from_their_own_journal_records():
         {"id": "c", "status": "done", "output_tokens": 10, "kept_tokens": 4, "run": "lost", "run_t": 8.0},
         {"id": "d", "status": "failed", "run": "lost", "run_t": 9.0},
         {"id": "e", "status": "done", "output_tokens": 5, "recovered": True, "run": "lost", "run_t": 9.5},
+        {"id": "f", "status": "done", "output_tokens": 7, "reused": "c", "run": "lost", "run_t": 2.2},  # a copy
         {"event": "stopped", "run": "lost", "run_t": 14.0},
         {"event": "thermal", "run": "lost", "run_t": 20.0},
     ]

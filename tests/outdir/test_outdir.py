@@ -94,6 +94,18 @@ def test_a_users_own_file_of_a_jobs_name_refuses_the_folder(tmp_path, name, text
     assert sorted(p.name for p in out.iterdir()) == sorted([name, "x.md"]) and (out / name).read_text() == text
 
 
+def test_a_journal_whose_first_record_was_torn_is_the_jobs_own(tmp_path, small_moe):  # noqa: F811
+    """A review: a power cut during a run's first append leaves a journal of one torn line;
+    the refusal of a journal that is no journal refused that job's own folder."""
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    make_docs(docs, 1)
+    out.mkdir()
+    (out / "journal.jsonl").write_text('{"event": "start", "input": "in')  # no newline: torn
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "4"])
+    assert r.exit_code == 0, r.output
+    assert set(done_lines(out)) == {"doc00"}
+
+
 def _disk_full_after(monkeypatch, matches, allowed: int):
     """Make ``os.write`` fail with ENOSPC on files whose name ``matches``, after ``allowed`` writes to them."""
     real, count = os.write, [0]
