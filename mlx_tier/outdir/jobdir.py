@@ -259,8 +259,10 @@ def file_size(path: Path) -> int:
 
 def first_moments(pid: int, out_dir: Path, log_from: int, journal_from: int,
                   seconds: float = BACKGROUND_CHECK_SECONDS) -> tuple[int, list[str]] | None:
-    """Wait for the detached run ``pid`` (this process's child) to journal its first record
-    (the journal grown past ``journal_from`` bytes), to exit, or ``seconds`` to pass.
+    """Wait for the detached run ``pid`` (this process's child) to journal its ``start``
+    (past byte ``journal_from``: its settings checked, its model loaded), to exit, or
+    ``seconds`` to pass. A run with nothing to do (its ``triaged`` record) is waited for
+    to its exit.
 
     Returns:
         ``(exit code, its error: lines in run.log past byte log_from)`` when it exited
@@ -276,9 +278,28 @@ def first_moments(pid: int, out_dir: Path, log_from: int, journal_from: int,
         if done == pid:
             code = os.waitstatus_to_exitcode(status)
             return (128 - code if code < 0 else code), _error_lines(Path(out_dir) / LOG_FILE, log_from)
-        if file_size(Path(out_dir) / JOURNAL) > journal_from or time.monotonic() >= deadline:
+        if _started(Path(out_dir) / JOURNAL, journal_from) or time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
+
+
+def _started(journal: Path, start: int) -> bool:
+    """Whether ``journal`` holds a run's ``start`` record past byte ``start``."""
+    if file_size(journal) <= start:
+        return False
+    try:
+        with open(journal, "rb") as f:
+            f.seek(start)
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            if json.loads(line).get("event") == "start":
+                return True
+        except (ValueError, AttributeError):
+            continue
+    return False
 
 
 def _error_lines(log: Path, start: int) -> list[str]:

@@ -292,3 +292,6 @@ def test_background_says_a_setting_its_run_refuses_and_exits_with_its_code(tmp_p
         assert any(rec.get("event") == "start" for rec in Journal(out).entries())  # it returned once under way
     finally:
         os.waitpid(pid, 0)
+    r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--background",
+                            "--max-tokens", "8"])  # nothing to do: it has finished when the command returns
+    assert r.exit_code == 0 and "the background run finished already (exit code 0)" in r.output, r.output
