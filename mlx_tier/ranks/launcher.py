@@ -374,9 +374,10 @@ def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, st
 
 
 def _shared_memory(config, launch: Launch, ranks: int, reporter):
-    """``config`` with ``memory_gb`` each rank takes when all ``ranks`` run on this machine:
-    the run's total (``--memory-gb``, else what this process may use now) split evenly, so
-    that the ranks' splits add up to the machine's, not each to all of it (an OOM kill).
+    """``config`` with ``memory_gb`` (and ``cache_gb``, when given) each rank takes when all
+    ``ranks`` run on this machine: the run's total (``--memory-gb``, else what this process
+    may use now) split evenly, so that the ranks' splits add up to the machine's, not each
+    to all of it (an OOM kill).
     Unchanged for ranks on other hosts (each sizes its own machine) or on CUDA (no one
     host total)."""
     from dataclasses import replace
@@ -391,9 +392,12 @@ def _shared_memory(config, launch: Launch, ranks: int, reporter):
     total = config.memory_gb * GIB if config.memory_gb is not None else may_use_now(mem.host_available,
                                                                                       mem.host_total)
     each = total / ranks / GIB
+    cache = config.tier.cache_gb
     reporter.message(f"memory: {each:.2f} GiB for each of the {ranks} ranks on this machine "
-                     f"({total / GIB:.2f} GiB in all)")
-    return replace(config, memory_gb=each)
+                     f"({total / GIB:.2f} GiB in all)" + (f", an expert cache of {cache / ranks:.2f} GiB each "
+                                                          f"({cache:g} GiB in all)" if cache is not None else ""))
+    tier = replace(config.tier, cache_gb=cache / ranks) if cache is not None else config.tier
+    return replace(config, memory_gb=each, tier=tier)
 
 
 def _ensure_model(config, reporter) -> None:

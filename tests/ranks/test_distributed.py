@@ -485,3 +485,23 @@ def test_ctrl_c_stops_every_rank_after_the_summaries_being_written(tmp_path, sma
     assert "Traceback" not in output, output
     assert done_records(out) == Counter({i: 1 for i in ids if (out / f"{i}.md").exists()})
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_ranks_on_one_machine_share_the_memory_and_cache_given(tmp_path):
+    """A review: `--memory-gb 16 --cache-gb 10 --ranks 2` gave each rank 8 GiB but the whole
+    10 GiB cache. Both totals are split among the ranks of one machine; ranks elsewhere
+    size their own machines."""
+    from mlx_tier.engine.load import TierConfig
+    from mlx_tier.job.run import JobConfig
+    from mlx_tier.ranks.launcher import Launch, _shared_memory
+
+    said = []
+    reporter = type("R", (), {"message": lambda self, text: said.append(text)})()
+    config = JobConfig(input=tmp_path, out_dir=tmp_path / "out", memory_gb=16.0, tier=TierConfig(cache_gb=10.0))
+    each = _shared_memory(config, Launch(ranks=2), 2, reporter)
+    assert (each.memory_gb, each.tier.cache_gb) == (8.0, 5.0)
+    assert said == ["memory: 8.00 GiB for each of the 2 ranks on this machine (16.00 GiB in all), an expert cache "
+                    "of 5.00 GiB each (10 GiB in all)"]
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]))
+    assert _shared_memory(config, Launch(hosts=hosts), 2, reporter) is config
