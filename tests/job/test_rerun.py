@@ -672,6 +672,7 @@ def test_a_document_that_could_not_be_read_is_tried_again_once_it_can(s1, tmp_pa
     assert last_record(out, "gone")["made_from"] == {"unreadable": True}
     monkeypatch.setattr(job_run, "find_documents", found)
     code, output = run(*args)  # not there now: not part of the job, its failure stays
+    assert code == 0 and "nothing to do" in output and last_record(out, "gone")["status"] == "failed", output
     gone.write_text(text)  # restored
     code, output = run(*args)
     assert "1 document that failed in an earlier run changed since: trying it again" in output, output
