@@ -145,14 +145,18 @@ def test_settings_reach_the_model_and_scheduler_whole(tmp_path, small_moe, monke
     report = run_job(config)
     from mlx_tier.engine.dtypes import job_compute_dtype
 
-    # whole, with only the job's dtype default filled in (float32 on the CPU backend)
-    assert seen["tier"] == replace(config.tier, dtype=job_compute_dtype()) and seen["tier"].policy is spec
+    # whole, with only the job's dtype default filled in (float32 on the CPU backend), and the cache
+    # cut to every expert's bytes where --cache-gb asks more (this model's experts are smaller)
+    experts = report.as_dict()["memory_budget"]["experts"] / 2**30
+    assert experts < 0.01 and seen["tier"].cache_gb == experts
+    assert seen["tier"] == replace(config.tier, dtype=job_compute_dtype(), cache_gb=experts)
+    assert seen["tier"].policy is spec
     assert seen["cache_gb"] is None
     assert seen["generation"] is config.generation and seen["batch_size"] == 2
     assert seen["max_tok_s"] == 1e4  # the throttle's cap, which the pools price
     assert seen["longest_chars"] == max(p.stat().st_size for p in docs.iterdir())  # sized without converting
     assert report.setup["policy"] == "lru" and report.setup["generation"]["batch_size"] == 2
-    assert seen["memory"].cache == int(0.01 * 2**30) and seen["memory"].cache_given  # the run's split, whole
+    assert seen["memory"].cache == round(experts * 2**30) and seen["memory"].cache_given  # the run's split, whole
 
 
 def test_library_errors_name_settings_and_the_cli_names_flags():
