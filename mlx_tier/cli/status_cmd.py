@@ -65,15 +65,19 @@ def _status_table(s, out_dir: Path) -> Table:
     t.add_row("state", describe_state(s))
     t.add_row(f"{s.noun}s", f"{s.total if s.total is not None else '?'} total: {s.done} done, {s.failed} failed, "
                            f"{s.pending if s.pending is not None else '?'} pending")
+    which = "that run" if s.idle_rerun else "this run"  # a rerun with nothing to do: the one before it
+    if s.idle_rerun:
+        t.add_row("this run", "nothing to do (model not loaded); the rows below are of the run before it")
     if s.started is not None:
         # the documents it set out to do: a --retry-failed run leaves pending ones for a plain rerun
         left = f", {s.todo_left} of its {s.noun}s left" if s.todo_left is not None else ""
         loading = f"; loading {seconds_text(s.load_seconds)} apart" if s.load_seconds is not None else ""
-        t.add_row("this run", f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
-                              f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
+        t.add_row("run before" if s.idle_rerun else "this run",
+                  f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
+                  f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
     # finished summaries only: the tokens of those being written are in the "writing" rows
-    t.add_row("speed", f"{s.documents_per_hour:.1f} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s this "
-                       f"run (its finished {s.noun}s over its generation time); "
+    t.add_row("speed", f"{s.documents_per_hour:.1f} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s {which} "
+                       f"(its finished {s.noun}s over its generation time); "
                        f"{tokens_text(s.output_tokens)} in the job's finished {s.noun}s")
     if s.redone_stale or s.redone_changed:
         t.add_row("redone", redone_text(s.redone_stale, s.redone_changed, s.noun))

@@ -98,7 +98,9 @@ def numbers_section(view: dict) -> str:
         items.insert(-1, ("redone-changed", "Redone: model or prompt", str(s["redone_changed"])))
     cells = "".join(_number(*item) for item in items)
     done = "requests answered" if noun == "request" else "documents summarised"
-    note = f"This run's rates: {done} per hour and output tokens per second, {DEFINITION}."
+    whose = ("The last run had nothing to do; the rates of the run before it" if s.get("idle_rerun")
+             else "This run's rates")
+    note = f"{whose}: {done} per hour and output tokens per second, {DEFINITION}."
     resume = ""
     if view.get("resume_command"):  # not running, documents left: how to go on
         resume = (f'<p id="state-note">{_e(view["state_text"])}. Resume with:</p>'

@@ -303,6 +303,7 @@ class JobStatus:
     prompts: dict[str, str] = field(default_factory=dict)
     redoing: list[str] = field(default_factory=list)
     noun: str = "document"  # "request": a batch request file's job (its answers file exists)
+    idle_rerun: bool = False  # the last run had nothing to generate: "this run" figures are of the one before
 
     @property
     def speed(self) -> RunSpeed:
@@ -424,16 +425,18 @@ def _journal_of(out_dir: Path) -> Journal:
     return journal
 
 
-def _as_triaged(info: JobInfo | None, entries: list[dict]) -> JobInfo | None:
-    """The last run's ``start`` record ``info`` with the job's documents as the last run saw
-    them: a later run with nothing to generate writes no start but a ``triaged`` record
-    (``ids``, an empty ``todo``: a document added and copied, renamed or deleted since, a
-    redo left by a stopped run that a plain run keeps)."""
+def _as_triaged(info: JobInfo | None, entries: list[dict]) -> tuple[JobInfo | None, bool]:
+    """``(info, idle)``: the last run's ``start`` record ``info`` with the job's documents as
+    the last run saw them, and whether that run had nothing to generate: such a run writes no
+    start but a ``triaged`` record (``ids``, an empty ``todo``: a document added and copied,
+    renamed or deleted since, a redo left by a stopped run that a plain run keeps)."""
     if info is None:
-        return None
+        return None, False
     start = max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
     later = [r for r in entries[start + 1:] if r.get("event") == "triaged"]
-    return replace(info, ids=later[-1]["ids"], todo=[]) if later and isinstance(later[-1].get("ids"), list) else info
+    if later and isinstance(later[-1].get("ids"), list):
+        return replace(info, ids=later[-1]["ids"], todo=[]), True
+    return info, False
 
 
 def _run_records(entries: list[dict], info: JobInfo | None) -> list[dict]:
@@ -484,7 +487,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     journal = _journal_of(out_dir)
     clocks = _Clocks(time.time() if now is None else now, time.monotonic() if now_mono is None else now_mono)
     entries = list(journal.entries())
-    info = _as_triaged(JobInfo.last(entries), entries)
+    info, idle = _as_triaged(JobInfo.last(entries), entries)
     latest = {rec["id"]: rec for rec in entries if "id" in rec}
     ids = info.ids if info is not None else list(latest)
     this_run = _this_run(latest, info)
@@ -538,6 +541,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         prompts=prompt_texts(entries),
         redoing=[i for i in ids if i in redoing and (latest[i].get("status") == "done" or i in retried)],
         noun="request" if any((out_dir / name).exists() for name in (BATCH_OUTPUT, BATCH_ERRORS)) else "document",
+        idle_rerun=idle,
     )
 
 

@@ -609,6 +609,11 @@ def test_status_counts_the_documents_a_run_with_nothing_to_do_found(s1, tmp_path
     st = read_status(out)
     assert (st.total, st.done, st.pending, st.state) == (3, 3, 0, "finished") == \
         (report(out)["totals"]["documents"], report(out)["totals"]["done"], 0, "finished")
+    # a trial: its "this run" row described the run before (1 done, its redone count), where the
+    # terminal and report.json's last run said nothing to do
+    r = runner.invoke(app, ["status", str(out)])
+    assert read_status(out).idle_rerun and "│ this run   │ nothing to do (model not loaded); the rows" in r.output
+    assert "│ run before │ 2 done" in r.output and "output tok/s that run" in " ".join(r.output.split()), r.output
     (s1 / "a.txt").unlink()
     assert run(*args)[0] == 0
     assert (read_status(out).total, report(out)["totals"]["documents"]) == (2, 2)
