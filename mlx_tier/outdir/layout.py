@@ -222,14 +222,16 @@ def check_out_dir(out_dir: Path, input: Path | None = None) -> None:
 _JOBS_OWN = (SUMMARIES, PARTS, BATCH_OUTPUT, BATCH_ERRORS, REPORT, REPORT_HTML, PROGRESS_FILE, INPUT_LIST)
 
 
-def _whole_line(path: Path) -> bool:
-    """Whether ``path`` holds a whole first line (not only a record torn by a crash during a
-    run's first append, which the journal's reader skips and its next append cuts)."""
+def _torn_record(path: Path) -> bool:
+    """Whether ``path`` holds only the start of a journal record torn by a crash during a
+    run's first append (no whole line; it begins as a run's records do), which the journal's
+    reader skips and its next append cuts: the job's own, not someone's file."""
     try:
         with open(path, "rb") as f:
-            return b"\n" in f.read(1 << 16)
+            data = f.read(1 << 16)
     except OSError:
-        return True
+        return False
+    return b"\n" not in data and data.startswith((b'{"event": ', b'{"id": '))
 
 
 def _check_others_files(out_dir: Path) -> None:
@@ -238,12 +240,13 @@ def _check_others_files(out_dir: Path) -> None:
     user's own ``report.json`` would be replaced, their ``summaries.jsonl`` cut and
     appended to)."""
     journal = out_dir / JOURNAL
-    if journal.is_file() and journal.stat().st_size and not is_job_folder(out_dir) and _whole_line(journal):
+    size = journal.stat().st_size if journal.is_file() else 0
+    if size and not is_job_folder(out_dir) and not _torn_record(journal):
         raise InputError(f"{journal}: is not an mlx-tier journal, and a run would append to it "
                          "(move the file, or choose another output folder)")
-    if journal.exists() or (out_dir / RANKS_DIR).exists():
+    if size or (out_dir / RANKS_DIR).exists():  # an empty journal (a crash before its first record) vouches for none
         return
     theirs = [name for name in _JOBS_OWN if (out_dir / name).exists()]
     if theirs:
-        raise InputError(f"{out_dir / theirs[0]}: not written by an mlx-tier job ({out_dir} has no {JOURNAL}), "
+        raise InputError(f"{out_dir / theirs[0]}: not written by an mlx-tier job ({out_dir} holds no job's {JOURNAL}), "
                          "and a run would replace it (move the file, or choose another output folder)")

@@ -79,6 +79,8 @@ def test_run_refuses_a_folder_with_a_planted_link(tmp_path):
     ("output.jsonl", '{"custom_id": "x"}\n'),
     ("report.html", "<p>my page</p>"),
     ("journal.jsonl", "my own journal, line one\n"),  # a file of that name that is no journal
+    ("journal.jsonl", "hello world"),  # a trial: one line, no newline: no record torn by a crash either
+    ("journal.jsonl", '{"mine": 1}'),
 ])
 def test_a_users_own_file_of_a_jobs_name_refuses_the_folder(tmp_path, name, text):
     """A review: a user's report.json in --out was replaced, their summaries.jsonl cut at its
@@ -104,6 +106,14 @@ def test_a_journal_whose_first_record_was_torn_is_the_jobs_own(tmp_path, small_m
     r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "4"])
     assert r.exit_code == 0, r.output
     assert set(done_lines(out)) == {"doc00"}
+    # a trial: an empty journal (no record) beside a user's report.json vouched for it: refused
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "journal.jsonl").write_text("")
+    (other / "report.json").write_text('{"mine": 1}\n')
+    r = runner.invoke(app, ["run", str(docs), "--out", str(other), "--model", str(small_moe)])
+    assert r.exit_code == 2 and "not written by an mlx-tier job" in r.output, r.output
+    assert (other / "report.json").read_text() == '{"mine": 1}\n'
 
 
 def _disk_full_after(monkeypatch, matches, allowed: int):
