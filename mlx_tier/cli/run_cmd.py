@@ -380,6 +380,7 @@ def _start_background(config, argv: list[str]) -> None:
     from mlx_tier.outdir.layout import JOURNAL, LOG_FILE, PID_FILE
 
     out_dir = config.out_dir
+    existed = out_dir.exists()
     log_from, journal_from = file_size(out_dir / LOG_FILE), file_size(out_dir / JOURNAL)
     try:
         pid = start_detached(config, argv)
@@ -389,10 +390,26 @@ def _start_background(config, argv: list[str]) -> None:
         fail(f"{out_dir}: cannot start the background run ({e.strerror or e})")
     early = first_moments(pid, out_dir, log_from, journal_from)
     if early is not None:
+        if early[0] not in (0, EXIT_FAILED_DOCS):  # refused: leave no trace of a job that never started
+            _discard_background(out_dir, existed)
         _ended_early(*early, out_dir / LOG_FILE)
     out.print(f"started in the background: pid {pid} (also in {out_dir / PID_FILE}), log {out_dir / LOG_FILE}",
               highlight=False, soft_wrap=True)
     print_with_command(out, "watch it with:", f"mlx-tier status {shlex.quote(str(out_dir))}")
+
+
+def _discard_background(out_dir: Path, existed: bool) -> None:
+    """After a background run refused at once: its pid file goes (the process is gone); a
+    folder it created holding nothing but its lock, log and pid file goes whole, as a
+    refused run in the terminal leaves none (its error was said here)."""
+    from mlx_tier.outdir.layout import LOCK, LOG_FILE, PID_FILE
+
+    (out_dir / PID_FILE).unlink(missing_ok=True)
+    if existed or not out_dir.is_dir() or {p.name for p in out_dir.iterdir()} - {LOCK, LOG_FILE}:
+        return
+    for name in (LOCK, LOG_FILE):
+        (out_dir / name).unlink(missing_ok=True)
+    out_dir.rmdir()
 
 
 def _ended_early(code: int, errors: list[str], log: Path) -> None:

@@ -284,6 +284,7 @@ def test_background_says_a_setting_its_run_refuses_and_exits_with_its_code(tmp_p
     words = " ".join(r.output.split())
     assert r.exit_code == 2 and "error: 0.01 GiB (--memory-gb) is too little" in words, r.output
     assert "started in the background" not in words
+    assert not out.exists()  # a trial: its lock, log and pid file made `status` describe a job that never was
     r = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--background",
                             "--max-tokens", "8"])
     assert r.exit_code == 0 and "started in the background" in r.output, r.output
