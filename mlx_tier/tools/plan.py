@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -509,6 +509,8 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
         combined = choose_pools(shape, rates, calls.combine_prompt, summary_tokens, max(0, free_bytes),
                                 max_pool=max_pool, decode_slots=decode_slots) if calls.combines else None
         pools = pools.of_calls(calls.parts, calls.combines, combined, doc_tokens)
+    else:  # one call: its prompt is the document's tokens and the instruction's
+        pools = replace(pools, document_tokens=doc_tokens)
     return {**pools.as_dict(), "decode_slots": decode_slots, "rates": rates.as_dict()}
 
 

@@ -114,6 +114,7 @@ def test_a_document_longer_than_the_context_is_planned_over_its_calls(tiny_moe):
     short, long = job(200, 1024), job(4_000, 1024)
     calls = call_plan(4_000, 1024 - 16, 16, CALL_OVERHEAD, CALL_OVERHEAD)
     assert short["calls"] == 1 and long["calls"] == calls.calls > 2
+    assert short["document_tokens"] == 200 and short["prompt_tokens"] == 200 + CALL_OVERHEAD  # the size asked
     assert long["document_tokens"] == 4_000 and long["prompt_tokens"] == calls.part_prompt
     assert long["docs_per_hour"] < short["docs_per_hour"] / 2
     assert (_rate(0.69), _rate(9.96), _rate(123.4)) == ("0.7", "10.0", "123")
