@@ -194,7 +194,7 @@ def unreported_runs(entries, known: set[str]) -> list[dict]:
     record's ``run_t``), ``done``/``failed`` (its document records, not the summaries it
     recovered or copied: earlier runs' work), ``output_tokens``
     (:func:`~mlx_tier.rates.generated_tokens` of its done records), the speeds over its
-    generation time (model loaded to its last document record, :mod:`mlx_tier.rates`),
+    generation time (model loaded to its last record: a killed run has no end of its own),
     its ``model`` and ``prompt``, and ``ended`` (:data:`UNREPORTED`).
 
     Args:
@@ -218,9 +218,9 @@ def _rebuilt(run: str, start: dict, records: list[dict]) -> dict:
     load = float(start.get("run_t") or 0.0)
     docs = [r for r in records if r.get("status") in ("done", "failed") and "id" in r  # its own work: not
             and not r.get("recovered") and "reused" not in r]  # a crash's output recorded, nor a copy
-    ends = [r.get("run_t", load) for r in docs + [r for r in records if r.get("event") == "stopped"]]
+    end = max((r.get("run_t", load) for r in records), default=load)  # it worked to its last record at least
     speed = RunSpeed(sum(generated_tokens(r) for r in docs), sum(r["status"] == "done" for r in docs),
-                     max(0.0, max(ends, default=load) - load), load)
+                     max(0.0, end - load), load)
     began = float(start.get("started", 0.0)) - load  # the start record is written once the model is loaded
     return {"run": run, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began)),
             "seconds": round(max((r.get("run_t", 0.0) for r in records), default=load), 3),

@@ -235,7 +235,7 @@ def test_runs_without_a_report_are_rebuilt_from_their_own_journal_records():
     (lost,) = unreported_runs(entries, {"kept", "now"})
     assert lost["run"] == "lost" and lost["ended"] == UNREPORTED
     assert (lost["done"], lost["failed"], lost["output_tokens"]) == (1, 1, 6)  # 10 written, 4 kept from before
-    assert (lost["load_seconds"], lost["generation_seconds"], lost["seconds"]) == (2.0, 12.0, 20.0)
-    assert lost["documents_per_hour"] == pytest.approx(3600 / 12)
+    assert (lost["load_seconds"], lost["generation_seconds"], lost["seconds"]) == (2.0, 18.0, 20.0)
+    assert lost["documents_per_hour"] == pytest.approx(3600 / 18)
     assert lost["model"] == {"name": "demo"} and lost["prompt"] == "p1"
     assert unreported_runs(entries, {"kept", "lost"}) == []
