@@ -52,7 +52,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the type only: this module needs no tokenizer
-    from mlx_tier.job.longdoc import CallPlan
+    from mlx_tier.tools.calls import CallPlan
 
 CHARS_PER_TOKEN = 4.0  # prior for text not measured yet (English BPE: ~4 characters a token)
 WINDOW = 64  # decode steps the step-time fit uses

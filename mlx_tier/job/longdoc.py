@@ -10,20 +10,18 @@ are combined in groups first, level by level, until one summary remains.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
 from mlx_tier.errors import TooLong
 from mlx_tier.job.prompts import build_prompt, encode_data
+from mlx_tier.tools.calls import JOIN_SLACK, CallPlan, call_plan  # noqa: F401 - re-exported
 
 MAP_NOTE = "The text below is part {i} of {n} of a longer document; work on this part only. "
 REDUCE_NOTE = (
     "The texts below are results for consecutive parts of one longer document, in order. "
     "Combine them into one result for the whole document. "
 )
-# Tokens a part keeps free for what the tokenizer merges across a join.
-JOIN_SLACK = 8
 
 
 def _pieces(text: str, level: int) -> list[str]:
@@ -70,41 +68,6 @@ def split_text(text: str, count, limit: int, _level: int = 0) -> list[str]:
         parts.append(sep.join(current))
     # The sums above are estimates; re-split any part that is still too long.
     return [q for p in parts for q in (split_text(p, count, limit, _level + 1) if count(p) > limit else [p])]
-
-
-@dataclass(frozen=True)
-class CallPlan:
-    """The calls a document of known length takes, as :class:`MapReduce` would split it, each
-    summary taken at ``max_tokens`` (erring long): ``parts`` calls of about ``part_prompt``
-    prompt tokens, then ``combines`` calls of about ``combine_prompt`` (0 when it fits one call)."""
-
-    parts: int
-    part_prompt: int
-    combines: int = 0
-    combine_prompt: int = 0
-
-    @property
-    def calls(self) -> int:
-        return self.parts + self.combines
-
-
-def call_plan(doc_tokens: int, prompt_limit: int, max_tokens: int, map_overhead: int,
-              reduce_overhead: int) -> CallPlan:
-    """:class:`CallPlan` of a document of ``doc_tokens`` tokens of text, calls of at most
-    ``prompt_limit`` prompt tokens, the map and combine instructions taking ``map_overhead``
-    and ``reduce_overhead`` of them (:meth:`MapReduce._room`'s); one call when it fits."""
-    if doc_tokens + map_overhead <= prompt_limit:
-        return CallPlan(1, doc_tokens + map_overhead)
-    room = max(16, prompt_limit - map_overhead - JOIN_SLACK)
-    parts = math.ceil(doc_tokens / room)
-    listed = max_tokens + 6  # a summary as a combining call lists it ("Part 9: ...")
-    per_call = max(2, (prompt_limit - reduce_overhead - JOIN_SLACK) // listed)
-    combines, level = 0, parts
-    while level > 1:  # each level combines groups of per_call results
-        level = math.ceil(level / per_call)
-        combines += level
-    return CallPlan(parts, math.ceil(doc_tokens / parts) + map_overhead, combines,
-                    min(parts, per_call) * listed + reduce_overhead)
 
 
 @dataclass

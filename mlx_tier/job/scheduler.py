@@ -445,7 +445,8 @@ class Scheduler:
         """The calls a typical document of ``doc`` tokens of text takes here
         (:func:`mlx_tier.job.longdoc.call_plan`): one of its prompt (the instruction and the
         shared prefix's slack counted), or its parts and the calls combining them."""
-        from mlx_tier.job.longdoc import MAP_NOTE, REDUCE_NOTE, call_plan
+        from mlx_tier.job.longdoc import MAP_NOTE, REDUCE_NOTE
+        from mlx_tier.tools.calls import call_plan
 
         c = self.config
         limit = self.context - c.max_tokens

@@ -478,7 +478,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     ``context``: the usable context (``None``: unbounded): a document longer than a call is
     priced over its calls (:func:`mlx_tier.job.longdoc.call_plan`, :data:`CALL_OVERHEAD`
     tokens of instruction a call), as a run prices it."""
-    from mlx_tier.job.longdoc import CallPlan, call_plan
+    from mlx_tier.tools.calls import CallPlan, call_plan
     from mlx_tier.tools.pools import (
         Shape,
         choose_pools,
