@@ -29,7 +29,7 @@ timed with rates measured in this run:
 
 A long document not started yet counts every call it will take (``calls``:
 its parts, then the calls combining their summaries, each writing up to the
-expected length: :func:`mlx_tier.job.longdoc.call_plan`); one being read in
+expected length: :func:`mlx_tier.tools.calls.call_plan`); one being read in
 parts counts the prompts of every call of its current level (the parts read
 so far as read: the scheduler's progress), not yet the summaries its parts
 still have to write nor the levels that combine them (they add work when they

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from mlx_tier.errors import TooLong
 from mlx_tier.job.prompts import build_prompt, encode_data
-from mlx_tier.tools.calls import JOIN_SLACK, CallPlan, call_plan  # noqa: F401 - re-exported
+from mlx_tier.tools.calls import JOIN_SLACK
 
 MAP_NOTE = "The text below is part {i} of {n} of a longer document; work on this part only. "
 REDUCE_NOTE = (

@@ -564,8 +564,8 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     with JobDir(config.out_dir, share.journal_name, part=share.part) as job:
         if skipped and not share.part:
             reporter.message(skip_note(skipped))
-            if link_hint(skipped):
-                reporter.message(link_hint(skipped))
+            if hint := link_hint(skipped):
+                reporter.message(hint)
         report, loaded = _run_in(job, docs, config, reporter, share, clock)
         report.seconds = clock.t()
         report.skipped_files = by_count(skipped)
@@ -591,17 +591,18 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     journal = job.journal(on_done=summaries.add if summaries is not None else None, clock=clock,
                           on_failed=summaries.drop if summaries is not None else None)
     view = job.view()
-    records = view.records()
+    entries = list(view.entries())  # the journal read once: its triage, doubts and edits all come from it
+    records = {rec["id"]: rec for rec in entries if "id" in rec}  # the latest record of each id
     for warning in view.warnings.values():
         reporter.message(f"journal: {warning}")
     current = request_hashes(docs, records) if batch is not None else \
         current_hashes(docs, records) if settings is not None else {}
-    tri = triage([d.id for d in docs], records, _outputs(job, docs, records, batch), attempted_ids(view.entries()),
+    tri = triage([d.id for d in docs], records, _outputs(job, docs, records, batch), attempted_ids(entries),
                  config.retry_failed, current, settings, config.redo_changed, reuse=batch is None,
                  routes={d.id: reading_route(source_file(d)) for d in docs})
     by_id = {d.id: d for d in docs}
     if batch is None:  # a rank decides as its launcher did: a doubted output is pending in both
-        doubt_unrecorded(tri, view.entries(), job.output, by_id, [d.id for d in docs], config.retry_failed)
+        doubt_unrecorded(tri, entries, job.output, by_id, [d.id for d in docs], config.retry_failed)
     if part:
         return journal, records, tri
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate
@@ -613,7 +614,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
                         "name": by_id[i].name, **source_field(by_id[i]), **made})
     if batch is None:  # before a copy or a redo would replace them (not those left for a plain rerun)
         replaced = set(tri.pending) | set(tri.reused)
-        _set_aside_edited([i for i in tri.stale + tri.changed if i in replaced], view.entries(), config.out_dir,
+        _set_aside_edited([i for i in tri.stale + tri.changed if i in replaced], entries, config.out_dir,
                           reporter)
     for i in copy_reused(tri, records, docs, config.out_dir, journal):  # not copied: written again
         del tri.reused[i]
@@ -625,7 +626,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     return journal, records, tri
 
 
-def _set_aside_edited(redone: list[str], entries, out_dir: Path, reporter: Reporter) -> None:
+def _set_aside_edited(redone: list[str], entries: list[dict], out_dir: Path, reporter: Reporter) -> None:
     """Move each summary this run will replace (``redone``: their document or settings
     changed; redone, or given a copy's) that no ``writing`` record names
     (:func:`~mlx_tier.job.provenance.vouched`: someone edited it since it was written) to
@@ -636,7 +637,7 @@ def _set_aside_edited(redone: list[str], entries, out_dir: Path, reporter: Repor
     Raises:
         InputError: ``OUT_DIR/edited`` is a link or a file (nothing is written through it).
     """
-    entries, moved = list(entries), []
+    moved = []
     for i in redone:
         path = out_dir / f"{i}.md"
         try:

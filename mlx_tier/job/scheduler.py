@@ -443,7 +443,7 @@ class Scheduler:
 
     def calls_for(self, doc: int):
         """The calls a typical document of ``doc`` tokens of text takes here
-        (:func:`mlx_tier.job.longdoc.call_plan`): one of its prompt (the instruction and the
+        (:func:`mlx_tier.tools.calls.call_plan`): one of its prompt (the instruction and the
         shared prefix's slack counted), or its parts and the calls combining them."""
         from mlx_tier.job.longdoc import MAP_NOTE, REDUCE_NOTE
         from mlx_tier.tools.calls import call_plan

@@ -425,6 +425,11 @@ def _journal_of(out_dir: Path) -> Journal:
     return journal
 
 
+def _last_start(entries: list[dict]) -> int:
+    """Index of the last ``start`` record in ``entries`` (-1: none)."""
+    return max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
+
+
 def _as_triaged(info: JobInfo | None, entries: list[dict]) -> tuple[JobInfo | None, bool]:
     """``(info, idle)``: the last run's ``start`` record ``info`` with the job's documents as
     the last run saw them, and whether that run had nothing to generate: such a run writes no
@@ -432,7 +437,7 @@ def _as_triaged(info: JobInfo | None, entries: list[dict]) -> tuple[JobInfo | No
     renamed or deleted since, a redo left by a stopped run that a plain run keeps)."""
     if info is None:
         return None, False
-    start = max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
+    start = _last_start(entries)
     later = [r for r in entries[start + 1:] if r.get("event") == "triaged"]
     if later and isinstance(later[-1].get("ids"), list):
         return replace(info, ids=later[-1]["ids"], todo=[]), True
@@ -446,7 +451,7 @@ def _run_records(entries: list[dict], info: JobInfo | None) -> list[dict]:
         return []
     if info.run is not None:
         return [r for r in entries if r.get("run") == info.run]
-    start = max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
+    start = _last_start(entries)
     return entries[start + 1:]
 
 
@@ -464,7 +469,7 @@ def _redoing(entries: list[dict], latest: dict[str, dict], info: JobInfo | None,
     ``ran``: ``id()`` of the run's own records."""
     if info is None:
         return set()
-    start = max((k for k, r in enumerate(entries) if r.get("event") == "start"), default=-1)
+    start = _last_start(entries)
     since = {id(r) for r in entries[start + 1:]}
     return {i for i in info.todo if i in latest and id(latest[i]) not in ran and id(latest[i]) not in since}
 

@@ -315,8 +315,8 @@ def run_distributed(config, launch: Launch, reporter=None):
         _, records, tri = start_run(job, docs, config, reporter, clock=clock, settings=settings)
         if skipped and tri.pending:  # else the one-process run below says it
             reporter.message(skip_note(skipped))
-            if link_hint(skipped):
-                reporter.message(link_hint(skipped))
+            if hint := link_hint(skipped):
+                reporter.message(hint)
         for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs]):
             reporter.message(note)
         report = (_launch(config, launch, ranks, job, docs, (tri, records), reporter, started, clock, skipped)

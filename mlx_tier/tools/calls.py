@@ -13,7 +13,7 @@ JOIN_SLACK = 8
 
 @dataclass(frozen=True)
 class CallPlan:
-    """The calls a document of known length takes, as :class:`MapReduce` would split it, each
+    """The calls a document of known length takes, as :class:`~mlx_tier.job.longdoc.MapReduce` would split it, each
     summary taken at ``max_tokens`` (erring long): ``parts`` calls of about ``part_prompt``
     prompt tokens, then ``combines`` calls of about ``combine_prompt`` (0 when it fits one call)."""
 
@@ -31,7 +31,7 @@ def call_plan(doc_tokens: int, prompt_limit: int, max_tokens: int, map_overhead:
               reduce_overhead: int) -> CallPlan:
     """:class:`CallPlan` of a document of ``doc_tokens`` tokens of text, calls of at most
     ``prompt_limit`` prompt tokens, the map and combine instructions taking ``map_overhead``
-    and ``reduce_overhead`` of them (:meth:`MapReduce._room`'s); one call when it fits."""
+    and ``reduce_overhead`` of them (:meth:`~mlx_tier.job.longdoc.MapReduce._room`'s); one call when it fits."""
     if doc_tokens + map_overhead <= prompt_limit:
         return CallPlan(1, doc_tokens + map_overhead)
     room = max(16, prompt_limit - map_overhead - JOIN_SLACK)

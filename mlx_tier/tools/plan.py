@@ -476,7 +476,7 @@ def job_pools(config: dict, layers: int, experts: int, top_k: int, slots: int, e
     ``decode_slots``: expert slots per layer its decode steps borrow (:func:`mlx_tier.tools.pool_cache.lent_slots`);
     ``kernel``: the expert kernel a run would use (:func:`mlx_tier.kernels.registry.choose`), the one probed;
     ``context``: the usable context (``None``: unbounded): a document longer than a call is
-    priced over its calls (:func:`mlx_tier.job.longdoc.call_plan`, :data:`CALL_OVERHEAD`
+    priced over its calls (:func:`mlx_tier.tools.calls.call_plan`, :data:`CALL_OVERHEAD`
     tokens of instruction a call), as a run prices it."""
     from mlx_tier.tools.calls import CallPlan, call_plan
     from mlx_tier.tools.pools import (

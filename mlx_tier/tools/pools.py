@@ -417,7 +417,7 @@ class PoolPlan:
         merged_tokens: of a document's ``output_tokens``, how many are decoded in
             prefill steps (module batching; the others in decode steps).
         calls: calls a document takes (a long one: its parts and the calls combining their
-            summaries, :func:`mlx_tier.job.longdoc.call_plan`); the rates above are a call's,
+            summaries, :func:`mlx_tier.tools.calls.call_plan`); the rates above are a call's,
             the documents/hour a whole document's.
         document_tokens: a document's tokens of text (0: as ``prompt_tokens``).
     """

@@ -218,7 +218,7 @@ def test_a_long_document_not_started_counts_all_its_calls():
     before its last 48 s. A document longer than a call, not started yet, counts every call
     it will take (its parts' prompts and summaries, the combining calls'), each writing up to
     the expected length; one that fits a call is counted as before."""
-    from mlx_tier.job.longdoc import call_plan
+    from mlx_tier.tools.calls import call_plan
 
     def calls(tokens):
         return call_plan(tokens, 1000, 64, 40, 50)
@@ -275,7 +275,7 @@ def test_a_long_document_being_read_keeps_its_calls_left():
     read and summarised at --context 1024: once its first level's prompts were read, it was
     priced as one call. A long document in progress counts the calls of its plan it has not
     read, in proportion, and the prompts of its later levels."""
-    from mlx_tier.job.longdoc import call_plan
+    from mlx_tier.tools.calls import call_plan
 
     def calls(tokens):
         return call_plan(tokens, 1000, 64, 40, 50)

@@ -140,7 +140,7 @@ def test_the_calls_a_long_document_takes_are_foreseen():
     documents/hour and achieved 33: the prediction priced one call of the context's length.
     call_plan foresees its parts and the levels combining their summaries (each at
     `max_tokens`, erring long); a document that fits is one call."""
-    from mlx_tier.job.longdoc import call_plan
+    from mlx_tier.tools.calls import call_plan
 
     one = call_plan(500, 1000, 64, 40, 50)
     assert (one.parts, one.part_prompt, one.combines, one.calls) == (1, 540, 0, 1)

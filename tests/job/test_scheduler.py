@@ -561,7 +561,7 @@ def test_the_predicted_documents_per_hour_are_under_the_users_tok_s_cap(tiered, 
 def test_a_long_typical_document_is_predicted_over_all_its_calls(tiny_moe):
     """A user trial: a document of ~1,300 tokens at a small context was predicted as one call
     (1062 documents/hour against 33 achieved). The prediction counts its parts and combining
-    calls (:func:`mlx_tier.job.longdoc.call_plan`), each priced at its own prompt, and says so."""
+    calls (:func:`mlx_tier.tools.calls.call_plan`), each priced at its own prompt, and says so."""
     from mlx_tier.job.activity import announce
     from mlx_tier.tools.pools import choose_pools
 

@@ -102,7 +102,7 @@ def test_a_document_longer_than_the_context_is_planned_over_its_calls(tiny_moe):
     --doc-tokens 4337` one call too, where the run foresaw 6. Such a document is priced over
     its parts and combining calls, as a run prices it, and a rate below 10 keeps a decimal."""
     from mlx_tier.cli.plan_cmd import _rate
-    from mlx_tier.job.longdoc import call_plan
+    from mlx_tier.tools.calls import call_plan
     from mlx_tier.tools.plan import CALL_OVERHEAD
 
     def job(doc, context):
