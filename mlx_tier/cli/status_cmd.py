@@ -72,13 +72,17 @@ def _status_table(s, out_dir: Path) -> Table:
         # the documents it set out to do: a --retry-failed run leaves pending ones for a plain rerun
         left = f", {s.todo_left} of its {s.noun}s left" if s.todo_left is not None else ""
         loading = f"; loading {seconds_text(s.load_seconds)} apart" if s.load_seconds is not None else ""
-        t.add_row("run before" if s.idle_rerun else "this run",
-                  f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
-                  f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
+        if s.no_model:
+            t.add_row("this run", f"{s.finished_this_run} failed as read (empty or unreadable); no model loaded{left}")
+        else:
+            t.add_row("run before" if s.idle_rerun else "this run",
+                      f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
+                      f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
     # finished summaries only: the tokens of those being written are in the "writing" rows
-    t.add_row("speed", f"{s.documents_per_hour:.1f} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s {which} "
-                       f"(its finished {s.noun}s over its generation time); "
-                       f"{tokens_text(s.output_tokens)} in the job's finished {s.noun}s")
+    speed = f"none {which} (no model loaded)" if s.no_model else \
+        (f"{s.documents_per_hour:.1f} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s {which} "
+         f"(its finished {s.noun}s over its generation time)")
+    t.add_row("speed", f"{speed}; {tokens_text(s.output_tokens)} in the job's finished {s.noun}s")
     if s.redone_stale or s.redone_changed:
         t.add_row("redone", redone_text(s.redone_stale, s.redone_changed, s.noun))
     if len(s.written_by) > 1:  # summaries of more than one model or prompt

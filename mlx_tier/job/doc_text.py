@@ -264,6 +264,8 @@ def convert_file(path: Path, inside: Path | None = None, limits: ConversionLimit
     if isinstance(fd, str):
         return Converted(None, fd)
     with os.fdopen(fd, "rb") as f:
+        if suffix in CONVERTED_SUFFIXES and os.fstat(f.fileno()).st_size == 0:  # no PDF/Word/... has no bytes
+            return Converted(None, "empty document (0 bytes)")
         if suffix not in CONVERTED_SUFFIXES:
             try:
                 return decode_text(f.read())

@@ -44,13 +44,14 @@ from mlx_tier.job.doc_text import (
     Converted,
     convert_file,
     decode_text,
+    open_document,
 )
 from mlx_tier.job.naming import MAX_ID_BYTES, assign, fold, safe_id
 from mlx_tier.job.provenance import SourceStamp, file_stamp, request_stamp, text_stamp
 from mlx_tier.outdir.layout import is_job_folder
 
 __all__ = ["MAX_ID_BYTES", "SUFFIXES", "Document", "FileDocument", "InputError", "by_count", "decode_text",
-           "discover", "discover_list", "link_hint", "safe_id", "skip_note", "skip_reason", "source_field",
+           "discover", "discover_list", "fails_unread", "link_hint", "safe_id", "skip_note", "skip_reason", "source_field",
            "source_file", "source_hash", "with_default_limit"]
 
 
@@ -202,6 +203,39 @@ class FileDocument:
             return self.path.stat().st_size
         except OSError:
             return 0
+
+
+SMALL_TEXT_BYTES = 4096  # a plain-text file at most this long is read ahead to see if it is blank
+
+
+def fails_unread(doc) -> bool:
+    """Whether ``doc`` is seen unusable at little cost, before any model is loaded: a JSONL
+    line with no text, a file that cannot be opened or has no bytes, a plain-text file of
+    at most :data:`SMALL_TEXT_BYTES` whose bytes are blank or not text. Its ``error`` then
+    says why, as its turn would have (only such a document is converted here). Any other
+    file is read at its turn (a blank 1 MB file fails then)."""
+    if doc.request is not None:
+        return False
+    if not isinstance(doc, FileDocument):
+        return doc.text is None
+    return _looks_unusable(doc.path, doc.inside) and doc.error is not None
+
+
+def _looks_unusable(path: Path, inside: Path | None) -> bool:
+    """:func:`fails_unread`'s look at a file's bytes, opened as its conversion opens it."""
+    fd = open_document(path, inside)
+    if isinstance(fd, str):  # cannot be opened, or a link out of the folder: its conversion says so
+        return True
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return True
+        if size > SMALL_TEXT_BYTES or path.suffix.lower() not in TEXT_SUFFIXES:
+            return False
+        try:
+            return decode_text(f.read()).text is None
+        except OSError:
+            return True
 
 
 def size_hint(doc, convert: bool = True) -> int:

@@ -51,6 +51,7 @@ from mlx_tier.job.documents import (
     by_count,
     discover,
     discover_list,
+    fails_unread,
     link_hint,
     size_hint,
     skip_note,
@@ -707,17 +708,20 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))
     by_id = {d.id: d for d in docs}
     pending = [by_id[i] for i in tri.pending]
+    # documents seen unusable without the model (an empty file): failed first, never loaded for or sized
+    unusable = [d for d in pending if fails_unread(d)] if not is_batch(docs) and share.claim is claim_all else []
+    todo = [d for d in pending if d not in unusable]
     sizes: dict[str, int] = {}
     samples: list[tuple[str, int]] = []
 
     def typical() -> tuple[int, int, list[tuple[str, int]]]:  # sized once the model is found (sizing may convert documents)
-        sizes.update(_sizes(pending))
-        samples[:] = _samples(pending, sizes) if share.claim is claim_all else []  # read only documents of this run's
+        sizes.update(_sizes(todo))
+        samples[:] = _samples(todo, sizes) if share.claim is claim_all else []  # read only documents of this run's
         known = [n for n in sizes.values() if n]
-        return (sum(known) // len(known) if known else 0), len(pending), samples
+        return (sum(known) // len(known) if known else 0), len(todo), samples
 
     pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
-    loaded = model_for(pending, config, reporter, job, model_dir, typical if pooled else None)
+    loaded = model_for(todo, config, reporter, job, model_dir, typical if pooled else None)
     if loaded is not None and settings.weights is None:  # downloaded or built just now
         settings = run_settings(config.model, config.generation, loaded.model_dir, is_batch(docs))
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
@@ -746,12 +750,14 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     reporter.start(total=len(pending) + report.run.skipped + len(tri.failed), skipped=report.run.skipped,
                    failed=len(tri.failed))
     if pending:
-        p = _Pass(_turns(pending, results, share), sizes or _sizes(pending), results, journal, reporter, report,
+        p = _Pass(_turns(todo, results, share), sizes or _sizes(todo), results, journal, reporter, report,
                   ProgressFile(config.out_dir, name=share.progress_name, clock=clock), settings,
                   samples=samples, sources={d.id: source_field(d) for d in pending}, parts=parts)
+        _fail_unusable(p, unusable, config.out_dir)
         if is_batch(docs):
-            _batch_pass(p, pending, config, reporter, asked_kv_bits)
-        _run_pending(p, config, loaded)
+            _batch_pass(p, todo, config, reporter, asked_kv_bits)
+        if todo:
+            _run_pending(p, config, loaded)
         report.generation_seconds = _generation_seconds(p, clock.t())
         finished = [i for i, r in results.items() if r.status == "done" and not r.earlier_run]
         if parts is not None:  # calls this run wrote for long documents it did not finish (a stop's)
@@ -759,6 +765,18 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         for note in forget_finished(config.out_dir, finished) if parts is not None and not share.part else []:
             reporter.message(note)
     return report, loaded
+
+
+def _fail_unusable(p: _Pass, docs: list, out_dir: Path) -> None:
+    """Record each of ``docs`` (:func:`~mlx_tier.job.documents.fails_unread`) failed with its
+    reading error, as the scheduler would have at its turn, but before any generation."""
+    for d in docs:
+        res = p.results[d.id]
+        res.converter, res.made_from = d.converter, made_from(d)
+        _record(Outcome(d.id, "failed", error=d.error), res, out_dir, p.journal, p.settings)
+        record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"} | p.sources.get(d.id, {})
+        p.last_t = p.journal.append(record | {"throttled_seconds": 0.0})["run_t"]
+        p.reporter.finished(res, {})
 
 
 def _call_identity(settings: Settings, setup: dict, config: JobConfig) -> dict:

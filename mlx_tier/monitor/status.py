@@ -271,6 +271,8 @@ class JobStatus:
             ``[[id, tokens so far], ...]``, ``decode_tok_s``, ``prompt_tok_s``,
             ``hit_rate``, ``time`` (Unix seconds it was written).
         warnings: journal lines skipped as unusable (``journal.jsonl:N: skipped (why)``).
+        no_model: the last run loaded no model (every document it tried failed as it was
+            read: empty, unreadable); its speeds are none.
     """
 
     out_dir: Path
@@ -304,6 +306,7 @@ class JobStatus:
     redoing: list[str] = field(default_factory=list)
     noun: str = "document"  # "request": a batch request file's job (its answers file exists)
     idle_rerun: bool = False  # the last run had nothing to generate: "this run" figures are of the one before
+    no_model: bool = False  # the last run loaded no model: each document it tried failed as it was read (empty...)
 
     @property
     def speed(self) -> RunSpeed:
@@ -547,6 +550,8 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         redoing=[i for i in ids if i in redoing and (latest[i].get("status") == "done" or i in retried)],
         noun="request" if any((out_dir / name).exists() for name in (BATCH_OUTPUT, BATCH_ERRORS)) else "document",
         idle_rerun=idle,
+        # a start record of this version (``reports``) names the model it loaded; a run that loaded none names none
+        no_model=info is not None and info.reports is True and info.model is None and not idle,
     )
 
 
