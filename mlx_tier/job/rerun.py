@@ -397,8 +397,10 @@ def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[
                              f"{by_id[i].name}); move it out of the output folder, or delete it, to summarise "
                              "that document; nothing was run")
         if isinstance(said, dict):
-            if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]):
+            if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]) \
+                    and all(said.get(k) == tri.done[i].get(k) for k in SETTINGS_FIELDS):
                 continue  # the output its done record describes (the redo never renamed)
+            # else a redo's, renamed into place: its source or settings (a --redo-changed run's) are the record's
             _undone(tri, i)
             if i not in tri.recovered:
                 tri.recovered.append(i)

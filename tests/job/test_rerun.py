@@ -682,3 +682,28 @@ def test_a_document_that_could_not_be_read_is_tried_again_once_it_can(s1, tmp_pa
     code, output = run(*args)
     assert "1 document that failed in an earlier run changed since: trying it again" in output, output
     assert last_record(out, "gone")["status"] == "done"
+
+
+@pytest.mark.parametrize("changed", [("--max-tokens", "9"), ("--repetition-penalty", "1.3")])
+def test_a_redo_for_other_settings_killed_after_its_rename_is_adopted_with_its_settings(
+        s1, tmp_path, small_moe, changed):  # noqa: F811
+    """A review: a `--redo-changed` run renamed its new summary into place and was killed before
+    its done record. Its source unchanged, the next run kept the old done record, so report.json,
+    status and a third run named the first settings for a summary of the second. The redo's
+    writing record vouches for the bytes: the summary is adopted with its own settings."""
+    out = tmp_path / "out"
+    base = (s1, "--out", out, "--model", small_moe, "--batch-size", "1")
+    assert run(*base, "--max-tokens", "5")[0] == 0
+    assert run(*base, "--max-tokens", "5", *changed, "--redo-changed")[0] == 0
+    second = (out / "a.md").read_bytes()
+    lines = (out / "journal.jsonl").read_text().splitlines(keepends=True)
+    k = max(n for n, line in enumerate(lines) if json.loads(line).get("id") == "a"
+            and json.loads(line).get("status") == "done")
+    (out / "journal.jsonl").write_text("".join(lines[:k] + lines[k + 1:]))  # killed between rename and record
+    code, output = run(*base, "--max-tokens", "5")
+    assert code == 0 and (out / "a.md").read_bytes() == second, output
+    rec = last_record(out, "a")
+    key, value = changed[0].removeprefix("--").replace("-", "_"), float(changed[1])
+    assert rec["status"] == "done" and rec.get("recovered") and rec["generation"][key] == value, rec
+    code, output = run(*base, "--max-tokens", "5")  # now judged as any summary of other settings
+    assert code == 0 and "keeping 2 summaries written with another" in output, output  # b's too (1 before)
