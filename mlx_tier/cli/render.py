@@ -225,7 +225,8 @@ class RichReporter:
 
     def working(self, activity) -> None:
         now = time.monotonic()
-        self.activity, self.activity_at = activity, now
+        at = getattr(activity, "at", None)  # when its ETA was measured: an update during a long step keeps it
+        self.activity, self.activity_at = activity, at if at is not None and at <= now else now
         if self.live is None and now - self.last_line >= HEARTBEAT_SECONDS:  # a log: a line now and then
             self.last_line = now
             print_wrapped(err, self.line(200))
@@ -395,7 +396,9 @@ def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
     """Rows for ``mlx-tier status``: the documents in flight from a running job's progress file."""
     if not progress:
         return []
-    age = time.time() - progress.get("time", time.time())
+    from mlx_tier.monitor.status import estimate_age
+
+    age = estimate_age(progress, time.time(), time.monotonic())  # the rates' age, not the file's
     rows = []
     if progress.get("reading"):
         name, read, length = progress["reading"]

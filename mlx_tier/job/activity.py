@@ -39,6 +39,9 @@ class Activity:
             while still estimating (no prompt step or decode step measured yet).
         stopping: a first Ctrl-C (or SIGTERM) asked the run to stop: it finishes the
             summaries being written, then ends; the ETA no longer applies.
+        at: ``time.monotonic()`` when the rates and the ETA were measured (the step's end);
+            an update sent again during a long step keeps it, so a reader ages the ETA
+            from then, not from the update (``None``: unknown, the update's time).
     """
 
     in_flight: list[str]
@@ -49,13 +52,14 @@ class Activity:
     hit_rate: float
     eta_seconds: float | None = None
     stopping: bool = False
+    at: float | None = None
 
     def as_dict(self) -> dict:
         return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
                 "writing": [list(w) for w in self.writing], "decode_tok_s": round(self.decode_tok_s, 3),
                 "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4),
                 "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None,
-                "stopping": self.stopping}
+                "stopping": self.stopping, **({"measured_mono": round(self.at, 3)} if self.at is not None else {})}
 
 
 class Reporter:

@@ -283,9 +283,10 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
         generated[0] += info.generated
         eta.step(info.prefill, info.generating, info.prefill_tokens, info.prefill_seconds, info.generated,
                  info.decode_seconds, info.merged)
+        now = time.monotonic()
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
-                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(time.monotonic()),
-                            stopping=stopping())
+                            rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(now),
+                            stopping=stopping(), at=now)
         reporter.working(activity)
         progress.update(activity)
         layers.step_done(activity)

@@ -97,6 +97,16 @@ def snapshot_age(snapshot: dict, now: float, now_mono: float) -> float:
     return max(now - (_number(snapshot, "time") or now), 0.0)
 
 
+def estimate_age(snapshot: dict, now: float, now_mono: float) -> float:
+    """Seconds since a progress snapshot's rates and ETA were measured: its age
+    (:func:`snapshot_age`) plus how long before its write they were measured (``mono`` less
+    ``measured_mono``, both the writer's monotonic clock: an update sent again during a long
+    step rewrites the last step's estimate)."""
+    mono, measured = _number(snapshot, "mono"), _number(snapshot, "measured_mono")
+    before = mono - measured if mono is not None and measured is not None and mono >= measured else 0.0
+    return snapshot_age(snapshot, now, now_mono) + before
+
+
 def describe_throttle(change: dict) -> str:
     """A throttle state change (a ``thermal`` journal record) in plain words, e.g.
     ``"full speed from 0 s into the run: nothing limits it (thermal state: not
@@ -254,7 +264,7 @@ class JobStatus:
             changed, or (asked to) because they were written with other settings.
         eta_seconds: while running, the run's own estimate in ``progress.json``
             (:mod:`mlx_tier.job.eta`, from tokens left and rates measured) less the
-            snapshot's age (:func:`snapshot_age`); without one (a run of an older
+            estimate's age (:func:`estimate_age`); without one (a run of an older
             version), ``todo_left`` at this run's pace; ``None`` when not running or
             not measured yet.
         command: the command that resumes the job: the ``start`` record's, never with
@@ -405,7 +415,7 @@ def _run_timing(this_run: list[dict], entries: list[dict], info: JobInfo | None,
     eta = None
     if running and progress is not None and "eta_seconds" in progress:  # the run's own estimate
         left = _number(progress, "eta_seconds")
-        eta = max(left - snapshot_age(progress, clocks.wall, clocks.mono), 0.0) if left is not None else None
+        eta = max(left - estimate_age(progress, clocks.wall, clocks.mono), 0.0) if left is not None else None
     elif running and this_run and elapsed > 0:  # an older run: documents' pace
         eta = todo_left / (len(this_run) / elapsed)
     return elapsed, todo_left, eta

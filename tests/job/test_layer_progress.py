@@ -43,11 +43,32 @@ def test_a_step_that_starts_a_new_prompt_shows_it_not_the_last_steps(monkeypatch
     monkeypatch.setattr(activity, "LAYER_PROGRESS_SECONDS", 0.0)
     seen = Seen()
     layers = LayerProgress(seen, Progress(), 4)
-    layers.step_done(Activity(["a"], None, [("a", 3)], 5.0, 100.0, 0.8, eta_seconds=60.0))
+    progress = Progress()
+    layers = LayerProgress(seen, progress, 4)
+    layers.step_done(Activity(["a"], None, [("a", 3)], 5.0, 100.0, 0.8, eta_seconds=60.0, at=123.5))
     layers.layer(2, [("b", 512, 1024, 3000)])
     a = seen.sent[-1]
     assert a.reading == ("b", 1024, 3000) and a.in_flight == ["a", "b"] and a.writing == [("a", 3)]
     assert a.eta_seconds == 60.0 and a.decode_tok_s == 5.0  # the rest is the last step's
+    assert a.at == 123.5 and progress.files[-1]["measured_mono"] == 123.5  # and so is when it was measured
+
+
+def test_the_terminal_eta_counts_down_from_when_it_was_measured(monkeypatch):
+    """A review: each layer update restarted the progress line's countdown from the last
+    step's ETA, so it stood still through a long step."""
+    from mlx_tier.cli import render
+
+    now = [1000.0]
+    monkeypatch.setattr(render.time, "monotonic", lambda: now[0])
+    r = render.RichReporter()
+    r.start(total=3, skipped=0)
+    r.working(Activity(["a"], None, [], 1.0, 1.0, 0.5, eta_seconds=600.0, at=1000.0))
+    now[0] = 1480.0
+    r.working(Activity(["a"], ("a", 50, 100), [], 1.0, 1.0, 0.5, eta_seconds=600.0, at=1000.0))  # a layer's update
+    assert r.eta() == 120.0
+    r.working(Activity(["a"], None, [], 1.0, 1.0, 0.5, eta_seconds=100.0))  # no time given: its own
+    assert r.eta() == 100.0
+    r.close()
 
 
 def test_at_most_one_update_every_few_seconds_and_none_for_decode_steps():

@@ -4,6 +4,7 @@ the folder's lock (the lock every `mlx-tier run` takes).
 """
 
 import json
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -216,6 +217,30 @@ def test_running_eta_is_the_runs_own_estimate_less_its_age(tmp_path):
         assert read_status(out, now=T0 + 200).eta_seconds is None  # the run is still estimating
         r = runner.invoke(app, ["status", str(out)])
         assert "estimating" in r.output, r.output
+    finally:
+        held.close()
+
+
+def test_the_eta_is_aged_from_when_it_was_measured_not_from_a_rewrite_during_a_long_step(tmp_path):
+    """A review: the heartbeat and the layer updates rewrite the last step's estimate with a fresh
+    time, so during a long step the ETA stood still (600 s for 8 minutes), then dropped at once."""
+    from mlx_tier.cli.render import in_flight_rows
+    from mlx_tier.monitor.status import estimate_age
+
+    out = tmp_path / "out"
+    make_job(out)
+    held = lock_out_dir(out)
+    try:
+        host, mono = "another-host", 5000.0  # the writer's monotonic clock, 480 s after its step's end
+        snap = {"time": T0 + 190, "mono": mono, "host": host, "measured_mono": mono - 480, "eta_seconds": 600.0,
+                "in_flight": [], "decode_tok_s": 2.0, "hit_rate": 0.5}
+        (out / "progress.json").write_text(json.dumps(snap))
+        assert read_status(out, now=T0 + 200).eta_seconds == 110.0  # 600 - 480 - the file's 10 s
+        assert estimate_age(snap, T0 + 200, 0.0) == 490.0  # the file by wall time (another clock), then the 480
+        assert estimate_age(snap | {"measured_mono": mono + 1}, T0 + 200, 0.0) == 10.0  # never negative
+        assert estimate_age({k: v for k, v in snap.items() if k != "measured_mono"}, T0 + 200, 0.0) == 10.0
+        rows = dict(in_flight_rows(snap | {"time": time.time()}))
+        assert "(as of 480 s ago)" in rows["rates"], rows
     finally:
         held.close()
 
