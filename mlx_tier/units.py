@@ -23,3 +23,10 @@ def count_text(n: int, noun: str) -> str:
 def tokens_text(n: int) -> str:
     """``"1 token"``, ``"16 tokens"`` (thousands separated: ``"1,200 tokens"``)."""
     return count_text(n, "token")
+
+
+def rate_text(per_hour: float) -> str:
+    """A documents/hour figure in whole units, with a decimal below 10: ``"0.7"``, ``"9.4"``,
+    ``"212"`` (a prediction of 0.69 is not "1", nor 0.4 "0")."""
+    tenths = round(per_hour, 1)  # 9.96 is "10", not "10.0"
+    return f"{tenths:.1f}" if tenths < 10 else f"{per_hour:.0f}"

@@ -16,7 +16,7 @@ from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import FLAGS, as_flags, choices, err, out, print_wrapped
 from mlx_tier.defaults import PLAN_DOC_TOKENS
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
-from mlx_tier.units import GIB, MIB, count_text
+from mlx_tier.units import GIB, MIB, count_text, rate_text
 
 
 def plan(
@@ -142,14 +142,9 @@ def _job_rows(job: dict | None) -> list[tuple[str, str]]:
                                                    "workspace; more from KV room left idle")] if job.get("decode_slots") else []),
         *([("  decoded in prompt steps", f"{job['merged_tokens']:.0f} of a document's {job['output_tokens']} tokens "
                                          "(module batching)")] if job.get("merged_tokens") else []),
-        ("  predicted documents/hour", f"{_rate(job['docs_per_hour'])} (one document at a time: "
-                                       f"{_rate(job['batch1_docs_per_hour'])})"),
+        ("  predicted documents/hour", f"{rate_text(job['docs_per_hour'])} (one document at a time: "
+                                       f"{rate_text(job['batch1_docs_per_hour'])})"),
     ]
-
-
-def _rate(per_hour: float) -> str:
-    """A documents/hour figure to its whole units, with a decimal below 10 (0.69 is not "1")."""
-    return f"{per_hour:.1f}" if per_hour < 10 else f"{per_hour:.0f}"
 
 
 def _memory_row(p) -> tuple[str, str]:

@@ -18,7 +18,7 @@ from mlx_tier.engine.footprint import kv_element_bytes
 from mlx_tier.job.report import DocResult, JobReport
 from mlx_tier.job.scheduler import Scheduler
 from mlx_tier.rates import RunSpeed
-from mlx_tier.units import count_text, seconds_text
+from mlx_tier.units import count_text, rate_text, seconds_text
 
 # Least seconds between two progress updates sent from inside a long prompt step.
 LAYER_PROGRESS_SECONDS = 2.0
@@ -170,10 +170,10 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
         reporter.message(f"`context` {asked} lowered to {scheduler.context} tokens: {why} {scheduler.context}")
     pools = scheduler.pools
     if info["schedule"] == "throughput":
-        predicted = (f"; predicted {pools.docs_per_hour:.0f} documents/hour for documents of ~{pools.prompt_tokens} "
+        predicted = (f"; predicted {rate_text(pools.docs_per_hour)} documents/hour for documents of ~{pools.prompt_tokens} "
                      f"prompt tokens and {pools.output_tokens}-token summaries") if pools is not None else ""
         if pools is not None and pools.calls > 1:  # a long document: its parts, then the calls combining them
-            predicted = (f"; predicted {pools.docs_per_hour:.1f} documents/hour for documents of "
+            predicted = (f"; predicted {rate_text(pools.docs_per_hour)} documents/hour for documents of "
                          f"~{pools.document_tokens} tokens, each summarised in {pools.calls} calls of up to "
                          f"~{pools.prompt_tokens} prompt tokens and {pools.output_tokens}-token summaries")
         bits = scheduler.config.kv_bits
@@ -205,7 +205,7 @@ def achieved(scheduler: Scheduler, run: RunSpeed, failed: int, reporter: Reporte
     scheduler.info["achieved_docs_per_hour"] = run.documents_per_hour
     if scheduler.pools is None:
         return
-    predicted = f"predicted {scheduler.pools.docs_per_hour:.0f}"
+    predicted = f"predicted {rate_text(scheduler.pools.docs_per_hour)}"
     if not run.documents:
         reporter.message(f"achieved 0 documents/hour: none summarised, {failed} failed ({predicted})")
         return

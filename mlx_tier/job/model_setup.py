@@ -28,7 +28,7 @@ from mlx_tier.job.scheduler import GenerationConfig, check_context
 from mlx_tier.kernels.warmup import compile_for
 from mlx_tier.outdir.jobdir import JobDir
 from mlx_tier.outdir.layout import REPORT
-from mlx_tier.units import GIB
+from mlx_tier.units import GIB, rate_text
 
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
@@ -155,7 +155,7 @@ def _cache_for_pools(budget: MemoryBudget, model_dir: Path, config: JobConfig, r
     per_layer = f"{slots} slot{'' if slots == 1 else 's'} per layer"
     reporter.message(f"memory: expert cache {new.cache / GIB:.2f} GiB ({per_layer}) instead of "
                      f"{budget.cache / GIB:.2f}, for room to pool documents: predicted "
-                     f"{plan.docs_per_hour:.0f} documents/hour against {own.docs_per_hour:.0f}")
+                     f"{rate_text(plan.docs_per_hour)} documents/hour against {rate_text(own.docs_per_hour)}")
     return new
 
 

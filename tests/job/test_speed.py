@@ -149,6 +149,13 @@ def test_the_achieved_rate_counts_only_summaries_over_the_generation_time():
                              "predicted 2000)"]
 
 
+def test_a_prediction_below_ten_keeps_its_decimal():
+    """A review: a large model's 0.4 documents/hour read "predicted 0"."""
+    sched, said = scheduler_with(0.42), Said()
+    achieved(sched, RunSpeed(30, 1, 7200.0), 0, said)
+    assert said.messages == ["achieved 0.5 documents/hour (1 summarised over 7200 s of generation; predicted 0.4)"]
+
+
 def test_a_run_that_summarised_nothing_achieved_none():
     """Every document failed or refused: 0 documents/hour, said as such; no document recorded
     at all (no generation time): no figure."""

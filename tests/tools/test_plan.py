@@ -101,9 +101,9 @@ def test_a_document_longer_than_the_context_is_planned_over_its_calls(tiny_moe):
     context is 8,192) and printed "0" documents/hour where its JSON said 0.69; `--context 1024
     --doc-tokens 4337` one call too, where the run foresaw 6. Such a document is priced over
     its parts and combining calls, as a run prices it, and a rate below 10 keeps a decimal."""
-    from mlx_tier.cli.plan_cmd import _rate
     from mlx_tier.tools.calls import call_plan
     from mlx_tier.tools.plan import CALL_OVERHEAD
+    from mlx_tier.units import rate_text as _rate
 
     def job(doc, context):
         r = CliRunner().invoke(app, ["plan", str(tiny_moe), "--json", "--disk-gbps", "1", "--compute-gbps", "1",
@@ -117,4 +117,4 @@ def test_a_document_longer_than_the_context_is_planned_over_its_calls(tiny_moe):
     assert short["document_tokens"] == 200 and short["prompt_tokens"] == 200 + CALL_OVERHEAD  # the size asked
     assert long["document_tokens"] == 4_000 and long["prompt_tokens"] == calls.part_prompt
     assert long["docs_per_hour"] < short["docs_per_hour"] / 2
-    assert (_rate(0.69), _rate(9.96), _rate(123.4)) == ("0.7", "10.0", "123")
+    assert (_rate(0.69), _rate(9.96), _rate(123.4)) == ("0.7", "10", "123")
