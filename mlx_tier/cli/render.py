@@ -400,14 +400,15 @@ def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
 
     age = estimate_age(progress, time.time(), time.monotonic())  # the rates' age, not the file's
     rows = []
-    if progress.get("reading"):
-        name, read, length = progress["reading"]
-        rows.append(("reading", f"{name}: {read:,}/{length:,} prompt tokens "
-                                f"({progress.get('prompt_tok_s', 0):.1f} prompt tok/s)"))
+    # the prompts a step reads together (a throughput run's), the step's rate once
+    read_now = [r for r in [*(progress.get("also_reading") or []), progress.get("reading")] if r]
+    for n, (name, read, length) in enumerate(read_now):
+        rate = f" ({progress.get('prompt_tok_s', 0):.1f} prompt tok/s)" if n == len(read_now) - 1 else ""
+        rows.append(("reading", f"{name}: {read:,}/{length:,} prompt tokens{rate}"))
     for name, tokens in progress.get("writing") or []:
         rows.append(("writing", f"{name}: {tokens_text(tokens)} so far"))
-    waiting = [i for i in progress.get("in_flight") or []
-               if i not in {w[0] for w in progress.get("writing") or []} | {(progress.get("reading") or [None])[0]}]
+    busy = {w[0] for w in progress.get("writing") or []} | {r[0] for r in read_now}
+    waiting = [i for i in progress.get("in_flight") or [] if i not in busy]
     if waiting:
         rows.append(("waiting", ", ".join(waiting)))
     rows.append(("rates", f"decode {progress.get('decode_tok_s', 0):.1f} tok/s, hit rate "

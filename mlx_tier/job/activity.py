@@ -39,6 +39,8 @@ class Activity:
             while still estimating (no prompt step or decode step measured yet).
         stopping: a first Ctrl-C (or SIGTERM) asked the run to stop: it finishes the
             summaries being written, then ends; the ETA no longer applies.
+        also_reading: the other prompts the same step reads, as ``reading`` (a throughput
+            run reads several at a time): being read, not waiting.
         at: ``time.monotonic()`` when the rates and the ETA were measured (the step's end);
             an update sent again during a long step keeps it, so a reader ages the ETA
             from then, not from the update (``None``: unknown, the update's time).
@@ -53,13 +55,15 @@ class Activity:
     eta_seconds: float | None = None
     stopping: bool = False
     at: float | None = None
+    also_reading: tuple[tuple[str, int, int], ...] = ()
 
     def as_dict(self) -> dict:
         return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
                 "writing": [list(w) for w in self.writing], "decode_tok_s": round(self.decode_tok_s, 3),
                 "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4),
                 "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None,
-                "stopping": self.stopping, **({"measured_mono": round(self.at, 3)} if self.at is not None else {})}
+                "stopping": self.stopping, **({"measured_mono": round(self.at, 3)} if self.at is not None else {}),
+                **({"also_reading": [list(r) for r in self.also_reading]} if self.also_reading else {})}
 
 
 class Reporter:
@@ -238,9 +242,9 @@ class LayerProgress:
         if not reading or now - self.sent < LAYER_PROGRESS_SECONDS:
             return
         self.sent = now
-        doc, before, chunk, total = reading[-1]
+        shown = [(doc, min(total, before + chunk * layer // self.layers), total) for doc, before, chunk, total in reading]
         in_flight = list(dict.fromkeys(self.last.in_flight + [d for d, *_ in reading]))  # a document's parts: once
         activity = replace(self.last, in_flight=in_flight, hit_rate=self.hit_rate(), stopping=self.stopping(),
-                           reading=(doc, min(total, before + chunk * layer // self.layers), total))
+                           reading=shown[-1], also_reading=tuple(shown[:-1]))
         self.reporter.working(activity)
         self.progress.update(activity)

@@ -286,7 +286,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
         now = time.monotonic()
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
                             rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(now),
-                            stopping=stopping(), at=now)
+                            stopping=stopping(), at=now, also_reading=tuple(info.prefill[:-1]))
         reporter.working(activity)
         progress.update(activity)
         layers.step_done(activity)

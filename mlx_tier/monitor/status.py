@@ -61,6 +61,9 @@ def read_progress(out_dir: Path, since: float | None = None, run: str | None = N
     merged = dict(max(snaps, key=lambda d: _number(d, "time") or 0.0))
     for key in ("in_flight", "writing"):
         merged[key] = [x for d in snaps if isinstance(d.get(key), list) for x in d[key]]
+    # every rank's prompts being read: the freshest one's "reading", the others beside it
+    merged["also_reading"] = [r for d in snaps for r in [d.get("reading"), *(d.get("also_reading") or [])]
+                              if isinstance(r, list) and r and r != merged.get("reading")]
     return merged
 
 
@@ -78,6 +81,9 @@ def _without(snapshot: dict | None, finished: set[str]) -> dict | None:
     reading = snapshot.get("reading")
     if isinstance(reading, list) and reading and reading[0] in finished:
         snapshot["reading"] = None
+    if isinstance(snapshot.get("also_reading"), list):
+        snapshot["also_reading"] = [r for r in snapshot["also_reading"] if isinstance(r, list) and r
+                                    and r[0] not in finished]
     return snapshot
 
 

@@ -276,6 +276,11 @@ def test_throttle_and_in_flight_in_plain_words():
     assert rows[:3] == [("reading", "a.txt: 312/1,204 prompt tokens (4.2 prompt tok/s)"),
                         ("writing", "other: 17 tokens so far"), ("waiting", "c")]
     assert in_flight_rows(None) == []
+    # a trial: a throughput step reading two prompts listed the first as "waiting"
+    two = Activity(["a", "b", "c"], ("b", 40, 300), [], 1.0, 4.2, 0.5, also_reading=(("a", 250, 900),))
+    rows = in_flight_rows({"time": 0, **two.as_dict()})
+    assert rows[:3] == [("reading", "a: 250/900 prompt tokens"), ("reading", "b: 40/300 prompt tokens (4.2 prompt tok/s)"),
+                        ("waiting", "c")], rows
 
 
 def test_rerun_with_nothing_pending_does_not_load_the_model(tmp_path, tiny_moe, monkeypatch):

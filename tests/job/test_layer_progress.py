@@ -51,6 +51,9 @@ def test_a_step_that_starts_a_new_prompt_shows_it_not_the_last_steps(monkeypatch
     assert a.reading == ("b", 1024, 3000) and a.in_flight == ["a", "b"] and a.writing == [("a", 3)]
     assert a.eta_seconds == 60.0 and a.decode_tok_s == 5.0  # the rest is the last step's
     assert a.at == 123.5 and progress.files[-1]["measured_mono"] == 123.5  # and so is when it was measured
+    layers.layer(2, [("c", 0, 100, 100), ("b", 512, 1024, 3000)])  # two prompts in one step: both being read
+    assert seen.sent[-1].reading == ("b", 1024, 3000) and seen.sent[-1].also_reading == (("c", 50, 100),)
+    assert progress.files[-1]["also_reading"] == [["c", 50, 100]]
 
 
 def test_the_terminal_eta_counts_down_from_when_it_was_measured(monkeypatch):

@@ -284,6 +284,13 @@ def test_ranks_progress_files_merge_into_one_view(tmp_path):
         assert "d4: 17 tokens so far" in r.output and "d5: 10/300 prompt tokens" in r.output, r.output
     finally:
         held.close()
+    (out / rank_progress_name(0)).write_text(json.dumps({  # rank 0 reads two prompts in one step
+        "time": T0 + 190, "in_flight": ["d4", "d6"], "reading": ["d4", 5, 90], "also_reading": [["d6", 7, 80]],
+        "writing": []}))
+    p = read_progress(out, since=T0)
+    assert p["reading"] == ["d5", 10, 300] and p["also_reading"] == [["d4", 5, 90], ["d6", 7, 80]]
+    from mlx_tier.monitor.status import _without
+    assert _without(p, {"d6"})["also_reading"] == [["d4", 5, 90]]  # finished since: not being read
 
 
 def test_taking_the_folder_removes_earlier_progress_files_a_rank_does_not(tmp_path):
