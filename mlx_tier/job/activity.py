@@ -166,8 +166,10 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
     """The schedule's sizes (and the throughput schedule's predicted documents/hour), at start."""
     info = scheduler.info
     source = info["batch_size_from"]
-    reporter.message(f"batch size {scheduler.batch_size} ({'`batch_size`' if source == 'batch_size' else source}), "
-                     f"usable context {scheduler.context} tokens")
+    why = "`batch_size`" if source == "batch_size" else source
+    if source == "batch_size, memory headroom":
+        why = f"`batch_size` {scheduler.config.batch_size:,} cut to what memory holds"
+    reporter.message(f"batch size {scheduler.batch_size} ({why}), usable context {scheduler.context} tokens")
     asked = scheduler.config.context
     if asked and asked > scheduler.context:  # a user trial: --context 100000 became 8192 unsaid
         why = "the memory left allows" if info["context_limited_by_memory"] else "the model's context is"

@@ -48,6 +48,7 @@ from mlx_tier.errors import (
 from mlx_tier.job import pool_engine
 from mlx_tier.job.batch_api import CHAT, Choice, prompt_tokens
 from mlx_tier.job.batch_engine import (
+    MAX_AUTO_BATCH,
     BatchEngine,
     PrefixCache,
     StepInfo,
@@ -346,14 +347,17 @@ class Scheduler:
         self._longest = (predicted_tokens(longest_chars, None) if longest_chars else self.context) + len(self.prefix) + 16
         if config.schedule == "throughput":
             self.batch_size = self._plan_pools(typical_chars or longest_chars, documents, samples)
-        else:
-            self.batch_size = config.batch_size or self._memory_batch(longest_chars)
+        else:  # an asked batch is an upper bound: no more sequences than memory holds (paced admits no fewer)
+            self.batch_size = min(config.batch_size, self._memory_batch(longest_chars, config.batch_size)) \
+                if config.batch_size else self._memory_batch(longest_chars)
         if memory is not None:  # a pool's prompt step within the split's workspace
             self.pool_tokens = min(self.pool_tokens, memory.prefill_step)
         self._kv_room = self._pool_room(longest_chars)
         self.info = {
             "batch_size": self.batch_size,
-            "batch_size_from": "batch_size" if config.batch_size else "memory headroom",  # the setting, or why
+            # the setting, or why (an asked batch memory cut: both)
+            "batch_size_from": "memory headroom" if not config.batch_size
+            else "batch_size" if self.batch_size == config.batch_size else "batch_size, memory headroom",
             "usable_context": self.context,
             "context_limited_by_memory": self.context < context,
             "shared_prefix_tokens": len(self.prefix) if self._prefix() else 0,
@@ -506,14 +510,14 @@ class Scheduler:
     def _prefix(self) -> PrefixCache | None:
         return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
 
-    def _memory_batch(self, longest_chars: int | None) -> int:
-        """The batch memory allows for sequences as long as the documents need: the
-        longest prompt (estimated at 3 characters a token, erring long) plus
+    def _memory_batch(self, longest_chars: int | None, limit: int = MAX_AUTO_BATCH) -> int:
+        """The batch memory allows for sequences as long as the documents need (at most
+        ``limit``): the longest prompt (estimated at 3 characters a token, erring long) plus
         ``max_tokens``, at most the usable context."""
         if longest_chars is None:
-            return self.plan.batch_size(self.context)
+            return self.plan.batch_size(self.context, limit)
         longest = predicted_tokens(longest_chars, None) + len(self.prefix) + 16  # the sizing estimate
-        return self.plan.batch_size(min(self.context, longest + self.config.max_tokens))
+        return self.plan.batch_size(min(self.context, longest + self.config.max_tokens), limit)
 
     def _new_engine(self, batch_size: int) -> BatchEngine | PoolEngine:
         c = self.config

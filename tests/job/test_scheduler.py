@@ -4,6 +4,7 @@ document fails alone while the others finish; a stop request starts nothing new.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -591,3 +592,28 @@ def test_documents_of_unknown_size_are_predicted_as_one_full_call(tiny_moe):
     g = GenerationConfig("Summarise this.", 8, schedule="throughput", context=512)
     pools = Scheduler(model, tokenizer, tiny_moe, 4096, g, typical_chars=None, documents=1).pools
     assert pools.calls == 1 and pools.prompt_tokens <= 512 - 8
+
+
+def test_an_asked_paced_batch_is_cut_to_what_memory_holds(tiered, tiny_moe, monkeypatch):
+    """A user trial: `--batch-size 100000` said "batch size 100000" and the paced schedule would
+    admit that many sequences whatever their KV caches take (the throughput schedule makes them
+    wait). An asked batch is an upper bound: memory's count when lower, said so."""
+    import mlx_tier.job.scheduler as scheduler_module
+    from mlx_tier.job.activity import announce
+
+    model, tokenizer = tiered
+    small = scheduler_module.estimate_memory
+
+    def tight(cache, args, step, free_bytes=None):  # room for a few sequences only
+        plan = small(cache, args, step, free_bytes)
+        return replace(plan, free_bytes=plan.prefill_fixed + 5 * plan.sequence_bytes(600))
+
+    monkeypatch.setattr(scheduler_module, "estimate_memory", tight)
+    config = GenerationConfig("Summarise this.", 8, batch_size=100_000, schedule="paced")
+    sched = Scheduler(model, tokenizer, tiny_moe, 4096, config, longest_chars=1200)
+    assert 1 <= sched.batch_size < 100_000 and sched.info["batch_size_from"] == "batch_size, memory headroom"
+    lines = []
+    announce(sched, SimpleNamespace(message=lines.append))
+    assert lines[0].startswith(f"batch size {sched.batch_size} (`batch_size` 100,000 cut to what memory holds)")
+    asked = Scheduler(model, tokenizer, tiny_moe, 4096, replace(config, batch_size=2), longest_chars=1200)
+    assert asked.batch_size == 2 and asked.info["batch_size_from"] == "batch_size"  # within it: as asked
