@@ -22,6 +22,19 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM: 128 + 15, as a shell reports a process it ended
 
 
+def stopped_by(signum: int | None) -> tuple[str, int]:
+    """``(word, exit code)`` of a job a signal stopped: ``("interrupted", 130)`` for SIGINT
+    (or none known), ``("terminated", 143)`` for SIGTERM, ``("hung up", 129)`` for SIGHUP
+    (128 + the signal, as a shell reports a process it ended)."""
+    import signal
+
+    if signum == signal.SIGTERM:
+        return "terminated", EXIT_TERMINATED
+    if signum == getattr(signal, "SIGHUP", None):
+        return "hung up", 128 + signum
+    return "interrupted", EXIT_INTERRUPTED
+
+
 def fail(message, command: str | None = None) -> None:
     """One clear error line (settings named by their flags) and exit code 2; a command that
     fixes it (given, or an :class:`~mlx_tier.errors.MlxTierError`'s ``command``) follows

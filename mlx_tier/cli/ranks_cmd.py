@@ -8,17 +8,15 @@ and renders the outcome.
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import typer
 
 from mlx_tier.cli.exits import (
     EXIT_FAILED_DOCS,
-    EXIT_INTERRUPTED,
     EXIT_JOB_ERROR,
-    EXIT_TERMINATED,
     fail,
+    stopped_by,
 )
 from mlx_tier.cli.render import (
     err,
@@ -68,7 +66,7 @@ def check(ranks: int | None, hosts: Path | None, background: bool, trace, save_p
 
 def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> None:
     """Run the job over the ranks and exit as `run` does (0 all done, 1 some failed, 2 bad input,
-    3 documents left pending by a rank that died, 130/143 stopped by SIGINT/SIGTERM)."""
+    3 documents left pending by a rank that died, 130/143/129 stopped by SIGINT/SIGTERM/SIGHUP)."""
     from mlx_tier.errors import MlxTierError
     from mlx_tier.ranks.launcher import Launch, run_distributed
 
@@ -83,10 +81,9 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
         out.print(line, highlight=False, soft_wrap=True, markup=False)
     pending = report.count("pending") - report.runs[-1].get("left_pending", 0)  # left by a rank, not by --retry-failed
     if report.stop_signal is not None:
-        term = report.stop_signal == signal.SIGTERM
-        print_resume(err, f"{'terminated' if term else 'interrupted'}; finished summaries are kept. "
-                          "Resume with:", command, config.retry_failed)
-        raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
+        word, code = stopped_by(report.stop_signal)
+        print_resume(err, f"{word}; finished summaries are kept. Resume with:", command, config.retry_failed)
+        raise typer.Exit(code)
     if pending:
         print_resume(err, f"{count_text(pending, 'document')} left pending (a rank ended early, see above). Finished "
                           "summaries are kept; resume with any number of ranks:", command, config.retry_failed)

@@ -22,10 +22,9 @@ import typer
 from mlx_tier.cli import ranks_cmd
 from mlx_tier.cli.exits import (
     EXIT_FAILED_DOCS,
-    EXIT_INTERRUPTED,
     EXIT_JOB_ERROR,
-    EXIT_TERMINATED,
     fail,
+    stopped_by,
 )
 from mlx_tier.cli.render import (
     RichReporter,
@@ -343,18 +342,17 @@ def _run_job_and_exit(config, out_dir: Path, command: str) -> None:
         raise typer.Exit(EXIT_JOB_ERROR)
     except KeyboardInterrupt as e:
         reporter.close()
-        term = getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
+        word, code = stopped_by(getattr(e, "signum", signal.SIGINT))
         # before the job started (loading its model), the folder was never made: nothing to resume
         what, again = ("finished summaries are kept", "Resume with:") if out_dir.is_dir() else \
             ("the job had not started, nothing was written", "Run it again with:")
-        print_resume(err, f"{'terminated' if term else 'interrupted'}; {what}. {again}", command, retry)
-        raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
+        print_resume(err, f"{word}; {what}. {again}", command, retry)
+        raise typer.Exit(code)
     print_summary(report, out_dir)
     if report.interrupted:
-        term = report.stop_signal == signal.SIGTERM
-        print_resume(err, f"stopped ({'SIGTERM' if term else 'SIGINT'}); {stop_outcome(report)}. Resume with:",
-                     command, retry)
-        raise typer.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
+        name = signal.Signals(report.stop_signal or signal.SIGINT).name
+        print_resume(err, f"stopped ({name}); {stop_outcome(report)}. Resume with:", command, retry)
+        raise typer.Exit(stopped_by(report.stop_signal)[1])
     print_left_pending(report, command)
     failed = report.count("failed")
     if failed:

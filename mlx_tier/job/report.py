@@ -68,7 +68,7 @@ class JobReport:
 
     results: list[DocResult] = field(default_factory=list)
     interrupted: bool = False
-    stop_signal: int | None = None  # the signal that stopped the run (SIGINT/SIGTERM), if any
+    stop_signal: int | None = None  # the signal that stopped the run (SIGINT/SIGTERM/SIGHUP), if any
     seconds: float = 0.0
     cache: dict = field(default_factory=dict)
     setup: dict = field(default_factory=dict)

@@ -2,7 +2,7 @@
 every request of an OpenAI batch request file as written, :mod:`mlx_tier.job.batch_api`).
 
 Resumable (journal), atomic (outputs appear only complete), interruptible
-(SIGINT/SIGTERM stop after the documents in progress). The CLI is a thin layer
+(SIGINT/SIGTERM/SIGHUP stop after the documents in progress). The CLI is a thin layer
 over :func:`run_job`; progress goes to a :class:`Reporter`.
 
 The control path, in vLLM v1's manner (plain data between small parts):
@@ -942,7 +942,7 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: Loaded) -> None:
 
 
 def hard_stop_message(signum: int, command: str | None, width: int, retry_failed: bool = False) -> str:
-    """What a second SIGINT/SIGTERM prints as the process ends at once: the prose
+    """What a second stop signal prints as the process ends at once: the prose
     word-wrapped to ``width`` columns, then the resume command alone on its line
     (:func:`mlx_tier.messages.with_command`); after a ``retry_failed`` run, also the
     command that retries the failed documents (the resume command never does)."""

@@ -1,20 +1,42 @@
-"""Stopping a job on SIGINT/SIGTERM: the first signal finishes the documents
-in progress, the second stops at once (:class:`StopFlag`)."""
+"""Stopping a job on SIGINT/SIGTERM/SIGHUP: the first signal finishes the documents
+in progress, the second stops at once (:class:`StopFlag`). A hang-up (the terminal
+closed, an SSH session dropped) stops as SIGTERM does, its output sent to the null device
+first: the terminal it would write to is gone."""
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import threading
 import time
 
 
 class Interrupted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM: abandon the documents in progress now. ``signum`` says which."""
+    """A second stop signal: abandon the documents in progress now. ``signum`` says which."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+# The signals that stop a job (SIGHUP where the platform has it).
+STOP_SIGNALS = tuple(sig for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if sig is not None)
+
+
+def hung_up() -> None:
+    """Point standard output and error at the null device where they are a terminal: after
+    a hang-up every write to it fails (EIO), and the job would end on the first message
+    instead of stopping cleanly. A log file or a pipe is kept. A hung-up terminal is no
+    longer a tty to ``isatty`` (its ioctl fails): any character device is taken."""
+    null = None
+    for fd in (1, 2):
+        try:
+            if stat.S_ISCHR(os.fstat(fd).st_mode):
+                null = os.open(os.devnull, os.O_WRONLY) if null is None else null
+                os.dup2(null, fd)
+        except OSError:
+            pass
 
 
 # After a second signal, how long the main thread has to stop by itself (raising
@@ -30,7 +52,7 @@ STOP_GRACE_SECONDS = 8.0
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM: finish the documents in progress, start no new one, then stop.
+    """Set by SIGINT/SIGTERM/SIGHUP: finish the documents in progress, start no new one, then stop.
 
     A second signal stops at once. Python runs signal handlers only between
     bytecodes of the main thread, so during a long MLX call (a prompt step can
@@ -63,7 +85,7 @@ class StopFlag:
         self._old_wakeup = -1
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: no handlers, no clean stop
@@ -77,6 +99,8 @@ class StopFlag:
         return self
 
     def _handle(self, signum, frame):
+        if signum == getattr(signal, "SIGHUP", None):
+            hung_up()
         with self._lock:
             self._handled += 1
             first = self._handled == 1
@@ -106,7 +130,7 @@ class StopFlag:
         return time.monotonic() - self.since if self.since is not None else 0.0
 
     def _watch(self, fd: int) -> None:
-        """Count SIGINT/SIGTERM as they arrive; at the second, stop the process if the main thread does not."""
+        """Count the stop signals as they arrive; at the second, stop the process if the main thread does not."""
         seen = 0
         with os.fdopen(fd, "rb", buffering=0) as pipe:
             while data := pipe.read(64):  # b"" once __exit__ closes the write end
@@ -114,7 +138,9 @@ class StopFlag:
 
     def _count(self, data: bytes, seen: int) -> int:
         for signum in data:
-            if signum in (signal.SIGINT, signal.SIGTERM):
+            if signum in STOP_SIGNALS:
+                if signum == getattr(signal, "SIGHUP", None):
+                    hung_up()  # before the notice: the main thread may be deep in a step
                 seen += 1
                 if seen == 1:
                     ack = threading.Timer(ACK_SECONDS, self._acknowledge, (signum,))

@@ -141,3 +141,36 @@ def test_during_a_long_step_progress_is_rewritten_and_a_first_signal_is_taken(tm
     proc.send_signal(signal.SIGTERM)
     code, output, _ = finish(proc)
     assert code == 143 and "stopping:" in output, output
+
+
+def test_a_hang_up_stops_as_sigterm_does_and_writes_its_report(tmp_path, tiny_moe):
+    """A trial: closing the terminal (SIGHUP) killed the run where it stood, with no report;
+    and once it is closed every write to it fails (EIO), so a run that went on would end at
+    its first message. It now stops as for SIGTERM, its output to the null device."""
+    import pty
+
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    (docs / "long.txt").write_text(" ".join(WORDS[i % len(WORDS)] for i in range(1200)) + ".")
+    (docs / "short.txt").write_text("Bees carry pollen between flowers, which helps fruit to form.")
+    env = {**os.environ, "SLOW_KIND": "sleep", "SLOW_MARKER": str(tmp_path / "long-call-started")}
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(DRIVER), "run", str(docs), "--out", str(out), "--model",
+                             str(tiny_moe), "--max-tokens", "4", "--batch-size", "1"],
+                            env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        wait_for(proc, lambda: reading(out))
+        os.close(master)  # the terminal is gone: a write to it now fails
+        master = None
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(timeout=20)
+    finally:
+        if master is not None:
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 129
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["pending"] >= 1 and report["totals"]["interrupted"] is True, report["totals"]
+    assert "ended" not in report["runs"][-1]  # its own record, not one the next run rebuilds
