@@ -807,15 +807,17 @@ def _mark_start(journal: Journal, report: JobReport, config: JobConfig, share: S
         if loaded:
             report.load_seconds = journal.append({"event": "loaded"})["run_t"]
         return
+    stale_left = [i for i in tri.left if i in tri.stale] or None  # a --retry-failed run's: pending, not done
     if not tri.pending and earlier:  # nothing to generate: no run starts, but the job's documents may have changed
-        journal.append({"event": "triaged", "ids": ids, "todo": []})
+        journal.append({"event": "triaged", "ids": ids, "todo": []} | ({"left": stale_left} if stale_left else {}))
         return
     model = settings.fields()["model"] if loaded else None
     rec = JobInfo(input=str(config.input), ids=ids, todo=tri.pending, started=time.time(), writes=True,
                   reports=True, retry_failed=config.retry_failed, pid=os.getpid(), command=config.command, cwd=current_folder(),
                   output_format=config.output_format, mono=time.monotonic(), host=socket.gethostname(),
                   model=model, prompt=settings.prompt if loaded else None,
-                  prompt_text=config.generation.instruction if loaded else None).write(journal)
+                  prompt_text=config.generation.instruction if loaded else None,
+                  left=stale_left).write(journal)
     if loaded:
         report.load_seconds = rec.get("run_t")
 

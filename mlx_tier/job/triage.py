@@ -59,9 +59,9 @@ class Triage:
             the rename): done; the runner records them, never regenerates them.
         failed: ``id -> journal record`` failed earlier and not retried now.
         pending: ids to run now, in input order (the ``stale`` and ``changed`` ones among them).
-        left: ids neither done nor failed that ``retry_failed`` leaves for a plain rerun.
+        left: ids ``retry_failed`` leaves for a plain rerun: never finished, or stale.
         stale: done ids whose source changed since their summary: pending (redone),
-            or left done with ``retry_failed``.
+            or ``left`` with ``retry_failed`` (pending too: their summary is stale).
         changed: done ids written with other settings (model, prompt, generation options), pending because
             ``redo_changed`` asked for them.
         kept_changed: done ids written with other settings, kept (no ``redo_changed``).
@@ -174,8 +174,8 @@ def _sort_done(t: Triage, i: str, rec: dict, now: str | None, settings: Settings
             t.kept_changed.append(i)
         t.done[i] = rec
         return
-    if retry_failed:  # left as it is for a plain rerun
-        t.done[i] = rec
+    if retry_failed:  # left for a plain rerun: pending (its summary is of an earlier text or other settings)
+        t.left.append(i)
     else:
         t.pending.append(i)
 

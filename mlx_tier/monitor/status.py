@@ -493,6 +493,17 @@ def _redoing(entries: list[dict], latest: dict[str, dict], info: JobInfo | None,
     return {i for i in info.todo if i in latest and id(latest[i]) not in ran and id(latest[i]) not in since}
 
 
+def _left_stale(entries: list[dict], latest: dict[str, dict]) -> set[str]:
+    """Documents the last run (its ``start`` or ``triaged`` record) left for a plain rerun
+    though summarised (``left``: a ``--retry-failed`` run's stale ones) and not written
+    since: pending, their summary of an earlier text."""
+    at = next((n for n in range(len(entries) - 1, -1, -1) if entries[n].get("event") in ("start", "triaged")), None)
+    if at is None or not isinstance(entries[at].get("left"), list):
+        return set()
+    before = {id(r) for r in entries[:at]}
+    return {i for i in entries[at]["left"] if isinstance(i, str) and i in latest and id(latest[i]) in before}
+
+
 def read_status(out_dir: Path, now: float | None = None, now_mono: float | None = None) -> JobStatus:
     """The status of the job in ``out_dir``.
 
@@ -516,7 +527,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     ids = info.ids if info is not None else list(latest)
     this_run = _this_run(latest, info)
     ran = {id(r) for r in this_run}
-    redoing = _redoing(entries, latest, info, ran)
+    redoing = _redoing(entries, latest, info, ran) | _left_stale(entries, latest)
     states = [latest.get(i, {}).get("status") for i in ids]
     done = [latest[i] for i, s in zip(ids, states) if s == "done" and i not in redoing]
     # a failed document a plain run set out to retry (its source changed) is pending until tried

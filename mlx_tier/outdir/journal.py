@@ -35,7 +35,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "throttled_seconds": _NUMBER, "input_tokens": (int,), "output_tokens": (int,), "parts": (int,),
     "parts_kept": (int,), "kept_tokens": (int,), "error": (str, type(None)), "output": (str, type(None)),
     "finish_reason": (str, type(None)),
-    "started": _NUMBER, "pid": (int,), "ids": (list,), "todo": (list,), "command": (str, type(None)),
+    "started": _NUMBER, "pid": (int,), "ids": (list,), "todo": (list,), "left": (list,), "command": (str, type(None)),
     "input": (str,), "output_format": (str,), "error_code": (str, type(None)), "error_param": (str, type(None)),
     # a run's identity and clock (RunClock), what a summary was made from and with
     "run": (str,), "run_t": _NUMBER, "mono": _NUMBER, "host": (str,), "made_from": (dict,),
@@ -313,6 +313,9 @@ class JobInfo:
         reports: ``True``: the run's record in report.json carries its id, so a run whose id
             no record there has ended without writing its report (killed, crashed:
             :func:`mlx_tier.job.report.unreported_runs`); ``None``: an older version's.
+        left: the ids the run leaves for a plain rerun though an earlier run summarised them
+            (a ``--retry-failed`` run's stale ones): pending, their summary not current;
+            ``None``: none, or an older version's run.
         retry_failed: whether the run was a ``--retry-failed`` one (its ``todo``: the failed
             documents); ``False``: a failed document in its ``todo`` is retried because
             its source changed, and a plain rerun would retry it too; ``None``: not
@@ -337,6 +340,7 @@ class JobInfo:
     writes: bool | None = None
     reports: bool | None = None
     retry_failed: bool | None = None
+    left: list[str] | None = None
 
     def write(self, journal: Journal) -> dict:
         """Durably append this run's ``start`` record to ``journal`` (its ``run`` and

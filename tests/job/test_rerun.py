@@ -383,7 +383,8 @@ def test_triage_of_earlier_summaries_from_plain_data():
     t = triage(ids, records, outputs, current=current, settings=here, redo_changed=True)
     assert t.changed == ["prompt", "model"] and t.pending == ["stale", "prompt", "model", "twin"]
     t = triage(ids, records, outputs, current=current, settings=here, retry_failed=True)
-    assert t.stale == ["stale"] and "stale" in t.done and t.pending == [] and t.reused == {}
+    assert t.stale == ["stale"] and "stale" in t.left and "stale" not in t.done  # pending for a plain rerun
+    assert t.pending == [] and t.reused == {}
     by_name = Settings("m", None, "p1")  # the model not on this machine yet: compared by name
     assert not by_name.differs(records["model"]) and Settings("x", None, "p1").differences(records["model"]) == ["model"]
     # KV caches quantized (`kv_bits`): a stamped record without it was generated unquantized
@@ -707,3 +708,32 @@ def test_a_redo_for_other_settings_killed_after_its_rename_is_adopted_with_its_s
     assert rec["status"] == "done" and rec.get("recovered") and rec["generation"][key] == value, rec
     code, output = run(*base, "--max-tokens", "5")  # now judged as any summary of other settings
     assert code == 0 and "keeping 2 summaries written with another" in output, output  # b's too (1 before)
+
+
+def test_a_stale_summary_a_retry_failed_run_leaves_is_pending_in_every_view(s1, tmp_path, small_moe):  # noqa: F811
+    """A user trial: a.txt changed, b.txt fixed; `--retry-failed` said "1 document changed since
+    summarised (stale): left for a plain rerun", then reported a as done, 0 pending, the job
+    "finished" (status, report.json, the table). It is pending until a plain rerun redoes it,
+    also when the retry run had nothing failed to retry (no run starts)."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    (s1 / "b.txt").write_bytes(bytes(range(256)) * 2)  # fails: binary
+    assert run(*args)[0] == 1
+    (s1 / "a.txt").write_text(NEW_A)
+    (s1 / "b.txt").write_text("The library opens at nine; bees carry pollen to the flower and fruit.")
+    code, output = run(*args, "--retry-failed")
+    assert code == 0 and "(stale): left for a plain rerun" in output, output
+    assert "job: 1 done (0 by earlier runs), 0 failed, 1 pending" in output, output
+    docs = {d["id"]: d for d in report(out)["documents"]}
+    assert (docs["a"]["status"], docs["a"].get("redo")) == ("pending", "stale") and docs["b"]["status"] == "done"
+    assert report(out)["totals"]["pending"] == 1
+    s = read_status(out)
+    assert (s.done, s.pending, s.state) == (1, 1, "ended"), s
+    (s1 / "a.txt").write_text(OLD_A + " And again.")  # still changed; nothing failed to retry now
+    code, output = run(*args, "--retry-failed")
+    assert code == 0 and "1 pending" in output and report(out)["totals"]["pending"] == 1, output
+    s = read_status(out)
+    assert (s.done, s.pending) == (1, 1), s
+    code, output = run(*args)  # the plain rerun redoes it
+    assert code == 0 and "0 pending" in output and last_record(out, "a")["status"] == "done", output
+    assert read_status(out).pending == 0
