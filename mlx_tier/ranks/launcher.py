@@ -361,8 +361,8 @@ def _launch(config, launch: Launch, ranks: int, job, docs, triaged, reporter, st
     instruction = config.generation.instruction
     JobInfo(input=str(config.input), ids=[d.id for d in docs], todo=tri.pending, started=time.time(), writes=True,
             pid=os.getpid(), command=config.command, cwd=current_folder(), output_format=config.output_format, mono=time.monotonic(),
-            host=socket.gethostname(), prompt=prompt_hash(instruction),
-            prompt_text=instruction).write(job.journal(clock=clock))
+            host=socket.gethostname(), prompt=prompt_hash(instruction), prompt_text=instruction,
+            left=[i for i in tri.left if i in tri.stale] or None).write(job.journal(clock=clock))
     if config.input_paths is not None:
         write_input_list(config.out_dir, docs)
     config = _shared_memory(config, launch, ranks, reporter)
