@@ -260,7 +260,8 @@ def _check_memory(cache_gb: float | None, host_cache_gb: float | None) -> None:
 
 def command_args(ctx: typer.Context, drop: tuple[str, ...] = ()) -> list[str]:
     """The arguments that repeat this command: every parameter given on the command line
-    (not defaults), as parsed, except those named in ``drop``."""
+    (not defaults), as parsed, except those named in ``drop``; an INPUT starting with ``-``
+    (not ``-``, stdin) as ``./-...``, so that it is not read as an option."""
     args: list[str] = []
     for p in ctx.command.params:
         source = ctx.get_parameter_source(p.name)  # click's ParameterSource (Typer may bring its own copy)
@@ -268,8 +269,8 @@ def command_args(ctx: typer.Context, drop: tuple[str, ...] = ()) -> list[str]:
             continue
         value = ctx.params[p.name]
         values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if p.param_type_name == "argument":
-            args += [str(v) for v in values]
+        if p.param_type_name == "argument":  # a path like "-notes" would read as an option: "./-notes"
+            args += [f"./{v}" if str(v).startswith("-") and str(v) != "-" else str(v) for v in values]
         elif getattr(p, "is_flag", False) and isinstance(value, bool):
             if value or p.secondary_opts:
                 args.append(p.opts[0] if value else p.secondary_opts[0])

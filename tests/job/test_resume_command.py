@@ -160,3 +160,18 @@ def test_a_prompt_holding_a_less_than_sign_or_the_flag_keeps_the_commands_right(
         head, tail = listed.split(" < ")
         assert retry_command(listed) == f"{head} --retry-failed < {tail}"
         assert plain_rerun(f"{head} --retry-failed < {tail}") == listed
+
+
+def test_the_resume_command_of_an_input_starting_with_a_dash_works(tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """A user trial: `mlx-tier run --out 'o weird' -- '-weird dir'` printed "mlx-tier run '-weird dir'
+    --out ...", which fails: "No such option: -w". It is given as ./-weird dir; stdin's "-" stays."""
+    monkeypatch.chdir(tmp_path)
+    docs = tmp_path / "-weird dir"
+    docs.mkdir()
+    (docs / "bin.txt").write_bytes(bytes(range(256)) * 4)  # fails: the retry command is printed
+    code, output = run("--out", "o weird", "--model", small_moe, "--max-tokens", "4", "--", "-weird dir")
+    assert code == 1, output
+    given = command_after(output, "retry it with:")
+    assert shlex.split(given)[2] == "./-weird dir", given
+    again = runner.invoke(app, shlex.split(given)[1:])  # the command as printed runs
+    assert again.exit_code == 1 and "No such option" not in again.output, again.output
