@@ -158,9 +158,10 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, s
     _figures(outcome, res)
     if outcome.status != "done":
         res.status, res.error = "failed", outcome.error
-        if res.redo == "stale":  # its old summary, of an earlier text, goes (as its JSONL line)
+        if res.redo == "stale":  # its old summary, of an earlier text, goes (as its JSONL line): said
             try:
                 os.unlink(out_dir / f"{res.id}.md")
+                res.error += " (its summary of the earlier text was removed)"
             except FileNotFoundError:
                 pass
             except OSError as e:

@@ -271,7 +271,7 @@ def test_summaries_jsonl_follows_the_md_files_whatever_the_format_of_later_runs(
     assert lines["a"]["summary"] == (out / "a.md").read_text().removesuffix("\n") and len(lines) == 2
     (s1 / "b.txt").write_text("   \n")  # its redo fails: empty document
     code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
-    assert code == 1 and "empty document" in output, output
+    assert code == 1 and "failed b: empty document (its summary of the earlier text was removed)" in output, output
     lines = [json.loads(x) for x in (out / "summaries.jsonl").read_text().splitlines()]
     assert [x["id"] for x in lines] == ["a"] and report(out)["totals"]["failed"] == 1
     assert not (out / "b.md").exists()  # nor its .md: the summary of its earlier text
