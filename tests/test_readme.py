@@ -37,3 +37,16 @@ def test_the_readme_python_example_prints_an_answer(demo_model, tmp_path):
     assert len(words) >= 8, answer  # a sentence, not an empty string
     assert {"sky", "blue", "light", "sun", "sunlight", "scattering", "atmosphere"} & {w.lower() for w in words}, answer
     assert "'hit_rate'" in stats
+
+
+def test_run_help_names_every_exit_code_of_the_readme_and_docs():
+    """A user trial: `mlx-tier run --help` left out 141, which the README and docs/cli.md list."""
+    from typer.testing import CliRunner
+
+    from mlx_tier.cli.main import app
+
+    text = " ".join(CliRunner().invoke(app, ["run", "--help"], terminal_width=200).output.split())
+    for doc in (README, README.parent / "docs" / "cli.md"):
+        table = re.split(r"^\| (?:exit )?code \| meaning \|$", doc.read_text(), maxsplit=1, flags=re.M)[1]
+        codes = re.findall(r"^\| (\d+) \|", table.split("\n\n", 1)[0], re.M)
+        assert codes and all(re.search(rf"\b{c} [a-z]", text) for c in codes), (doc.name, codes, text)

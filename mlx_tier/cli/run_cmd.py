@@ -145,8 +145,9 @@ def run(
     (the `documents` extra of mlx-tier).
 
     Exit codes: 0 all done, 1 some documents failed, 2 bad input, 3 the job
-    stopped early (disk full, checkpoint unreadable; rerun to resume), 130
-    interrupted (SIGINT), 143 terminated (SIGTERM).
+    stopped early (disk full, checkpoint unreadable; rerun to resume), 129 hung
+    up (SIGHUP: its terminal closed), 130 interrupted (SIGINT), 141 output to a
+    closed pipe, 143 terminated (SIGTERM).
     """
     _run(SimpleNamespace(**locals()))
 
