@@ -397,6 +397,17 @@ def _generation_seconds(this_run: list[dict], entries: list[dict], info: JobInfo
     return max((now if now is not None else load_t) - load_t, 0.0)
 
 
+def _load_seconds(entries: list[dict], info: JobInfo | None) -> float | None:
+    """The last run's loading time on its clock: to its model loaded (its start record's
+    ``run_t``; a distributed run's launcher starts before its ranks load: their first
+    ``loaded`` record's); ``None`` when not recorded (an older version's run)."""
+    if info is None or info.run is None or info.run_t is None:
+        return None
+    loaded = [r["run_t"] for r in entries if r.get("event") == "loaded" and r.get("run") == info.run
+              and isinstance(r.get("run_t"), (int, float))]
+    return min(loaded) if loaded else info.run_t
+
+
 def _wall_seconds(this_run: list[dict], info: JobInfo, running: bool, progress: dict | None, now: float) -> float:
     """A run of an older version (no monotonic clock in its records): its time by wall clock."""
     seen = _number(progress, "time")  # when the run last reported its work
@@ -568,7 +579,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         failures=failures,
         progress=progress if running or state == INTERRUPTED else None,
         warnings=list(journal.warnings.values()),
-        load_seconds=info.run_t if info is not None and info.run is not None else None,
+        load_seconds=_load_seconds(entries, info),
         done_this_run=len(mine),
         redone_stale=sum(r.get("redo") == "stale" for r in mine),
         redone_changed=sum(r.get("redo") == "changed" for r in mine),

@@ -538,3 +538,20 @@ def test_the_throttled_time_is_the_last_runs_as_the_figures_beside_it(tmp_path):
             f.write(json.dumps({"id": "x" if run == "r1" else "y", "status": "done", "output_tokens": 8,
                                 "throttled_seconds": seconds, "run": run, "time": T0 + 10}) + "\n")
     assert read_status(out, now=T0 + 100).throttled_seconds == 0.0
+
+
+def test_a_distributed_runs_loading_time_is_its_ranks_not_its_launchers(tmp_path):
+    """A user trial: `--ranks 2` said "loading 5.4 s apart" and report.json 5.389, while status
+    said 0.0 s (0.017: the launcher's start record, written before its ranks load) and the page
+    "Loading time 0 s"."""
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = [{"event": "start", "input": "docs", "ids": ["a", "b"], "todo": ["a", "b"], "started": T0, "pid": 1,
+              "run": "r1", "run_t": 0.017, "writes": True},
+             {"event": "loaded", "run": "r1", "run_t": 5.6}, {"event": "loaded", "run": "r1", "run_t": 5.389},
+             {"id": "a", "status": "done", "output": "a.md", "run": "r1", "run_t": 9.0, "time": T0 + 9}]
+    (out / "journal.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert read_status(out, now=T0 + 20).load_seconds == 5.389
+    lines[1:3] = []  # a one-process run: its start record is written once its model is loaded
+    (out / "journal.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert read_status(out, now=T0 + 20).load_seconds == 0.017
