@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -73,6 +74,7 @@ from mlx_tier.job.model_setup import (
     save_trace,
     setup_record,
 )
+from mlx_tier.job.naming import fold
 from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries, keeps_jsonl
 from mlx_tier.job.process import keep_awake, lower_priority
 from mlx_tier.job.provenance import (
@@ -472,10 +474,11 @@ def doc_results(docs, tri: Triage, records: dict[str, dict] | None = None) -> di
     return results
 
 
-def find_documents(config: JobConfig, skipped: Counter | None = None) -> list:
+def find_documents(config: JobConfig, skipped: Counter | None = None, notes: list[str] | None = None) -> list:
     """The job's documents (not converted), each keeping the output name an earlier run gave it;
     the files left out (not documents) counted into ``skipped`` when given
-    (:func:`mlx_tier.job.documents.discover`).
+    (:func:`mlx_tier.job.documents.discover`); ``notes`` (when given) gets a line for the
+    documents named around a user's own ``<name>.md`` in OUT_DIR (:func:`named_around`).
 
     Raises:
         InputError: bad input or output folder, a document whose output holds the summary of
@@ -486,7 +489,8 @@ def find_documents(config: JobConfig, skipped: Counter | None = None) -> list:
     earlier = Journal(config.out_dir) if config.out_dir.is_dir() else None
     attempted = attempted_ids(earlier.entries() if earlier is not None else ())
     # Each document keeps its output name; a user's own <name>.md in OUT_DIR is never taken.
-    previous = {**(earlier.names() if earlier is not None else {}), **foreign_outputs(config.out_dir, attempted)}
+    foreign = foreign_outputs(config.out_dir, attempted)
+    previous = {**(earlier.names() if earlier is not None else {}), **foreign}
     docs = (discover_list(config.input_paths, exclude=config.out_dir, previous=previous, limits=config.conversion,
                           skipped=skipped)
             if config.input_paths is not None
@@ -497,7 +501,26 @@ def find_documents(config: JobConfig, skipped: Counter | None = None) -> list:
         refuse_other_files(docs, earlier.records(), config.out_dir)
     if config.trace is not None and not os.access(Path(config.trace).parent.resolve(), os.W_OK):
         raise InputError(f"{config.trace}: cannot write the trace there (folder missing or not writable)")
+    if notes is not None and (line := named_around(docs, foreign, previous.values())):
+        notes.append(line)
     return docs
+
+
+def named_around(docs, foreign: dict[str, str], named: Iterable[str]) -> str | None:
+    """A line for the documents whose output is named otherwise (``a-2.md``) because OUT_DIR
+    holds a ``<name>.md`` no run of this job wrote (``foreign``: :func:`foreign_outputs`),
+    left as it is; ``named``: ids earlier runs gave (kept, not said again). ``None``: none."""
+    stems, earlier = {fold(v) for v in foreign.values()}, {fold(v) for v in named} - {fold(v) for v in foreign.values()}
+    moved = [d for d in docs if fold(d.id) not in earlier and fold(re.sub(r"-\d+$", "", d.id)) in stems
+             and fold(d.id) not in stems]
+    if not moved:
+        return None
+    shown = ", ".join(f"{d.id}.md" for d in moved[:3]) + (", ..." if len(moved) > 3 else "")
+    one = len(moved) == 1
+    return (f"{count_text(len(moved), 'summary')} named otherwise ({shown}): the output folder holds "
+            + ("a file of its name that no run of this job wrote, left as it is; move it out to use the plain name"
+               if one else "files of their names that no run of this job wrote, left as they are; move them out to "
+               "use the plain names"))
 
 
 def start_detached(config: JobConfig, argv: list[str]) -> int:
@@ -563,12 +586,15 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     reporter = reporter or Reporter()
     clock, t_wall = RunClock(share.run_id or new_run_id()), time.time()  # the run starts now
     skipped: Counter = Counter()
-    docs = find_documents(config, skipped)
+    notes: list[str] = []
+    docs = find_documents(config, skipped, notes)
     with JobDir(config.out_dir, share.journal_name, part=share.part) as job:
         if skipped and not share.part:
             reporter.message(skip_note(skipped))
             if hint := link_hint(skipped):
                 reporter.message(hint)
+        for note in notes if not share.part else []:
+            reporter.message(note)
         report, loaded = _run_in(job, docs, config, reporter, share, clock)
         report.seconds = clock.t()
         report.skipped_files = by_count(skipped)

@@ -123,6 +123,17 @@ def test_a_users_own_file_in_the_output_folder_is_never_taken_as_a_summary(tmp_p
     got = {d["name"]: (d["id"], d["status"], d.get("earlier_run", False)) for d in report["documents"]}
     assert got == {"notes.txt": ("notes-2", "done", False), "draft.txt": ("draft-2", "done", False)}
     assert (out / "notes-2.md").is_file() and (out / "draft-2.md").is_file()
+    # a user trial: the outputs were named otherwise without a word
+    said = " ".join(r.output.split())
+    assert "2 summaries named otherwise (draft-2.md, notes-2.md): the output folder holds files of their names" in said \
+        or "2 summaries named otherwise (notes-2.md, draft-2.md): the output folder holds files of their names" in said, said
+    again = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "8"])
+    assert again.exit_code == 0 and "summaries named otherwise" not in again.output, again.output  # said once
+    (docs / "new.txt").write_text("Seed and fruit.")
+    (out / "new.md").write_text("mine\n")
+    again = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "8"])
+    said = " ".join(again.output.split())
+    assert "1 summary named otherwise (new-2.md): the output folder holds a file of its name" in said, said
 
 
 def test_listed_files_of_the_same_name_in_other_folders_get_their_own_outputs(tmp_path, small_moe):  # noqa: F811
