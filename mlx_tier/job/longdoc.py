@@ -32,6 +32,12 @@ def _pieces(text: str, level: int) -> list[str]:
     return text.split()
 
 
+# Tokens a join of two pieces is counted at while packing a part (what the tokenizer may
+# merge or add across it, estimated); a part whose count still comes out over the limit is
+# cut again (split_text's last line), so a low estimate costs a finer cut, never an overflow.
+PACK_SLACK = 2
+
+
 def split_text(text: str, count, limit: int, _level: int = 0) -> list[str]:
     """Split ``text`` into parts of at most ``limit`` tokens, in order.
 
@@ -53,17 +59,20 @@ def split_text(text: str, count, limit: int, _level: int = 0) -> list[str]:
     parts, current, used = [], [], 0
     for piece in _pieces(text, _level):
         n = count(piece)
-        if n > limit:
+        if n > limit:  # cut finer; its first cut may join what is packed, its last takes what follows
+            cuts = split_text(piece, count, limit, _level + 1)
+            if current and used + count(cuts[0]) + PACK_SLACK <= limit:
+                current.append(cuts.pop(0))
             if current:
                 parts.append(sep.join(current))
-                current, used = [], 0
-            parts += split_text(piece, count, limit, _level + 1)
+            parts += cuts[:-1]
+            current, used = cuts[-1:], count(cuts[-1]) if cuts else 0
             continue
-        if current and used + n + JOIN_SLACK > limit:
+        if current and used + n + PACK_SLACK > limit:
             parts.append(sep.join(current))
             current, used = [], 0
         current.append(piece.strip())
-        used += n + (JOIN_SLACK if len(current) > 1 else 0)
+        used += n + (PACK_SLACK if len(current) > 1 else 0)
     if current:
         parts.append(sep.join(current))
     # The sums above are estimates; re-split any part that is still too long.
