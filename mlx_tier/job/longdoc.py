@@ -148,8 +148,9 @@ class MapReduce:
         if room < 16:
             what = "the combining instruction" if note == REDUCE_NOTE else "the instruction"
             raise TooLong(
-                f"the usable context ({self.prompt_limit} prompt tokens) leaves no room for text after "
-                f"{what} ({overhead} tokens)"
+                f"the usable context ({self.prompt_limit} prompt tokens) leaves {max(room, 0)} tokens for text "
+                f"after {what} ({overhead} tokens) and {JOIN_SLACK} kept for joins, fewer than 16; raise "
+                "`context` or lower `max_tokens`"
             )
         return room
 
