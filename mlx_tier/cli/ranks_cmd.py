@@ -24,6 +24,7 @@ from mlx_tier.cli.render import (
     print_left_pending,
     print_resume,
     print_summary,
+    print_wrapped,
 )
 from mlx_tier.units import count_text, seconds_text
 
@@ -35,7 +36,7 @@ class _Lines:
         self.err = err
 
     def message(self, text: str) -> None:
-        self.err.print(f"[launcher] {text}", highlight=False, soft_wrap=True, markup=False)
+        print_wrapped(self.err, f"[launcher] {text}")
 
     def start(self, total: int, skipped: int, failed: int = 0) -> None: ...
     def working(self, activity) -> None: ...
@@ -77,8 +78,8 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
     except OSError as e:
         fail(f"{e.filename or config.out_dir}: {e.strerror or e}")
     print_summary(report, config.out_dir)
-    for line in rank_lines(report.runs[-1]):
-        out.print(line, highlight=False, soft_wrap=True, markup=False)
+    for line in rank_lines(report.runs[-1]):  # wrapped between words, as every message
+        print_wrapped(out, line)
     pending = report.count("pending") - report.runs[-1].get("left_pending", 0)  # left by a rank, not by --retry-failed
     if report.stop_signal is not None:
         word, code = stopped_by(report.stop_signal)

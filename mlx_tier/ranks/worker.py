@@ -66,7 +66,15 @@ class LineReporter:
         self.prefix = f"[rank {rank}]"
 
     def message(self, text: str) -> None:
-        print(f"{self.prefix} {text}", flush=True)
+        self._lines(text)
+
+    def _lines(self, text: str) -> None:
+        """``text`` wrapped to 80 columns with the rank's prefix on each line (a log file's
+        width: the launcher relays the lines as they are)."""
+        from mlx_tier.messages import wrap_words
+
+        for line in wrap_words(text, 80 - len(self.prefix) - 1).splitlines():
+            print(f"{self.prefix} {line}", flush=True)
 
     def start(self, total: int, skipped: int, failed: int = 0) -> None: ...
     def working(self, activity) -> None: ...
@@ -75,7 +83,7 @@ class LineReporter:
     def finished(self, result, cache: dict) -> None:
         what = (f"{result.output_tokens} tokens, {result.doc_seconds:.1f} s" if result.status == "done"
                 else result.error)
-        print(f"{self.prefix} {result.status}: {result.id} ({what})", flush=True)
+        self._lines(f"{result.status}: {result.id} ({what})")
 
 
 def _join_group(ranks: int) -> tuple[int, int]:

@@ -360,11 +360,14 @@ def test_two_ranks_write_every_document_once_and_match_one_process(tmp_path, sma
     assert run["generation_seconds"] == max(a["generation_seconds"] for a in ranks) > 0
     assert "rank 0 (" in two.stdout and "rank 1 (" in two.stdout
     # a user trial: each rank split the whole machine's memory (22.3 GiB each of 23.5): the two share it
-    each = re.search(r"memory: ([\d.]+) GiB for each of the 2 ranks on this machine \(([\d.]+) GiB in all\)",
-                     two.stdout + two.stderr)
+    said = " ".join((two.stdout + two.stderr).split())
+    each = re.search(r"memory: ([\d.]+) GiB for each of the 2 ranks on this machine \(([\d.]+) GiB in all\)", said)
     assert each is not None and float(each[1]) == pytest.approx(float(each[2]) / 2, abs=0.01), two.stdout
     rank_totals = re.findall(r"\[rank \d\] memory: ([\d.]+) GiB", two.stdout + two.stderr)
     assert len(rank_totals) == 2 and all(float(t) == pytest.approx(float(each[1]), abs=0.01) for t in rank_totals)
+    # a user trial: the ranks' speed lines and the rank summaries ran to 200 columns in a log file
+    wide = [x for x in (two.stdout + two.stderr).splitlines() if len(x) > 80]
+    assert not wide, wide
     assert not list((out / "ranks").glob("*/claims"))  # claims are dropped with their run
     plain = runner.invoke(app, ["run", str(tmp_path / "docs"), "--out", str(out), *common])  # one process now
     assert plain.exit_code == 0 and "nothing to do" in plain.output, plain.output
