@@ -588,14 +588,10 @@ def run_job(config: JobConfig, reporter: Reporter | None = None, share: Share = 
     skipped: Counter = Counter()
     notes: list[str] = []
     docs = find_documents(config, skipped, notes)
+    if skipped and not share.part:  # said once the model is found: a wrong --model is one error line
+        notes[:0] = [skip_note(skipped), *filter(None, [link_hint(skipped)])]
     with JobDir(config.out_dir, share.journal_name, part=share.part) as job:
-        if skipped and not share.part:
-            reporter.message(skip_note(skipped))
-            if hint := link_hint(skipped):
-                reporter.message(hint)
-        for note in notes if not share.part else []:
-            reporter.message(note)
-        report, loaded = _run_in(job, docs, config, reporter, share, clock)
+        report, loaded = _run_in(job, docs, config, reporter, share, clock, notes if not share.part else [])
         report.seconds = clock.t()
         report.skipped_files = by_count(skipped)
         _finish_report(report, loaded, config, t_wall, reporter, clock.id, write=not share.part)
@@ -718,9 +714,10 @@ def _start_notes(tri: Triage, pending: int, skipped: int, retry_failed: bool, ba
 
 
 def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Share,
-            clock: RunClock) -> tuple[JobReport, Loaded | None]:
+            clock: RunClock, notes: list[str] = ()) -> tuple[JobReport, Loaded | None]:
     """The run inside the held job folder: triage, load, generate. Returns the report and the
-    model (``None`` when nothing was to do), kept apart: the report never holds the model."""
+    model (``None`` when nothing was to do), kept apart: the report never holds the model.
+    ``notes``: lines on the input (files skipped...), said once the model is loaded."""
     asked_kv_bits = config.generation.kv_bits
     if is_batch(docs):  # requests run on the batch engine, unquantized (said by _batch_pass)
         config = replace(config, generation=replace(config.generation, kv_bits=None))
@@ -750,6 +747,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
 
     pooled = config.generation.schedule == "throughput" and not is_batch(docs)  # batch requests run paced
     loaded = model_for(todo, config, reporter, job, model_dir, typical if pooled else None)
+    for note in notes:  # after the model is found and loaded: a wrong --model is one error line alone
+        reporter.message(note)
     if loaded is not None and settings.weights is None:  # downloaded or built just now
         settings = run_settings(config.model, config.generation, loaded.model_dir, is_batch(docs))
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,

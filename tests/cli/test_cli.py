@@ -154,6 +154,14 @@ def test_bad_input_exit_2(docs, tmp_path, tiny_moe, tiny_dense):
         lines = error_lines(output)
         assert len(lines) == 1 and message in lines[0], (args, output)
         assert not (tmp_path / "o").exists(), args  # a run that never started leaves no folder
+    # a user trial: a folder with files it skips printed "skipped ..." before a wrong model's error
+    (docs / "table.csv").write_text("a,b\n")
+    for model in (tmp_path / "no-model", tmp_path / "emptydir", tiny_dense):
+        code, output = run(docs, "--out", tmp_path / "o", "--model", model)
+        assert code == 2 and output.strip().startswith("error:") and "skipped" not in output, output
+    code, output = run(docs, "--out", tmp_path / "o", "--model", tiny_moe, "--max-tokens", "4")
+    assert "skipped 1 file: .csv 1" in output, output  # said once the model is loaded
+    (docs / "table.csv").unlink()
 
 
 def test_a_max_tokens_beyond_the_context_is_refused_before_anything_loads(docs, tmp_path, tiny_moe, monkeypatch):
