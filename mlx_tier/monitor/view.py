@@ -13,6 +13,7 @@ over time: the job's counters at the moment the document finished.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def progress_sample(cache, decode_tok_s: float, tokens: int) -> dict:
         "rss_bytes": int(psutil.Process().memory_info().rss),
         "resident_bytes": int(cache.resident_bytes),
         "budget_bytes": int(cache.budget_bytes),
+        "pid": os.getpid(),  # whose counters: a distributed run's ranks each count their own
     }
 
 
@@ -60,8 +62,9 @@ def _delta(cur: dict, prev: dict, key: str) -> float:
 def samples(entries: list[dict]) -> list[dict]:
     """One point per document record that carries a ``sample``, oldest first.
 
-    Counters restart at each run (a ``start`` record), so rates are taken
-    between consecutive samples of the same run.
+    Counters restart at each run (a ``start`` record) and are each process's own (a
+    distributed run's ranks: the sample's ``pid``), so rates are taken between consecutive
+    samples of the same run and process.
 
     Returns:
         dicts with ``time`` (Unix s), ``run`` (0-based), ``id``, ``status``,
@@ -71,14 +74,15 @@ def samples(entries: list[dict]) -> list[dict]:
         ``None`` when none was generated), ``rss_bytes``, ``resident_bytes``,
         ``budget_bytes``.
     """
-    out, run, prev = [], -1, {}
+    out, run, last = [], -1, {}
     for rec in entries:
         if rec.get("event") == "start":
-            run, prev = run + 1, {}
+            run, last = run + 1, {}
             continue
         s = rec.get("sample")
         if not isinstance(s, dict) or "id" not in rec:
             continue
+        prev = last.get(s.get("pid"), {})  # an older version's samples name no process: one
         seen = _delta(s, prev, "hits") + _delta(s, prev, "misses")
         tokens = _delta(s, prev, "tokens")
         out.append({
@@ -89,7 +93,7 @@ def samples(entries: list[dict]) -> list[dict]:
             "rss_bytes": s.get("rss_bytes"), "resident_bytes": s.get("resident_bytes"),
             "budget_bytes": s.get("budget_bytes"),
         })
-        prev = s
+        last[s.get("pid")] = s
     return out
 
 

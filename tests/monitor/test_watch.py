@@ -122,6 +122,19 @@ def test_samples_give_rates_between_documents_and_restart_with_each_run():
     assert got[2]["decode_tok_s"] is None  # no decode step measured yet: no point, not a 0 tok/s point
 
 
+def test_a_distributed_runs_samples_take_each_ranks_counters_apart():
+    """A review: the ranks' journals merge in time order and each rank counts its own hits and
+    bytes, so a sample's difference from another rank's read negative or above 1."""
+    def rec(i, pid, hits, misses, tokens, read):
+        return {"id": i, "status": "done", "time": 1.0, "sample": {"decode_tok_s": 2.0, "tokens": tokens, "hits": hits,
+                                                                    "misses": misses, "bytes_read": read, "pid": pid}}
+
+    got = samples([{"event": "start"}, rec("a", 11, 90, 10, 10, 1000), rec("b", 22, 5, 5, 10, 5000),
+                   rec("c", 11, 120, 20, 20, 1500), rec("d", 22, 25, 5, 20, 6000)])
+    assert [g["hit_rate"] for g in got] == [0.9, 0.5, 0.75, 1.0]
+    assert [g["bytes_per_token"] for g in got] == [100.0, 500.0, 50.0, 100.0]
+
+
 def test_retry_command_adds_the_flag_before_a_stdin_list():
     assert retry_command("mlx-tier run docs --out o") == "mlx-tier run docs --out o --retry-failed"
     assert retry_command("mlx-tier run - --out o < o/inputs.txt") == "mlx-tier run - --out o --retry-failed < o/inputs.txt"
