@@ -302,24 +302,31 @@ def resume_command(ctx: typer.Context, out_dir: Path, from_stdin: bool) -> str:
 
 
 def _raise_interrupted(signum, frame) -> None:
-    from mlx_tier.job.stopflag import Interrupted
+    from mlx_tier.job.stopflag import Interrupted, hung_up
 
+    if signum == getattr(signal, "SIGHUP", None):
+        hung_up()  # the terminal is gone: what follows is said to the null device
     raise Interrupted(signum)
 
 
 @contextlib.contextmanager
 def _sigterm_interrupts():
-    """SIGTERM raises ``Interrupted`` (until the job installs its own stop handler), so a
-    run terminated while loading its model also exits 143 with the resume line."""
+    """SIGTERM and SIGHUP raise ``Interrupted`` (until the job installs its own stop
+    handler), so a run terminated or hung up while loading its model also exits 143 or 129
+    with the resume line; a SIGHUP ignored (``nohup``) stays ignored."""
+    from mlx_tier.job.stopflag import STOP_SIGNALS
+
+    taken = [sig for sig in STOP_SIGNALS if sig != signal.SIGINT and signal.getsignal(sig) is not signal.SIG_IGN]
     try:
-        old = signal.signal(signal.SIGTERM, _raise_interrupted)
+        old = {sig: signal.signal(sig, _raise_interrupted) for sig in taken}
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _run_job_and_exit(config, out_dir: Path, command: str) -> None:

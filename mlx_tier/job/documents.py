@@ -147,6 +147,8 @@ class FileDocument:
             ``None``: not checked (``follow_links``, or a list of paths).
         limits: how large and how long its conversion may get
             (:class:`~mlx_tier.job.convert_limits.ConversionLimits`; over them it fails alone).
+        wished: the id its name asks for (:func:`mlx_tier.job.naming.assign`'s wish); its
+            ``id`` differs when another name, or a file in OUT_DIR, has it.
     """
 
     id: str
@@ -155,6 +157,7 @@ class FileDocument:
     name: str | None = None
     inside: Path | None = None
     limits: ConversionLimits = ConversionLimits()
+    wished: str | None = None  # the id its name asks for, before any other name took it
     key = None  # files have no JSONL key
     request = None  # nor a batch request
 
@@ -296,8 +299,8 @@ def _from_files(root: Path, files: list[Path], previous: dict[str, str] | None =
     # The output name drops the suffix, except where two files would share it (a.txt, a.md).
     wished = [s if counts[fold(s)] == 1 else safe_id(str(r)) for s, r in zip(stems, rel)]
     ids = assign(names, wished, previous)
-    return [FileDocument(doc_id, str(p), p, name=name, inside=inside, limits=limits)
-            for p, doc_id, name in zip(files, ids, names)]
+    return [FileDocument(doc_id, str(p), p, name=name, inside=inside, limits=limits, wished=w)
+            for p, doc_id, name, w in zip(files, ids, names, wished)]
 
 
 def _walk(root: Path, exclude: Path | None, follow_links: bool,

@@ -303,9 +303,11 @@ def rerun_notes(tri: Triage, records: Mapping[str, dict], settings: Settings, re
         notes.append(f"{count_text(len(tri.reused) - len(copied), noun)} renamed or copied: the summary of the same "
                      "content copied under the new name, not written again")
     done = "answer" if batch else "summary"
-    if tri.changed:
-        notes.append(f"`redo_changed`: redoing {count_text(len(tri.changed), done)} written with another "
-                     f"{_what(tri.changed, records, settings)}")
+    if tri.changed:  # a --retry-failed run tries failed ones only: the redo is a plain rerun's
+        notes.append(f"`redo_changed`: {'leaving' if retry_failed else 'redoing'} "
+                     f"{count_text(len(tri.changed), done)} written with another "
+                     f"{_what(tri.changed, records, settings)}"
+                     + (" for a rerun without `retry_failed`" if retry_failed else ""))
     if tri.kept_changed:
         notes.append(f"keeping {count_text(len(tri.kept_changed), done)} written with another "
                      f"{_what(tri.kept_changed, records, settings)}; redo "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -511,8 +510,8 @@ def named_around(docs, foreign: dict[str, str], named: Iterable[str]) -> str | N
     holds a ``<name>.md`` no run of this job wrote (``foreign``: :func:`foreign_outputs`),
     left as it is; ``named``: ids earlier runs gave (kept, not said again). ``None``: none."""
     stems, earlier = {fold(v) for v in foreign.values()}, {fold(v) for v in named} - {fold(v) for v in foreign.values()}
-    moved = [d for d in docs if fold(d.id) not in earlier and fold(re.sub(r"-\d+$", "", d.id)) in stems
-             and fold(d.id) not in stems]
+    moved = [d for d in docs if getattr(d, "wished", None) and fold(d.id) != fold(d.wished)
+             and fold(d.wished) in stems and fold(d.id) not in earlier]
     if not moved:
         return None
     shown = ", ".join(f"{d.id}.md" for d in moved[:3]) + (", ..." if len(moved) > 3 else "")
@@ -785,7 +784,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
             _batch_pass(p, todo, config, reporter, asked_kv_bits)
         if todo:
             _run_pending(p, config, loaded)
-        report.generation_seconds = _generation_seconds(p, clock.t())
+        report.generation_seconds = _generation_seconds(p, clock.t()) if loaded is not None else 0.0
         finished = [i for i, r in results.items() if r.status == "done" and not r.earlier_run]
         if parts is not None:  # calls this run wrote for long documents it did not finish (a stop's)
             report.partial_tokens = sum(n for i, n in parts.written_now().items() if i not in finished)

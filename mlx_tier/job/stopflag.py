@@ -37,6 +37,8 @@ def hung_up() -> None:
                 os.dup2(null, fd)
         except OSError:
             pass
+    if null is not None and null > 2:
+        os.close(null)
 
 
 # After a second signal, how long the main thread has to stop by itself (raising
@@ -86,6 +88,8 @@ class StopFlag:
 
     def __enter__(self):
         for sig in STOP_SIGNALS:
+            if sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # started under nohup: a hang-up is to be ignored, the job goes on
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: no handlers, no clean stop

@@ -59,7 +59,8 @@ class Triage:
             the rename): done; the runner records them, never regenerates them.
         failed: ``id -> journal record`` failed earlier and not retried now.
         pending: ids to run now, in input order (the ``stale`` and ``changed`` ones among them).
-        left: ids ``retry_failed`` leaves for a plain rerun: never finished, or stale.
+        left: ids ``retry_failed`` leaves for a plain rerun: never finished, or stale (their
+            summary is of an earlier text; one of other settings stays done).
         stale: done ids whose source changed since their summary: pending (redone),
             or ``left`` with ``retry_failed`` (pending too: their summary is stale).
         changed: done ids written with other settings (model, prompt, generation options), pending because
@@ -174,8 +175,10 @@ def _sort_done(t: Triage, i: str, rec: dict, now: str | None, settings: Settings
             t.kept_changed.append(i)
         t.done[i] = rec
         return
-    if retry_failed:  # left for a plain rerun: pending (its summary is of an earlier text or other settings)
+    if retry_failed and i in t.stale:  # left for a plain rerun: pending (its summary is of an earlier text)
         t.left.append(i)
+    elif retry_failed:  # other settings, left as they are (current for its text) for a plain rerun
+        t.done[i] = rec
     else:
         t.pending.append(i)
 

@@ -399,13 +399,14 @@ def _generation_seconds(this_run: list[dict], entries: list[dict], info: JobInfo
 
 def _load_seconds(entries: list[dict], info: JobInfo | None) -> float | None:
     """The last run's loading time on its clock: to its model loaded (its start record's
-    ``run_t``; a distributed run's launcher starts before its ranks load: their first
-    ``loaded`` record's); ``None`` when not recorded (an older version's run)."""
+    ``run_t``; a distributed run's launcher starts before its ranks load: to the last rank's
+    ``loaded`` record, as report.json counts it); ``None`` when not recorded (an older
+    version's run). Its generation time starts at the first rank's (:func:`_generation_seconds`)."""
     if info is None or info.run is None or info.run_t is None:
         return None
     loaded = [r["run_t"] for r in entries if r.get("event") == "loaded" and r.get("run") == info.run
               and isinstance(r.get("run_t"), (int, float))]
-    return min(loaded) if loaded else info.run_t
+    return max(loaded) if loaded else info.run_t
 
 
 def _wall_seconds(this_run: list[dict], info: JobInfo, running: bool, progress: dict | None, now: float) -> float:
@@ -589,7 +590,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         noun="request" if any((out_dir / name).exists() for name in (BATCH_OUTPUT, BATCH_ERRORS)) else "document",
         idle_rerun=idle,
         # a start record of this version (``reports``) names the model it loaded; a run that loaded none names none
-        no_model=info is not None and info.reports is True and info.model is None and not idle,
+        no_model=info is not None and info.reports is True and info.model is None and bool(info.todo) and not idle,
     )
 
 

@@ -304,7 +304,8 @@ def run_distributed(config, launch: Launch, reporter=None):
     config = _absolute(config)
     launcher()  # fail now, before OUT_DIR is touched, when mlx.launch is missing
     skipped: Counter = Counter()
-    docs = find_documents(config, skipped)
+    notes: list[str] = []
+    docs = find_documents(config, skipped, notes)
     if docs and docs[0].request is not None:  # one process appends output.jsonl and errors.jsonl
         raise InputError(f"{config.input}: a batch request file runs in one process; run it without --ranks/--hosts")
     if (config.out_dir / RANKS_DIR).is_symlink():  # invariant 3: nothing written outside OUT_DIR
@@ -317,7 +318,8 @@ def run_distributed(config, launch: Launch, reporter=None):
             reporter.message(skip_note(skipped))
             if hint := link_hint(skipped):
                 reporter.message(hint)
-        for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs]):
+        for note in (notes if tri.pending else []) + rerun_notes(tri, records, settings, config.retry_failed,
+                                                                 [d.id for d in docs]):
             reporter.message(note)
         report = (_launch(config, launch, ranks, job, docs, (tri, records), reporter, started, clock, skipped)
                   if tri.pending else None)

@@ -134,6 +134,13 @@ def test_a_users_own_file_in_the_output_folder_is_never_taken_as_a_summary(tmp_p
     again = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "8"])
     said = " ".join(again.output.split())
     assert "1 summary named otherwise (new-2.md): the output folder holds a file of its name" in said, said
+    # a review: a document whose own name ends in -2 was said to be named otherwise
+    (docs / "memo-2.txt").write_text("The farmer reads a book.")
+    (out / "memo.md").write_text("mine too\n")
+    again = runner.invoke(app, ["run", str(docs), "--out", str(out), "--model", str(small_moe), "--max-tokens", "8"])
+    assert again.exit_code == 0 and "named otherwise" not in " ".join(again.output.split()).replace(
+        "is named otherwise. in tok", ""), again.output
+    assert (out / "memo-2.md").is_file()
 
 
 def test_listed_files_of_the_same_name_in_other_folders_get_their_own_outputs(tmp_path, small_moe):  # noqa: F811

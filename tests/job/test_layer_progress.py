@@ -42,7 +42,6 @@ def test_a_step_that_starts_a_new_prompt_shows_it_not_the_last_steps(monkeypatch
     """The last step ended with "a" read to its end; this one reads "b" (and "a" is writing)."""
     monkeypatch.setattr(activity, "LAYER_PROGRESS_SECONDS", 0.0)
     seen = Seen()
-    layers = LayerProgress(seen, Progress(), 4)
     progress = Progress()
     layers = LayerProgress(seen, progress, 4)
     layers.step_done(Activity(["a"], None, [("a", 3)], 5.0, 100.0, 0.8, eta_seconds=60.0, at=123.5))

@@ -737,3 +737,28 @@ def test_a_stale_summary_a_retry_failed_run_leaves_is_pending_in_every_view(s1, 
     code, output = run(*args)  # the plain rerun redoes it
     assert code == 0 and "0 pending" in output and last_record(out, "a")["status"] == "done", output
     assert read_status(out).pending == 0
+
+
+def test_retry_failed_with_redo_changed_leaves_other_settings_done_in_every_view(s1, tmp_path, small_moe):  # noqa: F811
+    """A review: `--retry-failed --redo-changed` with another --max-tokens put a's summary in the
+    report as pending while status said done, and said "redoing 1 summary" that it left."""
+    out = tmp_path / "out"
+    (s1 / "b.txt").write_bytes(bytes(range(256)) * 2)  # fails: binary
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 1
+    code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "6", "--retry-failed", "--redo-changed")
+    assert code == 1 and "leaving 1 summary written with another --max-tokens for a rerun without " \
+                         "--retry-failed" in output, output
+    docs = {d["id"]: d["status"] for d in report(out)["documents"]}
+    s = read_status(out)
+    assert docs == {"a": "done", "b": "failed"} and (s.done, s.failed, s.pending) == (1, 1, 0), (docs, s)
+
+
+def test_a_first_run_with_retry_failed_has_nothing_to_do_not_failures(s1, tmp_path, small_moe):  # noqa: F811
+    """A review: a first `--retry-failed` run (nothing failed yet) read in status as "0 failed as
+    read; no model loaded"."""
+    out = tmp_path / "out"
+    code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5", "--retry-failed")
+    assert code == 0 and "nothing to do (model not loaded)" in output, output
+    assert not read_status(out).no_model
+    said = " ".join(runner.invoke(app, ["status", str(out)]).output.split())
+    assert "failed as read" not in said, said

@@ -59,7 +59,7 @@ def test_a_job_of_empty_documents_never_loads_the_model(tmp_path, small_moe, mon
     assert "predicted" not in output and "documents/hour" not in output
     rep = json.loads((out / "report.json").read_text())
     assert rep["totals"]["failed"] == 3 and rep["runs"][-1]["loaded_model"] is False
-    assert rep["runs"][-1]["failed"] == 3
+    assert rep["runs"][-1]["failed"] == 3 and rep["runs"][-1]["generation_seconds"] == 0.0  # none: no model
     records = [r for r in Journal(out).entries() if "id" in r]
     assert {r["id"]: r["error"] for r in records} == {"blank": "empty document", "empty": "empty document",
                                                       "zero": "empty document (0 bytes)"}
