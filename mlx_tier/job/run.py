@@ -716,18 +716,17 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
             clock: RunClock, notes: list[str] = ()) -> tuple[JobReport, Loaded | None]:
     """The run inside the held job folder: triage, load, generate. Returns the report and the
     model (``None`` when nothing was to do), kept apart: the report never holds the model.
-    ``notes``: lines on the input (files skipped...), said once the model is loaded."""
+    ``notes``: lines on the input (files skipped...), said once the model is loaded, with
+    what the run does with earlier outputs (a wrong ``--model`` is then one error line)."""
     asked_kv_bits = config.generation.kv_bits
     if is_batch(docs):  # requests run on the batch engine, unquantized (said by _batch_pass)
         config = replace(config, generation=replace(config.generation, kv_bits=None))
     model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
     settings = run_settings(config.model, config.generation, model_dir, is_batch(docs))
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock, settings)
-    if not share.part:
-        for note in rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs], is_batch(docs)):
-            reporter.message(note)
-        for note in limit_note(docs, records, tri) if is_batch(docs) else []:
-            reporter.message(note)
+    if not share.part:  # said with the input's notes, once the model is loaded
+        notes = [*notes, *rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs],
+                                      is_batch(docs)), *(limit_note(docs, records, tri) if is_batch(docs) else [])]
     results = doc_results(docs, tri, records)
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))
     by_id = {d.id: d for d in docs}

@@ -762,3 +762,14 @@ def test_a_first_run_with_retry_failed_has_nothing_to_do_not_failures(s1, tmp_pa
     assert not read_status(out).no_model
     said = " ".join(runner.invoke(app, ["status", str(out)]).output.split())
     assert "failed as read" not in said, said
+
+
+def test_a_rerun_with_a_wrong_model_is_one_error_line(s1, tmp_path, small_moe):  # noqa: F811
+    """A review: a rerun's notes ("1 document changed since summarised...") came before the
+    error of a --model that is no model: bad input is one error line."""
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0
+    (s1 / "a.txt").write_text(NEW_A)
+    (tmp_path / "empty-model").mkdir()
+    r = runner.invoke(app, ["run", str(s1), "--out", str(out), "--model", str(tmp_path / "empty-model")])
+    assert r.exit_code == 2 and r.output.startswith("error:") and "changed since" not in r.output, r.output
