@@ -611,7 +611,10 @@ def test_an_asked_paced_batch_is_cut_to_what_memory_holds(tiered, tiny_moe, monk
     monkeypatch.setattr(scheduler_module, "estimate_memory", tight)
     config = GenerationConfig("Summarise this.", 8, batch_size=100_000, schedule="paced")
     sched = Scheduler(model, tokenizer, tiny_moe, 4096, config, longest_chars=1200)
-    assert 1 <= sched.batch_size < 100_000 and sched.info["batch_size_from"] == "batch_size, memory headroom"
+    default = Scheduler(model, tokenizer, tiny_moe, 4096, replace(config, batch_size=None), longest_chars=1200)
+    assert default.batch_size < 8  # memory, not mlx-lm's cap of 8, bounds the default here
+    assert sched.batch_size == default.batch_size  # the asked 100,000: what memory holds, as the default
+    assert sched.info["batch_size_from"] == "batch_size, memory headroom"
     lines = []
     announce(sched, SimpleNamespace(message=lines.append))
     assert lines[0].startswith(f"batch size {sched.batch_size} (`batch_size` 100,000 cut to what memory holds)")
