@@ -331,8 +331,7 @@ def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded,
     if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
         res.model, res.prompt, res.kv_bits = p.settings.fields()["model"], p.settings.prompt, p.settings.kv_bits
         res.generation = p.settings.generation if p.batch is None else None  # a request's body decides its own
-    record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"}  # source: as given
-    record |= p.sources.get(res.id, {})  # the file itself, absolute (mlx_tier.job.documents.source_file)
+    record = _doc_record(res, p)
     record["throttled_seconds"] = round(spent - throttled_before, 3)  # per record: `mlx-tier status` adds them up
     record["sample"] = progress_sample(loaded.cache, rate, generated)
     if outcome.reasoning:
@@ -340,6 +339,12 @@ def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded,
     p.last_t = journal.append(record)["run_t"]
     reporter.finished(res, loaded.cache.stats.as_dict())
     return spent
+
+
+def _doc_record(res: DocResult, p: _Pass) -> dict:
+    """A finished or failed document's journal record: its result's known fields (``source``
+    as given left out) and the file itself, absolute (:func:`~mlx_tier.job.documents.source_file`)."""
+    return {k: v for k, v in asdict(res).items() if v is not None and k != "source"} | p.sources.get(res.id, {})
 
 
 def claim_all(doc_id: str) -> bool:
@@ -799,8 +804,7 @@ def _fail_unusable(p: _Pass, docs: list, out_dir: Path) -> None:
         res = p.results[d.id]
         res.converter, res.made_from = d.converter, made_from(d)
         _record(Outcome(d.id, "failed", error=d.error), res, out_dir, p.journal, p.settings)
-        record = {k: v for k, v in asdict(res).items() if v is not None and k != "source"} | p.sources.get(d.id, {})
-        p.last_t = p.journal.append(record | {"throttled_seconds": 0.0})["run_t"]
+        p.last_t = p.journal.append(_doc_record(res, p) | {"throttled_seconds": 0.0})["run_t"]
         p.reporter.finished(res, {})
 
 
