@@ -50,7 +50,7 @@ HEARTBEAT_SECONDS = 60  # how often a log file gets a progress line between docu
 FLAGS = {"max_tokens": "--max-tokens", "context": "--context", "max_temp": "--max-temp",
          "min_battery": "--min-battery", "max_tok_s": "--max-tok-s", "bits": "--bits", "mode": "--mode",
          "cache_gb": "--cache-gb", "memory_gb": "--memory-gb", "host_cache_gb": "--host-cache-gb",
-         "batch_size": "--batch-size", "kv_bits": "--kv-bits",
+         "batch_size": "--batch-size", "kv_bits": "--kv-bits", "kernel": "--kernel",
          "slots": "--slots", "retry_failed": "--retry-failed", "pause_on_battery": "--pause-on-battery",
          "follow_links": "--follow-links", "policy": "--policy", "instruction": "--prompt",
          "redo_changed": "--redo-changed", "repetition_penalty": "--repetition-penalty", "output_format": "--format",

@@ -32,6 +32,7 @@ from mlx_tier.engine.cache import LayerCache
 from mlx_tier.engine.cache_stats import CacheStats
 from mlx_tier.engine.checkpoint import expert_tensors as _stored_expert_tensors
 from mlx_tier.engine.checkpoint import module_at, moe_blocks, open_checkpoint, set_child
+from mlx_tier.engine.compute import LIBRARY_KERNEL, dtype_name
 from mlx_tier.engine.dtypes import cast_model, compute_dtype, gather_mm_computes
 from mlx_tier.engine.expert_cache import ExpertCache
 from mlx_tier.engine.prefetch import BackgroundReader, link_layers
@@ -56,9 +57,9 @@ DEFAULT_BUDGET_FRACTION = tier_budgets.DEFAULT_FRACTION
 
 # Prefetch off by default (why: mlx_tier.defaults).
 DEFAULT_PREFETCH = defaults.DEFAULT_PREFETCH
-# The kernel load() uses when TierConfig.kernel is None: MLX's own ops, whose greedy
-# tokens equal mlx-lm's exactly (the job runner's default is defaults.JOB_KERNEL).
-LIBRARY_KERNEL = "mlx"
+# The kernel load() uses when TierConfig.kernel is None (LIBRARY_KERNEL, from
+# mlx_tier.engine.compute): MLX's own ops, whose greedy tokens equal mlx-lm's exactly
+# (the job runner's default is defaults.JOB_KERNEL).
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -560,7 +561,7 @@ def tier_model(model: nn.Module, model_dir: Path, config: TierConfig, index: dic
     # What computes the experts (mlx_tier.kernels.registry), for reports; with two tiers,
     # the warm tier's kernel (the hot tier runs MLX's ops). The cast made at load, likewise.
     expert_cache.kernel = kernel_name
-    expert_cache.dtype_name = str(dtype).removeprefix("mlx.core.") if dtype is not None else "as stored"
+    expert_cache.dtype_name = dtype_name(dtype)
     model.expert_cache = expert_cache
     return expert_cache
 

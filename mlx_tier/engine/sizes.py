@@ -164,8 +164,8 @@ def run_budget(model_dir: Path, tier, memory_gb: float | None, prefill_step: int
     """
     from mlx_tier.engine import budgets
     from mlx_tier.engine.checkpoint import open_checkpoint
+    from mlx_tier.engine.compute import LIBRARY_KERNEL
     from mlx_tier.engine.dtypes import job_compute_dtype
-    from mlx_tier.engine.load import LIBRARY_KERNEL
     from mlx_tier.kernels import registry
 
     mem = budgets.probe()

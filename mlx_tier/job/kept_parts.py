@@ -30,6 +30,7 @@ def call_identity(settings: Settings, computes: dict) -> dict:
     and ``computes``: the expert kernel and dtype as the load chose them (report.json's
     ``kernel`` and ``dtype``) and the dense and attention kernels asked for."""
     fields = settings.fields()
+    fields.pop("compute", None)  # ``computes`` says it, as calls kept by earlier versions were named
     model = fields["model"]
     if model.get("weights"):
         fields["model"] = {k: v for k, v in model.items() if k != "name"}

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlx_tier.defaults import DEFAULT_POOL_STEP, PLAN_DOC_TOKENS
 from mlx_tier.engine.checkpoint import context_length
@@ -29,6 +30,9 @@ from mlx_tier.kernels.warmup import compile_for
 from mlx_tier.outdir.jobdir import JobDir
 from mlx_tier.outdir.layout import REPORT
 from mlx_tier.units import GIB, rate_text
+
+if TYPE_CHECKING:
+    from mlx_tier.engine.load import TierConfig
 
 # When the checkpoint states no context length.
 FALLBACK_CONTEXT = 4096
@@ -102,11 +106,33 @@ def load_model(config: JobConfig, reporter: Reporter, model_dir: Path | None = N
         elif tier.cache_gb is not None and budget.cache < int(tier.cache_gb * GIB):  # more than every expert
             tier = replace(tier, cache_gb=budget.cache / GIB)
     reporter.message(f"loading {model_dir}")
-    if tier.dtype is None:  # the one place the job's dtype default is applied
-        tier = replace(tier, dtype=job_compute_dtype())
-    model, tokenizer = load(model_dir, cache_gb, config=tier)
+    model, tokenizer = load(model_dir, cache_gb, config=job_tier(tier))
     return Loaded(model, tokenizer, model_dir, context, budget)
 
+
+
+def job_tier(tier: TierConfig) -> TierConfig:
+    """``tier`` with the job's compute dtype where it names none (the one place that
+    default is applied: :func:`mlx_tier.engine.dtypes.job_compute_dtype`)."""
+    return tier if tier.dtype is not None else replace(tier, dtype=job_compute_dtype())
+
+
+def planned_compute_of(config: JobConfig, model_dir: Path | None) -> dict:
+    """``{"kernel", "dtype"}`` the run's model will compute with, before it loads
+    (:func:`mlx_tier.engine.compute.planned_compute`)."""
+    from mlx_tier.engine.compute import planned_compute
+
+    tier = job_tier(config.tier)
+    return planned_compute(tier.kernel, tier.dtype, tier.host_cache_gb, model_dir)
+
+
+def loaded_compute(loaded: Loaded) -> dict | None:
+    """``{"kernel", "dtype"}`` the loaded model computes with (as :func:`setup_record` says);
+    ``None`` for a cache that does not say (a stand-in's)."""
+    from mlx_tier.engine.compute import compute_fields
+
+    kernel, dtype = getattr(loaded.cache, "kernel", None), getattr(loaded.cache, "dtype_name", None)
+    return compute_fields(kernel, dtype) if isinstance(kernel, str) and isinstance(dtype, str) else None
 
 
 def read_mode(model_dir: Path, budget: MemoryBudget, schedule: str, say: Callable[[str], None]) -> str:

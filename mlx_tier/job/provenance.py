@@ -33,13 +33,17 @@ A ``done`` record carries:
 - ``generation``: the options of :data:`GENERATION_KEYS` it was generated with
   (``max_tokens``, ``repetition_penalty``, ``context``: each may change the
   summary; the schedule, pools and batch size do not, by the engine's exactness).
+- ``compute``: ``{"kernel", "dtype"}``, the expert kernel and the cast its model
+  computed with (``run --kernel``; the cast follows the kernel and the device:
+  :mod:`mlx_tier.engine.compute`). The CPU kernel's logits are within a stated bound
+  of MLX's, not equal, so another kernel may write other tokens.
 
 What a rerun does with them (decided by :func:`mlx_tier.job.triage.triage`):
 a summary whose source's hash changed is *stale* and redone by default (the
 old one is replaced only when the new one is complete: outputs are renamed into
 place; a request's ``output.jsonl`` line is replaced by rewriting the file
 atomically, :class:`mlx_tier.job.outputs.BatchOutputs`); one written with
-another model, prompt or option is kept, said in one line, and redone with
+another model, prompt, option or kernel is kept, said in one line, and redone with
 ``redo_changed`` (the same for a model whose config or tokenizer changed; not
 a request's: its answer is judged by its request's hash alone); a document
 under a new name whose content
@@ -205,7 +209,7 @@ def recorded_hash(rec: dict) -> str | None:
 
 
 # The fields of a record that name what wrote it (:meth:`Settings.fields`).
-SETTINGS_FIELDS = ("model", "prompt", "kv_bits", "generation")
+SETTINGS_FIELDS = ("model", "prompt", "kv_bits", "generation", "compute")
 # The generation options a summary's record keeps (``generation``), in this order.
 GENERATION_KEYS = ("max_tokens", "repetition_penalty", "context")
 
@@ -218,7 +222,7 @@ def generation_fields(generation) -> dict:
 
 @dataclass(frozen=True)
 class Settings:
-    """The model, prompt, KV cache and generation options of this run, as records name them.
+    """The model, prompt, KV cache, generation options and kernel of this run, as records name them.
 
     Attributes:
         model: the model as given: a folder, a repo id, or ``demo``.
@@ -231,6 +235,8 @@ class Settings:
         config: the fingerprint of its config, tokenizer and chat template
             (:func:`mlx_tier.engine.checkpoint.config_fingerprint`); ``None`` unknown.
         generation: :func:`generation_fields` of the run (``None``: not compared).
+        compute: ``{"kernel", "dtype"}`` its model computes with
+            (:func:`mlx_tier.engine.compute.compute_fields`; ``None``: not compared).
     """
 
     model: str
@@ -239,19 +245,21 @@ class Settings:
     kv_bits: int | None = None
     config: str | None = None
     generation: dict | None = None
+    compute: dict | None = None
 
     def fields(self) -> dict:
         """The ``model`` and ``prompt`` fields of a record this run writes (and
-        ``kv_bits`` when quantized, ``generation`` when known)."""
+        ``kv_bits`` when quantized, ``generation`` and ``compute`` when known)."""
         model = {"name": self.model, "weights": self.weights, **({"config": self.config} if self.config else {})}
         return {"model": model, "prompt": self.prompt,
                 **({"kv_bits": self.kv_bits} if self.kv_bits is not None else {}),
-                **({"generation": dict(self.generation)} if self.generation is not None else {})}
+                **({"generation": dict(self.generation)} if self.generation is not None else {}),
+                **({"compute": dict(self.compute)} if self.compute is not None else {})}
 
     def differences(self, rec: dict) -> list[str]:
         """What the ``done`` record ``rec`` names otherwise than these settings: ``[]``, or
-        some of ``"model"``, ``"prompt"``, ``"kv_bits"`` and the keys of
-        :data:`GENERATION_KEYS`, in that order. What a record lacks (a record of an
+        some of ``"model"``, ``"prompt"``, ``"kv_bits"``, ``"kernel"`` (the kernel or
+        cast of ``compute``) and the keys of :data:`GENERATION_KEYS`, in that order. What a record lacks (a record of an
         older version) never differs, but a record naming a model or prompt without
         ``kv_bits`` was generated unquantized; models are compared by weights when
         both are known, else by name, and by config where both records have it."""
@@ -264,6 +272,10 @@ class Settings:
             out.append("prompt")
         if (model is not None or isinstance(prompt, str)) and rec.get("kv_bits") != self.kv_bits:
             out.append("kv_bits")  # a stamped record without it was generated unquantized
+        made = rec.get("compute")
+        if isinstance(made, dict) and self.compute is not None and \
+                any(made.get(k) != self.compute.get(k) for k in ("kernel", "dtype")):
+            out.append("kernel")
         made = rec.get("generation")
         if isinstance(made, dict) and self.generation is not None:
             out += [k for k in GENERATION_KEYS if k in made and k in self.generation and made[k] != self.generation[k]]
@@ -277,6 +289,6 @@ class Settings:
         return model.get("name") == self.model
 
     def differs(self, rec: dict) -> bool:
-        """Whether the ``done`` record ``rec`` names another model, prompt, KV cache or
-        generation option (:meth:`differences`)."""
+        """Whether the ``done`` record ``rec`` names another model, prompt, KV cache,
+        generation option or kernel (:meth:`differences`)."""
         return bool(self.differences(rec))

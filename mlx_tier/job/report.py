@@ -48,6 +48,7 @@ class DocResult:
     prompt: str | None = None  # the instruction's hash (its text: report.json "prompts")
     kv_bits: int | None = None  # the KV caches' bits it was generated with; None: unquantized (not recorded)
     generation: dict | None = None  # {"max_tokens", "repetition_penalty", "context"} it was generated with
+    compute: dict | None = None  # {"kernel", "dtype"} its model computed with (mlx_tier.engine.compute)
     redo: str | None = None  # this run redoes it: "stale" (its source changed) or "changed" (model or prompt)
     reused: str | None = None  # the id whose summary it got (the same content under another name)
     error_code: str | None = None  # a failed batch request: the API's error code ("server_error": generating failed)

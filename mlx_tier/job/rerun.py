@@ -160,13 +160,15 @@ def locate_model(model: Path | str | None) -> Path | None:
     return cached_snapshot(str(model)) if is_repo_id(model) else None
 
 
-def run_settings(model: Path | str | None, generation, model_dir: Path | None, requests: bool = False) -> Settings:
+def run_settings(model: Path | str | None, generation, model_dir: Path | None, requests: bool = False,
+                 compute: dict | None = None) -> Settings:
     """This run's :class:`~mlx_tier.job.provenance.Settings` from its model and
     :class:`~mlx_tier.job.scheduler.GenerationConfig`; the weights' and config's
     fingerprints when ``model_dir`` is known and readable (else ``None``: compared by
     name; the load says what is wrong with an unreadable one). ``requests``: a request
     file's run, whose answers follow their own messages and options: no prompt nor
-    generation options, only the model and KV cache are compared."""
+    generation options, only the model, KV cache and ``compute`` are compared.
+    ``compute``: the kernel and cast its model computes with (``None``: not compared)."""
     from mlx_tier.engine.checkpoint import config_fingerprint, weights_fingerprint
 
     weights = config = None
@@ -176,9 +178,9 @@ def run_settings(model: Path | str | None, generation, model_dir: Path | None, r
         except CheckpointError:
             pass
     if requests:
-        return Settings(model_name(model), weights, None, generation.kv_bits, config)
+        return Settings(model_name(model), weights, None, generation.kv_bits, config, compute=compute)
     return Settings(model_name(model), weights, prompt_hash(generation.instruction), generation.kv_bits, config,
-                    generation_fields(generation))
+                    generation_fields(generation), compute)
 
 
 def copy_reused(tri: Triage, records: Mapping[str, dict], docs, out_dir: Path, journal: Journal) -> list[str]:
@@ -361,7 +363,8 @@ def _what(ids: list[str], records: Mapping[str, dict], settings: Settings) -> st
     """``model``, ``prompt``, ```kv_bits```, ```max_tokens```... or several joined by "or":
     what the summaries ``ids`` were written with otherwise."""
     seen = Counter(x for i in ids for x in settings.differences(records[i]))
-    names = {"model": "model", "prompt": "prompt", "kv_bits": "`kv_bits`"} | {k: f"`{k}`" for k in GENERATION_KEYS}
+    names = {"model": "model", "prompt": "prompt", "kv_bits": "`kv_bits`", "kernel": "`kernel`"} | \
+        {k: f"`{k}`" for k in GENERATION_KEYS}
     return " or ".join(name for x, name in names.items() if seen[x]) or "model or prompt"
 
 

@@ -67,7 +67,9 @@ from mlx_tier.job.model_setup import (
     Loaded,
     earlier_setup,
     generation_for,
+    loaded_compute,
     model_for,
+    planned_compute_of,
     record_peak,
     save_profile,
     save_trace,
@@ -331,6 +333,7 @@ def _take_outcome(outcome: Outcome, p: _Pass, config: JobConfig, loaded: Loaded,
     if res.status == "done":  # what wrote it (mlx_tier.job.provenance)
         res.model, res.prompt, res.kv_bits = p.settings.fields()["model"], p.settings.prompt, p.settings.kv_bits
         res.generation = p.settings.generation if p.batch is None else None  # a request's body decides its own
+        res.compute = p.settings.compute
     record = _doc_record(res, p)
     record["throttled_seconds"] = round(spent - throttled_before, 3)  # per record: `mlx-tier status` adds them up
     record["sample"] = progress_sample(loaded.cache, rate, generated)
@@ -727,7 +730,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if is_batch(docs):  # requests run on the batch engine, unquantized (said by _batch_pass)
         config = replace(config, generation=replace(config.generation, kv_bits=None))
     model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
-    settings = run_settings(config.model, config.generation, model_dir, is_batch(docs))
+    planned = planned_compute_of(config, model_dir)
+    settings = run_settings(config.model, config.generation, model_dir, is_batch(docs), planned)
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock, settings)
     if not share.part:  # said with the input's notes, once the model is loaded
         notes = [*notes, *rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs],
@@ -752,8 +756,9 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     loaded = model_for(todo, config, reporter, job, model_dir, typical if pooled else None)
     for note in notes:  # after the model is found and loaded: a wrong --model is one error line alone
         reporter.message(note)
-    if loaded is not None and settings.weights is None:  # downloaded or built just now
-        settings = run_settings(config.model, config.generation, loaded.model_dir, is_batch(docs))
+    made = (loaded_compute(loaded) or planned) if loaded is not None else planned
+    if loaded is not None and (settings.weights is None or made != planned):  # built just now; a kernel unforeseen
+        settings = run_settings(config.model, config.generation, loaded.model_dir, is_batch(docs), made)
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
                           settings.fields() if loaded is not None else {}, rerun_counts(tri), len(tri.left))
     if loaded is not None:

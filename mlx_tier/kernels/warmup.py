@@ -49,11 +49,16 @@ TIMEOUT_S = 1800
 
 
 def formats(config: dict) -> list[dict]:
+    """The distinct quantization formats of a checkpoint's ``config.json`` that the CPU
+    kernel computes (:func:`all_formats` whose mode is in :data:`SUPPORTED_MODES`)."""
+    return [f for f in all_formats(config) if f["mode"] in SUPPORTED_MODES]
+
+
+def all_formats(config: dict) -> list[dict]:
     """The distinct quantization formats of a checkpoint's ``config.json``
-    (``{"bits", "group_size", "mode"}``, sorted), those the CPU kernel computes:
-    the top-level ``quantization`` and each per-module entry (mlx-lm's mixed
-    quantization). ``[]`` for an unquantized checkpoint (its float layers run
-    on BLAS: nothing to compile)."""
+    (``{"bits", "group_size", "mode"}``, sorted): the top-level ``quantization`` and
+    each per-module entry (mlx-lm's mixed quantization). ``[]`` for an unquantized
+    checkpoint (its float layers run on BLAS: nothing to compile)."""
     q = config.get("quantization") or config.get("quantization_config") or {}
     if not isinstance(q, dict) or "bits" not in q:
         return []
@@ -64,7 +69,7 @@ def formats(config: dict) -> list[dict]:
             own = {"bits": int(value["bits"]), "group_size": int(value.get("group_size", top["group_size"])),
                    "mode": value.get("mode", top["mode"])}
             found.add(json.dumps(own, sort_keys=True))
-    return [f for f in map(json.loads, sorted(found)) if f["mode"] in SUPPORTED_MODES]
+    return list(map(json.loads, sorted(found)))
 
 
 def marker_key(fmts: list[dict]) -> str:

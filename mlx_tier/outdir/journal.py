@@ -239,13 +239,16 @@ def written_with(rec: dict) -> tuple[str | None, str | None, str | None]:
 def written_options(rec: dict) -> dict:
     """The other settings a ``done`` record says its summary was made with, for people:
     the generation options (``max_tokens``, ``repetition_penalty``, ``context``),
-    ``kv_bits`` and the model's ``config`` fingerprint (its first 8 characters), each
-    only where recorded."""
+    ``kv_bits``, the kernel and cast (``"cpu/float32"``) and the model's ``config``
+    fingerprint (its first 8 characters), each only where recorded."""
     generation = rec.get("generation") if isinstance(rec.get("generation"), dict) else {}
     model = rec.get("model") if isinstance(rec.get("model"), dict) else {}
+    compute = rec.get("compute") if isinstance(rec.get("compute"), dict) else {}
     out = {k: v for k, v in generation.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     if isinstance(rec.get("kv_bits"), int):
         out["kv_bits"] = rec["kv_bits"]
+    if isinstance(compute.get("kernel"), str):
+        out["kernel"] = "/".join(str(compute[k]) for k in ("kernel", "dtype") if isinstance(compute.get(k), str))
     if isinstance(model.get("config"), str):
         out["config"] = model["config"][:8]
     return out

@@ -286,6 +286,7 @@ def run_distributed(config, launch: Launch, reporter=None):
         mlx_tier.CheckpointError: the demo or hub model cannot be prepared here.
     """
     from mlx_tier.job.documents import link_hint, skip_note
+    from mlx_tier.job.model_setup import planned_compute_of
     from mlx_tier.job.rerun import locate_model, rerun_notes, run_settings
     from mlx_tier.job.run import (
         Reporter,
@@ -312,7 +313,9 @@ def run_distributed(config, launch: Launch, reporter=None):
         raise InputError(f"{config.out_dir / RANKS_DIR}: is a link; remove it (ranks write their files there)")
     started, clock = (time.perf_counter(), time.time()), RunClock()
     with JobDir(config.out_dir) as job:
-        settings = run_settings(config.model, config.generation, locate_model(config.model))
+        model_dir = locate_model(config.model)
+        settings = run_settings(config.model, config.generation, model_dir,
+                                compute=planned_compute_of(config, model_dir))
         _, records, tri = start_run(job, docs, config, reporter, clock=clock, settings=settings)
         if skipped and tri.pending:  # else the one-process run below says it
             reporter.message(skip_note(skipped))

@@ -401,6 +401,13 @@ def test_triage_of_earlier_summaries_from_plain_data():
     assert longer.differences({**records["gone"], "model": {"name": "m", "weights": "w1", "config": "c0"}}) == ["model"]
     assert longer.fields()["model"]["config"] == "c1" and longer.fields()["generation"]["max_tokens"] == 40
     assert not longer.differs({**records["gone"], **longer.fields()})
+    # the kernel and cast: compared where the record keeps them
+    cpu = Settings("m", "w1", "p1", compute={"kernel": "cpu", "dtype": "float32"})
+    assert cpu.differences({**records["gone"], "compute": {"kernel": "mlx", "dtype": "float32"}}) == ["kernel"]
+    assert cpu.differences({**records["gone"], "compute": {"kernel": "cpu", "dtype": "as stored"}}) == ["kernel"]
+    assert not cpu.differs(records["gone"]) and not cpu.differs({**records["gone"], **cpu.fields()})
+    assert not here.differs({**records["gone"], **cpu.fields()})  # a run that does not know its kernel
+    assert "compute" not in here.fields() and cpu.fields()["compute"] == {"kernel": "cpu", "dtype": "float32"}
 
 
 def test_other_generation_options_are_kept_said_and_redone_on_request(s1, tmp_path, small_moe):  # noqa: F811
@@ -424,6 +431,27 @@ def test_other_generation_options_are_kept_said_and_redone_on_request(s1, tmp_pa
     code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--context", "512")
     assert code == 0 and "written with another --context" in output, output
     code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0")
+    assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
+
+
+def test_a_summary_written_by_another_kernel_is_kept_said_and_redone_on_request(s1, tmp_path, small_moe):  # noqa: F811
+    """A review: a summary written with `--kernel mlx` was kept as current by a run with the CPU
+    kernel (`auto` here), whose logits are within a bound of MLX's, not equal. The kernel and
+    cast are recorded with each summary as the run resolved them, compared before the load."""
+    out = tmp_path / "out"
+    base = (s1, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    assert run(*base, "--kernel", "mlx")[0] == 0
+    assert last_record(out, "a")["compute"] == {"kernel": "mlx", "dtype": "float32"}
+    before = {p.name: p.read_bytes() for p in out.glob("*.md")}
+    code, output = run(*base)  # `auto`: the CPU kernel on this backend
+    assert code == 0 and "keeping 2 summaries written with another --kernel; redo them with --redo-changed" \
+        in output, output
+    assert {p.name: p.read_bytes() for p in out.glob("*.md")} == before
+    assert [g["options"]["kernel"] for g in report(out)["written_by"]] == ["mlx/float32"]
+    code, output = run(*base, "--redo-changed")
+    assert code == 0 and "redoing 2 summaries written with another --kernel" in output, output
+    assert last_record(out, "b")["compute"] == {"kernel": "cpu", "dtype": "float32"}
+    code, output = run(*base, "--kernel", "cpu")  # what `auto` resolved to: the same
     assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
 
 
@@ -773,3 +801,14 @@ def test_a_rerun_with_a_wrong_model_is_one_error_line(s1, tmp_path, small_moe): 
     (tmp_path / "empty-model").mkdir()
     r = runner.invoke(app, ["run", str(s1), "--out", str(out), "--model", str(tmp_path / "empty-model")])
     assert r.exit_code == 2 and r.output.startswith("error:") and "changed since" not in r.output, r.output
+
+
+def test_a_long_documents_kept_calls_keep_their_name_when_the_kernel_is_recorded():
+    """Calls kept for a long document are named by the kernel and cast the load chose (``computes``);
+    the summary's ``compute`` field says the same again and must not rename them: a document stopped
+    midway by an earlier version resumes from its last call."""
+    from mlx_tier.job.kept_parts import call_identity
+
+    computes = {"kernel": "cpu", "dtype": "float32", "dense_kernel": None, "attention_kernel": None}
+    before = call_identity(Settings("m", "w1", "p1"), computes)
+    assert call_identity(Settings("m", "w1", "p1", compute={"kernel": "cpu", "dtype": "float32"}), computes) == before
