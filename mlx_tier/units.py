@@ -1,4 +1,6 @@
-"""Units of memory, defined once; seconds as people read them."""
+"""Units of memory, defined once; seconds, rates, shares and sizes as people read them."""
+
+import math
 
 KIB = 1024
 MIB = 1024**2
@@ -9,6 +11,20 @@ def seconds_text(seconds: float) -> str:
     """``"0.4 s"`` under 10 s (a short run's figures then do not read "over 0 s"), else
     ``"42 s"``."""
     return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+
+
+def duration_text(seconds: float) -> str:
+    """A duration for people, never rounded to a figure that misleads: ``"0.4 s"`` under
+    10 s, ``"42 s"`` under 2 min, ``"2 min 59 s"`` under an hour, else ``"3 h 05 min"``
+    (minutes rounded down: an hour's figure is not 1 min short of the next)."""
+    if seconds < 10:
+        return seconds_text(seconds)
+    s = int(round(seconds))
+    if s < 120:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 def count_text(n: int, noun: str) -> str:
@@ -28,5 +44,23 @@ def tokens_text(n: int) -> str:
 def rate_text(per_hour: float) -> str:
     """A documents/hour figure in whole units, with a decimal below 10: ``"0.7"``, ``"9.4"``,
     ``"212"`` (a prediction of 0.69 is not "1", nor 0.4 "0")."""
+    if 0 < per_hour < 0.05:  # a book-length document a day: 0.04, not "0.0"
+        return f"{per_hour:.1g}"
     tenths = round(per_hour, 1)  # 9.96 is "10", not "10.0"
     return f"{tenths:.1f}" if tenths < 10 else f"{per_hour:.0f}"
+
+
+def percent_text(fraction: float) -> str:
+    """A share in whole percents, but never rounded to 0% or 100% when it is neither:
+    ``"37%"``, ``"99.6%"`` (not "100%"), ``"99.9%"`` for 0.9996, ``"0.4%"``, ``"<0.1%"``."""
+    p = fraction * 100
+    if p <= 0 or p >= 100 or 1 <= p < 99:
+        return f"{p:.0f}%"
+    if p >= 99:
+        return f"{math.floor(p * 10) / 10:.1f}%"
+    return f"{p:.1f}%" if p >= 0.05 else "<0.1%"
+
+
+def mib_text(nbytes: int) -> str:
+    """A size in whole MiB, in KiB below 1 MiB (221,184 bytes are "216 KiB", not "0 MiB")."""
+    return f"{nbytes / MIB:.0f} MiB" if nbytes >= MIB or nbytes == 0 else f"{math.ceil(nbytes / KIB)} KiB"

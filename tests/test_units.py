@@ -18,8 +18,21 @@ def test_tokens_text():
     assert (tokens_text(1), tokens_text(16), tokens_text(1200)) == ("1 token", "16 tokens", "1,200 tokens")
 
 
-@pytest.mark.parametrize("per_hour, text", [(0.04, "0.0"), (0.4, "0.4"), (0.69, "0.7"), (9.94, "9.9"), (9.96, "10"),
+@pytest.mark.parametrize("per_hour, text", [(0.04, "0.04"), (0.4, "0.4"), (0.69, "0.7"), (9.94, "9.9"), (9.96, "10"),
                                             (10.4, "10"), (2161.3, "2161")])
 def test_rate_text_keeps_a_decimal_below_ten(per_hour, text):
     """A review: "predicted 0 documents/hour" for 0.4 (and "1" for 1.4) in the run's lines."""
     assert rate_text(per_hour) == text
+
+
+def test_shares_sizes_and_small_rates_never_round_to_what_they_are_not():
+    """A review: a hit rate of 99.6% read "hit 100%", 216 KiB read "read 0 MiB", and 0.04
+    documents/hour "0.0"."""
+    from mlx_tier.units import mib_text, percent_text, rate_text
+
+    assert [percent_text(f) for f in (0, 0.366, 0.99, 0.994, 0.996, 0.9996, 1, 0.004, 0.0004, 0.0104)] == \
+        ["0%", "37%", "99.0%", "99.4%", "99.6%", "99.9%", "100%", "0.4%", "<0.1%", "1%"]
+    assert [mib_text(n) for n in (0, 100, 221_184, 2**20, 5 * 2**20 + 1)] == \
+        ["0 MiB", "1 KiB", "216 KiB", "1 MiB", "5 MiB"]
+    assert [rate_text(r) for r in (0, 0.04, 0.0004, 0.05, 0.69, 9.96, 212.4)] == \
+        ["0.0", "0.04", "0.0004", "0.1", "0.7", "10", "212"]

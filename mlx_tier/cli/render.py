@@ -18,7 +18,14 @@ from rich.text import Text
 
 from mlx_tier.messages import in_request_words
 from mlx_tier.outdir.journal import options_apart
-from mlx_tier.units import count_text, seconds_text, tokens_text
+from mlx_tier.units import (
+    count_text,
+    mib_text,
+    percent_text,
+    rate_text,
+    seconds_text,
+    tokens_text,
+)
 
 # A write to a closed pipe (`mlx-tier run ... | head`): 128 + SIGPIPE, as a shell reports a
 # process the pipe ended, not 1 ("some documents failed"); finished summaries are kept.
@@ -168,7 +175,7 @@ def progress_line(done: int, total: int, elapsed: float, eta: float | None, acti
         what, details = "writing ", (f"{more}, {tokens_text(tokens)}", more)
     else:
         return _clip(head, width)
-    rates = f"  {activity.decode_tok_s:.1f} tok/s  hit {activity.hit_rate:.0%}"
+    rates = f"  {activity.decode_tok_s:.1f} tok/s  hit {percent_text(activity.hit_rate)}"
     for detail, tail in ((details[0], rates), (details[0], ""), (details[1], "")):
         room = width - len(head) - 2 - len(what) - len(detail) - len(tail)
         if room >= min(len(name), 8):
@@ -346,11 +353,11 @@ def summary_line(report, out_dir: Path) -> str:
     reread = _reread_text(read, experts, c.get("evictions", 0), (report.setup.get("distributed") or {}).get("ranks"))
     redone = redone_text(run.get("redone_stale", 0), run.get("redone_changed", 0), report.noun)
     loading = f" (loading {seconds_text(run['load_seconds'])} apart)" if run.get("load_seconds") is not None else ""
-    return (line + f" | this run: {run.get('documents_per_hour', 0.0):.1f} {report.noun}s/hour, "
+    return (line + f" | this run: {rate_text(run.get('documents_per_hour', 0.0))} {report.noun}s/hour, "
             f"{run.get('output_tok_per_s', 0.0):.2f} output tok/s over "
             f"{seconds_text(run.get('generation_seconds', run.get('seconds', 0.0)))} of generation{loading}"
             + (f", redone {redone}" if redone else "")
-            + f", {_hit_text(c)}, read {read / 2**20:.0f} MiB{reread}, "
+            + f", {_hit_text(c)}, read {mib_text(read)}{reread}, "
             f"throttled {run.get('throttled_seconds', 0.0):.0f} s" + where)
 
 

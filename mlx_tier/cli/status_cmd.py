@@ -25,7 +25,7 @@ from mlx_tier.cli.render import (
     redone_text,
 )
 from mlx_tier.messages import command_apart
-from mlx_tier.units import seconds_text, tokens_text
+from mlx_tier.units import rate_text, seconds_text, tokens_text
 
 
 def status(
@@ -65,9 +65,12 @@ def _status_table(s, out_dir: Path) -> Table:
     t.add_row("state", describe_state(s))
     t.add_row(f"{s.noun}s", f"{s.total if s.total is not None else '?'} total: {s.done} done, {s.failed} failed, "
                            f"{s.pending if s.pending is not None else '?'} pending")
-    which = "that run" if s.idle_rerun else "this run"  # a rerun with nothing to do: the one before it
+    before = s.idle_rerun or s.starting  # a rerun with nothing to do, or one still loading: the one before it
+    which = "that run" if before else "this run"
     if s.idle_rerun:
         t.add_row("this run", "nothing to do (model not loaded); the rows below are of the run before it")
+    if s.starting:
+        t.add_row("this run", "loading its model; the rows below are of the run before it")
     if s.started is not None:
         # the documents it set out to do: a --retry-failed run leaves pending ones for a plain rerun
         left = f", {s.todo_left} of its {s.noun}s left" if s.todo_left is not None else ""
@@ -75,12 +78,12 @@ def _status_table(s, out_dir: Path) -> Table:
         if s.no_model:
             t.add_row("this run", f"{s.finished_this_run} failed as read (empty or unreadable); no model loaded{left}")
         else:
-            t.add_row("run before" if s.idle_rerun else "this run",
+            t.add_row("run before" if before else "this run",
                       f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
                       f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
     # finished summaries only: the tokens of those being written are in the "writing" rows
     speed = f"none {which} (no model loaded)" if s.no_model else \
-        (f"{s.documents_per_hour:.1f} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s {which} "
+        (f"{rate_text(s.documents_per_hour)} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s {which} "
          f"(its finished {s.noun}s over its generation time)")
     t.add_row("speed", f"{speed}; {tokens_text(s.output_tokens)} in the job's finished {s.noun}s")
     if s.redone_stale or s.redone_changed:
@@ -96,6 +99,7 @@ def _status_table(s, out_dir: Path) -> Table:
     eta = ("none: stopping" if s.running and (s.progress or {}).get("stopping")
            else format_duration(s.eta_seconds) if s.eta_seconds is not None
            else "estimating (until a prompt step and a decode step are measured)" if s.running else "not running")
+    eta = "once its model is loaded and its steps measured" if s.starting else eta
     t.add_row("ETA", eta)
     for f in s.failures[:5]:
         t.add_row(f"failed: {f.id}", Text(command_apart(f.error if f.request else as_flags(f.error))))

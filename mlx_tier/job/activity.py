@@ -18,7 +18,7 @@ from mlx_tier.engine.footprint import kv_element_bytes
 from mlx_tier.job.report import DocResult, JobReport
 from mlx_tier.job.scheduler import Scheduler
 from mlx_tier.rates import RunSpeed
-from mlx_tier.units import count_text, rate_text, seconds_text
+from mlx_tier.units import count_text, percent_text, rate_text, seconds_text
 
 # Least seconds between two progress updates sent from inside a long prompt step.
 LAYER_PROGRESS_SECONDS = 2.0
@@ -159,7 +159,7 @@ class Speed:
         reporter.message(f"speed: decode {got[0]:.2f} tok/s (predicted {want[0]:.2f}), prompt reading "
                          f"{got[1]:.1f} tok/s (predicted {want[1]:.1f}): the pool model with the {cache.kernel} "
                          f"kernel's rates probed here and this run's {disk:.2f} GB/s reads, batch {batch}, "
-                         f"{step}-token prompt steps ({stats.hit_rate:.0%} hit rate)")
+                         f"{step}-token prompt steps ({percent_text(stats.hit_rate)} hit rate)")
 
 
 def announce(scheduler: Scheduler, reporter: Reporter) -> None:
@@ -217,7 +217,7 @@ def achieved(scheduler: Scheduler, run: RunSpeed, failed: int, reporter: Reporte
         return
     counted = f"{run.documents} summarised over {seconds_text(run.generation_seconds)} of generation" \
         + (f"; {failed} failed, not counted" if failed else "")
-    reporter.message(f"achieved {run.documents_per_hour:.1f} documents/hour ({counted}; {predicted})")
+    reporter.message(f"achieved {rate_text(run.documents_per_hour)} documents/hour ({counted}; {predicted})")
 
 
 class LayerProgress:

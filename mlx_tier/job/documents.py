@@ -576,9 +576,9 @@ def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
         seen[value] = n
         records.append((n, name, value, text))
     ids = assign([value for _, _, value, _ in records], previous=previous)
-    return [
+    return [  # a blank line stamped too: fixed later, its failure is seen to be of other text and retried
         Document(doc_id, f"{path}:{n}", text if text.strip() else None, None if text.strip() else "empty text",
-                 (name, value), name=value)
+                 (name, value), name=value, stamp=text_stamp(text))
         for doc_id, (n, name, value, text) in zip(ids, records)
     ]
 

@@ -115,10 +115,11 @@ def text_stamp(text: str) -> SourceStamp:
 def writing_record(doc_id: str, made_from: dict | None, data: bytes, settings: dict | None = None) -> dict:
     """The journal record a run appends just before it renames a summary into place:
     ``{"event": "writing", "doc", "made_from", "output_sha256"}`` (the sha256 of the
-    output's bytes ``data``) and the run's :meth:`Settings.fields` (``settings``). A
+    output's bytes ``data``) and ``settings``: the run's :meth:`Settings.fields`, with the
+    summary's figures (tokens, seconds: :data:`mlx_tier.job.triage.FIGURES`) where known. A
     crash between that rename and the ``done`` record leaves an output its records do
     not describe (none, or the summary it replaced); a rerun adopts it only as this
-    record vouches for it (:func:`vouched`)."""
+    record vouches for it (:func:`vouched`), with its settings and figures."""
     return {"event": "writing", "doc": doc_id, "output_sha256": hashlib.sha256(data).hexdigest(),
             **({"made_from": made_from} if made_from is not None else {}), **(settings or {})}
 

@@ -37,15 +37,13 @@ from mlx_tier.job.provenance import (
     was_unreadable,
     writing_record,
 )
-from mlx_tier.job.triage import Triage
+from mlx_tier.job.triage import FIGURES, Triage
 from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import BATCH_OUTPUT
 from mlx_tier.units import count_text
 
 # What a reused summary's record takes from the record of the summary it copies.
-_REUSED_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "parts_kept", "kept_tokens",
-                 "converter",
-                 *SETTINGS_FIELDS)
+_REUSED_KEEPS = (*FIGURES, *SETTINGS_FIELDS)
 
 
 def current_hashes(docs, records: Mapping[str, dict]) -> dict[str, str | None]:

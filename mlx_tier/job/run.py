@@ -112,6 +112,7 @@ from mlx_tier.job.throttle import Throttle
 from mlx_tier.job.triage import (
     DONE_KEEPS,
     FAILED_KEEPS,
+    FIGURES,
     OutputState,
     Triage,
     attempted_ids,
@@ -172,7 +173,8 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, s
         return
     try:
         data = (outcome.summary + "\n").encode("utf-8", "surrogateescape")  # as write_atomic encodes text
-        journal.append(writing_record(res.id, res.made_from, data, settings.fields()))
+        figures = {k: getattr(res, k) for k in FIGURES if getattr(res, k) is not None}  # kept if a crash loses `done`
+        journal.append(writing_record(res.id, res.made_from, data, settings.fields() | figures))
         write_atomic(out_dir / f"{res.id}.md", data)
         res.status, res.output = "done", f"{res.id}.md"
     except OSError as e:
@@ -465,8 +467,10 @@ def doc_results(docs, tri: Triage, records: dict[str, dict] | None = None) -> di
             rec = tri.done[d.id]
             keep = {k: rec[k] for k in DONE_KEEPS if k in rec}
             results[d.id] = DocResult(status="done", output=output_name(d), earlier_run=True, **base, **keep)
-        elif d.id in tri.recovered:
-            results[d.id] = DocResult(status="done", output=output_name(d), earlier_run=True, **base)
+        elif d.id in tri.recovered:  # figures and settings as its writing record vouched for them
+            rec = tri.recovered_from.get(d.id) or {}
+            keep = {k: rec[k] for k in DONE_KEEPS if k in rec and k != "reused"}
+            results[d.id] = DocResult(status="done", output=output_name(d), earlier_run=True, **base, **keep)
         elif d.id in tri.reused:  # its summary written earlier, under the name its content had
             rec = records.get(tri.reused[d.id], {})
             keep = {k: rec[k] for k in DONE_KEEPS if k in rec} | {"reused": tri.reused[d.id]}
@@ -641,7 +645,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
         vouch = tri.recovered_from.get(i) or {}
         made = vouch.get("made_from") or (by_id[i].stamp.as_dict() if by_id[i].stamp is not None else None)
         made = {"made_from": made} if made is not None else {}
-        made |= {k: vouch[k] for k in SETTINGS_FIELDS if k in vouch}
+        made |= {k: vouch[k] for k in (*SETTINGS_FIELDS, *FIGURES) if k in vouch}
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
                         "name": by_id[i].name, **source_field(by_id[i]), **made})
     if batch is None:  # before a copy or a redo would replace them (not those left for a plain rerun)

@@ -24,10 +24,11 @@ from mlx_tier.job.provenance import (
     was_unreadable,
 )
 
+# A summary's figures, as its done record (and the writing record before it) keeps them.
+FIGURES = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "parts_kept", "kept_tokens",
+           "converter")
 # What a done / failed record of an earlier run keeps in this run's results.
-DONE_KEEPS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "parts_kept", "kept_tokens",
-              "converter", "made_from",
-              *SETTINGS_FIELDS, "reused")
+DONE_KEEPS = (*FIGURES, "made_from", *SETTINGS_FIELDS, "reused")
 FAILED_KEEPS = ("input_tokens", "doc_seconds", "converter", "error_code", "error_param")
 
 

@@ -25,7 +25,7 @@ from mlx_tier.monitor.view import build_view
 from mlx_tier.outdir.journal import options_apart
 from mlx_tier.outdir.layout import REPORT_HTML
 from mlx_tier.rates import DEFINITION
-from mlx_tier.units import tokens_text
+from mlx_tier.units import duration_text, rate_text, tokens_text
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1a1a1a;background:#fafafa;line-height:1.4}
@@ -57,15 +57,9 @@ def _e(value) -> str:
 
 
 def fmt_seconds(s: float | None) -> str:
-    """``None`` → ``"unknown"``; else ``"42 s"``, ``"12 min"`` or ``"3 h 05 min"``."""
-    if s is None:
-        return "unknown"
-    s = int(round(s))
-    if s < 120:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    """``None`` → ``"unknown"``; else :func:`~mlx_tier.units.duration_text`: ``"0.4 s"``,
+    ``"42 s"``, ``"2 min 59 s"`` or ``"3 h 05 min"``."""
+    return "unknown" if s is None else duration_text(s)
 
 
 def _number(key: str, label: str, value: str) -> str:
@@ -76,7 +70,8 @@ def numbers_section(view: dict) -> str:
     """Done / failed / pending, ETA, rates: each number in ``<dd id="n-KEY">``."""
     s = view["status"]
     unknown = "?"
-    state = f"running (pid {s['pid']})" if s["running"] else s["state"]
+    state = (f"starting (pid {s['pid']})" if s.get("starting") else f"running (pid {s['pid']})") if s["running"] \
+        else s["state"]
     eta = (fmt_seconds(s["eta_seconds"]) if s["eta_seconds"] is not None else "estimating") if s["running"] \
         else "not running"
     noun = s.get("noun") or "document"  # "request": a batch request file's job
@@ -87,7 +82,7 @@ def numbers_section(view: dict) -> str:
         ("failed", "Failed", str(s["failed"])),
         ("pending", "Pending", unknown if s["pending"] is None else str(s["pending"])),
         ("eta", "ETA", eta),
-        ("docs-per-hour", f"{noun.capitalize()}s / hour", f"{s['documents_per_hour']:.1f}"),
+        ("docs-per-hour", f"{noun.capitalize()}s / hour", rate_text(s["documents_per_hour"])),
         ("tok-s", "Output tok/s", f"{s['output_tok_per_s']:.2f}"),
         ("generation", "Generation time", fmt_seconds(s["elapsed_seconds"])),
         ("loading", "Loading time", fmt_seconds(s["load_seconds"])),
@@ -99,6 +94,7 @@ def numbers_section(view: dict) -> str:
     cells = "".join(_number(*item) for item in items)
     done = "requests answered" if noun == "request" else "documents summarised"
     whose = ("The last run had nothing to do; the rates of the run before it" if s.get("idle_rerun")
+             else "A run is loading its model; the rates of the run before it" if s.get("starting")
              else "This run's rates")
     note = f"{whose}: {done} per hour and output tokens per second, {DEFINITION}."
     resume = ""

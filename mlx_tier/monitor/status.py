@@ -34,11 +34,12 @@ from mlx_tier.outdir.layout import (
     LOCK,
     PID_FILE,
     lock_held,
+    lock_holder,
     pid_file_pid,
     progress_files,
 )
 from mlx_tier.rates import RunSpeed, generated_tokens
-from mlx_tier.units import count_text
+from mlx_tier.units import count_text, seconds_text
 
 
 def read_progress(out_dir: Path, since: float | None = None, run: str | None = None) -> dict | None:
@@ -115,7 +116,7 @@ def estimate_age(snapshot: dict, now: float, now_mono: float) -> float:
 
 def describe_throttle(change: dict) -> str:
     """A throttle state change (a ``thermal`` journal record) in plain words, e.g.
-    ``"full speed from 0 s into the run: nothing limits it (thermal state: not
+    ``"full speed from 59.5 s into the run: nothing limits it (thermal state: not
     reported by any sensor here; see `mlx-tier thermal`)"``."""
     mode, duty, cap = change.get("mode"), change.get("duty"), change.get("max_tok_s")
     full = f"capped at {cap:g} tok/s" if isinstance(cap, (int, float)) else "full speed"
@@ -127,7 +128,8 @@ def describe_throttle(change: dict) -> str:
     thermal = change.get("thermal")
     state = ("not reported by any sensor here; see `mlx-tier thermal`" if thermal in (None, "unknown")
              else str(thermal))
-    return f"{doing} from {change.get('t', 0):.0f} s into the run: {why} (thermal state: {state})"
+    at = change.get("run_t", change.get("t", 0))  # the run's clock; ``t`` counts from the throttle's first step
+    return f"{doing} from {seconds_text(at)} into the run: {why} (thermal state: {state})"
 
 
 def read_pid(out_dir: Path) -> int | None:
@@ -140,6 +142,21 @@ def read_pid(out_dir: Path) -> int | None:
 
 
 RUNNING, INTERRUPTED, STOPPED, ENDED, FINISHED = "running", "interrupted", "stopped", "ended", "finished"
+STARTING = "starting"  # a run holds the lock and has not started generating yet (:func:`starting_run`)
+
+
+def starting_run(holder: dict | None, info: JobInfo | None) -> bool:
+    """Whether the run holding the lock (``holder``: :func:`~mlx_tier.outdir.layout.lock_holder`)
+    is still finding its documents and loading its model: it took the lock after the last
+    ``start`` record (``info``) was written, on the same machine's clock, or no run has
+    started yet. A run writes its ``start`` record once its model is loaded, so until then
+    the last one is an earlier run's. ``False`` when unknown (a lock of an older version,
+    a start record of another host: a distributed run's rank)."""
+    if holder is None:
+        return False
+    if info is None:
+        return True
+    return holder.get("host") == info.host and holder["time"] > info.started
 
 
 def job_state(running: bool, progress_left: bool, pending: int | None, todo_left: int | None = None) -> str:
@@ -186,6 +203,9 @@ def describe_state(status: JobStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
     noun = status.noun
     left = f"{count_text(status.pending, noun)} left" if status.pending is not None else f"{noun}s left"
+    if status.state == STARTING:
+        return (f"starting (pid {status.pid}): finding the {noun}s and loading the model"
+                + ("; the figures below are of the run before it" if status.started is not None else ""))
     if status.state == RUNNING:
         progress = status.progress or {}
         if progress.get("stopping"):
@@ -238,7 +258,8 @@ class JobStatus:
 
     Attributes:
         running: a run holds the folder's lock now.
-        state: :func:`job_state`: ``running``, ``interrupted``, ``stopped``, ``ended`` or ``finished``.
+        state: :func:`job_state`: ``running``, ``interrupted``, ``stopped``, ``ended`` or ``finished``;
+            or ``starting`` (:func:`starting_run`).
         stopped_at: Unix seconds an interrupted run was last seen working (its
             ``progress.json``); ``None`` otherwise.
         pid: the (last) run's process id.
@@ -322,6 +343,7 @@ class JobStatus:
     redoing: list[str] = field(default_factory=list)
     noun: str = "document"  # "request": a batch request file's job (its answers file exists)
     idle_rerun: bool = False  # the last run had nothing to generate: "this run" figures are of the one before
+    starting: bool = False  # a run is loading (state STARTING): "this run" figures are of the one before
     no_model: bool = False  # the last run loaded no model: each document it tried failed as it was read (empty...)
 
     @property
@@ -533,8 +555,14 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     out_dir = Path(out_dir)
     journal = _journal_of(out_dir)
     clocks = _Clocks(time.time() if now is None else now, time.monotonic() if now_mono is None else now_mono)
+    was_running = lock_held(out_dir)
     entries = list(journal.entries())
+    running = lock_held(out_dir)
+    if was_running and not running:  # the run ended while its journal was read: its last records are there now
+        entries = list(journal.entries())
     info, idle = _as_triaged(JobInfo.last(entries), entries)
+    holder = lock_holder(out_dir) if running else None
+    starting = running and starting_run(holder, info)  # the figures are of the run before it
     latest = {rec["id"]: rec for rec in entries if "id" in rec}
     ids = info.ids if info is not None else list(latest)
     this_run = _this_run(latest, info)
@@ -548,21 +576,20 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     throttled = sum(r["throttled_seconds"] for r in _run_records(entries, info)
                     if isinstance(r.get("throttled_seconds"), (int, float)))
 
-    running = lock_held(out_dir)
     started = info.started if info is not None else None
     # read after the lock probe (a run ending now removes it first); one of an earlier run is not this one's
-    progress = read_progress(out_dir, started, info.run if info is not None else None)
+    progress = read_progress(out_dir, started, info.run if info is not None else None) if not starting else None
     progress = _without(progress, {i for i, r in latest.items() if id(r) in ran})
     mine = [r for r in this_run if r.get("status") == "done"]
-    elapsed, todo_left, eta = _run_timing(this_run, entries, info, running, progress, clocks)
+    elapsed, todo_left, eta = _run_timing(this_run, entries, info, running and not starting, progress, clocks)
     pending = len(ids) - len(done) - len(failures) if info is not None else None
-    state = job_state(running, progress is not None, pending, todo_left)
+    state = STARTING if starting else job_state(running, progress is not None, pending, todo_left)
     return JobStatus(
         out_dir=out_dir,
         running=running,
         state=state,
         stopped_at=_number(progress, "time") if state == INTERRUPTED else None,
-        pid=read_pid(out_dir),
+        pid=holder["pid"] if starting else read_pid(out_dir),
         total=len(ids) if info is not None else None,
         done=len(done),
         failed=len(failures),
@@ -589,6 +616,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         redoing=[i for i in ids if i in redoing and (latest[i].get("status") == "done" or i in retried)],
         noun="request" if any((out_dir / name).exists() for name in (BATCH_OUTPUT, BATCH_ERRORS)) else "document",
         idle_rerun=idle,
+        starting=starting,
         # a start record of this version (``reports``) names the model it loaded; a run that loaded none names none
         no_model=info is not None and info.reports is True and info.model is None and bool(info.todo) and not idle,
     )

@@ -134,14 +134,22 @@ def expert_use(report: dict) -> list[list[int]] | None:
 
 def _summary_text(out_dir: Path, rec: dict) -> str | None:
     """The finished summary of a ``done`` record, read from OUT_DIR only (never a path outside);
-    ``None`` for a batch request's answer (a line of ``output.jsonl``, not a summary file)."""
+    ``None`` for a batch request's answer (a line of ``output.jsonl``, not a summary file).
+    One longer than :data:`SUMMARY_CHARS` characters is shown cut there, with a line that
+    says so and names its file."""
     name = rec.get("output") or f"{rec.get('id')}.md"
     if not isinstance(name, str) or Path(name).name != name or name.startswith(".") or not name.endswith(".md"):
         return None
     try:  # never through a link: a planted <id>.md -> /elsewhere must not be served
-        return read_nofollow(Path(out_dir) / name)[: 4 * SUMMARY_CHARS].decode("utf-8", "replace")[:SUMMARY_CHARS].rstrip("\n")
+        data = read_nofollow(Path(out_dir) / name)
     except OSError:
         return None
+    whole = len(data) <= 4 * SUMMARY_CHARS  # a character is at most 4 bytes
+    text = data[: 4 * SUMMARY_CHARS].decode("utf-8", "replace")
+    if whole and len(text.rstrip("\n")) <= SUMMARY_CHARS:
+        return text.rstrip("\n")
+    return (text[:SUMMARY_CHARS].rstrip("\n") + f"\n[… cut: the page shows its first {SUMMARY_CHARS:,} characters; "
+            f"the whole summary is {name}]")
 
 
 def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: dict,

@@ -101,6 +101,19 @@ def lock_file(path: Path, holder: str, name: Path | None = None):
     return f
 
 
+def _say_holder(lock) -> None:
+    """Write who holds the run lock into its file (``lock``: the open lock file): this
+    process's pid, host and the Unix time, so that `status` tells a run still loading its
+    model (no ``start`` record yet) from the last run that started
+    (:func:`~mlx_tier.outdir.layout.lock_holder`). Best effort: a failed write says nothing."""
+    try:
+        lock.truncate(0)
+        lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}))
+        lock.flush()
+    except OSError:
+        pass
+
+
 class JobDir:
     """``OUT_DIR`` held for one run (module doc).
 
@@ -133,6 +146,7 @@ class JobDir:
             self._lock = lock_file(self.journal_path.with_suffix(".lock"), "another process runs this rank")
             return self
         self._lock = lock_out_dir(self.path)
+        _say_holder(self._lock)
         remove_stale_temps(self.path)  # a killed run's half-written outputs
         clear_progress(self.path)  # a killed run's progress: this run is not it
         return self

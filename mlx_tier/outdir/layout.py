@@ -173,6 +173,20 @@ def lock_held(out_dir: Path) -> bool:
         os.close(fd)
 
 
+def lock_holder(out_dir: Path) -> dict | None:
+    """Who took ``out_dir``'s run lock last: ``{"pid", "host", "time"}`` (Unix seconds) as
+    that run wrote them into the lock file on taking it (:class:`~mlx_tier.outdir.jobdir.JobDir`);
+    ``None`` without (a lock of an older version, an unreadable file). Whether it still holds
+    it is :func:`lock_held`'s answer."""
+    try:
+        holder = json.loads((Path(out_dir) / LOCK).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(holder, dict) and isinstance(holder.get("pid"), int) and \
+        isinstance(holder.get("time"), (int, float))
+    return holder if ok else None
+
+
 def pid_file_pid(out_dir: Path) -> int | None:
     """The pid in ``OUT_DIR/run.pid`` (``--background``), ``None`` without one."""
     try:

@@ -4,6 +4,7 @@ bad input -> one clear error line and exit code 2, losing nothing already done.
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -363,7 +364,10 @@ def test_max_tok_s_caps_the_job_and_status_shows_throttle_time(docs, tmp_path, t
     assert st.throttled_seconds == pytest.approx(report.runs[-1]["throttled_seconds"], abs=0.01)
     assert st.thermal and st.thermal[0]["mode"] == "full"  # the throttle's state at start, journalled
     result = runner.invoke(app, ["status", str(out)])
-    assert result.exit_code == 0 and "capped at 20 tok/s from 0 s into the run" in " ".join(result.output.split()), result.output
+    words = " ".join(result.output.split())
+    at = re.search(r"capped at 20 tok/s from ([\d.]+) s into the run", words)
+    assert result.exit_code == 0 and at, result.output
+    assert float(at.group(1)) == pytest.approx(st.thermal[0]["run_t"], abs=0.06)  # the run's clock, not the throttle's
 
 
 def test_kernel_option(docs, tmp_path, tiny_moe):

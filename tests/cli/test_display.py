@@ -263,7 +263,7 @@ def test_the_demo_build_lines_fit_80_columns(monkeypatch):
 
 def test_throttle_and_in_flight_in_plain_words():
     assert describe_throttle({"t": 0, "thermal": "unknown", "mode": "full", "duty": 1.0, "reason": "nominal"}) == (
-        "full speed from 0 s into the run: nothing limits it (thermal state: not reported by any sensor here; "
+        "full speed from 0.0 s into the run: nothing limits it (thermal state: not reported by any sensor here; "
         "see `mlx-tier thermal`)")
     assert describe_throttle({"t": 65.4, "thermal": "serious", "mode": "slow", "duty": 0.25,
                               "reason": "thermal state serious (pmset)"}) == (
@@ -271,7 +271,10 @@ def test_throttle_and_in_flight_in_plain_words():
     # a user trial: "full speed ... nothing limits it" while --max-tok-s throttled the run
     assert describe_throttle({"t": 0, "thermal": "nominal", "mode": "full", "duty": 1.0, "reason": "nominal",
                               "max_tok_s": 2.0}) == (
-        "capped at 2 tok/s from 0 s into the run: `max_tok_s` (thermal state: nominal)")
+        "capped at 2 tok/s from 0.0 s into the run: `max_tok_s` (thermal state: nominal)")
+    # a review: `t` counts from the throttle's first step; the journal's record says when in the run
+    assert describe_throttle({"t": 0, "run_t": 59.4, "thermal": "nominal", "mode": "full", "duty": 1.0,
+                              "reason": "nominal"}).startswith("full speed from 59 s into the run")
     rows = in_flight_rows({"time": 0, **reading("a.txt").as_dict(), "in_flight": ["a.txt", "other", "c"]})
     assert rows[:3] == [("reading", "a.txt: 312/1,204 prompt tokens (4.2 prompt tok/s)"),
                         ("writing", "other: 17 tokens so far"), ("waiting", "c")]

@@ -489,6 +489,28 @@ def _lose_done_record(out, doc_id):
     path.write_text("".join(keep))
 
 
+def test_a_recovered_summary_keeps_its_figures(s1, tmp_path, small_moe):  # noqa: F811
+    """A review: a summary recovered after a crash (renamed into place, its done record lost) was
+    reported with 0 input and 0 output tokens, and the job's totals dropped its tokens. The writing
+    record journalled before the rename carries the figures; the recovery takes them from it."""
+    out = tmp_path / "out"
+    args = (s1, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    assert run(*args)[0] == 0
+    figures = lambda: {d["id"]: (d["input_tokens"], d["output_tokens"], d["finish_reason"])  # noqa: E731
+                       for d in report(out)["documents"]}
+    before, totals = figures(), report(out)["totals"]
+    _lose_done_record(out, "b")
+    (out / "report.json").unlink()  # the crashed run wrote none
+    code, output = run(*args)
+    assert code == 0 and "skipping 2 documents" in output, output
+    assert figures() == before and before["b"][1] > 0
+    assert (report(out)["totals"]["input_tokens"], report(out)["totals"]["output_tokens"]) == \
+        (totals["input_tokens"], totals["output_tokens"])
+    rec = last_record(out, "b")
+    assert rec["recovered"] and (rec["input_tokens"], rec["output_tokens"]) == before["b"][:2]
+    assert read_status(out).output_tokens == totals["output_tokens"]
+
+
 def test_an_unrecorded_output_is_adopted_only_for_the_source_it_was_made_from(s1, tmp_path, small_moe):  # noqa: F811
     """A user trial: b's done record lost (a crash after the rename), then b.txt rewritten: the
     rerun recorded the old summary as b's, stamped with the new text's hash. Now the run journals

@@ -18,6 +18,7 @@ from mlx_tier.job.activity import achieved
 from mlx_tier.job.report import JobReport
 from mlx_tier.monitor.status import read_status
 from mlx_tier.rates import RunSpeed
+from mlx_tier.units import rate_text
 
 runner = CliRunner()
 BUILD_SECONDS = 1.5
@@ -64,7 +65,7 @@ def test_terminal_report_page_and_status_give_one_speed(tmp_path, small_moe, mon
     assert st.output_tok_per_s == pytest.approx(run["output_tok_per_s"], rel=2e-3)
     assert st.documents_per_hour == pytest.approx(run["documents_per_hour"], rel=2e-3)
 
-    tok_s, per_hour = f"{run['output_tok_per_s']:.2f}", f"{run['documents_per_hour']:.1f}"
+    tok_s, per_hour = f"{run['output_tok_per_s']:.2f}", rate_text(run["documents_per_hour"])
     terminal = " ".join(r.output.split())
     assert f"{per_hour} documents/hour, {tok_s} output tok/s over" in terminal, terminal
     # The achieved rate beside the prediction is the same figure (it counted the failures, over
@@ -135,7 +136,7 @@ def test_the_achieved_rate_counts_only_summaries_over_the_generation_time():
     run = RunSpeed(80, 10, 21.383)  # 10 done of 13 in 21.4 s of generation
     achieved(sched, run, 3, said)
     assert sched.info["achieved_docs_per_hour"] == run.documents_per_hour == 1683.58
-    assert said.messages == ["achieved 1683.6 documents/hour (10 summarised over 21 s of generation; "
+    assert said.messages == ["achieved 1684 documents/hour (10 summarised over 21 s of generation; "
                              "3 failed, not counted; predicted 2000)"]
 
     sched, said = scheduler_with(None), Said()  # batch requests run paced: recorded, nothing to compare with
@@ -145,7 +146,7 @@ def test_the_achieved_rate_counts_only_summaries_over_the_generation_time():
 
     sched, said = scheduler_with(2000.0), Said()  # a short run: "over 0 s" read as no time at all
     achieved(sched, RunSpeed(8, 1, 0.42), 0, said)
-    assert said.messages == ["achieved 8571.4 documents/hour (1 summarised over 0.4 s of generation; "
+    assert said.messages == ["achieved 8571 documents/hour (1 summarised over 0.4 s of generation; "
                              "predicted 2000)"]
 
 

@@ -105,3 +105,25 @@ def test_a_jsonl_line_without_text_fails_first(tmp_path, small_moe, monkeypatch,
     src.write_text(json.dumps({"id": "x", "text": text}) + "\n")
     code, output = run(src, "--out", tmp_path / "out", "--model", small_moe, "--max-tokens", "5")
     assert code == 1 and "failed x: empty text" in output, output
+
+
+def test_a_jsonl_line_that_failed_empty_is_retried_once_its_text_is_given(tmp_path, small_moe):  # noqa: F811
+    """A review: a JSONL line that failed as empty stayed "failed: empty text" on every plain rerun
+    after its text was given (a file fixed the same way was retried): its failure recorded no hash.
+    A line left as it was (blank again, or blank otherwise: a case of our own) stays failed."""
+    text = "The river rose in spring and the farmers planted late; the bees came with the fruit flowers."
+    src, out = tmp_path / "in.jsonl", tmp_path / "out"
+    lines = lambda b: "".join(json.dumps(x) + "\n" for x in ({"id": "a", "text": text}, {"id": "b", "text": b}))  # noqa: E731
+    src.write_text(lines("   "))
+    args = (src, "--out", out, "--model", small_moe, "--max-tokens", "4")
+    assert run(*args)[0] == 1
+    code, output = run(*args)  # unchanged: stays failed, not retried
+    assert code == 1 and "skipping" in output and read_status(out).failed == 1, output
+    src.write_text(lines(" \t "))  # blank otherwise: retried, fails again as empty
+    code, output = run(*args)
+    assert code == 1 and "failed b: empty text" in output, output
+    src.write_text(lines(text + " Bees."))
+    code, output = run(*args)
+    s = read_status(out)
+    assert code == 0 and (s.done, s.failed) == (2, 0), output
+    assert (out / "b.md").read_text().strip()

@@ -4,6 +4,7 @@ the folder's lock (the lock every `mlx-tier run` takes).
 """
 
 import json
+import os
 import time
 
 import pytest
@@ -555,3 +556,87 @@ def test_a_distributed_runs_loading_time_is_its_ranks_not_its_launchers(tmp_path
     lines[1:3] = []  # a one-process run: its start record is written once its model is loaded
     (out / "journal.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert read_status(out, now=T0 + 20).load_seconds == 0.017
+
+
+def test_a_run_ending_while_its_journal_is_read_reads_as_finished(tmp_path, monkeypatch):
+    """A review: status read the journal, then probed the lock. A run that wrote its last record
+    and released the lock in between read as "stopped, 1 document left" with a resume command."""
+    import mlx_tier.monitor.status as status_mod
+
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["a", "b"], todo=["a", "b"], started=T0, pid=4321, command="mlx-tier run docs").write(
+        Journal(out))
+    Journal(out).append({"id": "a", "status": "done", "output_tokens": 5, "time": T0 + 10})
+    held = [lock_out_dir(out)]
+    real = status_mod.lock_held
+
+    def probe(path):  # the first probe finds the run; then it writes b's record and ends
+        running = real(path)
+        if held:
+            Journal(out).append({"id": "b", "status": "done", "output_tokens": 5, "time": T0 + 20})
+            held.pop().close()
+        return running
+
+    monkeypatch.setattr(status_mod, "lock_held", probe)
+    s = read_status(out, now=T0 + 30)
+    assert (s.state, s.done, s.pending, s.running) == ("finished", 2, 0, False), s
+
+
+def test_a_rerun_loading_its_model_is_starting_not_the_last_run_still_running(tmp_path):
+    """A review: while a rerun found its documents and loaded its model (its start record is written
+    once the model is loaded), status showed the run before it as running: its pid, and a generation
+    time, rate and ETA counted from its start a day before. The run now says in the lock file when it
+    took it; status names it starting, and the figures are the last run's as it ended."""
+    from mlx_tier.monitor.page import numbers_section
+    from mlx_tier.monitor.view import build_view
+    from mlx_tier.outdir.jobdir import JobDir
+
+    out = tmp_path / "out"
+    make_job(out)
+    JobInfo(input="docs", ids=["a"], todo=["a"], started=time.time() - 86_400, pid=4321, host=_host()).write(
+        Journal(out))
+    Journal(out).append({"id": "a", "status": "done", "output_tokens": 50, "time": time.time() - 86_300})
+    ended = read_status(out)
+    assert ended.state == "finished"
+    with JobDir(out):  # a rerun takes the folder, then finds, hashes and loads
+        s = read_status(out)
+        assert (s.state, s.running, s.pid, s.eta_seconds) == ("starting", True, os.getpid(), None)
+        assert (s.elapsed_seconds, s.documents_per_hour, s.done) == (ended.elapsed_seconds,
+                                                                     ended.documents_per_hour, 1)
+        r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "200"})
+        words = " ".join(r.output.split())
+        assert f"starting (pid {os.getpid()}): finding the documents and loading the model" in words, words
+        assert "loading its model; the rows below are of the run before it" in words and "run before" in words
+        assert "resume with" not in words
+        assert "starting (pid" in numbers_section(build_view(out))
+        # once it has started (its start record written), it is the running run
+        JobInfo(input="docs", ids=["a"], todo=[], started=time.time(), pid=os.getpid(), host=_host()).write(
+            Journal(out))
+        assert read_status(out).state == "running"
+    assert read_status(out).state == "finished"
+
+
+def test_a_lock_of_an_older_version_or_another_host_reads_as_running(tmp_path):
+    """A lock file that says nothing (an older version's) or a start record of another host (a
+    distributed run's rank, another clock): no claim that a run is still loading."""
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["a"], todo=["a"], started=time.time() + 3600, pid=1, host="rank-host").write(
+        Journal(out))
+    from mlx_tier.outdir.jobdir import JobDir
+
+    with JobDir(out):
+        assert read_status(out).state == "running"
+    held = lock_out_dir(out)  # a lock taken without saying who: an older version's
+    try:
+        (out / ".mlx-tier.lock").write_text("")
+        assert read_status(out).state == "running"
+    finally:
+        held.close()
+
+
+def _host():
+    import socket
+
+    return socket.gethostname()

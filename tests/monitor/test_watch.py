@@ -457,3 +457,29 @@ def test_the_page_changes_when_the_runs_progress_file_does(tmp_path):
     ranks = files_version(tmp_path, now=0.0)
     (tmp_path / "progress-1.json").write_text('{"reading": ["b", 5, 90]}')  # a rank's
     assert files_version(tmp_path, now=0.0) != ranks
+
+
+def test_a_summary_longer_than_the_page_shows_is_said_cut(tmp_path):
+    """A review: the page cut a summary at 20,000 characters with no mark: its last sentences
+    simply vanished. It says where it cut and which file holds the whole summary."""
+    from mlx_tier.monitor.view import SUMMARY_CHARS, _summary_text
+
+    out = tmp_path / "out"
+    out.mkdir()
+    long = "".join(f"Sentence {k} of the summary. " for k in range(1000)).strip()
+    assert len(long) > SUMMARY_CHARS
+    (out / "a.md").write_text(long + "\n")
+    (out / "b.md").write_text("é" * SUMMARY_CHARS + "\n")  # exactly as long, in two-byte characters: whole
+    (out / "c.md").write_text("🙂" * (SUMMARY_CHARS + 1))  # four-byte characters, one too many
+    shown = _summary_text(out, {"id": "a", "output": "a.md"})
+    assert shown.startswith(long[:SUMMARY_CHARS]) and "cut" in shown and "a.md" in shown
+    assert _summary_text(out, {"id": "b", "output": "b.md"}) == "é" * SUMMARY_CHARS
+    assert "cut" in _summary_text(out, {"id": "c", "output": "c.md"})
+
+
+def test_the_page_gives_durations_as_the_terminal_does():
+    """A review: the page rounded 0.4 s to "0 s" and 179 s to "2 min"."""
+    from mlx_tier.monitor.page import fmt_seconds
+
+    assert [fmt_seconds(s) for s in (None, 0.4, 9.96, 42.4, 179, 3599.6, 3600, 11_100)] == \
+        ["unknown", "0.4 s", "10.0 s", "42 s", "2 min 59 s", "1 h 00 min", "1 h 00 min", "3 h 05 min"]
