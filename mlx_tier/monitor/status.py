@@ -134,11 +134,13 @@ def describe_throttle(change: dict) -> str:
 
 def read_pid(out_dir: Path) -> int | None:
     """The pid in ``run.pid`` (``--background``), else the one of the last ``start`` record."""
+    return _pid(out_dir, JobInfo.last(list(Journal(out_dir).entries())))
+
+
+def _pid(out_dir: Path, info: JobInfo | None) -> int | None:
+    """:func:`read_pid` with the last ``start`` record (``info``) already read."""
     pid = pid_file_pid(out_dir)
-    if pid is None:
-        info = JobInfo.last(list(Journal(out_dir).entries()))
-        pid = info.pid if info is not None else None
-    return pid
+    return pid if pid is not None else info.pid if info is not None else None
 
 
 RUNNING, INTERRUPTED, STOPPED, ENDED, FINISHED = "running", "interrupted", "stopped", "ended", "finished"
@@ -539,7 +541,14 @@ def _left_stale(entries: list[dict], latest: dict[str, dict]) -> set[str]:
 
 
 def read_status(out_dir: Path, now: float | None = None, now_mono: float | None = None) -> JobStatus:
-    """The status of the job in ``out_dir``.
+    """The status of the job in ``out_dir`` (:func:`status_and_journal`'s, alone)."""
+    return status_and_journal(out_dir, now, now_mono)[0]
+
+
+def status_and_journal(out_dir: Path, now: float | None = None,
+                       now_mono: float | None = None) -> tuple[JobStatus, list[dict]]:
+    """The status of the job in ``out_dir``, and the journal's records it was read from (a
+    page built from both never shows two readings of a journal a run is writing).
 
     Args:
         out_dir: a ``mlx-tier run`` output folder.
@@ -584,12 +593,12 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     elapsed, todo_left, eta = _run_timing(this_run, entries, info, running and not starting, progress, clocks)
     pending = len(ids) - len(done) - len(failures) if info is not None else None
     state = STARTING if starting else job_state(running, progress is not None, pending, todo_left)
-    return JobStatus(
+    status = JobStatus(
         out_dir=out_dir,
         running=running,
         state=state,
         stopped_at=_number(progress, "time") if state == INTERRUPTED else None,
-        pid=holder["pid"] if starting else read_pid(out_dir),
+        pid=holder["pid"] if starting else _pid(out_dir, info),
         total=len(ids) if info is not None else None,
         done=len(done),
         failed=len(failures),
@@ -620,6 +629,7 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
         # a start record of this version (``reports``) names the model it loaded; a run that loaded none names none
         no_model=info is not None and info.reports is True and info.model is None and bool(info.todo) and not idle,
     )
+    return status, entries
 
 
 def _thermal(entries: list[dict], info: JobInfo | None) -> list[dict]:

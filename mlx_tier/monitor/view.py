@@ -19,8 +19,8 @@ from pathlib import Path
 
 from mlx_tier.fsio import read_nofollow
 from mlx_tier.messages import retry_command
-from mlx_tier.monitor.status import describe_state, job_ids, read_status
-from mlx_tier.outdir.journal import Journal, written_options, written_with
+from mlx_tier.monitor.status import describe_state, job_ids, status_and_journal
+from mlx_tier.outdir.journal import written_options, written_with
 from mlx_tier.outdir.layout import REPORT
 
 SUMMARY_CHARS = 20_000  # longest summary text shown in place (a summary is a few sentences)
@@ -187,11 +187,10 @@ def build_view(out_dir: Path, now: float | None = None) -> dict:
     """Everything the page shows, JSON-ready (the watch server's ``/api/state``).
 
     Raises:
-        InputError: ``out_dir`` is not an mlx-tier output folder (:func:`read_status`).
+        InputError: ``out_dir`` is not an mlx-tier output folder (:func:`~mlx_tier.monitor.status.read_status`).
     """
     out_dir = Path(out_dir)
-    status = read_status(out_dir, now=now)
-    entries = list(Journal(out_dir).entries())
+    status, entries = status_and_journal(out_dir, now=now)  # one reading of the journal for all of the page
     latest = {rec["id"]: rec for rec in entries if "id" in rec}
     report = read_report(out_dir)
     ids = [d["id"] for d in report.get("documents", []) if isinstance(d, dict) and "id" in d]

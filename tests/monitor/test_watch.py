@@ -483,3 +483,20 @@ def test_the_page_gives_durations_as_the_terminal_does():
 
     assert [fmt_seconds(s) for s in (None, 0.4, 9.96, 42.4, 179, 3599.6, 3600, 11_100)] == \
         ["unknown", "0.4 s", "10.0 s", "42 s", "2 min 59 s", "1 h 00 min", "1 h 00 min", "3 h 05 min"]
+
+
+def test_the_page_reads_the_journal_once(tmp_path, monkeypatch):
+    """A review: the page read the journal twice (its status, then its documents), so while a run
+    wrote, its "Done" count and its list of documents could disagree."""
+    from mlx_tier.monitor.view import build_view
+    from mlx_tier.outdir.journal import JobInfo, Journal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["a", "b"], todo=["a", "b"], started=1.0, pid=7).write(Journal(out))
+    Journal(out).append({"id": "a", "status": "done", "output": "a.md", "output_tokens": 3})
+    reads = []
+    real = Journal.entries
+    monkeypatch.setattr(Journal, "entries", lambda self: reads.append(1) or real(self))
+    view = build_view(out)
+    assert len(reads) == 1 and view["status"]["done"] == 1 and view["status"]["pid"] == 7
