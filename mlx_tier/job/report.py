@@ -193,7 +193,8 @@ def unreported_runs(entries, known: set[str]) -> list[dict]:
     :class:`RunRecord`'s keys the journal can give, in file order: ``run``, ``started``,
     ``seconds`` (to its last record: at least what it ran), ``load_seconds`` (its start
     record's ``run_t``), ``done``/``failed`` (its document records, not the summaries it
-    recovered or copied: earlier runs' work), ``output_tokens``
+    recovered or copied: earlier runs' work; a summary it renamed into place and a kill kept
+    from its ``done`` record counts for it, by its ``writing`` record), ``output_tokens``
     (:func:`~mlx_tier.rates.generated_tokens` of its done records), the speeds over its
     generation time (model loaded to its last record: a killed run has no end of its own),
     its ``model`` and ``prompt``, and ``ended`` (:data:`UNREPORTED`).
@@ -204,7 +205,8 @@ def unreported_runs(entries, known: set[str]) -> list[dict]:
     """
     starts: dict[str, dict] = {}
     mine: dict[str, list[dict]] = {}
-    for rec in entries:
+    entries = list(entries)  # read twice
+    for rec in [*entries, *_renamed_unrecorded(entries)]:
         run = rec.get("run")
         if not isinstance(run, str) or run in known:
             continue
@@ -212,6 +214,21 @@ def unreported_runs(entries, known: set[str]) -> list[dict]:
             starts.setdefault(run, rec)
         mine.setdefault(run, []).append(rec)
     return [_rebuilt(run, start, mine[run]) for run, start in starts.items()]
+
+
+def _renamed_unrecorded(entries: list[dict]) -> list[dict]:
+    """A done record, in the name of the run that wrote it, for each summary a later run
+    recovered (renamed into place, its ``done`` record lost to a kill): built from the last
+    ``writing`` record of that document before its recovery, which carries its figures
+    (:func:`~mlx_tier.job.provenance.writing_record`). The recovering run did not write it."""
+    out, writing = [], {}
+    for rec in entries:
+        if rec.get("event") == "writing" and isinstance(rec.get("doc"), str):
+            writing[rec["doc"]] = rec
+        elif rec.get("recovered") and rec.get("status") == "done" and rec.get("id") in writing:
+            w = writing.pop(rec["id"])
+            out.append({k: v for k, v in w.items() if k not in ("event", "doc")} | {"id": rec["id"], "status": "done"})
+    return out
 
 
 def _rebuilt(run: str, start: dict, records: list[dict]) -> dict:

@@ -509,6 +509,10 @@ def test_a_recovered_summary_keeps_its_figures(s1, tmp_path, small_moe):  # noqa
     rec = last_record(out, "b")
     assert rec["recovered"] and (rec["input_tokens"], rec["output_tokens"]) == before["b"][:2]
     assert read_status(out).output_tokens == totals["output_tokens"]
+    # the crashed run wrote b (its writing record says so), the rerun did not
+    runs = report(out)["runs"]
+    assert [(r["done"], "ended" in r) for r in runs] == [(2, True), (0, False)], runs
+    assert runs[0]["output_tokens"] == totals["output_tokens"] == report(out)["totals"]["runs_output_tokens"]
 
 
 def test_an_unrecorded_output_is_adopted_only_for_the_source_it_was_made_from(s1, tmp_path, small_moe):  # noqa: F811
