@@ -407,10 +407,13 @@ def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
 
     age = estimate_age(progress, time.time(), time.monotonic())  # the rates' age, not the file's
     rows = []
-    # the prompts a step reads together (a throughput run's), the step's rate once
-    read_now = [r for r in [*(progress.get("also_reading") or []), progress.get("reading")] if r]
-    for n, (name, read, length) in enumerate(read_now):
-        rate = f" ({progress.get('prompt_tok_s', 0):.1f} prompt tok/s)" if n == len(read_now) - 1 else ""
+    # the prompts a step reads together (a throughput run's, or a distributed run's ranks'), the
+    # step's rate once, on the prompt of the snapshot it was measured in (the freshest rank's)
+    own = progress.get("reading")
+    read_now = [r for r in [*(progress.get("also_reading") or []), own] if r]
+    for r in read_now:
+        name, read, length = r
+        rate = f" ({progress.get('prompt_tok_s', 0):.1f} prompt tok/s)" if r is own else ""
         rows.append(("reading", f"{name}: {read:,}/{length:,} prompt tokens{rate}"))
     for name, tokens in progress.get("writing") or []:
         rows.append(("writing", f"{name}: {tokens_text(tokens)} so far"))

@@ -292,6 +292,14 @@ def test_ranks_progress_files_merge_into_one_view(tmp_path):
     assert p["reading"] == ["d5", 10, 300] and p["also_reading"] == [["d4", 5, 90], ["d6", 7, 80]]
     from mlx_tier.monitor.status import _without
     assert _without(p, {"d6"})["also_reading"] == [["d4", 5, 90]]  # finished since: not being read
+    # the prompt rate is the freshest snapshot's: on its own prompt, never on another rank's
+    from mlx_tier.cli.render import in_flight_rows
+
+    rows = dict.fromkeys(text for label, text in in_flight_rows({**p, "prompt_tok_s": 3.5}) if label == "reading")
+    assert list(rows) == ["d4: 5/90 prompt tokens", "d6: 7/80 prompt tokens",
+                          "d5: 10/300 prompt tokens (3.5 prompt tok/s)"]
+    decoding = {**p, "reading": None, "prompt_tok_s": 3.5}  # the freshest rank decodes: no prompt of its own
+    assert not [t for label, t in in_flight_rows(decoding) if "tok/s" in t and label == "reading"]
 
 
 def test_taking_the_folder_removes_earlier_progress_files_a_rank_does_not(tmp_path):
