@@ -545,6 +545,16 @@ def read_status(out_dir: Path, now: float | None = None, now_mono: float | None 
     return status_and_journal(out_dir, now, now_mono)[0]
 
 
+def _journal_and_lock(journal: Journal, out_dir: Path) -> tuple[list[dict], bool]:
+    """The journal's records and whether a run holds the folder's lock, agreeing: the lock
+    probed before and after the read, and the journal read again when the run ended in
+    between (its last records are there now: not "stopped, 1 document left")."""
+    was_running = lock_held(out_dir)
+    entries = list(journal.entries())
+    running = lock_held(out_dir)
+    return (list(journal.entries()) if was_running and not running else entries), running
+
+
 def status_and_journal(out_dir: Path, now: float | None = None,
                        now_mono: float | None = None) -> tuple[JobStatus, list[dict]]:
     """The status of the job in ``out_dir``, and the journal's records it was read from (a
@@ -564,11 +574,7 @@ def status_and_journal(out_dir: Path, now: float | None = None,
     out_dir = Path(out_dir)
     journal = _journal_of(out_dir)
     clocks = _Clocks(time.time() if now is None else now, time.monotonic() if now_mono is None else now_mono)
-    was_running = lock_held(out_dir)
-    entries = list(journal.entries())
-    running = lock_held(out_dir)
-    if was_running and not running:  # the run ended while its journal was read: its last records are there now
-        entries = list(journal.entries())
+    entries, running = _journal_and_lock(journal, out_dir)
     info, idle = _as_triaged(JobInfo.last(entries), entries)
     holder = lock_holder(out_dir) if running else None
     starting = running and starting_run(holder, info)  # the figures are of the run before it
