@@ -119,9 +119,12 @@ def decode_text(data: bytes) -> Converted:
         return Converted(None, "binary file, not text (no text encoding fits its bytes)")
     # Short Western texts fit many 8-bit tables equally well; among the equally
     # good ones, Windows' Western default (cp1252, a superset of Latin-1's printable
-    # range) is the likely one.
+    # range) is the likely one. So is it where read as cp1252 the text is plainly
+    # Western (:func:`_western`): charset-normalizer takes "Ć120 for the cafķ" (cp775)
+    # over "€120 for the café".
     tied = {enc for m in matches if m.chaos <= best.chaos + 0.01 for enc in m.could_be_from_charset}
-    if "cp1252" in tied and best.encoding != "cp1252":
+    fits = {enc for m in matches for enc in m.could_be_from_charset}
+    if best.encoding != "cp1252" and ("cp1252" in tied or ("cp1252" in fits and _western(data))):
         try:
             return _checked(data.decode("cp1252"), "text (cp1252)")
         except UnicodeDecodeError:
@@ -131,6 +134,35 @@ def decode_text(data: bytes) -> Converted:
         return Converted(None, f"binary file, not text (read as {name} without a byte-order mark, it has no "
                               "spaces or line breaks)")
     return _checked(str(best), f"text ({name})")
+
+
+# What cp1252 text of a Western European language holds beyond ASCII besides letters:
+# cp1252's punctuation (€ ‚ „ … † ‡ ‰ ‹ › ‘ ’ “ ” • – — ™) and Latin-1's signs.
+_WESTERN_SIGNS = frozenset("€‚„…†‡‰‹›‘’“”•–—™\xa0¡¢£¤¥¦§¨©ª«¬\xad®¯°±²³´µ¶·¸¹º»¼½¾¿×÷")
+_IN_WORDS = frozenset("’·\xad")  # signs that do sit between letters: don’t, Catalan l·l, a soft hyphen
+
+
+def _western(data: bytes) -> bool:
+    """Whether ``data`` read as cp1252 is plainly Western European text: it decodes, its
+    letters are mostly ASCII (at most 1 in 4 beyond: a Cyrillic or Greek text read as
+    cp1252 is all accented letters), and each other character beyond ASCII is one of
+    :data:`_WESTERN_SIGNS`, not inside a word (Polish "wiêcej" read from cp1250 has "³"
+    and "¹" between letters)."""
+    try:
+        text = data.decode("cp1252")
+    except UnicodeDecodeError:
+        return False
+    letters = [c for c in text if c.isalpha()]
+    beyond = sum(1 for c in letters if not c.isascii())
+    if not beyond and text.isascii() or beyond * 4 > len(letters):
+        return False
+    for k, c in enumerate(text):
+        if c.isascii() or c.isalpha():
+            continue
+        inside = 0 < k < len(text) - 1 and text[k - 1].isalpha() and text[k + 1].isalpha()
+        if c not in _WESTERN_SIGNS or (inside and c not in _IN_WORDS):
+            return False
+    return True
 
 
 # Word and sentence breaks of any script: real text has them, binary bytes read as 2- or

@@ -211,6 +211,30 @@ def test_a_cp1252_file_whose_letter_and_quote_look_like_one_utf8_character_stays
     assert (got.text, got.converter) == (text, "text (cp1252)")
 
 
+@pytest.mark.parametrize("text", [
+    "Invoice total: €120 for the café renovation, paid on Monday.\n",  # a user trial: read as cp775, "Ć120 ... cafķ"
+    "Ticket €5 – café entry\n",
+    "“fancy” €5 café\n",
+    "coffee €3, café au lait €4, crème brûlée €6, pâté €7\n",
+    "Grüße aus Köln, 20 € bitte – danke. Ärger über Öl: Straße gesperrt.\n",  # my own
+])
+def test_western_text_with_a_euro_sign_is_read_as_cp1252(text):
+    got = decode_text(text.encode("cp1252"))
+    assert (got.text, got.converter) == (text, "text (cp1252)")
+
+
+@pytest.mark.parametrize("text, encoding", [
+    ("Zażółć gęślą jaźń, powiedział pan Kowalski. Więcej informacji jutro.", "cp1250"),
+    ("Příliš žluťoučký kůň úpěl ďábelské ódy. Zítra budeme v Praze.", "cp1250"),
+    ("Привет, как дела? Всё хорошо, спасибо.", "cp1251"),
+    ("Καλημέρα κόσμε, τι κάνεις σήμερα;", "cp1253"),
+])
+def test_other_8_bit_texts_are_not_taken_for_cp1252(text, encoding):
+    """Cyrillic or Greek read as cp1252 is all accented letters; Polish has signs between letters."""
+    got = decode_text(text.encode(encoding))
+    assert got.text == text and got.converter != "text (cp1252)"
+
+
 def test_the_encoding_named_by_its_python_codec_name():
     assert decode_text(b"abc\x00def").converter == "text (utf-8)"  # was "utf_8" beside "utf-8"
 
