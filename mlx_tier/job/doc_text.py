@@ -27,6 +27,7 @@ from __future__ import annotations
 import codecs
 import functools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -371,6 +372,9 @@ def convert_stream(stream: BinaryIO, name: str, suffix: str) -> Converted:
         _reraise_memory_error(e)
         return Converted(None, _failure(e, suffix), label)
     text = result.markdown or ""
+    if any("\ud800" <= c <= "\udfff" for c in text):  # a notebook's "\ud800" escape: not a character
+        text, n = re.subn("[\ud800-\udfff]", "\ufffd", text)  # as an HTML parser reads &#xD800;
+        label += f", {n} lone surrogate{'' if n == 1 else 's'} read as U+FFFD"
     if not text.strip():
         return Converted(None, "no text found (a scanned PDF needs OCR first)" if suffix == ".pdf"
                          else "empty document", label)

@@ -537,7 +537,26 @@ def _jsonl_record(obj: object, line: str, where: str) -> tuple[str, str, str]:
         raise InputError(f'{where}: "{name}" must be a string or a number')
     if not isinstance(value, str):  # a number: keep its literal text (1e400 is not "inf")
         value = json.loads(line, parse_int=str, parse_float=str, parse_constant=str)[name]
+    if not value.strip():
+        raise InputError(f'{where}: "{name}" is blank: give each line an id of its own')
+    if (k := _surrogate_at(value)) is not None:
+        raise InputError(f'{where}: "{name}" is not valid Unicode (a lone surrogate, {value[k]!r}, at character '
+                         f'{k + 1}): it names the summary\'s file')
     return name, value, text
+
+
+def _surrogate_at(text: str) -> int | None:
+    """Index of the first lone surrogate in ``text`` (JSON's ``"\\ud800"`` escape gives one:
+    not a character, no UTF-8 encodes it), ``None`` without."""
+    return next((k for k, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+
+
+def _text_error(text: str) -> str | None:
+    """Why a JSONL line's ``text`` cannot be summarised (it fails alone), ``None`` when it can."""
+    if not text.strip():
+        return "empty text"
+    k = _surrogate_at(text)
+    return None if k is None else f"text not valid Unicode: a lone surrogate ({text[k]!r}) at character {k + 1}"
 
 
 def _parsed(path: Path) -> list[tuple[int, str, object]]:
@@ -577,7 +596,7 @@ def _from_jsonl(path: Path, previous: dict[str, str] | None) -> list[Document]:
         records.append((n, name, value, text))
     ids = assign([value for _, _, value, _ in records], previous=previous)
     return [  # a blank line stamped too: fixed later, its failure is seen to be of other text and retried
-        Document(doc_id, f"{path}:{n}", text if text.strip() else None, None if text.strip() else "empty text",
+        Document(doc_id, f"{path}:{n}", None if _text_error(text) else text, _text_error(text),
                  (name, value), name=value, stamp=text_stamp(text))
         for doc_id, (n, name, value, text) in zip(ids, records)
     ]

@@ -538,3 +538,17 @@ def test_another_jobs_output_folder_inside_the_input_is_not_read(tmp_path):
     (notes / "day1.md").write_text("Day one: rain.\n")
     assert sorted(d.source.removeprefix(str(tmp_path) + os.sep) for d in discover(tmp_path)) == [
         "a.txt", os.path.join("notes", "day1.md")]
+
+
+def test_a_lone_surrogate_a_converter_gives_is_read_as_the_replacement_character(tmp_path):
+    """A user trial (the kind): a notebook whose cell holds JSON's "\\ud800" escape gave text no
+    UTF-8 encodes, and the run ended in a traceback. It is read as U+FFFD, as an HTML parser
+    reads &#xD800;, and the converter says so."""
+    (tmp_path / "j.ipynb").write_text('{"cells": [{"cell_type": "markdown", "metadata": {}, "source": '
+                                      '["Owls \\ud800 hoot at night."]}], "metadata": {}, "nbformat": 4, '
+                                      '"nbformat_minor": 5}')
+    (tmp_path / "h.html").write_text("<html><body><p>Owls &#xD800; hoot.</p></body></html>")  # my own
+    docs = {d.id: d for d in discover(tmp_path)}
+    assert docs["j"].text == "Owls \ufffd hoot at night." and docs["j"].error is None
+    assert docs["j"].converter.endswith("IpynbConverter, 1 lone surrogate read as U+FFFD")
+    assert docs["h"].text == "Owls \ufffd hoot." and docs["h"].converter.endswith("HtmlConverter")
