@@ -572,7 +572,8 @@ def _parsed(path: Path) -> list[tuple[int, str, object]]:
         try:
             parsed.append((n, line, json.loads(line)))
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+            # e.msg alone ends "... starting at": the place is in colno
+            raise InputError(f"{path}:{n}: malformed JSON at column {e.colno} ({e.msg.removesuffix(' at')})") from None
     if not parsed:
         raise InputError(f"{path}: no documents (empty JSONL file)")
     return parsed

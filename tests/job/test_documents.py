@@ -86,7 +86,9 @@ def test_path_list(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ('{"id": "a", "text": "ok"}\n{"id": "b", "text": \n', "in.jsonl:2: malformed JSON"),
+        ('{"id": "a", "text": "ok"}\n{"id": "b", "text": \n', "in.jsonl:2: malformed JSON at column 21 (Expecting value)"),
+        # a user trial: "malformed JSON (Unterminated string starting at)", the place lost
+        ('{"id": "a", "text": "ok}\n', "in.jsonl:1: malformed JSON at column 21 (Unterminated string starting)"),
         ('{"id": "a", "text": "ok"}\n["no"]\n', 'in.jsonl:2: each line needs an object with "custom_id" (or "id") and "text"'),
         ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "in.jsonl:2: duplicate id 'a' (first on line 1)"),
         ('{"custom_id": "r/1", "text": "x"}\n{"custom_id": "r/1", "text": "y"}\n', "in.jsonl:2: duplicate custom_id 'r/1' (first on line 1)"),
