@@ -258,14 +258,20 @@ def experts_section(view: dict) -> str:
             f'{"".join(rows)}</table></div></section>')
 
 
+def _noun(view: dict) -> str:
+    """What the job's items are: ``"document"``, or ``"request"`` (a batch request file's)."""
+    return view["status"].get("noun") or "document"
+
+
 def failures_section(view: dict) -> str:
     """Failed documents with their errors, and the exact command that retries them."""
     failed = [d for d in view["documents"] if d["status"] == "failed"]
+    title = f"Failed {_noun(view)}s"
     if not failed:
-        return '<section id="failures"><h2>Failed documents</h2><p>None.</p></section>'
+        return f'<section id="failures"><h2>{title}</h2><p>None.</p></section>'
     items = "".join(f'<li><strong>{_e(d["source"])}</strong>: <code>{_e(d["error"] or "")}</code></li>'
                     for d in failed)
-    return (f'<section id="failures"><h2>Failed documents ({len(failed)})</h2><ul>{items}</ul>'
+    return (f'<section id="failures"><h2>{title} ({len(failed)})</h2><ul>{items}</ul>'
             f'<p>Retry only these with:</p><pre id="retry-command">{_e(view["retry_command"])}</pre></section>')
 
 
@@ -273,7 +279,8 @@ def documents_section(view: dict) -> str:
     """Each document beside its summary (``<details>``, open to read in place); which model
     and prompt wrote it when the job's summaries are a mix."""
     written = view.get("written_by") or []
-    items, mixed = [], len(written) > 1
+    items, mixed, noun = [], len(written) > 1, _noun(view)
+    requests = noun == "request"  # a request's own max_tokens cut it; its answer is a line of output.jsonl
     for i, d in enumerate(view["documents"]):
         facts = [_MARK[d["status"]]]
         if d["output_tokens"] is not None:
@@ -281,16 +288,19 @@ def documents_section(view: dict) -> str:
         if isinstance(d["seconds"], (int, float)):
             facts.append(fmt_seconds(d["seconds"]))
         if d["finish_reason"] == "length":
-            facts.append("cut at --max-tokens")
+            facts.append("cut at its max_tokens" if requests else "cut at --max-tokens")
         if mixed and d["status"] == "done":
             facts.append(_writer(d, written))
         if d["redo"] == "stale" and d["status"] == "done":
-            facts.append("redone: its document changed")
+            facts.append(f"redone: its {noun} changed")
+        missing = ("its answer is not in output.jsonl" if d["status"] == "done" else "not answered yet") \
+            if requests else "not summarised yet"
         body = (f'<pre class="summary">{_e(d["summary"])}</pre>' if d["summary"] is not None
-                else f'<p class="note">{_e(d["error"] or "not summarised yet")}</p>')
+                else f'<p class="note">{_e(d["error"] or missing)}</p>')
         items.append(f'<details id="doc-{i}" class="doc"><summary><strong>{_e(d["source"])}</strong> '
                      f'<span class="{d["status"]}">{_e(" · ".join(facts))}</span></summary>{body}</details>')
-    return f'<section id="documents"><h2>Documents and summaries</h2>{"".join(items)}</section>'
+    title = "Requests and answers" if requests else "Documents and summaries"
+    return f'<section id="documents"><h2>{title}</h2>{"".join(items)}</section>'
 
 
 def _writer(d: dict, written: list[dict]) -> str:

@@ -21,7 +21,7 @@ from mlx_tier.fsio import read_nofollow
 from mlx_tier.messages import retry_command
 from mlx_tier.monitor.status import describe_state, job_ids, status_and_journal
 from mlx_tier.outdir.journal import written_options, written_with
-from mlx_tier.outdir.layout import REPORT
+from mlx_tier.outdir.layout import BATCH_OUTPUT, REPORT
 
 SUMMARY_CHARS = 20_000  # longest summary text shown in place (a summary is a few sentences)
 
@@ -145,11 +145,37 @@ def _summary_text(out_dir: Path, rec: dict) -> str | None:
     except OSError:
         return None
     whole = len(data) <= 4 * SUMMARY_CHARS  # a character is at most 4 bytes
-    text = data[: 4 * SUMMARY_CHARS].decode("utf-8", "replace")
+    return _shown(data[: 4 * SUMMARY_CHARS].decode("utf-8", "replace"), whole, f"the whole summary is {name}")
+
+
+def _shown(text: str, whole: bool, where: str) -> str:
+    """``text`` as the page shows it: whole up to :data:`SUMMARY_CHARS` characters, else cut
+    there with a line that says so and ``where`` the whole text is (``whole``: ``text`` is
+    not already a cut)."""
     if whole and len(text.rstrip("\n")) <= SUMMARY_CHARS:
         return text.rstrip("\n")
-    return (text[:SUMMARY_CHARS].rstrip("\n") + f"\n[… cut: the page shows its first {SUMMARY_CHARS:,} characters; "
-            f"the whole summary is {name}]")
+    return text[:SUMMARY_CHARS].rstrip("\n") + f"\n[… cut: the page shows its first {SUMMARY_CHARS:,} characters; {where}]"
+
+
+def answers(out_dir: Path) -> dict[str, str]:
+    """``custom_id -> answer`` of a batch request file's job: each ``output.jsonl`` line's
+    first choice's message (or text), as the page shows it (:func:`_shown`); ``{}`` without
+    the file (read from OUT_DIR only, never through a link). Lines it cannot read are left out."""
+    try:
+        data = read_nofollow(Path(out_dir) / BATCH_OUTPUT)
+    except OSError:
+        return {}
+    out = {}
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+            choice = rec["response"]["body"]["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+        if isinstance(rec.get("custom_id"), str) and isinstance(text, str):
+            out[rec["custom_id"]] = _shown(text, True, f"the whole answer is in {BATCH_OUTPUT}")
+    return out
 
 
 def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: dict,
@@ -161,15 +187,17 @@ def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: di
     its run rewrote it), ``reused`` (the id whose summary it got)."""
     sources = {d.get("id"): d.get("source") for d in report.get("documents", []) if isinstance(d, dict)}
     redoing = set(redoing)
+    answered = answers(out_dir)  # a batch request file's job: its answers are lines of output.jsonl
     out = []
     for doc_id in ids:
         rec = latest.get(doc_id, {}) if doc_id not in redoing else {}
         status = rec.get("status") if rec.get("status") in ("done", "failed") else "pending"
+        text = answered.get(rec.get("name") or doc_id) if answered else _summary_text(out_dir, rec)
         out.append({
             "id": doc_id, "source": sources.get(doc_id) or doc_id, "status": status,
             "input_tokens": rec.get("input_tokens"), "output_tokens": rec.get("output_tokens"),
             "seconds": rec.get("doc_seconds", rec.get("seconds")), "finish_reason": rec.get("finish_reason"), "error": rec.get("error"),
-            "summary": _summary_text(out_dir, rec) if status == "done" else None,
+            "summary": text if status == "done" else None,
             **_written(rec, status),
         })
     return out

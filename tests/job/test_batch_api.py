@@ -14,6 +14,7 @@ batch unchanged.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import signal
@@ -346,6 +347,16 @@ def test_openai_typed_requests_run_rerun_and_retry_without_a_second_line(tmp_pat
         error = BatchError.model_validate(line["error"])
         assert error.code == code and error.line == [x["custom_id"] for x in openai_requests()].index(custom_id) + 1
         vllm_shape(line, VLLM_ERROR)
+
+    # a user trial: the page showed each answered request as "not summarised yet", its own
+    # max_tokens as "--max-tokens", under "Documents and summaries"
+    from mlx_tier.monitor.page import render_page
+    from mlx_tier.monitor.view import build_view
+
+    page = render_page(build_view(out))
+    assert "Requests and answers" in page and "Failed requests (2)" in page and "Documents and" not in page
+    assert "not summarised yet" not in page and "--max-tokens" not in page
+    assert html.escape(sampled.message.content, quote=True) in page and html.escape(text.choices[0].text) in page
 
     before = {name: (out / name).read_bytes() for name in ("output.jsonl", "errors.jsonl")}
     r = runner.invoke(app, args)  # a plain rerun: nothing to do, nothing written twice
