@@ -679,9 +679,9 @@ class Scheduler:
 
     def _answered(self, d: _Doc, f, index: int) -> Outcome | None:
         """A batch request's choice ``index`` finished (``f``); its outcome once every choice has."""
-        d.output_tokens += len(f.tokens)
         text, reasoning = strip_reasoning(f.text, self.reasoning) if d.doc.request.url == CHAT else (f.text, "")
         counted = len(f.tokens) + isinstance(f.stop_reason, int)  # a stop token counts, as the API counts it
+        d.output_tokens += counted  # report.json's figure is usage.completion_tokens of output.jsonl
         d.choices[index] = Choice(text, f.finish_reason, counted, f.stop_reason, reasoning)
         if any(c is None for c in d.choices):
             return None

@@ -313,8 +313,10 @@ class Throttle:
         self.paused_seconds += self.clock() - start
 
     def as_dict(self) -> dict:
-        """For report.json / ``status``: time throttled, paused and capped (s), the timeline of
-        ``{"t": s since first step, "thermal", "mode", "duty", "reason"}`` changes, the last reading."""
+        """For report.json / ``status``: time throttled, paused and capped (s), ``tokens``
+        decoded under it (a final stop token included: decoded, though no summary holds it),
+        the timeline of ``{"t": s since first step, "thermal", "mode", "duty", "reason"}``
+        changes, the last reading."""
         elapsed = (self._last_end - self._start) if self._start is not None else 0.0
         return {
             "sensors": [s.name for s in self.sensors],

@@ -328,6 +328,11 @@ def test_openai_typed_requests_run_rerun_and_retry_without_a_second_line(tmp_pat
     report = json.loads((out / "report.json").read_text())
     assert report["runs"][-1]["done"] == 3 and report["runs"][-1]["failed"] == 2
     assert report["generation"]["achieved_docs_per_hour"] == report["totals"]["documents_per_hour"] > 0
+    # a user trial: a request that ended on its stop token had 12 completion tokens in output.jsonl, 11 in
+    # report.json and the table: each request's output tokens are the API's count, everywhere
+    usage = {i: x["response"]["body"]["usage"]["completion_tokens"] for i, x in answers.items()}
+    assert {d.get("name") or d["id"]: d["output_tokens"] for d in report["documents"] if d["status"] == "done"} == usage
+    assert report["totals"]["output_tokens"] == sum(usage.values())
 
     turns = ChatCompletion.model_validate(answers["turns"]["response"]["body"])
     assert [c.index for c in turns.choices] == [0, 1] and turns.choices[0].message == turns.choices[1].message

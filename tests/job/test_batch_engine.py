@@ -187,3 +187,21 @@ def test_prompt_steps_are_bounded_in_time_on_a_slow_machine(tiny_moe):
     # 0.4 s aimed at; a step sized without pacing (512 tokens) sleeps 4 s alone. The
     # bound leaves room for the real compute under heavy load (1.27 s seen at load 15).
     assert max(s for _, s in steps[1:]) < 2.0, steps
+
+
+def test_a_requests_output_tokens_are_the_apis_count_its_stop_token_included():
+    """A user trial: a request that ended on its stop token said 12 completion tokens in
+    output.jsonl and 11 in report.json, the table and the progress line."""
+    from types import SimpleNamespace
+
+    from mlx_tier.job.batch_api import COMPLETIONS
+    from mlx_tier.job.scheduler import Scheduler
+
+    doc = SimpleNamespace(id="r", request=SimpleNamespace(url=COMPLETIONS))
+    d = SimpleNamespace(output_tokens=0, choices=[None, None], doc=doc, input_tokens=3, seconds=0.1, finished=False)
+    stop = SimpleNamespace(tokens=[5, 6, 7], text="abc", finish_reason="stop", stop_reason=2)  # its stop token: id 2
+    cut = SimpleNamespace(tokens=[5, 6, 7, 8], text="abcd", finish_reason="length", stop_reason=None)
+    me = SimpleNamespace(reasoning=None)
+    assert Scheduler._answered(me, d, stop, 0) is None  # one choice of two so far
+    outcome = Scheduler._answered(me, d, cut, 1)
+    assert [c.tokens for c in outcome.choices] == [4, 4] and outcome.output_tokens == 8
