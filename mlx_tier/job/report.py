@@ -237,7 +237,9 @@ def _rebuilt(run: str, start: dict, records: list[dict]) -> dict:
     docs = [r for r in records if r.get("status") in ("done", "failed") and "id" in r  # its own work: not
             and not r.get("recovered") and "reused" not in r]  # a crash's output recorded, nor a copy
     end = max((r.get("run_t", load) for r in records), default=load)  # it worked to its last record at least
-    speed = RunSpeed(sum(generated_tokens(r) for r in docs), sum(r["status"] == "done" for r in docs),
+    partial = sum(r["partial_tokens"] for r in records if r.get("event") == "stopped"  # long documents' kept calls
+                  and isinstance(r.get("partial_tokens"), int))
+    speed = RunSpeed(sum(generated_tokens(r) for r in docs) + partial, sum(r["status"] == "done" for r in docs),
                      max(0.0, end - load), load)
     began = float(start.get("started", 0.0)) - load  # the start record is written once the model is loaded
     return {"run": run, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(began)),

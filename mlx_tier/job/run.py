@@ -309,7 +309,8 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
         throttled_before = _take_outcome(outcome, p, config, loaded, eta, throttle, throttled_before,
                                          rate.value, generated[0])
     if stopping() and any(r.status == "pending" for r in p.report.results):  # timed to its stop, said to `status`
-        p.last_t = journal.append({"event": "stopped"})["run_t"]
+        partial = _partial_tokens(p)  # the calls of long documents it did not finish: its work, in its speeds
+        p.last_t = journal.append({"event": "stopped", **({"partial_tokens": partial} if partial else {})})["run_t"]
     if p.last_t is not None:  # the run's figure (its RunRecord's): done documents over its generation time
         report = p.report
         achieved(scheduler, RunSpeed(report.output_tokens, report.this_run("done"), _generation_seconds(p)),
@@ -799,8 +800,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
             _run_pending(p, config, loaded)
         report.generation_seconds = _generation_seconds(p, clock.t()) if loaded is not None else 0.0
         finished = [i for i, r in results.items() if r.status == "done" and not r.earlier_run]
-        if parts is not None:  # calls this run wrote for long documents it did not finish (a stop's)
-            report.partial_tokens = sum(n for i, n in parts.written_now().items() if i not in finished)
+        report.partial_tokens = _partial_tokens(p)
         for note in forget_finished(config.out_dir, finished) if parts is not None and not share.part else []:
             reporter.message(note)
     return report, loaded
@@ -823,6 +823,14 @@ def _call_identity(settings: Settings, setup: dict, config: JobConfig) -> dict:
     return call_identity(settings, {"kernel": setup.get("kernel"), "dtype": setup.get("dtype"),
                                     "dense_kernel": config.tier.dense_kernel,
                                     "attention_kernel": config.tier.attention_kernel})
+
+
+def _partial_tokens(p: _Pass) -> int:
+    """Tokens of the calls this run wrote for long documents it did not finish (a stop's)."""
+    if p.parts is None:
+        return 0
+    done = {i for i, r in p.results.items() if r.status == "done" and not r.earlier_run}
+    return sum(n for i, n in p.parts.written_now().items() if i not in done)
 
 
 def _generation_seconds(p: _Pass, now: float | None = None) -> float:

@@ -499,6 +499,13 @@ def _as_triaged(info: JobInfo | None, entries: list[dict]) -> tuple[JobInfo | No
     return info, False
 
 
+def _partial_tokens(entries: list[dict], info: JobInfo | None) -> int:
+    """Tokens the last run wrote for long documents it stopped before finishing (its
+    ``stopped`` record's ``partial_tokens``): in its speeds, as in report.json's."""
+    return sum(int(r["partial_tokens"]) for r in _run_records(entries, info)
+               if r.get("event") == "stopped" and isinstance(r.get("partial_tokens"), int))
+
+
 def _run_records(entries: list[dict], info: JobInfo | None) -> list[dict]:
     """The records the last run (``info``: its start) wrote: by its id; in a journal of an
     older version (no run ids), those after its start record."""
@@ -611,7 +618,7 @@ def status_and_journal(out_dir: Path, now: float | None = None,
         pending=pending,
         todo_left=todo_left,
         output_tokens=sum(int(r.get("output_tokens", 0)) for r in done),
-        run_output_tokens=sum(map(generated_tokens, mine)),
+        run_output_tokens=sum(map(generated_tokens, mine)) + _partial_tokens(entries, info),
         throttled_seconds=round(float(throttled), 3),
         thermal=_thermal(entries, info),
         started=started,

@@ -12,6 +12,7 @@ from support.jobs import WORDS, _short_context, folder, small_moe  # noqa: F401 
 from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
+from mlx_tier.monitor.status import read_status
 from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import PARTS
 from mlx_tier.outdir.parts import PartStore
@@ -139,3 +140,15 @@ def test_a_stopped_runs_record_counts_the_calls_it_kept(tmp_path, small_moe, mon
     done = sum(r.get("output_tokens", 0) for r in Journal(out).records().values() if r.get("status") == "done")
     run = json.loads((out / "report.json").read_text())["runs"][-1]
     assert kept > 0 and run["output_tokens"] == kept + done, (run["output_tokens"], kept, done)
+    # a user trial: the terminal and report.json said 7.23 output tok/s for such a run, `status` and the
+    # page 0.00: they count the kept calls too, from the run's stopped record
+    from mlx_tier.monitor.page import render_page
+    from mlx_tier.monitor.view import build_view
+
+    st = read_status(out)
+    assert st.run_output_tokens == run["output_tokens"]
+    assert st.output_tok_per_s == pytest.approx(run["output_tok_per_s"], rel=0.01)
+    said = f"{st.output_tok_per_s:.2f} output tok/s"
+    assert said in " ".join(runner.invoke(app, ["status", str(out)]).output.split())
+    assert f">{st.output_tok_per_s:.2f}<" in render_page(build_view(out))
+    assert st.output_tok_per_s > 0
