@@ -345,11 +345,13 @@ class Scheduler:
         self.pool_tokens = config.pool_tokens or DEFAULT_PREFILL_STEP
         self.prefill_batch = config.prefill_batch or 1
         self._longest = (predicted_tokens(longest_chars, None) if longest_chars else self.context) + len(self.prefix) + 16
+        # an asked batch is an upper bound: no more sequences than memory holds for these documents
+        asked = min(config.batch_size, self._memory_batch(longest_chars, config.batch_size)) \
+            if config.batch_size else None
         if config.schedule == "throughput":
-            self.batch_size = self._plan_pools(typical_chars or longest_chars, documents, samples)
-        else:  # an asked batch is an upper bound: no more sequences than memory holds (paced admits no fewer)
-            self.batch_size = min(config.batch_size, self._memory_batch(longest_chars, config.batch_size)) \
-                if config.batch_size else self._memory_batch(longest_chars)
+            self.batch_size = self._plan_pools(typical_chars or longest_chars, documents, samples, asked)
+        else:  # paced admits no fewer
+            self.batch_size = asked or self._memory_batch(longest_chars)
         if memory is not None:  # a pool's prompt step within the split's workspace
             self.pool_tokens = min(self.pool_tokens, memory.prefill_step)
         self._kv_room = self._pool_room(longest_chars)
@@ -413,13 +415,15 @@ class Scheduler:
                                 phase.stall_seconds, popularity(rows), phase.misses / layers,
                                 median(steps) if timed else None)
 
-    def _plan_pools(self, chars: int | None, documents: int | None, samples: list[Sample] | None) -> int:
+    def _plan_pools(self, chars: int | None, documents: int | None, samples: list[Sample] | None,
+                    batch_size: int | None) -> int:
         """The throughput schedule's pools (:func:`mlx_tier.tools.pools.choose_pools`), each
-        size the user gave kept, for documents of ``chars`` characters at the ``samples``'
-        characters per token; returns the decode pool (the engine's batch size)."""
+        size the user gave kept (``batch_size``: the asked one as memory holds it), for
+        documents of ``chars`` characters at the ``samples``' characters per token; returns the
+        decode pool (the engine's batch size)."""
         from mlx_tier.tools.pools import MAX_DECODE_POOL, choose_pools
 
-        c = self.config
+        c = replace(self.config, batch_size=batch_size)
         priced = None if c.batch_size and c.pool_tokens and c.prefill_batch else self.step_model()
         if priced is not None:
             self.chars_per_token = chars_per_token(self.tokenizer, samples or [])

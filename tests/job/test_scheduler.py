@@ -594,7 +594,7 @@ def test_documents_of_unknown_size_are_predicted_as_one_full_call(tiny_moe):
     assert pools.calls == 1 and pools.prompt_tokens <= 512 - 8
 
 
-def test_an_asked_paced_batch_is_cut_to_what_memory_holds(tiered, tiny_moe, monkeypatch):
+def test_an_asked_batch_is_cut_to_what_memory_holds(tiered, tiny_moe, monkeypatch):
     """A user trial: `--batch-size 100000` said "batch size 100000" and the paced schedule would
     admit that many sequences whatever their KV caches take (the throughput schedule makes them
     wait). An asked batch is an upper bound: memory's count when lower, said so."""
@@ -620,3 +620,12 @@ def test_an_asked_paced_batch_is_cut_to_what_memory_holds(tiered, tiny_moe, monk
     assert lines[0].startswith(f"batch size {sched.batch_size} (`batch_size` 100,000 cut to what memory holds)")
     asked = Scheduler(model, tokenizer, tiny_moe, 4096, replace(config, batch_size=2), longest_chars=1200)
     assert asked.batch_size == 2 and asked.info["batch_size_from"] == "batch_size"  # within it: as asked
+    # a user trial: the throughput schedule said "batch size 99999999999999999999" and "up to
+    # 99,999,999,999,999,999,999 sequences decoding together", then decoded 7
+    huge = replace(config, batch_size=10**20, schedule="throughput", pool_tokens=64, prefill_batch=1)
+    pooled = Scheduler(model, tokenizer, tiny_moe, 4096, huge, longest_chars=1200)
+    assert pooled.batch_size == default.batch_size and pooled.info["batch_size_from"] == "batch_size, memory headroom"
+    lines = []
+    announce(pooled, SimpleNamespace(message=lines.append))
+    assert lines[0].startswith(f"batch size {pooled.batch_size} (`batch_size` {10**20:,} cut to what memory holds)")
+    assert f"up to {pooled.batch_size} sequences decoding together" in " ".join(lines), lines
