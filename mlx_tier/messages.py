@@ -10,7 +10,7 @@ it is itself wider than the screen) and carries no indent (a leading space keeps
 a pasted command out of bash's history under ``HISTCONTROL=ignorespace``).
 
 :func:`short_reason` names each kind of per-document failure in a few words
-for the results table (``failed: empty file``); the full message stays in the
+for the results table (``failed: empty``); the full message stays in the
 journal, report.json and ``mlx-tier status``.
 """
 
@@ -134,8 +134,9 @@ def plain_rerun(command: str | None) -> str | None:
 # (a substring of the full error, its short form), first match wins. Each full
 # message comes from mlx_tier.job.doc_text, documents, scheduler or jobs.
 _REASONS = (
-    ("empty document", "empty file"),
+    ("empty document", "empty"),  # a blank file is not an empty file: the run line says "empty document"
     ("empty text", "empty text"),
+    ("not valid Unicode", "bad text"),
     ("binary file", "binary file"),
     ("byte-order mark", "bad text"),
     ("outside the input folder", "bad link"),  # a link found at the check, or swapped in after it
@@ -164,7 +165,7 @@ _CODES = {
 
 def short_reason(error: str | None, code: str | None = None) -> str:
     """A few words (at most :data:`SHORT_REASON_CHARS`) for why a document failed,
-    e.g. ``"empty file"``, ``"binary file"``, ``"too long"``, ``"no memory"``; a batch
+    e.g. ``"empty"``, ``"binary file"``, ``"too long"``, ``"no memory"``; a batch
     request by its API error ``code`` (``"unsupported"``, ``"bad value"``); an unknown
     error by its exception name (``"RuntimeError"``) or ``"error"``."""
     if code in _CODES:

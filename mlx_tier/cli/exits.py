@@ -49,6 +49,22 @@ def fail(message, command: str | None = None) -> None:
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
+def _empty_argument(args: list[str]) -> str | None:
+    """What is wrong with an empty argument among ``args`` (``""``, or ``--out=``), ``None``
+    without one: no argument of this CLI may be empty (a path would be read as the current
+    folder; a blank prompt or number is refused anyway)."""
+    for k, arg in enumerate(args):
+        if arg == "--":
+            return None
+        flag = arg[:-1] if arg.startswith("--") and arg.endswith("=") else None
+        if arg == "" or flag:
+            after = flag or (args[k - 1] if k and args[k - 1].startswith("-") and args[k - 1] != "-" else None)
+            what = f"{after} is empty" if after else \
+                f"argument {k + 1} ({f'after {args[k - 1]}' if k else 'the first'}) is empty"
+            return f"{what} (an unset shell variable?); give a path or value, or `.` for the current folder"
+    return None
+
+
 class OneLineErrors(typer.core.TyperGroup):
     """Usage errors (an option out of range, a missing argument) as one ``error:`` line and
     exit code 2, like the CLI's own errors, instead of a boxed usage block."""
@@ -56,6 +72,10 @@ class OneLineErrors(typer.core.TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        empty = _empty_argument(sys.argv[1:] if args is None else list(args))
+        if empty is not None:  # Path("") is ".": `run "$DOCS"` with DOCS unset would read the current folder
+            print_error(empty)
+            sys.exit(EXIT_BAD_INPUT)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except NoArgsIsHelpError as e:

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -131,8 +130,15 @@ def print_wrapped(console: Console, text: str, style: str = "", styled: int | No
 
 
 def print_error(text: str) -> None:
-    """One ``error:`` line on stderr (``text`` plain: brackets are not markup)."""
-    err.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
+    """One ``error:`` message on stderr (``text`` plain: brackets are not markup): on a
+    terminal word-wrapped to its width (a long path kept whole:
+    :func:`~mlx_tier.messages.wrap_words`), else one line (a log, a script's pipe: one line
+    to find)."""
+    from mlx_tier.messages import wrap_words
+
+    line = Text(wrap_words(f"error: {text}", err.width) if err.is_terminal else f"error: {text}")
+    line.stylize("bold red", 0, len("error:"))
+    err.print(line, highlight=False, soft_wrap=True)
 
 
 def choices(names) -> str:
@@ -256,7 +262,7 @@ class RichReporter:
 
 def status_cell(result) -> str:
     """A document's status for the results table: ``done``, ``pending``, or ``failed:`` and
-    the reason in a few words below it (``failed:\\nempty file``,
+    the reason in a few words below it (``failed:\\nempty``,
     :func:`mlx_tier.messages.short_reason`: the column stays narrow, so the names keep
     their width at 80 columns); ``*`` marks one done or failed by an earlier run."""
     from mlx_tier.messages import short_reason

@@ -70,7 +70,8 @@ def _status_table(s, out_dir: Path) -> Table:
     if s.idle_rerun:
         t.add_row("this run", "nothing to do (model not loaded); the rows below are of the run before it")
     if s.starting:
-        t.add_row("this run", "loading its model; the rows below are of the run before it")
+        t.add_row("this run", "loading its model" + ("; the rows below are of the run before it" if s.started is not None
+                                                    else ""))
     if s.started is not None:
         # the documents it set out to do: a --retry-failed run leaves pending ones for a plain rerun
         left = f", {s.todo_left} of its {s.noun}s left" if s.todo_left is not None else ""

@@ -341,10 +341,18 @@ def expert_tensors(path: str, block: nn.Module, index: dict, model_dir: Path) ->
     return num_experts, tensors
 
 
+def not_a_folder(path: Path) -> str | None:
+    """``"is a file"`` or ``"no such folder"`` for a checkpoint path that is no folder, else ``None``."""
+    if path.is_dir():
+        return None
+    return "is a file, not a folder" if path.exists() else "no such folder"
+
+
 def _read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{model_dir}: no config.json (not an mlx-lm checkpoint directory)")
+        raise CheckpointError(f"{model_dir}: {not_a_folder(model_dir) or 'no config.json'} "
+                              "(not an mlx-lm checkpoint directory)")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:

@@ -537,8 +537,6 @@ def _jsonl_record(obj: object, line: str, where: str) -> tuple[str, str, str]:
         raise InputError(f'{where}: "{name}" must be a string or a number')
     if not isinstance(value, str):  # a number: keep its literal text (1e400 is not "inf")
         value = json.loads(line, parse_int=str, parse_float=str, parse_constant=str)[name]
-    if not value.strip():
-        raise InputError(f'{where}: "{name}" is blank: give each line an id of its own')
     if (k := _surrogate_at(value)) is not None:
         raise InputError(f'{where}: "{name}" is not valid Unicode (a lone surrogate, {value[k]!r}, at character '
                          f'{k + 1}): it names the summary\'s file')

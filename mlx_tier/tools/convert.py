@@ -284,7 +284,10 @@ def convert(hf_dir: Path, out_dir: Path, cfg: ConvertConfig = ConvertConfig(), c
     if out_dir.exists():
         raise FileExistsError(f"{out_dir}: already exists; choose a new output folder")
     if not (hf_dir / "config.json").is_file():
-        raise CheckpointError(f"{hf_dir}: no config.json (not a Hugging Face checkpoint directory)")
+        from mlx_tier.engine.checkpoint import not_a_folder
+
+        raise CheckpointError(f"{hf_dir}: {not_a_folder(hf_dir) or 'no config.json'} (not a Hugging Face "
+                              "checkpoint directory)")
     if cfg.bits not in QUANT_BITS:
         raise CheckpointError(f"`bits` must be one of {', '.join(map(str, QUANT_BITS))}; got {cfg.bits}", "bits")
     if cfg.mode not in QUANT_MODES:

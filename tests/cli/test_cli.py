@@ -431,3 +431,19 @@ def test_output_to_a_closed_pipe_exits_141_not_1(tmp_path, tiny_moe):
         p.stdout.close()  # the reader is gone before the first line is written
         assert p.wait(timeout=300) == 141, args
     assert (tmp_path / "out" / "a.md").exists() and (tmp_path / "out" / "report.json").exists()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["run", "", "--out", "o"], "argument 2 (after run) is empty"),  # a user trial: it summarised the current folder
+    (["status", ""], "argument 2 (after status) is empty"),  # a user trial: read "." as the job
+    (["plan", ""], "argument 2 (after plan) is empty"),
+    (["run", "docs", "--out", ""], "--out is empty"),
+    (["run", "docs", "--out="], "--out is empty"),
+])
+def test_an_empty_argument_is_refused_not_read_as_the_current_folder(argv, said, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, argv)
+    errors = [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and said in errors[0], r.output
+    assert "an unset shell variable?" in " ".join(r.output.split())
+    assert not list(tmp_path.iterdir())  # nothing read or written

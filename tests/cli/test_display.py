@@ -362,7 +362,7 @@ def _failure_messages(tmp_path) -> dict[str, str]:
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text(json.dumps({"id": "e", "text": ""}) + "\n")
     return {
-        "empty file": decode_text(b"  \n").error,
+        "empty": decode_text(b"  \n").error,  # a user trial: a blank file's row said "empty file"
         "empty text": discover(jsonl)[0].error,
         "binary file": decode_text(bytes(range(256)) * 8).error,
         "bad text": decode_text(b"\xff\xfe" + b"\x00\xd8").error,
@@ -391,6 +391,11 @@ def test_every_kind_of_failure_has_a_short_reason(tmp_path):
     assert short_reason("cannot read: Permission denied") == "unreadable"
     assert short_reason("AVeryLongExceptionNameError: x") == "AVeryLongE…"
     assert short_reason(None) == short_reason("something odd happened") == "error"
+    from mlx_tier.job.documents import discover
+
+    surrogate = tmp_path / "s.jsonl"  # a JSONL text with a lone surrogate (JSON's "\ud800")
+    surrogate.write_text('{"id": "s", "text": "Owls \\ud800 hoot."}\n')
+    assert short_reason(discover(surrogate)[0].error) == "bad text"
 
     # a user trial: a request refused for an unsupported parameter showed "failed: error"
     from mlx_tier.job import batch_api
@@ -487,3 +492,25 @@ def test_a_plan_range_of_one_value_prints_once():
 
     assert _span(16.761, 16.759, ".2f") == "16.76" and _span(0.5, 0.504, ".0%") == "50%"
     assert _span(3.2, 16.76, ".2f") == "3.20-16.76"
+
+
+def test_an_error_is_wrapped_on_a_terminal_and_one_line_in_a_log(monkeypatch):
+    """A user trial: `--memory-gb 0.1` printed a 233-character error line on an 80-column
+    terminal (cut mid-word by the terminal). On a terminal it is wrapped between words; to a
+    file or pipe it stays one line, to find with grep."""
+    import io
+
+    from rich.console import Console
+
+    import mlx_tier.cli.render as render
+
+    message = ("0.10 GiB (--memory-gb) is too little for this model: it needs runtime 0.39 + dense part 0.05 + "
+               "workspace 0.08 + MLX buffers 0.03 + margin 0.12 + KV of one 512-token sequence 0.03 + one expert "
+               "slot per MoE layer 0.06 = 0.76 GiB")
+    for terminal, lines in ((True, 3), (False, 1)):
+        buf = io.StringIO()
+        monkeypatch.setattr(render, "err", Console(file=buf, width=80, force_terminal=terminal, color_system=None))
+        render.print_error(message)
+        said = buf.getvalue().splitlines()
+        assert len(said) == lines and all(len(x) <= 80 for x in said[:lines if terminal else 0]), said
+        assert " ".join(" ".join(said).split()) == f"error: {message}"

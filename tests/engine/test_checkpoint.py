@@ -224,6 +224,12 @@ def test_a_folder_without_config(tiny_moe, tmp_path):
     run_and_plan_fail(folder, tmp_path, "no config.json")
 
 
+def test_a_file_given_as_the_model_is_said_to_be_a_file(tmp_path):
+    """A user trial: `plan afile` said "no config.json" for a plain file."""
+    (tmp_path / "afile").write_text("x")
+    run_and_plan_fail(tmp_path / "afile", tmp_path, "afile: is a file, not a folder")
+
+
 def _with_config(src, dst, **changes):
     folder = shutil.copytree(src, dst)
     config = json.loads((folder / "config.json").read_text())

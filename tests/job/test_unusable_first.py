@@ -132,7 +132,7 @@ def test_a_jsonl_line_that_failed_empty_is_retried_once_its_text_is_given(tmp_pa
 def test_a_jsonl_text_that_is_not_unicode_fails_alone_and_an_id_that_is_not_is_refused(tmp_path, small_moe):  # noqa: F811
     """A user trial: a JSONL line whose text held a lone surrogate (JSON's "\\ud800" escape, no
     UTF-8 encodes it) ended the run in a traceback, before anything was written. That document
-    now fails alone as the run starts; an id holding one, or a blank id (it became "doc"), is
+    now fails alone as the run starts; an id holding one (it names the summary's file) is
     refused with one line."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out"
     src.write_text('{"id": "s1", "text": "Owls \\ud800 hoot."}\n'
@@ -142,8 +142,7 @@ def test_a_jsonl_text_that_is_not_unicode_fails_alone_and_an_id_that_is_not_is_r
         output
     assert (out / "s2.md").exists() and read_status(out).failed == 1
     for line, said in [('{"id": "a\\udc80", "text": "abc"}', '"id" is not valid Unicode'),
-                       ('{"id": "", "text": "abc"}', '"id" is blank'), ('{"custom_id": " ", "text": "abc"}',
-                                                                      '"custom_id" is blank')]:
+                       ('{"custom_id": "\\ud83d", "text": "abc"}', '"custom_id" is not valid Unicode')]:
         src.write_text(line + "\n")
         r = runner.invoke(app, ["run", str(src), "--out", str(tmp_path / "o2"), "--model", str(small_moe)])
         errors = [x for x in r.output.splitlines() if x.startswith("error:")]

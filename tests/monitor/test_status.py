@@ -625,6 +625,18 @@ def test_a_rerun_loading_its_model_is_starting_not_the_last_run_still_running(tm
     assert read_status(out).state == "finished"
 
 
+def test_a_first_run_loading_its_model_is_starting_with_no_run_before_it(tmp_path):
+    from mlx_tier.outdir.jobdir import JobDir
+
+    out = tmp_path / "out"
+    with JobDir(out):  # created now: no journal yet
+        s = read_status(out)
+        assert (s.state, s.pid, s.total) == ("starting", os.getpid(), None)
+        words = " ".join(runner.invoke(app, ["status", str(out)], env={"COLUMNS": "200"}).output.split())
+        assert "loading its model" in words and "run before" not in words, words
+        assert "finding the documents and loading the model" in words and "figures below" not in words
+
+
 def test_a_lock_of_an_older_version_or_another_host_reads_as_running(tmp_path):
     """A lock file that says nothing (an older version's) or a start record of another host (a
     distributed run's rank, another clock): no claim that a run is still loading."""
