@@ -10,7 +10,7 @@ GIB = 1024**3
 def seconds_text(seconds: float) -> str:
     """``"0.4 s"`` under 10 s (a short run's figures then do not read "over 0 s"), else
     ``"42 s"``."""
-    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    return f"{seconds:.1f} s" if round(seconds, 1) < 10 else f"{seconds:.0f} s"  # 9.96 s is "10 s"
 
 
 def duration_text(seconds: float) -> str:
@@ -54,6 +54,8 @@ def percent_text(fraction: float) -> str:
     """A share in whole percents, but never rounded to 0% or 100% when it is neither:
     ``"37%"``, ``"99.6%"`` (not "100%"), ``"99.9%"`` for 0.9996, ``"0.4%"``, ``"<0.1%"``."""
     p = fraction * 100
+    if p != p:  # NaN: no lookups to share
+        return "?"
     if p <= 0 or p >= 100 or 1 <= p < 99:
         return f"{p:.0f}%"
     if p >= 99:
@@ -63,4 +65,5 @@ def percent_text(fraction: float) -> str:
 
 def mib_text(nbytes: int) -> str:
     """A size in whole MiB, in KiB below 1 MiB (221,184 bytes are "216 KiB", not "0 MiB")."""
-    return f"{nbytes / MIB:.0f} MiB" if nbytes >= MIB or nbytes == 0 else f"{math.ceil(nbytes / KIB)} KiB"
+    kib = math.ceil(nbytes / KIB)
+    return f"{nbytes / MIB:.0f} MiB" if kib >= 1024 or nbytes == 0 else f"{kib} KiB"

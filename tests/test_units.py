@@ -32,7 +32,8 @@ def test_shares_sizes_and_small_rates_never_round_to_what_they_are_not():
 
     assert [percent_text(f) for f in (0, 0.366, 0.99, 0.994, 0.996, 0.9996, 1, 0.004, 0.0004, 0.0104)] == \
         ["0%", "37%", "99.0%", "99.4%", "99.6%", "99.9%", "100%", "0.4%", "<0.1%", "1%"]
-    assert [mib_text(n) for n in (0, 100, 221_184, 2**20, 5 * 2**20 + 1)] == \
-        ["0 MiB", "1 KiB", "216 KiB", "1 MiB", "5 MiB"]
+    assert [mib_text(n) for n in (0, 100, 221_184, 2**20 - 1, 2**20, 5 * 2**20 + 1)] == \
+        ["0 MiB", "1 KiB", "216 KiB", "1 MiB", "1 MiB", "5 MiB"]
+    assert percent_text(float("nan")) == "?"
     assert [rate_text(r) for r in (0, 0.04, 0.0004, 0.05, 0.69, 9.96, 212.4)] == \
         ["0.0", "0.04", "0.0004", "0.1", "0.7", "10", "212"]

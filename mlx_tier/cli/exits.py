@@ -56,7 +56,8 @@ def _empty_argument(args: list[str]) -> str | None:
     for k, arg in enumerate(args):
         if arg == "--":
             return None
-        flag = arg[:-1] if arg.startswith("--") and arg.endswith("=") else None
+        name, eq, value = arg.partition("=")
+        flag = name if arg.startswith("--") and eq and not value else None  # `--out=`, not `--out=b=`
         if arg == "" or flag:
             after = flag or (args[k - 1] if k and args[k - 1].startswith("-") and args[k - 1] != "-" else None)
             what = f"{after} is empty" if after else \

@@ -83,7 +83,8 @@ def _status_table(s, out_dir: Path) -> Table:
                       f"{s.done_this_run} done, {s.finished_this_run - s.done_this_run} failed in "
                       f"{seconds_text(s.elapsed_seconds)} of generation{loading}{left}")
     # finished summaries only: the tokens of those being written are in the "writing" rows
-    speed = f"none {which} (no model loaded)" if s.no_model else \
+    speed = f"none {which} (no model loaded)" if s.no_model else "none yet (its model is loading)" \
+        if s.starting and s.started is None else \
         (f"{rate_text(s.documents_per_hour)} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s {which} "
          f"(its finished {s.noun}s over its generation time)")
     t.add_row("speed", f"{speed}; {tokens_text(s.output_tokens)} in the job's finished {s.noun}s")

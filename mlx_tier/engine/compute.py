@@ -6,9 +6,9 @@ same model either), so a job records them with each summary and compares them wi
 the next run's before that run loads anything (:mod:`mlx_tier.job.provenance`).
 
 :func:`planned_compute` follows :func:`mlx_tier.engine.load.load`'s choice:
-:func:`mlx_tier.kernels.registry.choose` for the kernel, from the checkpoint's
-``config.json`` instead of the loaded blocks (``auto`` takes MLX's ops where the CPU
-kernel lacks the experts' quantization mode), and
+:func:`mlx_tier.kernels.registry.choose` for the kernel (``auto`` takes MLX's ops where
+the CPU kernel lacks the experts' quantization mode: seen in ``config.json``, and where it
+names such a mode, from the checkpoint's expert blocks, opened lazily), and
 :func:`mlx_tier.engine.dtypes.compute_dtype` for the cast.
 """
 
@@ -47,6 +47,21 @@ def cpu_kernel_lacks(model_dir: Path | None) -> bool:
         return False
 
 
+def _choice_of_blocks(name: str, model_dir: Path, two: bool) -> str:
+    """The load's own choice (:func:`mlx_tier.kernels.registry.choose`) from the checkpoint's
+    expert blocks, opened lazily (no weight read): asked only when ``config.json`` gives some
+    layer a mode the CPU kernel lacks, which may be a layer that is not an expert's.
+    ``"mlx"`` when the checkpoint cannot be opened (the load then says why)."""
+    from mlx_tier.engine.checkpoint import open_checkpoint
+    from mlx_tier.errors import MlxTierError
+    from mlx_tier.kernels.registry import choose
+
+    try:
+        return choose(name, [b for _, b in open_checkpoint(Path(model_dir)).blocks], two)
+    except (MlxTierError, OSError, ValueError):
+        return "mlx"
+
+
 def planned_compute(kernel: str | None, dtype, host_cache_gb: float | None, model_dir: Path | None) -> dict:
     """:func:`compute_fields` of the model ``load`` would build from ``model_dir`` with
     ``TierConfig(kernel=kernel, dtype=dtype, host_cache_gb=host_cache_gb)``.
@@ -60,5 +75,5 @@ def planned_compute(kernel: str | None, dtype, host_cache_gb: float | None, mode
     two = two_tiers(host_cache_gb, backend_of())
     chosen = "cpu" if two and name == "auto" else resolve(name)
     if chosen == "cpu" and name == "auto" and cpu_kernel_lacks(model_dir):
-        chosen = "mlx"
+        chosen = _choice_of_blocks(name, model_dir, two)
     return compute_fields(chosen, compute_dtype(dtype, chosen, two))

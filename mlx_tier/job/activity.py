@@ -169,6 +169,8 @@ def announce(scheduler: Scheduler, reporter: Reporter) -> None:
     why = "`batch_size`" if source == "batch_size" else source
     if source == "batch_size, memory headroom":
         why = f"`batch_size` {scheduler.config.batch_size:,} cut to what memory holds"
+    if source == "batch_size, pool plan":  # the throughput schedule: more would only wait for memory
+        why = f"`batch_size` {scheduler.config.batch_size:,} cut to the most a pool plan takes"
     reporter.message(f"batch size {scheduler.batch_size} ({why}), usable context {scheduler.context} tokens")
     asked = scheduler.config.context
     if asked and asked > scheduler.context:  # a user trial: --context 100000 became 8192 unsaid

@@ -148,6 +148,8 @@ def _request(obj: object, n: int, where: str) -> BatchRequest:
     custom_id, method, url, body = (obj[k] for k in LINE_KEYS)
     if not isinstance(custom_id, str) or not custom_id:
         raise InputError(f'{where}: "custom_id" must be a non-empty string')
+    if (bad := _lone_surrogate(custom_id)) is not None:
+        raise InputError(f'{where}: "custom_id" is not valid Unicode (a lone surrogate, {bad!r})')
     if method != "POST":
         raise InputError(f'{where}: "method" must be "POST", got {method!r}')
     if url not in ENDPOINTS:
@@ -170,6 +172,9 @@ def plan(url: str, body: dict) -> Plan:
         if key not in RUN[url] and key not in BOOKKEEPING and not _changes_nothing(key, value):
             raise RequestError(f"unsupported parameter `{key}` (mlx-tier does not implement it); remove it "
                                "or set it to its default", key, "unsupported_parameter")
+    for key, value in body.items():
+        if (bad := _lone_surrogate(value)) is not None:  # JSON's "\ud800" escape: no tokenizer encodes it
+            raise RequestError(f"`{key}` holds a lone surrogate ({bad!r}): not valid Unicode", key)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return Plan(
         max_tokens=_integer(body, limit, 1, None),
@@ -178,6 +183,14 @@ def plan(url: str, body: dict) -> Plan:
         messages=chat_messages(body) if url == CHAT else None,
         prompt=completion_prompt(body) if url == COMPLETIONS else None,
     )
+
+
+def _lone_surrogate(value: object) -> str | None:
+    """The first lone surrogate in a JSON value's strings (keys included), ``None`` without."""
+    if isinstance(value, str):
+        return next((c for c in value if "\ud800" <= c <= "\udfff"), None)
+    items = [*value, *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
+    return next((bad for v in items if (bad := _lone_surrogate(v)) is not None), None)
 
 
 def _changes_nothing(key: str, value: object) -> bool:

@@ -141,12 +141,16 @@ def decode_text(data: bytes) -> Converted:
 # cp1252's punctuation (€ ‚ „ … † ‡ ‰ ‹ › ‘ ’ “ ” • – — ™) and Latin-1's signs.
 _WESTERN_SIGNS = frozenset("€‚„…†‡‰‹›‘’“”•–—™\xa0¡¢£¤¥¦§¨©ª«¬\xad®¯°±²³´µ¶·¸¹º»¼½¾¿×÷")
 _IN_WORDS = frozenset("’·\xad")  # signs that do sit between letters: don’t, Catalan l·l, a soft hyphen
+# Three letters beyond ASCII in a row: rare in Western words (größte, créée, ações have two),
+# the rule in a Cyrillic, Greek or Hebrew word read as cp1252 (ч and ё read as ÷ and ¸: signs).
+_FOREIGN_RUN = re.compile(r"(?:[^\x00-\x7f]){3}")
 
 
 def _western(data: bytes) -> bool:
     """Whether ``data`` read as cp1252 is plainly Western European text: it decodes, its
     letters are mostly ASCII (at most 1 in 4 beyond: a Cyrillic or Greek text read as
-    cp1252 is all accented letters), and each other character beyond ASCII is one of
+    cp1252 is all accented letters), no three characters beyond ASCII stand in a row (a
+    Cyrillic word in an English text), and each other character beyond ASCII is one of
     :data:`_WESTERN_SIGNS`, not inside a word (Polish "wiêcej" read from cp1250 has "³"
     and "¹" between letters)."""
     try:
@@ -156,6 +160,8 @@ def _western(data: bytes) -> bool:
     letters = [c for c in text if c.isalpha()]
     beyond = sum(1 for c in letters if not c.isascii())
     if not beyond and text.isascii() or beyond * 4 > len(letters):
+        return False
+    if _FOREIGN_RUN.search(text):  # "Ñåâåðíûé": a Cyrillic word in an English text read as cp1252
         return False
     for k, c in enumerate(text):
         if c.isascii() or c.isalpha():

@@ -71,6 +71,7 @@ from mlx_tier.job.prompts import (
 )
 from mlx_tier.job.quantized_kv import quantized_copy
 from mlx_tier.outdir.parts import KeptCall, PartStore
+from mlx_tier.tools.pools import MAX_DECODE_POOL
 
 # Fewest tokens of document text one call must have room for.
 MIN_TEXT_TOKENS = 16
@@ -345,8 +346,11 @@ class Scheduler:
         self.pool_tokens = config.pool_tokens or DEFAULT_PREFILL_STEP
         self.prefill_batch = config.prefill_batch or 1
         self._longest = (predicted_tokens(longest_chars, None) if longest_chars else self.context) + len(self.prefix) + 16
-        # an asked batch is an upper bound: no more sequences than memory holds for these documents
-        asked = min(config.batch_size, self._memory_batch(longest_chars, config.batch_size)) \
+        # an asked batch is an upper bound: no more sequences than memory holds for these documents;
+        # the throughput schedule admits a sequence when its KV cache fits (the others wait), so
+        # there none beyond its plan's most or what memory could hold of the shortest sequences
+        asked = min(config.batch_size, self._memory_batch(longest_chars, config.batch_size)
+                    if config.schedule != "throughput" else self._most_pooled(config.batch_size)) \
             if config.batch_size else None
         if config.schedule == "throughput":
             self.batch_size = self._plan_pools(typical_chars or longest_chars, documents, samples, asked)
@@ -359,7 +363,8 @@ class Scheduler:
             "batch_size": self.batch_size,
             # the setting, or why (an asked batch memory cut: both)
             "batch_size_from": "memory headroom" if not config.batch_size
-            else "batch_size" if self.batch_size == config.batch_size else "batch_size, memory headroom",
+            else "batch_size" if self.batch_size == config.batch_size else "batch_size, memory headroom"
+            if config.schedule != "throughput" or self.batch_size > MAX_DECODE_POOL else "batch_size, pool plan",
             "usable_context": self.context,
             "context_limited_by_memory": self.context < context,
             "shared_prefix_tokens": len(self.prefix) if self._prefix() else 0,
@@ -421,7 +426,7 @@ class Scheduler:
         size the user gave kept (``batch_size``: the asked one as memory holds it), for
         documents of ``chars`` characters at the ``samples``' characters per token; returns the
         decode pool (the engine's batch size)."""
-        from mlx_tier.tools.pools import MAX_DECODE_POOL, choose_pools
+        from mlx_tier.tools.pools import choose_pools
 
         c = replace(self.config, batch_size=batch_size)
         priced = None if c.batch_size and c.pool_tokens and c.prefill_batch else self.step_model()
@@ -513,6 +518,13 @@ class Scheduler:
 
     def _prefix(self) -> PrefixCache | None:
         return self.prefix if self.config.reuse_prefix and len(self.prefix) > 1 else None
+
+    def _most_pooled(self, limit: int) -> int:
+        """The most sequences the throughput schedule's engine is given (at most ``limit``): its
+        pool plan's most (:data:`~mlx_tier.tools.pools.MAX_DECODE_POOL`), or more where memory
+        could hold more sequences of the shortest prompt and ``max_tokens``."""
+        shortest = len(self.prefix) + 16 + self.config.max_tokens
+        return min(limit, max(MAX_DECODE_POOL, self.plan.batch_size(shortest, limit)))
 
     def _memory_batch(self, longest_chars: int | None, limit: int = MAX_AUTO_BATCH) -> int:
         """The batch memory allows for sequences as long as the documents need (at most

@@ -94,6 +94,7 @@ def numbers_section(view: dict) -> str:
     cells = "".join(_number(*item) for item in items)
     done = "requests answered" if noun == "request" else "documents summarised"
     whose = ("The last run had nothing to do; the rates of the run before it" if s.get("idle_rerun")
+             else "A run is loading its model; no rates yet" if s.get("starting") and s.get("started") is None
              else "A run is loading its model; the rates of the run before it" if s.get("starting")
              else "This run's rates")
     note = f"{whose}: {done} per hour and output tokens per second, {DEFINITION}."

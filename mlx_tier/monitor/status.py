@@ -637,7 +637,7 @@ def status_and_journal(out_dir: Path, now: float | None = None,
         prompts=prompt_texts(entries),
         redoing=[i for i in ids if i in redoing and (latest[i].get("status") == "done" or i in retried)],
         noun="request" if any((out_dir / name).exists() for name in (BATCH_OUTPUT, BATCH_ERRORS)) else "document",
-        idle_rerun=idle,
+        idle_rerun=idle and not starting,  # a run loading now is "this run", not the idle one before it
         starting=starting,
         # a start record of this version (``reports``) names the model it loaded; a run that loaded none names none
         no_model=info is not None and info.reports is True and info.model is None and bool(info.todo) and not idle,

@@ -447,3 +447,12 @@ def test_an_empty_argument_is_refused_not_read_as_the_current_folder(argv, said,
     assert r.exit_code == 2 and len(errors) == 1 and said in errors[0], r.output
     assert "an unset shell variable?" in " ".join(r.output.split())
     assert not list(tmp_path.iterdir())  # nothing read or written
+
+
+def test_a_value_ending_in_an_equals_sign_is_not_empty():
+    """A review: `--out=/tmp/x/b=` (a folder named `b=`) was refused as an empty --out."""
+    from mlx_tier.cli.exits import _empty_argument
+
+    assert _empty_argument(["run", "docs", "--out=/tmp/x/b=", "--prompt=Reply as key="]) is None
+    assert _empty_argument(["run", "docs", "--", ""]) is None  # after `--`: not ours to judge
+    assert "--out is empty" in _empty_argument(["run", "docs", "--out="])

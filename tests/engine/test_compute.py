@@ -62,3 +62,29 @@ def test_compute_fields_name_the_cast():
     assert compute_fields("mlx", None) == {"kernel": "mlx", "dtype": "as stored"}
     assert compute_fields("mlx", "bfloat16") == {"kernel": "mlx", "dtype": "bfloat16"}
     assert dtype_name(mx.bfloat16) == "bfloat16"
+
+
+@on_cpu
+def test_a_mode_on_a_layer_that_is_no_experts_leaves_the_cpu_kernel_as_the_load_does(tmp_path, monkeypatch):
+    """A review: `config.json` naming mxfp8 for one attention projection (the experts affine 4-bit)
+    was planned as MLX's kernel while the load, which looks at the expert blocks, chose the CPU
+    kernel: every rerun would have said "written with another --kernel". Where config.json names
+    such a mode, the expert blocks decide, opened lazily as the load opens them."""
+    from types import SimpleNamespace
+
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    import mlx_tier.engine.checkpoint as checkpoint
+    from mlx_tier.kernels.registry import choose
+
+    mixed = _model(tmp_path / "m", {"quantization": {"group_size": 64, "bits": 4, "mode": "affine",
+                                                     "model.layers.0.self_attn.q_proj": {"bits": 8, "mode": "mxfp8"}}})
+    affine = SwitchGLU(128, 256, 4)
+    nn.quantize(affine, group_size=64, bits=4)
+    fp8 = SwitchGLU(128, 256, 4)
+    nn.quantize(fp8, group_size=32, bits=8, mode="mxfp8")
+    for block in (affine, fp8):
+        monkeypatch.setattr(checkpoint, "open_checkpoint", lambda path, b=block: SimpleNamespace(blocks=[("e", b)]))
+        assert planned_compute("auto", mx.float32, None, mixed)["kernel"] == choose("auto", [block], False)
+    assert choose("auto", [affine], False) == "cpu" and choose("auto", [fp8], False) == "mlx"

@@ -230,6 +230,11 @@ def test_western_text_with_a_euro_sign_is_read_as_cp1252(text):
     ("Příliš žluťoučký kůň úpěl ďábelské ódy. Zítra budeme v Praze.", "cp1250"),
     ("Привет, как дела? Всё хорошо, спасибо.", "cp1251"),
     ("Καλημέρα κόσμε, τι κάνεις σήμερα;", "cp1253"),
+    # a review: a few Russian words in an English text (each a run of accented letters read as cp1252)
+    ("The quarterly meeting reviewed the budget and the hiring plan. Our partners call the project "
+     "«Северный поток» and the report «Годовой отчёт». Everyone agreed to revisit the numbers.", "cp1251"),
+    ("The meeting reviewed the budget and the plan for the year. Итоги: продажи выросли, прибыль тоже. "
+     "Everyone agreed to revisit the numbers in two weeks and to share the draft.", "cp1251"),
 ])
 def test_other_8_bit_texts_are_not_taken_for_cp1252(text, encoding):
     """Cyrillic or Greek read as cp1252 is all accented letters; Polish has signs between letters."""

@@ -624,8 +624,16 @@ def test_an_asked_batch_is_cut_to_what_memory_holds(tiered, tiny_moe, monkeypatc
     # 99,999,999,999,999,999,999 sequences decoding together", then decoded 7
     huge = replace(config, batch_size=10**20, schedule="throughput", pool_tokens=64, prefill_batch=1)
     pooled = Scheduler(model, tokenizer, tiny_moe, 4096, huge, longest_chars=1200)
-    assert pooled.batch_size == default.batch_size and pooled.info["batch_size_from"] == "batch_size, memory headroom"
+    assert pooled.batch_size == 64 and pooled.info["batch_size_from"] == "batch_size, pool plan"  # memory: fewer
     lines = []
     announce(pooled, SimpleNamespace(message=lines.append))
-    assert lines[0].startswith(f"batch size {pooled.batch_size} (`batch_size` {10**20:,} cut to what memory holds)")
+    assert lines[0].startswith(f"batch size 64 (`batch_size` {10**20:,} cut to the most a pool plan takes)")
     assert f"up to {pooled.batch_size} sequences decoding together" in " ".join(lines), lines
+    # a review: the throughput schedule sizes its pools for the typical document (a longer one waits
+    # for room), so an asked batch is cut by what memory holds for those: asking for the default's
+    # own size with one long document among short ones gave 1
+    base = GenerationConfig("Summarise this.", 8, schedule="throughput")
+    kw = dict(longest_chars=6000, typical_chars=300, documents=200)
+    plain = Scheduler(model, tokenizer, tiny_moe, 4096, base, **kw)
+    same = Scheduler(model, tokenizer, tiny_moe, 4096, replace(base, batch_size=plain.batch_size), **kw)
+    assert plain.batch_size > 1 and same.batch_size == plain.batch_size, (plain.batch_size, same.batch_size)

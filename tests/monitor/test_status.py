@@ -635,6 +635,30 @@ def test_a_first_run_loading_its_model_is_starting_with_no_run_before_it(tmp_pat
         words = " ".join(runner.invoke(app, ["status", str(out)], env={"COLUMNS": "200"}).output.split())
         assert "loading its model" in words and "run before" not in words, words
         assert "finding the documents and loading the model" in words and "figures below" not in words
+        assert "none yet (its model is loading)" in words and "that run" not in words, words  # a review
+        from mlx_tier.monitor.page import render_page
+        from mlx_tier.monitor.view import build_view
+
+        page = render_page(build_view(out))
+        assert "no rates yet" in page and "the rates of the run before it" not in page
+
+
+def test_a_run_loading_after_an_idle_rerun_is_this_run_not_the_idle_one(tmp_path):
+    """A review: status showed two "this run" rows, "nothing to do" and "loading its model"."""
+    from mlx_tier.outdir.jobdir import JobDir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    JobInfo(input="docs", ids=["a"], todo=["a"], started=time.time() - 100, pid=4321, host=_host()).write(
+        Journal(out))
+    Journal(out).append({"id": "a", "status": "done", "output_tokens": 5, "time": time.time() - 90})
+    Journal(out).append({"event": "triaged", "ids": ["a"], "todo": []})  # a rerun with nothing to do
+    assert read_status(out).idle_rerun
+    with JobDir(out):
+        s = read_status(out)
+        assert (s.state, s.idle_rerun, s.starting) == ("starting", False, True)
+        r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "200"})
+        assert "nothing to do" not in r.output and "loading its model" in r.output, r.output
 
 
 def test_a_lock_of_an_older_version_or_another_host_reads_as_running(tmp_path):

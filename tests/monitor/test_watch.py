@@ -482,7 +482,7 @@ def test_the_page_gives_durations_as_the_terminal_does():
     from mlx_tier.monitor.page import fmt_seconds
 
     assert [fmt_seconds(s) for s in (None, 0.4, 9.96, 42.4, 179, 3599.6, 3600, 11_100)] == \
-        ["unknown", "0.4 s", "10.0 s", "42 s", "2 min 59 s", "1 h 00 min", "1 h 00 min", "3 h 05 min"]
+        ["unknown", "0.4 s", "10 s", "42 s", "2 min 59 s", "1 h 00 min", "1 h 00 min", "3 h 05 min"]
 
 
 def test_the_page_reads_the_journal_once(tmp_path, monkeypatch):
