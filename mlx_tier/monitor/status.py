@@ -499,6 +499,12 @@ def _as_triaged(info: JobInfo | None, entries: list[dict]) -> tuple[JobInfo | No
     return info, False
 
 
+def _throttled_seconds(entries: list[dict], info: JobInfo | None) -> float:
+    """Seconds the last run was throttled or paused, from its records' ``throttled_seconds``."""
+    return round(float(sum(r["throttled_seconds"] for r in _run_records(entries, info)
+                           if isinstance(r.get("throttled_seconds"), (int, float)))), 3)
+
+
 def _partial_tokens(entries: list[dict], info: JobInfo | None) -> int:
     """Tokens the last run wrote for long documents it stopped before finishing (its
     ``stopped`` record's ``partial_tokens``): in its speeds, as in report.json's."""
@@ -595,9 +601,6 @@ def status_and_journal(out_dir: Path, now: float | None = None,
     # a failed document a plain run set out to retry (its source changed) is pending until tried
     retried = redoing if info is not None and info.retry_failed is False else set()
     failures = [_failure(i, latest[i]) for i, s in zip(ids, states) if s == "failed" and i not in retried]
-    throttled = sum(r["throttled_seconds"] for r in _run_records(entries, info)
-                    if isinstance(r.get("throttled_seconds"), (int, float)))
-
     started = info.started if info is not None else None
     # read after the lock probe (a run ending now removes it first); one of an earlier run is not this one's
     progress = read_progress(out_dir, started, info.run if info is not None else None) if not starting else None
@@ -619,7 +622,7 @@ def status_and_journal(out_dir: Path, now: float | None = None,
         todo_left=todo_left,
         output_tokens=sum(int(r.get("output_tokens", 0)) for r in done),
         run_output_tokens=sum(map(generated_tokens, mine)) + _partial_tokens(entries, info),
-        throttled_seconds=round(float(throttled), 3),
+        throttled_seconds=_throttled_seconds(entries, info),
         thermal=_thermal(entries, info),
         started=started,
         elapsed_seconds=round(elapsed, 3),
