@@ -20,7 +20,9 @@ from pathlib import Path
 from mlx_tier.engine.budgets import backend_of, two_tiers
 from mlx_tier.engine.dtypes import compute_dtype
 
-LIBRARY_KERNEL = "mlx"  # load()'s kernel when its config names none: MLX's ops, equal to mlx-lm's
+# The kernel load() uses when TierConfig.kernel is None: MLX's own ops, whose greedy tokens
+# equal mlx-lm's exactly (the job runner's default is defaults.JOB_KERNEL).
+LIBRARY_KERNEL = "mlx"
 
 
 def dtype_name(dtype) -> str:

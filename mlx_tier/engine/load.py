@@ -57,9 +57,7 @@ DEFAULT_BUDGET_FRACTION = tier_budgets.DEFAULT_FRACTION
 
 # Prefetch off by default (why: mlx_tier.defaults).
 DEFAULT_PREFETCH = defaults.DEFAULT_PREFETCH
-# The kernel load() uses when TierConfig.kernel is None (LIBRARY_KERNEL, from
-# mlx_tier.engine.compute): MLX's own ops, whose greedy tokens equal mlx-lm's exactly
-# (the job runner's default is defaults.JOB_KERNEL).
+
 
 @dataclass(frozen=True)
 class TierConfig:

@@ -35,6 +35,7 @@ import secrets
 from dataclasses import dataclass
 
 from mlx_tier.errors import InputError, RequestError
+from mlx_tier.job.doc_text import surrogate_at
 from mlx_tier.job.prompts import build_chat_prompt
 from mlx_tier.job.sampling import Sampling
 
@@ -188,7 +189,7 @@ def plan(url: str, body: dict) -> Plan:
 def _lone_surrogate(value: object) -> str | None:
     """The first lone surrogate in a JSON value's strings (keys included), ``None`` without."""
     if isinstance(value, str):
-        return next((c for c in value if "\ud800" <= c <= "\udfff"), None)
+        return None if (k := surrogate_at(value)) is None else value[k]
     items = [*value, *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
     return next((bad for v in items if (bad := _lone_surrogate(v)) is not None), None)
 

@@ -89,6 +89,16 @@ def _binary(text: str) -> bool:
     return bad > max(2, len(text) // 100)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def surrogate_at(text: str) -> int | None:
+    """Index of the first lone surrogate in ``text`` (JSON's ``"\\ud800"`` escape gives one:
+    not a character, no UTF-8 encodes it, no tokenizer takes it), ``None`` without."""
+    found = _SURROGATE.search(text)
+    return found.start() if found else None
+
+
 def decode_text(data: bytes) -> Converted:
     """The text of ``data`` (a text file's bytes) in whatever common encoding it is.
 
@@ -378,8 +388,8 @@ def convert_stream(stream: BinaryIO, name: str, suffix: str) -> Converted:
         _reraise_memory_error(e)
         return Converted(None, _failure(e, suffix), label)
     text = result.markdown or ""
-    if any("\ud800" <= c <= "\udfff" for c in text):  # a notebook's "\ud800" escape: not a character
-        text, n = re.subn("[\ud800-\udfff]", "\ufffd", text)  # as an HTML parser reads &#xD800;
+    if surrogate_at(text) is not None:  # a notebook's "\ud800" escape: not a character
+        text, n = _SURROGATE.subn("\ufffd", text)  # as an HTML parser reads &#xD800;
         label += f", {n} lone surrogate{'' if n == 1 else 's'} read as U+FFFD"
     if not text.strip():
         return Converted(None, "no text found (a scanned PDF needs OCR first)" if suffix == ".pdf"

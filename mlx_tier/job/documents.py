@@ -45,6 +45,7 @@ from mlx_tier.job.doc_text import (
     convert_file,
     decode_text,
     open_document,
+    surrogate_at,
 )
 from mlx_tier.job.naming import MAX_ID_BYTES, assign, fold, safe_id
 from mlx_tier.job.provenance import SourceStamp, file_stamp, request_stamp, text_stamp
@@ -537,23 +538,17 @@ def _jsonl_record(obj: object, line: str, where: str) -> tuple[str, str, str]:
         raise InputError(f'{where}: "{name}" must be a string or a number')
     if not isinstance(value, str):  # a number: keep its literal text (1e400 is not "inf")
         value = json.loads(line, parse_int=str, parse_float=str, parse_constant=str)[name]
-    if (k := _surrogate_at(value)) is not None:
+    if (k := surrogate_at(value)) is not None:
         raise InputError(f'{where}: "{name}" is not valid Unicode (a lone surrogate, {value[k]!r}, at character '
                          f'{k + 1}): it names the summary\'s file')
     return name, value, text
-
-
-def _surrogate_at(text: str) -> int | None:
-    """Index of the first lone surrogate in ``text`` (JSON's ``"\\ud800"`` escape gives one:
-    not a character, no UTF-8 encodes it), ``None`` without."""
-    return next((k for k, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
 
 
 def _text_error(text: str) -> str | None:
     """Why a JSONL line's ``text`` cannot be summarised (it fails alone), ``None`` when it can."""
     if not text.strip():
         return "empty text"
-    k = _surrogate_at(text)
+    k = surrogate_at(text)
     return None if k is None else f"text not valid Unicode: a lone surrogate ({text[k]!r}) at character {k + 1}"
 
 

@@ -218,17 +218,12 @@ def unreported_runs(entries, known: set[str]) -> list[dict]:
 
 def _renamed_unrecorded(entries: list[dict]) -> list[dict]:
     """A done record, in the name of the run that wrote it, for each summary a later run
-    recovered (renamed into place, its ``done`` record lost to a kill): built from the last
-    ``writing`` record of that document before its recovery, which carries its figures
-    (:func:`~mlx_tier.job.provenance.writing_record`). The recovering run did not write it."""
-    out, writing = [], {}
-    for rec in entries:
-        if rec.get("event") == "writing" and isinstance(rec.get("doc"), str):
-            writing[rec["doc"]] = rec
-        elif rec.get("recovered") and rec.get("status") == "done" and rec.get("id") in writing:
-            w = writing.pop(rec["id"])
-            out.append({k: v for k, v in w.items() if k not in ("event", "doc")} | {"id": rec["id"], "status": "done"})
-    return out
+    recovered (renamed into place, its ``done`` record lost to a kill): the recovered record,
+    with the figures of the ``writing`` record that vouched for it, names that run
+    (``written_in``). The recovering run did not write it."""
+    return [{k: v for k, v in rec.items() if k not in ("recovered", "written_in")} | {"run": rec["written_in"]}
+            for rec in entries if rec.get("recovered") and rec.get("status") == "done"
+            and isinstance(rec.get("written_in"), str)]
 
 
 def _rebuilt(run: str, start: dict, records: list[dict]) -> dict:

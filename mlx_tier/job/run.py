@@ -647,6 +647,7 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
         made = vouch.get("made_from") or (by_id[i].stamp.as_dict() if by_id[i].stamp is not None else None)
         made = {"made_from": made} if made is not None else {}
         made |= {k: vouch[k] for k in (*SETTINGS_FIELDS, *FIGURES) if k in vouch}
+        made |= {"written_in": vouch["run"]} if isinstance(vouch.get("run"), str) else {}  # the run whose work it is
         journal.append({"id": i, "status": "done", "output": output_name(by_id[i]), "recovered": True,
                         "name": by_id[i].name, **source_field(by_id[i]), **made})
     if batch is None:  # before a copy or a redo would replace them (not those left for a plain rerun)

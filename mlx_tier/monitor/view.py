@@ -192,12 +192,13 @@ def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: di
     for doc_id in ids:
         rec = latest.get(doc_id, {}) if doc_id not in redoing else {}
         status = rec.get("status") if rec.get("status") in ("done", "failed") else "pending"
-        text = answered.get(rec.get("name") or doc_id) if answered else _summary_text(out_dir, rec)
+        text = None if status != "done" else answered.get(rec.get("name") or doc_id) if answered \
+            else _summary_text(out_dir, rec)
         out.append({
             "id": doc_id, "source": sources.get(doc_id) or doc_id, "status": status,
             "input_tokens": rec.get("input_tokens"), "output_tokens": rec.get("output_tokens"),
             "seconds": rec.get("doc_seconds", rec.get("seconds")), "finish_reason": rec.get("finish_reason"), "error": rec.get("error"),
-            "summary": text if status == "done" else None,
+            "summary": text,
             **_written(rec, status),
         })
     return out
