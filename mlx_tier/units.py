@@ -41,6 +41,12 @@ def tokens_text(n: int) -> str:
     return count_text(n, "token")
 
 
+def significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant digits, for a figure written to JSON: 151.2372 is
+    151.2 and 1.2e-9 stays 1.2e-9 (rounding to decimal places would write 0.0)."""
+    return float(f"{value:.{digits}g}") if math.isfinite(value) else value
+
+
 def rate_text(per_hour: float) -> str:
     """A documents/hour figure in whole units, with a decimal below 10: ``"0.7"``, ``"9.4"``,
     ``"212"`` (a prediction of 0.69 is not "1", nor 0.4 "0")."""

@@ -37,3 +37,18 @@ def test_shares_sizes_and_small_rates_never_round_to_what_they_are_not():
     assert percent_text(float("nan")) == "?"
     assert [rate_text(r) for r in (0, 0.04, 0.0004, 0.05, 0.69, 9.96, 212.4)] == \
         ["0.0", "0.04", "0.0004", "0.1", "0.7", "10", "212"]
+
+
+def test_figures_written_to_json_keep_their_magnitude():
+    """A user trial: `plan --doc-tokens 999999999999999 --json` wrote "docs_per_hour": 0.0,
+    the plan's figures rounded to two decimals; they keep four significant digits."""
+    import dataclasses
+
+    from mlx_tier.tools.pools import Rates
+    from mlx_tier.units import significant
+
+    assert [significant(v) for v in (151.2372, 1.234567e-9, 0.0, 123456.7, 2.5e-5)] == \
+        [151.2, 1.235e-9, 0.0, 123500.0, 2.5e-5]
+    assert significant(float("inf")) == float("inf")
+    rates = dataclasses.replace(Rates(1, 2, 3, 4, 5), per_expert_s=2.5e-5)
+    assert rates.as_dict()["per_expert_s"] == 2.5e-5  # was 0.0

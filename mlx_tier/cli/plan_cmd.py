@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
+from mlx_tier.cli import checks
 from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import FLAGS, as_flags, choices, err, out, print_wrapped
 from mlx_tier.defaults import PLAN_DOC_TOKENS
@@ -44,11 +44,10 @@ def plan(
 
     if is_demo(model):  # the built-in demo (built on first use): plan its local folder
         model = str(resolve(model, lambda text: print_wrapped(err, text, style="dim")))
-    if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
-        fail(f"--memory-gb must be a finite positive number of GiB, got {memory_gb}")
-    for flag, rate in (("--disk-gbps", disk_gbps), ("--compute-gbps", compute_gbps)):
-        if rate is not None and not (math.isfinite(rate) and rate > 0):
-            fail(f"{flag} must be a finite positive number of GB/s, got {rate}")
+    checks.gib("--memory-gb", memory_gb)
+    checks.gib("--gpu-gb", gpu_gb)
+    checks.gbps("--disk-gbps", disk_gbps)
+    checks.gbps("--compute-gbps", compute_gbps)
     if Path(model).is_dir() and (compute_gbps is None or doc_tokens):  # its kernel is probed: compiled first
         from mlx_tier.defaults import JOB_KERNEL
         from mlx_tier.kernels.warmup import compile_for
@@ -61,8 +60,6 @@ def plan(
                       kv_bits=kv_bits)
     except (CheckpointError, ConfigError) as e:
         fail(as_flags(str(e)))
-    if gpu_gb is not None and not (math.isfinite(gpu_gb) and gpu_gb > 0):
-        fail(f"--gpu-gb must be a finite positive number of GiB, got {gpu_gb}")
     from mlx_tier.tools.plan_gpu import three_tier_split
 
     split = three_tier_split(p, gpu_gb) if gpu_gb is not None else None

@@ -10,7 +10,6 @@ from :mod:`mlx_tier.kernels`, output formats from :mod:`mlx_tier.outdir.layout`.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import sys
@@ -19,7 +18,7 @@ from types import SimpleNamespace
 
 import typer
 
-from mlx_tier.cli import ranks_cmd
+from mlx_tier.cli import checks, ranks_cmd
 from mlx_tier.cli.exits import (
     EXIT_FAILED_DOCS,
     EXIT_JOB_ERROR,
@@ -164,8 +163,7 @@ def _run(o: SimpleNamespace) -> None:
 
     throttle = _checked_options(o.cache_gb, o.host_cache_gb, o.prewarm, o.policy, o.output_format, o.kernel,
                                 o.model, o.max_temp, o.pause_on_battery, o.min_battery, o.max_tok_s)
-    if o.memory_gb is not None and not (math.isfinite(o.memory_gb) and o.memory_gb > 0):
-        fail(f"--memory-gb must be a finite positive number of GiB, got {o.memory_gb}")
+    checks.gib("--memory-gb", o.memory_gb)
     from_stdin = str(o.input) == "-"
     paths = _stdin_paths() if from_stdin else None
     command = resume_command(o.ctx, o.out_dir, from_stdin)
@@ -244,10 +242,8 @@ def _check_memory(cache_gb: float | None, host_cache_gb: float | None) -> None:
     """--cache-gb and --host-cache-gb against this machine's memories (one line, exit 2)."""
     from mlx_tier.engine.budgets import probe
 
-    if cache_gb is not None and not (math.isfinite(cache_gb) and cache_gb > 0):
-        fail(f"--cache-gb must be a finite positive number of GiB, got {cache_gb}")
-    if host_cache_gb is not None and not (math.isfinite(host_cache_gb) and host_cache_gb >= 0):
-        fail(f"--host-cache-gb must be a finite number of GiB >= 0, got {host_cache_gb}")
+    checks.gib("--cache-gb", cache_gb)
+    checks.gib("--host-cache-gb", host_cache_gb, zero_ok=True)
     mem = probe()
     if host_cache_gb is not None and mem.unified:  # one memory: a warm tier would count it twice
         fail(f"--host-cache-gb needs a CUDA GPU (hot tier in GPU memory, warm in host memory); on the "

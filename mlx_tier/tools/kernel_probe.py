@@ -34,6 +34,7 @@ import numpy as np
 from mlx import nn
 
 from mlx_tier.engine.footprint import ModelShape
+from mlx_tier.units import significant
 
 PROBE_EXPERTS = 16  # experts in the probe block: enough rows per expert, bounded memory
 DECODE_CONTEXT = 256  # cached tokens a decode step's attention reads in the layer probe
@@ -229,7 +230,7 @@ class Predicted:
     prompt_step: int
 
     def as_dict(self) -> dict:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return {k: significant(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 def quant_of(leaf: nn.Module) -> dict | None:

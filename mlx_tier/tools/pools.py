@@ -65,6 +65,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from mlx_tier.engine.footprint import KV_STEP
+from mlx_tier.units import significant
 
 # A slot used by at least this many rows in one call takes the GEMM path where the
 # rows take the float32 loops (mlx_tier.kernels.cpu.GEMM_MIN_ROWS, repeated here: the
@@ -139,7 +140,7 @@ class Rates:
         return nbytes / loop + (nbytes / (self.matvec_gbps * 1e9) - nbytes / loop) / max(rows, 1.0)
 
     def as_dict(self) -> dict:
-        return {k: round(v, 4) for k, v in asdict(self).items()}
+        return {k: significant(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True)
@@ -437,7 +438,7 @@ class PoolPlan:
     document_tokens: int = 0
 
     def as_dict(self) -> dict:
-        return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return {k: significant(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
     def of_calls(self, parts: int, combines: int, combined: PoolPlan | None, document_tokens: int) -> PoolPlan:
         """This plan (a part's call) for a long document of ``document_tokens`` read in ``parts``

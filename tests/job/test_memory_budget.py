@@ -129,16 +129,16 @@ def test_a_plan_for_more_memory_than_here_says_so(one_gib_cgroup, tiny_moe):
     split and the tiers are of it); the table says what this machine has available, and
     that a total beyond it is refused here."""
     args = ["plan", str(tiny_moe), "--disk-gbps", "1", "--compute-gbps", "1", "--memory-gb"]
-    p = json.loads(runner.invoke(app, [*args, "1e9", "--json"]).stdout)
-    assert p["memory_total"] == int(1e9 * GIB)
-    words = " ".join(runner.invoke(app, [*args, "1e9"]).output.replace("│", " ").split())
+    p = json.loads(runner.invoke(app, [*args, "1e5", "--json"]).stdout)  # (1e9: beyond any machine, refused)
+    assert p["memory_total"] == int(1e5 * GIB)
+    words = " ".join(runner.invoke(app, [*args, "1e5"]).output.replace("│", " ").split())
     from mlx_tier import TierConfig
     from mlx_tier.engine.budgets import probe
     from mlx_tier.engine.sizes import may_use_now, run_budget
     from mlx_tier.errors import BudgetError
 
     here = may_use_now(probe().host_available, probe().host_total) / GIB  # what `run --memory-gb` checks
-    assert f"planned total 1000000000.0 GiB (--memory-gb; a run here may use {here:.1f} GiB: a plan for another " \
+    assert f"planned total 100000.0 GiB (--memory-gb; a run here may use {here:.1f} GiB: a plan for another " \
            "machine, `run` here refuses it)" in words, words
     words = " ".join(runner.invoke(app, [*args, "0.5"]).output.replace("│", " ").split())
     assert f"0.5 GiB (--memory-gb; a run here may use {here:.1f} GiB)" in words, words
@@ -166,6 +166,10 @@ def test_plans_total_above_the_available_memory_says_why(one_gib_cgroup, tiny_mo
         r = runner.invoke(app, [*args, flag, bad])  # a user trial: planned 364 documents/hour at 0 tok/s
         got = {"-1": "-1.0", "0": "0.0", "nan": "nan"}[bad]
         assert r.exit_code == 2 and f"{flag} must be a finite positive number of GB/s, got {got}" in r.output, r.output
+    for flag, bad, most in (("--memory-gb", "1e30", "1,048,576 GiB"), ("--gpu-gb", "2e6", "1,048,576 GiB"),
+                            ("--disk-gbps", "1e30", "100,000 GB/s"), ("--compute-gbps", "1e6", "100,000 GB/s")):
+        r = runner.invoke(app, [*args, flag, bad])  # a user trial: a 31-digit GiB figure was planned for
+        assert r.exit_code == 2 and f"{flag} {float(bad):g} is beyond any machine: at most {most}" in r.output, r.output
 
 
 def test_plan_says_how_a_run_would_read_its_experts(one_gib_cgroup, tiny_moe, monkeypatch):
