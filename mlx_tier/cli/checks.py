@@ -24,9 +24,10 @@ def amount(flag: str, value: float | None, unit: str, most: float, zero_ok: bool
         fail(f"{flag} {value:g} is beyond any machine: at most {most:,.0f} {unit}")
 
 
-def gib(flag: str, value: float | None, zero_ok: bool = False) -> None:
-    """:func:`amount` for a memory size in GiB (at most :data:`MOST_GIB`)."""
-    amount(flag, value, "GiB", MOST_GIB, zero_ok)
+def gib(flag: str, value: float | None, zero_ok: bool = False, most: float = MOST_GIB) -> None:
+    """:func:`amount` for a memory size in GiB, at most :data:`MOST_GIB` (``math.inf`` where
+    the command checks it against this machine's memory next, which says more)."""
+    amount(flag, value, "GiB", most, zero_ok)
 
 
 def gbps(flag: str, value: float | None) -> None:

@@ -10,6 +10,7 @@ from :mod:`mlx_tier.kernels`, output formats from :mod:`mlx_tier.outdir.layout`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -163,7 +164,7 @@ def _run(o: SimpleNamespace) -> None:
 
     throttle = _checked_options(o.cache_gb, o.host_cache_gb, o.prewarm, o.policy, o.output_format, o.kernel,
                                 o.model, o.max_temp, o.pause_on_battery, o.min_battery, o.max_tok_s)
-    checks.gib("--memory-gb", o.memory_gb)
+    checks.gib("--memory-gb", o.memory_gb, most=math.inf)  # then against what this process may use
     from_stdin = str(o.input) == "-"
     paths = _stdin_paths() if from_stdin else None
     command = resume_command(o.ctx, o.out_dir, from_stdin)
@@ -242,7 +243,7 @@ def _check_memory(cache_gb: float | None, host_cache_gb: float | None) -> None:
     """--cache-gb and --host-cache-gb against this machine's memories (one line, exit 2)."""
     from mlx_tier.engine.budgets import probe
 
-    checks.gib("--cache-gb", cache_gb)
+    checks.gib("--cache-gb", cache_gb, most=math.inf)  # then against this machine's memory, below
     checks.gib("--host-cache-gb", host_cache_gb, zero_ok=True)
     mem = probe()
     if host_cache_gb is not None and mem.unified:  # one memory: a warm tier would count it twice

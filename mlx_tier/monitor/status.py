@@ -31,6 +31,7 @@ from mlx_tier.outdir.journal import JobInfo, Journal, prompt_texts, written_by
 from mlx_tier.outdir.layout import (
     BATCH_ERRORS,
     BATCH_OUTPUT,
+    LAST_PROGRESS,
     LOCK,
     PID_FILE,
     lock_held,
@@ -406,7 +407,8 @@ def _generation_seconds(this_run: list[dict], entries: list[dict], info: JobInfo
     model loaded (its start record, or its ranks' ``loaded`` records) to now (running), to
     its last document (``complete``: every document of its list finished, as the run's
     report counts it), or to the latest of that, its ``stopped`` record (a first signal)
-    and its last progress (a hard stop)."""
+    and its last progress (a hard stop: its snapshot, or the ``last_progress`` record a
+    later run kept of it)."""
     def clock(event: str) -> list[float]:  # this run's (or its ranks') records of an event, on its clock
         return [r["run_t"] for r in entries if r.get("event") == event and r.get("run") == info.run
                 and isinstance(r.get("run_t"), (int, float))]
@@ -417,7 +419,8 @@ def _generation_seconds(this_run: list[dict], entries: list[dict], info: JobInfo
         now = _run_clock_now(info, progress, clocks)
     else:  # a clean stop removed its progress: its "stopped" record dates the stop
         last = [r["run_t"] for r in this_run if isinstance(r.get("run_t"), (int, float))]
-        now = max(last if complete and last else last + clock("stopped") + [_number(progress, "run_t") or load_t])
+        now = max(last if complete and last else last + clock("stopped") + clock(LAST_PROGRESS)
+                  + [_number(progress, "run_t") or load_t])
     return max((now if now is not None else load_t) - load_t, 0.0)
 
 

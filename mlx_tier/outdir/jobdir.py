@@ -23,6 +23,7 @@ temporary files are live).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -38,6 +39,7 @@ from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import (
     INPUT_LIST,
     JOURNAL,
+    LAST_PROGRESS,
     LOCK,
     LOG_FILE,
     PID_FILE,
@@ -148,7 +150,8 @@ class JobDir:
         self._lock = lock_out_dir(self.path)
         _say_holder(self._lock)
         remove_stale_temps(self.path)  # a killed run's half-written outputs
-        clear_progress(self.path)  # a killed run's progress: this run is not it
+        journal_last_progress(self.path, self.journal_path)  # how far a killed run got, before
+        clear_progress(self.path)  # its progress is cleared: this run is not it
         return self
 
     def __exit__(self, *exc) -> None:
@@ -236,6 +239,28 @@ class ProgressFile:
         with self._lock:
             self._cleared = True
             self.path.unlink(missing_ok=True)
+
+
+def journal_last_progress(out_dir: Path, journal_path: Path) -> None:
+    """Keep how far a run that left its progress files got (a kill: a run ending otherwise
+    removes them) in ``journal_path``: one ``last_progress`` record in its name, with its
+    last snapshot's clock (``run_t``), so that its time is counted to there when its record
+    is rebuilt (:func:`mlx_tier.job.report.unreported_runs`), as `status` counted it before
+    this run cleared the snapshot. Best effort: unreadable snapshots are skipped."""
+    last: dict[str, float] = {}
+    for path in progress_files(out_dir):
+        try:
+            snap = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        run, t = (snap.get("run"), snap.get("run_t")) if isinstance(snap, dict) else (None, None)
+        if isinstance(run, str) and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+            last[run] = max(t, last.get(run, t))
+    if not last or not journal_path.is_file():
+        return
+    journal = Journal(journal_path.parent, name=journal_path.name)
+    for run, t in last.items():
+        journal.append({"event": LAST_PROGRESS, "run": run, "run_t": round(t, 3)})
 
 
 def clear_progress(out_dir: Path) -> None:

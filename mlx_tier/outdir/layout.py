@@ -51,6 +51,8 @@ BATCH_ERRORS = "errors.jsonl"
 REPORT = "report.json"
 REPORT_HTML = "report.html"
 PROGRESS_FILE = "progress.json"
+# The journal record keeping a killed run's last progress snapshot (jobdir.journal_last_progress).
+LAST_PROGRESS = "last_progress"
 LOCK = ".mlx-tier.lock"
 PID_FILE = "run.pid"
 LOG_FILE = "run.log"

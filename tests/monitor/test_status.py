@@ -684,3 +684,35 @@ def _host():
     import socket
 
     return socket.gethostname()
+
+
+def test_a_killed_runs_time_reads_the_same_before_and_after_the_rerun_rebuilds_it(tmp_path):
+    """A user trial: `status` timed a killed run to its last progress snapshot (15 s of
+    generation), and once a rerun had cleared that snapshot, the run's rebuilt record timed
+    it to its last journal record (11 s). The rerun now journals the snapshot's clock in
+    the killed run's name before clearing it, so both read 15 s (a rank's file too)."""
+    from mlx_tier.job.report import unreported_runs
+    from mlx_tier.outdir.jobdir import JobDir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    import socket
+
+    JobInfo(input="docs", ids=["a", "b"], todo=["a", "b"], started=T0, pid=4321, run="killed", run_t=2.0,
+            reports=True, host=socket.gethostname()).write(Journal(out))
+    Journal(out).append({"id": "a", "status": "done", "output_tokens": 30, "run": "killed", "run_t": 11.0})
+    (out / "progress.json").write_text(json.dumps({"time": T0 + 15, "run": "killed", "run_t": 17.0,
+                                                   "in_flight": ["b"]}))
+    (out / "progress-1.json").write_text(json.dumps({"time": T0 + 14, "run": "killed", "run_t": 16.0}))
+    (out / "progress-2.json").write_text("{torn")  # skipped
+    before = read_status(out, now=T0 + 500)
+    assert (before.state, before.elapsed_seconds) == ("interrupted", 15.0)
+    with JobDir(out):  # a rerun takes the folder
+        assert not (out / "progress.json").exists()
+        entries = list(Journal(out).entries())
+        (rebuilt,) = unreported_runs(entries, set())
+        assert (rebuilt["generation_seconds"], rebuilt["seconds"]) == (15.0, 17.0)
+        loading = read_status(out, now=T0 + 600)  # the rerun loading its model: the killed run's figures
+        assert (loading.starting, loading.elapsed_seconds) == (True, 15.0)
+    assert [r for r in entries if r.get("event") == "last_progress"] == [
+        {"event": "last_progress", "run": "killed", "run_t": 17.0, "time": entries[-1]["time"]}]
