@@ -30,11 +30,11 @@ timed with rates measured in this run:
 A long document not started yet counts every call it will take (``calls``:
 its parts, then the calls combining their summaries, each writing up to the
 expected length: :func:`mlx_tier.tools.calls.call_plan`); one being read in
-parts counts the prompts of every call of its current level (the parts read
-so far as read: the scheduler's progress), not yet the summaries its parts
-still have to write nor the levels that combine them (they add work when they
-start); a rank of a job over several ranks counts every pending document, not
-only its share.
+parts counts what that plan, made from its first level's prompt, has left: its
+prompts less those read, and its calls in proportion (a plan packs each part
+into the whole room, so a document split at sentences far smaller than the
+room takes more calls than planned, and its estimate runs short); a rank of a
+job over several ranks counts every pending document, not only its share.
 
 :class:`EtaTracker` is plain state fed by the runner with a clock passed in,
 so it is tested with scripted step sequences; it is ``None`` ("estimating")
