@@ -13,6 +13,7 @@ replaced the same way when the request changed since its answer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -167,8 +168,14 @@ def _custom_id(line: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _encode(line: dict) -> bytes:
-    return json.dumps(line).encode("ascii")  # ASCII JSON, as the journal: any text survives
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def line_bytes(line: dict) -> bytes:
+    """A batch output or error line as written, without its newline: ASCII JSON, as the
+    journal (any text survives)."""
+    return json.dumps(line).encode("ascii")
 
 
 class BatchOutputs:
@@ -176,9 +183,12 @@ class BatchOutputs:
     error files of a batch request file (lines from :mod:`mlx_tier.job.batch_api`).
 
     An ``output.jsonl`` line is the durable unit of a finished request, as ``<id>.md``
-    is of a summary: appended and fsync'ed before the journal's ``done`` record; a
-    rerun that finds a line whose record was lost (a crash between the two) records it
-    instead of running the request again. A line is rewritten only when its request
+    is of a summary: its ``writing`` record journalled, then the line appended and
+    fsync'ed, then the ``done`` record; a rerun that finds a line whose done record was
+    lost (a crash between the two) records it instead of running the request again,
+    when the writing record vouches for that line and for the request as it is now
+    (:func:`~mlx_tier.job.rerun.doubt_answers`); else the request runs again. ``done``:
+    ``custom_id ->`` the sha256 of its answer's line. A line is rewritten only when its request
     changed since (a *stale* answer, :mod:`mlx_tier.job.provenance`) and is redone: the
     file is rewritten whole, atomically, with the new answer in place of the old one's
     line, so the old line stays until the new one is complete; a redo that fails drops
@@ -201,7 +211,9 @@ class BatchOutputs:
 
     def __init__(self, out_dir: Path):
         self.output_path, self.errors_path = Path(out_dir) / BATCH_OUTPUT, Path(out_dir) / BATCH_ERRORS
-        self.done: set[str] = {c for line in _whole_lines(self.output_path) if (c := _custom_id(line)) is not None}
+        # custom_id -> the sha256 of its answer's line: what a writing record vouches for
+        self.done: dict[str, str] = {c: _digest(line) for line in _whole_lines(self.output_path)
+                                     if (c := _custom_id(line)) is not None}
         self.errors: dict[str, bytes] = {c: line for line in _whole_lines(self.errors_path)
                                          if (c := _custom_id(line)) is not None}
 
@@ -213,11 +225,14 @@ class BatchOutputs:
         Raises:
             OSError: the disk is full, or the file cannot be written.
         """
+        data = line_bytes(line)
         if custom_id in self.done and redo:
-            self._rewrite_output(custom_id, _encode(line) + b"\n")
+            self._rewrite_output(custom_id, data + b"\n")
         elif custom_id not in self.done:
-            _append_line(self.output_path, _encode(line) + b"\n")
-            self.done.add(custom_id)
+            _append_line(self.output_path, data + b"\n")
+        else:
+            return
+        self.done[custom_id] = _digest(data)
 
     def add_error(self, custom_id: str, line: dict, redo: bool = False) -> None:
         """Append a failed request's line (:func:`~mlx_tier.job.batch_api.error_line`) unless
@@ -231,9 +246,9 @@ class BatchOutputs:
         """
         if custom_id in self.done and redo:
             self._rewrite_output(custom_id, b"")
-            self.done.discard(custom_id)
+            del self.done[custom_id]
         if custom_id not in self.done and custom_id not in self.errors:
-            data = _encode(line)
+            data = line_bytes(line)
             _append_line(self.errors_path, data + b"\n")
             self.errors[custom_id] = data
 
@@ -257,6 +272,6 @@ class BatchOutputs:
         """
         if set(standing) == set(self.errors):
             return
-        lines = {c: self.errors[c] if c in self.errors else _encode(make()) for c, make in standing.items()}
+        lines = {c: self.errors[c] if c in self.errors else line_bytes(make()) for c, make in standing.items()}
         write_atomic(self.errors_path, b"".join(v + b"\n" for v in lines.values()))
         self.errors = lines

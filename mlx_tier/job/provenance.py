@@ -124,9 +124,9 @@ def writing_record(doc_id: str, made_from: dict | None, data: bytes, settings: d
             **({"made_from": made_from} if made_from is not None else {}), **(settings or {})}
 
 
-def vouched(entries, doc_id: str, output: bytes, now: str | None) -> dict | str | None:
+def vouched(entries, doc_id: str, output: bytes | str, now: str | None) -> dict | str | None:
     """What the journal ``entries`` say of the output of ``doc_id`` whose bytes are
-    ``output`` and whose source hashes to ``now`` (``None``: unknown).
+    ``output`` (or their sha256 in hex) and whose source hashes to ``now`` (``None``: unknown).
 
     Returns:
         the last ``writing`` record (:func:`writing_record`) for exactly these bytes,
@@ -139,7 +139,7 @@ def vouched(entries, doc_id: str, output: bytes, now: str | None) -> dict | str 
     mine = [r for r in entries if r.get("event") == "writing" and r.get("doc") == doc_id]
     if not mine:
         return None
-    digest = hashlib.sha256(output).hexdigest()
+    digest = output if isinstance(output, str) else hashlib.sha256(output).hexdigest()
     match = next((r for r in reversed(mine) if r.get("output_sha256") == digest), None)
     if match is None:
         return "unwritten"

@@ -422,6 +422,32 @@ def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[
         into[:] = [i for i in order if i in waiting]
 
 
+def doubt_answers(tri: Triage, entries: Iterable[dict], digests: dict[str, str | None], by_id: dict,
+                  order: list[str], retry_failed: bool = False) -> None:
+    """Check each batch answer with no ``done`` record (``tri.recovered``: a crash between
+    its line and its record) against the ``writing`` record its run journalled before the
+    line (:func:`~mlx_tier.job.provenance.vouched`). One it vouches for, made from the
+    request as it is now, is adopted with its ``made_from`` and settings
+    (``tri.recovered_from``); any other (made for another version of its request, or no
+    record names its line: an older version's run) is redone, its line replaced (pending
+    and ``stale``, in input order; with ``retry_failed``, left for a plain rerun).
+    ``digests``: id -> the sha256 of its answer's line in ``output.jsonl``."""
+    entries, redo = list(entries), []
+    for i in tri.recovered:
+        stamp = by_id[i].stamp
+        said = vouched(entries, i, digests.get(i) or "", stamp.sha256 if stamp is not None else None)
+        if isinstance(said, dict):
+            tri.recovered_from[i] = said
+        else:
+            redo.append(i)
+    if redo:
+        tri.recovered[:] = [i for i in tri.recovered if i not in redo]
+        tri.stale[:] = [i for i in order if i in set(tri.stale) | set(redo)]
+        into = tri.left if retry_failed else tri.pending
+        waiting = set(into) | set(redo)
+        into[:] = [i for i in order if i in waiting]
+
+
 def _undone(tri: Triage, i: str) -> None:
     """Take ``i`` out of the done and stale documents (and their notes): its output is not
     what its record says."""

@@ -76,7 +76,7 @@ from mlx_tier.job.model_setup import (
     setup_record,
 )
 from mlx_tier.job.naming import fold
-from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries, keeps_jsonl
+from mlx_tier.job.outputs import BatchOutputs, JsonlSummaries, keeps_jsonl, line_bytes
 from mlx_tier.job.process import keep_awake, lower_priority
 from mlx_tier.job.provenance import (
     SETTINGS_FIELDS,
@@ -97,6 +97,7 @@ from mlx_tier.job.report import (
 from mlx_tier.job.rerun import (
     copy_reused,
     current_hashes,
+    doubt_answers,
     doubt_unrecorded,
     limit_note,
     locate_model,
@@ -186,8 +187,9 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, s
 
 
 def _record_request(outcome: Outcome, res: DocResult, p: _Pass) -> None:
-    """Append a finished request's line to ``output.jsonl`` or a failed one's to
-    ``errors.jsonl`` (fsync'ed, before its journal record) and fill ``res``. A request
+    """Append a finished request's line to ``output.jsonl`` (its ``writing`` record journalled
+    first, as a summary's: :func:`~mlx_tier.job.provenance.writing_record`) or a failed one's
+    to ``errors.jsonl`` (fsync'ed, before its journal record) and fill ``res``. A request
     redone because it changed (``res.redo``) has its old answer's line replaced
     (:class:`~mlx_tier.job.outputs.BatchOutputs`).
 
@@ -200,7 +202,10 @@ def _record_request(outcome: Outcome, res: DocResult, p: _Pass) -> None:
     try:
         if outcome.status == "done":
             body = batch_api.response_body(req, outcome.choices, outcome.input_tokens, p.model_name, int(time.time()))
-            batch.add_output(req.custom_id, batch_api.output_line(req.custom_id, body), redo=res.redo is not None)
+            line = batch_api.output_line(req.custom_id, body)
+            figures = {k: getattr(res, k) for k in FIGURES if getattr(res, k) is not None}  # kept if a crash loses `done`
+            p.journal.append(writing_record(res.id, res.made_from, line_bytes(line), p.settings.fields() | figures))
+            batch.add_output(req.custom_id, line, redo=res.redo is not None)
             res.status, res.output = "done", BATCH_OUTPUT
             return
         code = outcome.error_code or batch_api.SERVER_ERROR
@@ -640,6 +645,9 @@ def start_run(job: JobDir, docs, config: JobConfig, reporter: Reporter, part: bo
     by_id = {d.id: d for d in docs}
     if batch is None:  # a rank decides as its launcher did: a doubted output is pending in both
         doubt_unrecorded(tri, entries, job.output, by_id, [d.id for d in docs], config.retry_failed)
+    else:
+        doubt_answers(tri, entries, {d.id: batch.done.get(d.request.custom_id) for d in docs}, by_id,
+                      [d.id for d in docs], config.retry_failed)
     if part:
         return journal, records, tri
     for i in tri.recovered:  # complete but unrecorded (a crash after the rename): record it, never regenerate

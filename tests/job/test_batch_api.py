@@ -200,7 +200,7 @@ def test_batch_outputs_keep_one_line_per_custom_id(tmp_path):
     with open(tmp_path / "output.jsonl", "ab") as f:
         f.write(b'{"custom_id": "c", "respo')  # a crash mid-append
     again = BatchOutputs(tmp_path)
-    assert again.done == {"a"} and set(again.errors) == {"b"}
+    assert set(again.done) == {"a"} and set(again.errors) == {"b"}
     again.add_output("c", {"custom_id": "c"})
     assert [x["custom_id"] for x in lines_of(tmp_path / "output.jsonl")] == ["a", "c"]  # torn line cut off
     again.keep_errors({"b": lambda: pytest.fail("b's line is kept as it is"), "d": lambda: {"custom_id": "d"}})
@@ -378,19 +378,61 @@ def test_openai_typed_requests_run_rerun_and_retry_without_a_second_line(tmp_pat
     assert sorted(x["custom_id"] for x in lines_of(out / "errors.jsonl")) == ["logprobs", "too-long"]
 
 
+def _lose_done_records(out: Path, custom_id: str, writing_too: bool = False) -> None:
+    """What a kill between an answer's line and its done record leaves (and, ``writing_too``,
+    an older version's run, which journalled no writing record)."""
+    path = out / "journal.jsonl"
+    kept = [x for x in path.read_text().splitlines()
+            if not ((json.loads(x).get("id") == custom_id and json.loads(x).get("status") == "done")
+                    or (writing_too and json.loads(x).get("doc") == custom_id))]
+    path.write_text("".join(x + "\n" for x in kept))
+
+
 def test_an_answer_written_before_a_crash_is_recorded_not_regenerated(tmp_path, tiny_moe):
+    """An answer whose done record a kill lost is recorded, not generated again, when the
+    writing record its run journalled vouches for that line and for the request as it is."""
     inp, out = write_jsonl(tmp_path / "requests.jsonl", openai_requests()[1:3]), tmp_path / "out"
-    out.mkdir()
-    # The killed run had journalled its start, appended "text"'s answer, and died before its record.
-    JobInfo(input=str(inp), ids=["sampled", "text"], todo=["sampled", "text"], started=0.0, pid=1).write(Journal(out))
-    answer = batch_api.output_line("text", {"object": "text_completion", "choices": []})
-    (out / "output.jsonl").write_text(json.dumps(answer) + "\n")
-    r = runner.invoke(app, ["run", str(inp), "--out", str(out), "--model", str(tiny_moe), "--repetition-penalty", "1.3"])
+    args = ["run", str(inp), "--out", str(out), "--model", str(tiny_moe), "--max-tokens", "6"]
+    assert runner.invoke(app, args).exit_code == 0
+    before = (out / "output.jsonl").read_bytes()
+    _lose_done_records(out, "text")
+    _lose_done_records(out, "sampled", writing_too=True)  # answered again: the run says its options
+    r = runner.invoke(app, [*args, "--repetition-penalty", "1.3"])
     assert r.exit_code == 0, r.output
     assert "--repetition-penalty applies to documents only" in " ".join(r.output.split())  # said, not ignored
-    lines = lines_of(out / "output.jsonl")
-    assert [x["custom_id"] for x in lines] == ["text", "sampled"] and lines[0] == answer
-    assert Journal(out).records()["text"]["recovered"]
+    lines = {x["custom_id"]: x for x in lines_of(out / "output.jsonl")}
+    assert lines["text"] in [json.loads(x) for x in before.splitlines()]  # kept as it was
+    rec = Journal(out).records()["text"]
+    assert rec["recovered"] and rec["output_tokens"] == lines["text"]["response"]["body"]["usage"]["completion_tokens"]
+
+
+def test_an_answer_a_crash_left_unrecorded_is_redone_if_its_request_changed_or_no_record_names_it(
+        tmp_path, tiny_moe):
+    """A review: after a kill between b's answer line and its done record, b's request was
+    changed, and every rerun kept b's old answer as the answer to the new request ("2 done
+    by earlier runs"), recorded with the new request's hash. An answer line is now adopted
+    only as its run's writing record vouches for it; one of another version of its request,
+    or that no record names (an older version's run), is answered again, its line replaced."""
+    bodies = {"a": "river flood spring", "b": "bee pollen flower", "c": "stone bridge road"}
+    reqs = [request(i, {"prompt": p, "max_tokens": 4, "temperature": 0}, COMPLETIONS) for i, p in bodies.items()]
+    inp, out = write_jsonl(tmp_path / "requests.jsonl", reqs), tmp_path / "out"
+    args = ["run", str(inp), "--out", str(out), "--model", str(tiny_moe)]
+    assert runner.invoke(app, args).exit_code == 0
+    old = {x["custom_id"]: x for x in lines_of(out / "output.jsonl")}
+    _lose_done_records(out, "b")
+    reqs[1]["body"] = {"prompt": "book library", "max_tokens": 7, "temperature": 0}
+    _lose_done_records(out, "c", writing_too=True)  # c: an older version's answer, no record names it
+    write_jsonl(inp, reqs)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    new = {x["custom_id"]: x for x in lines_of(out / "output.jsonl")}
+    assert len(lines_of(out / "output.jsonl")) == 3 and new["a"] == old["a"]
+    assert new["b"]["response"]["body"]["usage"]["completion_tokens"] == 7 != \
+        old["b"]["response"]["body"]["usage"]["completion_tokens"]
+    records = Journal(out).records()
+    assert not records["b"].get("recovered") and not records["c"].get("recovered")
+    assert new["c"]["response"]["body"]["choices"] == old["c"]["response"]["body"]["choices"]  # greedy: the same
+    assert "nothing to do" in runner.invoke(app, args).output  # and now stands
 
 
 def test_sigkill_mid_batch_then_rerun_answers_each_request_once(tmp_path, small_moe):  # noqa: F811

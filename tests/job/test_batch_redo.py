@@ -174,7 +174,7 @@ def test_a_redone_line_replaces_the_old_one_only_once_complete(tmp_path, monkeyp
     assert list(raw_lines(tmp_path / "output.jsonl")) == ["a", "b"] and list(raw_lines(tmp_path / "errors.jsonl")) == [
         "c"]
     again = BatchOutputs(tmp_path)
-    assert again.done == {"a", "b"} and set(again.errors) == {"c"}
+    assert set(again.done) == {"a", "b"} and set(again.errors) == {"c"}
 
 
 def test_the_request_stamp_covers_url_and_every_option_not_key_order():
