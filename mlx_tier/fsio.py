@@ -224,3 +224,54 @@ def user_cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("mlx-tier"))
+
+
+def _digest_kept_at(path: Path, st: os.stat_result) -> Path:
+    """Where :func:`file_sha256` keeps the digest of the file ``path`` whose status is ``st``."""
+    import hashlib
+
+    ident = f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    return user_cache_dir() / "digests" / hashlib.sha256(ident.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
+def _kept(at: Path) -> str | None:
+    try:
+        digest = at.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
+
+
+def kept_sha256(path: Path) -> str | None:
+    """The digest :func:`file_sha256` kept of ``path`` as it is now, ``None``: none kept
+    (or the file cannot be read)."""
+    try:
+        return _kept(_digest_kept_at(path, os.stat(path)))
+    except OSError:
+        return None
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of a file's bytes. It is kept in ``user_cache_dir()/digests/`` under
+    the file's identity: its real path, device, inode, size, and modification and change
+    times in ns (the change time moves with any write to the file and cannot be set back
+    by a program), so a file rewritten in any way is read again, and one not changed
+    is read once; a cache that cannot be written is skipped.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    import hashlib
+
+    with open(path, "rb") as f:
+        at = _digest_kept_at(path, os.fstat(f.fileno()))
+        digest = _kept(at)
+        if digest is not None:
+            return digest
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        at.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(at, digest + "\n")
+    except OSError:
+        pass
+    return digest

@@ -515,17 +515,19 @@ def config_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def weights_fingerprint(model_dir: Path, samples: int = 16, block: int = 4096) -> str:
-    """A short fingerprint of a checkpoint's weights, taken without reading them.
+SAY_FINGERPRINT_BYTES = 2**30  # weights_fingerprint says so before reading more than this
 
-    sha256 over each weight file (:func:`weight_files`, in order): its name and
-    size in bytes, its safetensors header (every tensor's name, dtype, shape and
-    offsets) and ``samples`` blocks of ``block`` bytes spread evenly over its
-    data (64 KiB a file by default: a few milliseconds, where the weights are
-    gigabytes). Two downloads or builds of the same weights agree wherever they
-    lie; another model, another quantisation, or a fine-tune of the same
-    shapes (whose headers are identical: only the sampled bytes tell it
-    apart) differ. A change confined to the bytes no block covers is not seen.
+
+def weights_fingerprint(model_dir: Path, say=None) -> str:
+    """A short fingerprint of a checkpoint's weights: of every byte of them.
+
+    sha256 over each weight file (:func:`weight_files`, in order): its name and the
+    sha256 of its bytes (:func:`mlx_tier.fsio.file_sha256`: read once, then kept under
+    the file's identity, so a rerun on the same files reads nothing). Two downloads or
+    builds of the same weights agree wherever they lie; another model, another
+    quantisation, or a fine-tune of the same shapes (a LoRA fused into a few layers
+    included) differ. ``say``: told once, in words, before more than
+    :data:`SAY_FINGERPRINT_BYTES` are read.
 
     Returns:
         16 hex digits (the first 64 bits of the sha256).
@@ -534,18 +536,19 @@ def weights_fingerprint(model_dir: Path, samples: int = 16, block: int = 4096) -
     """
     import hashlib
 
+    from mlx_tier.fsio import file_sha256, kept_sha256
+
+    files = weight_files(model_dir)
+    if say is not None:
+        unread = sum(p.stat().st_size for p in files if kept_sha256(p) is None)
+        if unread > SAY_FINGERPRINT_BYTES:
+            say(f"fingerprinting the model's weights ({unread / 2**30:.1f} GiB, once: then kept by file "
+                "identity), so that summaries of other weights are never taken as current")
     digest = hashlib.sha256()
-    for path in weight_files(model_dir):
+    for path in files:
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                raw = f.read(8)
-                header = f.read(struct.unpack("<Q", raw)[0]) if len(raw) == 8 else b""
-                start = 8 + len(header)
-                spread = max(size - start - block, 0)
-                parts = [os.pread(f.fileno(), block, start + spread * i // max(samples - 1, 1))
-                         for i in range(samples)]
+            sha = file_sha256(path)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-        digest.update(f"{path.name}\0{size}\0".encode() + raw + header + b"".join(parts))
+        digest.update(f"{path.name}\0{sha}\0".encode())
     return digest.hexdigest()[:16]

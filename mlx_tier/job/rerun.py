@@ -159,20 +159,21 @@ def locate_model(model: Path | str | None) -> Path | None:
 
 
 def run_settings(model: Path | str | None, generation, model_dir: Path | None, requests: bool = False,
-                 compute: dict | None = None) -> Settings:
+                 compute: dict | None = None, say=None) -> Settings:
     """This run's :class:`~mlx_tier.job.provenance.Settings` from its model and
     :class:`~mlx_tier.job.scheduler.GenerationConfig`; the weights' and config's
     fingerprints when ``model_dir`` is known and readable (else ``None``: compared by
     name; the load says what is wrong with an unreadable one). ``requests``: a request
     file's run, whose answers follow their own messages and options: no prompt nor
     generation options, only the model, KV cache and ``compute`` are compared.
-    ``compute``: the kernel and cast its model computes with (``None``: not compared)."""
+    ``compute``: the kernel and cast its model computes with (``None``: not compared).
+    ``say``: told, in words, when the weights are read for their fingerprint (a first run)."""
     from mlx_tier.engine.checkpoint import config_fingerprint, weights_fingerprint
 
     weights = config = None
     if model_dir is not None:
         try:
-            weights, config = weights_fingerprint(model_dir), config_fingerprint(model_dir)
+            weights, config = weights_fingerprint(model_dir, say), config_fingerprint(model_dir)
         except CheckpointError:
             pass
     if requests:

@@ -745,7 +745,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         config = replace(config, generation=replace(config.generation, kv_bits=None))
     model_dir = locate_model(config.model)  # nothing downloaded or built to compare settings
     planned = planned_compute_of(config, model_dir)
-    settings = run_settings(config.model, config.generation, model_dir, is_batch(docs), planned)
+    settings = run_settings(config.model, config.generation, model_dir, is_batch(docs), planned, reporter.message)
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock, settings)
     if not share.part:  # said with the input's notes, once the model is loaded
         notes = [*notes, *rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs],
@@ -772,7 +772,8 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
         reporter.message(note)
     made = (loaded_compute(loaded) or planned) if loaded is not None else planned
     if loaded is not None and (settings.weights is None or made != planned):  # built just now; a kernel unforeseen
-        settings = run_settings(config.model, config.generation, loaded.model_dir, is_batch(docs), made)
+        settings = run_settings(config.model, config.generation, loaded.model_dir, is_batch(docs), made,
+                                reporter.message)
     report.run = RunStart(len(tri.done) + len(tri.recovered) + len(tri.reused), len(tri.failed), loaded is not None,
                           settings.fields() if loaded is not None else {}, rerun_counts(tri), len(tri.left))
     if loaded is not None:

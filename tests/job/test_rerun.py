@@ -329,6 +329,41 @@ def test_another_model_is_kept_then_redone_with_redo_changed(s1, tmp_path, small
     assert code == 0 and "redoing" not in output  # once redone, they are current
 
 
+def test_a_change_of_a_few_weights_is_another_model(tmp_path, small_moe, monkeypatch):  # noqa: F811
+    """A review: the fingerprint hashed each shard's header and 16 sampled blocks, so
+    flipping every attention weight the blocks missed (a LoRA fused into the attention
+    layers, the shapes unchanged) kept it, and a rerun took the old summaries as current.
+    Every byte counts now; each file's digest is kept by its identity, so an unchanged
+    file is read once, and one rewritten in place, its times set back, is read again."""
+    import mlx.core as mx
+
+    from mlx_tier.engine.checkpoint import weight_files, weights_fingerprint
+    from mlx_tier.fsio import kept_sha256
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(small_moe, tuned)
+    before = weights_fingerprint(tuned)
+    assert all(kept_sha256(p) for p in weight_files(tuned))  # kept: the next fingerprint reads nothing
+    (shard,) = weight_files(tuned)
+    weights = mx.load(str(shard))
+    name = next(k for k in sorted(weights) if "self_attn.o_proj.weight" in k)
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # one weight of one layer, in place, its size and times kept
+        header = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(header))
+        f.seek(8 + header + meta[name]["data_offsets"][0])
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert kept_sha256(shard) is None  # its change time moved
+    said = []
+    monkeypatch.setattr("mlx_tier.engine.checkpoint.SAY_FINGERPRINT_BYTES", 1000)  # as a large checkpoint
+    assert weights_fingerprint(tuned, said.append) != before
+    assert len(said) == 1 and said[0].startswith("fingerprinting the model's weights (0.0 GiB, once")
+    assert weights_fingerprint(tuned, said.append) == weights_fingerprint(tuned) and len(said) == 1  # kept now
+
+
 def test_the_same_weights_elsewhere_are_the_same_model(s1, tmp_path, small_moe, other_moe):  # noqa: F811
     """The model is told by its weights' fingerprint, not by where it lies: a copy is the
     same model; another seed of the same shapes (identical headers) is not."""
