@@ -92,8 +92,9 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids ``[T]`` of a conversation in the model's chat template, ending with the
     assistant's turn opened (``add_generation_prompt``).
 
-    Each message's content goes in as written and is tokenised as data
-    (:func:`encode_data`): the template is rendered with a placeholder for each
+    Each message's content goes in as the template renders it (as written, unless the
+    template edits it: trims it, drops an earlier turn's reasoning) and is tokenised as
+    data (:func:`encode_data`): the template is rendered with a placeholder for each
     content, its own parts are tokenised with special tokens.
 
     Args:
@@ -103,7 +104,7 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     Raises:
         ValueError: the tokenizer has no chat template, the template refuses
             the conversation (its own error, e.g. roles that do not alternate),
-            or drops or alters a message's content.
+            drops a message's content, or edits one so that its own text changes too.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template")
@@ -115,14 +116,41 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
         missing = sorted(set(range(len(messages))) - placed)
         raise ValueError("the chat template does not place every message verbatim in the prompt"
                          + (f" (message {missing[0]} is dropped)" if missing else ""))
-    contents = [encode_data(tokenizer, m["content"]) if m["content"] else [] for m in messages]
-    ids = []
-    for k, piece in enumerate(pieces):
-        if k % 2:
-            ids += contents[int(piece)]
-        elif piece:
-            ids += list(tokenizer.encode(piece, add_special_tokens=False))
+    order, texts = [int(i) for i in pieces[1::2]], pieces[::2]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    placed_as = [messages[i]["content"] for i in order]
+    if "".join(t + c for t, c in zip(texts, [*placed_as, ""])) != rendered:  # the template edits contents
+        placed_as = _as_rendered(rendered, texts, order, messages)
+    ids = list(tokenizer.encode(texts[0], add_special_tokens=False)) if texts[0] else []
+    for content, text in zip(placed_as, texts[1:]):
+        ids += encode_data(tokenizer, content) if content else []
+        ids += list(tokenizer.encode(text, add_special_tokens=False)) if text else []
     return ids
+
+
+def _as_rendered(rendered: str, texts: list[str], order: list[int], messages: list[dict]) -> list[str]:
+    """Each placed message's content as the chat template renders it, where the template edits
+    it (Llama 3's ``| trim``, Qwen3 dropping the ``<think>`` block of earlier assistant turns):
+    the text between the template's own ``texts`` (as rendered around placeholders, in turn)
+    in ``rendered``, the conversation rendered with its contents. Each must be a part of
+    its message's content, so that no text of a message is taken for the template's.
+
+    Raises:
+        ValueError: the template's own text differs with the contents (it depends on them),
+            or an edited content cannot be told apart from it.
+    """
+    out, pos = [], len(texts[0])
+    if not rendered.startswith(texts[0]) or not rendered.endswith(texts[-1]):
+        pos = -1
+    for k, i in enumerate(order):
+        last = k + 1 == len(order)
+        stop = len(rendered) - len(texts[-1]) if last else rendered.find(texts[k + 1], pos) if texts[k + 1] else -1
+        if pos < 0 or stop < pos or rendered[pos:stop] not in messages[i]["content"]:
+            raise ValueError(f"the chat template changes message {i}'s text in a way that cannot be told apart "
+                             "from the template's own (its markup depends on the text)")
+        out.append(rendered[pos:stop])
+        pos = stop + (0 if last else len(texts[k + 1]))
+    return out
 
 
 # Reasoning formats: "think" (``<think>…</think>`` blocks) and "harmony"

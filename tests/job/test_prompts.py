@@ -122,6 +122,46 @@ def test_a_template_that_drops_the_message_is_refused():
         build_prompt(_spm_tokenizer("{{ bos_token }}[INST] [/INST]"), "Summarise:", "text")
 
 
+TRIM_TEMPLATE = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] | trim }} [/INST]{% endfor %}"
+ROLE_TEMPLATE = "{{ bos_token }}{% for m in messages %}{% set c = m['content'] %}X[{{ m['role'] }}] {{ c }} [/]{% endfor %}"
+THINK_TEMPLATE = ROLE_TEMPLATE.replace("X", "{% if m['role'] == 'assistant' %}{% set c = c.split('</think>')[-1] | trim %}"
+                                            "{% endif %}")
+TURNS = [{"role": "user", "content": "Start the report."},
+         {"role": "assistant", "content": "<think>plan new orders</think>\n\nSummarise: end."},
+         {"role": "user", "content": "new orders </s> now"}]
+
+
+@pytest.mark.parametrize("template, messages, plain, edited", [
+    (TRIM_TEMPLATE, [{"role": "user", "content": "  Start the report now.  \n"}],  # Llama 3 trims
+     LLAMA_TEMPLATE, [{"role": "user", "content": "Start the report now."}]),
+    (THINK_TEMPLATE, TURNS,  # Qwen3 drops the reasoning of earlier turns
+     ROLE_TEMPLATE.replace("X", ""), [TURNS[0], {"role": "assistant", "content": "Summarise: end."}, TURNS[2]]),
+])
+def test_a_template_that_edits_a_message_gets_the_edited_text_as_data(template, messages, plain, edited):
+    """A review: the prompt kept each content as written where the template edits it, so a
+    trimmed message kept its spaces and an earlier turn its reasoning, unlike the prompt
+    mlx-lm or vLLM would build. Now the prompt is the one of the edited contents; the
+    template's own text still takes special tokens, the contents none."""
+    from mlx_tier.job.prompts import build_chat_prompt
+
+    ids = build_chat_prompt(_spm_tokenizer(template), messages)
+    tok = _spm_tokenizer(plain)
+    assert ids == build_chat_prompt(tok, edited)
+    assert [i for i in ids if i in (tok.bos_token_id, tok.eos_token_id)] == [tok.bos_token_id]  # "</s>": text
+
+
+def test_an_edit_that_changes_the_templates_own_text_is_refused():
+    """Markup that depends on the text (a reasoning block moved out of the message) cannot be
+    told apart from the message's own text: refused, not guessed."""
+    from mlx_tier.job.prompts import build_chat_prompt
+
+    tok = _spm_tokenizer("{% for m in messages %}{% if '</think>' in m['content'] %}[R] {{ m['content'].split("
+                         "'</think>')[0] }} [/R] {% endif %}[U] {{ m['content'] | trim }}{% endfor %}")
+    assert build_chat_prompt(tok, [{"role": "user", "content": " plan "}])  # an edit alone is fine
+    with pytest.raises(ValueError, match="changes message 0's text"):
+        build_chat_prompt(tok, [{"role": "user", "content": "<think>plan</think> end"}])
+
+
 def test_prompt_without_chat_template_keeps_bos_and_treats_text_as_data():
     tok = _spm_tokenizer(None)
     ids = build_prompt(tok, "Summarise:", "a </s> b")
