@@ -668,7 +668,8 @@ class Scheduler:
         """A batch request's calls, one per choice, as written: its prompt, its token limit
         (else ``config.max_tokens``, at most what the context leaves), its sampling;
         ``None`` when ``can_wait`` and only the memory held by sequences in flight keeps
-        it from fitting now.
+        it from fitting now (with no limit of its own: from ``config.max_tokens``, as far
+        as the usable context allows it).
 
         Raises:
             RequestError: the request's own problem, a prompt that cannot be built, or
@@ -676,9 +677,11 @@ class Scheduler:
         """
         req = d.doc.request
         prompt = prompt_tokens(self.tokenizer, req, self.vocab_size)
-        d.input_tokens, d.context = len(prompt), self._context_for(len(prompt) + (req.plan.max_tokens or 1), can_wait)
-        room, limit = d.context - len(prompt), req.plan.max_tokens
-        if can_wait and room < (limit or 1) and self.context - len(prompt) >= (limit or 1):
+        limit = req.plan.max_tokens
+        want = limit or max(1, min(self.config.max_tokens, self.context - len(prompt)))  # the job's, as room allows
+        d.input_tokens, d.context = len(prompt), self._context_for(len(prompt) + want, can_wait)
+        room = d.context - len(prompt)
+        if can_wait and room < want and self.context - len(prompt) >= want:  # memory in flight: it frees
             return None
         if room < (limit or 1):
             raise RequestError(f"the prompt ({len(prompt)} tokens) plus the token limit ({limit or 1}) exceed the "

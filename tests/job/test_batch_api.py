@@ -513,3 +513,35 @@ def test_a_run_whose_every_request_failed_names_no_answers_file(tmp_path, tiny_m
     assert r.exit_code == 1 and not (out / "output.jsonl").exists(), r.output
     assert f"no answers, failures: {out / 'errors.jsonl'}" in words and "answers: " not in words, r.output
     assert "documents/hour" not in words.split("job: ")[-1], r.output
+
+
+def test_a_request_without_a_limit_waits_for_memory_in_flight_rather_than_being_cut(tmp_path, tiny_moe,
+                                                                                    monkeypatch):
+    """A review: with memory held by a sequence in flight, a request with no max_tokens of its
+    own was started at once with what the room left (8 tokens, "length") where documents wait;
+    its answer, stamped with the job's --max-tokens, was then kept as current. It now waits
+    for the sequences in flight, as a request with its own limit does."""
+    from mlx_tier.job import batch_engine, scheduler
+
+    engines = []
+    init = batch_engine.BatchEngine.__init__
+
+    def track(self, *a, **k):
+        init(self, *a, **k)
+        engines.append(self)
+
+    monkeypatch.setattr(batch_engine.BatchEngine, "__init__", track)
+    now = scheduler.Scheduler._context_now  # 12 tokens of room while a sequence is in flight
+    monkeypatch.setattr(scheduler.Scheduler, "_context_now",
+                        lambda self: 12 if engines and engines[-1].active else now(self))
+    reqs = [request(c, {"prompt": p, "temperature": 0}, COMPLETIONS)
+            for c, p in (("first", "river flood spring"), ("second", "bee pollen flower"))]
+    inp = write_jsonl(tmp_path / "requests.jsonl", reqs)
+    r = runner.invoke(app, ["run", str(inp), "--out", str(tmp_path / "out"), "--model", str(tiny_moe),
+                            "--max-tokens", "40", "--batch-size", "2", "--schedule", "paced",
+                            "--repetition-penalty", "1.0"])
+    assert r.exit_code == 0, r.output
+    bodies = {x["custom_id"]: x["response"]["body"] for x in lines_of(tmp_path / "out" / "output.jsonl")}
+    for body in bodies.values():  # each as long as the job's --max-tokens lets it be, or ended on its own
+        choice = body["choices"][0]
+        assert body["usage"]["completion_tokens"] == 40 or choice["finish_reason"] == "stop", body
