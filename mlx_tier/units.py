@@ -56,17 +56,20 @@ def rate_text(per_hour: float) -> str:
     return f"{tenths:.1f}" if tenths < 10 else f"{per_hour:.0f}"
 
 
-def percent_text(fraction: float) -> str:
-    """A share in whole percents, but never rounded to 0% or 100% when it is neither:
-    ``"37%"``, ``"99.6%"`` (not "100%"), ``"99.9%"`` for 0.9996, ``"0.4%"``, ``"<0.1%"``."""
+def percent_text(fraction: float, digits: int = 0) -> str:
+    """A share in percents with ``digits`` decimals, but never rounded to 0% or 100% when it
+    is neither (one decimal more near them): ``"37%"``, ``"99.6%"`` (not "100%"), ``"99.9%"``
+    for 0.9996, ``"0.4%"``, ``"<0.1%"``; with ``digits=1``: ``"36.6%"``, ``"99.99%"``."""
     p = fraction * 100
     if p != p:  # NaN: no lookups to share
         return "?"
-    if p <= 0 or p >= 100 or 1 <= p < 99:
-        return f"{p:.0f}%"
-    if p >= 99:
-        return f"{math.floor(p * 10) / 10:.1f}%"
-    return f"{p:.1f}%" if p >= 0.05 else "<0.1%"
+    step = 10.0**-digits
+    if p <= 0 or p >= 100 or step <= p < 100 - step:
+        return f"{p:.{digits}f}%"
+    d = digits + 1
+    if p >= 100 - step:
+        return f"{math.floor(p * 10**d) / 10**d:.{d}f}%"
+    return f"{p:.{d}f}%" if p >= 0.5 * 10.0**-d else f"<{10.0**-d:.{d}f}%"
 
 
 def mib_text(nbytes: int) -> str:

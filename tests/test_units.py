@@ -52,3 +52,16 @@ def test_figures_written_to_json_keep_their_magnitude():
     assert significant(float("inf")) == float("inf")
     rates = dataclasses.replace(Rates(1, 2, 3, 4, 5), per_expert_s=2.5e-5)
     assert rates.as_dict()["per_expert_s"] == 2.5e-5  # was 0.0
+
+
+def test_hit_rates_are_never_rounded_to_100_percent_anywhere():
+    """A review: the final line, each document's line and `status` gave 99.996% as "hit rate
+    100.0%" (``.1%``), the progress line "99.9%", `plan` and the page "100%" for 255 of 256
+    slots: every hit rate now goes through one rounding."""
+    from mlx_tier.cli.render import _hit_text
+    from mlx_tier.units import percent_text
+
+    assert [percent_text(f, 1) for f in (0, 0.366, 0.999, 0.99996, 1, 0.00004, 0.0009)] == \
+        ["0.0%", "36.6%", "99.90%", "99.99%", "100.0%", "<0.01%", "0.09%"]
+    assert _hit_text({"hits": 99996, "misses": 4, "hit_rate": 0.99996}) == "hit rate 99.99%"
+    assert percent_text(255 / 256) == "99.6%"

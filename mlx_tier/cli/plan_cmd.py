@@ -16,7 +16,7 @@ from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import FLAGS, as_flags, choices, err, out, print_wrapped
 from mlx_tier.defaults import PLAN_DOC_TOKENS
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
-from mlx_tier.units import GIB, MIB, count_text, rate_text
+from mlx_tier.units import GIB, MIB, count_text, percent_text, rate_text
 
 
 def plan(
@@ -72,9 +72,10 @@ def plan(
     out.print(t)
 
 
-def _span(low: float, high: float, spec: str) -> str:
-    """``"low-high"`` in ``spec``, or one value when both print the same (``16.76``, not ``16.76-16.76``)."""
-    a, b = format(low, spec), format(high, spec)
+def _span(low: float, high: float, spec) -> str:
+    """``"low-high"`` in ``spec`` (a format spec, or a function giving the text), or one value
+    when both print the same (``16.76``, not ``16.76-16.76``)."""
+    a, b = (spec(low), spec(high)) if callable(spec) else (format(low, spec), format(high, spec))
     return a if a == b else f"{a}-{b}"
 
 
@@ -112,9 +113,9 @@ def _plan_rows(p) -> list[tuple[str, str]]:
          "the experts exceed all this process may hold" if p.page_cache == "direct" else "through the page cache"),
         ("expert compute", _compute_text(p)),
         ("predicted decode", f"{_span(p.tok_s_low, p.tok_s_high, '.2f')} tok/s (hit rate "
-                             f"{_span(p.hit_rate_low, p.hit_rate_high, '.0%')})"
+                             f"{_span(p.hit_rate_low, p.hit_rate_high, percent_text)})"
          if p.slots_per_layer else "does not fit: the budget holds less than one expert slot per layer"),
-        ("predicted prompt reading", f"{p.prompt_tok_s:.1f} tok/s in {p.prompt_step}-token steps (hit rate {p.hit_rate_low:.0%})"
+        ("predicted prompt reading", f"{p.prompt_tok_s:.1f} tok/s in {p.prompt_step}-token steps (hit rate {percent_text(p.hit_rate_low)})"
          if p.prompt_tok_s else "not predicted: " + ("--compute-gbps given" if not p.prompt_gflops else "a run would be refused")),
     ] + _job_rows(p.job)
 

@@ -252,7 +252,7 @@ class RichReporter:
         self.done += 1
         if self.live is None:  # a log file gets one line per document instead of a live line
             print_wrapped(err, f"{self.done}/{self.total} {result.id}: {tokens_text(result.output_tokens)}, "
-                          f"{result.doc_seconds:.1f} s of its own, hit rate so far {cache['hit_rate']:.1%}")
+                          f"{result.doc_seconds:.1f} s of its own, hit rate so far {percent_text(cache['hit_rate'], 1)}")
 
     def close(self) -> None:
         if self.live is not None:
@@ -372,7 +372,7 @@ def _hit_text(counters: dict) -> str:
     stop before its first step): 0.0% would read as a cache that missed everything."""
     if "hits" in counters and not counters["hits"] + counters.get("misses", 0):
         return "no expert lookups"
-    return f"hit rate {counters['hit_rate']:.1%}"
+    return f"hit rate {percent_text(counters['hit_rate'], 1)}"
 
 
 def redone_text(stale: int, changed: int, what: str = "document") -> str:
@@ -428,5 +428,5 @@ def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
     if waiting:
         rows.append(("waiting", ", ".join(waiting)))
     rows.append(("rates", f"decode {progress.get('decode_tok_s', 0):.1f} tok/s, hit rate "
-                          f"{progress.get('hit_rate', 0):.1%} (as of {age:.0f} s ago)"))
+                          f"{percent_text(progress.get('hit_rate', 0), 1)} (as of {age:.0f} s ago)"))
     return rows

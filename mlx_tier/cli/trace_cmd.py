@@ -15,6 +15,7 @@ from rich.table import Table
 from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import err, out, print_wrapped
 from mlx_tier.policy.eviction import OFFLINE_POLICIES, POLICIES
+from mlx_tier.units import percent_text
 
 SIM_POLICIES = (*POLICIES, *OFFLINE_POLICIES)  # live policies, then the offline ceiling
 TRACE_HELP = "Routing traces (.npz from `run --trace`, or text)."
@@ -130,7 +131,7 @@ def _print_sim_results(t, trace: Path, results: list, policies: list[str], sizes
     for n in sizes:
         table.add_column(f"{n} slot{'' if n == 1 else 's'} ({n / E:.0%})", justify="right")
     for p in policies:
-        table.add_row(p, *[f"{r.hit_rate:.1%}" for r in results if r.policy == p])
+        table.add_row(p, *[percent_text(r.hit_rate, 1) for r in results if r.policy == p])
     out.print(table)
 
 
@@ -159,8 +160,8 @@ def _two_tier_sim(t, trace: Path, policies: list[str], hot_sizes: list[int], war
     for col in ("policy", "hot slots", "hot hit", "warm hit", "miss", "on CPU"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:
-        table.add_row(r.policy, str(r.hot_slots), f"{r.hot_hit_rate:.1%}", f"{r.warm_hit_rate:.1%}",
-                      f"{r.miss_rate:.1%}", f"{r.cpu_share:.1%}")
+        table.add_row(r.policy, str(r.hot_slots), percent_text(r.hot_hit_rate, 1), percent_text(r.warm_hit_rate, 1),
+                      percent_text(r.miss_rate, 1), percent_text(r.cpu_share, 1))
     out.print(table)
 
 

@@ -17,8 +17,9 @@ What a body may hold; anything else fails the request, never silently ignored:
   parameters ``top_k``, ``min_p``, ``repetition_penalty``;
 - bookkeeping that changes no token (:data:`BOOKKEEPING`): ``model`` names a cloud
   model, the local one answers and each response names it;
-- any other parameter only at a value that changes nothing: null, false, 0, an
-  empty string, list or object, or the API's own default (:data:`NO_OP`).
+- any other parameter only at a value that changes nothing: null, false, 0 (not
+  where 0 asks for something: :data:`ZERO_ASKS`), an empty string, list or
+  object, or the API's own default (:data:`NO_OP`).
 
 Defaults are the API's (temperature 1, top_p 1, n 1), except the token limit: a
 request that sets none gets the job's ``max_tokens``, at most what the context leaves.
@@ -56,6 +57,9 @@ BOOKKEEPING = frozenset({"model", "user", "metadata", "store", "service_tier", "
 # and empty values): at these values they change nothing.
 NO_OP = {"best_of": (1,), "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
          "modalities": (["text"],)}
+# Parameters whose 0 asks for something (not implemented): the legacy completions' `logprobs`
+# (the sampled token's log probability) and vLLM's `prompt_logprobs` (each prompt token's).
+ZERO_ASKS = {"logprobs", "prompt_logprobs"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_CHOICES = 128  # the API's limit on n
 
@@ -170,7 +174,7 @@ def plan(url: str, body: dict) -> Plan:
         RequestError: a parameter it cannot run as written (``field`` names it).
     """
     for key, value in body.items():
-        if key not in RUN[url] and key not in BOOKKEEPING and not _changes_nothing(key, value):
+        if key not in RUN[url] and key not in BOOKKEEPING and not _changes_nothing(key, value, url):
             raise RequestError(f"unsupported parameter `{key}` (mlx-tier does not implement it); remove it "
                                "or set it to its default", key, "unsupported_parameter")
     for key, value in body.items():
@@ -194,8 +198,11 @@ def _lone_surrogate(value: object) -> str | None:
     return next((bad for v in items if (bad := _lone_surrogate(v)) is not None), None)
 
 
-def _changes_nothing(key: str, value: object) -> bool:
-    """Whether an unimplemented parameter's value leaves the answer as it is (module doc)."""
+def _changes_nothing(key: str, value: object, url: str | None = None) -> bool:
+    """Whether an unimplemented parameter's value leaves the answer as it is (module doc); a
+    chat request's ``logprobs`` is a flag, whose 0 is false."""
+    if key in ZERO_ASKS and value == 0 and value is not False and not (key == "logprobs" and url == CHAT):
+        return False
     return value is None or value is False or value in (0, "", [], {}) or any(value == v for v in NO_OP.get(key, ()))
 
 

@@ -25,7 +25,7 @@ from mlx_tier.monitor.view import build_view
 from mlx_tier.outdir.journal import options_apart
 from mlx_tier.outdir.layout import REPORT_HTML
 from mlx_tier.rates import DEFINITION
-from mlx_tier.units import duration_text, rate_text, tokens_text
+from mlx_tier.units import duration_text, percent_text, rate_text, tokens_text
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1a1a1a;background:#fafafa;line-height:1.4}
@@ -129,7 +129,7 @@ def _chart(title: str, y_title: str, series: list[tuple[str, list, dict]], capti
         js=[], disable_xml_declaration=True, show_legend=len(series) > 1, legend_at_bottom=True,
         width=560, height=300, title=title, x_title="time (local)", y_title=y_title, truncate_label=-1,
         x_value_formatter=lambda d: d.strftime(clock), x_label_rotation=0, include_x_axis=True,
-        value_formatter=(lambda v: f"{v:.0%}") if percent else (lambda v: f"{v:.3g}"),
+        value_formatter=percent_text if percent else (lambda v: f"{v:.3g}"),
         no_data_text="no data yet", margin=8, margin_right=32, style=style, dots_size=3.5,
         x_labels=_time_labels(times),
     )
@@ -188,7 +188,7 @@ def charts_section(view: dict) -> str:
                "Recent decode rate of the batch when each document finished. " + _describe(tok, " tok/s"), "tok-s"),
         _chart("Expert cache hit rate", "hit rate", [("hit rate", hit, {})],
                "Experts found resident / experts needed, since the previous document. "
-               + _describe(hit, "", lambda v: f"{v:.0%}", SHARED), "hit-rate", percent=True),
+               + _describe(hit, "", percent_text, SHARED), "hit-rate", percent=True),
         _chart("Read from disk per token", "MiB / token", [("MiB read per token", mib, {})],
                "Expert bytes read from disk / tokens generated, since the previous document. "
                + _describe(mib, " MiB", per=SHARED), "bytes-per-token"),
