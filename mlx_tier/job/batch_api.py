@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from mlx_tier.errors import InputError, RequestError
 from mlx_tier.job.doc_text import surrogate_at
 from mlx_tier.job.prompts import build_chat_prompt
-from mlx_tier.job.sampling import Sampling
+from mlx_tier.job.sampling import WHOLE, Sampling
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -241,7 +241,7 @@ def _sampling(body: dict) -> Sampling:
     return Sampling(
         temperature=0.0 if top_p == 0 else (1.0 if temperature is None else temperature),  # top_p 0: the top token
         top_p=1.0 if top_p is None else top_p, top_k=max(0, top_k), min_p=_number(body, "min_p", 0, 1) or 0.0,
-        seed=seed, repetition_penalty=penalty or 1.0, stop=_stop(body.get("stop")),
+        seed=seed, repetition_penalty=penalty or 1.0, repetition_context=WHOLE, stop=_stop(body.get("stop")),
     )
 
 

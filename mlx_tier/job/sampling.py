@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+WHOLE = 2**31 - 1  # a repetition context that takes every token of the sequence
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -25,8 +27,11 @@ class Sampling:
             whatever else is in the batch); ``None``: MLX's global random state.
         stream: which of the request's choices this is: choice ``i`` of a seeded
             request draws from the ``i``-th key split from the seed.
-        repetition_penalty: mlx-lm's penalty over the last 20 tokens; 1.0 = off.
+        repetition_penalty: mlx-lm's penalty (arXiv 1909.05858) on the tokens seen; 1.0 = off.
         stop: strings that end the output; the output stops before the first one.
+        repetition_context: how many of the last tokens it looks at (prompt and output):
+            mlx-lm's 20 (the job's documents, as ``mlx_lm.generate``), or :data:`WHOLE` (a
+            batch request's, as vLLM applies it: every token of the prompt and output).
     """
 
     temperature: float = 0.0
@@ -37,6 +42,7 @@ class Sampling:
     stream: int = 0
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
+    repetition_context: int = 20
 
     def sampler(self):
         """mlx-lm's sampler for these settings (``logprobs [1, V] -> token [1]``), or
@@ -53,7 +59,8 @@ class Sampling:
         """mlx-lm logits processors: the repetition penalty, when on."""
         from mlx_lm.sample_utils import make_logits_processors
 
-        return make_logits_processors(repetition_penalty=self.repetition_penalty) \
+        return make_logits_processors(repetition_penalty=self.repetition_penalty,
+                                      repetition_context_size=self.repetition_context) \
             if self.repetition_penalty != 1.0 else []
 
 

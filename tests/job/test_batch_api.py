@@ -49,7 +49,7 @@ from mlx_tier.job.batch_engine import BatchEngine, Task, stop_token_ids
 from mlx_tier.job.documents import discover
 from mlx_tier.job.outputs import BatchOutputs
 from mlx_tier.job.prompts import build_chat_prompt
-from mlx_tier.job.sampling import Sampling
+from mlx_tier.job.sampling import WHOLE, Sampling
 from mlx_tier.outdir.journal import JobInfo, Journal
 from mlx_tier.outdir.layout import lock_held
 
@@ -174,12 +174,26 @@ def test_the_plan_reads_a_body_as_the_api_does():
                     "max_tokens": 9, "max_completion_tokens": 7, **noop})
     assert p.messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "one\ntwo"},
                           {"role": "assistant", "content": "ok"})
-    assert (p.max_tokens, p.n, p.sampling) == (7, 1, Sampling(temperature=1.0))  # the API's defaults
+    assert (p.max_tokens, p.n) == (7, 1)
+    assert p.sampling == Sampling(temperature=1.0, repetition_context=WHOLE)  # the API's defaults
     p = plan(COMPLETIONS, {"prompt": [[5, 6, 7]], "temperature": 0.5, "top_p": 0.9, "seed": -1, "stop": "\n",
                            "n": 3, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.2, "best_of": 1})
     assert (p.prompt, p.max_tokens, p.n) == ((5, 6, 7), None, 3)
-    assert p.sampling == Sampling(0.5, 0.9, 40, 0.05, -1, 0, 1.2, ("\n",))
+    assert p.sampling == Sampling(0.5, 0.9, 40, 0.05, -1, 0, 1.2, ("\n",), WHOLE)
     assert plan(COMPLETIONS, {"prompt": "x", "top_p": 0}).sampling.temperature == 0  # the top token only
+
+
+def test_a_requests_repetition_penalty_sees_its_whole_prompt_and_output_as_vllms_does():
+    """A review: a request's repetition_penalty (vLLM's parameter) looked at the last 20 tokens
+    only (mlx-lm's default, which the job's documents keep); vLLM penalises every token of
+    the prompt and the output."""
+    import mlx.core as mx
+
+    (proc,) = plan(COMPLETIONS, {"prompt": "x", "repetition_penalty": 2.0}).sampling.processors()
+    out = proc(mx.array([7] + [3] * 25), mx.ones((1, 10)))  # token 7: 26 tokens back, in the prompt
+    assert (out[0, 7].item(), out[0, 3].item(), out[0, 5].item()) == (0.5, 0.5, 1.0)
+    (doc,) = Sampling(repetition_penalty=2.0).processors()  # a document's: mlx-lm's last 20
+    assert doc(mx.array([7] + [3] * 25), mx.ones((1, 10)))[0, 7].item() == 1.0
 
 
 def test_chat_prompt_places_every_turn_as_data(smol):
