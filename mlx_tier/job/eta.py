@@ -67,6 +67,7 @@ class _Doc:
     read: int = 0  # prompt tokens read
     written: int = 0  # tokens generated
     limit: int | None = None  # most tokens it may generate (a request's own); None: the run's max_tokens
+    n: int = 1  # sequences it generates (a request's choices), each reading its prompt and writing
     plan: CallPlan | None = None  # a long document's calls, planned when its first level is seen
     read_before: int = 0  # prompt tokens of its levels read before the current one
 
@@ -90,6 +91,8 @@ class EtaTracker:
             the tokens left take at least their number over it; ``None``: none.
         limits: ``{document id: most tokens it may generate}`` where that is its own (a
             batch request's ``max_tokens``), not ``max_tokens``: its prior and its cap.
+        choices: ``{document id: sequences it generates}`` where more than one (a batch
+            request's ``n``): each choice reads the prompt and writes its own answer.
     """
 
     docs: dict[str, int]
@@ -100,6 +103,7 @@ class EtaTracker:
     calls: Callable[[int], CallPlan] | None = None
     max_tok_s: float | None = None
     limits: dict[str, int] = field(default_factory=dict)
+    choices: dict[str, int] = field(default_factory=dict)
     _left: dict[str, _Doc] = field(init=False)
     _outputs: list[int] = field(default_factory=list, init=False)  # finished documents' lengths, sorted
     _suffix: list[int] | None = field(default=None, init=False)  # _suffix[i] = sum(_outputs[i:]); None: stale
@@ -112,7 +116,8 @@ class EtaTracker:
     _last: tuple[float, float | None] | None = field(default=None, init=False)  # (clock, eta) of :meth:`every`
 
     def __post_init__(self) -> None:
-        self._left = {i: _Doc(max(int(c), 0), limit=self.limits.get(i)) for i, c in self.docs.items()}
+        self._left = {i: _Doc(max(int(c), 0), limit=self.limits.get(i), n=self.choices.get(i, 1))
+                      for i, c in self.docs.items()}
         self._outputs = sorted(int(n) for n in self.earlier)
 
     def step(self, prefill: list[tuple[str, int, int]], generating: list[tuple[str, int]], prefill_tokens: int,
@@ -195,10 +200,10 @@ class EtaTracker:
                 prompt_left += plan.parts * plan.part_prompt + plan.combines * plan.combine_prompt
                 writes += [min(max(expected[0, None], 1.0), self.max_tokens)] * plan.calls
                 continue
-            prompt_left += tokens
+            prompt_left += tokens * d.n
             cap = self.max_tokens if d.limit is None else d.limit
             total = _get(expected, (d.written, d.limit), lambda key: self.expected_output(*key))
-            writes.append(min(max(total - d.written, 1.0), max(cap - d.written, 0.0)))
+            writes += [min(max(total - d.written, 1.0), max(cap - d.written, 0.0))] * d.n
         if prompt_left > 0 and not self._prompt_seconds or not self._steps:
             return None
         prompt_s = prompt_left / (self._prompt_tokens / self._prompt_seconds) if prompt_left > 0 else 0.0

@@ -280,9 +280,10 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
     earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
                if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
     limits = {i: r.plan.max_tokens for i, r in p.requests.items() if r.plan is not None and r.plan.max_tokens}
+    choices = {i: r.plan.n for i, r in p.requests.items() if r.plan is not None and r.plan.n > 1}
     eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic(), earlier,
                      None if p.requests else scheduler.calls_for,  # requests are never split
-                     config.throttle.max_tok_s, limits)
+                     config.throttle.max_tok_s, limits, choices)
 
     speed = Speed()
 

@@ -43,14 +43,13 @@ from typer.testing import CliRunner
 import mlx_tier
 from mlx_tier.cli.main import app
 from mlx_tier.errors import InputError, RequestError
-from mlx_tier.job import batch_api
 from mlx_tier.job.batch_api import BOOKKEEPING, CHAT, COMPLETIONS, RUN, plan
 from mlx_tier.job.batch_engine import BatchEngine, Task, stop_token_ids
 from mlx_tier.job.documents import discover
 from mlx_tier.job.outputs import BatchOutputs
 from mlx_tier.job.prompts import build_chat_prompt
 from mlx_tier.job.sampling import WHOLE, Sampling
-from mlx_tier.outdir.journal import JobInfo, Journal
+from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import lock_held
 
 runner = CliRunner()
