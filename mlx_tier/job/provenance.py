@@ -23,9 +23,9 @@ A ``done`` record carries:
   mtime, not the hash).
 - ``model``: ``{"name", "weights", "config"}``: the model as the user gave it (a
   folder, a repo id, or ``demo``), its weights' fingerprint
-  (:func:`mlx_tier.engine.checkpoint.weights_fingerprint`) and that of the files
+  (:func:`mlx_tier.engine.fingerprints.weights_fingerprint`) and that of the files
   beside them that decide its tokens: config, tokenizer, chat template
-  (:func:`mlx_tier.engine.checkpoint.config_fingerprint`).
+  (:func:`mlx_tier.engine.fingerprints.config_fingerprint`).
 - ``prompt``: the instruction's hash (:func:`prompt_hash`); the run's start
   record holds the text once.
 - ``kv_bits``: the bits of the KV caches it was generated with, when quantized
@@ -234,10 +234,13 @@ class Settings:
         kv_bits: the KV caches' bits (``run --kv-bits``: the tokens depend on
             them), ``None`` unquantized.
         config: the fingerprint of its config, tokenizer and chat template
-            (:func:`mlx_tier.engine.checkpoint.config_fingerprint`); ``None`` unknown.
+            (:func:`mlx_tier.engine.fingerprints.config_fingerprint`); ``None`` unknown.
         generation: :func:`generation_fields` of the run (``None``: not compared).
         compute: ``{"kernel", "dtype"}`` its model computes with
             (:func:`mlx_tier.engine.compute.compute_fields`; ``None``: not compared).
+        earlier: ``(weights, config)`` fingerprints of the same model as the first version
+            took them (:func:`mlx_tier.engine.fingerprints.weights_v1`): a record of that
+            version is compared with them; not written to records.
     """
 
     model: str
@@ -247,6 +250,7 @@ class Settings:
     config: str | None = None
     generation: dict | None = None
     compute: dict | None = None
+    earlier: tuple[str | None, str | None] = (None, None)
 
     def fields(self) -> dict:
         """The ``model`` and ``prompt`` fields of a record this run writes (and
@@ -285,8 +289,9 @@ class Settings:
     def _same_model(self, model: dict) -> bool:
         """Whether a record's ``model`` field names this run's model (:meth:`differences`)."""
         weights, config = model.get("weights"), model.get("config")
-        if isinstance(weights, str) and self.weights is not None:
-            return weights == self.weights and not (isinstance(config, str) and self.config and config != self.config)
+        if isinstance(weights, str) and self.weights is not None:  # this version's, or the first's (earlier)
+            return any(weights == mine and not (isinstance(config, str) and my_config and config != my_config)
+                       for mine, my_config in ((self.weights, self.config), self.earlier) if mine is not None)
         return model.get("name") == self.model
 
     def differs(self, rec: dict) -> bool:

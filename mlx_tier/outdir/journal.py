@@ -305,7 +305,7 @@ class JobInfo:
             the same monotonic clock.
         model: ``{"name", "weights"}``: the model as given (path, repo id, or
             ``demo``) and its weights' fingerprint
-            (:func:`mlx_tier.engine.checkpoint.weights_fingerprint`).
+            (:func:`mlx_tier.engine.fingerprints.weights_fingerprint`).
         prompt, prompt_text: the instruction's hash (what each summary records)
             and its text (here once).
         cwd: the folder the command was given in (its paths may be relative to it).

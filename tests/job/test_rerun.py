@@ -337,7 +337,8 @@ def test_a_change_of_a_few_weights_is_another_model(tmp_path, small_moe, monkeyp
     file is read once, and one rewritten in place, its times set back, is read again."""
     import mlx.core as mx
 
-    from mlx_tier.engine.checkpoint import weight_files, weights_fingerprint
+    from mlx_tier.engine.checkpoint import weight_files
+    from mlx_tier.engine.fingerprints import weights_fingerprint
     from mlx_tier.fsio import kept_sha256
 
     tuned = tmp_path / "tuned"
@@ -358,7 +359,7 @@ def test_a_change_of_a_few_weights_is_another_model(tmp_path, small_moe, monkeyp
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert kept_sha256(shard) is None  # its change time moved
     said = []
-    monkeypatch.setattr("mlx_tier.engine.checkpoint.SAY_FINGERPRINT_BYTES", 1000)  # as a large checkpoint
+    monkeypatch.setattr("mlx_tier.engine.fingerprints.SAY_FINGERPRINT_BYTES", 1000)  # as a large checkpoint
     assert weights_fingerprint(tuned, said.append) != before
     assert len(said) == 1 and said[0].startswith("fingerprinting the model's weights (0.0 GiB, once")
     assert weights_fingerprint(tuned, said.append) == weights_fingerprint(tuned) and len(said) == 1  # kept now
@@ -367,7 +368,7 @@ def test_a_change_of_a_few_weights_is_another_model(tmp_path, small_moe, monkeyp
 def test_the_same_weights_elsewhere_are_the_same_model(s1, tmp_path, small_moe, other_moe):  # noqa: F811
     """The model is told by its weights' fingerprint, not by where it lies: a copy is the
     same model; another seed of the same shapes (identical headers) is not."""
-    from mlx_tier.engine.checkpoint import weights_fingerprint
+    from mlx_tier.engine.fingerprints import weights_fingerprint
 
     copy = tmp_path / "copy"
     shutil.copytree(small_moe, copy)
@@ -376,6 +377,28 @@ def test_the_same_weights_elsewhere_are_the_same_model(s1, tmp_path, small_moe, 
     assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0
     code, output = run(s1, "--out", out, "--model", copy, "--max-tokens", "5")
     assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
+
+
+def test_summaries_of_the_first_fingerprint_version_stay_the_same_models(s1, tmp_path, small_moe,  # noqa: F811
+                                                                         other_moe):
+    """Records written before the fingerprints read every byte carry the first version's (bare
+    hex); they are compared with the same model's fingerprints of that version, so an
+    upgrade alone never says "written with another model" (and another model still is)."""
+    from mlx_tier.engine.fingerprints import TAG, config_v1, weights_v1
+
+    out = tmp_path / "out"
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0
+    path = out / "journal.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    for rec in records:  # as the first version wrote them
+        if isinstance(rec.get("model"), dict) and rec["model"].get("weights"):
+            assert rec["model"]["weights"].startswith(TAG) and rec["model"]["config"].startswith(TAG)
+            rec["model"] |= {"weights": weights_v1(small_moe), "config": config_v1(small_moe)}
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
+    assert code == 0 and "another model" not in output and "skipping 2 documents" in output, output
+    code, output = run(s1, "--out", out, "--model", other_moe, "--max-tokens", "5")
+    assert "keeping 2 summaries written with another model" in output, output
 
 
 def test_summaries_kept_with_another_max_tokens_show_as_a_mix_naming_it(s1, tmp_path, small_moe):  # noqa: F811
@@ -633,14 +656,17 @@ def test_summaries_of_documents_not_in_this_input_are_said(s1, tmp_path, small_m
 def test_the_config_fingerprint_covers_what_decides_tokens_only(tmp_path):
     """config_fingerprint: config, tokenizer files, tiktoken vocabularies and a remote-code
     tokenizer count; a README or a saved profile does not."""
-    from mlx_tier.engine.checkpoint import config_fingerprint
+    from mlx_tier.engine.fingerprints import config_fingerprint
 
     (tmp_path / "config.json").write_text('{"num_experts_per_tok": 2}')
     base = config_fingerprint(tmp_path)
     (tmp_path / "README.md").write_text("notes")
     (tmp_path / "mlx-tier-profile.json").write_text("{}")
     assert config_fingerprint(tmp_path) == base
-    for name in ("vocab.tiktoken", "tokenization_custom.py", "tokenizer_config.json"):
+    (tmp_path / "additional_chat_templates").mkdir()
+    for name in ("vocab.tiktoken", "tokenization_custom.py", "tokenizer_config.json",
+                 # a review: Mistral's tekken.json and other-named tokenizers were left out
+                 "tekken.json", "spiece.model", "tokenizer.model.v3", "vocab.txt", "additional_chat_templates/rag.jinja"):
         (tmp_path / name).write_text("x")
         assert config_fingerprint(tmp_path) != base, name
         base = config_fingerprint(tmp_path)
