@@ -562,3 +562,19 @@ def test_a_request_without_a_limit_waits_for_memory_in_flight_rather_than_being_
     for body in bodies.values():  # each as long as the job's --max-tokens lets it be, or ended on its own
         choice = body["choices"][0]
         assert body["usage"]["completion_tokens"] == 40 or choice["finish_reason"] == "stop", body
+
+
+def test_answers_to_requests_taken_out_of_the_input_are_kept_and_said(tmp_path, tiny_moe):
+    """A review: a request deleted from the input kept its answer's line in output.jsonl with
+    nothing said, the run counting 2 requests beside 3 answers. It is kept (no output is
+    ever deleted) and the run says so, naming it."""
+    reqs = [request(c, {"prompt": p, "max_tokens": 3, "temperature": 0}, COMPLETIONS)
+            for c, p in (("a", "river flood"), ("b", "bee pollen"), ("c", "stone road"))]
+    inp, out = write_jsonl(tmp_path / "requests.jsonl", reqs), tmp_path / "out"
+    args = ["run", str(inp), "--out", str(out), "--model", str(tiny_moe)]
+    assert runner.invoke(app, args).exit_code == 0
+    write_jsonl(inp, [reqs[0], reqs[2]])
+    r = runner.invoke(app, args)
+    words = " ".join(r.output.split())
+    assert r.exit_code == 0 and "output.jsonl keeps 1 answer to requests no longer in the input (b)" in words, words
+    assert len(lines_of(out / "output.jsonl")) == 3
