@@ -241,6 +241,25 @@ def test_a_seeded_sampler_draws_the_same_tokens_and_each_choice_its_own():
     assert Sampling().sampler() is None  # greedy: the batch's shared argmax
 
 
+@pytest.mark.parametrize("seed", [None, 3])
+def test_sampling_takes_the_temperature_first_then_min_p_top_k_and_top_p_as_the_api(seed):
+    """A review: the samplers took top-p on the untempered distribution and top-k last
+    (mlx-lm's make_sampler order); vLLM and the OpenAI API temper first, then min-p, top-k,
+    top-p. Probabilities 0.5, 0.3, 0.15, 0.05: tempered at 0.5 they are 0.69, 0.25, 0.06,
+    0.01, whose top-p 0.9 keeps two tokens where the untempered distribution keeps three."""
+    import mlx.core as mx
+
+    logprobs = mx.log(mx.array([[0.5, 0.3, 0.15, 0.05]]))
+    mx.random.seed(0)
+    seen = {Sampling(temperature=0.5, top_p=0.9, seed=seed, stream=k).sampler()(logprobs).item() for k in range(200)}
+    assert seen == {0, 1}
+    seen = {Sampling(temperature=2.0, top_k=3, top_p=0.6, seed=seed, stream=k).sampler()(logprobs).item()
+            for k in range(200)}  # top-k 3 first: 0.42, 0.33, 0.25 after the temperature, top-p 0.6 keeps 2
+    assert seen == {0, 1}
+    seen = {Sampling(temperature=1.0, top_k=9, seed=seed, stream=k).sampler()(logprobs).item() for k in range(300)}
+    assert seen == {0, 1, 2, 3}  # a k beyond the vocabulary keeps every token
+
+
 # -- the engine: per-sequence sampling and stop strings --------------------------------------------
 
 
