@@ -212,8 +212,8 @@ def check_out_dir(out_dir: Path, input: Path | None = None) -> None:
         input: the job's INPUT when it is a folder or file (``None`` for a path list).
 
     Raises:
-        InputError: ``out_dir`` is the input folder or contains it, or a job
-            file or a ``.md`` output in it is a symbolic link.
+        InputError: ``out_dir`` is the input folder or contains it (or the input
+            file), or a job file or a ``.md`` output in it is a symbolic link.
     """
     out_dir = Path(out_dir)
     if input is not None and Path(input).is_dir():
@@ -224,6 +224,13 @@ def check_out_dir(out_dir: Path, input: Path | None = None) -> None:
         if inp.is_relative_to(out):
             raise InputError(f"{out_dir}: the output folder contains the input folder {input}; "
                              "choose a folder outside it")
+        if out.is_relative_to(inp) and (n := _others_files_under(out)):
+            raise InputError(f"{out_dir}: the output folder, inside INPUT, holds {n} file{'s' if n > 1 else ''} "
+                             "of no mlx-tier job: an output folder is not read as input, so they would not be "
+                             "summarised (choose a new folder)")
+    elif input is not None and Path(input).is_file() and Path(input).resolve().is_relative_to(out_dir.resolve()):
+        raise InputError(f"{out_dir}: the output folder holds the input file {input}; its summary and reports "
+                         "would mix with your documents (choose another folder)")
     if not out_dir.is_dir():
         return
     for entry in sorted(out_dir.iterdir()):
@@ -231,6 +238,22 @@ def check_out_dir(out_dir: Path, input: Path | None = None) -> None:
             raise InputError(f"{entry}: is a symbolic link; refusing to write through it "
                              "(remove it, or choose another output folder)")
     _check_others_files(out_dir)
+
+
+def _others_files_under(folder: Path, most: int = 1000) -> int:
+    """How many files (up to ``most``) ``folder`` holds, at any depth, when it is not an
+    mlx-tier job's folder (:func:`is_job_folder`): 0 for a job's folder, a missing or empty
+    one, or one holding only a job's own files and hidden ones (a run that stopped before
+    its journal)."""
+    if not folder.is_dir() or is_job_folder(folder):
+        return 0
+    n = 0
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        n += sum(1 for f in files if not f.startswith(".") and not (Path(root) == folder and f in JOB_FILES))
+        if n >= most:
+            break
+    return n
 
 
 # Files a job replaces or appends to that only a job's own run leaves (run.pid and run.log are

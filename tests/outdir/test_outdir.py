@@ -61,6 +61,28 @@ def test_out_dir_equal_to_or_above_input_is_refused(tmp_path):
         assert r.exit_code == 2 and "is more than this machine's memory" in r.output, r.output
 
 
+def test_an_output_folder_holding_the_input_file_or_documents_inside_input_is_refused(tmp_path):
+    """A user trial: `run notes/cats.txt --out notes` wrote cats.md and the reports among the
+    documents (the next run of the folder summarised the summary), and `run notes --out
+    notes/2024` silently left out the documents notes/2024 held. Both are refused, one line,
+    exit 2, before anything is written; a job's own folder inside INPUT is still its output."""
+    notes = tmp_path / "notes"
+    make_docs(notes, 2)
+    first = sorted(notes.iterdir())[0]
+    before = sorted(p.name for p in notes.iterdir())
+    for out in (notes, tmp_path):
+        r = runner.invoke(app, ["run", str(first), "--out", str(out)])
+        assert r.exit_code == 2 and r.output.count("error:") == 1, r.output
+        assert "the output folder holds the input file" in " ".join(r.output.split()), r.output
+    assert sorted(p.name for p in notes.iterdir()) == before
+    (notes / "2024").mkdir()
+    (notes / "2024" / "budget.txt").write_text("The 2024 budget raised taxes on imported steel.")
+    r = runner.invoke(app, ["run", str(notes), "--out", str(notes / "2024")])
+    words = " ".join(r.output.split())
+    assert r.exit_code == 2 and "holds 1 file of no mlx-tier job" in words, words
+    assert sorted(p.name for p in (notes / "2024").iterdir()) == ["budget.txt"]
+
+
 def test_run_refuses_a_folder_with_a_planted_link(tmp_path):
     docs, out, victim = tmp_path / "docs", tmp_path / "out", tmp_path / "bashrc"
     make_docs(docs, 1)
