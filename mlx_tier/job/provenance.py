@@ -215,10 +215,16 @@ SETTINGS_FIELDS = ("model", "prompt", "kv_bits", "generation", "compute")
 GENERATION_KEYS = ("max_tokens", "repetition_penalty", "context")
 
 
-def generation_fields(generation) -> dict:
+def generation_fields(generation, model_context: int | None = None) -> dict:
     """``{key: value}`` of :data:`GENERATION_KEYS` from a
-    :class:`~mlx_tier.job.scheduler.GenerationConfig` (``context`` ``None``: the model's)."""
-    return {k: getattr(generation, k) for k in GENERATION_KEYS}
+    :class:`~mlx_tier.job.scheduler.GenerationConfig`, ``context`` as the run resolves it
+    from ``--context`` and the model's ``model_context`` (at most that; ``None`` asked: the
+    model's); ``None`` where both are unknown. The memory a run finds may lower it further:
+    not recorded (it does not change a document read in one call)."""
+    fields = {k: getattr(generation, k) for k in GENERATION_KEYS}
+    if model_context is not None:
+        fields["context"] = min(fields["context"] or model_context, model_context)
+    return fields
 
 
 @dataclass(frozen=True)
@@ -241,6 +247,9 @@ class Settings:
         earlier: ``(weights, config)`` fingerprints of the same model as the first version
             took them (:func:`mlx_tier.engine.fingerprints.weights_v1`): a record of that
             version is compared with them; not written to records.
+        model_context: the model's context in tokens (``None``: unknown): a record's
+            ``context`` of ``None`` (the model's) or beyond it (as asked, by an older
+            version) is compared as the context it ran with.
     """
 
     model: str
@@ -251,6 +260,7 @@ class Settings:
     generation: dict | None = None
     compute: dict | None = None
     earlier: tuple[str | None, str | None] = (None, None)
+    model_context: int | None = None
 
     def fields(self) -> dict:
         """The ``model`` and ``prompt`` fields of a record this run writes (and
@@ -283,8 +293,15 @@ class Settings:
             out.append("kernel")
         made = rec.get("generation")
         if isinstance(made, dict) and self.generation is not None:
-            out += [k for k in GENERATION_KEYS if k in made and k in self.generation and made[k] != self.generation[k]]
+            out += [k for k in GENERATION_KEYS if k in made and k in self.generation
+                    and self._ran_with(k, made[k]) != self._ran_with(k, self.generation[k])]
         return out
+
+    def _ran_with(self, key: str, value):
+        """A generation option's value as it ran: ``context`` within the model's."""
+        if key != "context" or self.model_context is None or not (value is None or isinstance(value, int)):
+            return value
+        return min(value or self.model_context, self.model_context)
 
     def _same_model(self, model: dict) -> bool:
         """Whether a record's ``model`` field names this run's model (:meth:`differences`)."""

@@ -180,25 +180,28 @@ def run_settings(model: Path | str | None, generation, model_dir: Path | None, r
     generation options, only the model, KV cache and ``compute`` are compared.
     ``compute``: the kernel and cast its model computes with (``None``: not compared).
     ``say``: told, in words, when the weights are read for their fingerprint (a first run)."""
+    from mlx_tier.engine.checkpoint import context_length
     from mlx_tier.engine.fingerprints import (
         config_fingerprint,
         config_v1,
         weights_fingerprint,
         weights_v1,
     )
+    from mlx_tier.job.model_setup import FALLBACK_CONTEXT
 
-    weights = config = None
+    weights = config = context = None
     earlier = (None, None)
     if model_dir is not None:
         try:
             weights, config = weights_fingerprint(model_dir, say), config_fingerprint(model_dir)
             earlier = (weights_v1(model_dir), config_v1(model_dir))  # for records of the first version
+            context = context_length(model_dir, FALLBACK_CONTEXT)
         except CheckpointError:
             pass
     if requests:
         return Settings(model_name(model), weights, None, generation.kv_bits, config, compute=compute, earlier=earlier)
     return Settings(model_name(model), weights, prompt_hash(generation.instruction), generation.kv_bits, config,
-                    generation_fields(generation), compute, earlier)
+                    generation_fields(generation, context), compute, earlier, context)
 
 
 def copy_reused(tri: Triage, records: Mapping[str, dict], docs, out_dir: Path, journal: Journal) -> list[str]:

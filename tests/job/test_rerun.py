@@ -472,11 +472,15 @@ def test_other_generation_options_are_kept_said_and_redone_on_request(s1, tmp_pa
     """A user trial: `--max-tokens 16`, then `--max-tokens 40 --redo-changed --repetition-penalty 1.0
     --context 128` said "nothing to do" and kept the 16-token summaries. Each option that can change
     a summary is recorded with it; another value keeps them with a note, `--redo-changed` redoes them."""
+    from mlx_tier.engine.checkpoint import context_length
+    from mlx_tier.job import model_setup
+
+    ctx = context_length(small_moe, model_setup.FALLBACK_CONTEXT)  # a context not asked for: the model's
     out = tmp_path / "out"
     base = (s1, "--out", out, "--model", small_moe)
     assert run(*base, "--max-tokens", "4")[0] == 0
     before = {p.name: p.read_bytes() for p in out.glob("*.md")}
-    assert last_record(out, "a")["generation"] == {"max_tokens": 4, "repetition_penalty": 1.1, "context": None}
+    assert last_record(out, "a")["generation"] == {"max_tokens": 4, "repetition_penalty": 1.1, "context": ctx}
     code, output = run(*base, "--max-tokens", "6")
     assert code == 0 and "keeping 2 summaries written with another --max-tokens; redo them with --redo-changed" \
         in output, output
@@ -484,12 +488,28 @@ def test_other_generation_options_are_kept_said_and_redone_on_request(s1, tmp_pa
     code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--redo-changed")
     assert code == 0 and "--redo-changed: redoing 2 summaries written with another --max-tokens or " \
         "--repetition-penalty" in output, output
-    assert last_record(out, "b")["generation"] == {"max_tokens": 6, "repetition_penalty": 1.0, "context": None}
+    assert last_record(out, "b")["generation"] == {"max_tokens": 6, "repetition_penalty": 1.0, "context": ctx}
     assert last_record(out, "b")["output_tokens"] > 4  # written again, not kept
-    code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--context", "512")
-    assert code == 0 and "written with another --context" in output, output
+    code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--context", "200")
+    assert code == 0 and "written with another --context" in output, output  # the model's is 256
     code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0")
     assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
+    # a user trial: the model's own context asked for, or one beyond it (lowered to it), was
+    # "another --context" beside the default, and report.json kept the 10000000 asked
+    for asked in (str(ctx), "10000000"):
+        code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--context", asked)
+        assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
+    old = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
+    for rec in old:  # as a version that recorded the context as asked wrote them
+        if isinstance(rec.get("generation"), dict):
+            rec["generation"]["context"] = None if rec.get("id") == "a" else 10_000_000
+    (out / "journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--context", str(ctx))
+    assert code == 0 and "keeping" not in output and "skipping 2 documents" in output, output
+    code, output = run(*base, "--max-tokens", "6", "--repetition-penalty", "1.0", "--context", "200",
+                       "--redo-changed")
+    assert code == 0 and "redoing 2 summaries written with another --context" in output, output
+    assert json.loads((out / "report.json").read_text())["documents"][0]["generation"]["context"] == 200
 
 
 def test_a_summary_written_by_another_kernel_is_kept_said_and_redone_on_request(s1, tmp_path, small_moe):  # noqa: F811
