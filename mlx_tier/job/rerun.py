@@ -447,25 +447,40 @@ def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[
 
 def doubt_answers(tri: Triage, entries: Iterable[dict], digests: dict[str, str | None], by_id: dict,
                   order: list[str], retry_failed: bool = False) -> None:
-    """Check each batch answer with no ``done`` record (``tri.recovered``: a crash between
-    its line and its record) against the ``writing`` record its run journalled before the
-    line (:func:`~mlx_tier.job.provenance.vouched`). One it vouches for, made from the
-    request as it is now, is adopted with its ``made_from`` and settings
-    (``tri.recovered_from``); any other (made for another version of its request, or no
-    record names its line: an older version's run) is redone, its line replaced (pending
-    and ``stale``, in input order; with ``retry_failed``, left for a plain rerun).
-    ``digests``: id -> the sha256 of its answer's line in ``output.jsonl``."""
+    """:func:`doubt_unrecorded` for a batch's answers: each line of ``output.jsonl`` its records
+    may not describe (``tri.recovered``: no ``done`` record, a crash between its line and its
+    record; and done ones whose last ``writing`` record came after: a redo's line, its record
+    lost) is checked against the writing record its run journalled before the line
+    (:func:`~mlx_tier.job.provenance.vouched`). One it vouches for, made from the request as
+    it is now, is adopted with its ``made_from`` and settings (``tri.recovered_from``); a line
+    made for another version of its request, or a recovered one no record names (an older
+    version's run), is answered again, its line replaced (pending and ``stale``, in input
+    order; with ``retry_failed``, left for a plain rerun). ``digests``: id -> the sha256 of
+    its answer's line (``None``: no line)."""
     entries, redo = list(entries), []
-    for i in tri.recovered:
+    rewritten = sorted(rewritten_since_done(entries) & (set(tri.done) | set(tri.stale)))
+    for i in [*tri.recovered, *rewritten]:
+        if digests.get(i) is None:
+            continue  # no line: as its record says
         stamp = by_id[i].stamp
-        said = vouched(entries, i, digests.get(i) or "", stamp.sha256 if stamp is not None else None)
+        said = vouched(entries, i, digests[i], stamp.sha256 if stamp is not None else None)
         if isinstance(said, dict):
+            if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]) \
+                    and all(said.get(k) == tri.done[i].get(k) for k in SETTINGS_FIELDS):
+                continue  # the line its done record describes
+            _undone(tri, i)  # a redo's line, its record lost: adopted as that redo wrote it
+            if i not in tri.recovered:
+                tri.recovered.append(i)
             tri.recovered_from[i] = said
-        else:
+        elif i in tri.stale:
+            continue  # redone as it is
+        elif i in tri.recovered or said == "stale":  # unvouched, or the answer to another version
             redo.append(i)
+            _undone(tri, i)
     if redo:
         tri.recovered[:] = [i for i in tri.recovered if i not in redo]
-        tri.stale[:] = [i for i in order if i in set(tri.stale) | set(redo)]
+        stale = set(tri.stale) | set(redo)
+        tri.stale[:] = [i for i in order if i in stale]
         into = tri.left if retry_failed else tri.pending
         waiting = set(into) | set(redo)
         into[:] = [i for i in order if i in waiting]

@@ -597,3 +597,36 @@ def test_answers_to_requests_taken_out_of_the_input_are_kept_and_said(tmp_path, 
     words = " ".join(r.output.split())
     assert r.exit_code == 0 and "output.jsonl keeps 1 answer to requests no longer in the input (b)" in words, words
     assert len(lines_of(out / "output.jsonl")) == 3
+
+
+def test_a_redone_line_whose_done_record_a_kill_lost_is_not_kept_for_another_request(tmp_path, tiny_moe):
+    """A review: x answered as A, edited to B (redone, its line replaced), the done record of
+    B's answer lost to a kill, x set back to A: the rerun kept B's answer as A's, its last done
+    record being A's. The redo's writing record names B's line: it is answered again; and with
+    x left as B, B's line is adopted, not answered twice."""
+    import json as _json
+
+    def drop_last_done(out):
+        rows = (out / "journal.jsonl").read_text().splitlines()
+        last = max(k for k, x in enumerate(rows) if _json.loads(x).get("status") == "done")
+        (out / "journal.jsonl").write_text("".join(x + "\n" for k, x in enumerate(rows) if k != last))
+
+    a = request("x", {"prompt": "bee pollen flower", "max_tokens": 4, "temperature": 0}, COMPLETIONS)
+    b = request("x", {"prompt": "book library", "max_tokens": 7, "temperature": 0}, COMPLETIONS)
+    inp, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    args = ["run", str(inp), "--out", str(out), "--model", str(tiny_moe)]
+    for req in (a, b):
+        write_jsonl(inp, [req])
+        assert runner.invoke(app, args).exit_code == 0
+    answer_b = lines_of(out / "output.jsonl")[0]
+    drop_last_done(out)
+    before = (out / "output.jsonl").read_bytes()
+    assert "nothing to do" in runner.invoke(app, args).output  # x still B: its line adopted, not redone
+    assert (out / "output.jsonl").read_bytes() == before and Journal(out).records()["x"]["recovered"]
+    drop_last_done(out)  # the adoption's record too: back to the kill's state
+    write_jsonl(inp, [a])
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
+    (line,) = lines_of(out / "output.jsonl")
+    assert line["response"]["body"]["usage"]["completion_tokens"] == 4 != \
+        answer_b["response"]["body"]["usage"]["completion_tokens"]
