@@ -120,7 +120,7 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     placed_as = [messages[i]["content"] for i in order]
     if "".join(t + c for t, c in zip(texts, [*placed_as, ""])) != rendered:  # the template edits contents
-        placed_as = _as_rendered(rendered, texts, order, messages)
+        placed_as = _as_rendered(tokenizer, messages, texts, order)
     ids = list(tokenizer.encode(texts[0], add_special_tokens=False)) if texts[0] else []
     for content, text in zip(placed_as, texts[1:]):
         ids += encode_data(tokenizer, content) if content else []
@@ -128,28 +128,31 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return ids
 
 
-def _as_rendered(rendered: str, texts: list[str], order: list[int], messages: list[dict]) -> list[str]:
+def _as_rendered(tokenizer, messages: list[dict], texts: list[str], order: list[int]) -> list[str]:
     """Each placed message's content as the chat template renders it, where the template edits
     it (Llama 3's ``| trim``, Qwen3 dropping the ``<think>`` block of earlier assistant turns):
-    the text between the template's own ``texts`` (as rendered around placeholders, in turn)
-    in ``rendered``, the conversation rendered with its contents. Each must be a part of
-    its message's content, so that no text of a message is taken for the template's.
+    the conversation is rendered once per message with only that message's content real and
+    the others as placeholders, so the text between its neighbours' placeholders is the
+    template's own (``texts``, as rendered around placeholders) around that content, with no
+    doubt where one ends and the other begins, whatever the content holds.
 
     Raises:
-        ValueError: the template's own text differs with the contents (it depends on them),
-            or an edited content cannot be told apart from it.
+        ValueError: the template's own text differs with a content (its markup depends on
+            it), or an edited message is placed more than once.
     """
-    out, pos = [], len(texts[0])
-    if not rendered.startswith(texts[0]) or not rendered.endswith(texts[-1]):
-        pos = -1
+    out = []
     for k, i in enumerate(order):
-        last = k + 1 == len(order)
-        stop = len(rendered) - len(texts[-1]) if last else rendered.find(texts[k + 1], pos) if texts[k + 1] else -1
-        if pos < 0 or stop < pos or rendered[pos:stop] not in messages[i]["content"]:
+        alone = [{**m, "content": m["content"] if j == i else _slot(j)} for j, m in enumerate(messages)]
+        pieces = _SLOTS.split(tokenizer.apply_chat_template(alone, add_generation_prompt=True, tokenize=False))
+        segments, others = pieces[::2], [int(x) for x in pieces[1::2]]
+        pre, post = texts[k], texts[k + 1]
+        seg = segments[k] if len(segments) == len(texts) - 1 else ""
+        if order.count(i) > 1 or others != order[:k] + order[k + 1:] \
+                or segments[:k] + segments[k + 1:] != texts[:k] + texts[k + 2:] \
+                or not (seg.startswith(pre) and seg.endswith(post) and len(seg) >= len(pre) + len(post)):
             raise ValueError(f"the chat template changes message {i}'s text in a way that cannot be told apart "
                              "from the template's own (its markup depends on the text)")
-        out.append(rendered[pos:stop])
-        pos = stop + (0 if last else len(texts[k + 1]))
+        out.append(seg[len(pre):len(seg) - len(post)])
     return out
 
 
