@@ -160,9 +160,12 @@ class EtaTracker:
 
     def finished(self, doc_id: str, output_tokens: int | None = None) -> None:
         """A document left the run: done (``output_tokens`` it wrote in all, a resumed long
-        document's kept calls' too: a document's length) or failed (``None``)."""
-        if self._left.pop(doc_id, None) is not None and output_tokens is not None:
-            insort(self._outputs, int(output_tokens))
+        document's kept calls' too: a document's length; a request's over its choices, each
+        choice counted as one sequence of its share) or failed (``None``)."""
+        d = self._left.pop(doc_id, None)
+        if d is not None and output_tokens is not None:
+            for _ in range(d.n):
+                insort(self._outputs, round(int(output_tokens) / d.n))
             self._suffix = None
 
     def expected_output(self, written: int = 0, limit: int | None = None) -> float:

@@ -308,3 +308,17 @@ def test_a_request_with_n_choices_counts_each_choice():
     alone = eta_after([f"r{j}" for j in range(16)], {})
     assert alone == pytest.approx(29.0, rel=0.05)
     assert eta_after([f"r{j}" for j in range(2) for _ in range(8)], {"r0": 8, "r1": 8}) == pytest.approx(alone)
+
+    def after_half(seqs, choices, finish):  # a review: a finished request's total was one sequence's length
+        docs = sorted(set(seqs))
+        t = EtaTracker({i: 20 for i in docs}, 160, 16, 0.0, [], None, None, {}, choices)
+        t.step([(i, 5, 5) for i in docs], [], 5 * len(docs), 0.05, 0, 0.0)
+        for k in range(1, 21):
+            t.step([], [(i, k) for i in seqs], 0, 0.0, len(seqs), 0.1)
+        for i, tokens in finish.items():
+            t.finished(i, tokens)
+        return t.eta(0.05 + 20 * 0.1)
+
+    n1 = after_half([f"r{j}" for j in range(16)], {}, {f"r{j}": 40 for j in range(8)})
+    n8 = after_half([f"r{j}" for j in range(2) for _ in range(8)], {"r0": 8, "r1": 8}, {"r0": 8 * 40})
+    assert n8 == pytest.approx(n1)
