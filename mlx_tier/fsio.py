@@ -226,17 +226,25 @@ def user_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("mlx-tier"))
 
 
-def _digest_kept_at(path: Path, st: os.stat_result) -> Path:
-    """Where :func:`file_sha256` keeps the digest of the file ``path`` whose status is ``st``."""
+_DIGESTS: dict[str, str] = {}  # this process's digests by file identity, where the cache cannot keep them
+
+
+def _identity(path: Path, st: os.stat_result) -> str:
+    return f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+
+
+def _digest_kept_at(ident: str) -> Path:
+    """Where :func:`file_sha256` keeps the digest of the file of identity ``ident``."""
     import hashlib
 
-    ident = f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
     return user_cache_dir() / "digests" / hashlib.sha256(ident.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
-def _kept(at: Path) -> str | None:
+def _kept(ident: str) -> str | None:
+    if ident in _DIGESTS:
+        return _DIGESTS[ident]
     try:
-        digest = at.read_text().strip()
+        digest = _digest_kept_at(ident).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
     return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
@@ -246,9 +254,20 @@ def kept_sha256(path: Path) -> str | None:
     """The digest :func:`file_sha256` kept of ``path`` as it is now, ``None``: none kept
     (or the file cannot be read)."""
     try:
-        return _kept(_digest_kept_at(path, os.stat(path)))
+        return _kept(_identity(path, os.stat(path)))
     except OSError:
         return None
+
+
+def digests_kept() -> bool:
+    """Whether :func:`file_sha256` can keep digests beyond this process (its cache folder
+    can be written)."""
+    folder = user_cache_dir() / "digests"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def file_sha256(path: Path) -> str:
@@ -256,7 +275,7 @@ def file_sha256(path: Path) -> str:
     the file's identity: its real path, device, inode, size, and modification and change
     times in ns (the change time moves with any write to the file and cannot be set back
     by a program), so a file rewritten in any way is read again, and one not changed
-    is read once; a cache that cannot be written is skipped.
+    is read once; where the cache cannot be written, for this process only.
 
     Raises:
         OSError: the file cannot be read.
@@ -264,12 +283,14 @@ def file_sha256(path: Path) -> str:
     import hashlib
 
     with open(path, "rb") as f:
-        at = _digest_kept_at(path, os.fstat(f.fileno()))
-        digest = _kept(at)
+        ident = _identity(path, os.fstat(f.fileno()))
+        digest = _kept(ident)
         if digest is not None:
             return digest
         digest = hashlib.file_digest(f, "sha256").hexdigest()
+    _DIGESTS[ident] = digest
     try:
+        at = _digest_kept_at(ident)
         at.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(at, digest + "\n")
     except OSError:

@@ -89,14 +89,16 @@ def weights_fingerprint(model_dir: Path, say: Callable[[str], None] | None = Non
         CheckpointError: no weight file, or one is unreadable.
     """
     from mlx_tier.engine.checkpoint import weight_files
-    from mlx_tier.fsio import file_sha256, kept_sha256
+    from mlx_tier.fsio import digests_kept, file_sha256, kept_sha256, user_cache_dir
 
     files = weight_files(model_dir)
     if say is not None:
         unread = sum(p.stat().st_size for p in files if kept_sha256(p) is None)
         if unread > SAY_FINGERPRINT_BYTES:
-            say(f"fingerprinting the model's weights ({unread / 2**30:.1f} GiB, once: then kept by file "
-                "identity), so that summaries of other weights are never taken as current")
+            kept = "once: then kept by file identity" if digests_kept() else \
+                f"again each run: {user_cache_dir() / 'digests'} cannot be written"
+            say(f"fingerprinting the model's weights ({unread / 2**30:.1f} GiB, {kept}), so that summaries of "
+                "other weights are never taken as current")
     digest = hashlib.sha256()
     for path in files:
         try:

@@ -365,6 +365,30 @@ def test_a_change_of_a_few_weights_is_another_model(tmp_path, small_moe, monkeyp
     assert weights_fingerprint(tuned, said.append) == weights_fingerprint(tuned) and len(said) == 1  # kept now
 
 
+def test_a_digest_cache_that_cannot_be_written_says_so_and_reads_once_a_process(tmp_path, small_moe,  # noqa: F811
+                                                                                 monkeypatch):
+    """A review: with a cache folder that cannot be written, each fingerprint read all the
+    weights again under a message saying "once". The digest is kept for the process, and
+    the message says the weights are read again each run, and why."""
+    import hashlib
+
+    from mlx_tier.engine import fingerprints
+
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("MLX_TIER_CACHE", str(blocked))
+    model = tmp_path / "model"
+    shutil.copytree(small_moe, model)
+    reads, real = [], hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, name: (reads.append(f.name), real(f, name))[1])
+    monkeypatch.setattr(fingerprints, "SAY_FINGERPRINT_BYTES", 1000)
+    said = []
+    for _ in range(3):
+        fingerprints.weights_fingerprint(model, said.append)
+    assert len(reads) == 1 and len(said) == 1
+    assert "again each run:" in said[0] and "cannot be written" in said[0] and "once" not in said[0]
+
+
 def test_the_same_weights_elsewhere_are_the_same_model(s1, tmp_path, small_moe, other_moe):  # noqa: F811
     """The model is told by its weights' fingerprint, not by where it lies: a copy is the
     same model; another seed of the same shapes (identical headers) is not."""
