@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mlx_tier.messages import in_request_words
-from mlx_tier.outdir.journal import options_apart
+from mlx_tier.outdir.journal import options_apart, short_fingerprint
 from mlx_tier.units import (
     count_text,
     mib_text,
@@ -395,7 +395,7 @@ def mix_lines(written: list[dict], prompts: dict[str, str], width: int = 40) -> 
         if w.get("model") is None and w.get("prompt") is None:
             lines.append(f"{w['documents']} by an earlier version (not recorded)")
             continue
-        weights = f" [{w['weights'][:8]}]" if w.get("weights") else ""
+        weights = f" [{short_fingerprint(w['weights'])}]" if w.get("weights") else ""
         text = prompts.get(w.get("prompt") or "", "")
         said = f": {_clip(' '.join(text.split()), width)}" if text else ""
         prompt = (w.get("prompt") or "?")[:8]

@@ -246,7 +246,7 @@ class Settings:
             (:func:`mlx_tier.engine.compute.compute_fields`; ``None``: not compared).
         earlier: ``(weights, config)`` fingerprints of the same model as the first version
             took them (:func:`mlx_tier.engine.fingerprints.weights_v1`): a record of that
-            version is compared with them; not written to records.
+            version is compared with them (and records name them: ``model.earlier``).
         model_context: the model's context in tokens (``None``: unknown): a record's
             ``context`` of ``None`` (the model's) or beyond it (as asked, by an older
             version) is compared as the context it ran with.
@@ -263,9 +263,13 @@ class Settings:
     model_context: int | None = None
 
     def fields(self) -> dict:
-        """The ``model`` and ``prompt`` fields of a record this run writes (and
+        """The ``model`` and ``prompt`` fields of a record this run writes (the model's
+        first-version fingerprints, ``earlier``, and its ``context`` with it, so that readers
+        group records of older versions with this one's: :func:`~mlx_tier.outdir.journal.as_written`; and
         ``kv_bits`` when quantized, ``generation`` and ``compute`` when known)."""
-        model = {"name": self.model, "weights": self.weights, **({"config": self.config} if self.config else {})}
+        model = {"name": self.model, "weights": self.weights, **({"config": self.config} if self.config else {}),
+                 **({"earlier": dict(zip(("weights", "config"), self.earlier))} if self.earlier[0] else {}),
+                 **({"context": self.model_context} if self.model_context is not None else {})}
         return {"model": model, "prompt": self.prompt,
                 **({"kv_bits": self.kv_bits} if self.kv_bits is not None else {}),
                 **({"generation": dict(self.generation)} if self.generation is not None else {}),

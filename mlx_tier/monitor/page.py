@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mlx_tier.fsio import write_atomic
 from mlx_tier.monitor.view import build_view
-from mlx_tier.outdir.journal import options_apart
+from mlx_tier.outdir.journal import options_apart, short_fingerprint
 from mlx_tier.outdir.layout import REPORT_HTML
 from mlx_tier.rates import DEFINITION
 from mlx_tier.units import duration_text, percent_text, rate_text, tokens_text
@@ -310,7 +310,7 @@ def _writer(d: dict, written: list[dict]) -> str:
     job's groups ``written`` (:func:`mlx_tier.outdir.journal.options_apart`)."""
     if d.get("model") is None and d.get("prompt") is None:
         return "by an earlier version (not recorded)"
-    weights = f" [{d['weights'][:8]}]" if d.get("weights") else ""
+    weights = f" [{short_fingerprint(d['weights'])}]" if d.get("weights") else ""
     apart = options_apart(written, d.get("options"))
     return f"by {d.get('model') or '?'}{weights}, prompt {(d.get('prompt') or '?')[:8]}{', ' + apart if apart else ''}"
 

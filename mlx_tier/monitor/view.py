@@ -20,7 +20,7 @@ from pathlib import Path
 from mlx_tier.fsio import read_nofollow
 from mlx_tier.messages import retry_command
 from mlx_tier.monitor.status import describe_state, job_ids, status_and_journal
-from mlx_tier.outdir.journal import written_options, written_with
+from mlx_tier.outdir.journal import as_written, written_options, written_with
 from mlx_tier.outdir.layout import BATCH_OUTPUT, REPORT
 
 SUMMARY_CHARS = 20_000  # longest summary text shown in place (a summary is a few sentences)
@@ -188,6 +188,7 @@ def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: di
     sources = {d.get("id"): d.get("source") for d in report.get("documents", []) if isinstance(d, dict)}
     redoing = set(redoing)
     answered = answers(out_dir)  # a batch request file's job: its answers are lines of output.jsonl
+    now = as_written([r for r in latest.values() if r.get("status") == "done"])  # as written_by groups them
     out = []
     for doc_id in ids:
         rec = latest.get(doc_id, {}) if doc_id not in redoing else {}
@@ -199,7 +200,7 @@ def documents(out_dir: Path, ids: list[str], latest: dict[str, dict], report: di
             "input_tokens": rec.get("input_tokens"), "output_tokens": rec.get("output_tokens"),
             "seconds": rec.get("doc_seconds", rec.get("seconds")), "finish_reason": rec.get("finish_reason"), "error": rec.get("error"),
             "summary": text,
-            **_written(rec, status),
+            **_written(now(rec), status),
         })
     return out
 

@@ -227,6 +227,45 @@ def merged(main: Iterable[dict], runs: dict[str, list[Iterable[dict]]]) -> Itera
             yield from sorted(groups.pop(rec["run"]), key=_t)
 
 
+def as_written(records: Iterable[dict]) -> Callable[[dict], dict]:
+    """A function giving each ``done`` record of ``records`` as this version records it, so that
+    records of one model and context read as one whatever version wrote them: a fingerprint
+    of the first version (bare hex) is replaced by this version's of the same model, and a
+    ``context`` not recorded as resolved (``None``: the model's; beyond the model's) by the
+    context it ran with, as this version's records of that model say (their ``model``'s
+    ``earlier`` fingerprints and ``context``). Records no newer record names stay as they are."""
+    aliases: dict[str, str] = {}
+    contexts: dict[str, int] = {}
+    for rec in records:
+        model = rec.get("model") if isinstance(rec.get("model"), dict) else {}
+        earlier = model.get("earlier") if isinstance(model.get("earlier"), dict) else {}
+        for key in ("weights", "config"):
+            if isinstance(earlier.get(key), str) and isinstance(model.get(key), str):
+                aliases[earlier[key]] = model[key]
+        if isinstance(model.get("weights"), str) and isinstance(model.get("context"), int):
+            contexts[model["weights"]] = model["context"]
+
+    def now(rec: dict) -> dict:
+        model = rec.get("model") if isinstance(rec.get("model"), dict) else None
+        if model is None or not (aliases or contexts):
+            return rec
+        model = {**model, **{k: aliases[model[k]] for k in ("weights", "config")
+                             if isinstance(model.get(k), str) and model[k] in aliases}}
+        rec = {**rec, "model": model}
+        generation, most = rec.get("generation"), contexts.get(model.get("weights"))
+        if isinstance(generation, dict) and most is not None and "context" in generation and (
+                generation["context"] is None or isinstance(generation["context"], int)):
+            rec["generation"] = {**generation, "context": min(generation["context"] or most, most)}
+        return rec
+
+    return now
+
+
+def short_fingerprint(fingerprint: str) -> str:
+    """A fingerprint's first 8 hex digits, for people (its version tag left out)."""
+    return fingerprint.removeprefix("v2-")[:8]
+
+
 def written_with(rec: dict) -> tuple[str | None, str | None, str | None]:
     """``(model name, weights fingerprint, prompt hash)`` a ``done`` record says wrote its
     summary; each ``None`` when not recorded (a summary of a version before they were)."""
@@ -250,7 +289,7 @@ def written_options(rec: dict) -> dict:
     if isinstance(compute.get("kernel"), str):
         out["kernel"] = "/".join(str(compute[k]) for k in ("kernel", "dtype") if isinstance(compute.get(k), str))
     if isinstance(model.get("config"), str):
-        out["config"] = model["config"][:8]
+        out["config"] = short_fingerprint(model["config"])
     return out
 
 
@@ -258,8 +297,10 @@ def written_by(records: Iterable[dict]) -> list[dict]:
     """The settings the given ``done`` records were written with, counted:
     ``[{"model", "weights", "prompt", "options", "documents"}]``, most documents first
     (``None`` values: not recorded, a summary of an older version; ``options``:
-    :func:`written_options`)."""
-    counts = Counter((*written_with(rec), tuple(sorted(written_options(rec).items()))) for rec in records)
+    :func:`written_options`), each record as this version records it (:func:`as_written`)."""
+    records = list(records)
+    now = as_written(records)
+    counts = Counter((*written_with(now(rec)), tuple(sorted(written_options(now(rec)).items()))) for rec in records)
     return [{"model": m, "weights": w, "prompt": p, "options": dict(o), "documents": n}
             for (m, w, p, o), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
 

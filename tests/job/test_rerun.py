@@ -417,12 +417,26 @@ def test_summaries_of_the_first_fingerprint_version_stay_the_same_models(s1, tmp
     for rec in records:  # as the first version wrote them
         if isinstance(rec.get("model"), dict) and rec["model"].get("weights"):
             assert rec["model"]["weights"].startswith(TAG) and rec["model"]["config"].startswith(TAG)
-            rec["model"] |= {"weights": weights_v1(small_moe), "config": config_v1(small_moe)}
+            rec["model"] = {"name": rec["model"]["name"], "weights": weights_v1(small_moe),
+                            "config": config_v1(small_moe)}
+            if "generation" in rec:
+                rec["generation"]["context"] = None  # as the first version recorded a context not asked for
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     code, output = run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")
     assert code == 0 and "another model" not in output and "skipping 2 documents" in output, output
+    # a review: status, report.json and the page showed the old records and a new one as two models
+    (s1 / "c.txt").write_text("Rivers run to the sea; the library opens at nine.")
+    assert run(s1, "--out", out, "--model", small_moe, "--max-tokens", "5")[0] == 0
+    (group,) = read_status(out).written_by
+    assert group["documents"] == 3 and group["weights"].startswith(TAG), group
+    assert len(json.loads((out / "report.json").read_text())["written_by"]) == 1
+    from mlx_tier.monitor.view import build_view
+
+    assert len({(d["weights"], tuple(sorted(d["options"].items()))) for d in build_view(out)["documents"]}) == 1
+    r = runner.invoke(app, ["status", str(out)], env={"COLUMNS": "100"}, terminal_width=100)
+    assert r.output.count("written by") <= 1 and "[v2-" not in r.output, r.output
     code, output = run(s1, "--out", out, "--model", other_moe, "--max-tokens", "5")
-    assert "keeping 2 summaries written with another model" in output, output
+    assert "keeping 3 summaries written with another model" in output, output
 
 
 def test_summaries_kept_with_another_max_tokens_show_as_a_mix_naming_it(s1, tmp_path, small_moe):  # noqa: F811
