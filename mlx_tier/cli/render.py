@@ -342,13 +342,13 @@ def summary_line(report, out_dir: Path) -> str:
     where = (f" | {answers}{', ' + failures if failures else ''}" if report.setup.get("batch_requests") else "") \
         + f" | report: {out_dir / 'report.json'}"
     run = report.runs[-1]
-    chunked = sum(r.parts > 0 for r in report.results)
+    chunked = sum(r.parts > 0 and r.status == "done" for r in report.results)  # a failed one was not summarised
     copied = run.get("reused", 0)  # summaries of the same content this run copied under a new name
     earlier = f"{run['already_done']} by earlier runs" + (f", {copied} of them copied now under a new name"
                                                           if copied else "")
     line = (f"job: {report.count('done')} done ({earlier}), "
             f"{report.count('failed')} failed, {report.count('pending')} pending"
-            + (f" ({chunked} long, summarised in parts)" if chunked else ""))
+            + (f" ({chunked} long, summarised in parts)" if chunked else ""))  # of the done ones
     if not run.get("loaded_model") and run.get("failed"):  # each document it tried failed as read
         return line + f" | this run: {run['failed']} failed as read (empty or unreadable); no model loaded" + where
     if not run.get("loaded_model"):

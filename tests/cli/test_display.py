@@ -118,6 +118,15 @@ def test_summary_line_explains_rereads(tmp_path):
     assert "x the experts'" not in summary_line(report_with(50 * 2**20), tmp_path)  # less than the experts: no note
 
 
+def test_long_documents_that_failed_are_not_said_summarised_in_parts(tmp_path):
+    """A user trial: two long documents failed ("part results do not shrink") and the end line
+    said "0 done ..., 2 failed, 0 pending (2 long, summarised in parts)"."""
+    report = report_with(0)
+    report.results += [DocResult("long1", "failed", parts=3), DocResult("long2", "failed", parts=2),
+                       DocResult("long3", "done", parts=4)]
+    assert "(1 long, summarised in parts)" in summary_line(report, tmp_path)
+
+
 def test_summary_line_says_why_ranks_read_more_without_inventing_evictions(tmp_path):
     """A user trial: `--ranks 2` printed "read 759 MiB = 2.0x ...: experts evicted from the cache are
     read again" with no eviction at all: each rank had loaded its own copy."""
