@@ -226,6 +226,9 @@ def strip_reasoning(text: str, fmt: str | None = "think") -> tuple[str, str]:
 _SENTENCE_END = re.compile(r"[.!?。！？…‼⁇⁈⁉][\"'”’»」』)\]）】]*\s*$")
 
 
+CUT_MARK = "…"  # ends a cut text with no sentence ended (trim_to_sentence)
+
+
 def trim_to_sentence(text: str, language: str = "en") -> str:
     """Drop a trailing unfinished sentence of an output cut by the token limit.
 
@@ -236,8 +239,8 @@ def trim_to_sentence(text: str, language: str = "en") -> str:
     continued: ``Costs fell 2.`` of ``2.5``, ``It costs approx.``, ``The U.S.``.
     So a last sentence whose final dot follows a number or an abbreviation
     (:func:`_ambiguous_end`) counts as unfinished: it is dropped, or, when it is
-    the only sentence, its dangling dot is (a figure is never shown cut as if
-    it were whole).
+    the only sentence, its dangling dot is. A text with no sentence ended is kept,
+    marked cut with ``…`` (a figure or word is never shown cut as if it were whole).
 
     Args:
         text: the model's output, cut by the token limit.
@@ -245,8 +248,8 @@ def trim_to_sentence(text: str, language: str = "en") -> str:
 
     Returns:
         ``text`` up to the end of its last complete sentence; ``text``
-        unchanged when its last sentence is complete, or (without a dangling
-        dot) when no sentence ended.
+        unchanged when its last sentence is complete; ``text`` (without a dangling
+        dot) and ``…`` when no sentence ended.
     """
     import sentencex
 
@@ -259,7 +262,7 @@ def trim_to_sentence(text: str, language: str = "en") -> str:
     cut = text.rstrip().rfind(last.strip())
     if len(sentences) >= 2 and cut > 0:
         return text[:cut].rstrip()
-    return _DANGLING_DOT.sub("", text.rstrip()) if _ambiguous_end(last) else text
+    return (_DANGLING_DOT.sub("", text.rstrip()) if _ambiguous_end(last) else text.rstrip()) + CUT_MARK
 
 
 # Words that end with a dot without ending a sentence (case-insensitive), beyond

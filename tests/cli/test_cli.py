@@ -281,7 +281,7 @@ def test_trim_to_sentence():
     from mlx_tier.job.prompts import trim_to_sentence
 
     assert trim_to_sentence("One. Two! Three is cut") == "One. Two!"
-    assert trim_to_sentence("no sentence end") == "no sentence end"
+    assert trim_to_sentence("no sentence end") == "no sentence end…"  # kept, marked cut
 
 
 def test_version():

@@ -237,7 +237,8 @@ def test_smollm2_does_not_reason(smol, tokenizer_dir):
     "text, expected",
     [
         ("Revenue grew 4.81% in Q3. Costs fell by 2", "Revenue grew 4.81% in Q3."),
-        ("Revenue grew 4.81", "Revenue grew 4.81"),  # no sentence ended: kept whole
+        ("Revenue grew 4.81", "Revenue grew 4.81…"),  # no sentence ended: kept, marked cut (a user trial:
+        ("the dog's bark was as un", "the dog's bark was as un…"),  # a fragment read as whole)
         ("Dr. Smith of the U.S. office, e.g. in Boston, agreed. The next st",
          "Dr. Smith of the U.S. office, e.g. in Boston, agreed."),
         ("One. Two! Three is cut", "One. Two!"),
@@ -263,10 +264,10 @@ def test_trim_to_sentence_ends_at_a_real_sentence_end(text, expected):
         ("Prices rose. He moved to the U.S.", "Prices rose."),
         ("Sales rose 12%. Founded in 1999.", "Sales rose 12%."),  # a year may be "1999.5" cut, too
         ("It was fine. See Dr.", "It was fine."),
-        ("Total 2.", "Total 2"),  # the only sentence: its dangling dot goes
-        ("It costs approx.", "It costs approx"),
-        ("He moved to The U.S.", "He moved to The U.S"),
-        ("Costs fell (see fig.)", "Costs fell (see fig)"),
+        ("Total 2.", "Total 2…"),  # the only sentence: its dangling dot goes, the cut is marked
+        ("It costs approx.", "It costs approx…"),
+        ("He moved to The U.S.", "He moved to The U.S…"),
+        ("Costs fell (see fig.)", "Costs fell (see fig)…"),
         ("He said \"Stop.\" Then he", "He said \"Stop.\""),  # a quoted word ending a sentence is an end
     ],
 )
