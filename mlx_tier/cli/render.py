@@ -405,6 +405,17 @@ def mix_lines(written: list[dict], prompts: dict[str, str], width: int = 40) -> 
     return lines
 
 
+def _how_far(doc_id: str, read: dict) -> str:
+    """A document in flight that this step neither read nor wrote, and how far it got: its
+    prompt read (to write), part of it read, or not started (a user trial: all three were
+    listed alike as "waiting")."""
+    got = read.get(doc_id)
+    if not (isinstance(got, list) and len(got) == 2 and all(isinstance(x, int) for x in got)):
+        return f"{doc_id} (not started)"
+    done, length = got
+    return f"{doc_id} (prompt read)" if done >= length else f"{doc_id} ({done:,}/{length:,} read)"
+
+
 def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
     """Rows for ``mlx-tier status``: the documents in flight from a running job's progress file."""
     if not progress:
@@ -426,7 +437,7 @@ def in_flight_rows(progress: dict | None) -> list[tuple[str, str]]:
     busy = {w[0] for w in progress.get("writing") or []} | {r[0] for r in read_now}
     waiting = [i for i in progress.get("in_flight") or [] if i not in busy]
     if waiting:
-        rows.append(("waiting", ", ".join(waiting)))
+        rows.append(("waiting", ", ".join(_how_far(i, progress.get("read") or {}) for i in waiting)))
     rows.append(("rates", f"decode {progress.get('decode_tok_s', 0):.1f} tok/s, hit rate "
                           f"{percent_text(progress.get('hit_rate', 0), 1)} (as of {age:.0f} s ago)"))
     return rows

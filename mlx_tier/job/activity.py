@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from mlx_tier.engine.footprint import kv_element_bytes
 from mlx_tier.job.report import DocResult, JobReport
@@ -41,6 +41,10 @@ class Activity:
             summaries being written, then ends; the ETA no longer applies.
         also_reading: the other prompts the same step reads, as ``reading`` (a throughput
             run reads several at a time): being read, not waiting.
+        read: ``{id: (prompt tokens read, prompt length)}`` of the documents in flight whose
+            prompt a step has read from (a throughput run reads prompts in turns): how far
+            one neither read nor written in this step got; a document not in it has not
+            started.
         at: ``time.monotonic()`` when the rates and the ETA were measured (the step's end);
             an update sent again during a long step keeps it, so a reader ages the ETA
             from then, not from the update (``None``: unknown, the update's time).
@@ -56,6 +60,7 @@ class Activity:
     stopping: bool = False
     at: float | None = None
     also_reading: tuple[tuple[str, int, int], ...] = ()
+    read: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"in_flight": self.in_flight, "reading": list(self.reading) if self.reading else None,
@@ -63,7 +68,8 @@ class Activity:
                 "prompt_tok_s": round(self.prompt_tok_s, 3), "hit_rate": round(self.hit_rate, 4),
                 "eta_seconds": round(self.eta_seconds, 1) if self.eta_seconds is not None else None,
                 "stopping": self.stopping, **({"measured_mono": round(self.at, 3)} if self.at is not None else {}),
-                **({"also_reading": [list(r) for r in self.also_reading]} if self.also_reading else {})}
+                **({"also_reading": [list(r) for r in self.also_reading]} if self.also_reading else {}),
+                **({"read": {i: list(r) for i, r in self.read.items()}} if self.read else {})}
 
 
 class Reporter:

@@ -287,6 +287,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
                      config.throttle.max_tok_s, limits, choices)
 
     speed = Speed()
+    read: dict[str, tuple[int, int]] = {}  # how far each prompt in flight was read
 
     def on_step(info, in_flight):
         beat.step()
@@ -297,9 +298,12 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
         eta.step(info.prefill, info.generating, info.prefill_tokens, info.prefill_seconds, info.generated,
                  info.decode_seconds, info.merged)
         now = time.monotonic()
+        read.update({i: (r, n) for i, r, n in info.prefill})
+        for i in set(read) - set(in_flight):
+            del read[i]
         activity = Activity(in_flight, info.prefill[-1] if info.prefill else None, info.generating,
                             rate.value, prompt_rate.value, loaded.cache.stats.hit_rate, eta.every(now),
-                            stopping=stopping(), at=now, also_reading=tuple(info.prefill[:-1]))
+                            stopping=stopping(), at=now, also_reading=tuple(info.prefill[:-1]), read=dict(read))
         reporter.working(activity)
         progress.update(activity)
         layers.step_done(activity)

@@ -286,13 +286,17 @@ def test_throttle_and_in_flight_in_plain_words():
                               "reason": "nominal"}).startswith("full speed from 59 s into the run")
     rows = in_flight_rows({"time": 0, **reading("a.txt").as_dict(), "in_flight": ["a.txt", "other", "c"]})
     assert rows[:3] == [("reading", "a.txt: 312/1,204 prompt tokens (4.2 prompt tok/s)"),
-                        ("writing", "other: 17 tokens so far"), ("waiting", "c")]
+                        ("writing", "other: 17 tokens so far"), ("waiting", "c (not started)")]
     assert in_flight_rows(None) == []
     # a trial: a throughput step reading two prompts listed the first as "waiting"
     two = Activity(["a", "b", "c"], ("b", 40, 300), [], 1.0, 4.2, 0.5, also_reading=(("a", 250, 900),))
     rows = in_flight_rows({"time": 0, **two.as_dict()})
     assert rows[:3] == [("reading", "a: 250/900 prompt tokens"), ("reading", "b: 40/300 prompt tokens (4.2 prompt tok/s)"),
-                        ("waiting", "c")], rows
+                        ("waiting", "c (not started)")], rows
+    # a user trial: a prompt read before this step, and one read in part, were "waiting" as one never started
+    turns = Activity(["a", "b", "c", "d"], ("d", 10, 90), [], 1.0, 4.2, 0.5, read={"a": (273, 273), "b": (235, 1273)})
+    assert in_flight_rows({"time": 0, **turns.as_dict()})[1] == (
+        "waiting", "a (prompt read), b (235/1,273 read), c (not started)")
 
 
 def test_rerun_with_nothing_pending_does_not_load_the_model(tmp_path, tiny_moe, monkeypatch):
