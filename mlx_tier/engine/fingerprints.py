@@ -2,10 +2,11 @@
 its weights and of the files beside them that decide its tokens.
 
 A fingerprint is ``v2-`` and 16 hex digits (the first 64 bits of a sha256). Records
-written before it carry the first version's 16 bare hex digits (:func:`weights_v1`,
-:func:`config_v1`: the weights sampled, fewer tokenizer files); those are compared
-with the same checkpoint's first-version fingerprints, so an upgrade alone never
-makes a summary read as written by another model. Importable without MLX (the checkpoint's
+written before it carry 16 bare hex digits (the first version's: :func:`weights_v1`,
+:func:`config_v1`, the weights sampled, fewer tokenizer files; or those of a version
+that hashed every weight byte: :func:`earlier_fingerprints`); those are compared
+with the same checkpoint's fingerprints as those versions took them, so an upgrade
+alone never makes a summary read as written by another model. Importable without MLX (the checkpoint's
 weight files are found when a fingerprint is taken).
 """
 
@@ -107,6 +108,19 @@ def weights_fingerprint(model_dir: Path, say: Callable[[str], None] | None = Non
             raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
         digest.update(f"{path.name}\0{sha}\0".encode())
     return TAG + digest.hexdigest()[:16]
+
+
+def earlier_fingerprints(model_dir: Path, weights: str) -> tuple[tuple[str, str], ...]:
+    """``(weights, config)`` fingerprints of the model in ``model_dir`` as earlier versions took
+    them, to compare the records they wrote: the first version's (:func:`weights_v1`,
+    :func:`config_v1`), and a version that hashed every byte of the weights (this
+    version's ``weights`` without its tag) beside the first version's config.
+
+    Raises:
+        CheckpointError: no weight file, or a file unreadable.
+    """
+    first = config_v1(model_dir)
+    return (weights_v1(model_dir), first), (weights.removeprefix(TAG), first)
 
 
 def weights_v1(model_dir: Path, samples: int = 16, block: int = 4096) -> str:

@@ -121,6 +121,9 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     placed_as = [messages[i]["content"] for i in order]
     if "".join(t + c for t, c in zip(texts, [*placed_as, ""])) != rendered:  # the template edits contents
         placed_as = _as_rendered(tokenizer, messages, texts, order)
+        if "".join(t + c for t, c in zip(texts, [*placed_as, ""])) != rendered:  # an edit hangs on another message
+            raise ValueError("the chat template edits a message according to another message's text "
+                             "(mlx-tier renders each message's text apart from the template's own)")
     ids = list(tokenizer.encode(texts[0], add_special_tokens=False)) if texts[0] else []
     for content, text in zip(placed_as, texts[1:]):
         ids += encode_data(tokenizer, content) if content else []
@@ -254,7 +257,7 @@ def trim_to_sentence(text: str, language: str = "en") -> str:
     import sentencex
 
     sentences = [s for s in sentencex.segment(language, text) if s.strip()]
-    if not sentences:
+    if not sentences or text.rstrip().endswith(("...", CUT_MARK)):  # empty, or its trailing dots say so
         return text
     last = sentences[-1]
     if _SENTENCE_END.search(last) and not _ambiguous_end(last):

@@ -21,11 +21,14 @@ A ``done`` record carries:
   recorded; :func:`mlx_tier.job.rerun.request_hashes`). Only the hash
   decides; size and mtime are there for people (a ``touch`` changes the
   mtime, not the hash).
-- ``model``: ``{"name", "weights", "config"}``: the model as the user gave it (a
-  folder, a repo id, or ``demo``), its weights' fingerprint
+- ``model``: ``{"name", "weights", "config", "earlier", "context"}``: the model as the
+  user gave it (a folder, a repo id, or ``demo``), its weights' fingerprint
   (:func:`mlx_tier.engine.fingerprints.weights_fingerprint`) and that of the files
   beside them that decide its tokens: config, tokenizer, chat template
-  (:func:`mlx_tier.engine.fingerprints.config_fingerprint`).
+  (:func:`mlx_tier.engine.fingerprints.config_fingerprint`); ``earlier``: the same
+  model's fingerprints as earlier versions took them (``[{"weights", "config"}]``), and
+  its ``context`` in tokens, by which readers group older records with these
+  (:func:`mlx_tier.outdir.journal.as_written`).
 - ``prompt``: the instruction's hash (:func:`prompt_hash`); the run's start
   record holds the text once.
 - ``kv_bits``: the bits of the KV caches it was generated with, when quantized
@@ -244,12 +247,14 @@ class Settings:
         generation: :func:`generation_fields` of the run (``None``: not compared).
         compute: ``{"kernel", "dtype"}`` its model computes with
             (:func:`mlx_tier.engine.compute.compute_fields`; ``None``: not compared).
-        earlier: ``(weights, config)`` fingerprints of the same model as the first version
-            took them (:func:`mlx_tier.engine.fingerprints.weights_v1`): a record of that
-            version is compared with them (and records name them: ``model.earlier``).
-        model_context: the model's context in tokens (``None``: unknown): a record's
-            ``context`` of ``None`` (the model's) or beyond it (as asked, by an older
-            version) is compared as the context it ran with.
+        earlier: ``((weights, config), ...)``: fingerprints of the same model as earlier
+            versions took them (:func:`mlx_tier.engine.fingerprints.earlier_fingerprints`):
+            a record of such a version is compared with them (and records name them:
+            ``model.earlier``).
+        model_context: the model's context in tokens: a record's ``context`` of ``None``
+            (the model's) or beyond it (as asked, by an older version) is compared as the
+            context it ran with; ``None`` (unknown: the model not on this machine yet):
+            contexts are not compared.
     """
 
     model: str
@@ -259,16 +264,16 @@ class Settings:
     config: str | None = None
     generation: dict | None = None
     compute: dict | None = None
-    earlier: tuple[str | None, str | None] = (None, None)
+    earlier: tuple[tuple[str, str | None], ...] = ()
     model_context: int | None = None
 
     def fields(self) -> dict:
         """The ``model`` and ``prompt`` fields of a record this run writes (the model's
-        first-version fingerprints, ``earlier``, and its ``context`` with it, so that readers
+        earlier versions' fingerprints, ``earlier``, and its ``context`` with it, so that readers
         group records of older versions with this one's: :func:`~mlx_tier.outdir.journal.as_written`; and
         ``kv_bits`` when quantized, ``generation`` and ``compute`` when known)."""
         model = {"name": self.model, "weights": self.weights, **({"config": self.config} if self.config else {}),
-                 **({"earlier": dict(zip(("weights", "config"), self.earlier))} if self.earlier[0] else {}),
+                 **({"earlier": [{"weights": w, "config": c} for w, c in self.earlier]} if self.earlier else {}),
                  **({"context": self.model_context} if self.model_context is not None else {})}
         return {"model": model, "prompt": self.prompt,
                 **({"kv_bits": self.kv_bits} if self.kv_bits is not None else {}),
@@ -298,6 +303,7 @@ class Settings:
         made = rec.get("generation")
         if isinstance(made, dict) and self.generation is not None:
             out += [k for k in GENERATION_KEYS if k in made and k in self.generation
+                    and not (k == "context" and self.model_context is None)  # unknown: not compared
                     and self._ran_with(k, made[k]) != self._ran_with(k, self.generation[k])]
         return out
 
@@ -310,9 +316,9 @@ class Settings:
     def _same_model(self, model: dict) -> bool:
         """Whether a record's ``model`` field names this run's model (:meth:`differences`)."""
         weights, config = model.get("weights"), model.get("config")
-        if isinstance(weights, str) and self.weights is not None:  # this version's, or the first's (earlier)
+        if isinstance(weights, str) and self.weights is not None:  # this version's, or an earlier one's
             return any(weights == mine and not (isinstance(config, str) and my_config and config != my_config)
-                       for mine, my_config in ((self.weights, self.config), self.earlier) if mine is not None)
+                       for mine, my_config in ((self.weights, self.config), *self.earlier))
         return model.get("name") == self.model
 
     def differs(self, rec: dict) -> bool:

@@ -183,18 +183,17 @@ def run_settings(model: Path | str | None, generation, model_dir: Path | None, r
     from mlx_tier.engine.checkpoint import context_length
     from mlx_tier.engine.fingerprints import (
         config_fingerprint,
-        config_v1,
+        earlier_fingerprints,
         weights_fingerprint,
-        weights_v1,
     )
     from mlx_tier.job.model_setup import FALLBACK_CONTEXT
 
     weights = config = context = None
-    earlier = (None, None)
+    earlier: tuple = ()
     if model_dir is not None:
         try:
             weights, config = weights_fingerprint(model_dir, say), config_fingerprint(model_dir)
-            earlier = (weights_v1(model_dir), config_v1(model_dir))  # for records of the first version
+            earlier = earlier_fingerprints(model_dir, weights)  # for records of earlier versions
             context = context_length(model_dir, FALLBACK_CONTEXT)
         except CheckpointError:
             pass

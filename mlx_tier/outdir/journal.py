@@ -229,33 +229,38 @@ def merged(main: Iterable[dict], runs: dict[str, list[Iterable[dict]]]) -> Itera
 
 def as_written(records: Iterable[dict]) -> Callable[[dict], dict]:
     """A function giving each ``done`` record of ``records`` as this version records it, so that
-    records of one model and context read as one whatever version wrote them: a fingerprint
-    of the first version (bare hex) is replaced by this version's of the same model, and a
-    ``context`` not recorded as resolved (``None``: the model's; beyond the model's) by the
-    context it ran with, as this version's records of that model say (their ``model``'s
-    ``earlier`` fingerprints and ``context``). Records no newer record names stay as they are."""
-    aliases: dict[str, str] = {}
-    contexts: dict[str, int] = {}
+    records of one model and context read as one whatever version wrote them: a record of an
+    earlier version (its ``model`` has no ``context``) gets this version's fingerprints of the
+    same model (the ``(weights, config)`` this version's records name as ``earlier``), and
+    its ``context`` (``None``: the model's; or beyond the model's) the context it ran with
+    (this version's records of that weights and config name it). This version's records, and
+    records no newer record names, stay as they are; none is changed in place."""
+    aliases: dict[tuple[str, str | None], tuple[str, str | None]] = {}
+    contexts: dict[tuple[str, str | None], int] = {}
     for rec in records:
         model = rec.get("model") if isinstance(rec.get("model"), dict) else {}
-        earlier = model.get("earlier") if isinstance(model.get("earlier"), dict) else {}
-        for key in ("weights", "config"):
-            if isinstance(earlier.get(key), str) and isinstance(model.get(key), str):
-                aliases[earlier[key]] = model[key]
-        if isinstance(model.get("weights"), str) and isinstance(model.get("context"), int):
-            contexts[model["weights"]] = model["context"]
+        weights, config = model.get("weights"), model.get("config")
+        if not isinstance(weights, str):
+            continue
+        for old in model.get("earlier") if isinstance(model.get("earlier"), list) else []:
+            if isinstance(old, dict) and isinstance(old.get("weights"), str):
+                aliases[old["weights"], old.get("config")] = (weights, config)
+                aliases.setdefault((old["weights"], None), (weights, config))  # a record keeping no config
+        if isinstance(model.get("context"), int):
+            contexts[weights, config] = model["context"]
 
     def now(rec: dict) -> dict:
         model = rec.get("model") if isinstance(rec.get("model"), dict) else None
-        if model is None or not (aliases or contexts):
+        if model is None or "context" in model or not (aliases or contexts):  # this version's: as written
             return rec
-        model = {**model, **{k: aliases[model[k]] for k in ("weights", "config")
-                             if isinstance(model.get(k), str) and model[k] in aliases}}
-        rec = {**rec, "model": model}
-        generation, most = rec.get("generation"), contexts.get(model.get("weights"))
+        key = aliases.get((model.get("weights"), model.get("config")))
+        if key is not None:
+            model = {**model, "weights": key[0], **({"config": key[1]} if key[1] is not None else {})}
+            rec = {**rec, "model": model}
+        generation, most = rec.get("generation"), contexts.get((model.get("weights"), model.get("config")))
         if isinstance(generation, dict) and most is not None and "context" in generation and (
                 generation["context"] is None or isinstance(generation["context"], int)):
-            rec["generation"] = {**generation, "context": min(generation["context"] or most, most)}
+            rec = {**rec, "generation": {**generation, "context": min(generation["context"] or most, most)}}
         return rec
 
     return now

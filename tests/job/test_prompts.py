@@ -170,6 +170,25 @@ def test_template_text_inside_a_message_stays_data_under_an_editing_template():
         build_chat_prompt(_spm_tokenizer(LLAMA_TEMPLATE), [{"role": "user", "content": "Start the report."}])
 
 
+def test_an_edit_that_hangs_on_another_message_is_refused_not_misbuilt():
+    """A review: Qwen3 keeps an assistant turn's reasoning or not by the last user message that
+    is not a tool response; rendered with the other messages as placeholders, the turn lost it
+    where the template kept it. The prompt must equal the template's render, or be refused."""
+    from mlx_tier.job.prompts import build_chat_prompt
+
+    template = ("{{ bos_token }}{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' "
+                "and not m['content'].startswith('<tool_response>') %}{% set ns.last = loop.index0 %}{% endif %}"
+                "{% endfor %}{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'user' %}"
+                "{% set c = c | trim %}{% endif %}{% if m['role'] == 'assistant' and loop.index0 < ns.last %}"
+                "{% set c = c.split('</think>')[-1] | trim %}{% endif %}[{{ m['role'] }}] {{ c }} [/]{% endfor %}")
+    msgs = [{"role": "user", "content": " what is up "}, {"role": "assistant", "content": "<think>plan it</think>call"},
+            {"role": "user", "content": "<tool_response>42</tool_response>"}]
+    with pytest.raises(ValueError, match="according to another message"):
+        build_chat_prompt(_spm_tokenizer(template), msgs)
+    msgs[2]["content"] = "next question"  # the edit no longer hangs on a tool response: built
+    assert build_chat_prompt(_spm_tokenizer(template), msgs)
+
+
 def test_an_edit_that_changes_the_templates_own_text_is_refused():
     """Markup that depends on the text (a reasoning block moved out of the message) cannot be
     told apart from the message's own text: refused, not guessed."""
@@ -238,6 +257,7 @@ def test_smollm2_does_not_reason(smol, tokenizer_dir):
     [
         ("Revenue grew 4.81% in Q3. Costs fell by 2", "Revenue grew 4.81% in Q3."),
         ("Revenue grew 4.81", "Revenue grew 4.81…"),  # no sentence ended: kept, marked cut (a user trial:
+        ("Wait...", "Wait..."),  # its own dots say it trails off (a review: "Wait..…")
         ("the dog's bark was as un", "the dog's bark was as un…"),  # a fragment read as whole)
         ("Dr. Smith of the U.S. office, e.g. in Boston, agreed. The next st",
          "Dr. Smith of the U.S. office, e.g. in Boston, agreed."),

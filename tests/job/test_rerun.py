@@ -957,3 +957,41 @@ def test_a_long_documents_kept_calls_keep_their_name_when_the_kernel_is_recorded
     computes = {"kernel": "cpu", "dtype": "float32", "dense_kernel": None, "attention_kernel": None}
     before = call_identity(Settings("m", "w1", "p1"), computes)
     assert call_identity(Settings("m", "w1", "p1", compute={"kernel": "cpu", "dtype": "float32"}), computes) == before
+
+
+def test_each_earlier_versions_records_and_an_unknown_context_compare_as_the_same_settings():
+    """A review: records of a version that hashed every weight byte without the v2- tag read
+    as another model; a rerun before the model was on this machine said "another --context"
+    (its context unknown); and the display grouping capped a 32768-token copy's records to an
+    8192-token copy's context (keyed by weights alone)."""
+    from dataclasses import replace
+
+    from mlx_tier.outdir.journal import as_written
+
+    gen = {"max_tokens": 4, "repetition_penalty": 1.1}
+    here = Settings("m", "v2-aaaa", "p", config="v2-cccc", generation={**gen, "context": 256},
+                    earlier=(("s1", "c1"), ("aaaa", "c1")), model_context=256)
+
+    def rec(weights, config, context):
+        return {"model": {"name": "m", "weights": weights, "config": config}, "prompt": "p",
+                "generation": {**gen, "context": context}}
+
+    assert here.differences(rec("s1", "c1", None)) == []  # the first version's
+    assert here.differences(rec("aaaa", "c1", None)) == []  # every byte hashed, untagged
+    assert here.differences(rec("aaaa", "c2", None)) == ["model"]
+    assert here.differences(rec("v2-aaaa", "v2-cccc", 10_000_000)) == []  # asked beyond the model's: ran at 256
+    assert here.differences(rec("v2-aaaa", "v2-cccc", 128)) == ["context"]
+    unknown = replace(here, model_context=None, generation={**gen, "context": None})
+    assert unknown.differences(rec("v2-aaaa", "v2-cccc", 256)) == []  # the model not here yet: not compared
+
+    def new(config, context, old_config):
+        return {"model": {"name": "m", "weights": "v2-w", "config": config, "context": context,
+                          "earlier": [{"weights": "w1", "config": old_config}]},
+                "generation": {**gen, "context": context}}
+
+    big, small = new("v2-big", 32768, "c-big"), new("v2-small", 8192, "c-small")
+    old = {"model": {"name": "m", "weights": "w1", "config": "c-big"}, "generation": {**gen, "context": None}}
+    now = as_written([big, small, old])
+    assert now(big) is big and now(small) is small  # this version's records: as written
+    assert now(old)["model"]["config"] == "v2-big" and now(old)["generation"]["context"] == 32768
+    assert old["model"]["weights"] == "w1" and old["generation"]["context"] is None  # not changed in place
