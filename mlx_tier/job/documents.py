@@ -470,11 +470,13 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
 
     Raises:
         InputError: a path is missing or a folder, the same file is listed
-            twice, or the list is empty or names only files left out (said
-            with their reasons).
+            twice, a file lies in an output folder that is not yet a job's (the
+            user's own folder), or the list is empty or names only files left
+            out (said with their reasons).
     """
     files, seen, left_out = [], {}, Counter()
     excluded = Path(exclude).resolve() if exclude is not None else None
+    own = excluded is not None and is_job_folder(excluded)  # a job's folder: what it holds are its outputs
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -490,6 +492,10 @@ def discover_list(lines: list[str] | tuple[str, ...], exclude: Path | None = Non
             raise InputError(f"{source}:{n}: {line.strip()} is the same file as {given} on line {first} "
                              "(a link or another path to it: listed twice)")
         seen[path] = (n, line.strip())
+        if excluded is not None and path.is_relative_to(excluded) and not own:
+            raise InputError(f"{source}:{n}: {line.strip()} is inside the output folder {exclude}, which is no "
+                             "mlx-tier job's: its summaries and reports would mix with your documents (choose "
+                             "another folder)")
         why = skip_reason(path.name) or (
             "in the output folder" if excluded is not None and path.is_relative_to(excluded) else None)
         if why is None:

@@ -242,8 +242,9 @@ def trim_to_sentence(text: str, language: str = "en") -> str:
     continued: ``Costs fell 2.`` of ``2.5``, ``It costs approx.``, ``The U.S.``.
     So a last sentence whose final dot follows a number or an abbreviation
     (:func:`_ambiguous_end`) counts as unfinished: it is dropped, or, when it is
-    the only sentence, its dangling dot is. A text with no sentence ended is kept,
-    marked cut with ``…`` (a figure or word is never shown cut as if it were whole).
+    the only sentence, its dangling dot is. A text with no sentence ended (a heading
+    or list items and a cut line) is kept whole, marked cut with ``…`` (a figure or
+    word is never shown cut as if it were whole, nor a heading left for a summary).
 
     Args:
         text: the model's output, cut by the token limit.
@@ -263,8 +264,8 @@ def trim_to_sentence(text: str, language: str = "en") -> str:
     if _SENTENCE_END.search(last) and not _ambiguous_end(last):
         return text
     cut = text.rstrip().rfind(last.strip())
-    if len(sentences) >= 2 and cut > 0:
-        return text[:cut].rstrip()
+    if len(sentences) >= 2 and cut > 0 and any(_SENTENCE_END.search(s) for s in sentences[:-1]):
+        return text[:cut].rstrip()  # the unfinished last one goes (headings and list items before it stay)
     return (_DANGLING_DOT.sub("", text.rstrip()) if _ambiguous_end(last) else text.rstrip()) + CUT_MARK
 
 

@@ -58,6 +58,7 @@ def test_path_list(tmp_path, monkeypatch):
     (tmp_path / "b" / "two.pdf").write_bytes(b"%PDF\x00")  # listed explicitly: taken, fails alone
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "one.md").write_text("an earlier summary")
+    (tmp_path / "out" / "journal.jsonl").write_text('{"id": "one", "status": "done"}\n')  # the job's folder
     (tmp_path / ".hidden.txt").write_text("a dot-file")
     (tmp_path / "alias.txt").symlink_to(tmp_path / "a" / "one.txt")
     monkeypatch.chdir(tmp_path)

@@ -258,6 +258,10 @@ def test_smollm2_does_not_reason(smol, tokenizer_dir):
         ("Revenue grew 4.81% in Q3. Costs fell by 2", "Revenue grew 4.81% in Q3."),
         ("Revenue grew 4.81", "Revenue grew 4.81…"),  # no sentence ended: kept, marked cut (a user trial:
         ("Wait...", "Wait..."),  # its own dots say it trails off (a review: "Wait..…")
+        # a trial: a heading or list before the cut line, no sentence ended: the body was dropped
+        ("**Summary**\n\nThe document describes the", "**Summary**\n\nThe document describes the…"),
+        ("Key points:\n1. Sales rose\n2. Costs", "Key points:\n1. Sales rose\n2. Costs…"),
+        ("Intro sentence.\n- item one\n- item tw", "Intro sentence.\n- item one"),  # the cut item goes
         ("the dog's bark was as un", "the dog's bark was as un…"),  # a fragment read as whole)
         ("Dr. Smith of the U.S. office, e.g. in Boston, agreed. The next st",
          "Dr. Smith of the U.S. office, e.g. in Boston, agreed."),

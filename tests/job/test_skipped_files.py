@@ -13,6 +13,7 @@ from support.output import eighty_columns  # noqa: F401 - a fixture
 from typer.testing import CliRunner
 
 from mlx_tier.cli.main import app
+from mlx_tier.errors import InputError
 from mlx_tier.job.documents import discover_list, skip_note
 
 runner = CliRunner()
@@ -73,6 +74,7 @@ def test_skip_note_fits_its_width_and_a_stdin_list_counts_too(tmp_path):
     assert skip_note(Counter({"." + "x" * 90: 1, "hidden file": 3})) == "skipped 4 files: hidden file 3, other 1"
     assert skip_note(Counter({"." + "x" * 90: 1})) == "skipped 1 file"
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "journal.jsonl").write_text('{"event": "start", "run": "r1"}\n')  # a job's folder
     paths = [tmp_path / "a.txt", tmp_path / "a.txt.bak", tmp_path / "out" / "a.md", tmp_path / "._a.txt"]
     for p in paths:
         p.write_text("some text")
@@ -81,3 +83,9 @@ def test_skip_note_fits_its_width_and_a_stdin_list_counts_too(tmp_path):
     assert [d.name for d in docs] == [str(paths[0])]
     assert skip_note(skipped) == ("skipped 3 files: in the output folder 1, macOS metadata (AppleDouble) 1, "
                                   "other 1")
+    # a trial: a listed file inside an output folder of the user's own (no job's yet) was skipped,
+    # and the run wrote its summaries and reports beside it: refused, as `run FILE` is
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "y.txt").write_text("my notes")
+    with pytest.raises(InputError, match=r"stdin:2: .*y.txt is inside the output folder .*no mlx-tier job's"):
+        discover_list([str(paths[0]), str(tmp_path / "mine" / "y.txt")], exclude=tmp_path / "mine")
