@@ -120,18 +120,6 @@ def limit_note(docs, records: Mapping[str, dict], tri: Triage) -> list[str]:
             "to redo it)"]
 
 
-def gone_note(answered: Iterable[str], docs) -> list[str]:
-    """The line that says how many answers ``output.jsonl`` keeps (``answered``: their
-    ``custom_id``) to requests no longer in the input (``[]``: none): kept, as every
-    output is, but not answers to this file's requests."""
-    gone = sorted(set(answered) - {d.request.custom_id for d in docs})
-    if not gone:
-        return []
-    shown = ", ".join(gone[:3]) + (", ..." if len(gone) > 3 else "")
-    return [f"{BATCH_OUTPUT} keeps {count_text(len(gone), 'answer')} to requests no longer in the input "
-            f"({shown}): match answers by custom_id"]
-
-
 def _text_hash(rec: dict) -> str | None:
     """The hash a request's record keeps of its text only (an older version's), else ``None``."""
     made = rec.get("made_from")

@@ -99,7 +99,6 @@ from mlx_tier.job.rerun import (
     current_hashes,
     doubt_answers,
     doubt_unrecorded,
-    gone_note,
     limit_note,
     locate_model,
     refuse_other_files,
@@ -756,8 +755,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     if not share.part:  # said with the input's notes, once the model is loaded
         notes = [*notes, *rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs],
                                       is_batch(docs)),
-                 *(limit_note(docs, records, tri) + gone_note(BatchOutputs(config.out_dir).done, docs)
-                   if is_batch(docs) else [])]
+                 *(limit_note(docs, records, tri) if is_batch(docs) else [])]
     results = doc_results(docs, tri, records)
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))
     by_id = {d.id: d for d in docs}
