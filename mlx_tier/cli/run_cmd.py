@@ -78,9 +78,10 @@ def stop_outcome(report) -> str:
     from mlx_tier.job.stopflag import STOP_GRACE_SECONDS
 
     left = report.count("pending")
+    outputs = "answers" if report.noun == "request" else "summaries"
     if not left:
-        return "the summaries being written were finished"
-    return (f"finished summaries are kept, {count_text(left, report.noun)} left for the next run (what was being "
+        return f"the {outputs} being written were finished"
+    return (f"finished {outputs} are kept, {count_text(left, report.noun)} left for the next run (what was being "
             f"written is finished only within {STOP_GRACE_SECONDS:g} s)")
 
 

@@ -969,15 +969,17 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: Loaded) -> None:
 
     g, reporter, report, progress = config.generation, p.reporter, p.report, p.progress
     context = min(loaded.context, g.context or loaded.context)
-    notice = (f"stopping: summaries being written are finished if they can be within {STOP_GRACE_SECONDS:g} s, "
-              "else left for the next run with the documents still being read (interrupt again to stop at once)")
+    outputs, inputs = ("answers", "requests") if p.batch is not None else ("summaries", "documents")
+    notice = (f"stopping: {outputs} being written are finished if they can be within {STOP_GRACE_SECONDS:g} s, "
+              f"else left for the next run with the {inputs} still being read (interrupt again to stop at once)")
 
     def stopping() -> None:  # the Ctrl-C notice, word-wrapped now (runner messages are soft-wrapped)
         reporter.message(wrap_words(notice, terminal_width(2)))
 
     def abort(signum: int) -> None:  # from the watchdog thread, just before the process ends
         reporter.close()
-        message = hard_stop_message(signum, config.command, terminal_width(2), config.retry_failed)
+        message = hard_stop_message(signum, config.command, terminal_width(2), config.retry_failed,
+                                    p.batch is not None)
         os.write(2, f"\n{message}\n".encode())
 
     if config.trace is not None:
@@ -1004,12 +1006,14 @@ def _run_pending(p: _Pass, config: JobConfig, loaded: Loaded) -> None:
             save_trace(loaded.cache, config.trace, reporter)
 
 
-def hard_stop_message(signum: int, command: str | None, width: int, retry_failed: bool = False) -> str:
+def hard_stop_message(signum: int, command: str | None, width: int, retry_failed: bool = False,
+                      answers: bool = False) -> str:
     """What a second stop signal prints as the process ends at once: the prose
     word-wrapped to ``width`` columns, then the resume command alone on its line
     (:func:`mlx_tier.messages.with_command`); after a ``retry_failed`` run, also the
-    command that retries the failed documents (the resume command never does)."""
-    prose = f"stopped at once ({signal.Signals(signum).name}); finished summaries are kept."
+    command that retries the failed documents (the resume command never does).
+    ``answers``: a request file's run (its answers, not summaries, are kept)."""
+    prose = f"stopped at once ({signal.Signals(signum).name}); finished {'answers' if answers else 'summaries'} are kept."
     if not command:
         return wrap_words(prose, width)
     retry = f"\n{with_command('retry the failed ones with:', retry_command(command), width)}" if retry_failed else ""

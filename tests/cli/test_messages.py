@@ -56,6 +56,8 @@ def test_hard_stop_message(signum, prose):
     text = hard_stop_message(signum, command, WIDTH)
     assert_prose_then_command(text, "Resume with:", command, prose)
     assert hard_stop_message(signum, None, WIDTH) == f"{prose}; finished summaries are kept."
+    # a trial: a request file's stop spoke of summaries and documents
+    assert hard_stop_message(signum, None, WIDTH, answers=True) == f"{prose}; finished answers are kept."
 
 
 def run_args(tmp_path):
@@ -108,6 +110,11 @@ def test_first_signal_stop_gives_the_resume_command_on_its_own_line(tmp_path, mo
     words = " ".join(r.output.split())
     assert "stopped (SIGINT); finished summaries are kept, 2 documents left for the next run (what was being " \
            "written is finished only within 8 s). Resume with:" in words, words
+    from mlx_tier.cli.run_cmd import stop_outcome
+
+    requests = finished_report(True, signal.SIGINT, pending=2)
+    requests.setup["batch_requests"] = 1
+    assert stop_outcome(requests).startswith("finished answers are kept, 2 requests left")
 
 
 @pytest.mark.parametrize("stop_signal, pending, code, label, prose_start", [
