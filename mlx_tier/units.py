@@ -47,6 +47,14 @@ def significant(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}") if math.isfinite(value) else value
 
 
+def decimal_text(value: float, decimals: int = 2) -> str:
+    """``value`` with ``decimals`` decimals, or two significant digits where those would show
+    a positive value as 0: ``"0.57"``, ``"1.2e-12"`` (not "0.00")."""
+    if 0 < abs(value) < 0.5 * 10.0**-decimals:
+        return f"{value:.2g}"
+    return f"{value:.{decimals}f}"
+
+
 def rate_text(per_hour: float) -> str:
     """A documents/hour figure in whole units, with a decimal below 10: ``"0.7"``, ``"9.4"``,
     ``"212"`` (a prediction of 0.69 is not "1", nor 0.4 "0")."""

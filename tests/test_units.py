@@ -65,3 +65,11 @@ def test_hit_rates_are_never_rounded_to_100_percent_anywhere():
         ["0.0%", "36.6%", "99.90%", "99.99%", "100.0%", "<0.01%", "0.09%"]
     assert _hit_text({"hits": 99996, "misses": 4, "hit_rate": 0.99996}) == "hit rate 99.99%"
     assert percent_text(255 / 256) == "99.6%"
+
+
+def test_given_rates_never_show_as_zero():
+    """A trial: `plan demo --disk-gbps 1e-12` showed "0.00 GB/s (given)"."""
+    from mlx_tier.units import decimal_text
+
+    assert [decimal_text(v) for v in (0.57, 12.3456, 1e-12, 0.004, 0.005, 0)] == \
+        ["0.57", "12.35", "1e-12", "0.004", "0.01", "0.00"]

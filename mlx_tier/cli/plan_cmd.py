@@ -16,7 +16,7 @@ from mlx_tier.cli.exits import fail
 from mlx_tier.cli.render import FLAGS, as_flags, choices, err, out, print_wrapped
 from mlx_tier.defaults import PLAN_DOC_TOKENS
 from mlx_tier.tools import QUANT_BITS, QUANT_MODES, ROUTER_BITS
-from mlx_tier.units import GIB, MIB, count_text, percent_text, rate_text
+from mlx_tier.units import GIB, MIB, count_text, decimal_text, percent_text, rate_text
 
 
 def plan(
@@ -108,7 +108,7 @@ def _plan_rows(p) -> list[tuple[str, str]]:
         _memory_row(p),
         ("a run's memory", _split_text(p)),
         ("cache budget mlx-tier would choose", f"{p.cache_budget / GIB:.2f} GiB = {p.slots_per_layer} of {p.experts_per_layer} slots per layer"),
-        ("disk bandwidth", f"{p.disk_gbps:.2f} GB/s ({p.disk_method})"),
+        ("disk bandwidth", f"{decimal_text(p.disk_gbps)} GB/s ({p.disk_method})"),
         ("expert reads (throughput schedule)", "around the page cache (O_DIRECT, where the filesystem takes it): "
          "the experts exceed all this process may hold" if p.page_cache == "direct" else "through the page cache"),
         ("expert compute", _compute_text(p)),
@@ -180,7 +180,7 @@ def _split_text(p) -> str:
 
 def _compute_text(p) -> str:
     if not p.prompt_gflops:
-        return f"{p.compute_gbps:.2f} GB/s of weights (given)"
+        return f"{decimal_text(p.compute_gbps)} GB/s of weights (given)"
     return (f"{p.compute_gbps:.2f} GB/s of weights decoding, {p.prompt_gflops:.1f} GFLOP/s reading a prompt "
             f"({p.kernel} kernel, as a run computes; measured)")
 
