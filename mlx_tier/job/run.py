@@ -246,13 +246,24 @@ class _Pass:
     parts: PartStore | None = None  # long documents' finished calls, kept as they finish (None: requests)
 
 
+def _eta_tracker(p: _Pass, config: JobConfig, scheduler: Scheduler) -> EtaTracker:
+    """The run's ETA, primed with a resumed job's summary lengths (one call each), each
+    request's own token limit and choices (requests are never split)."""
+    earlier = [r.output_tokens for r in p.results.values()
+               if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
+    limits = {i: r.plan.max_tokens for i, r in p.requests.items() if r.plan is not None and r.plan.max_tokens}
+    choices = {i: r.plan.n for i, r in p.requests.items() if r.plan is not None and r.plan.n > 1}
+    return EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic(), earlier,
+                      None if p.requests else scheduler.calls_for, config.throttle.max_tok_s, limits, choices)
+
+
 def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, beat: Heartbeat) -> dict:
     """Generate every document ``p.docs`` yields (batched, throttled), writing and journalling
     each as it finishes; fills ``p.results``, records the generation settings in
     ``p.report.setup``. After a first signal (``stop``) the summaries being written get
     :data:`~mlx_tier.job.stopflag.STOP_GRACE_SECONDS`, then stay pending; ``beat`` is told
     of each step. Returns the throttle's account (:meth:`Throttle.as_dict`)."""
-    results, journal, reporter, progress = p.results, p.journal, p.reporter, p.progress
+    journal, reporter, progress = p.journal, p.reporter, p.progress
 
     def stopping() -> bool:
         return stop.signal is not None
@@ -277,14 +288,7 @@ def _summarise_all(p: _Pass, config: JobConfig, loaded: Loaded, stop: StopFlag, 
     layers = LayerProgress(reporter, progress, len(loaded.cache.layers), lambda: loaded.cache.stats.hit_rate,
                            stopping)
     generated = [0]  # tokens generated this run, for the samples the watch page plots
-    earlier = [r.output_tokens for r in results.values()  # a resumed job's summaries, one call each
-               if r.earlier_run and r.status == "done" and not r.parts and r.output_tokens]
-    limits = {i: r.plan.max_tokens for i, r in p.requests.items() if r.plan is not None and r.plan.max_tokens}
-    choices = {i: r.plan.n for i, r in p.requests.items() if r.plan is not None and r.plan.n > 1}
-    eta = EtaTracker(p.sizes, config.generation.max_tokens, scheduler.batch_size, time.monotonic(), earlier,
-                     None if p.requests else scheduler.calls_for,  # requests are never split
-                     config.throttle.max_tok_s, limits, choices)
-
+    eta = _eta_tracker(p, config, scheduler)
     speed = Speed()
     read: dict[str, tuple[int, int]] = {}  # how far each prompt in flight was read
 
