@@ -203,7 +203,7 @@ def _record_request(outcome: Outcome, res: DocResult, p: _Pass) -> None:
         if outcome.status == "done":
             body = batch_api.response_body(req, outcome.choices, outcome.input_tokens, p.model_name, int(time.time()))
             line = batch_api.output_line(req.custom_id, body)
-            figures = {k: getattr(res, k) for k in FIGURES if getattr(res, k) is not None}  # kept if a crash loses `done`
+            figures = {k: getattr(res, k) for k in FIGURES if getattr(res, k) is not None}  # if a crash loses `done`
             p.journal.append(writing_record(res.id, res.made_from, line_bytes(line), p.settings.fields() | figures))
             batch.add_output(req.custom_id, line, redo=res.redo is not None)
             res.status, res.output = "done", BATCH_OUTPUT
@@ -758,8 +758,7 @@ def _run_in(job: JobDir, docs, config: JobConfig, reporter: Reporter, share: Sha
     journal, records, tri = start_run(job, docs, config, reporter, share.part, clock, settings)
     if not share.part:  # said with the input's notes, once the model is loaded
         notes = [*notes, *rerun_notes(tri, records, settings, config.retry_failed, [d.id for d in docs],
-                                      is_batch(docs)),
-                 *(limit_note(docs, records, tri) if is_batch(docs) else [])]
+                                      is_batch(docs)), *(limit_note(docs, records, tri) if is_batch(docs) else [])]
     results = doc_results(docs, tri, records)
     report = JobReport(results=list(results.values()), prompts=prompt_texts(job.view().entries()))
     by_id = {d.id: d for d in docs}
@@ -1017,7 +1016,8 @@ def hard_stop_message(signum: int, command: str | None, width: int, retry_failed
     (:func:`mlx_tier.messages.with_command`); after a ``retry_failed`` run, also the
     command that retries the failed documents (the resume command never does).
     ``answers``: a request file's run (its answers, not summaries, are kept)."""
-    prose = f"stopped at once ({signal.Signals(signum).name}); finished {'answers' if answers else 'summaries'} are kept."
+    kept = "answers" if answers else "summaries"
+    prose = f"stopped at once ({signal.Signals(signum).name}); finished {kept} are kept."
     if not command:
         return wrap_words(prose, width)
     retry = f"\n{with_command('retry the failed ones with:', retry_command(command), width)}" if retry_failed else ""
