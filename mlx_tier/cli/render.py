@@ -348,7 +348,7 @@ def summary_line(report, out_dir: Path) -> str:
                                                           if copied else "")
     line = (f"job: {report.count('done')} done ({earlier}), "
             f"{report.count('failed')} failed, {report.count('pending')} pending"
-            + (f" ({chunked} long, summarised in parts)" if chunked else ""))  # of the done ones
+            + (f" ({chunked} long, summarised in parts)" if chunked else ""))
     if not run.get("loaded_model") and run.get("failed"):  # each document it tried failed as read
         return line + f" | this run: {run['failed']} failed as read (empty or unreadable); no model loaded" + where
     if not run.get("loaded_model"):

@@ -119,9 +119,9 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     order, texts = [int(i) for i in pieces[1::2]], pieces[::2]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     placed_as = [messages[i]["content"] for i in order]
-    if "".join(t + c for t, c in zip(texts, [*placed_as, ""])) != rendered:  # the template edits contents
+    if _between(texts, placed_as) != rendered:  # the template edits contents
         placed_as = _as_rendered(tokenizer, messages, texts, order)
-        if "".join(t + c for t, c in zip(texts, [*placed_as, ""])) != rendered:  # an edit hangs on another message
+        if _between(texts, placed_as) != rendered:  # an edit hangs on another message
             raise ValueError("the chat template edits a message according to another message's text "
                              "(mlx-tier renders each message's text apart from the template's own)")
     ids = list(tokenizer.encode(texts[0], add_special_tokens=False)) if texts[0] else []
@@ -129,6 +129,11 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
         ids += encode_data(tokenizer, content) if content else []
         ids += list(tokenizer.encode(text, add_special_tokens=False)) if text else []
     return ids
+
+
+def _between(texts: list[str], contents: list[str]) -> str:
+    """The template's own ``texts`` with ``contents`` between them: the prompt as text."""
+    return "".join(t + c for t, c in zip(texts, [*contents, ""]))
 
 
 def _as_rendered(tokenizer, messages: list[dict], texts: list[str], order: list[int]) -> list[str]:

@@ -398,7 +398,7 @@ def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[
     # documents of runs that journal each output they write: one of theirs no record names is not theirs
     recording = {i for r in entries if r.get("event") == "start" and r.get("writes") is True
                  for i in r.get("todo") or [] if isinstance(i, str)}
-    for i in [*tri.recovered, *sorted(rewritten_since_done(entries) & (set(tri.done) | set(tri.stale)))]:
+    for i in _doubted(tri, entries):
         try:
             output = read_nofollow(output_of(i))
         except OSError:
@@ -410,14 +410,7 @@ def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[
                              f"{by_id[i].name}); move it out of the output folder, or delete it, to summarise "
                              "that document; nothing was run")
         if isinstance(said, dict):
-            if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]) \
-                    and all(said.get(k) == tri.done[i].get(k) for k in SETTINGS_FIELDS):
-                continue  # the output its done record describes (the redo never renamed)
-            # else a redo's, renamed into place: its source or settings (a --redo-changed run's) are the record's
-            _undone(tri, i)
-            if i not in tri.recovered:
-                tri.recovered.append(i)
-            tri.recovered_from[i] = said
+            _adopt(tri, i, said)
         elif i in tri.stale:
             continue  # redone as it is
         elif said == "stale" or (said == "unwritten" and i not in tri.done):
@@ -425,11 +418,7 @@ def doubt_unrecorded(tri: Triage, entries: Iterable[dict], output_of: Callable[[
             _undone(tri, i)
             if said == "stale":
                 tri.stale.append(i)
-    if redo:
-        tri.recovered[:] = [i for i in tri.recovered if i not in redo]
-        into = tri.left if retry_failed else tri.pending
-        waiting = set(into) | set(redo)
-        into[:] = [i for i in order if i in waiting]
+    _pending_again(tri, redo, order, retry_failed)
 
 
 def doubt_answers(tri: Triage, entries: Iterable[dict], digests: dict[str, str | None], by_id: dict,
@@ -445,32 +434,53 @@ def doubt_answers(tri: Triage, entries: Iterable[dict], digests: dict[str, str |
     order; with ``retry_failed``, left for a plain rerun). ``digests``: id -> the sha256 of
     its answer's line (``None``: no line)."""
     entries, redo = list(entries), []
-    rewritten = sorted(rewritten_since_done(entries) & (set(tri.done) | set(tri.stale)))
-    for i in [*tri.recovered, *rewritten]:
+    for i in _doubted(tri, entries):
         if digests.get(i) is None:
             continue  # no line: as its record says
         stamp = by_id[i].stamp
         said = vouched(entries, i, digests[i], stamp.sha256 if stamp is not None else None)
         if isinstance(said, dict):
-            if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]) \
-                    and all(said.get(k) == tri.done[i].get(k) for k in SETTINGS_FIELDS):
-                continue  # the line its done record describes
-            _undone(tri, i)  # a redo's line, its record lost: adopted as that redo wrote it
-            if i not in tri.recovered:
-                tri.recovered.append(i)
-            tri.recovered_from[i] = said
+            _adopt(tri, i, said)
         elif i in tri.stale:
             continue  # redone as it is
         elif i in tri.recovered or said == "stale":  # unvouched, or the answer to another version
             redo.append(i)
             _undone(tri, i)
-    if redo:
-        tri.recovered[:] = [i for i in tri.recovered if i not in redo]
+    if redo:  # its line is replaced, as a stale answer's
         stale = set(tri.stale) | set(redo)
         tri.stale[:] = [i for i in order if i in stale]
-        into = tri.left if retry_failed else tri.pending
-        waiting = set(into) | set(redo)
-        into[:] = [i for i in order if i in waiting]
+    _pending_again(tri, redo, order, retry_failed)
+
+
+def _doubted(tri: Triage, entries: list[dict]) -> list[str]:
+    """The outputs their records may not describe: those of ``tri.recovered`` (no ``done``
+    record), then done ones whose last ``writing`` record came after their ``done`` one
+    (:func:`~mlx_tier.job.provenance.rewritten_since_done`: a redo's, its record lost)."""
+    return [*tri.recovered, *sorted(rewritten_since_done(entries) & (set(tri.done) | set(tri.stale)))]
+
+
+def _adopt(tri: Triage, i: str, said: dict) -> None:
+    """``i``'s output as the writing record ``said`` vouches for it: as its done record says
+    (a redo never renamed), or else a redo's, written into place with that record's source
+    and settings (a ``--redo-changed`` run's): recovered with them (``tri.recovered_from``)."""
+    if i in tri.done and (said.get("made_from") or {}).get("sha256") == recorded_hash(tri.done[i]) \
+            and all(said.get(k) == tri.done[i].get(k) for k in SETTINGS_FIELDS):
+        return
+    _undone(tri, i)
+    if i not in tri.recovered:
+        tri.recovered.append(i)
+    tri.recovered_from[i] = said
+
+
+def _pending_again(tri: Triage, redo: list[str], order: list[str], retry_failed: bool) -> None:
+    """``redo`` out of the recovered outputs and into the pending ones (with ``retry_failed``,
+    those left for a plain rerun), in input ``order``."""
+    if not redo:
+        return
+    tri.recovered[:] = [i for i in tri.recovered if i not in redo]
+    into = tri.left if retry_failed else tri.pending
+    waiting = set(into) | set(redo)
+    into[:] = [i for i in order if i in waiting]
 
 
 def _undone(tri: Triage, i: str) -> None:

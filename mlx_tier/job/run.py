@@ -150,6 +150,12 @@ def _figures(outcome: Outcome, res: DocResult) -> None:
     res.parts_kept, res.kept_tokens = outcome.kept or None, outcome.kept_tokens or None
 
 
+def _kept_figures(res: DocResult) -> dict:
+    """A result's :data:`~mlx_tier.job.triage.FIGURES` for its writing record: kept there in
+    case a crash loses its ``done`` record."""
+    return {k: getattr(res, k) for k in FIGURES if getattr(res, k) is not None}
+
+
 def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, settings: Settings) -> None:
     """Write a finished summary (atomically, its ``writing`` record journalled first with
     the run's ``settings``: :func:`~mlx_tier.job.provenance.writing_record`) and fill
@@ -174,8 +180,7 @@ def _record(outcome: Outcome, res: DocResult, out_dir: Path, journal: Journal, s
         return
     try:
         data = (outcome.summary + "\n").encode("utf-8", "surrogateescape")  # as write_atomic encodes text
-        figures = {k: getattr(res, k) for k in FIGURES if getattr(res, k) is not None}  # kept if a crash loses `done`
-        journal.append(writing_record(res.id, res.made_from, data, settings.fields() | figures))
+        journal.append(writing_record(res.id, res.made_from, data, settings.fields() | _kept_figures(res)))
         write_atomic(out_dir / f"{res.id}.md", data)
         res.status, res.output = "done", f"{res.id}.md"
     except OSError as e:
@@ -203,8 +208,8 @@ def _record_request(outcome: Outcome, res: DocResult, p: _Pass) -> None:
         if outcome.status == "done":
             body = batch_api.response_body(req, outcome.choices, outcome.input_tokens, p.model_name, int(time.time()))
             line = batch_api.output_line(req.custom_id, body)
-            figures = {k: getattr(res, k) for k in FIGURES if getattr(res, k) is not None}  # if a crash loses `done`
-            p.journal.append(writing_record(res.id, res.made_from, line_bytes(line), p.settings.fields() | figures))
+            p.journal.append(writing_record(res.id, res.made_from, line_bytes(line),
+                                            p.settings.fields() | _kept_figures(res)))
             batch.add_output(req.custom_id, line, redo=res.redo is not None)
             res.status, res.output = "done", BATCH_OUTPUT
             return

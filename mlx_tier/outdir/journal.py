@@ -267,7 +267,9 @@ def as_written(records: Iterable[dict]) -> Callable[[dict], dict]:
 
 
 def short_fingerprint(fingerprint: str) -> str:
-    """A fingerprint's first 8 hex digits, for people (its version tag left out)."""
+    """A fingerprint's first 8 hex digits, for people (its version tag,
+    :data:`mlx_tier.engine.fingerprints.TAG`, left out: that module is not imported here,
+    the read-only side loading no MLX)."""
     return fingerprint.removeprefix("v2-")[:8]
 
 
