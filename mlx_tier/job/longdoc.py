@@ -38,6 +38,20 @@ def _pieces(text: str, level: int) -> list[str]:
 PACK_SLACK = 2
 
 
+class EmptyCall(Exception):
+    """A level of a map-reduce summary finished with a call whose result is empty (the token
+    limit spent in a model's reasoning, or an end of text at once): combining the others
+    would give a summary that looks whole but leaves that part out.
+
+    Attributes:
+        what: the call in words, ``"part 3 of 13"`` or ``"combining call 2 of 3"``.
+    """
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
 def split_text(text: str, count, limit: int, _level: int = 0) -> list[str]:
     """Split ``text`` into parts of at most ``limit`` tokens, in order.
 
@@ -185,11 +199,19 @@ class MapReduce:
             the next level's ``(index, prompt)`` calls when this completed the
             level and more combining is needed; ``[]`` otherwise (check
             :attr:`summary`).
+
+        Raises:
+            EmptyCall: the level completed with an empty result to combine.
+            TooLong: the results do not shrink when combined in groups.
         """
         self._results[index] = result.strip()
         if any(r is None for r in self._results):
             return []
         results = self._results
+        empty = [i for i, r in enumerate(results) if not r]
+        if empty and not (self.level > 0 and len(results) == 1):  # the summary itself: the caller's check
+            kind = "part" if self.level == 0 else "combining call"
+            raise EmptyCall(f"{kind} {empty[0] + 1} of {len(results)}")
         joined = "\n\n".join(f"Part {i + 1}: {r}" for i, r in enumerate(results))
         final = build_prompt(self.tokenizer, REDUCE_NOTE + self.instruction, joined)
         if self.level > 0 and len(results) == 1:

@@ -61,7 +61,7 @@ from mlx_tier.job.batch_engine import (
 )
 from mlx_tier.job.doc_tokens import Sample, chars_per_token, predicted_tokens
 from mlx_tier.job.documents import source_hash
-from mlx_tier.job.longdoc import MAP_NOTE, MapReduce
+from mlx_tier.job.longdoc import MAP_NOTE, EmptyCall, MapReduce
 from mlx_tier.job.pool_engine import PoolEngine
 from mlx_tier.job.prompts import (
     build_prompt,
@@ -646,12 +646,12 @@ class Scheduler:
         """The tasks of a map-reduce document's ``calls`` (``(index, prompt)``). A call a
         stopped run finished (:attr:`parts`) is not run again: its kept result is added at
         once, which may complete the level (its next calls are taken the same way) or the
-        whole document (its outcome is returned). Raises TooLong (:meth:`MapReduce.add`)."""
+        whole document (its outcome is returned). Raises TooLong or EmptyCall (:meth:`MapReduce.add`)."""
         while True:
             tasks, more, reason = [], [], None
             for i, prompt in calls:
                 kept = self.parts.get(prompt) if self.parts is not None else None
-                if kept is None:
+                if kept is None or not kept.text.strip():  # an empty result (kept by an older version) is redone
                     tasks.append(Task((d, i), prompt, self.config.max_tokens))
                     continue
                 d.kept += kept.earlier  # an earlier run's (a copy's calls in this run are not counted)
@@ -659,7 +659,7 @@ class Scheduler:
                 d.reasoning.append(kept.reasoning)
                 more, reason = d.mr.add(i, kept.text) or more, kept.finish_reason
             if d.mr.summary is not None:
-                return self._finish(d, d.mr.summary, reason or "stop")
+                return self._finish(d, d.mr.summary, reason or "stop")  # kept results are trimmed
             if not more:
                 return tasks
             calls = more
@@ -696,6 +696,20 @@ class Scheduler:
         return Outcome(d.doc.id, "failed", input_tokens=d.input_tokens, parts=d.mr.parts if d.mr else 0,
                        seconds=d.seconds, error=error, error_code=code, error_param=param, kept=d.kept)
 
+    def _no_summary(self, d: _Doc, what: str = "") -> str:
+        """Why a document failed whose summary (or ``what``: one of its map-reduce calls) came
+        out empty: the token limit spent (in the reasoning, for a reasoning model) or an
+        immediate end of text."""
+        return (f"no summary{what}{' outside the reasoning' if any(d.reasoning) else ''} within `max_tokens` "
+                f"{self.config.max_tokens}; retry with a larger `max_tokens` and `retry_failed`")
+
+    def _level_failed(self, d: _Doc, error: TooLong | EmptyCall) -> Outcome:
+        """A map-reduce document that cannot go on: too long for the context, or a call of a
+        finished level that came out empty (nothing of that part would reach the summary)."""
+        if isinstance(error, EmptyCall):
+            return self._failed(d, self._no_summary(d, f" of {error.what}"))
+        return self._failed(d, f"document too long for the usable context of {d.context} tokens: {error}")
+
     def _answered(self, d: _Doc, f, index: int) -> Outcome | None:
         """A batch request's choice ``index`` finished (``f``); its outcome once every choice has."""
         text, reasoning = strip_reasoning(f.text, self.reasoning) if d.doc.request.url == CHAT else (f.text, "")
@@ -709,11 +723,12 @@ class Scheduler:
                        finish_reason=d.choices[0].finish_reason, seconds=d.seconds, choices=list(d.choices))
 
     def _finish(self, d: _Doc, text: str, reason: str) -> Outcome:
-        summary = (trim_to_sentence(text) if reason == "length" else text).strip()
+        """The document's outcome from its summary ``text``, already trimmed to its last whole
+        sentence where the token limit cut it (once: trimming is not idempotent, a number's
+        dot ending the last sentence left would be taken for a cut)."""
+        summary = text.strip()
         if not summary:
-            return self._failed(d, f"no summary{' outside the reasoning' if any(d.reasoning) else ''} within "
-                                   f"`max_tokens` {self.config.max_tokens}; retry with a larger `max_tokens` "
-                                   "and `retry_failed`")
+            return self._failed(d, self._no_summary(d))
         d.finished = True
         return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
                        d.output_tokens + d.kept_tokens, reason, d.mr.parts if d.mr else 0,
@@ -836,8 +851,8 @@ class Scheduler:
             return self._tasks(d, can_wait)
         except RequestError as e:
             return self._failed(d, e.prose, e.code, e.field)
-        except TooLong as e:
-            return self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
+        except (TooLong, EmptyCall) as e:
+            return self._level_failed(d, e)
         except Exception as e:  # noqa: BLE001 - one document's failure must not stop the job
             return self._failed(d, f"{type(e).__name__}: {e}")
 
@@ -871,7 +886,7 @@ class Scheduler:
                 summary, reasoning = strip_reasoning(f.text, self.reasoning)
                 text = trim_to_sentence(summary) if f.finish_reason == "length" else summary
                 results[f.key] = summary, reasoning, text
-                if d.mr is not None and self.parts is not None:
+                if d.mr is not None and self.parts is not None and text.strip():  # an empty one is redone
                     self.parts.keep(d.mr.prompt(index), KeptCall(d.doc.id, text, reasoning, len(f.tokens),
                                                                  f.finish_reason, d.mr.prompt_limit, d.source))
         for f in finished:
@@ -885,7 +900,7 @@ class Scheduler:
             summary, reasoning, text = results[f.key]
             d.reasoning.append(reasoning)
             if d.mr is None:
-                yield self._finish(d, summary, f.finish_reason)
+                yield self._finish(d, text, f.finish_reason)
                 continue
             try:
                 more = d.mr.add(index, text)
@@ -893,8 +908,8 @@ class Scheduler:
                     yield self._finish(d, d.mr.summary, f.finish_reason)
                     continue
                 tasks = self._calls(d, more) if more else []
-            except TooLong as e:
-                yield self._failed(d, f"document too long for the usable context of {d.context} tokens: {e}")
+            except (TooLong, EmptyCall) as e:
+                yield self._level_failed(d, e)
                 continue
             if isinstance(tasks, Outcome):
                 yield tasks
