@@ -29,9 +29,9 @@ import codecs
 import json
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 from mlx_tier.errors import InputError
@@ -315,6 +315,7 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
     # With links followed, a folder of INPUT is walked by its own path, never by a link's
     # (which one came first would otherwise name its documents, by directory order).
     inside = _walked_folders(root, exclude) if follow_links else set()
+    walked = cache(lambda: _walked_folders(root, exclude))  # without: once a link into INPUT asks
     for folder, dirs, names in os.walk(root, followlinks=follow_links):
         here = Path(folder)
         if follow_links:  # a link cycle would walk forever
@@ -324,7 +325,7 @@ def _walk(root: Path, exclude: Path | None, follow_links: bool,
                 continue
             seen.add(real)
         why = {d: _folder_skip(here / d, exclude) or (_linked_inside(here / d, inside) if follow_links
-                                                     else _folder_link(here / d, real_root)) for d in dirs}
+                                                     else _folder_link(here / d, real_root, walked)) for d in dirs}
         skipped.update(w for w in why.values() if w is not None)
         dirs[:] = [d for d in dirs if why[d] is None]
         for name in names:
@@ -348,18 +349,28 @@ def _walked_folders(root: Path, exclude: Path | None) -> set[Path]:
     return out
 
 
-def _folder_link(p: Path, real_root: Path) -> str | None:
+def _folder_link(p: Path, real_root: Path, walked: Callable[[], set[Path]]) -> str | None:
     """Why the folder link ``p`` is not walked when links are not followed (``os.walk`` would
-    pass it by without a word): its folder is read by its own path, or lies out of INPUT."""
+    pass it by without a word): its folder is read by its own path, is one the walk skips
+    (hidden, say: ``walked()``, the real paths of the folders walked), or lies out of INPUT."""
     if not p.is_symlink():
         return None
-    return "link to a folder in INPUT" if p.resolve().is_relative_to(real_root) else "link to a folder out of INPUT"
+    real = p.resolve()
+    if not real.is_relative_to(real_root):
+        return "link to a folder out of INPUT"
+    return "link to a folder in INPUT" if real in walked() else "link to a skipped folder in INPUT"
 
 
 def link_hint(skipped: Counter) -> str | None:
-    """What reads the links out of INPUT a walk left out (:func:`_walk`'s ``skipped``), or ``None``."""
-    if skipped.get("link out of INPUT") or skipped.get("link to a folder out of INPUT"):
+    """What reads the links a walk left out that lead to files it did not read (out of INPUT,
+    or into a folder it skips: :func:`_walk`'s ``skipped``), or ``None``."""
+    out = skipped.get("link out of INPUT") or skipped.get("link to a folder out of INPUT")
+    if out and skipped.get("link to a skipped folder in INPUT"):
+        return "links out of INPUT or to skipped folders are not followed: --follow-links reads them"
+    if out:
         return "links out of INPUT are not read: --follow-links reads them"
+    if skipped.get("link to a skipped folder in INPUT"):
+        return "links to skipped folders are not followed: --follow-links reads them"
     return None
 
 
