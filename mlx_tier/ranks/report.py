@@ -17,12 +17,14 @@ from pathlib import Path
 
 from mlx_tier.fsio import write_atomic
 from mlx_tier.job.outputs import JsonlSummaries, keeps_jsonl
+from mlx_tier.job.triage import DONE_KEEPS, FAILED_KEEPS
 from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import CLAIMS
 
-# Per-document fields a journal record gives a DocResult.
-_DOC_FIELDS = ("input_tokens", "output_tokens", "doc_seconds", "finish_reason", "parts", "error", "output",
-               "converter", "made_from", "model", "prompt")
+# Per-document fields a rank's journal record gives this run's DocResult: what a one-process
+# run's result holds (its figures, kept calls and settings, a failure's error), so the two
+# runs' reports say the same of the same work.
+_DOC_FIELDS = tuple(dict.fromkeys((*DONE_KEEPS, *FAILED_KEEPS, "error", "output")))
 
 
 def _read_json(path: Path) -> dict:
@@ -88,6 +90,13 @@ def _this_run(results: dict, todo: list[str], config, folder: Path, ranks: int) 
         if rec["status"] == "done" and not (config.out_dir / f"{doc_id}.md").is_file():
             continue
         res.__dict__.update(status=rec["status"], **{k: rec[k] for k in _DOC_FIELDS if k in rec})
+
+
+def _partial_tokens(folder: Path, ranks: int) -> int:
+    """Tokens of long documents' calls the ranks wrote and kept without finishing them (each
+    rank's ``stopped`` records): this run's work, counted in no document's figures yet."""
+    return sum(e["partial_tokens"] for k in range(ranks) for e in _rank_journal(folder, k).entries()
+               if e.get("event") == "stopped" and isinstance(e.get("partial_tokens"), int))
 
 
 def _run_record(report, accounts: list[dict], t_wall: float, tri) -> dict:
@@ -161,7 +170,7 @@ def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float],
     _this_run(results, tri.pending, config, folder, ranks)
     report = JobReport(results=list(results.values()), seconds=time.perf_counter() - started[0],
                        prompts=prompt_texts(Journal(config.out_dir).entries()),
-                       skipped_files=by_count(skipped or {}))
+                       skipped_files=by_count(skipped or {}), partial_tokens=_partial_tokens(folder, ranks))
     accounts = [rank_account(folder, k) for k in range(ranks)]
     report.setup = _setup(folder, ranks, plan, config)
     # the launcher's own Ctrl-C, else a signal a rank was stopped by (SIGINT to its group, SIGTERM from mlx.launch)

@@ -352,6 +352,12 @@ def test_two_ranks_write_every_document_once_and_match_one_process(tmp_path, sma
     assert sum(a["output_tokens"] for a in ranks) == report["totals"]["output_tokens"] > 0
     assert all(a["output_tok_per_s"] > 0 for a in ranks if a["done"])
     assert report["distributed"]["ranks"] == 2
+    # each document's settings as one process records them: one "written by" group, not a split one
+    one_report = json.loads((tmp_path / "one" / "report.json").read_text())
+    recorded = ("model", "prompt", "kv_bits", "generation", "compute", "kept_tokens", "parts_kept")
+    assert [{k: d[k] for k in recorded} for d in report["documents"]] == \
+        [{k: d[k] for k in recorded} for d in one_report["documents"]]
+    assert len(report["written_by"]) == len(one_report["written_by"]) == 1
     st = read_status(out)
     assert (st.running, st.done, st.pending) == (False, 6, 0)
     # the run's records are its ranks' (by the launcher's run id), timed on the ranks' monotonic clocks
