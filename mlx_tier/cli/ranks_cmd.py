@@ -81,7 +81,7 @@ def run_ranks(config, ranks: int | None, hosts: Path | None, command: str) -> No
     for line in rank_lines(report.runs[-1]):  # wrapped between words, as every message
         print_wrapped(out, line)
     pending = report.count("pending") - report.runs[-1].get("left_pending", 0)  # left by a rank, not by --retry-failed
-    if report.stop_signal is not None:
+    if report.interrupted:  # a stop that left documents pending (one after the last finished ends as done)
         word, code = stopped_by(report.stop_signal)
         print_resume(err, f"{word}; finished summaries are kept. Resume with:", command, config.retry_failed)
         raise typer.Exit(code)
