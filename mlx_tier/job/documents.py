@@ -397,7 +397,7 @@ def _once_each(files: list[Path], skipped: Counter) -> list[Path]:
 
 # Why a folder is not searched (:func:`_folder_skip`); every other reason counted is a file's.
 _FOLDER_REASONS = ("hidden folder", "metadata folder", "output folder", "mlx-tier output folder",
-                   "link to a folder in INPUT", "link to a folder out of INPUT")
+                   "link to a folder in INPUT", "link to a skipped folder in INPUT", "link to a folder out of INPUT")
 
 
 def _folder_skip(p: Path, exclude: Path | None) -> str | None:

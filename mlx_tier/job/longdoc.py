@@ -45,11 +45,12 @@ class EmptyCall(Exception):
 
     Attributes:
         what: the call in words, ``"part 3 of 13"`` or ``"combining call 2 of 3"``.
+        index: the call's index in its level.
     """
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, index: int):
         super().__init__(what)
-        self.what = what
+        self.what, self.index = what, index
 
 
 def split_text(text: str, count, limit: int, _level: int = 0) -> list[str]:
@@ -211,7 +212,7 @@ class MapReduce:
         empty = [i for i, r in enumerate(results) if not r]
         if empty and not (self.level > 0 and len(results) == 1):  # the summary itself: the caller's check
             kind = "part" if self.level == 0 else "combining call"
-            raise EmptyCall(f"{kind} {empty[0] + 1} of {len(results)}")
+            raise EmptyCall(f"{kind} {empty[0] + 1} of {len(results)}", empty[0])
         joined = "\n\n".join(f"Part {i + 1}: {r}" for i, r in enumerate(results))
         final = build_prompt(self.tokenizer, REDUCE_NOTE + self.instruction, joined)
         if self.level > 0 and len(results) == 1:

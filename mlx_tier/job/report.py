@@ -78,8 +78,8 @@ class JobReport:
     prompts: dict[str, str] = field(default_factory=dict)  # prompt hash -> instruction text, every run's
     load_seconds: float | None = None  # this run: from its start to its model loaded (monotonic)
     generation_seconds: float = 0.0  # this run: from its model loaded to its last document or stop (mlx_tier.rates)
-    # this run: tokens of the calls of long documents it wrote and kept without finishing them (a
-    # stop's): generated now, counted in no document's figures until a later run finishes it
+    # this run: tokens of the calls of long documents it wrote and kept without finishing the
+    # documents (stopped, or failed): generated now, counted in no document's figures
     partial_tokens: int = 0
     # What this run's walk of an INPUT folder (or stdin list) left out: reason or suffix -> files
     # (folders, for a folder's reasons), as mlx_tier.job.documents.skip_note says them.

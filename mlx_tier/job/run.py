@@ -850,7 +850,7 @@ def _call_identity(settings: Settings, setup: dict, config: JobConfig) -> dict:
 
 
 def _partial_tokens(p: _Pass) -> int:
-    """Tokens of the calls this run wrote for long documents it did not finish (a stop's)."""
+    """Tokens of the calls this run wrote for long documents it did not finish (stopped, or failed)."""
     if p.parts is None:
         return 0
     done = {i for i, r in p.results.items() if r.status == "done" and not r.earlier_run}

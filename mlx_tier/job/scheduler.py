@@ -214,6 +214,7 @@ class _Doc:
     kept: int = 0  # map-reduce calls taken from the parts a stopped run kept
     kept_tokens: int = 0  # tokens of the kept calls it took (an earlier run's, or a copy's in this run)
     source: str | None = None  # the sha256 of its source (a map-reduce document's kept calls name it)
+    empty: dict[int, str] = field(default_factory=dict)  # index -> finish reason of its level's empty results
 
 
 class _Pulled:
@@ -651,7 +652,7 @@ class Scheduler:
             tasks, more, reason = [], [], None
             for i, prompt in calls:
                 kept = self.parts.get(prompt) if self.parts is not None else None
-                if kept is None or not kept.text.strip():  # an empty result (kept by an older version) is redone
+                if kept is None:
                     tasks.append(Task((d, i), prompt, self.config.max_tokens))
                     continue
                 d.kept += kept.earlier  # an earlier run's (a copy's calls in this run are not counted)
@@ -696,18 +697,21 @@ class Scheduler:
         return Outcome(d.doc.id, "failed", input_tokens=d.input_tokens, parts=d.mr.parts if d.mr else 0,
                        seconds=d.seconds, error=error, error_code=code, error_param=param, kept=d.kept)
 
-    def _no_summary(self, d: _Doc, what: str = "") -> str:
+    def _no_summary(self, d: _Doc, what: str, reason: str | None) -> str:
         """Why a document failed whose summary (or ``what``: one of its map-reduce calls) came
-        out empty: the token limit spent (in the reasoning, for a reasoning model) or an
-        immediate end of text."""
-        return (f"no summary{what}{' outside the reasoning' if any(d.reasoning) else ''} within `max_tokens` "
-                f"{self.config.max_tokens}; retry with a larger `max_tokens` and `retry_failed`")
+        out empty: the token limit spent (``reason`` "length"; in the reasoning, for a reasoning
+        model), or the model ended its answer without one (a larger limit would not help)."""
+        outside = " outside the reasoning" if any(d.reasoning) else ""
+        if reason != "length":
+            return f"no summary{what}{outside}: the model ended its answer without one"
+        return (f"no summary{what}{outside} within `max_tokens` {self.config.max_tokens}; retry with a larger "
+                "`max_tokens` and `retry_failed`")
 
     def _level_failed(self, d: _Doc, error: TooLong | EmptyCall) -> Outcome:
         """A map-reduce document that cannot go on: too long for the context, or a call of a
         finished level that came out empty (nothing of that part would reach the summary)."""
         if isinstance(error, EmptyCall):
-            return self._failed(d, self._no_summary(d, f" of {error.what}"))
+            return self._failed(d, self._no_summary(d, f" of {error.what}", d.empty.get(error.index)))
         return self._failed(d, f"document too long for the usable context of {d.context} tokens: {error}")
 
     def _answered(self, d: _Doc, f, index: int) -> Outcome | None:
@@ -728,7 +732,7 @@ class Scheduler:
         dot ending the last sentence left would be taken for a cut)."""
         summary = text.strip()
         if not summary:
-            return self._failed(d, self._no_summary(d))
+            return self._failed(d, self._no_summary(d, "", reason))
         d.finished = True
         return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
                        d.output_tokens + d.kept_tokens, reason, d.mr.parts if d.mr else 0,
@@ -886,7 +890,7 @@ class Scheduler:
                 summary, reasoning = strip_reasoning(f.text, self.reasoning)
                 text = trim_to_sentence(summary) if f.finish_reason == "length" else summary
                 results[f.key] = summary, reasoning, text
-                if d.mr is not None and self.parts is not None and text.strip():  # an empty one is redone
+                if d.mr is not None and self.parts is not None:  # an empty one is kept, never reused
                     self.parts.keep(d.mr.prompt(index), KeptCall(d.doc.id, text, reasoning, len(f.tokens),
                                                                  f.finish_reason, d.mr.prompt_limit, d.source))
         for f in finished:
@@ -902,6 +906,8 @@ class Scheduler:
             if d.mr is None:
                 yield self._finish(d, text, f.finish_reason)
                 continue
+            if not text.strip():
+                d.empty[index] = f.finish_reason
             try:
                 more = d.mr.add(index, text)
                 if d.mr.summary is not None:

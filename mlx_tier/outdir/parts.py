@@ -13,7 +13,9 @@ else that decides its tokens (the run's ``identity``: model weights and
 config, instruction, KV bits, generation options, kernel). A changed
 document, instruction, context or setting gives other prompts or another
 identity, so nothing stale is ever reused; a result is only ever reused for
-the same call.
+the same call. An empty result (a reasoning model's limit spent in its reasoning, an
+end of text at once) is kept for the run's counts but never reused: the call is
+made again.
 
 One line per call: ``{"doc", "key", "run_key", "text", "reasoning", "tokens",
 "finish_reason", "limit", "source"}`` (``run_key``: the identity's hash alone, so
@@ -100,6 +102,12 @@ def _call(rec: dict) -> KeptCall:
                     _str(rec.get("finish_reason")), _int(rec.get("limit")), _str(rec.get("source")), earlier=True)
 
 
+def _reusable(rec: dict) -> bool:
+    """Whether a kept line's result may stand for its call: not empty (an empty part would
+    leave the summary without it)."""
+    return bool(_str(rec.get("text")) and _str(rec.get("text")).strip())
+
+
 def part_files(out_dir: Path) -> list[Path]:
     """The job's parts file (it may not exist) and every rank's."""
     return [Path(out_dir) / PARTS, *rank_part_files(out_dir)]
@@ -164,7 +172,8 @@ class PartStore:
         (``id -> sha256 of its source now``, ``None``: unknown), made from their source as it is."""
         out: dict[str, int] = {}
         for rec in self._mine(sources):
-            out[rec["doc"]] = out.get(rec["doc"], 0) + 1
+            if _reusable(rec):
+                out[rec["doc"]] = out.get(rec["doc"], 0) + 1
         return out
 
     def limit(self, doc: str, source: str | None) -> int | None:
@@ -174,9 +183,10 @@ class PartStore:
         return next((x for x in reversed(limits) if x is not None), None)
 
     def get(self, prompt: list[int]) -> KeptCall | None:
-        """The kept result of the call with this prompt under this identity, or ``None``."""
+        """The kept result of the call with this prompt under this identity, or ``None`` (also
+        for an empty one: made again)."""
         rec = self._kept.get(call_key(self.identity, prompt))
-        return None if rec is None else replace(_call(rec), earlier=rec.get("_earlier", True))
+        return None if rec is None or not _reusable(rec) else replace(_call(rec), earlier=rec.get("_earlier", True))
 
     def written_now(self) -> dict[str, int]:
         """``document id -> tokens`` of the calls this process kept (:meth:`keep`), not an

@@ -93,10 +93,16 @@ def _this_run(results: dict, todo: list[str], config, folder: Path, ranks: int) 
 
 
 def _partial_tokens(folder: Path, ranks: int) -> int:
-    """Tokens of long documents' calls the ranks wrote and kept without finishing them (each
-    rank's ``stopped`` records): this run's work, counted in no document's figures yet."""
-    return sum(e["partial_tokens"] for k in range(ranks) for e in _rank_journal(folder, k).entries()
-               if e.get("event") == "stopped" and isinstance(e.get("partial_tokens"), int))
+    """Tokens of long documents' calls the ranks wrote and kept without finishing the documents
+    (stopped, or failed): this run's work, counted in no document's figures. A rank's account
+    says it (``rank-<k>.json``); for a rank that wrote none, its journal's ``stopped`` records."""
+    total = 0
+    for k in range(ranks):
+        said = _read_json(folder / f"rank-{k}.json").get("partial_tokens")
+        total += said if isinstance(said, int) else sum(
+            e["partial_tokens"] for e in _rank_journal(folder, k).entries()
+            if e.get("event") == "stopped" and isinstance(e.get("partial_tokens"), int))
+    return total
 
 
 def _run_record(report, accounts: list[dict], t_wall: float, tri) -> dict:

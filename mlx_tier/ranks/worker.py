@@ -165,6 +165,7 @@ def _account(rank: int, plan: dict, claims: Claims, report, seconds: float) -> d
         "output_tokens": tokens, "load_seconds": run.get("load_seconds"),
         "generation_seconds": run.get("generation_seconds", seconds), "model": run.get("model"),
         "prompt": run.get("prompt"), "output_tok_per_s": run.get("output_tok_per_s", 0.0),
+        "partial_tokens": report.partial_tokens,  # long documents' calls kept, the documents not finished
         "interrupted": report.interrupted, "stop_signal": report.stop_signal, "cache": run.get("cache", {}),
         "throttle": report.throttle, "setup": report.setup,
     }

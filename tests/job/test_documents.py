@@ -410,6 +410,7 @@ def test_a_file_or_folder_inside_input_is_one_document_whatever_links_lead_to_it
     # a review: not followed, it was said as a link to a folder read by its own path (it is not read)
     assert skipped["link to a skipped folder in INPUT"] == 1 and skipped["link to a folder in INPUT"] == 1
     assert "--follow-links" in link_hint(skipped)
+    assert skip_note(skipped).startswith("skipped 2 files, 3 folders:")  # the link counted as a folder
     # my own: the same link to a folder the walk skips for another reason (a metadata folder)
     (inp / "__MACOSX" / "x").mkdir(parents=True)
     (inp / "__MACOSX" / "x" / "n.txt").write_text("note")

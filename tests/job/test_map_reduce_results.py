@@ -81,15 +81,28 @@ def test_a_part_with_no_summary_fails_the_document_instead_of_being_left_out(tie
     def third_empty(level, index, calls):  # e.g. a reasoning model's limit spent in its reasoning
         return ("", "length") if (level, index) == (0, 2) else (f"Part {index} was read.", "stop")
 
-    outcomes, made = summarise(scheduler(tiered, tiny_moe, PartStore(tmp_path, IDENTITY)), LONG, third_empty)
+    first = PartStore(tmp_path, IDENTITY)
+    outcomes, made = summarise(scheduler(tiered, tiny_moe, first), LONG, third_empty)
     parts = sum(level == 0 for level, _ in made)
     assert [o.status for o in outcomes] == ["failed"] and all(level == 0 for level, _ in made)  # nothing combined
     assert f"no summary of part 3 of {parts} within `max_tokens` 8" in outcomes[0].error
     assert "`retry_failed`" in outcomes[0].error
-    # the empty call is not kept: a retry writes it again, and takes the others as kept
-    (retried,), made_again = summarise(scheduler(tiered, tiny_moe, PartStore(tmp_path, IDENTITY)), LONG,
-                                       final_cut)
+    # the empty call is kept, its tokens counted in the run's (3 a call here), but not reused:
+    # a retry writes it again
+    assert first.written_now() == {"doc": 3 * parts}
+    store = PartStore(tmp_path, IDENTITY)
+    assert store.docs({"doc": None}) == {"doc": parts - 1}
+    (retried,), made_again = summarise(scheduler(tiered, tiny_moe, store), LONG, final_cut)
     assert retried.status == "done" and retried.kept == parts - 1 and (0, 2) in made_again
+
+
+def test_a_part_the_model_ended_empty_is_not_blamed_on_the_token_limit(tiered, tiny_moe):
+    outcomes, _ = summarise(scheduler(tiered, tiny_moe), LONG,
+                            lambda level, i, n: ("", "stop") if (level, i) == (0, 1) else ("Read.", "stop"))
+    assert [o.status for o in outcomes] == ["failed"] and "max_tokens" not in outcomes[0].error
+    assert "no summary of part 2 of" in outcomes[0].error and "ended its answer without one" in outcomes[0].error
+    (short,), _ = summarise(scheduler(tiered, tiny_moe), "A short text.", lambda *a: ("", "stop"))
+    assert short.status == "failed" and "ended its answer without one" in short.error
 
 
 def test_an_empty_combining_call_fails_the_document_too(tiered, tiny_moe):
