@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mlx_tier.fsio import write_atomic
 from mlx_tier.job.outputs import JsonlSummaries, keeps_jsonl
+from mlx_tier.job.provenance import SETTINGS_FIELDS
 from mlx_tier.job.triage import DONE_KEEPS, FAILED_KEEPS
 from mlx_tier.outdir.journal import Journal
 from mlx_tier.outdir.layout import CLAIMS
@@ -105,17 +106,17 @@ def _partial_tokens(folder: Path, ranks: int) -> int:
     return total
 
 
-def _run_record(report, accounts: list[dict], t_wall: float, tri) -> dict:
+def _run_record(report, accounts: list[dict], t_wall: float, tri, settings: dict) -> dict:
     """This run's entry of ``runs``: a :class:`~mlx_tier.job.report.RunRecord` with every rank's
-    account (``ranks``), their cache counters added up and their throttled time. The ranks
-    load and generate side by side: the run's loading and generation times are their longest."""
+    account (``ranks``), their cache counters added up and their throttled time, and the
+    ``settings`` the ranks ran with (:func:`_settings_of`). The ranks load and generate side
+    by side: the run's loading and generation times are their longest."""
     from mlx_tier.job.report import COUNTERS, RunRecord, rerun_account
     from mlx_tier.job.rerun import rerun_counts
 
     report.load_seconds = max((a["load_seconds"] for a in accounts if a.get("load_seconds") is not None),
                               default=None)
     report.generation_seconds = max((a["generation_seconds"] for a in accounts), default=0.0)
-    settings = next((s for s in (_settings_of(a) for a in accounts) if s), {})
     record = RunRecord.of(report, t_wall, None, len(tri.done) + len(tri.recovered) + len(tri.reused),
                           len(tri.failed), settings, rerun_account(report.results, rerun_counts(tri)),
                           len(tri.left)).as_dict()
@@ -127,9 +128,11 @@ def _run_record(report, accounts: list[dict], t_wall: float, tri) -> dict:
     }
 
 
-def _settings_of(account: dict) -> dict:
-    """``{"model", "prompt"}`` a rank recorded for its run (its report's last run), ``{}`` if none."""
-    return {k: account[k] for k in ("model", "prompt") if k in account}
+def _settings_of(record: dict) -> dict:
+    """The settings a rank's ``rank-<k>.json`` names for its run (its report's last run: model,
+    prompt, KV bits, generation options, compute), as a one-process run's record holds them;
+    ``{}`` if none (a rank that wrote no account, or had nothing to load)."""
+    return {k: record[k] for k in SETTINGS_FIELDS if record.get(k) is not None}
 
 
 def _summed(accounts: list[dict], counters) -> dict:
@@ -184,7 +187,8 @@ def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float],
                                if r.get("stop_signal")), None)
     report.interrupted = stopped is not None and any(r.status == "pending" for r in report.results)
     report.stop_signal = stopped
-    report.runs = previous_runs(config.out_dir / REPORT) + [_run_record(report, accounts, started[1], tri)]
+    settings = next((s for k in range(ranks) if (s := _settings_of(_read_json(folder / f"rank-{k}.json")))), {})
+    report.runs = previous_runs(config.out_dir / REPORT) + [_run_record(report, accounts, started[1], tri, settings)]
     report.cache = sum_cache(report.runs)
     if keeps_jsonl(config.out_dir, config.output_format):
         JsonlSummaries(config.out_dir, docs).sync(Journal(config.out_dir).records())

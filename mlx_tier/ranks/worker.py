@@ -152,7 +152,10 @@ def _check_documents(config, plan: dict) -> None:
 
 
 def _account(rank: int, plan: dict, claims: Claims, report, seconds: float) -> dict:
-    """What this rank did (``rank-<k>.json``): its claimed documents, tokens, cache counters, setup."""
+    """What this rank did (``rank-<k>.json``): its claimed documents, tokens, cache counters, setup,
+    the settings its run record names."""
+    from mlx_tier.job.provenance import SETTINGS_FIELDS
+
     results = {r.id: r for r in report.results}
     mine = [results[i] for i in claims.taken if i in results]
     own = set(shares(plan["todo"], plan["ranks"])[rank])
@@ -163,8 +166,8 @@ def _account(rank: int, plan: dict, claims: Claims, report, seconds: float) -> d
         "claimed": len(claims.taken), "stolen": sum(i not in own for i in claims.taken),
         "done": sum(r.status == "done" for r in mine), "failed": sum(r.status == "failed" for r in mine),
         "output_tokens": tokens, "load_seconds": run.get("load_seconds"),
-        "generation_seconds": run.get("generation_seconds", seconds), "model": run.get("model"),
-        "prompt": run.get("prompt"), "output_tok_per_s": run.get("output_tok_per_s", 0.0),
+        "generation_seconds": run.get("generation_seconds", seconds), "output_tok_per_s": run.get("output_tok_per_s", 0.0),
+        **{k: run.get(k) for k in SETTINGS_FIELDS},  # what its run record says of its settings
         "partial_tokens": report.partial_tokens,  # long documents' calls kept, the documents not finished
         "interrupted": report.interrupted, "stop_signal": report.stop_signal, "cache": run.get("cache", {}),
         "throttle": report.throttle, "setup": report.setup,

@@ -358,6 +358,9 @@ def test_two_ranks_write_every_document_once_and_match_one_process(tmp_path, sma
     assert [{k: d[k] for k in recorded} for d in report["documents"]] == \
         [{k: d[k] for k in recorded} for d in one_report["documents"]]
     assert len(report["written_by"]) == len(one_report["written_by"]) == 1
+    settings = ("model", "prompt", "kv_bits", "generation", "compute")  # and the run's record names them as well
+    assert {k: report["runs"][-1].get(k) for k in settings} == {k: one_report["runs"][-1].get(k) for k in settings}
+    assert report["runs"][-1]["generation"]["max_tokens"] == 12
     st = read_status(out)
     assert (st.running, st.done, st.pending) == (False, 6, 0)
     # the run's records are its ranks' (by the launcher's run id), timed on the ranks' monotonic clocks
