@@ -106,11 +106,12 @@ def _partial_tokens(folder: Path, ranks: int) -> int:
     return total
 
 
-def _run_record(report, accounts: list[dict], t_wall: float, tri, settings: dict) -> dict:
+def _run_record(report, accounts: list[dict], t_wall: float, tri, settings: dict, run: str | None) -> dict:
     """This run's entry of ``runs``: a :class:`~mlx_tier.job.report.RunRecord` with every rank's
     account (``ranks``), their cache counters added up and their throttled time, and the
-    ``settings`` the ranks ran with (:func:`_settings_of`). The ranks load and generate side
-    by side: the run's loading and generation times are their longest."""
+    ``settings`` the ranks ran with (:func:`_settings_of`), under the ``run`` id its records
+    carry. The ranks load and generate side by side: the run's loading and generation times
+    are their longest."""
     from mlx_tier.job.report import COUNTERS, RunRecord, rerun_account
     from mlx_tier.job.rerun import rerun_counts
 
@@ -119,7 +120,7 @@ def _run_record(report, accounts: list[dict], t_wall: float, tri, settings: dict
     report.generation_seconds = max((a["generation_seconds"] for a in accounts), default=0.0)
     record = RunRecord.of(report, t_wall, None, len(tri.done) + len(tri.recovered) + len(tri.reused),
                           len(tri.failed), settings, rerun_account(report.results, rerun_counts(tri)),
-                          len(tri.left)).as_dict()
+                          len(tri.left), run).as_dict()
     return record | {
         "loaded_model": True,
         "throttled_seconds": round(sum(a["throttled_seconds"] for a in accounts), 3),  # all ranks' together
@@ -188,7 +189,8 @@ def finish(config, docs, triaged, plan_path: Path, started: tuple[float, float],
     report.interrupted = stopped is not None and any(r.status == "pending" for r in report.results)
     report.stop_signal = stopped
     settings = next((s for k in range(ranks) if (s := _settings_of(_read_json(folder / f"rank-{k}.json")))), {})
-    report.runs = previous_runs(config.out_dir / REPORT) + [_run_record(report, accounts, started[1], tri, settings)]
+    report.runs = previous_runs(config.out_dir / REPORT) + [_run_record(report, accounts, started[1], tri, settings,
+                                                                             plan.get("run_id"))]
     report.cache = sum_cache(report.runs)
     if keeps_jsonl(config.out_dir, config.output_format):
         JsonlSummaries(config.out_dir, docs).sync(Journal(config.out_dir).records())

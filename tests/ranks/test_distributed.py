@@ -361,6 +361,8 @@ def test_two_ranks_write_every_document_once_and_match_one_process(tmp_path, sma
     settings = ("model", "prompt", "kv_bits", "generation", "compute")  # and the run's record names them as well
     assert {k: report["runs"][-1].get(k) for k in settings} == {k: one_report["runs"][-1].get(k) for k in settings}
     assert report["runs"][-1]["generation"]["max_tokens"] == 12
+    started = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines() if '"start"' in x]
+    assert report["runs"][-1]["run"] == started[-1]["run"]  # the id its records carry (was none)
     st = read_status(out)
     assert (st.running, st.done, st.pending) == (False, 6, 0)
     # the run's records are its ranks' (by the launcher's run id), timed on the ranks' monotonic clocks
