@@ -86,7 +86,7 @@ def _status_table(s, out_dir: Path) -> Table:
     speed = f"none {which} (no model loaded)" if s.no_model else "none yet (its model is loading)" \
         if s.starting and s.started is None else \
         (f"{rate_text(s.documents_per_hour)} {s.noun}s/hour, {s.output_tok_per_s:.2f} output tok/s {which} "
-         f"(its finished {s.noun}s over its generation time)")
+         f"(its finished {s.noun}s and the tokens it generated, over its generation time)")
     t.add_row("speed", f"{speed}; {tokens_text(s.output_tokens)} in the job's finished {s.noun}s")
     if s.redone_stale or s.redone_changed:
         t.add_row("redone", redone_text(s.redone_stale, s.redone_changed, s.noun))

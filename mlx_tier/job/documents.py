@@ -366,11 +366,11 @@ def link_hint(skipped: Counter) -> str | None:
     or into a folder it skips: :func:`_walk`'s ``skipped``), or ``None``."""
     out = skipped.get("link out of INPUT") or skipped.get("link to a folder out of INPUT")
     if out and skipped.get("link to a skipped folder in INPUT"):
-        return "links out of INPUT or to skipped folders are not followed: --follow-links reads them"
+        return "links out of INPUT and to skipped folders: --follow-links reads them"
     if out:
         return "links out of INPUT are not read: --follow-links reads them"
     if skipped.get("link to a skipped folder in INPUT"):
-        return "links to skipped folders are not followed: --follow-links reads them"
+        return "links to skipped folders are not read: --follow-links reads them"
     return None
 
 

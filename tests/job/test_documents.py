@@ -573,3 +573,13 @@ def test_a_lone_surrogate_a_converter_gives_is_read_as_the_replacement_character
     assert docs["j"].text == "Owls \ufffd hoot at night." and docs["j"].error is None
     assert docs["j"].converter.endswith("IpynbConverter, 1 lone surrogate read as U+FFFD")
     assert docs["h"].text == "Owls \ufffd hoot." and docs["h"].converter.endswith("HtmlConverter")
+
+
+def test_every_link_hint_fits_a_terminal_line():
+    """A user trial: the hint for links out of INPUT and to skipped folders ran to 84 columns."""
+    from collections import Counter
+
+    reasons = ("link out of INPUT", "link to a folder out of INPUT", "link to a skipped folder in INPUT")
+    for n in range(1, 1 << len(reasons)):
+        hint = link_hint(Counter({r: 1 for i, r in enumerate(reasons) if n >> i & 1}))
+        assert hint and "--follow-links" in hint and len(hint) <= 80, hint
