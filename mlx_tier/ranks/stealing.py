@@ -19,10 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-# Seconds after the plan was written during which a rank that has journalled nothing yet is
-# taken to be starting (its process on its way: imports, a remote host's ssh), not dead.
-STARTUP_GRACE = 120.0
-
 
 class Claims:
     """Exclusive claims on documents for one distributed run: whoever creates
@@ -70,19 +66,16 @@ def shares(todo: list[str], ranks: int) -> list[list[str]]:
     return [todo[k * n // ranks:(k + 1) * n // ranks] for k in range(ranks)]
 
 
-def steal_from(todo: list[str], rank: int, ranks: int, claimed: set[str],
-               starting: frozenset[int] | set[int] = frozenset()) -> list[str]:
+def steal_from(todo: list[str], rank: int, ranks: int, claimed: set[str]) -> list[str]:
     """What a rank done with its own share takes next: the unclaimed documents of the other
     rank with the most of them left (the slowest), from the end of its share (where its owner
     arrives last), so owner and thief work towards each other. Started ranks first (a share
-    whose first document is claimed: owners start there, thieves never do). A share not
-    started whose owner is ``starting`` (alive, loading its model or measuring its rates:
-    :func:`starting_ranks`) is left to it; once no started share has anything left, the other
-    unstarted shares are taken, from their end, so that a rank that died before claiming
-    anything does not leave its share to the next run (an owner that starts late still
-    begins at the front and meets the thief). ``[]``: nothing left to take now."""
-    others = [s for k, s in enumerate(shares(todo, ranks))
-              if k != rank and s and (s[0] in claimed or k not in starting)]  # a starting rank's unstarted share: its own
+    whose first document is claimed: owners start there, thieves never do), so that a rank
+    still loading its model keeps its share while others have work; once no started share
+    has anything left, unstarted shares are taken too, from their end, so that a rank that
+    died before claiming anything does not leave its share to the next run (an owner that
+    starts late still begins at the front and meets the thief). ``[]``: nothing left."""
+    others = [s for k, s in enumerate(shares(todo, ranks)) if k != rank and s]
     for pool in ([s for s in others if s[0] in claimed], [s for s in others if s[0] not in claimed]):
         slowest = max(([i for i in s if i not in claimed] for s in pool), key=len, default=[])
         if slowest:
@@ -90,25 +83,8 @@ def steal_from(todo: list[str], rank: int, ranks: int, claimed: set[str],
     return []
 
 
-def starting_ranks(folder: Path, ranks: int, planned: float, now: float | None = None) -> set[int]:
-    """The ranks of the run in ``folder`` still starting, as far as files say: no word of an
-    end from their supervisor (``exit-<k>.json``), and either their journal begun (its
-    ``rank`` record, written before the model loads) or the plan written less than
-    :data:`STARTUP_GRACE` seconds ago (``planned``: Unix time). A rank whose host died
-    without a word keeps that status: its share is then left for the next run."""
-    now = time.time() if now is None else now
-    out = set()
-    for k in range(ranks):
-        if (folder / f"exit-{k}.json").exists():
-            continue
-        journal = folder / f"journal-{k}.jsonl"
-        if (journal.exists() and journal.stat().st_size > 0) or now - planned < STARTUP_GRACE:
-            out.add(k)
-    return out
-
-
-def rank_order(todo: list[str], rank: int, ranks: int, claimed: Callable[[], set[str]],
-               starting: Callable[[], set[int]] = set) -> Callable[[list[str]], Iterator[str]]:
+def rank_order(todo: list[str], rank: int, ranks: int,
+               claimed: Callable[[], set[str]]) -> Callable[[list[str]], Iterator[str]]:
     """The order in which rank ``rank`` tries the plan's documents (a
     :class:`~mlx_tier.job.run.Share`'s ``order``): its own share first, then, while
     any is left, the other ranks' unclaimed documents by :func:`steal_from`
@@ -122,14 +98,12 @@ def rank_order(todo: list[str], rank: int, ranks: int, claimed: Callable[[], set
         todo: the plan's documents to do, in order (the same on every rank).
         rank, ranks: this rank and how many there are.
         claimed: every id claimed so far in this run (:meth:`Claims.claimed`).
-        starting: the ranks still starting (:func:`starting_ranks`): their shares not started
-            are theirs.
     """
     def order(pending: list[str]) -> Iterator[str]:
         here = set(pending)
         yield from (i for i in shares(todo, ranks)[rank] if i in here)
         tried = set(todo) - here  # done meanwhile (not pending here): never tried
-        while batch := steal_from(todo, rank, ranks, claimed() | tried, starting()):
+        while batch := steal_from(todo, rank, ranks, claimed() | tried):
             for i in batch:
                 tried.add(i)
                 yield i

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mlx_tier.fsio import write_atomic
 from mlx_tier.outdir.layout import CLAIMS, rank_journal_name
-from mlx_tier.ranks.stealing import Claims, rank_order, shares, starting_ranks
+from mlx_tier.ranks.stealing import Claims, rank_order, shares
 from mlx_tier.rates import generated_tokens
 from mlx_tier.units import count_text
 
@@ -127,20 +127,12 @@ def work(plan_path: Path) -> int:
     _check_documents(config, plan)
     claims = Claims(Path(plan_path).parent / CLAIMS, rank)
     share = Share(claim=claims.claim, journal_name=name, part=True, run_id=plan["run_id"],
-                  order=rank_order(plan["todo"], rank, size, claims.claimed, _starting(Path(plan_path), size)),
-                  progress_name=rank_progress_name(rank))
+                  order=rank_order(plan["todo"], rank, size, claims.claimed), progress_name=rank_progress_name(rank))
     t0 = time.perf_counter()
     report = run_job(config, LineReporter(rank), share)
     write_atomic(Path(plan_path).parent / f"rank-{rank}.json",
                  json.dumps(_account(rank, plan, claims, report, time.perf_counter() - t0), indent=1) + "\n")
     return 0
-
-
-def _starting(plan_path: Path, ranks: int):
-    """The ranks of this run still starting, read from its folder when asked
-    (:func:`~mlx_tier.ranks.stealing.starting_ranks`; the plan's file time is the run's launch)."""
-    planned = plan_path.stat().st_mtime
-    return lambda: starting_ranks(plan_path.parent, ranks, planned)
 
 
 def _check_documents(config, plan: dict) -> None:

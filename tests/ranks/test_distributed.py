@@ -519,26 +519,3 @@ def test_ranks_on_one_machine_share_the_memory_and_cache_given(tmp_path):
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]))
     assert _shared_memory(config, Launch(hosts=hosts), 2, reporter) is config
-
-
-def test_a_starting_ranks_share_is_left_to_it_and_a_dead_ranks_is_taken(tmp_path):
-    """A user trial: with --ranks 2 the rank ready first took the other's whole share while
-    that rank measured its rates after its load; the other did nothing. A share not started
-    is its owner's while the owner is starting; an owner that ended (or never began) loses it."""
-    import time
-
-    from mlx_tier.ranks.stealing import STARTUP_GRACE, starting_ranks
-
-    todo = [f"d{i}" for i in range(6)]  # shares: d0-d2 | d3-d5
-    assert steal_from(todo, 0, 2, {"d0", "d1", "d2"}, starting={1}) == []  # rank 1 loading: its share
-    assert steal_from(todo, 0, 2, {"d0", "d1", "d2", "d3"}, starting={1}) == ["d5", "d4"]  # started: shared
-    assert steal_from(todo, 0, 2, {"d0", "d1", "d2"}, starting={0}) == ["d5", "d4", "d3"]  # only others count
-    pulls = rank_order(todo, 0, 2, lambda: set(), lambda: {1})(list(todo))
-    assert list(pulls) == ["d0", "d1", "d2"]
-    # who is starting, from the run's files
-    now = time.time()
-    (tmp_path / "journal-1.jsonl").write_text('{"event": "rank"}\n')
-    assert starting_ranks(tmp_path, 3, planned=now - 10 * STARTUP_GRACE, now=now) == {1}  # began, not ended
-    assert starting_ranks(tmp_path, 3, planned=now - 5, now=now) == {0, 1, 2}  # the others on their way
-    (tmp_path / "exit-1.json").write_text("{}")  # its supervisor saw it end
-    assert starting_ranks(tmp_path, 3, planned=now - 5, now=now) == {0, 2}
