@@ -126,7 +126,9 @@ def test_ranks_ending_early_give_the_resume_command_on_its_own_line(tmp_path, mo
     import mlx_tier.ranks.launcher
 
     monkeypatch.setattr(mlx_tier.ranks.launcher, "run_distributed",
-                        lambda config, launch, reporter: finished_report(False, stop_signal, pending))
+                        # interrupted as ranks.report.finish sets it: a stop that left documents pending
+                        lambda config, launch, reporter: finished_report(stop_signal is not None and pending > 0,
+                                                                         stop_signal, pending))
     args, _ = run_args(tmp_path)
     r = runner.invoke(app, [*args, "--ranks", "2"])
     assert r.exit_code == code, r.output
