@@ -29,6 +29,19 @@ def _isolated_cache(session_cache, monkeypatch):
     monkeypatch.setenv("MLX_TIER_CACHE", str(session_cache))
 
 
+@pytest.fixture
+def hang_ups_default():
+    """SIGHUP at its default disposition for the test (and the processes it starts): a suite run
+    under `nohup` inherits it ignored, and a job keeps an ignored hang-up ignored by design."""
+    import signal
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer files (from the GGUF metadata), built once.

@@ -143,7 +143,7 @@ def test_during_a_long_step_progress_is_rewritten_and_a_first_signal_is_taken(tm
     assert code == 143 and "stopping:" in output, output
 
 
-def test_a_hang_up_stops_as_sigterm_does_and_writes_its_report(tmp_path, tiny_moe):
+def test_a_hang_up_stops_as_sigterm_does_and_writes_its_report(tmp_path, tiny_moe, hang_ups_default):
     """A trial: closing the terminal (SIGHUP) killed the run where it stood, with no report;
     and once it is closed every write to it fails (EIO), so a run that went on would end at
     its first message. It now stops as for SIGTERM, its output to the null device."""

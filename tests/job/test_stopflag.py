@@ -22,7 +22,7 @@ def wait_for(condition, seconds=5.0):
     return condition()
 
 
-def test_a_hang_up_is_a_first_stop_signal(monkeypatch):
+def test_a_hang_up_is_a_first_stop_signal(monkeypatch, hang_ups_default):
     calls = []
     monkeypatch.setattr(stopflag, "hung_up", lambda: calls.append("hung up"))  # no terminal to drop here
     with StopFlag() as stop:
@@ -48,7 +48,7 @@ def test_under_nohup_a_hang_up_stays_ignored(monkeypatch):
         signal.signal(signal.SIGHUP, old)
 
 
-def test_a_hang_up_while_the_model_loads_interrupts_with_its_signal(monkeypatch):
+def test_a_hang_up_while_the_model_loads_interrupts_with_its_signal(monkeypatch, hang_ups_default):
     from mlx_tier.cli import run_cmd
 
     monkeypatch.setattr(stopflag, "hung_up", lambda: None)
