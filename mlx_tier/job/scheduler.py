@@ -734,7 +734,7 @@ class Scheduler:
         if not summary:
             return self._failed(d, self._no_summary(d, "", reason))
         d.finished = True
-        return Outcome(d.doc.id, "done", summary.strip(), "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
+        return Outcome(d.doc.id, "done", summary, "\n\n".join(r for r in d.reasoning if r), d.input_tokens,
                        d.output_tokens + d.kept_tokens, reason, d.mr.parts if d.mr else 0,
                        d.mr.level + 1 if d.mr else 0, d.seconds, kept=d.kept, kept_tokens=d.kept_tokens)
 
@@ -883,13 +883,13 @@ class Scheduler:
         for a map-reduce document its next calls (queued first in ``ready``). Every
         map-reduce call of the step is kept (:attr:`parts`) before the first outcome is
         yielded: a stop or a crash while an outcome is written loses no finished call."""
-        results = {}  # key -> (summary, reasoning, the summary as a map-reduce call's result)
+        results = {}  # key -> (reasoning, the text: cut to its last sentence where the limit cut it)
         for f in finished:
             d, index = f.key
             if d.choices is None:
                 summary, reasoning = strip_reasoning(f.text, self.reasoning)
                 text = trim_to_sentence(summary) if f.finish_reason == "length" else summary
-                results[f.key] = summary, reasoning, text
+                results[f.key] = reasoning, text
                 if d.mr is not None and self.parts is not None:  # an empty one is kept, never reused
                     self.parts.keep(d.mr.prompt(index), KeptCall(d.doc.id, text, reasoning, len(f.tokens),
                                                                  f.finish_reason, d.mr.prompt_limit, d.source))
@@ -901,7 +901,7 @@ class Scheduler:
                     yield done
                 continue
             d.output_tokens += len(f.tokens)
-            summary, reasoning, text = results[f.key]
+            reasoning, text = results[f.key]
             d.reasoning.append(reasoning)
             if d.mr is None:
                 yield self._finish(d, text, f.finish_reason)

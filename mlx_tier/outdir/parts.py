@@ -105,7 +105,8 @@ def _call(rec: dict) -> KeptCall:
 def _reusable(rec: dict) -> bool:
     """Whether a kept line's result may stand for its call: not empty (an empty part would
     leave the summary without it)."""
-    return bool(_str(rec.get("text")) and _str(rec.get("text")).strip())
+    text = _str(rec.get("text"))
+    return bool(text and text.strip())
 
 
 def part_files(out_dir: Path) -> list[Path]:
